@@ -1,0 +1,49 @@
+"""dtrain: distributed training strategies for PyTorch under one API.
+
+Names are re-exported lazily so that ``import dtrain`` stays cheap and a
+sub-package is imported only when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # runtime
+    "init": "dtrain.runtime",
+    "rank": "dtrain.runtime",
+    "world_size": "dtrain.runtime",
+    "local_rank": "dtrain.runtime",
+    "local_world_size": "dtrain.runtime",
+    "barrier": "dtrain.runtime",
+    "shutdown": "dtrain.runtime",
+    # strategies
+    "DataParallel": "dtrain.data_parallel",
+    "ParameterServer": "dtrain.param_server",
+    # planning
+    "plan": "dtrain.perfmodel",
+    # errors
+    "DTrainError": "dtrain.errors",
+    "ConfigError": "dtrain.errors",
+    "CommError": "dtrain.errors",
+    "CommTimeoutError": "dtrain.errors",
+    "ModelMismatchError": "dtrain.errors",
+}
+_SUBPACKAGES = ("comm", "compress", "perfmodel", "cluster", "param_server", "data_parallel")
+
+__all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"dtrain.{name}")
+    raise AttributeError(f"module 'dtrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__
