@@ -8,6 +8,7 @@ This is the one place that sets up the children's environment (intra-op threads)
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -81,6 +82,7 @@ def launch(
     backend: str | None = None,
     run_id: str | None = None,
     monitor_interval: float = 0.1,
+    quiet: bool = True,
 ) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nprocs`` processes of this node; return values by global rank.
 
@@ -95,6 +97,8 @@ def launch(
         threads: intra-op threads per worker (default: this node's cores / nprocs).
         backend: process-group backend (default: NCCL with CUDA, else gloo).
         run_id: rendezvous id, equal on every node (default: random, single node only).
+        quiet: silence torch elastic's own log lines (failures still raise
+            :class:`LaunchError`; workers' tracebacks stay on their stderr).
 
     Raises:
         LaunchError: naming each failed rank and the first line of its error.
@@ -122,6 +126,9 @@ def launch(
         local_addr=node.local_addr,
     )
     t = threads or threads_per_worker(nprocs)
+    if quiet:
+        for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         return dict(elastic_launch(config, entrypoint=_child)(fn, t, dict(node.env), backend, args))
     except ChildFailedError as e:

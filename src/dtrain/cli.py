@@ -1,0 +1,144 @@
+"""The ``dtrain`` command: run, bench, plan, cluster, report.
+
+``dtrain run`` flags are generated from :class:`dtrain.config.RunConfig`'s fields
+(``batch_size`` -> ``--batch-size``), so the TOML keys and the flags cannot drift
+apart. Precedence: built-in defaults < config file < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+from typing import Any, Sequence
+
+from dtrain.config import ALGORITHMS, OPTIMIZERS, OVERLAPS, STRATEGIES, RunConfig, load_toml
+from dtrain.errors import DTrainError
+
+__all__ = ["main", "build_parser", "config_from_args"]
+
+_CHOICES: dict[str, Sequence[str]] = {
+    "strategy": STRATEGIES,
+    "algorithm": ALGORITHMS,
+    "overlap": OVERLAPS,
+    "optimizer": OPTIMIZERS,
+}
+_HELP = {
+    "workers": "worker processes (default: 4)",
+    "batch_size": "global batch size, summed over workers",
+    "compression": "gradient compressor, e.g. topk:0.01, qsgd:16, powersgd:2 (default: none)",
+    "consistency": "parameter-server consistency: bsp, asp, ssp:S, softsync:K, backup:B",
+    "straggler": "slow one rank down: RANK:FACTOR",
+    "cluster": "run on an emulated cluster made by `dtrain cluster up --name NAME`",
+    "out": "run folder (default: runs/<timestamp>-<strategy>)",
+    "max_steps": "stop after this many steps (0: no limit)",
+    "error_feedback": "error feedback for biased compressors (default: on; --no-error-feedback: off)",
+}
+# subcommands that live in other packages: name -> module with main(argv) -> int
+_BENCHES = {
+    "allreduce": "dtrain.bench.allreduce",
+    "calibrate": "dtrain.bench.calibrate",
+    "train": "dtrain.bench.train",
+    "p2p": "dtrain.bench.p2p",
+}
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(RunConfig):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        helptext = _HELP.get(f.name, f"(default: {default!r})")
+        if isinstance(default, bool):
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+        else:
+            kind: Any = type(default)
+            p.add_argument(flag, dest=f.name, type=kind, default=None, choices=_CHOICES.get(f.name),
+                           metavar=None if f.name in _CHOICES else f.name.upper(), help=helptext)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dtrain", description="Distributed training strategies for PyTorch.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    r = sub.add_parser("run", help="train a model (no argument: the embedded default)",
+                       description="Train a model. With no argument: 4 local workers, the CNN on digits, "
+                                   "data parallel with ring allreduce.")
+    r.add_argument("config", nargs="?", help="a TOML file with the same keys as the flags")
+    _add_run_flags(r)
+    b = sub.add_parser("bench", help="side-by-side benchmarks: " + ", ".join(_BENCHES))
+    b.add_argument("name", choices=sorted(_BENCHES))
+    b.add_argument("args", nargs=argparse.REMAINDER)
+    pl = sub.add_parser("plan", help="rank strategies by predicted step time", add_help=False)
+    pl.add_argument("args", nargs=argparse.REMAINDER)
+    cl = sub.add_parser("cluster", help="emulated cluster: up | down | status", add_help=False)
+    cl.add_argument("args", nargs=argparse.REMAINDER)
+    rp = sub.add_parser("report", help="summary and plots of a finished run")
+    rp.add_argument("run_dir")
+    return ap
+
+
+def config_from_args(ns: argparse.Namespace) -> RunConfig:
+    values: dict[str, Any] = load_toml(ns.config) if getattr(ns, "config", None) else {}
+    for f in dataclasses.fields(RunConfig):
+        v = getattr(ns, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    return RunConfig.from_mapping(values)
+
+
+def _delegate(module: str, argv: list[str]) -> int:
+    return int(importlib.import_module(module).main(argv))
+
+
+def _cmd_run(ns: argparse.Namespace) -> int:
+    from dtrain.train import run
+
+    cfg = config_from_args(ns)
+    summary, out = run(cfg)
+    acc = summary.get("test_accuracy")
+    print(f"strategy {summary['strategy']}, {summary['workers']} workers, {summary['steps']} steps, "
+          f"{summary['samples_per_s']:.0f} samples/s, {summary['wall_s']:.1f}s")
+    if acc is not None:
+        print(f"test accuracy: {acc:.4f}")
+    print(f"run folder: {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    if not argv:
+        ap.print_help()
+        return 0
+    ns = ap.parse_args(argv)
+    try:
+        if ns.command == "run":
+            return _cmd_run(ns)
+        if ns.command == "bench":
+            return _delegate(_BENCHES[ns.name], ns.args)
+        if ns.command == "plan":
+            return _delegate("dtrain.perfmodel.cli", ns.args)
+        if ns.command == "cluster":
+            return _delegate("dtrain.cluster.cli", ns.args)
+        if ns.command == "report":
+            from dtrain.report import report
+
+            print(report(ns.run_dir))
+            return 0
+    except DTrainError as e:
+        print(f"dtrain: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("dtrain."):
+            print(f"dtrain: error: {ns.command} needs {e.name}, which this build does not have", file=sys.stderr)
+            return 2
+        raise
+    ap.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""The training loop that ``dtrain run`` drives.
+
+The parent process (:func:`run`) validates the configuration, creates the run
+folder, starts the processes through :func:`dtrain.launch.launch`, and when they
+end merges their metrics and writes ``summary.json``. Each process runs
+:func:`worker_main`, which builds a :class:`TrainContext` (data, model and
+optimizer factories, metrics, tracing, progress) and hands it to the strategy's
+runner, found by name in :data:`RUNNERS`.
+
+A runner is ``fn(ctx: TrainContext) -> dict`` and returns this process's part of
+the summary: ``role`` ("worker" or "server"), and for workers ``steps``,
+``samples``, ``train_s``, ``final_loss``, ``bytes_sent`` and, on the rank that
+evaluates, ``test_accuracy`` and ``accuracy_history``. Runners may add keys
+(e.g. the parameter server's ``staleness``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from dtrain.config import RunConfig, dump_toml, parse_straggler
+from dtrain.data import DatasetSplit, load_dataset
+from dtrain.models import build_model
+from dtrain.trace import MetricsWriter, Tracer, merge_rank_files
+
+__all__ = ["TrainContext", "RUNNERS", "run", "worker_main", "default_out_dir", "summarize"]
+
+# strategy name -> "module:function" of its runner (imported in the worker only)
+RUNNERS: dict[str, str] = {
+    "dp": "dtrain.train:run_data_parallel",
+    "ddp": "dtrain.train:run_data_parallel",
+    "ps": "dtrain.param_server.runner:run_process",
+}
+
+
+def default_out_dir(cfg: RunConfig) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{cfg.strategy}"
+
+
+@dataclass
+class TrainContext:
+    """What a strategy's runner gets in each process.
+
+    Attributes:
+        cfg: the validated run configuration.
+        rank / world_size: this process in the whole job.
+        out_dir: the run folder (shared by all local processes).
+        data: the dataset (every process loads it; it is small and deterministic).
+        metrics: this rank's metrics writer (one JSON object per step).
+        tracer: this rank's timeline (a no-op unless ``cfg.trace``).
+    """
+
+    cfg: RunConfig
+    rank: int
+    world_size: int
+    out_dir: Path
+    data: DatasetSplit
+    metrics: MetricsWriter
+    tracer: Tracer
+    started: float = field(default_factory=time.perf_counter)
+
+    # ---------------------------------------------------------------- factories
+
+    def make_model(self) -> nn.Module:
+        """The configured model, initialised identically on every rank (seeded)."""
+        torch.manual_seed(self.cfg.seed)
+        return build_model(self.cfg.model, self.data.input_shape, self.data.num_classes)
+
+    def make_optimizer(self, params: Any) -> torch.optim.Optimizer:
+        c = self.cfg
+        if c.optimizer == "adam":
+            return torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay)
+        return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+
+    def optimizer_factory(self) -> Callable[[Any], torch.optim.Optimizer]:
+        return self.make_optimizer
+
+    def loader(self, shard: int, num_shards: int, epoch: int) -> DataLoader:
+        """This shard's training batches for ``epoch`` (a DistributedSampler slice).
+
+        The per-shard batch is ``batch_size // num_shards``, so the global batch is
+        ``batch_size`` whatever the number of workers.
+        """
+        sampler = DistributedSampler(
+            self.data.train, num_replicas=num_shards, rank=shard, shuffle=True, seed=self.cfg.seed, drop_last=True
+        )
+        sampler.set_epoch(epoch)
+        return DataLoader(self.data.train, batch_size=self.cfg.batch_size // num_shards, sampler=sampler, drop_last=True)
+
+    def steps_per_epoch(self, num_shards: int) -> int:
+        per_shard = len(self.data.train) // num_shards
+        return per_shard // (self.cfg.batch_size // num_shards)
+
+    def total_steps(self, num_shards: int) -> int:
+        n = self.steps_per_epoch(num_shards) * self.cfg.epochs
+        return min(n, self.cfg.max_steps) if self.cfg.max_steps else n
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> float:
+        """Accuracy of ``model`` on the whole test set."""
+        was_training = model.training
+        model.eval()
+        x, y = self.data.test.tensors
+        correct = 0
+        for i in range(0, len(y), 1024):
+            correct += int((model(x[i : i + 1024]).argmax(1) == y[i : i + 1024]).sum())
+        model.train(was_training)
+        return correct / max(1, len(y))
+
+    def progress(self, total: int, show: bool) -> Any:
+        """A tqdm bar when ``show`` and progress is enabled, else a no-op object."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, disable=not (show and self.cfg.progress), desc=self.cfg.strategy,
+                    unit="step", dynamic_ncols=True, leave=False)
+
+    def straggler_factor(self, rank: int | None = None) -> float:
+        """The slowdown factor of ``rank`` (default: this rank) from ``cfg.straggler``."""
+        if not self.cfg.straggler:
+            return 1.0
+        r, f = parse_straggler(self.cfg.straggler)
+        return f if r == (self.rank if rank is None else rank) else 1.0
+
+
+# ---------------------------------------------------------------------- data parallel
+
+
+def _wrap(model: nn.Module, ctx: TrainContext, optimizer: torch.optim.Optimizer) -> nn.Module:
+    c = ctx.cfg
+    if c.strategy == "ddp":
+        if ctx.world_size == 1:
+            return model
+        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=c.bucket_mb)
+    from dtrain.data_parallel import DataParallel
+
+    kw: dict[str, Any] = dict(algorithm=c.algorithm, bucket_mb=c.bucket_mb, overlap=c.overlap, timeout_s=c.timeout_s)
+    if c.compression not in ("", "none"):
+        from dtrain.compress import from_spec
+
+        kw["compression"] = from_spec(c.compression, error_feedback=c.error_feedback)
+    if c.overlap == "forward":
+        kw["optimizer"] = optimizer
+    return DataParallel(model, **kw)
+
+
+def _ring_bytes(model: nn.Module, world: int) -> int:
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    return int(2 * (world - 1) / world * n) if world > 1 else 0
+
+
+def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
+    """Synchronous data parallelism: dtrain.DataParallel (``dp``) or torch DDP (``ddp``)."""
+    c, rank, world = ctx.cfg, ctx.rank, ctx.world_size
+    model = ctx.make_model()
+    optimizer = ctx.make_optimizer(model.parameters())
+    wrapped = _wrap(model, ctx, optimizer)
+    stats_fn = getattr(wrapped, "step_stats", None)
+    steps_in_optimizer = c.strategy == "dp" and c.overlap == "forward"
+    loss_fn = nn.CrossEntropyLoss()
+    total = ctx.total_steps(world)
+    bar = ctx.progress(total, rank == 0)
+    slow = ctx.straggler_factor()
+    step, samples, losses, history = 0, 0, [], []
+    t_start = time.perf_counter()
+    eval_s = 0.0
+    for epoch in range(c.epochs):
+        for x, y in ctx.loader(rank, world, epoch):
+            if step >= total:
+                break
+            t0 = time.perf_counter()
+            with ctx.tracer.span("step", step=step):
+                if not steps_in_optimizer:
+                    optimizer.zero_grad(set_to_none=False)
+                with ctx.tracer.span("forward"):
+                    loss = loss_fn(wrapped(x), y)
+                with ctx.tracer.span("backward"):
+                    loss.backward()
+                if slow > 1.0:
+                    time.sleep((slow - 1.0) * (time.perf_counter() - t0))
+                if not steps_in_optimizer:
+                    with ctx.tracer.span("optimizer"):
+                        optimizer.step()
+            dt = time.perf_counter() - t0
+            st = stats_fn() if stats_fn else {}
+            wait_s = float(st.get("wait_s", 0.0))
+            row = dict(
+                step=step, epoch=epoch, loss=float(loss), lr=optimizer.param_groups[0]["lr"],
+                samples_per_s=len(y) * world / dt, compute_s=dt - wait_s,
+                comm_s=st.get("comm_s"), wait_s=wait_s if stats_fn else None,
+                bytes_sent=int(st.get("bytes_sent", _ring_bytes(model, world))),
+            )
+            ctx.metrics.write(**row)
+            losses.append(float(loss))
+            samples += len(y) * world
+            step += 1
+            bar.update(1)
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{float(loss):.3f}")
+        if rank == 0:
+            te = time.perf_counter()
+            if steps_in_optimizer and hasattr(wrapped, "synchronize"):
+                wrapped.synchronize()
+            acc = ctx.evaluate(model)
+            eval_s += time.perf_counter() - te
+            history.append((round(time.perf_counter() - t_start - eval_s, 4), epoch, acc))
+            bar.write(f"epoch {epoch}: test accuracy {acc:.4f}") if c.progress else None
+        if step >= total:
+            break
+    if steps_in_optimizer and hasattr(wrapped, "synchronize"):
+        wrapped.synchronize()
+    train_s = time.perf_counter() - t_start - eval_s
+    bar.close()
+    out: dict[str, Any] = dict(
+        role="worker", steps=step, samples=samples, train_s=train_s,
+        final_loss=sum(losses[-10:]) / max(1, len(losses[-10:])),
+        bytes_sent=sum(json.loads(line)["bytes_sent"] for line in ctx.metrics.path.read_text().splitlines()),
+    )
+    if rank == 0:
+        out["test_accuracy"] = ctx.evaluate(model)
+        out["accuracy_history"] = history
+    return out
+
+
+# ---------------------------------------------------------------------- process entry
+
+
+def _resolve(strategy: str) -> Callable[[TrainContext], dict[str, Any]]:
+    mod, fn = RUNNERS[strategy].split(":")
+    return getattr(importlib.import_module(mod), fn)  # type: ignore[no-any-return]
+
+
+def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
+    """Entry point of every process of a run (called by the elastic launcher)."""
+    cfg = RunConfig.from_mapping(cfg_dict)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    out = Path(out_dir)
+    ctx = TrainContext(
+        cfg=cfg, rank=rank, world_size=world, out_dir=out,
+        data=load_dataset(cfg.dataset, seed=cfg.seed, samples=cfg.samples),
+        metrics=MetricsWriter(out, rank), tracer=Tracer(rank, enabled=cfg.trace),
+    )
+    try:
+        result = _resolve(cfg.strategy)(ctx)
+    except BaseException:
+        (out / f"error.rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        ctx.metrics.close()
+        ctx.tracer.dump(out)
+    result["rank"] = rank
+    return result
+
+
+def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """Combine the processes' results into ``summary.json``'s contents."""
+    workers = [r for r in results.values() if r.get("role") == "worker"]
+    if not workers:
+        raise RuntimeError("no worker returned a result")
+    steps = max(int(w["steps"]) for w in workers)
+    evaluator = next((w for w in workers if "test_accuracy" in w), {})
+    train_s = max(float(w["train_s"]) for w in workers)
+    samples = max(int(w["samples"]) for w in workers) if cfg.strategy in ("dp", "ddp") else sum(
+        int(w["samples"]) for w in workers)
+    s: dict[str, Any] = {
+        "strategy": cfg.strategy,
+        "world_size": len(results),
+        "workers": len(workers),
+        "steps": steps,
+        "wall_s": round(wall_s, 3),
+        "train_s": round(train_s, 3),
+        "samples_per_s": samples / train_s if train_s > 0 else math.nan,
+        "test_accuracy": evaluator.get("test_accuracy"),
+        "final_loss": sum(float(w["final_loss"]) for w in workers) / len(workers),
+        "bytes_sent_per_step": sum(float(w["bytes_sent"]) / max(1, int(w["steps"])) for w in workers) / len(workers),
+        "accuracy_history": evaluator.get("accuracy_history", []),
+    }
+    for r in results.values():  # strategy-specific extras (e.g. staleness) from any process
+        for k, v in r.get("summary_extra", {}).items():
+            s.setdefault(k, v)
+    return s
+
+
+def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
+    """Run a whole training job from the parent process; returns (summary, run folder)."""
+    cfg.validate()
+    out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("metrics*.jsonl")) + list(out.glob("trace*.json")) + list(out.glob("error.rank*.txt")):
+        stale.unlink()
+    cfg = cfg.replace(out=str(out))
+    (out / "config.toml").write_text(dump_toml(cfg))
+    from dtrain.launch import launch
+
+    t0 = time.perf_counter()
+    try:
+        results = launch(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes,
+                         backend=cfg.backend or None)
+    finally:
+        merge_rank_files(out)
+    summary = summarize(cfg, results, time.perf_counter() - t0)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary, out
+
+
+def iter_metrics(out_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """Rows of a finished run's metrics.jsonl."""
+    for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            yield json.loads(line)
+
+
