@@ -90,7 +90,7 @@ class RunConfig:
     # --- the run itself
     out: str = ""  # run folder (default: runs/<timestamp>-<strategy>)
     timeout_s: float = 300.0
-    trace: bool = False
+    trace: bool = True  # trace.json (Chrome trace); --no-trace to skip
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 

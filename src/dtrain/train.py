@@ -315,6 +315,10 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
         merge_rank_files(out)
     summary = summarize(cfg, results, time.perf_counter() - t0)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if (out / "metrics.jsonl").is_file():
+        from dtrain.report import plot_run
+
+        plot_run(out)
     return summary, out
 
 

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install dtrain with torch pinned to the CPU build
+# that these machines carry (a range would pull CUDA wheels). Extra pip arguments
+# are passed on, e.g. `scripts/setup.sh ".[test]"`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+target="${1:-.}"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0" -e "$target"

@@ -1,0 +1,85 @@
+"""``dtrain report RUN_DIR``: a text summary of a finished run, and plots when matplotlib is there."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import DTrainError
+
+__all__ = ["report", "step_table", "plot_run"]
+
+
+def step_table(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean per-step figures over all ranks: compute/comm/wait seconds and bytes sent."""
+    out: dict[str, float] = {}
+    for key in ("compute_s", "comm_s", "wait_s", "bytes_sent"):
+        vals = [float(r[key]) for r in rows if r.get(key) is not None]
+        if vals:
+            out[key] = sum(vals) / len(vals)
+    return out
+
+
+def _plot(run_dir: Path, rows: list[dict[str, Any]], summary: dict[str, Any]) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for r in rows:
+        by_step[int(r["step"])].append(float(r["loss"]))
+    steps = sorted(by_step)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    axes[0].plot(steps, [sum(by_step[s]) / len(by_step[s]) for s in steps])
+    axes[0].set(xlabel="step", ylabel="training loss (mean over ranks)", yscale="log", title="loss")
+    hist = summary.get("accuracy_history") or []
+    if hist:
+        axes[1].plot([h[0] for h in hist], [h[2] for h in hist], marker="o")
+        axes[1].set(xlabel="training time (s)", ylabel="test accuracy", title="accuracy")
+    fig.suptitle(f"{summary.get('strategy')} x {summary.get('workers')} workers")
+    fig.tight_layout()
+    path = run_dir / "curves.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
+
+
+def _load(d: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    summary = json.loads((d / "summary.json").read_text())
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()] \
+        if (d / "metrics.jsonl").is_file() else []
+    return summary, rows
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Write the run's plots (curves.png) into its folder; nothing if matplotlib is missing."""
+    d = Path(run_dir)
+    summary, rows = _load(d)
+    return _plot(d, rows, summary)
+
+
+def report(run_dir: str | Path) -> str:
+    """Summarise a run folder (summary.json + metrics.jsonl); writes curves.png if it can."""
+    d = Path(run_dir)
+    if not (d / "summary.json").is_file():
+        raise DTrainError(f"{d} is not a finished run folder (no summary.json)")
+    summary, rows = _load(d)
+    lines = [f"run folder      {d}"]
+    for k in ("strategy", "workers", "world_size", "steps", "wall_s", "train_s", "samples_per_s",
+              "test_accuracy", "final_loss", "bytes_sent_per_step"):
+        v = summary.get(k)
+        if v is not None:
+            lines.append(f"{k:<15} {v:.4g}" if isinstance(v, float) else f"{k:<15} {v}")
+    for k, v in step_table(rows).items():
+        lines.append(f"mean {k:<10} {v:.4g}")
+    if "staleness" in summary:
+        s = summary["staleness"]
+        lines.append(f"staleness       max {s.get('max')} mean {s.get('mean', 0):.3g}")
+    for p in _plot(d, rows, summary):
+        lines.append(f"plot            {p}")
+    return "\n".join(lines)

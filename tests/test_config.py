@@ -1,0 +1,96 @@
+"""Configuration: validation errors say what to change; TOML round-trips; CLI flags mirror fields."""
+
+import dataclasses
+
+import pytest
+
+from dtrain.cli import build_parser, config_from_args
+from dtrain.config import RunConfig, dump_toml, load_toml, parse_straggler
+from dtrain.errors import ConfigError
+
+
+def test_defaults_validate():
+    RunConfig().validate()
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"algorithm": "bogus"}, ["algorithm 'bogus'", "ring"]),
+        ({"strategy": "magic"}, ["strategy", "dp"]),
+        ({"model": "resnet"}, ["model", "cnn"]),
+        ({"dataset": "imagenet"}, ["dataset", "digits"]),
+        ({"workers": 0}, ["workers must be >= 1"]),
+        ({"batch_size": 2, "workers": 4}, ["at least workers"]),
+        ({"batch_size": 66, "workers": 4}, ["not divisible", "e.g. 64"]),
+        ({"lr": 0.0}, ["lr must be > 0"]),
+        ({"momentum": 1.0}, ["momentum"]),
+        ({"bucket_mb": -1.0}, ["bucket_mb"]),
+        ({"timeout_s": 0.0}, ["timeout_s"]),
+        ({"straggler": "x"}, ["RANK:FACTOR"]),
+        ({"straggler": "9:2"}, ["outside"]),
+        ({"backend": "mystery"}, ["backend"]),
+        ({"overlap": "sideways"}, ["overlap", "forward"]),
+    ],
+)
+def test_invalid_values_name_the_fix(changes, words):
+    with pytest.raises(ConfigError) as e:
+        RunConfig.from_mapping(changes).validate()
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_unknown_and_mistyped_keys():
+    with pytest.raises(ConfigError, match="unknown option.*bucketmb"):
+        RunConfig.from_mapping({"bucketmb": 3})
+    with pytest.raises(ConfigError, match="workers must be a number"):
+        RunConfig.from_mapping({"workers": "four"})
+    with pytest.raises(ConfigError, match="must be an integer"):
+        RunConfig.from_mapping({"workers": 2.5})
+    with pytest.raises(ConfigError, match="true or false"):
+        RunConfig.from_mapping({"trace": "yes"})
+
+
+def test_toml_round_trip(tmp_path):
+    cfg = RunConfig(workers=2, algorithm="tree", lr=0.1, compression="none", extra={"note": "x"})
+    p = tmp_path / "c.toml"
+    p.write_text(dump_toml(cfg))
+    assert RunConfig.from_mapping(load_toml(p)) == cfg
+
+
+def test_toml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_toml(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("workers = = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_toml(bad)
+
+
+def test_run_table_is_unwrapped(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[run]\nworkers = 2\nepochs = 3\n")
+    assert RunConfig.from_mapping(load_toml(p)).workers == 2
+
+
+def test_cli_overrides_file(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('workers = 2\nalgorithm = "tree"\nepochs = 3\n')
+    ns = build_parser().parse_args(["run", str(p), "--algorithm", "ring", "--no-trace"])
+    cfg = config_from_args(ns)
+    assert (cfg.workers, cfg.algorithm, cfg.epochs, cfg.trace) == (2, "ring", 3, False)
+
+
+def test_every_field_has_a_flag():
+    ap = build_parser()
+    run = next(a for a in ap._subparsers._group_actions[0].choices.values() if a.prog.endswith("run"))
+    dests = {a.dest for a in run._actions}
+    for f in dataclasses.fields(RunConfig):
+        if f.name != "extra":
+            assert f.name in dests, f.name
+
+
+def test_parse_straggler():
+    assert parse_straggler("3:4") == (3, 4.0)
+    with pytest.raises(ConfigError):
+        parse_straggler("3:0.5")

@@ -1,0 +1,59 @@
+"""The launcher goes through torch's elastic agent: real processes, return values, clear failures."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtrain
+from dtrain.launch import LaunchError, launch, threads_per_worker
+
+
+def _sum_ranks(x):
+    t = torch.tensor([float(dtrain.rank())])
+    dist.all_reduce(t)
+    return dtrain.rank(), dtrain.world_size(), float(t), x, os.environ["LOCAL_WORLD_SIZE"]
+
+
+def _fail_on_one():
+    if dtrain.rank() == 1:
+        raise ValueError("deliberate failure on rank one")
+    return 0
+
+
+def _die_on_zero():
+    if dtrain.rank() == 0:
+        os._exit(7)
+    return 0
+
+
+def test_launch_returns_values_by_rank():
+    out = launch(_sum_ranks, ("a",), nprocs=3)
+    assert sorted(out) == [0, 1, 2]
+    for r, v in out.items():
+        assert v == (r, 3, 3.0, "a", "3")
+
+
+def test_failure_names_rank_and_error():
+    with pytest.raises(LaunchError) as e:
+        launch(_fail_on_one, nprocs=2)
+    assert "rank 1" in str(e.value) and "deliberate failure on rank one" in str(e.value)
+
+
+def test_dead_process_is_reported():
+    with pytest.raises(LaunchError, match="rank 0"):
+        launch(_die_on_zero, nprocs=2)
+
+
+def test_threads_share_cores():
+    cores = len(os.sched_getaffinity(0))
+    assert threads_per_worker(1) == cores
+    assert threads_per_worker(cores * 4) == 1
+
+
+def test_world_of_one_without_launcher():
+    # no torchrun environment: init is a no-op and the world is one process
+    assert "RANK" not in os.environ
+    dtrain.init()
+    assert (dtrain.rank(), dtrain.world_size()) == (0, 1)
