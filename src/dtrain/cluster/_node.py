@@ -1,0 +1,36 @@
+"""One emulated host's node process: ``python -m dtrain.cluster._node PAYLOAD``.
+
+Started inside the host's network namespace by
+:func:`dtrain.cluster.run_on_cluster`; reads the pickled payload, runs
+:func:`dtrain.launch.launch` with the host's :class:`~dtrain.launch.NodeSpec` and
+pickles ``(True, {rank: value})`` or ``(False, message)`` next to the payload.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from pathlib import Path
+
+
+def main(path: str) -> int:
+    from dtrain.launch import NodeSpec, launch
+
+    p = pickle.loads(Path(path).read_bytes())
+    node = NodeSpec(
+        nnodes=p["nnodes"],
+        rdzv_endpoint=p["endpoint"],
+        is_host=p["is_host"],
+        local_addr=p["local_addr"],
+        env=p["env"],
+    )
+    try:
+        out = (True, launch(p["fn"], p["args"], nprocs=p["nprocs"], node=node, threads=p["threads"], run_id=p["run_id"]))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        out = (False, f"{type(e).__name__}: {e}")
+    Path(p["result"]).write_bytes(pickle.dumps(out))
+    return 0 if out[0] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,190 @@
+"""Multi-node launch on an emulated cluster: one torchrun node per emulated host.
+
+:func:`run_on_cluster` does on one machine exactly what a job on N real
+machines does: on every host ``i`` it starts ``ip netns exec dtc-NAME-h<i>
+python -m dtrain.cluster._node``, which calls :func:`dtrain.launch.launch` with a
+:class:`~dtrain.launch.NodeSpec` -- a c10d rendezvous hosted on host 0
+(``is_host`` there), each node advertising its own address (``local_addr``), and
+``GLOO_SOCKET_IFNAME=eth0`` so gloo binds the host's shaped interface rather than
+the hostname's address. Ranks are numbered host by host (host ``i`` holds global
+ranks ``i*k .. i*k+k-1`` for ``k`` processes per host) as torchrun does.
+
+The whole job has one hard timeout; on expiry every node's process group (the
+agent and its workers, all started here) is killed and the error names the hosts
+that had not finished.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from dtrain.cluster.netns import IFACE, EmulatedCluster, load, require_root
+from dtrain.errors import ConfigError
+from dtrain.launch import LaunchError
+
+__all__ = ["run_on_cluster", "launch_on_cluster", "node_env"]
+
+
+def node_env(c: EmulatedCluster, host: int) -> dict[str, str]:
+    """Environment of the workers on one emulated host (interface, host index, slowdown)."""
+    env = {"GLOO_SOCKET_IFNAME": IFACE, "DTRAIN_CLUSTER": c.name, "DTRAIN_CLUSTER_HOST": str(host)}
+    if host in c.slow:
+        env["DTRAIN_SLOWDOWN"] = f"{c.slow[host]:g}"
+    return env
+
+
+def run_on_cluster(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    *,
+    cluster: str | EmulatedCluster,
+    nprocs_per_host: int = 1,
+    threads: int = 1,
+    timeout_s: float = 600.0,
+    stream_first: bool = False,
+    env: dict[str, str] | None = None,
+) -> dict[int, Any]:
+    """Run ``fn(*args)`` on every process of every host of an emulated cluster.
+
+    Args:
+        fn: module-level (picklable) worker function; ``dtrain.init()`` is done before it.
+        args: its arguments (picklable).
+        cluster: the cluster's name or description.
+        nprocs_per_host: worker processes per host (default: 1).
+        threads: intra-op threads per worker (default: 1; the hosts share this machine's cores).
+        timeout_s: hard limit for the whole job (default: 600).
+        stream_first: let host 0's output through to this terminal (else only logs on failure).
+        env: extra environment for every worker.
+
+    Returns:
+        ``{global rank: return value}`` over all hosts.
+
+    Raises:
+        LaunchError: a node failed or the job ran past ``timeout_s``; names the hosts
+            and the last lines of their logs.
+    """
+    require_root()
+    c = cluster if isinstance(cluster, EmulatedCluster) else load(cluster)
+    if nprocs_per_host < 1:
+        raise ValueError(f"nprocs_per_host must be >= 1, got {nprocs_per_host}")
+    run_id = uuid.uuid4().hex[:12]
+    port = random.randint(20000, 40000)  # inside our own namespaces nothing else listens
+    work = Path(tempfile.mkdtemp(prefix=f"dtrain-{c.name}-"))
+    # The node (and the workers it spawns) must import ``fn`` by name, as this process does.
+    penv = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    try:
+        for h in range(c.hosts):
+            payload = {
+                "fn": fn,
+                "args": args,
+                "nprocs": nprocs_per_host,
+                "nnodes": c.hosts,
+                "endpoint": f"{c.address(0)}:{port}",
+                "is_host": h == 0,
+                "local_addr": c.address(h),
+                "env": {**node_env(c, h), **(env or {})},
+                "threads": threads,
+                "run_id": run_id,
+                "result": str(work / f"result{h}.pkl"),
+            }
+            pfile = work / f"payload{h}.pkl"
+            pfile.write_bytes(pickle.dumps(payload))
+            log = open(work / f"host{h}.log", "wb")
+            logs.append(log)
+            out = None if (stream_first and h == 0) else log
+            cmd = ["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cluster._node", str(pfile)]
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                          start_new_session=True, env=penv))  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in procs):
+                time.sleep(2.0)  # let the others notice and report their own error
+                break
+            time.sleep(0.05)
+        late = [h for h, p in enumerate(procs) if p.poll() is None]
+        for h in late:
+            _kill(procs[h])
+        results: dict[int, Any] = {}
+        failures = []
+        for h, p in enumerate(procs):
+            rfile = work / f"result{h}.pkl"
+            if rfile.exists():
+                ok, value = pickle.loads(rfile.read_bytes())
+                if ok:
+                    results.update(value)
+                    continue
+                failures.append(f"host {h}: {value}")
+            elif h in late:
+                failures.append(f"host {h}: still running after {timeout_s:.0f} s (killed); log: {_tail(work, h)}")
+            else:
+                failures.append(f"host {h}: node exited with code {p.returncode}; log: {_tail(work, h)}")
+        if failures:
+            raise LaunchError(f"job on emulated cluster {c.name!r} failed:\n  " + "\n  ".join(failures))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill(p)
+        for log in logs:
+            log.close()
+        if not os.environ.get("DTRAIN_KEEP_LOGS"):
+            for f in work.iterdir():
+                f.unlink()
+            work.rmdir()
+
+
+def _kill(p: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # the node's own session: its agent and workers
+    except ProcessLookupError:
+        pass
+    p.wait(timeout=10)
+
+
+def _tail(work: Path, h: int, lines: int = 6) -> str:
+    p = work / f"host{h}.log"
+    if not p.exists():
+        return "(no log)"
+    text = p.read_text(errors="replace").strip().splitlines()
+    return " | ".join(text[-lines:]) or "(empty)"
+
+
+def launch_on_cluster(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    *,
+    nprocs: int,
+    cluster: str,
+    timeout_s: float = 3600.0,
+    stream_first: bool = True,
+) -> dict[int, Any]:
+    """Drop-in for :func:`dtrain.launch.launch` that spreads ``nprocs`` over a cluster's hosts.
+
+    ``dtrain run --cluster NAME`` calls this instead of ``launch``: the processes
+    are split evenly over the hosts (host ``i`` gets ranks ``i*k..i*k+k-1``).
+
+    Raises:
+        ConfigError: ``nprocs`` is not a multiple of the number of hosts.
+        ClusterError: the cluster is not up.
+        LaunchError: as :func:`run_on_cluster`.
+    """
+    c = load(cluster)
+    if nprocs < c.hosts or nprocs % c.hosts:
+        raise ConfigError(
+            f"{nprocs} processes cannot be spread evenly over the {c.hosts} hosts of cluster {c.name!r}; "
+            f"use a multiple of {c.hosts} (workers, plus servers for the parameter server)"
+        )
+    return run_on_cluster(fn, args, cluster=c, nprocs_per_host=nprocs // c.hosts, timeout_s=timeout_s,
+                          stream_first=stream_first)  # fmt: skip
