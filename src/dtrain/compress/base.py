@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -90,6 +90,19 @@ class Compressor(abc.ABC):
     @abc.abstractmethod
     def decompress(self, payload: list[torch.Tensor], ctx: TensorMeta) -> torch.Tensor:
         """Decode a payload into a tensor of ``ctx.shape`` and ``ctx.dtype``."""
+
+    def combine(self, decoded: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Aggregate decoded tensors of several ranks into their average.
+
+        Summed in the order given (rank order), so every rank that combines the
+        same inputs gets bitwise the same result. Majority-vote SignSGD overrides it.
+        """
+        if not decoded:
+            raise ValueError("combine needs at least one tensor")
+        acc = decoded[0].clone()
+        for d in decoded[1:]:
+            acc += d
+        return acc.div_(len(decoded))
 
     # ------------------------------------------------------------------ wire
 
