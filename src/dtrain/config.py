@@ -177,6 +177,11 @@ class RunConfig:
             raise ConfigError(f"max_steps must be >= 0, got {self.max_steps}")
         if self.samples < 16:
             raise ConfigError(f"samples must be >= 16, got {self.samples}")
+        train_size = self.samples if self.dataset == "synthetic" else 1437  # digits: 80% of 1797
+        if self.batch_size > train_size:
+            raise ConfigError(
+                f"batch_size {self.batch_size} is larger than the training set ({train_size} samples)"
+            )
         if self.backend and self.backend not in ("gloo", "nccl", "mpi"):
             raise ConfigError(f"backend {self.backend!r} is not known; choose gloo, nccl or mpi")
         if self.strategy == "ps":
