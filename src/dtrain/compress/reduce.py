@@ -187,12 +187,12 @@ def _scatter_gather(flat: torch.Tensor, c: Compressor, key: str, t: Transport) -
         buf = pack_payload(payload)
         for dst in others:
             sends += _post_sized(t, buf, dst, _TAG_SIZE2, _TAG_DATA2)
-    for w in sends:
-        w.wait()
-
-    # phase 2: compressed allgather of the combined chunks
+    # phase 2: compressed allgather of the combined chunks (receive before waiting
+    # on our own sends: a transport may complete a send only once it is received)
     srcs = [r for r in others if chunks[r].numel()]
     got2 = _recv_sized(t, srcs, _TAG_SIZE2, _TAG_DATA2)
+    for w in sends:
+        w.wait()
     for r in srcs:
         chunks[r].copy_(c.from_wire(got2[r], chunks[r].shape, chunks[r].dtype))
     if mine.numel():
