@@ -1,0 +1,354 @@
+"""Calibration: measure a cluster and write its description (``dtrain bench calibrate``).
+
+What is measured, and how (every figure is a median over repetitions):
+
+1. **alpha, beta per level** -- ping-pong between two ranks over message sizes
+   from 4 B upward (growing 4x until a round trip takes ~0.3 s or 16 MiB), one-way
+   time = round trip / 2, then ``t = alpha + n * beta``: alpha from the small
+   messages, beta a least-squares slope over the large ones (:func:`fit_alpha_beta`). The inter level
+   is rank 0 <-> rank 1 on different hosts of an emulated cluster; the intra
+   level is two processes of one machine over loopback.
+2. **gamma** -- every worker at once times ``a += b`` on 4 MiB fp32 buffers:
+   seconds per byte reduced, under the same contention as a real step.
+3. **compute** -- worker 0 profiles the model alone (the others wait), then all
+   workers profile it at once; ``compute_scale`` = together / alone (the hosts of
+   an emulated cluster share this machine's cores). ``flops`` = a 256x256 matmul's
+   FLOP rate on one thread.
+4. **overhead** -- one short single-worker ``dtrain run`` at the per-worker batch:
+   median step time minus the profile's forward+backward+optimizer is the loop's
+   own bookkeeping per step (times ``compute_scale``).
+5. **compressors** -- payload ratio and encode/decode time per byte of each spec.
+
+The result is a cluster TOML (:mod:`dtrain.perfmodel.spec`), printed and written
+to ``--out`` (default: ``~/.cache/dtrain/cluster-NAME.toml`` for an emulated
+cluster, ``~/.cache/dtrain/local-HOST-wN.toml`` for this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from dtrain.errors import DTrainError
+from dtrain.perfmodel._units import format_rate, format_time
+from dtrain.perfmodel.spec import ClusterSpec, CompressorCost, Device, Link, dump_cluster, load_cluster, this_host
+
+__all__ = ["main", "fit_alpha_beta", "calibrate_cluster", "calibrate_local", "local_cluster", "cache_dir",
+           "cluster_file"]  # fmt: skip
+
+_CAL_COMPRESSIONS = ("fp16", "powersgd:2", "qsgd", "onebit", "topk:0.01")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DTRAIN_CACHE", Path.home() / ".cache" / "dtrain"))
+
+
+def cluster_file(name: str) -> Path:
+    """Where the calibration of emulated cluster ``name`` is kept."""
+    return cache_dir() / f"cluster-{name}.toml"
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *, small: float = 1024,
+                   large: float = 256 * 1024) -> tuple[float, float]:  # fmt: skip
+    """Fit ``t = alpha + n * beta`` to one-way times of ping-pong messages.
+
+    ``beta`` is the least-squares slope of ``t - alpha`` against ``n`` over the large
+    messages (``n >= large``; all sizes when fewer than two are that large),
+    ``alpha`` the median of ``t - n * beta`` over the small ones (``n <= small``);
+    each is refined once with the other. Fitting the
+    two ends apart matters on shaped links: tc's token bucket lets a burst through
+    at line rate, so mid-sized messages lie below the line that bulk transfers
+    follow.
+
+    Returns:
+        (alpha seconds, beta seconds per byte), both >= 0.
+    """
+    n = np.asarray(sizes, dtype=float)
+    t = np.asarray(times, dtype=float)
+    if len(n) < 2:
+        raise ValueError("fit_alpha_beta needs at least two sizes")
+    lo = n <= small
+    if not lo.any():
+        lo = n == n.min()
+    big = n >= large
+    if big.sum() < 2:
+        big = np.ones_like(n, dtype=bool)
+    alpha, beta = float(np.median(t[lo])), 0.0
+    for _ in range(2):  # alpha and beta each correct the other once
+        x, y = n[big], t[big] - alpha
+        beta = max(1e-15, float((x * y).sum() / (x * x).sum()))
+        alpha = max(0.0, float(np.median(t[lo] - n[lo] * beta)))
+    return alpha, beta
+
+
+# ---------------------------------------------------------------------- worker side
+
+
+def _pingpong(peer: int, me: int, max_rtt: float, reps: int) -> list[tuple[int, float]]:
+    import torch.distributed as dist
+
+    out = []
+    size = 4
+    while size <= 16 << 20:
+        buf = torch.zeros(size // 4)
+        times = []
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            if me < peer:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+            if r:
+                times.append((time.perf_counter() - t0) / 2)
+        one_way = statistics.median(times)
+        out.append((size, one_way))
+        # both sides must agree to go on: the initiator decides and tells the peer
+        flag = torch.tensor([1.0 if 2 * one_way < max_rtt and size < 16 << 20 else 0.0])
+        if me < peer:
+            dist.send(flag, peer)
+        else:
+            dist.recv(flag, peer)
+        if flag.item() == 0.0:
+            break
+        size *= 4
+    return out
+
+
+def _compute_alone_and_together(model_name: str, dataset: str, batch: int, reps: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    from dtrain.data import load_dataset
+    from dtrain.models import build_model
+    from dtrain.perfmodel.profile import profile_model
+
+    data = load_dataset(dataset, seed=0)
+    torch.manual_seed(0)
+    model = build_model(model_name, data.input_shape, data.num_classes)
+    x, y = data.train.tensors
+    sample = (x[:batch], y[:batch])
+
+    def total() -> float:
+        p = profile_model(model, sample, name=model_name, repeats=reps, warmup=2)
+        return p.fwd_s + p.bwd_s + p.optimizer_s
+
+    alone = 0.0
+    dist.barrier()
+    if dist.get_rank() == 0:
+        alone = total()
+    dist.barrier()
+    together = total()
+    dist.barrier()
+    return {"alone": alone, "together": together}
+
+
+def _gamma(reps: int) -> float:
+    import torch.distributed as dist
+
+    a, b = torch.ones(1 << 20), torch.ones(1 << 20)
+    a.add_(b)
+    dist.barrier()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a.add_(b)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / (a.numel() * 4)
+
+
+def _worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: int, quick: bool) -> dict[str, Any]:
+    """One process of a calibration job: ping-pong for each pair, gamma, compute."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    reps = 3 if quick else 7
+    out: dict[str, Any] = {"rank": rank}
+    for i, (a, b) in enumerate(pairs):
+        dist.barrier()
+        if rank in (a, b):
+            out[f"pair{i}"] = _pingpong(b if rank == a else a, rank, 0.3 if quick else 0.6, reps)
+    out["gamma"] = _gamma(reps * 3)
+    out.update(_compute_alone_and_together(model_name, dataset, batch, reps * 2))
+    return out
+
+
+# ---------------------------------------------------------------------- parent side
+
+
+def _flops_rate() -> float:
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        a @ b
+        times = []
+        for _ in range(9):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        return 2 * 256**3 / statistics.median(times)
+    finally:
+        torch.set_num_threads(old)
+
+
+def _loop_overhead(model_name: str, dataset: str, batch: int, compute_alone: float, steps: int = 40) -> float:
+    """Median step of a short one-worker ``dtrain run`` minus the model's own compute."""
+    import json
+
+    from dtrain.config import RunConfig
+    from dtrain.train import run
+
+    with tempfile.TemporaryDirectory() as d:
+        cfg = RunConfig(model=model_name, dataset=dataset, workers=1, batch_size=batch, max_steps=steps, epochs=50,
+                        trace=False, progress=False, out=d, strategy="dp")  # fmt: skip
+        run(cfg, quiet=True)
+        rows = [json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    dts = [batch / r["samples_per_s"] for r in rows[steps // 4 :]]
+    return max(0.0, statistics.median(dts) - compute_alone)
+
+
+def _link(points: list[tuple[int, float]]) -> Link:
+    sizes, times = zip(*points)
+    alpha, beta = fit_alpha_beta(sizes, times)
+    return Link(bandwidth=1.0 / beta, latency=alpha)
+
+
+def _compressors(specs: Sequence[str]) -> dict[str, CompressorCost]:
+    from dtrain.perfmodel.compression import measure_compressor
+
+    out = {}
+    for s in specs:
+        ratio, enc, dec = measure_compressor(s)
+        out[s] = CompressorCost(ratio=ratio, encode_s_per_byte=enc, decode_s_per_byte=dec)
+    return out
+
+
+def _assemble(name: str, nodes: int, per_node: int, inter: Link | None, intra: Link, results: dict[int, Any],
+              flops: float, overhead_alone: float, compressions: Sequence[str]) -> ClusterSpec:  # fmt: skip
+    alone = results[0]["alone"]
+    together = statistics.median(r["together"] for r in results.values())
+    scale = max(1.0, together / alone) if alone > 0 else 1.0
+    gamma = statistics.median(r["gamma"] for r in results.values())
+    device = Device(kind="cpu", flops=flops, memory=float(_memory_per_device(nodes * per_node)), gamma=gamma,
+                    compute_scale=scale, host=this_host(), overhead=overhead_alone * scale)  # fmt: skip
+    return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=inter or intra, intra=intra, device=device,
+                       compressors=_compressors(compressions), name=name)  # fmt: skip
+
+
+def _memory_per_device(devices: int) -> int:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        total = 8 << 30
+    return int(total // max(1, devices))
+
+
+def calibrate_cluster(
+    name: str, *, model: str = "cnn", dataset: str = "digits", batch: int = 64, quick: bool = False,
+    compressions: Sequence[str] = _CAL_COMPRESSIONS,
+) -> ClusterSpec:  # fmt: skip
+    """Calibrate emulated cluster ``name`` (one process per host; intra level measured locally)."""
+    from dtrain.cluster import load, run_on_cluster
+    from dtrain.launch import launch
+
+    c = load(name)
+    per_worker = max(1, batch // c.hosts)
+    res = run_on_cluster(_worker, ([(0, 1)], model, dataset, per_worker, quick), cluster=c, timeout_s=600)
+    inter = _link(res[0]["pair0"])
+    local = launch(_worker, ([(0, 1)], model, dataset, per_worker, True), nprocs=2, threads=1)
+    intra = _link(local[0]["pair0"])
+    overhead = _loop_overhead(model, dataset, per_worker, res[0]["alone"])
+    spec = _assemble(name, c.hosts, 1, inter, intra, res, _flops_rate(), overhead, compressions)
+    return spec
+
+
+def calibrate_local(
+    workers: int = 4, *, model: str = "cnn", dataset: str = "digits", batch: int = 64, quick: bool = True,
+    compressions: Sequence[str] = _CAL_COMPRESSIONS,
+) -> ClusterSpec:  # fmt: skip
+    """Calibrate this machine for ``workers`` local processes (one node; loopback is the only level)."""
+    from dtrain.launch import launch
+
+    per_worker = max(1, batch // workers)
+    res = launch(_worker, ([(0, 1)], model, dataset, per_worker, quick), nprocs=workers, threads=1)
+    intra = _link(res[0]["pair0"])
+    overhead = _loop_overhead(model, dataset, per_worker, res[0]["alone"])
+    return _assemble(f"local-{this_host()}", 1, workers, None, intra, res, _flops_rate(), overhead, compressions)
+
+
+def local_cluster(workers: int | None = None, *, refresh: bool = False) -> ClusterSpec:
+    """This machine's description for ``workers`` local processes, from the cache or a quick calibration."""
+    w = workers or 4
+    path = cache_dir() / f"local-{this_host()}-w{w}.toml"
+    if path.exists() and not refresh:
+        return load_cluster(path)
+    print(f"dtrain: calibrating this machine for {w} local processes (once; cached in {path}) ...", file=sys.stderr)
+    spec = calibrate_local(w)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_cluster(spec, comment=f"dtrain bench calibrate --workers {w} ({time.ctime()})"))
+    return spec
+
+
+def summary(spec: ClusterSpec) -> str:
+    d = spec.device
+    lines = [
+        spec.describe(),
+        f"  inter: alpha {format_time(spec.inter.alpha)}, bandwidth {format_rate(spec.inter.bandwidth)}",
+        f"  intra: alpha {format_time(spec.intra.alpha)}, bandwidth {format_rate(spec.intra.bandwidth)}",
+        f"  device: {d.flops / 1e9:.3g} GFLOP/s (1 thread), gamma {d.gamma * 1e9:.3g} ns/byte, "
+        f"compute x{d.compute_scale:.2f} when all compute at once, loop overhead {format_time(d.overhead)}/step",
+    ]
+    for s, cc in spec.compressors.items():
+        lines.append(f"  {s}: ratio {cc.ratio:.4g}, encode {cc.encode_s_per_byte * 1e9:.3g} ns/B, "
+                     f"decode {cc.decode_s_per_byte * 1e9:.3g} ns/B")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dtrain bench calibrate",
+                                 description="Measure alpha/beta per level, gamma, compute and loop overhead; "
+                                             "write a cluster TOML.")  # fmt: skip
+    ap.add_argument("--cluster", default="", help="emulated cluster name (default: this machine's local processes)")
+    ap.add_argument("--workers", type=int, default=4, help="local processes (without --cluster; default: 4)")
+    ap.add_argument("--model", default="cnn", help="model whose compute rate to measure (default: cnn)")
+    ap.add_argument("--dataset", default="digits", help="dataset giving the input shape (default: digits)")
+    ap.add_argument("--batch", type=int, default=64, help="global batch (default: 64)")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--out", default="", help="where to write the TOML (default: the cache)")
+    ns = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        t0 = time.perf_counter()
+        if ns.cluster:
+            spec = calibrate_cluster(ns.cluster, model=ns.model, dataset=ns.dataset, batch=ns.batch, quick=ns.quick)
+            path = Path(ns.out) if ns.out else cluster_file(ns.cluster)
+            spec = replace(spec, name=ns.cluster)
+        else:
+            spec = calibrate_local(ns.workers, model=ns.model, dataset=ns.dataset, batch=ns.batch, quick=ns.quick)
+            path = Path(ns.out) if ns.out else cache_dir() / f"local-{this_host()}-w{ns.workers}.toml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dump_cluster(spec, comment=f"dtrain bench calibrate {' '.join(argv or sys.argv[1:])} "
+                                                   f"({time.ctime()})"))  # fmt: skip
+        print(summary(spec))
+        print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
+        return 0
+    except DTrainError as e:
+        print(f"dtrain bench calibrate: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    # run the importable module's main, so worker functions pickle as dtrain.perfmodel.calibrate.*, not __main__.*
+    from dtrain.perfmodel.calibrate import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,239 @@
+"""Collective times on a two-level cluster, built on :mod:`dtrain.comm.cost`.
+
+On one level (every rank on one node, or one rank per node) the time of each
+allreduce algorithm is exactly :func:`dtrain.comm.cost.allreduce_time` with that
+level's ``alpha``, ``beta`` and the device's ``gamma``. Across nodes with ``d``
+devices each (ranks placed node by node) the algorithms meet the network
+differently, and this module charges each round on the level it crosses:
+
+* ring (and native, and the leaders' ring of hierarchical): every step moves
+  ``n/P`` over every ring edge at once; ``N`` edges cross nodes, one flow per
+  network interface each way, so a step costs ``alpha_inter + n/P beta_inter``.
+* binomial tree: round ``k`` pairs ranks ``2^k`` apart; below ``d`` that is inside
+  a node, above it at most one flow leaves a node per round.
+* recursive doubling and Rabenseifner: rounds at distance ``D >= d`` pair every
+  device of a node with a device of another node, so ``d`` flows share the
+  node's interface: the round's bytes cost ``d`` times ``beta_inter``
+  (contention). Rabenseifner's halving starts at the largest distance, so its
+  biggest messages are the ones that cross nodes.
+* hierarchical: tree inside nodes, ring among node leaders
+  (:func:`dtrain.comm.cost.hierarchical_time`).
+
+Compressed collectives follow :func:`dtrain.compress.compressed_allreduce`:
+summable payloads are allreduced with the chosen algorithm; quantizers do a
+direct compressed reduce-scatter + allgather; sparse compressors the SparCML
+plan of :mod:`dtrain.comm.sparse`; PowerSGD two allreduces of its factors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dtrain.comm import cost
+from dtrain.errors import ConfigError
+from dtrain.perfmodel.spec import ClusterSpec, Link
+
+__all__ = [
+    "ALGORITHMS",
+    "link_cost",
+    "allreduce_time",
+    "allreduce_bytes",
+    "allgather_time",
+    "CompressionModel",
+    "compressed_allreduce_time",
+    "compressed_allreduce_bytes",
+]
+
+ALGORITHMS = cost.ALGORITHMS
+
+
+def link_cost(link: Link, gamma: float, contention: float = 1.0) -> cost.LinkCost:
+    """The ``LinkCost`` of one level; ``contention`` flows sharing it multiply ``beta``."""
+    return cost.LinkCost(alpha=link.alpha, beta=link.beta * contention, gamma=gamma)
+
+
+def _levels(c: ClusterSpec, p: int) -> tuple[int, int]:
+    """(devices per node ``d``, nodes ``N``) used by ``p`` ranks placed node by node."""
+    d = min(c.devices_per_node, p)
+    return d, math.ceil(p / d)
+
+
+def _round_link(c: ClusterSpec, distance: int, d: int, flows: int) -> cost.LinkCost:
+    if distance < d:
+        return link_cost(c.intra, c.device.gamma)
+    return link_cost(c.inter, c.device.gamma, contention=flows)
+
+
+def allreduce_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int, *, pieces: bool = True) -> float:
+    """Seconds for ``p`` ranks of cluster ``c`` to allreduce ``nbytes`` with ``algorithm``.
+
+    Args:
+        c: the cluster (ranks fill its nodes in order).
+        algorithm: a name in :data:`ALGORITHMS`.
+        nbytes: the vector's size.
+        p: ranks taking part.
+        pieces: charge the ring's per-piece messages as dtrain's ring sends them
+            (default: True; False gives the textbook one message per step).
+    """
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    d, nodes = _levels(c, p)
+    gamma = c.device.gamma
+    piece = cost.RING_PIECE_BYTES if pieces else None
+    nb = float(nbytes)
+    if nodes == 1 or d == 1:
+        link = link_cost(c.intra if nodes == 1 else c.inter, gamma)
+        if algorithm == "hierarchical" and nodes > 1:
+            return cost.allreduce_time("ring", nodes, _whole(nb), link, piece_bytes=piece)
+        return cost.allreduce_time(algorithm, p, _whole(nb), link, piece_bytes=piece if algorithm == "ring" else None)
+    if algorithm in ("ring", "native"):
+        link = link_cost(c.inter, gamma)
+        return cost.allreduce_time(algorithm, p, _whole(nb), link, piece_bytes=piece if algorithm == "ring" else None)
+    if algorithm == "hierarchical":
+        return cost.allreduce_time("hierarchical", p, _whole(nb), link_cost(c.intra, gamma),
+                                   inter=link_cost(c.inter, gamma), node_size=d, piece_bytes=piece)  # fmt: skip
+    if algorithm == "tree":
+        t = 0.0
+        for k in range(cost.ceil_log2(p)):
+            lk = _round_link(c, 1 << k, d, 1)
+            t += 2 * (lk.alpha + nb * lk.beta) + nb * lk.gamma
+        return t
+    core = 1 << (p.bit_length() - 1)
+    fold = 0.0
+    if core != p:  # ranks 2i and 2i+1 fold together: neighbours, inside a node when d >= 2
+        lk = _round_link(c, 1, d, 1)
+        fold = 2 * lk.alpha + 2 * nb * lk.beta + nb * lk.gamma
+    if algorithm == "recursive_doubling":
+        t = 0.0
+        dist = 1
+        while dist < core:
+            lk = _round_link(c, dist, d, d)
+            t += lk.alpha + nb * lk.beta + nb * lk.gamma
+            dist <<= 1
+        return t + fold
+    if algorithm == "rabenseifner":
+        t = 0.0
+        dist, part = core >> 1, nb / 2
+        while dist >= 1:  # halving (reduce-scatter), then doubling (allgather) mirrors it
+            lk = _round_link(c, dist, d, d)
+            t += 2 * (lk.alpha + part * lk.beta) + part * lk.gamma
+            dist >>= 1
+            part /= 2
+        return t + fold
+    raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
+def _whole(nbytes: float) -> int:
+    """comm.cost counts ring pieces in whole 4-byte elements."""
+    return max(4, int(math.ceil(nbytes / 4.0)) * 4)
+
+
+def allreduce_bytes(algorithm: str, nbytes: float, p: int, node_size: int = 1) -> float:
+    """Mean bytes a rank sends in one allreduce (exact counts from :mod:`dtrain.comm.cost` up to 64 ranks)."""
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    if p <= 64:
+        tr = cost.traffic(algorithm, p, _whole(nbytes), node_size=node_size if algorithm == "hierarchical" else None)
+        return tr.total_bytes / p
+    n = float(nbytes)
+    if algorithm in ("ring", "native", "rabenseifner", "tree"):
+        return 2 * (p - 1) / p * n  # tree: 2(P-1) messages of n over P ranks
+    if algorithm == "recursive_doubling":
+        return (p.bit_length() - 1) * n
+    if algorithm == "hierarchical":
+        nodes = math.ceil(p / node_size)
+        return (2 * (p - nodes) * n + nodes * 2 * (nodes - 1) / nodes * n) / p
+    raise ConfigError(f"unknown allreduce algorithm {algorithm!r}")
+
+
+def allgather_time(c: ClusterSpec, nbytes_each: float, p: int) -> float:
+    """Direct allgather: every rank sends its ``nbytes_each`` to the ``P-1`` others (one NIC, serialised)."""
+    if p <= 1:
+        return 0.0
+    d, nodes = _levels(c, p)
+    link = c.intra if nodes == 1 else c.inter
+    flows = d if nodes > 1 else 1  # every device of a node sends off-node at once
+    return (p - 1) * (link.alpha + nbytes_each * link.beta * flows)
+
+
+# ---------------------------------------------------------------------- compression
+
+
+@dataclass(frozen=True)
+class CompressionModel:
+    """How a compressor changes one bucket's allreduce.
+
+    Attributes:
+        spec: the compressor spec ("topk:0.01").
+        kind: "dense" (no compression), "summable" (fp16/bf16: allreduce the payload),
+            "lowrank" (PowerSGD: two allreduces), "sparse" (SparCML plan),
+            "quantizer" (compressed reduce-scatter + allgather).
+        ratio: payload bytes / dense bytes.
+        encode_s_per_byte / decode_s_per_byte: compute cost per dense byte.
+    """
+
+    spec: str = "none"
+    kind: str = "dense"
+    ratio: float = 1.0
+    encode_s_per_byte: float = 0.0
+    decode_s_per_byte: float = 0.0
+
+
+def compressed_allreduce_time(
+    c: ClusterSpec, algorithm: str, nbytes: float, p: int, comp: CompressionModel
+) -> tuple[float, float]:
+    """(communication seconds, encode+decode seconds) of one bucket of ``nbytes``."""
+    if p <= 1 or nbytes <= 0:
+        return 0.0, 0.0
+    if comp.kind == "dense":
+        return allreduce_time(c, algorithm, nbytes, p), 0.0
+    payload = comp.ratio * nbytes
+    coding = nbytes * (comp.encode_s_per_byte + comp.decode_s_per_byte)
+    if comp.kind == "summable":
+        return allreduce_time(c, algorithm, payload, p), coding
+    if comp.kind == "lowrank":  # two allreduces (P then Q), each about half the payload
+        return 2 * allreduce_time(c, algorithm, payload / 2, p), coding
+    d, nodes = _levels(c, p)
+    link = c.intra if nodes == 1 else c.inter
+    flows = d if nodes > 1 else 1
+    if comp.kind == "quantizer":
+        # direct RS + AG of compressed chunks: 2(P-1) messages of payload/P, decode P chunks twice
+        t = 2 * (p - 1) * (link.alpha + payload / p * link.beta * flows)
+        return t, coding * 2
+    if comp.kind == "sparse":
+        # count exchange, then the cheaper of allgather and split (SparCML), as comm.sparse plans it
+        v, w = 4.0, 8.0
+        k = payload / w  # pairs per rank
+        n_el = nbytes / v
+        counts = (p - 1) * (link.alpha + 8 * (p + 2) * link.beta * flows)
+        b_ag = (p - 1) * min(k * w, n_el * v)
+        c_j, k_j = n_el / p, k / p
+        b_split = (p - 1) * min(k_j * w, c_j * v) + (p - 1) * (8 + min(min(p * k_j, c_j) * w, c_j * v))
+        if b_ag <= b_split:
+            t = (p - 1) * link.alpha + b_ag * link.beta * flows
+        else:
+            t = 2 * (p - 1) * link.alpha + b_split * link.beta * flows
+        return counts + t, coding
+    raise ConfigError(f"unknown compression kind {comp.kind!r}")
+
+
+def compressed_allreduce_bytes(algorithm: str, nbytes: float, p: int, comp: CompressionModel, node_size: int = 1) -> float:
+    """Mean bytes a rank sends for one bucket of ``nbytes`` under ``comp``."""
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    if comp.kind == "dense":
+        return allreduce_bytes(algorithm, nbytes, p, node_size)
+    payload = comp.ratio * nbytes
+    if comp.kind == "summable":
+        return allreduce_bytes(algorithm, payload, p, node_size)
+    if comp.kind == "lowrank":
+        return 2 * allreduce_bytes(algorithm, payload / 2, p, node_size)
+    if comp.kind == "quantizer":
+        return 2 * (p - 1) / p * payload
+    k = payload / 8.0
+    n_el = nbytes / 4.0
+    b_ag = (p - 1) * min(k * 8, n_el * 4)
+    c_j, k_j = n_el / p, k / p
+    b_split = (p - 1) * min(k_j * 8, c_j * 4) + (p - 1) * (8 + min(min(p * k_j, c_j) * 8, c_j * 4))
+    return (p - 1) * 8 * (p + 2) + min(b_ag, b_split)

@@ -1,0 +1,232 @@
+"""Planner: enumerate strategies, predict each, rank by predicted throughput.
+
+:func:`plan` profiles the model at every per-worker batch the candidates need,
+predicts every candidate on the cluster (:func:`~dtrain.perfmodel.predict.predict`),
+drops those that do not fit a device's memory or cannot split the global batch
+(listed as rejected, with the reason) and ranks the rest by samples per second.
+Candidates, for ``W`` devices:
+
+* one process (the baseline every distributed strategy must beat);
+* data parallel on ``W`` workers with each allreduce algorithm (hierarchical only
+  on a cluster with several devices per node), bucket sizes, priority overlap,
+  and each compressor of ``compressions``; torch DDP (the peer);
+* the parameter server with ``S`` servers and ``W - S`` workers, each consistency
+  policy of ``consistencies``.
+
+Approximate strategies (compressed, asynchronous) are ranked on speed like the
+rest; their line says what they trade (compression error, staleness), and
+``exact_only=True`` keeps only those equivalent to single-process training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from dtrain.errors import ConfigError
+from dtrain.perfmodel._units import format_bytes
+from dtrain.perfmodel.collectives import ALGORITHMS, CompressionModel
+from dtrain.perfmodel.compression import compression_model
+from dtrain.perfmodel.predict import Prediction, Strategy, predict
+from dtrain.perfmodel.profile import ModelProfile, profile_model
+from dtrain.perfmodel.spec import ClusterSpec, load_cluster
+
+__all__ = ["Plan", "candidates", "plan", "DEFAULT_COMPRESSIONS", "DEFAULT_CONSISTENCIES", "DEFAULT_BUCKETS"]
+
+DEFAULT_COMPRESSIONS = ("fp16", "powersgd:2", "qsgd", "onebit", "topk:0.01")
+DEFAULT_CONSISTENCIES = ("bsp", "asp", "ssp:3")
+DEFAULT_BUCKETS = (1.0, 25.0)
+
+
+@dataclass
+class Plan:
+    """A ranked list of strategies for one model, global batch and cluster.
+
+    Attributes:
+        cluster: what was planned for.
+        batch: global batch size.
+        ranked: predictions of the strategies that fit, fastest first.
+        rejected: (strategy, reason) of those that do not.
+        profiles: per-worker batch -> the model profile used.
+    """
+
+    cluster: ClusterSpec
+    batch: int
+    ranked: list[Prediction]
+    rejected: list[tuple[Strategy, str]] = field(default_factory=list)
+    profiles: dict[int, ModelProfile] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Prediction:
+        if not self.ranked:
+            raise ConfigError("no strategy fits: see the rejected list (memory or batch size)")
+        return self.ranked[0]
+
+    def find(self, label: str) -> Prediction | None:
+        return next((p for p in self.ranked if p.strategy.label() == label), None)
+
+    def table(self, top: int | None = None) -> str:
+        """The ranked table (and the rejected strategies) as text."""
+        rows = [f"plan for {self.cluster.describe()}; global batch {self.batch}",
+                f"{'#':>3}  {'strategy':<34}{'step ms':>9}{'samples/s':>11}{'mem/dev':>10}{'sent/step':>11}  why"]  # fmt: skip
+        for i, p in enumerate(self.ranked[:top] if top else self.ranked, 1):
+            rows.append(f"{i:>3}  {p.strategy.label():<34}{p.step_s * 1e3:>9.3g}{p.samples_per_s:>11.4g}"
+                        f"{format_bytes(p.memory.total):>10}{format_bytes(p.bytes_per_step):>11}  {p.why}")  # fmt: skip
+        if top and len(self.ranked) > top:
+            rows.append(f"     ... {len(self.ranked) - top} more")
+        for s, reason in self.rejected:
+            rows.append(f"  -  {s.label():<34}rejected: {reason}")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def candidates(
+    cluster: ClusterSpec,
+    workers: int | None = None,
+    *,
+    compressions: Sequence[str] = DEFAULT_COMPRESSIONS,
+    consistencies: Sequence[str] = DEFAULT_CONSISTENCIES,
+    buckets: Sequence[float] = DEFAULT_BUCKETS,
+    algorithms: Sequence[str] = ALGORITHMS,
+    exact_only: bool = False,
+    single: bool = True,
+    ddp: bool = True,
+) -> list[Strategy]:
+    """Every strategy the planner considers on ``workers`` devices (default: all of the cluster's)."""
+    w = workers or cluster.devices
+    out = [Strategy("single", 1)] if single else []
+    if w < 2:
+        return out
+    hier = cluster.nodes > 1 and cluster.devices_per_node > 1 and w > cluster.devices_per_node
+    for alg in algorithms:
+        if alg == "hierarchical" and not hier:
+            continue
+        for b in buckets:
+            out.append(Strategy("dp", w, alg, bucket_mb=b))
+    out.append(Strategy("dp", w, "ring", bucket_mb=max(buckets), overlap="forward"))
+    if ddp:
+        out.append(Strategy("ddp", w, "native", bucket_mb=max(buckets)))
+    if not exact_only:
+        for comp in compressions:
+            out.append(Strategy("dp", w, "ring", bucket_mb=max(buckets), compression=comp))
+    for servers in sorted({1, 2, w // 4} - {0}):
+        if w - servers < 1:
+            continue
+        for cons in consistencies:
+            if exact_only and cons != "bsp":
+                continue
+            out.append(Strategy("ps", w - servers, servers=servers, consistency=cons))
+    return out
+
+
+def _approximate(s: Strategy) -> str:
+    notes = []
+    if s.compression not in ("", "none"):
+        notes.append(f"approximate: {s.compression} gradients")
+    if s.kind == "ps" and not s.consistency.startswith(("bsp", "backup")):
+        notes.append(f"approximate: {s.consistency} staleness")
+    return "; ".join(notes)
+
+
+def _batch_of(sample: Any, b: int) -> Any:
+    """The first ``b`` samples of a batch (repeated when the batch is smaller)."""
+
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        reps = -(-b // t.shape[0])
+        full = t.repeat(reps, *([1] * (t.dim() - 1))) if reps > 1 else t
+        return full[:b]
+
+    if isinstance(sample, (tuple, list)):
+        return type(sample)(cut(t) for t in sample)
+    return cut(sample)
+
+
+def _global_batch(sample: Any) -> int:
+    x = sample[0] if isinstance(sample, (tuple, list)) else sample
+    return int(x.shape[0])
+
+
+def plan(
+    model: nn.Module,
+    sample_batch: Any,
+    cluster: "str | Path | ClusterSpec | None" = None,
+    *,
+    batch: int | None = None,
+    workers: int | None = None,
+    name: str | None = None,
+    optimizer: str = "sgd",
+    compressions: Sequence[str] = DEFAULT_COMPRESSIONS,
+    consistencies: Sequence[str] = DEFAULT_CONSISTENCIES,
+    exact_only: bool = False,
+    strategies: Sequence[Strategy] | None = None,
+    measure: bool = True,
+) -> Plan:
+    """Rank the strategies for training ``model`` on ``cluster``.
+
+    Args:
+        model: the model to train.
+        sample_batch: ``(inputs, targets)`` of one global batch (its size is the
+            global batch unless ``batch`` is given).
+        cluster: a cluster TOML path, a :class:`ClusterSpec`, or None for this
+            machine (a quick calibration, cached in ``~/.cache/dtrain``).
+        batch: global batch size (default: the sample batch's size).
+        workers: devices to use (default: all of the cluster's).
+        name: model name for the cluster's ``[models.NAME]`` table (default: class name).
+        optimizer: "sgd", "sgd0" or "adam" (optimizer state in the memory estimate).
+        compressions / consistencies: what to try (see :func:`candidates`).
+        exact_only: only strategies equivalent to single-process training.
+        strategies: an explicit candidate list instead.
+        measure: time the model here (False: FLOPs over the device rate only).
+
+    Returns:
+        A :class:`Plan`; ``print(plan)`` shows the table.
+    """
+    if cluster is None:
+        from dtrain.perfmodel.calibrate import local_cluster
+
+        spec = local_cluster(workers=workers)
+    elif isinstance(cluster, ClusterSpec):
+        spec = cluster
+    else:
+        spec = load_cluster(cluster)
+    gbatch = batch or _global_batch(sample_batch)
+    name = name or type(model).__name__.lower()
+    cands = list(strategies) if strategies is not None else candidates(
+        spec, workers, compressions=compressions, consistencies=consistencies, exact_only=exact_only)  # fmt: skip
+    profiles: dict[int, ModelProfile] = {}
+    comps: dict[str, CompressionModel] = {}
+    ranked: list[Prediction] = []
+    rejected: list[tuple[Strategy, str]] = []
+    overhead = spec.device.overhead
+    for s in cands:
+        if gbatch % s.workers:
+            rejected.append((s, f"global batch {gbatch} does not split over {s.workers} workers"))
+            continue
+        if s.processes > spec.devices:
+            rejected.append((s, f"needs {s.processes} processes; the cluster has {spec.devices} devices"))
+            continue
+        b = gbatch // s.workers
+        if b not in profiles:
+            profiles[b] = profile_model(model, _batch_of(sample_batch, b), name=name, measure=measure,
+                                        optimizer=optimizer)  # fmt: skip
+        comp = None
+        if s.compression not in ("", "none"):
+            comp = comps.setdefault(s.compression, compression_model(s.compression, spec, measure=measure))
+        pred = predict(profiles[b], spec.with_devices(s.processes) if s.processes < spec.devices else spec, s, comp,
+                       overhead_s=overhead)  # fmt: skip
+        if not pred.fits:
+            rejected.append((s, f"needs {format_bytes(pred.memory.total)} per device, "
+                                f"has {format_bytes(spec.device.memory)}"))  # fmt: skip
+            continue
+        note = _approximate(s)
+        ranked.append(replace(pred, why=f"{pred.why}; {note}" if note else pred.why))
+    ranked.sort(key=lambda p: -p.samples_per_s)
+    return Plan(cluster=spec, batch=gbatch, ranked=ranked, rejected=rejected, profiles=profiles)

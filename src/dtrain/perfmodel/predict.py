@@ -1,0 +1,423 @@
+"""Predicted step time, memory and traffic of each strategy: pure functions.
+
+Every function here takes a :class:`~dtrain.perfmodel.profile.ModelProfile` (at
+the per-worker batch), a :class:`~dtrain.perfmodel.spec.ClusterSpec` and a
+:class:`Strategy`, and returns a :class:`Prediction`. Nothing is run.
+
+Compute. Per-layer forward and backward times come, in this order of
+preference, from the cluster's ``[models.NAME]`` throughput (split over layers
+by FLOPs), from the profile's measured times when they were measured on the
+cluster's host (times the cluster's ``compute_scale``), or from FLOPs over the
+device's FLOP rate.
+
+Data parallel (``dp``, ``ddp``; DDP/Horovod-style buckets, Li et al. VLDB 2020;
+Sergeev & Del Balso 2018):
+
+1. Gradients become ready layer by layer in backward; buckets are formed in
+   that order (:func:`dtrain.comm.fusion.assign_buckets`: a 1 MiB first bucket,
+   then ``bucket_mb``).
+2. Bucket ``j`` is ready at the end of the backward of its earliest layer; one
+   communication stream reduces buckets in order:
+   ``start_j = max(ready_j, end_{j-1})``, ``end_j = start_j + T_allreduce(bytes_j)``
+   (plus encode/decode with a compressor).
+3. ``step = fwd + max(bwd, end_last) + optimizer + overhead``; the exposed
+   communication is ``max(0, end_last - bwd)``.
+   With ``overlap="forward"`` (priority scheduling, Jayarajan et al. "Priority-based
+   parameter propagation", SysML 2019) the optimizer runs per bucket and the next
+   forward of a layer waits only for its own bucket; the step is the steady-state
+   period of that pipeline.
+
+Parameter server (``ps``; Li et al. OSDI 2014), ranks ``0..S-1`` serve and the
+``N`` workers follow, placed node by node:
+
+* a push moves each worker's gradient, cut in ``S`` shards, to the servers; the
+  link of each server carries ``N*n/S`` bytes in, and a pull as many out;
+  a phase takes as long as its busiest network interface (flow model).
+* ``bsp``: ``compute + push + server apply + pull`` and everyone waits;
+  ``backup:b`` the same with the ``b`` slowest not waited for (no help without
+  stragglers); ``asp``/``ssp:s``/``softsync:k``: workers do not wait for each
+  other, so the cycle is ``compute + push + pull`` unless the servers' links are
+  saturated, in which case throughput is the servers' link rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtrain.comm.fusion import MB, assign_buckets
+from dtrain.errors import ConfigError
+from dtrain.perfmodel.collectives import (
+    CompressionModel,
+    allreduce_bytes,
+    compressed_allreduce_bytes,
+    compressed_allreduce_time,
+)
+from dtrain.perfmodel.profile import ModelProfile
+from dtrain.perfmodel.spec import ClusterSpec
+
+__all__ = ["Strategy", "Memory", "Prediction", "compute_times", "predict", "memory_per_device", "KINDS"]
+
+KINDS = ("single", "dp", "ddp", "ps")
+_FIRST_BUCKET_MB = 1.0
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to train: what the planner ranks and ``dtrain run`` can execute.
+
+    Attributes:
+        kind: "single" (one process), "dp" (dtrain.DataParallel), "ddp" (torch DDP), "ps".
+        workers: training processes.
+        algorithm / bucket_mb / overlap: data-parallel settings.
+        compression: compressor spec ("none", "fp16", "topk:0.01", ...).
+        servers / consistency: parameter-server settings.
+    """
+
+    kind: str = "dp"
+    workers: int = 1
+    algorithm: str = "ring"
+    bucket_mb: float = 25.0
+    overlap: str = "backward"
+    compression: str = "none"
+    servers: int = 1
+    consistency: str = "bsp"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"strategy kind {self.kind!r} is not known; choose one of {', '.join(KINDS)}")
+        if self.workers < 1 or self.servers < 1:
+            raise ConfigError(f"workers and servers must be >= 1, got {self.workers} and {self.servers}")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+
+    @property
+    def processes(self) -> int:
+        return self.workers + (self.servers if self.kind == "ps" else 0)
+
+    def label(self) -> str:
+        comp = "" if self.compression in ("", "none") else f" {self.compression}"
+        if self.kind == "single":
+            return "single process"
+        if self.kind == "ps":
+            return f"ps {self.consistency} {self.servers} server{'s' if self.servers > 1 else ''}{comp}"
+        if self.kind == "ddp":
+            return f"torch DDP {self.bucket_mb:g}MiB"
+        ov = "" if self.overlap == "backward" else " fwd-overlap"
+        return f"dp {self.algorithm} {self.bucket_mb:g}MiB{ov}{comp}"
+
+    def overrides(self) -> dict[str, Any]:
+        """The :class:`dtrain.config.RunConfig` fields that select this strategy."""
+        if self.kind == "single":
+            return {"strategy": "dp", "workers": 1}
+        out: dict[str, Any] = {"strategy": self.kind, "workers": self.workers}
+        if self.kind in ("dp", "ddp"):
+            out.update(bucket_mb=float(self.bucket_mb))
+        if self.kind == "dp":
+            out.update(algorithm=self.algorithm, overlap=self.overlap, compression=self.compression)
+        if self.kind == "ps":
+            out.update(servers=self.servers, consistency=self.consistency, compression=self.compression)
+        return out
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device, by what holds them."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    buffers: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the model predicts for one strategy.
+
+    Attributes:
+        step_s: wall time of one training step (one worker iteration).
+        samples_per_s: global throughput.
+        compute_s: forward + backward + optimizer of one worker.
+        comm_s: communication time of one step if nothing overlapped.
+        exposed_s: communication that compute does not hide.
+        wait_s: time a worker waits for others / the servers beyond its own communication.
+        bytes_per_step: bytes one worker sends per step (mean).
+        memory: per device (the larger of worker and server for the parameter server).
+        fits: whether ``memory.total`` fits the device.
+        why: one line on what bounds the step.
+    """
+
+    strategy: Strategy
+    step_s: float
+    samples_per_s: float
+    compute_s: float
+    comm_s: float
+    exposed_s: float
+    wait_s: float
+    bytes_per_step: float
+    memory: Memory
+    fits: bool
+    why: str
+    detail: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- compute
+
+
+def compute_times(prof: ModelProfile, c: ClusterSpec) -> tuple[list[float], list[float], float]:
+    """(forward seconds per layer, backward seconds per layer, optimizer seconds) on one device of ``c``."""
+    n = len(prof.layers)
+    rate = c.models.get(prof.name)
+    if rate is not None:
+        total = prof.batch / rate.samples_per_s
+        fw, bw = total * (1 - rate.backward_fraction), total * rate.backward_fraction
+        return _split(fw, [ly.fwd_flops for ly in prof.layers]), _split(bw, [ly.bwd_flops for ly in prof.layers]), \
+            rate.optimizer_s  # fmt: skip
+    if prof.measured and c.device.host == prof.host:
+        s = c.device.compute_scale
+        return [ly.fwd_s * s for ly in prof.layers], [ly.bwd_s * s for ly in prof.layers], prof.optimizer_s * s
+    f = c.device.flops
+    opt = 4.0 * prof.param_bytes * c.device.gamma  # read param, grad, state; write back
+    return [ly.fwd_flops / f for ly in prof.layers], [ly.bwd_flops / f for ly in prof.layers], opt if n else 0.0
+
+
+def _split(total: float, weights: list[float]) -> list[float]:
+    s = sum(weights)
+    if s <= 0:
+        return [total / max(1, len(weights))] * len(weights)
+    return [total * w / s for w in weights]
+
+
+# ---------------------------------------------------------------------- memory
+
+
+def _opt_state(prof: ModelProfile) -> float:
+    return {"adam": 2.0, "sgd": 1.0, "sgd0": 0.0}.get(prof.optimizer, 1.0) * prof.param_bytes
+
+
+def memory_per_device(prof: ModelProfile, s: Strategy, comp: CompressionModel | None = None) -> Memory:
+    """Bytes per device for ``s``: parameters, gradients, optimizer state, activations, buffers.
+
+    Buffers: data parallel keeps flat bucket copies of the gradients (one model's
+    worth) and, with a biased compressor, an error-feedback residual per
+    parameter; a parameter-server worker keeps a push buffer; a server holds its
+    ``1/S`` shard of parameters and optimizer state plus one gradient accumulator.
+    """
+    p = float(prof.param_bytes)
+    act = prof.activation_bytes + prof.input_bytes
+    if s.kind == "single":
+        return Memory(params=p, grads=p, optimizer=_opt_state(prof), activations=act)
+    residual = p if comp is not None and comp.kind not in ("dense", "summable") else 0.0
+    payload = (comp.ratio if comp is not None else 1.0) * p
+    if s.kind in ("dp", "ddp"):
+        return Memory(params=p, grads=p, optimizer=_opt_state(prof), activations=act, buffers=p + residual)
+    worker = Memory(params=p, grads=p, optimizer=0.0, activations=act, buffers=payload + residual)
+    server = Memory(params=p / s.servers, grads=0.0, optimizer=_opt_state(prof) / s.servers, activations=0.0,
+                    buffers=2 * p / s.servers)  # fmt: skip
+    return worker if worker.total >= server.total else server
+
+
+# ---------------------------------------------------------------------- strategies
+
+
+def predict(
+    prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionModel | None = None, *, overhead_s: float = 0.0
+) -> Prediction:
+    """Predict one strategy.
+
+    Args:
+        prof: the model profile at the per-worker batch (``global batch / workers``).
+        c: the cluster (the strategy's processes fill its nodes in order).
+        s: the strategy.
+        comp: the compressor's cost model (required when ``s.compression`` is not "none").
+        overhead_s: fixed seconds per step beyond model and communication (the
+            training loop's own bookkeeping; calibration measures it).
+
+    Raises:
+        ConfigError: the strategy needs more processes than the cluster has devices.
+    """
+    if s.processes > c.devices:
+        raise ConfigError(f"{s.label()} needs {s.processes} processes, the cluster has {c.devices} devices")
+    if s.compression not in ("", "none") and comp is None:
+        raise ConfigError(f"strategy {s.label()} needs a CompressionModel for {s.compression!r}")
+    comp = comp or CompressionModel()
+    fwd, bwd, opt = compute_times(prof, c)
+    mem = memory_per_device(prof, s, comp)
+    fits = mem.total <= c.device.memory
+    if s.kind == "single" or s.workers == 1 and s.kind != "ps":
+        step = sum(fwd) + sum(bwd) + opt + overhead_s
+        return Prediction(s, step, prof.batch * s.workers / step, step - overhead_s, 0.0, 0.0, 0.0, 0.0, mem, fits,
+                          "compute only: no communication")  # fmt: skip
+    if s.kind in ("dp", "ddp"):
+        return _predict_dp(prof, c, s, comp, fwd, bwd, opt, overhead_s, mem, fits)
+    return _predict_ps(prof, c, s, comp, fwd, bwd, opt, overhead_s, mem, fits)
+
+
+def buckets_of(prof: ModelProfile, bucket_mb: float) -> list[tuple[float, int]]:
+    """(bytes, index of the earliest layer in it) of each bucket, in the order backward fills them."""
+    order = [i for i in reversed(range(len(prof.layers))) if prof.layers[i].param_bytes > 0]
+    sizes = [prof.layers[i].param_bytes for i in order]
+    if not sizes:
+        return []
+    groups = assign_buckets(sizes, cap_bytes=max(1, int(bucket_mb * MB)),
+                            first_cap_bytes=max(1, int(min(_FIRST_BUCKET_MB, bucket_mb) * MB)))  # fmt: skip
+    return [(float(sum(sizes[k] for k in g)), order[g[-1]]) for g in groups]
+
+
+def _predict_dp(
+    prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionModel, fwd: list[float], bwd: list[float],
+    opt: float, overhead: float, mem: Memory, fits: bool,
+) -> Prediction:  # fmt: skip
+    p = s.workers
+    algorithm = "native" if s.kind == "ddp" else s.algorithm
+    node_size = min(c.devices_per_node, p)
+    # backward finishes layer i at ready[i] (layers run last to first)
+    ready, t = [0.0] * len(bwd), 0.0
+    for i in reversed(range(len(bwd))):
+        t += bwd[i]
+        ready[i] = t
+    bwd_total = t
+    end, comm_total, coding_total, sent = 0.0, 0.0, 0.0, 0.0
+    bucket_end: dict[int, float] = {}
+    for nbytes, first_layer in buckets_of(prof, s.bucket_mb):
+        comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp)
+        copy = 2 * nbytes * c.device.gamma  # flatten into and out of the bucket
+        dur = comm + coding + copy
+        start = max(ready[first_layer], end)
+        end = start + dur
+        bucket_end[first_layer] = end
+        comm_total += comm
+        coding_total += coding + copy
+        sent += compressed_allreduce_bytes(algorithm, nbytes, p, comp, node_size)
+    f_total = sum(fwd)
+    if s.overlap == "forward" and s.kind == "dp":
+        step = _forward_overlap_period(fwd, bwd, opt, prof, bucket_end, bwd_total)
+    else:
+        step = f_total + max(bwd_total, end) + opt
+    step += overhead
+    compute = f_total + bwd_total + opt
+    exposed = max(0.0, step - overhead - compute)
+    bound = "communication" if exposed > 0.5 * compute else "compute"
+    why = (f"{bound}-bound: {comm_total * 1e3:.3g} ms of allreduce, {exposed * 1e3:.3g} ms not hidden by "
+           f"{bwd_total * 1e3:.3g} ms of backward")  # fmt: skip
+    return Prediction(s, step, prof.batch * p / step, compute, comm_total + coding_total, exposed, 0.0, sent, mem, fits,
+                      why, {"fwd_s": f_total, "bwd_s": bwd_total, "opt_s": opt, "coding_s": coding_total})  # fmt: skip
+
+
+def _forward_overlap_period(
+    fwd: list[float], bwd: list[float], opt: float, prof: ModelProfile, bucket_end: dict[int, float], bwd_total: float
+) -> float:
+    """Steady-state step of priority scheduling: layer i's next forward waits for its bucket's update."""
+    total_params = max(1, prof.param_bytes)
+    # which bucket (keyed by its earliest layer) holds each layer: the nearest key at or below it
+    keys = sorted(bucket_end)
+    done = {}
+    for k in keys:
+        share = sum(ly.param_bytes for ly in prof.layers[k:]) / total_params
+        done[k] = bucket_end[k] + opt * share  # per-bucket optimizer step after its allreduce
+    t = bwd_total  # next forward may start when backward ends
+    for i, f in enumerate(fwd):
+        owner = max((k for k in keys if k <= i), default=None)
+        if owner is None and keys:
+            owner = keys[0]
+        if owner is not None and prof.layers[i].param_bytes > 0:
+            t = max(t, done[owner])
+        t += f
+    return t  # from the start of one backward to the start of the next (= fwd + bwd + waits)
+
+
+def _nic_load(c: ClusterSpec, flows: list[tuple[int, int, float]]) -> float:
+    """Seconds to move ``flows`` (src rank, dst rank, bytes) at once: the busiest interface decides."""
+    out_: dict[int, float] = {}
+    in_: dict[int, float] = {}
+    intra_t = 0.0
+    for a, b, nbytes in flows:
+        na, nb = c.node_of(a), c.node_of(b)
+        if na == nb:
+            intra_t = max(intra_t, nbytes * c.intra.beta)
+            continue
+        out_[na] = out_.get(na, 0.0) + nbytes
+        in_[nb] = in_.get(nb, 0.0) + nbytes
+    busiest = max([*out_.values(), *in_.values(), 0.0])
+    return max(intra_t, busiest * c.inter.beta)
+
+
+@dataclass(frozen=True)
+class PSCosts:
+    """The parameter server's phases for one strategy (seconds).
+
+    Attributes:
+        push_all / pull_all: all ``N`` workers push (pull) at once (bsp); the busiest link decides.
+        push_one / pull_one: one worker alone (no contention at the servers).
+        in_per_push / out_per_pull: how long one worker's push (pull) occupies the servers' links.
+        apply_one: server time to fold in one gradient (its shard: sum + optimizer step).
+        coding: encode + decode of a compressed gradient on the worker.
+        payload: bytes one worker sends per push.
+    """
+
+    push_all: float
+    pull_all: float
+    push_one: float
+    pull_one: float
+    in_per_push: float
+    out_per_pull: float
+    apply_one: float
+    coding: float
+    payload: float
+
+
+def ps_costs(prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionModel, opt: float) -> PSCosts:
+    """Phase times of the parameter server (ranks ``0..S-1`` serve, workers follow, placed node by node)."""
+    S, N = s.servers, s.workers
+    n = float(prof.param_bytes)
+    payload = comp.ratio * n if comp.kind != "dense" else n
+    coding = n * (comp.encode_s_per_byte + comp.decode_s_per_byte) if comp.kind != "dense" else 0.0
+    servers, workers = range(S), range(S, S + N)
+    lat = 2 * S * (c.inter.alpha if c.nodes > 1 else c.intra.alpha)  # header + payload per server and direction
+    w0 = S  # a representative worker
+    server_beta = c.link(0, w0).beta
+    return PSCosts(
+        push_all=_nic_load(c, [(w, sv, payload / S) for w in workers for sv in servers]) + lat,
+        pull_all=_nic_load(c, [(sv, w, n / S) for w in workers for sv in servers]) + lat,
+        push_one=_nic_load(c, [(w0, sv, payload / S) for sv in servers]) + lat,
+        pull_one=_nic_load(c, [(sv, w0, n / S) for sv in servers]) + lat,
+        in_per_push=payload / S * server_beta,
+        out_per_pull=n / S * server_beta,
+        apply_one=(n / S) * c.device.gamma + opt / S,
+        coding=coding,
+        payload=payload,
+    )
+
+
+def _predict_ps(
+    prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionModel, fwd: list[float], bwd: list[float],
+    opt: float, overhead: float, mem: Memory, fits: bool,
+) -> Prediction:  # fmt: skip
+    N = s.workers
+    pc = ps_costs(prof, c, s, comp, opt)
+    compute = sum(fwd) + sum(bwd)
+    policy = s.consistency.split(":")[0]
+    detail = {"push_s": pc.push_all, "pull_s": pc.pull_all, "apply_s": N * pc.apply_one}
+    if policy in ("bsp", "backup"):
+        comm = pc.push_all + pc.pull_all
+        step = compute + pc.coding + pc.push_all + N * pc.apply_one + pc.pull_all + overhead
+        wait = N * pc.apply_one
+        why = (f"synchronous: {comm * 1e3:.3g} ms push+pull through {s.servers} server link(s) after "
+               f"{compute * 1e3:.3g} ms compute")  # fmt: skip
+    else:
+        comm = pc.push_one + pc.pull_one
+        cycle = compute + pc.coding + pc.push_one + pc.apply_one + pc.pull_one + overhead
+        # the servers serve one push at a time per resource: link in, CPU, link out
+        per_update = max(pc.in_per_push, pc.out_per_pull, pc.apply_one)
+        step = max(cycle, N * per_update)
+        wait = step - cycle
+        why = (f"asynchronous ({s.consistency}): no barrier; "
+               + ("server links saturated" if N * per_update > cycle else "bounded by each worker's own cycle"))  # fmt: skip
+    exposed = max(0.0, step - compute - overhead - pc.coding)
+    return Prediction(s, step, prof.batch * N / step, compute, comm, exposed, wait, pc.payload, mem, fits, why,
+                      detail)  # fmt: skip

@@ -1,0 +1,307 @@
+"""Cluster description: the hardware side of the performance model, read from TOML.
+
+A cluster is ``nodes`` machines with ``devices_per_node`` devices each, two link
+levels (``intra`` between devices of one node, ``inter`` between nodes: each
+node's network interface, full duplex), and a device model. ``dtrain bench
+calibrate`` writes this file from measurements; it is also meant to be written
+by hand for clusters one does not have. Schema (every key but ``nodes`` and the
+``inter`` link may be left out; units as in :mod:`dtrain.perfmodel._units`)::
+
+    name = "horovod-2017"
+    nodes = 32
+    devices_per_node = 4
+
+    [device]
+    kind = "P100"          # free text
+    flops = 9.3e12         # sustained FLOP/s of one device (used when no measured time fits)
+    memory = "16GiB"       # per device
+    gamma = 2e-11          # seconds per byte of a reduction (1 / reduction throughput)
+    compute_scale = 1.0    # measured compute on this cluster / measured compute alone
+    host = ""              # hostname the measured profiles come from (calibration sets it)
+    overhead = "0.3ms"     # per training step beyond model and communication (loop bookkeeping)
+
+    [links.intra]          # device <-> device inside a node
+    bandwidth = "80gbit"   # each direction (tc style, bits per second)
+    latency = "5us"        # alpha: seconds per message
+    efficiency = 1.0       # fraction of the rate a bulk transfer reaches (1: bandwidth is measured)
+
+    [links.inter]          # node <-> switch, full duplex
+    bandwidth = "25gbit"
+    latency = "30us"
+    efficiency = 0.75
+
+    [models.resnet101]     # optional: known throughput of a model on one device
+    samples_per_s = 129
+    backward_fraction = 0.667   # share of compute in backward (default 2/3)
+    optimizer_s = 0.0           # optimizer step time per step
+
+    [compressors."topk:0.01"]   # optional: measured compressor costs (calibration writes them)
+    ratio = 0.02
+    encode_s_per_byte = 3e-9
+    decode_s_per_byte = 1e-9
+
+A cluster with ``nodes == 1`` uses only ``intra``; a flat job of ``P`` devices
+over ``N`` nodes is placed node by node (ranks ``i*d .. i*d+d-1`` on node ``i``).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from dtrain.errors import ConfigError
+from dtrain.perfmodel._units import format_rate, parse_bytes, parse_rate, parse_time
+
+__all__ = ["Link", "Device", "ModelRate", "CompressorCost", "ClusterSpec", "load_cluster", "dump_cluster"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of the network in the alpha-beta model.
+
+    Attributes:
+        bandwidth: bytes per second, each direction.
+        latency: alpha, seconds per message (software overhead included when measured).
+        efficiency: fraction of ``bandwidth`` that bulk transfers reach (default: 1).
+    """
+
+    bandwidth: float
+    latency: float = 0.0
+    efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ConfigError(f"link bandwidth must be > 0, got {self.bandwidth}")
+        if self.latency < 0:
+            raise ConfigError(f"link latency must be >= 0, got {self.latency}")
+        if not 0 < self.efficiency <= 1:
+            raise ConfigError(f"link efficiency must be in (0, 1], got {self.efficiency}")
+
+    @property
+    def alpha(self) -> float:
+        return self.latency
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte of a bulk transfer."""
+        return 1.0 / (self.bandwidth * self.efficiency)
+
+    def time(self, nbytes: float, messages: int = 1) -> float:
+        return messages * self.alpha + nbytes * self.beta
+
+
+@dataclass(frozen=True)
+class Device:
+    """One compute device.
+
+    Attributes:
+        kind: free text ("cpu", "P100").
+        flops: sustained FLOP/s for dense layers.
+        memory: bytes of memory.
+        gamma: seconds per byte reduced (summing two fp32 buffers).
+        compute_scale: how much slower measured compute runs when every device of
+            the cluster computes at once (shared cores of an emulated cluster); 1 on real clusters.
+        host: hostname whose measured model profiles apply to this device ("" = none).
+        overhead: fixed seconds per training step beyond model and communication
+            (the training loop's own bookkeeping; calibration measures it).
+    """
+
+    kind: str = "cpu"
+    flops: float = 1e10
+    memory: float = 8 * 2.0**30
+    gamma: float = 2.5e-10
+    compute_scale: float = 1.0
+    host: str = ""
+    overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.overhead < 0:
+            raise ConfigError(f"device overhead must be >= 0 seconds, got {self.overhead}")
+        for name in ("flops", "memory", "compute_scale"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"device {name} must be > 0, got {getattr(self, name)}")
+        if self.gamma < 0:
+            raise ConfigError(f"device gamma must be >= 0, got {self.gamma}")
+
+
+@dataclass(frozen=True)
+class ModelRate:
+    """A model's known speed on one device (overrides FLOP-based estimates)."""
+
+    samples_per_s: float
+    backward_fraction: float = 2.0 / 3.0
+    optimizer_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.samples_per_s > 0:
+            raise ConfigError(f"samples_per_s must be > 0, got {self.samples_per_s}")
+        if not 0 <= self.backward_fraction < 1:
+            raise ConfigError(f"backward_fraction must be in [0, 1), got {self.backward_fraction}")
+
+
+@dataclass(frozen=True)
+class CompressorCost:
+    """What a compressor does to a gradient of ``n`` bytes: payload ``ratio*n``, encode/decode time."""
+
+    ratio: float
+    encode_s_per_byte: float = 0.0
+    decode_s_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ratio <= 2:
+            raise ConfigError(f"compression ratio must be in (0, 2], got {self.ratio}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The cluster the performance model predicts for (see the module docstring for the TOML)."""
+
+    nodes: int
+    devices_per_node: int = 1
+    inter: Link = field(default_factory=lambda: Link(bandwidth=parse_rate("1gbit"), latency=50e-6))
+    intra: Link = field(default_factory=lambda: Link(bandwidth=parse_rate("40gbit"), latency=10e-6))
+    device: Device = field(default_factory=Device)
+    models: Mapping[str, ModelRate] = field(default_factory=dict)
+    compressors: Mapping[str, CompressorCost] = field(default_factory=dict)
+    name: str = "cluster"
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError(f"nodes must be >= 1, got {self.nodes}")
+        if self.devices_per_node < 1:
+            raise ConfigError(f"devices_per_node must be >= 1, got {self.devices_per_node}")
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def link(self, a: int, b: int) -> Link:
+        """The slowest level a message from rank ``a`` to rank ``b`` crosses."""
+        return self.intra if self.node_of(a) == self.node_of(b) else self.inter
+
+    def with_devices(self, p: int) -> "ClusterSpec":
+        """The same hardware holding ``p`` devices (fills nodes in order; may add nodes)."""
+        d = min(self.devices_per_node, p)
+        return replace(self, nodes=max(1, math.ceil(p / d)), devices_per_node=d)
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} {self.device.kind}, "
+            f"inter {format_rate(self.inter.bandwidth)} / {self.inter.latency * 1e6:.0f}us, "
+            f"intra {format_rate(self.intra.bandwidth)} / {self.intra.latency * 1e6:.0f}us"
+        )
+
+
+# ---------------------------------------------------------------------- TOML
+
+
+def _link(d: Mapping[str, Any], where: str, default: Link | None) -> Link:
+    if not d:
+        if default is None:
+            raise ConfigError(f"{where}: missing; give at least bandwidth = \"...\" (e.g. \"1gbit\")")
+        return default
+    unknown = set(d) - {"bandwidth", "latency", "efficiency"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; use bandwidth, latency, efficiency")
+    if "bandwidth" not in d:
+        raise ConfigError(f"{where}: bandwidth is required (e.g. bandwidth = \"25gbit\")")
+    return Link(
+        bandwidth=parse_rate(d["bandwidth"]),
+        latency=parse_time(d.get("latency", 0.0)),
+        efficiency=float(d.get("efficiency", 1.0)),
+    )
+
+
+def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> ClusterSpec:
+    """Build a :class:`ClusterSpec` from the parsed TOML (see the module docstring)."""
+    known = {"name", "nodes", "devices_per_node", "device", "links", "models", "compressors"}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+    if "nodes" not in data:
+        raise ConfigError(f"{source}: 'nodes' is required")
+    links = dict(data.get("links", {}))
+    dev = dict(data.get("device", {}))
+    unknown = set(dev) - {"kind", "flops", "memory", "gamma", "compute_scale", "host", "overhead"}
+    if unknown:
+        raise ConfigError(f"{source}: [device] has unknown key(s) {', '.join(sorted(unknown))}")
+    device = Device(
+        kind=str(dev.get("kind", "cpu")),
+        flops=float(dev.get("flops", 1e10)),
+        memory=parse_bytes(dev.get("memory", 8 * 2**30)),
+        gamma=parse_time(dev.get("gamma", 2.5e-10)),
+        compute_scale=float(dev.get("compute_scale", 1.0)),
+        host=str(dev.get("host", "")),
+        overhead=parse_time(dev.get("overhead", 0.0)),
+    )
+    inter = _link(links.get("inter", {}), f"{source}: [links.inter]", None if int(data["nodes"]) > 1 else Link(1e9))
+    intra = _link(links.get("intra", {}), f"{source}: [links.intra]", Link(parse_rate("40gbit"), 10e-6))
+    models = {str(k): ModelRate(**dict(v)) for k, v in dict(data.get("models", {})).items()}
+    comps = {str(k): CompressorCost(**dict(v)) for k, v in dict(data.get("compressors", {})).items()}
+    return ClusterSpec(
+        name=str(data.get("name", Path(source).stem)),
+        nodes=int(data["nodes"]),
+        devices_per_node=int(data.get("devices_per_node", 1)),
+        inter=inter,
+        intra=intra,
+        device=device,
+        models=models,
+        compressors=comps,
+    )
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    """Read a cluster TOML file.
+
+    Raises:
+        ConfigError: missing file, bad TOML, or a value that says what to change.
+    """
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"cluster file {str(p)!r} does not exist (write one by hand or run `dtrain bench calibrate`)")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    return cluster_from_dict(data, source=str(p))
+
+
+def _num(x: float) -> str:
+    return repr(float(x)) if not float(x).is_integer() or abs(x) >= 1e15 else f"{x:.1f}"
+
+
+def dump_cluster(c: ClusterSpec, comment: str = "") -> str:
+    """The cluster as TOML that :func:`load_cluster` reads back exactly."""
+    out = ["# dtrain cluster description (schema: dtrain.perfmodel.spec)"]
+    out += [f"# {line}" for line in comment.splitlines()]
+    out += [f"name = \"{c.name}\"", f"nodes = {c.nodes}", f"devices_per_node = {c.devices_per_node}", ""]
+    d = c.device
+    out += ["[device]", f"kind = \"{d.kind}\"", f"flops = {_num(d.flops)}", f"memory = {_num(d.memory)}",
+            f"gamma = {_num(d.gamma)}", f"compute_scale = {_num(d.compute_scale)}", f"host = \"{d.host}\"",
+            f"overhead = {_num(d.overhead)}", ""]  # fmt: skip
+    for name, link in (("intra", c.intra), ("inter", c.inter)):
+        out += [f"[links.{name}]", f"bandwidth = {_num(link.bandwidth * 8)}  # {format_rate(link.bandwidth)}",
+                f"latency = {_num(link.latency)}", f"efficiency = {_num(link.efficiency)}", ""]  # fmt: skip
+    for mname, m in c.models.items():
+        out += [f"[models.\"{mname}\"]", f"samples_per_s = {_num(m.samples_per_s)}",
+                f"backward_fraction = {_num(m.backward_fraction)}", f"optimizer_s = {_num(m.optimizer_s)}", ""]  # fmt: skip
+    for cname, cc in c.compressors.items():
+        out += [f"[compressors.\"{cname}\"]", f"ratio = {_num(cc.ratio)}",
+                f"encode_s_per_byte = {_num(cc.encode_s_per_byte)}", f"decode_s_per_byte = {_num(cc.decode_s_per_byte)}",
+                ""]  # fmt: skip
+    return "\n".join(out)
+
+
+def this_host() -> str:
+    return socket.gethostname()

@@ -1,0 +1,249 @@
+"""Performance model: units, cluster TOML, collective costs, profiles, step/memory predictions.
+
+Cost functions are checked against hand-computed values (written out in the
+comments) on made-up clusters; profiles against FLOPs and parameter counts
+computed by hand for tiny models.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain.comm import cost
+from dtrain.errors import ConfigError
+from dtrain.perfmodel import ClusterSpec, Device, Link, Strategy, dump_cluster, load_cluster, predict, profile_model
+from dtrain.perfmodel._units import parse_bytes, parse_rate, parse_time
+from dtrain.perfmodel.calibrate import fit_alpha_beta
+from dtrain.perfmodel.collectives import CompressionModel, allreduce_bytes, allreduce_time, compressed_allreduce_time
+from dtrain.perfmodel.compression import compression_model, compressor_kind
+from dtrain.perfmodel.predict import buckets_of, memory_per_device, ps_costs
+from dtrain.perfmodel.profile import LayerProfile, ModelProfile
+
+MiB = 1 << 20
+
+
+def flat(nodes: int, alpha: float, beta: float, gamma: float = 0.0, per_node: int = 1, **kw) -> ClusterSpec:
+    return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=Link(1 / beta, alpha),
+                       intra=kw.pop("intra", Link(1 / beta, alpha)), device=Device(gamma=gamma, host="h", **kw))
+
+
+# ---------------------------------------------------------------- units and TOML
+
+
+def test_units_parse_tc_style_rates_sizes_and_times():
+    assert parse_rate("100mbit") == 100e6 / 8
+    assert parse_rate("25Gbit/s") == 25e9 / 8
+    assert parse_rate(8e6) == 1e6
+    assert parse_bytes("16MiB") == 16 * MiB and parse_bytes("1GB") == 1e9
+    assert parse_time("5us") == pytest.approx(5e-6) and parse_time("1.5ms") == pytest.approx(1.5e-3)
+    for bad in ("10MB/s", "fast", "-1mbit"):
+        with pytest.raises(ConfigError):
+            parse_rate(bad)
+
+
+def test_cluster_toml_round_trips_and_rejects_bad_keys(tmp_path):
+    c = ClusterSpec(nodes=32, devices_per_node=4, inter=Link(parse_rate("25gbit"), 30e-6, 0.75),
+                    intra=Link(parse_rate("80gbit"), 5e-6), device=Device(kind="P100", flops=9.3e12, memory=16 * 2**30,
+                                                                          gamma=2e-11, overhead=1e-3), name="hvd")  # fmt: skip
+    p = tmp_path / "c.toml"
+    p.write_text(dump_cluster(c))
+    assert load_cluster(p) == c
+    p.write_text('nodes = 2\nbandwith = "1gbit"\n')
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_cluster(p)
+    p.write_text('nodes = 2\n[links.inter]\nlatency = "5us"\n')
+    with pytest.raises(ConfigError, match="bandwidth is required"):
+        load_cluster(p)
+    p.write_text('nodes = 2\n[links.inter]\nbandwidth = "1gbit"\n[models.resnet]\nsamples_per_s = 130\n')
+    assert load_cluster(p).models["resnet"].samples_per_s == 130
+
+
+# ---------------------------------------------------------------- collectives (hand-computed)
+
+N = 1_000_000  # bytes
+A, B, G = 1e-3, 1e-6, 1e-9  # alpha s, beta s/B, gamma s/B
+
+
+def test_one_level_costs_match_the_textbook_formulas():
+    c = flat(4, A, B, G)
+    # ring: 2(P-1)a + 2(P-1)/P n b + (P-1)/P n g = 6e-3 + 1.5 + 0.75e-3
+    assert allreduce_time(c, "ring", N, 4) == pytest.approx(1.50675)
+    # binomial tree: 2 log2P (a + n b) + log2P n g = 4 (1e-3 + 1) + 2e-3
+    assert allreduce_time(c, "tree", N, 4) == pytest.approx(4.006)
+    # recursive doubling: log2P (a + n b + n g) = 2 (1e-3 + 1 + 1e-3)
+    assert allreduce_time(c, "recursive_doubling", N, 4) == pytest.approx(2.004)
+    # Rabenseifner: 2 log2P a + 2(P-1)/P n b + (P-1)/P n g = 4e-3 + 1.5 + 0.75e-3
+    assert allreduce_time(c, "rabenseifner", N, 4) == pytest.approx(1.50475)
+    assert allreduce_time(c, "ring", N, 1) == 0.0
+
+
+@pytest.mark.parametrize("alg", ["ring", "native", "tree", "recursive_doubling", "rabenseifner"])
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+def test_one_level_costs_are_comm_cost(alg, p):
+    c = flat(p, A, B, G)
+    link = cost.LinkCost(A, B, G)
+    piece = cost.RING_PIECE_BYTES if alg == "ring" else None
+    assert allreduce_time(c, alg, N, p) == pytest.approx(cost.allreduce_time(alg, p, N, link, piece_bytes=piece))
+
+
+def test_two_level_costs_charge_each_round_on_its_level():
+    intra = Link(1 / 1e-8, 1e-5)
+    c = flat(2, A, B, G, per_node=2, intra=intra)  # 2 nodes x 2 devices, ranks node by node
+    # ring: every step crosses nodes once per interface -> the one-level inter formula
+    assert allreduce_time(c, "ring", N, 4) == pytest.approx(1.50675)
+    # recursive doubling: distance 1 inside (1e-5 + 1e-2 + 1e-3), distance 2 across with both
+    # devices of a node sharing its interface (1e-3 + 2 n b + 1e-3)
+    assert allreduce_time(c, "recursive_doubling", N, 4) == pytest.approx(0.01101 + 2.002)
+    # Rabenseifner: halving at distance 2 (n/2, contention 2): 2(1e-3 + 1) + 0.5e-3;
+    # distance 1 inside (n/4): 2(1e-5 + 2.5e-3) + 2.5e-4
+    assert allreduce_time(c, "rabenseifner", N, 4) == pytest.approx(2.0025 + 0.00527)
+    # tree: round 0 inside 2(1e-5 + 1e-2) + 1e-3; round 1 across, one flow: 2(1e-3 + 1) + 1e-3
+    assert allreduce_time(c, "tree", N, 4) == pytest.approx(0.02102 + 2.003)
+    # hierarchical: tree in the node (0.02102) + ring of 2 leaders 2a + n b + n g / 2
+    assert allreduce_time(c, "hierarchical", N, 4) == pytest.approx(0.02102 + 1.0025)
+
+
+def test_bytes_per_rank_match_the_traffic_counts():
+    assert allreduce_bytes("ring", 4000, 4) == pytest.approx(2 * 3 / 4 * 4000)
+    assert allreduce_bytes("recursive_doubling", 4000, 4) == pytest.approx(2 * 4000)
+    assert allreduce_bytes("ring", 4000, 128) == pytest.approx(2 * 127 / 128 * 4000)  # closed form beyond 64
+
+
+def test_compressed_collectives():
+    c = flat(4, 0.0, B, 0.0)
+    half = CompressionModel("fp16", "summable", 0.5, 1e-9, 1e-9)
+    comm, coding = compressed_allreduce_time(c, "ring", N, 4, half)
+    assert comm == pytest.approx(1.5 / 2) and coding == pytest.approx(N * 2e-9)
+    # quantizer: direct reduce-scatter + allgather of the payload: 2 (P-1) payload/P bytes
+    q = CompressionModel("onebit", "quantizer", 1 / 32)
+    assert compressed_allreduce_time(c, "ring", N, 4, q)[0] == pytest.approx(2 * 3 * (N / 32 / 4) * B)
+    dense = compressed_allreduce_time(c, "ring", N, 4, CompressionModel())
+    assert dense == (allreduce_time(c, "ring", N, 4), 0.0)
+
+
+def test_compressors_come_from_the_registry():
+    assert compressor_kind("none") == "dense"
+    assert compressor_kind("fp16") == "summable"
+    assert compressor_kind("topk:0.01") == "sparse"
+    assert compressor_kind("powersgd:2") == "lowrank"
+    assert compressor_kind("onebit") == "quantizer"
+    m = compression_model("fp16", measure=False)
+    assert m.ratio == 0.5 and m.kind == "summable"
+    assert compression_model("topk:0.01", measure=False).ratio == pytest.approx(0.02, rel=0.01)  # 8 B per pair
+    with pytest.raises(ConfigError):
+        compressor_kind("zip")
+
+
+# ---------------------------------------------------------------- profile
+
+
+def test_profile_counts_params_flops_and_activations_by_hand():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    b = 5
+    prof = profile_model(model, (torch.randn(b, 4), torch.randint(0, 2, (b,))), name="tiny", repeats=3, warmup=1)
+    l0, relu, l1 = prof.layers
+    assert (l0.params, relu.params, l1.params) == (15, 0, 8)
+    assert prof.param_bytes == 23 * 4
+    # forward: 2 b in out; backward: weight grad 2 b in out, plus input grad for the second layer
+    assert l0.fwd_flops == 2 * b * 4 * 3 and l0.bwd_flops == 2 * b * 4 * 3
+    assert l1.fwd_flops == 2 * b * 3 * 2 and l1.bwd_flops == 2 * (2 * b * 3 * 2)
+    assert (l0.activation_bytes, l1.activation_bytes) == (b * 3 * 4, b * 2 * 4)
+    assert prof.measured and prof.fwd_s > 0 and prof.bwd_s > 0 and prof.optimizer_s > 0
+    scaled = prof.at_batch(10)
+    assert scaled.fwd_flops == 2 * prof.fwd_flops and scaled.activation_bytes == 2 * prof.activation_bytes
+
+
+def test_profile_on_meta_device_needs_no_memory():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    x = torch.empty(8, 4096, device="meta")
+    prof = profile_model(model, x, measure=False)
+    assert prof.params == 4096 * 4096 + 4096 + 4096 * 10 + 10
+    assert prof.fwd_flops == 2 * 8 * (4096 * 4096 + 4096 * 10)
+    assert not prof.measured
+
+
+# ---------------------------------------------------------------- predictions
+
+
+def made_up_profile(host: str = "h") -> ModelProfile:
+    """Three layers of 1 MiB of parameters; forward 0.05 s and backward 0.1 s each; optimizer 0.01 s."""
+    layers = tuple(LayerProfile(f"l{i}", MiB // 4, MiB, 1e9, 2e9, 1000.0, 0.05, 0.1) for i in range(3))
+    return ModelProfile("made_up", 8, layers, optimizer_s=0.01, host=host)
+
+
+def test_dp_overlaps_buckets_with_backward_by_hand():
+    prof = made_up_profile()
+    c = flat(2, 0.0, 0.15 / MiB)  # a 1 MiB bucket takes 0.15 s on a 2-rank ring
+    assert [b for b, _ in buckets_of(prof, 1.0)] == [MiB, MiB, MiB]
+    p = predict(prof, c, Strategy("dp", 2, "ring", bucket_mb=1.0))
+    # buckets ready at 0.1, 0.2, 0.3; chain: 0.1-0.25, 0.25-0.4, 0.4-0.55; step = 0.15 + 0.55 + 0.01
+    assert p.step_s == pytest.approx(0.71)
+    assert p.exposed_s == pytest.approx(0.25)
+    assert p.samples_per_s == pytest.approx(16 / 0.71)
+    assert p.bytes_per_step == pytest.approx(3 * MiB)  # 2 (P-1)/P n = n per bucket for P = 2
+    one = predict(prof, c, Strategy("dp", 2, "ring", bucket_mb=25.0))  # 1 MiB first bucket, then the rest
+    # buckets [l2] ready 0.1 and [l1, l0] ready 0.3: 0.1-0.25, 0.3-0.6
+    assert one.step_s == pytest.approx(0.15 + 0.6 + 0.01)
+    single = predict(prof, c, Strategy("single", 1))
+    assert single.step_s == pytest.approx(0.46) and single.comm_s == 0.0
+
+
+def test_compute_falls_back_to_flops_and_model_rates():
+    prof = made_up_profile(host="elsewhere")
+    c = flat(2, 0.0, 1e-9, 0.0)
+    p = predict(prof, c, Strategy("single", 1))
+    assert p.compute_s == pytest.approx(9e9 / c.device.flops + 4 * 3 * MiB * c.device.gamma)
+    from dtrain.perfmodel.spec import ModelRate
+
+    rated = ClusterSpec(nodes=2, device=Device(), models={"made_up": ModelRate(samples_per_s=80.0)})
+    assert predict(prof, rated, Strategy("single", 1)).step_s == pytest.approx(8 / 80.0)
+
+
+def test_parameter_server_bsp_by_hand():
+    prof = made_up_profile()
+    n = 3 * MiB
+    c = flat(4, 1e-3, 1e-8, 1e-10)  # 4 nodes, one device each: server on node 0, workers on 1..3
+    s = Strategy("ps", 3, servers=1, consistency="bsp")
+    pc = ps_costs(prof, c, s, CompressionModel(), prof.optimizer_s)
+    assert pc.push_all == pytest.approx(3 * n * 1e-8 + 2e-3)  # server's link takes 3 n; header + payload
+    assert pc.push_one == pytest.approx(n * 1e-8 + 2e-3)
+    p = predict(prof, c, s)
+    apply = 3 * (n * 1e-10 + 0.01)
+    assert p.step_s == pytest.approx(0.45 + 2 * (3 * n * 1e-8 + 2e-3) + apply)
+    two = predict(prof, c, Strategy("ps", 2, servers=2, consistency="bsp"))
+    assert two.detail["push_s"] == pytest.approx(2 * n / 2 * 1e-8 + 4e-3)  # each server link takes N n / S
+    asp = predict(prof, c, Strategy("ps", 3, servers=1, consistency="asp"))
+    assert asp.step_s == pytest.approx(0.45 + 2 * (n * 1e-8 + 2e-3) + n * 1e-10 + 0.01)
+
+
+def test_memory_per_device_by_hand():
+    prof = made_up_profile()
+    p = float(prof.param_bytes)
+    act = 3 * 1000.0
+    m = memory_per_device(prof, Strategy("dp", 4))
+    assert (m.params, m.grads, m.optimizer, m.activations, m.buffers) == (p, p, p, act, p)
+    adam = memory_per_device(ModelProfile("m", 8, prof.layers, optimizer="adam"), Strategy("single", 1))
+    assert adam.optimizer == 2 * p and adam.buffers == 0
+    tiny = ClusterSpec(nodes=2, device=Device(memory=1000.0, host="h"))
+    assert not predict(prof, tiny, Strategy("dp", 2)).fits
+
+
+def test_bad_strategies_are_refused_before_predicting():
+    with pytest.raises(ConfigError, match="kind"):
+        Strategy("zero", 2)
+    with pytest.raises(ConfigError, match="processes"):
+        predict(made_up_profile(), flat(2, 0.0, 1e-9), Strategy("dp", 4))
+
+
+def test_fit_alpha_beta_recovers_a_line():
+    sizes = [4, 64, 1024, 1 << 18, 1 << 20, 1 << 22]
+    times = [20e-6 + n * 8e-9 for n in sizes]
+    a, b = fit_alpha_beta(sizes, times)
+    assert a == pytest.approx(20e-6, rel=0.02) and b == pytest.approx(8e-9, rel=0.01)
+    assert math.isfinite(a)

@@ -1,0 +1,142 @@
+"""Simulator: equals the closed form without stragglers; stragglers and asynchrony as computed by hand."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dtrain.errors import ConfigError
+from dtrain.perfmodel import ClusterSpec, Device, Link, Strategy, predict
+from dtrain.perfmodel.collectives import CompressionModel
+from dtrain.perfmodel.profile import LayerProfile, ModelProfile
+from dtrain.perfmodel.simulator import Stragglers, parse_policy, scaling_curve, simulate
+
+MiB = 1 << 20
+
+
+def profile() -> ModelProfile:
+    """Four layers of 1 MiB; forward 10 ms and backward 20 ms each; optimizer 4 ms."""
+    layers = tuple(LayerProfile(f"l{i}", MiB // 4, MiB, 1e9, 2e9, 1e5, 0.01, 0.02) for i in range(4))
+    return ModelProfile("m", 16, layers, optimizer_s=0.004, host="h")
+
+
+def cluster(nodes: int, rate: str = "1gbit", per_node: int = 1) -> ClusterSpec:
+    from dtrain.perfmodel._units import parse_rate
+
+    return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=Link(parse_rate(rate), 50e-6),
+                       intra=Link(parse_rate("40gbit"), 5e-6), device=Device(gamma=1e-10, host="h"))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "s",
+    [
+        Strategy("dp", 8, "ring", bucket_mb=1.0),
+        Strategy("dp", 8, "tree", bucket_mb=25.0),
+        Strategy("dp", 8, "recursive_doubling", bucket_mb=2.0),
+        Strategy("dp", 8, "ring", overlap="forward"),
+        Strategy("ddp", 8, "native"),
+        Strategy("ps", 6, servers=2, consistency="bsp"),
+        Strategy("ps", 6, servers=2, consistency="backup:1"),
+    ],
+    ids=lambda s: s.label(),
+)
+def test_synchronous_simulation_equals_the_closed_form(s):
+    c = cluster(8, "100mbit")
+    closed = predict(profile(), c, s, overhead_s=0.002)
+    sim = simulate(profile(), c, s, steps=10, overhead_s=0.002)
+    assert sim.step_s == pytest.approx(closed.step_s, rel=1e-9)
+    assert sim.samples_per_s == pytest.approx(closed.samples_per_s, rel=1e-9)
+    alone = 0.12 + 0.004 + 0.002  # fwd + bwd + optimizer + overhead
+    assert sim.efficiency == pytest.approx(alone / closed.step_s, rel=1e-9)
+
+
+def test_compressed_sync_simulation_equals_the_closed_form():
+    comp = CompressionModel("fp16", "summable", 0.5, 1e-10, 1e-10)
+    s = Strategy("dp", 4, "ring", compression="fp16")
+    c = cluster(4, "100mbit")
+    assert simulate(profile(), c, s, comp=comp, steps=5).step_s == pytest.approx(predict(profile(), c, s, comp).step_s)
+
+
+@pytest.mark.parametrize("cons", ["asp", "ssp:2", "softsync:2"])
+def test_async_simulation_approaches_the_closed_form(cons):
+    c = cluster(8, "1gbit")
+    s = Strategy("ps", 6, servers=2, consistency=cons)
+    closed = predict(profile(), c, s)
+    sim = simulate(profile(), c, s, steps=60)
+    assert sim.step_s == pytest.approx(closed.step_s, rel=0.03)  # start-up transient only
+    # identical workers settle into a round robin: each gradient is N-1 pushes old, i.e. N-1 updates,
+    # or (N-1)/k updates when softsync:k folds k pushes into one
+    expect = 2.5 if cons.startswith("softsync") else 5
+    assert sim.staleness_max <= expect + 0.5 and sim.staleness_mean == pytest.approx(expect, abs=0.2)
+
+
+def test_async_server_bound_throughput_is_the_server_link():
+    c = cluster(17, "100mbit")
+    s = Strategy("ps", 16, servers=1, consistency="asp")
+    closed = predict(profile(), c, s)
+    per_update = 4 * MiB / (100e6 / 8)  # each push and pull occupies the server's link for n / B
+    assert closed.step_s == pytest.approx(16 * per_update)
+    assert simulate(profile(), c, s, steps=20).step_s == pytest.approx(closed.step_s, rel=0.05)
+
+
+def test_a_slow_worker_holds_back_sync_but_not_backup_or_async():
+    c = cluster(8, "10gbit")
+    slow = Stragglers.parse("slow:0.125:3")  # one worker of 8, three times slower
+    compute = 0.12
+    bsp = Strategy("ps", 7, servers=1, consistency="bsp")
+    base = predict(profile(), c, bsp).step_s
+    # bsp waits for the slow one: its compute is 3x, everything else unchanged
+    assert simulate(profile(), c, bsp, stragglers=slow, steps=10).step_s == pytest.approx(base + 2 * compute)
+    # backup:1 drops the slowest gradient each round: no slowdown
+    backup = Strategy("ps", 7, servers=1, consistency="backup:1")
+    assert simulate(profile(), c, backup, stragglers=slow, steps=10).step_s == pytest.approx(base)
+    dp = Strategy("dp", 8, "ring")
+    dp_base = predict(profile(), c, dp).step_s
+    dp_slow = simulate(profile(), c, dp, stragglers=slow, steps=10).step_s
+    assert dp_slow == pytest.approx(dp_base + 2 * compute + 2 * 0.004, rel=0.02)  # optimizer also 3x on that one
+    asp = simulate(profile(), c, Strategy("ps", 7, servers=1, consistency="asp"), stragglers=slow, steps=20)
+    # the 6 fast workers keep their pace; the slow one's gradients are the stalest
+    assert asp.samples_per_s > 0.8 * simulate(profile(), c, Strategy("ps", 7, servers=1, consistency="asp"),
+                                              steps=20).samples_per_s  # fmt: skip
+    assert asp.staleness_max > 6
+
+
+def test_ssp_bounds_how_far_workers_drift():
+    c = cluster(5, "10gbit")
+    slow = Stragglers.parse("slow:0.25:4")
+    ssp = simulate(profile(), c, Strategy("ps", 4, servers=1, consistency="ssp:1"), stragglers=slow, steps=20)
+    asp = simulate(profile(), c, Strategy("ps", 4, servers=1, consistency="asp"), stragglers=slow, steps=20)
+    assert ssp.samples_per_s < asp.samples_per_s  # the bound makes fast workers wait
+    assert ssp.staleness_max < asp.staleness_max
+
+
+def test_lognormal_stragglers_cost_sync_dp_the_expected_maximum():
+    c = cluster(64, "10gbit")
+    s = Strategy("dp", 64, "ring")
+    noisy = simulate(profile(), c, s, stragglers=Stragglers.parse("lognormal:0.2"), steps=50, seed=1)
+    clean = simulate(profile(), c, s, steps=50)
+    assert noisy.step_s > clean.step_s  # the slowest of 64 draws sets each step
+    assert noisy.wait_frac > clean.wait_frac
+
+
+def test_thousands_of_workers_are_quick():
+    t0 = time.perf_counter()
+    res = scaling_curve(lambda n: profile(), cluster(4096, "10gbit"), Strategy("ps", 1, servers=64, consistency="asp"),
+                        [4000], steps=5, stragglers=Stragglers.parse("lognormal:0.1"))  # fmt: skip
+    sync = scaling_curve(lambda n: profile(), cluster(1, "10gbit", per_node=4), Strategy("dp", 1, "ring"),
+                         [8, 4096], steps=5)  # fmt: skip
+    assert time.perf_counter() - t0 < 30
+    assert res[0].workers == 4000 and sum(res[0].staleness.values()) >= 4000 * 4
+    assert sync[1].efficiency < sync[0].efficiency
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ConfigError):
+        Stragglers.parse("gamma:2")
+    with pytest.raises(ConfigError):
+        parse_policy("ssp")
+    with pytest.raises(ConfigError):
+        simulate(profile(), cluster(2), Strategy("dp", 4))
+    with pytest.raises(ConfigError, match="waits for no one"):
+        simulate(profile(), cluster(3), Strategy("ps", 2, servers=1, consistency="backup:2"))
