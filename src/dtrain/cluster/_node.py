@@ -13,9 +13,28 @@ import sys
 from pathlib import Path
 
 
-def main(path: str) -> int:
+def _load_main(script: str) -> None:
+    """Stand the caller's script in for ``__main__`` so functions defined there unpickle.
+
+    The script is executed under the name ``__mp_main__`` (its ``if __name__ ==
+    "__main__"`` block does not run), as multiprocessing's spawn does; workers
+    spawned from here find it the same way.
+    """
+    import runpy
+    import types
+
+    mod = types.ModuleType("__mp_main__")
+    mod.__dict__.update(runpy.run_path(script, run_name="__mp_main__"))
+    mod.__file__ = script
+    sys.modules["__mp_main__"] = mod
+    sys.modules["__main__"] = mod
+
+
+def main(path: str, script: str = "") -> int:
     from dtrain.launch import NodeSpec, launch
 
+    if script:
+        _load_main(script)
     p = pickle.loads(Path(path).read_bytes())
     node = NodeSpec(
         nnodes=p["nnodes"],
@@ -33,4 +52,4 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else ""))

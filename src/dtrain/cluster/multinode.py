@@ -101,16 +101,20 @@ def run_on_cluster(
             }
             pfile = work / f"payload{h}.pkl"
             pfile.write_bytes(pickle.dumps(payload))
+            main_file = _main_file(fn)
             log = open(work / f"host{h}.log", "wb")
             logs.append(log)
             out = None if (stream_first and h == 0) else log
-            cmd = ["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cluster._node", str(pfile)]
+            cmd = ["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cluster._node", str(pfile),
+                   main_file]  # fmt: skip
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
                                           start_new_session=True, env=penv))  # fmt: skip
         deadline = time.monotonic() + timeout_s
+        gave_up = False
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.returncode not in (None, 0) for p in procs):
                 time.sleep(2.0)  # let the others notice and report their own error
+                gave_up = True
                 break
             time.sleep(0.05)
         late = [h for h, p in enumerate(procs) if p.poll() is None]
@@ -127,7 +131,8 @@ def run_on_cluster(
                     continue
                 failures.append(f"host {h}: {value}")
             elif h in late:
-                failures.append(f"host {h}: still running after {timeout_s:.0f} s (killed); log: {_tail(work, h)}")
+                why = "killed after another host failed" if gave_up else f"still running after {timeout_s:.0f} s (killed)"
+                failures.append(f"host {h}: {why}; log: {_tail(work, h)}")
             else:
                 failures.append(f"host {h}: node exited with code {p.returncode}; log: {_tail(work, h)}")
         if failures:
@@ -143,6 +148,16 @@ def run_on_cluster(
             for f in work.iterdir():
                 f.unlink()
             work.rmdir()
+
+
+def _main_file(fn: Callable[..., Any]) -> str:
+    """The script file when ``fn`` lives in ``__main__`` (the node imports it in its place), else ""."""
+    if getattr(fn, "__module__", None) != "__main__":
+        return ""
+    f = getattr(sys.modules["__main__"], "__file__", None)
+    if not f:
+        raise ValueError("run_on_cluster needs a module-level function of an importable module or script file")
+    return os.path.abspath(f)
 
 
 def _kill(p: subprocess.Popen[bytes]) -> None:
