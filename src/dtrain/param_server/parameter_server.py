@@ -1,0 +1,226 @@
+"""``dtrain.ParameterServer``: every rank builds one; servers serve, workers train.
+
+::
+
+    ps = dtrain.ParameterServer(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                                servers=2, consistency="ssp:3")
+    if ps.is_server:
+        ps.serve()                       # returns when every worker has finished
+    else:
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            ps.step()                    # push gradients, pull parameters as the policy allows
+            if ps.should_stop: break     # the servers' gradient budget is spent
+        ps.finish()                      # the model now holds the final parameters
+    print(ps.stats())
+
+Ranks ``0..S-1`` are servers, worker ``i`` is rank ``S + i``. The parameters are
+sharded over the servers balanced by bytes (:mod:`.sharding`); each server owns
+its shard's optimizer. All traffic is point-to-point on a process group of its
+own (so a long wait never disturbs the user's collectives), built with the
+default group's backend; liveness goes through the c10d store (:mod:`._liveness`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dtrain.comm.transport import Transport, TorchTransport
+from dtrain.compress.base import Compressor, Identity
+from dtrain.errors import ConfigError, DTrainError
+from dtrain.param_server._liveness import Liveness
+from dtrain.param_server.consistency import ConsistencySpec, parse_consistency
+from dtrain.param_server.server import ShardServer
+from dtrain.param_server.sharding import Shard, shard_model
+from dtrain.param_server.worker import ShardClient
+
+__all__ = ["ParameterServer", "DATA_TIMEOUT_S"]
+
+#: how long the data path's receives may block: they must never time out (that
+#: closes gloo's connections); lost peers are found by heartbeats and closed sockets.
+DATA_TIMEOUT_S = 24 * 3600.0
+
+
+def _compressor(c: "Compressor | str | None", what: str) -> Compressor:
+    if c is None:
+        return Identity()
+    if isinstance(c, Compressor):
+        return c
+    if isinstance(c, str):
+        from dtrain.compress import from_spec
+
+        return from_spec(c)
+    raise ConfigError(f"{what} must be a dtrain.compress.Compressor, a spec string or None, got {type(c).__name__}")
+
+
+class ParameterServer:
+    """Parameter-server training under a consistency model.
+
+    Args:
+        model: the model (every rank builds the same architecture; the servers'
+            copies provide the initial parameters, which workers pull at once).
+        optimizer_factory: ``f(params) -> torch.optim.Optimizer``; each server
+            calls it on its shard's tensors.
+        servers: number of server ranks ``S`` (default: 1).
+        consistency: ``"bsp"``, ``"asp"``, ``"ssp:S"``, ``"softsync:K"`` or
+            ``"backup:B"`` (default: "bsp"); see :mod:`.consistency`.
+        staleness_lr: scale each update's learning rate by 1 / staleness (async policies).
+        compression: compressor (or spec like ``"fp16"``) for the pushed gradients (default: none).
+        pull_compression: compressor for the pulled parameters (default: none).
+        timeout_s: a peer without heartbeat this long is lost; servers stop after
+            ``2 * timeout_s`` without progress while workers wait (default: 300).
+        max_gradients: the servers raise :attr:`should_stop` once this many
+            gradients arrived from all workers together (default: no budget).
+        min_split_bytes: tensors smaller than this are never cut between servers (default: 4096).
+        group: run on the ranks of this process group only (default: all ranks);
+            ranks in messages are ranks within it.
+        transport / store: for in-process tests (a ``ThreadTransport`` and a
+            ``torch.distributed.HashStore``); by default a new process group of all
+            ranks and the default group's store.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_factory: Callable[[Any], torch.optim.Optimizer],
+        *,
+        servers: int = 1,
+        consistency: "str | ConsistencySpec" = "bsp",
+        staleness_lr: bool = False,
+        compression: "Compressor | str | None" = None,
+        pull_compression: "Compressor | str | None" = None,
+        timeout_s: float = 300.0,
+        max_gradients: int | None = None,
+        min_split_bytes: int = 4096,
+        group: Any = None,
+        transport: Transport | None = None,
+        store: Any = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(optimizer_factory):
+            raise ConfigError("optimizer_factory must be callable: params -> torch.optim.Optimizer")
+        if not isinstance(servers, int) or servers < 1:
+            raise ConfigError(f"servers must be an integer >= 1, got {servers!r}")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_gradients is not None and max_gradients < 1:
+            raise ConfigError(f"max_gradients must be >= 1 or None, got {max_gradients}")
+        self.spec = parse_consistency(consistency, staleness_lr=staleness_lr)
+        self.params = [p for p in model.parameters()]
+        if not self.params:
+            raise ConfigError("the model has no parameters")
+        self.shards: list[Shard] = shard_model(self.params, servers, min_split_bytes=min_split_bytes)
+        push_c = _compressor(compression, "compression")
+        pull_c = _compressor(pull_compression, "pull_compression")
+
+        self.transport, self.store, self.store_prefix = self._connect(transport, store, group)
+        store, prefix = self.store, self.store_prefix
+        self.rank = self.transport.rank
+        self.world_size = self.transport.world_size
+        self.num_servers = servers
+        self.num_workers = self.world_size - servers
+        if self.num_workers < 1:
+            raise ConfigError(
+                f"{self.world_size} processes cannot hold {servers} servers and at least one worker; "
+                f"start more processes or use fewer servers"
+            )
+        self.is_server = self.rank < servers
+        self.worker_index = -1 if self.is_server else self.rank - servers
+        self.timeout_s = float(timeout_s)
+        workers = list(range(servers, self.world_size))
+        self._live = Liveness(store, prefix, self.rank, timeout_s)
+        self._server: ShardServer | None = None
+        self._client: ShardClient | None = None
+        if self.is_server:
+            self._server = ShardServer(
+                self.transport, self.shards[self.rank], self.params, optimizer_factory, self.spec.build(),
+                workers, push_c, pull_c, self._live, timeout_s, max_gradients,
+            )
+            self._live.start(watch=workers)
+        else:
+            self._client = ShardClient(self.transport, self.shards, self.params, push_c, pull_c, self._live, timeout_s)
+            self._live.start(watch=range(servers))
+            self._client.connect()
+        self._served = False
+
+    # ------------------------------------------------------------------ set-up
+
+    @staticmethod
+    def _connect(transport: Transport | None, store: Any, group: Any) -> tuple[Transport, Any, str]:
+        if transport is not None:
+            if store is None:
+                raise ConfigError("pass a store (e.g. torch.distributed.HashStore()) together with a transport")
+            return transport, store, "dtrain/ps"
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ConfigError("torch.distributed is not initialised; call dtrain.init() (or run under torchrun) first")
+        backend = dist.get_backend()
+        # server state lives on the CPU: with NCCL the parameter traffic goes over gloo
+        pg_backend = "gloo" if backend == "nccl" else backend
+        timeout = datetime.timedelta(seconds=DATA_TIMEOUT_S)
+        if group is None:
+            pg = dist.new_group(backend=pg_backend, timeout=timeout)
+        else:  # only the members build it
+            pg = dist.new_group(dist.get_process_group_ranks(group), backend=pg_backend, timeout=timeout,
+                                use_local_synchronization=True)
+        t = TorchTransport(pg, timeout=DATA_TIMEOUT_S)
+        name = dist.distributed_c10d._get_process_group_name(pg)
+        return t, store if store is not None else dist.distributed_c10d._get_default_store(), f"dtrain/ps/{name}"
+
+    # ------------------------------------------------------------------ roles
+
+    def serve(self) -> dict[str, Any]:
+        """Serve this rank's shard until every worker has finished; returns :meth:`stats`."""
+        if self._server is None:
+            raise DTrainError(f"rank {self.rank} is a worker; only ranks 0..{self.num_servers - 1} serve")
+        if self._served:
+            raise DTrainError(f"rank {self.rank}: serve() was already called")
+        self._served = True
+        try:
+            self._server.serve()
+        finally:
+            self._live.stop()
+        return self.stats()
+
+    def step(self) -> None:
+        """Push this worker's gradients, wait as the policy requires, pull the parameters, drop the gradients."""
+        if self._client is None:
+            raise DTrainError(f"rank {self.rank} is a server; call serve(), not step()")
+        self._client.step()
+
+    def finish(self) -> None:
+        """This worker is done; returns once every worker is, with the final parameters in the model."""
+        if self._client is None:
+            raise DTrainError(f"rank {self.rank} is a server; call serve(), not finish()")
+        self._client.finish()
+
+    @property
+    def should_stop(self) -> bool:
+        """True once a server said the gradient budget (``max_gradients``) is spent."""
+        return self._client is not None and self._client.stop_requested
+
+    @property
+    def last_step(self) -> dict[str, float]:
+        """This worker's compute/push/wait/pull seconds of its last step."""
+        return dict(self._client.last_step) if self._client is not None else {}
+
+    def stats(self) -> dict[str, Any]:
+        """Measurements so far: a server's updates, staleness and clock-lag histograms,
+        bytes and busy time; a worker's steps, compute/push/wait/pull time and bytes."""
+        base = {"consistency": str(self.spec), "servers": self.num_servers, "workers": self.num_workers}
+        if self._server is not None:
+            return {"role": "server", **base, **self._server.stats.to_dict()}
+        assert self._client is not None
+        return {"role": "worker", **base, **self._client.stats.to_dict()}
+
+    def __repr__(self) -> str:
+        role = "server" if self.is_server else f"worker {self.worker_index}"
+        return (f"ParameterServer(rank={self.rank}, {role}, servers={self.num_servers}, "
+                f"workers={self.num_workers}, consistency={str(self.spec)!r})")
+

@@ -1,0 +1,264 @@
+"""``dtrain run --strategy ps``: the parameter server inside the training loop.
+
+:func:`run_process` runs in every process of the job (``servers + workers`` of
+them). Ranks ``0..S-1`` serve; worker ``i`` (rank ``S + i``) trains on shard ``i``
+of the data (the data is split among workers only).
+
+The amount of work is a budget of gradients, the same for every policy:
+``workers x steps`` (steps from the epochs and ``max_steps`` as in data
+parallelism). Each worker cycles through its shard until the servers report that
+the budget is spent, so under asynchronous policies a fast worker computes more
+gradients than a straggler instead of idling at the end -- which is the point of
+those policies. Worker 0 evaluates its copy of the model after each pass over its
+shard (the accuracy history) and the final model after :meth:`finish`.
+
+``--straggler RANK:FACTOR`` makes that worker sleep ``(FACTOR - 1)`` times its
+measured compute time after each backward pass.
+
+At the end every process publishes its :meth:`ParameterServer.stats` to the c10d
+store; the first server merges them, writes ``ps_stats.json`` to the run folder,
+prints a table, and returns ``staleness`` and ``clock_lag`` (``{max, mean, hist}``
+over all servers' applied gradients) for ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.errors import ConfigError
+from dtrain.param_server.consistency import parse_consistency
+from dtrain.param_server.parameter_server import ParameterServer
+from dtrain.param_server.server import hist_summary
+
+__all__ = ["run_process", "lr_scale", "format_table", "merge_stats"]
+
+
+
+def run_process(ctx: Any) -> dict[str, Any]:
+    """One process of a parameter-server run (``ctx`` is a :class:`dtrain.train.TrainContext`)."""
+    c = ctx.cfg
+    servers = c.servers
+    workers = ctx.world_size - servers
+    if workers < 1:
+        raise ConfigError(f"--strategy ps needs workers >= 1 besides the {servers} servers")
+    steps = ctx.total_steps(workers)
+    if steps < 1:
+        raise ConfigError("the data shard of each worker is smaller than one batch; use a smaller batch size")
+    comp = None
+    if c.compression not in ("", "none"):
+        from dtrain.compress import from_spec
+
+        comp = from_spec(c.compression, error_feedback=c.error_feedback)
+    model = ctx.make_model()
+    scale = lr_scale(c.consistency, workers)
+
+    def optimizer_factory(params: Any) -> torch.optim.Optimizer:
+        opt = ctx.make_optimizer(params)
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * scale
+        return opt
+
+    ps = ParameterServer(
+        model, optimizer_factory, servers=servers, consistency=c.consistency, staleness_lr=c.staleness_lr,
+        compression=comp, timeout_s=c.timeout_s, max_gradients=workers * steps,
+    )
+    if ps.is_server:
+        return _serve(ctx, ps)
+    return _work(ctx, ps, model, workers, steps)
+
+
+def lr_scale(consistency: str, workers: int) -> float:
+    """Learning-rate factor so that ``--lr`` means the rate of a global batch under every policy.
+
+    An update averages ``m`` of the ``W`` workers' gradients (``m = W`` for bsp,
+    ``W - b`` for backup:b, ``k`` for softsync:k, 1 for asp and ssp), i.e. a batch
+    ``m / W`` of the global one; the linear scaling rule (Goyal et al. 2017) gives
+    it ``lr * m / W``. Without it an asynchronous run takes ``W`` full-size steps
+    per global batch and diverges where bsp converges.
+    """
+    spec = parse_consistency(consistency)
+    per_update = {"bsp": workers, "backup": workers - spec.arg, "softsync": min(spec.arg, workers)}.get(spec.kind, 1)
+    return per_update / workers
+
+
+def _serve(ctx: Any, ps: ParameterServer) -> dict[str, Any]:
+    stats = ps.serve()
+    store = ps.store
+    store.set(_stats_key(ps, ps.rank), json.dumps(stats))
+    out: dict[str, Any] = {"role": "server", "ps": stats}
+    if ps.rank != 0:
+        return out
+    lost = {int(w) for w in stats["lost"]}
+    ranks = [r for r in range(ps.world_size) if r not in lost]
+    everything = _collect(store, [_stats_key(ps, r) for r in ranks], timeout_s=min(60.0, ctx.cfg.timeout_s))
+    merged = merge_stats(list(everything.values()))
+    (ctx.out_dir / "ps_stats.json").write_text(json.dumps(merged, indent=2) + "\n")
+    print(format_table(merged), flush=True)
+    out["summary_extra"] = {
+        "consistency": merged["consistency"],
+        "servers": merged["servers"],
+        "staleness": merged["staleness"],
+        "clock_lag": merged["clock_lag"],
+        "updates": merged["updates"],
+        "gradients_dropped": merged["gradients_dropped"],
+        "lost_workers": merged["lost_workers"],
+        "bytes_received_per_step": merged["bytes_received_per_step"],
+    }
+    return out
+
+
+def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: int) -> dict[str, Any]:
+    c = ctx.cfg
+    i = ps.worker_index
+    evaluator = i == 0
+    loss_fn = nn.CrossEntropyLoss()
+    slow = ctx.straggler_factor()
+    bar = ctx.progress(steps, evaluator)
+    step, samples, losses, history = 0, 0, [], []
+    eval_s = 0.0
+    epoch = 0
+    t_start = time.perf_counter()
+    sent_before = 0
+    while not ps.should_stop:
+        batches = 0
+        for x, y in ctx.loader(i, workers, epoch):
+            batches += 1
+            t0 = time.perf_counter()
+            with ctx.tracer.span("step", step=step):
+                with ctx.tracer.span("forward"):
+                    loss = loss_fn(model(x), y)
+                with ctx.tracer.span("backward"):
+                    loss.backward()
+                loss_v = float(loss.detach())
+                compute = time.perf_counter() - t0
+                if slow > 1.0:
+                    time.sleep((slow - 1.0) * compute)
+                with ctx.tracer.span("ps.step"):
+                    ps.step()
+            dt = time.perf_counter() - t0
+            last = ps.last_step
+            st = ps.stats()
+            ctx.metrics.write(
+                step=step, epoch=epoch, loss=loss_v, lr=c.lr * lr_scale(c.consistency, workers), samples_per_s=len(y) / dt,
+                compute_s=dt - last["push_s"] - last["wait_s"] - last["pull_s"],
+                comm_s=last["push_s"] + last["pull_s"], wait_s=last["wait_s"],
+                bytes_sent=st["bytes_sent"] - sent_before,
+            )
+            sent_before = st["bytes_sent"]
+            losses.append(loss_v)
+            samples += len(y)
+            step += 1
+            bar.update(1)
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{loss_v:.3f}")
+            if ps.should_stop:
+                break
+        if batches == 0:
+            raise ConfigError(f"worker {i}'s data shard yields no batch; use a smaller batch size")
+        if evaluator:
+            te = time.perf_counter()
+            acc = ctx.evaluate(model)
+            eval_s += time.perf_counter() - te
+            history.append((round(time.perf_counter() - t_start - eval_s, 4), epoch, acc))
+            if c.progress:
+                bar.write(f"epoch {epoch}: test accuracy {acc:.4f} (worker 0's copy)")
+        epoch += 1
+    train_s = time.perf_counter() - t_start - eval_s
+    ps.finish()
+    bar.close()
+    st = ps.stats()
+    ps.store.set(_stats_key(ps, ps.rank), json.dumps(st))
+    out: dict[str, Any] = dict(
+        role="worker", steps=step, samples=samples, train_s=train_s,
+        final_loss=sum(losses[-10:]) / max(1, len(losses[-10:])), bytes_sent=st["bytes_sent"], ps=st,
+    )
+    if evaluator:
+        out["test_accuracy"] = ctx.evaluate(model)  # the final parameters, pulled by finish()
+        out["accuracy_history"] = history
+    return out
+
+
+# ---------------------------------------------------------------------- stats
+
+
+def _stats_key(ps: ParameterServer, rank: int) -> str:
+    return f"{ps.store_prefix}/stats/{rank}"
+
+
+def _collect(store: Any, keys: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
+    import datetime
+
+    out: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    for key in keys:
+        left = max(0.1, deadline - time.monotonic())
+        try:
+            store.wait([key], datetime.timedelta(seconds=left))
+            out[key] = json.loads(store.get(key).decode())
+        except Exception:  # noqa: BLE001 - a rank that died after finishing: report without it
+            continue
+    return out
+
+
+def merge_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Combine the processes' :meth:`ParameterServer.stats` into one report."""
+    servers = sorted((s for s in stats if s["role"] == "server"), key=lambda s: s["rank"])
+    workers = sorted((s for s in stats if s["role"] == "worker"), key=lambda s: s["rank"])
+    stale: Counter = Counter()
+    lag: Counter = Counter()
+    lost: dict[str, str] = {}
+    for s in servers:
+        stale.update({int(k): v for k, v in s["staleness"]["hist"].items()})
+        lag.update({int(k): v for k, v in s["clock_lag"]["hist"].items()})
+        lost.update(s["lost"])
+    first = (servers or workers or [{}])[0]
+    return {
+        "consistency": first.get("consistency"),
+        "servers": first.get("servers"),
+        "workers": first.get("workers"),
+        "staleness": hist_summary(stale),
+        "clock_lag": hist_summary(lag),
+        "updates": servers[0]["updates"] if servers else 0,
+        "gradients_dropped": sum(sum(s["dropped"].values()) for s in servers[:1]),
+        "lost_workers": lost,
+        "bytes_received_per_step": (
+            sum(w["bytes_received"] / max(1, w["steps"]) for w in workers) / len(workers) if workers else 0.0
+        ),
+        "per_server": servers,
+        "per_worker": workers,
+    }
+
+
+def format_table(m: dict[str, Any]) -> str:
+    """The end-of-run table: one row per server, one per worker."""
+    lines = [
+        f"parameter server: {m['servers']} servers, {m['workers']} workers, consistency {m['consistency']}; "
+        f"staleness mean {m['staleness']['mean']:.2f} max {m['staleness']['max']}, "
+        f"clock lag mean {m['clock_lag']['mean']:.2f} max {m['clock_lag']['max']}",
+        f"{'rank':>4} {'server':<7}{'updates':>8}{'applied':>9}{'dropped':>9}{'stale':>7}{'lag':>6}"
+        f"{'MB in':>9}{'MB out':>9}{'busy':>7}",
+    ]
+    for s in m["per_server"]:
+        busy = s["busy_s"] / s["wall_s"] if s["wall_s"] else 0.0
+        lines.append(
+            f"{s['rank']:>4} {'':<7}{s['updates']:>8}{sum(s['applied'].values()):>9}{sum(s['dropped'].values()):>9}"
+            f"{s['staleness']['mean']:>7.2f}{s['clock_lag']['mean']:>6.2f}{s['bytes_in'] / 1e6:>9.2f}"
+            f"{s['bytes_out'] / 1e6:>9.2f}{busy:>7.0%}"
+        )
+    lines.append(
+        f"{'rank':>4} {'worker':<7}{'steps':>8}{'compute':>9}{'push':>9}{'wait':>7}{'pull':>6}{'MB out':>9}{'MB in':>9}"
+    )
+    for w in m["per_worker"]:
+        lines.append(
+            f"{w['rank']:>4} {'':<7}{w['steps']:>8}{w['compute_s']:>8.2f}s{w['push_s']:>8.2f}s{w['wait_s']:>6.1f}s"
+            f"{w['pull_s']:>5.2f}s{w['bytes_sent'] / 1e6:>9.2f}{w['bytes_received'] / 1e6:>9.2f}"
+        )
+    for r, why in m["lost_workers"].items():
+        lines.append(f"worker rank {r} was dropped: {why}")
+    return "\n".join(lines)

@@ -1,0 +1,438 @@
+"""The server side: receive gradients, let the policy decide, apply, reply.
+
+One :class:`ShardServer` per server rank owns one :class:`~.sharding.Shard`: a
+tensor per piece, and the optimizer over them (built by the user's factory, so
+its state -- momentum, Adam's moments -- lives here and nowhere else).
+
+Threads. A receiver thread per worker blocks on that worker's next header (a
+per-source receive: a closed connection tells at once that the worker is gone)
+and hands complete messages to one queue; the main thread takes them in arrival
+order, asks the policy, and runs the actions it returns:
+
+1. ``push``: decode the payload (compressor ``from_wire``), check it against the
+   shard and the policy's clock table -- a malformed or out-of-protocol message is
+   rejected with :class:`~.protocol.ProtocolError` naming the sender and is never
+   applied;
+2. ``Apply``: average the gradients, put them in the pieces' ``.grad``, scale the
+   learning rate if asked (staleness-aware LR), ``optimizer.step()``; record each
+   gradient's staleness, clock lag and worker;
+3. ``Release``: send the current parameters (compressor ``to_wire``, packed once
+   per version) to the worker;
+4. when every worker has finished or been lost, send each finished worker a
+   ``BYE`` with the final parameters and return.
+
+A worker that disappears (connection closed, or no heartbeat for ``timeout_s``)
+is dropped under policies that tolerate it (logged, clock table updated); under
+BSP the server stops with :class:`~.protocol.PeerLostError` naming it. If workers
+wait and nothing arrives for ``2 * timeout_s``, the server stops with
+:class:`~dtrain.errors.CommTimeoutError` naming the workers it waits for.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dtrain.comm.transport import Transport, Work
+from dtrain.compress.base import Compressor
+from dtrain.errors import CommError, CommTimeoutError
+from dtrain.param_server._liveness import Liveness
+from dtrain.param_server.consistency import Action, Apply, Drop, Policy, PolicyViolation, Release
+from dtrain.param_server.protocol import (
+    FLAG_STOP,
+    OP_BYE,
+    OP_FINISH,
+    OP_PARAMS,
+    OP_PULL,
+    OP_PUSH,
+    WORKER_OPS,
+    Header,
+    PeerLostError,
+    ProtocolError,
+    RunAbortedError,
+    recv_header,
+    recv_payload,
+    send_message,
+)
+from dtrain.param_server.sharding import Shard
+
+__all__ = ["ServerStats", "ShardServer"]
+
+log = logging.getLogger("dtrain.param_server")
+
+
+@dataclass
+class ServerStats:
+    """What one server measured.
+
+    Attributes:
+        rank: the server's rank.
+        updates: optimizer steps taken.
+        received: gradients received (applied or dropped).
+        applied / dropped: gradients per worker rank that went into an update / were dropped.
+        staleness: histogram of applied gradients' staleness (updates between read and apply).
+        clock_lag: histogram of applied gradients' clock lag (clocks ahead of the slowest worker).
+        bytes_in / bytes_out: header and payload bytes received / sent.
+        busy_s: time spent handling messages (decode, apply, encode, send).
+        wall_s: time from the start of :meth:`ShardServer.serve` to its end.
+        lost: worker rank -> why it was dropped.
+    """
+
+    rank: int = 0
+    updates: int = 0
+    received: int = 0
+    applied: Counter = field(default_factory=Counter)
+    dropped: Counter = field(default_factory=Counter)
+    staleness: Counter = field(default_factory=Counter)
+    clock_lag: Counter = field(default_factory=Counter)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    busy_s: float = 0.0
+    wall_s: float = 0.0
+    lost: dict[int, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "updates": self.updates,
+            "received": self.received,
+            "applied": {str(k): v for k, v in sorted(self.applied.items())},
+            "dropped": {str(k): v for k, v in sorted(self.dropped.items())},
+            "staleness": hist_summary(self.staleness),
+            "clock_lag": hist_summary(self.clock_lag),
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "busy_s": round(self.busy_s, 6),
+            "wall_s": round(self.wall_s, 6),
+            "lost": {str(k): v for k, v in sorted(self.lost.items())},
+        }
+
+
+def hist_summary(h: Counter) -> dict[str, Any]:
+    """``{max, mean, hist}`` of an integer histogram (``hist`` keys are strings for JSON)."""
+    n = sum(h.values())
+    return {
+        "max": max(h) if h else 0,
+        "mean": (sum(k * v for k, v in h.items()) / n) if n else 0.0,
+        "hist": {str(k): h[k] for k in sorted(h)},
+    }
+
+
+class ShardServer:
+    """Serve one shard to all workers under a consistency policy.
+
+    Args:
+        transport: point-to-point transport; ranks ``0..S-1`` are servers, the rest workers.
+        shard: the pieces this server owns.
+        params: the model's parameters (read once, to initialise the pieces).
+        optimizer_factory: builds the optimizer over the pieces' tensors.
+        policy: a fresh consistency policy (this server's own state).
+        workers: the worker ranks.
+        push_compressor / pull_compressor: decode gradients / encode parameters.
+        liveness: heartbeats and the abort flag.
+        timeout_s: a silent worker is lost after this; a stall is an error after twice this.
+        max_gradients: set the stop flag in replies once this many gradients arrived (None: never).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        shard: Shard,
+        params: Sequence[torch.Tensor],
+        optimizer_factory: Callable[[Any], torch.optim.Optimizer],
+        policy: Policy,
+        workers: Sequence[int],
+        push_compressor: Compressor,
+        pull_compressor: Compressor,
+        liveness: Liveness,
+        timeout_s: float,
+        max_gradients: int | None = None,
+    ) -> None:
+        self.t = transport
+        self.rank = transport.rank
+        self.shard = shard
+        self.dtype = params[0].dtype
+        self.pieces: list[torch.nn.Parameter] = []
+        for p in shard.pieces:
+            src = params[p.index].detach()
+            data = src.clone() if p.whole else src.reshape(-1)[p.start : p.start + p.numel].clone()
+            self.pieces.append(torch.nn.Parameter(data))
+        self.offsets = shard.offsets()
+        self.optimizer = optimizer_factory(self.pieces)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer_factory must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+        self.policy = policy.start(workers)
+        self.workers = tuple(workers)
+        self.push_c = push_compressor
+        self.pull_c = pull_compressor
+        self.live = liveness
+        self.timeout_s = float(timeout_s)
+        self.max_gradients = max_gradients
+        self.stats = ServerStats(rank=self.rank)
+        raw = shard.numel * params[0].element_size()
+        self._max_payload = 4 * raw + 65536  # any sane compressed gradient is far below this
+        self._inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._stop = threading.Event()
+        self._pending: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (worker, clock) -> (grad, lag)
+        self._lag: dict[int, int] = {}
+        self._wire: tuple[int, torch.Tensor] | None = None  # (version, packed parameters)
+        self._finished: set[int] = set()
+        self._lost: set[int] = set()
+        self._works: list[tuple[int, Work]] = []
+
+    # ------------------------------------------------------------------ public
+
+    def flat_parameters(self) -> torch.Tensor:
+        """This shard's current parameters, concatenated (a copy)."""
+        if not self.pieces:
+            return torch.zeros(0, dtype=self.dtype)
+        return torch.cat([p.detach().reshape(-1) for p in self.pieces])
+
+    def serve(self) -> ServerStats:
+        """Run until every worker has finished or been lost; return the statistics."""
+        t0 = time.perf_counter()
+        threads = [
+            threading.Thread(target=self._receive, args=(w,), name=f"ps-recv-{self.rank}<-{w}", daemon=True)
+            for w in self.workers
+        ]
+        for th in threads:
+            th.start()
+        try:
+            self._loop()
+            self._goodbye()
+        except BaseException as e:
+            self.live.abort(f"server rank {self.rank} stopped: {e}")
+            raise
+        finally:
+            self._stop.set()
+            self.stats.wall_s = time.perf_counter() - t0
+            self.stats.bytes_out = self.t.stats.bytes_sent
+        for th in threads:
+            th.join(timeout=1.0)
+        return self.stats
+
+    # ------------------------------------------------------------------ receiving
+
+    def _receive(self, w: int) -> None:
+        while not self._stop.is_set():
+            try:
+                raw = recv_header(self.t, w)
+            except CommTimeoutError:
+                continue  # only in-process transports time out here; the real one waits for hours
+            except CommError as e:
+                self._inbox.put(("lost", w, f"connection closed ({e.cause[:160]})"))
+                return
+            try:
+                h = Header.decode(raw, allowed=WORKER_OPS)
+                if h.nbytes and h.op != OP_PUSH:
+                    raise ValueError(f"a {h.op_name} message carries no payload, header says {h.nbytes} bytes")
+                if h.op == OP_PUSH and not 0 < h.nbytes <= self._max_payload:
+                    raise ValueError(f"push payload of {h.nbytes} bytes for a shard of {self.shard.numel} elements")
+            except ValueError as e:
+                self._inbox.put(("bad", w, str(e), raw.tolist()))
+                return
+            payload = None
+            if h.nbytes:
+                try:
+                    payload = recv_payload(self.t, w, h.nbytes)
+                except CommError as e:
+                    self._inbox.put(("lost", w, f"connection closed ({e.cause[:160]})"))
+                    return
+            self._inbox.put(("msg", w, h, payload))
+            if h.op == OP_FINISH:
+                return
+
+    # ------------------------------------------------------------------ main loop
+
+    def _remaining(self) -> set[int]:
+        return set(self.workers) - self._finished - self._lost
+
+    def _loop(self) -> None:
+        last_event = time.monotonic()
+        while self._remaining():
+            try:
+                ev = self._inbox.get(timeout=0.1)
+            except queue.Empty:
+                ev = None
+            if ev is not None:
+                t0 = time.perf_counter()
+                self._handle(ev)
+                self._flush_sends()
+                self.stats.busy_s += time.perf_counter() - t0
+                last_event = time.monotonic()
+            self._check_health(last_event)
+
+    def _check_health(self, last_event: float) -> None:
+        reason = self.live.aborted(refresh=False)
+        if reason:
+            raise RunAbortedError(self.rank, "serve", f"run aborted: {reason}", step=self.policy.version)
+        for w, why in self.live.lost().items():
+            if w in self._remaining():
+                self._worker_lost(w, why)
+                self._flush_sends()
+        waiting = set(self.policy.waiting) | self._finished
+        silent = time.monotonic() - last_event
+        if waiting and self._remaining() and silent > 2 * self.timeout_s:
+            raise CommTimeoutError(
+                self.rank, f"serve ({self.policy.spec()})",
+                f"nothing from workers {sorted(self._remaining() - set(self.policy.waiting))} for {silent:.0f}s "
+                f"while workers {sorted(waiting)} wait", step=self.policy.version,
+            )
+
+    def _handle(self, ev: tuple[Any, ...]) -> None:
+        kind, w = ev[0], ev[1]
+        if kind == "lost":
+            if w in self._remaining():
+                self._worker_lost(w, ev[2])
+            return
+        if kind == "bad":
+            self._reject(w, f"malformed header {ev[3]}: {ev[2]}")
+        h: Header = ev[2]
+        payload: torch.Tensor | None = ev[3]
+        self.stats.bytes_in += 8 * 8 + (payload.numel() if payload is not None else 0)
+        if h.op == OP_PULL:
+            if h.clock != 0:
+                self._reject(w, f"first pull must carry clock 0, got {h.clock}", h)
+            self._run(w, h, lambda: self.policy.pull(w))
+        elif h.op == OP_PUSH:
+            assert payload is not None
+            grad = self._decode(w, h, payload)
+            lag = self._lag.get(w, 0)
+            acts = self._run(w, h, lambda: self.policy.push(w, h.clock, h.version), execute=False)
+            self.stats.received += 1
+            self._pending[(w, h.clock)] = (grad, lag)
+            self._execute(acts)
+        elif h.op == OP_FINISH:
+            if h.clock != self.policy.clock.get(w, -1):
+                self._reject(w, f"finish at clock {h.clock}, but it pushed {self.policy.clock.get(w)} gradients", h)
+            self._run(w, h, lambda: self.policy.leave(w))
+            self._finished.add(w)
+            self.live.unwatch(w)
+
+    def _run(self, w: int, h: Header, event: Callable[[], list[Action]], execute: bool = True) -> list[Action]:
+        try:
+            acts = event()
+        except PolicyViolation as e:
+            self._reject(w, str(e), h)
+        if execute:
+            self._execute(acts)
+        return acts
+
+    def _decode(self, w: int, h: Header, payload: torch.Tensor) -> torch.Tensor:
+        try:
+            g = self.push_c.from_wire(payload, (self.shard.numel,), self.dtype)
+        except Exception as e:  # noqa: BLE001 - any decoding failure is the sender's
+            self._reject(w, f"gradient payload does not decode to {self.shard.numel} x {self.dtype}: {e}", h)
+        if tuple(g.shape) != (self.shard.numel,) or g.dtype != self.dtype:
+            self._reject(w, f"gradient has shape {tuple(g.shape)} {g.dtype}, expected ({self.shard.numel},) {self.dtype}", h)
+        return g
+
+    def _reject(self, w: int, why: str, h: Header | None = None) -> None:
+        what = f"{h.op_name} " if h is not None else ""
+        raise ProtocolError(
+            self.rank, "serve", f"rejected {what}message from worker rank {w}: {why}; nothing was applied",
+            peer=w, step=h.clock if h is not None else None,
+        )
+
+    def _worker_lost(self, w: int, why: str) -> None:
+        reason = self.live.aborted(refresh=True)
+        if reason:
+            raise RunAbortedError(self.rank, "serve", f"run aborted: {reason}", step=self.policy.version)
+        if not self.policy.tolerates_loss:
+            raise PeerLostError(
+                self.rank, f"serve ({self.policy.spec()})",
+                f"worker rank {w} was lost ({why}); {self.policy.spec()} cannot go on without it",
+                peer=w, step=self.policy.version,
+            )
+        log.warning("rank %d: dropping worker rank %d (%s); %s goes on with %d workers",
+                    self.rank, w, why, self.policy.spec(), len(self._remaining()) - 1)
+        self._lost.add(w)
+        self.stats.lost[w] = why
+        self.live.unwatch(w)
+        if w in self.policy.active:
+            self._execute(self.policy.leave(w, lost=True))
+        if not self._remaining() and not self._finished:
+            raise PeerLostError(self.rank, "serve", f"every worker was lost (last: rank {w}, {why})",
+                                step=self.policy.version)
+
+    # ------------------------------------------------------------------ actions
+
+    def _execute(self, acts: list[Action]) -> None:
+        for act in acts:
+            if isinstance(act, Apply):
+                self._apply(act)
+            elif isinstance(act, Drop):
+                self._pending.pop((act.arrival.worker, act.arrival.clock), None)
+                self.stats.dropped[act.arrival.worker] += 1
+            elif isinstance(act, Release):
+                self._release(act)
+
+    def _apply(self, act: Apply) -> None:
+        grads, lags = [], []
+        for a in act.arrivals:
+            g, lag = self._pending.pop((a.worker, a.clock))
+            grads.append(g)
+            lags.append(lag)
+            self.stats.applied[a.worker] += 1
+        g = grads[0] if len(grads) == 1 else torch.stack(grads).mean(dim=0)
+        for p, off in zip(self.pieces, self.offsets):
+            p.grad = g[off : off + p.numel()].view_as(p).clone()
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        if act.lr_scale != 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * act.lr_scale
+        try:
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, saved):
+                group["lr"] = lr
+        self.stats.updates += 1
+        self.stats.staleness.update(act.staleness)
+        self.stats.clock_lag.update(lags)
+        self._wire = None
+
+    def _packed(self) -> torch.Tensor:
+        v = self.policy.version
+        if self._wire is None or self._wire[0] != v:
+            self._wire = (v, self.pull_c.to_wire(self.flat_parameters(), f"ps/server{self.rank}"))
+        return self._wire[1]
+
+    def _stop_flag(self) -> int:
+        return FLAG_STOP if self.max_gradients is not None and self.stats.received >= self.max_gradients else 0
+
+    def _release(self, act: Release) -> None:
+        if act.worker in self._lost:
+            return
+        self._lag[act.worker] = act.clock_lag
+        self._send(act.worker, OP_PARAMS, self.policy.clock[act.worker], act.clock_lag)
+
+    def _send(self, w: int, op: int, clock: int, lag: int = 0) -> None:
+        buf = self._packed()
+        h = Header(op, clock, self.policy.version, buf.numel(), lag, self._stop_flag())
+        try:
+            for work in send_message(self.t, w, h, buf):
+                self._works.append((w, work))
+        except CommError as e:
+            self._inbox.put(("lost", w, f"send failed ({e.cause[:160]})"))
+
+    def _flush_sends(self) -> None:
+        works, self._works = self._works, []
+        for w, work in works:
+            try:
+                work.wait()
+            except CommError as e:
+                self._inbox.put(("lost", w, f"send failed ({e.cause[:160]})"))
+
+    def _goodbye(self) -> None:
+        if not self._finished:
+            raise PeerLostError(self.rank, "serve", "no worker finished; every worker was lost")
+        for w in sorted(self._finished):
+            self._send(w, OP_BYE, self.policy.clock[w])
+        self._flush_sends()
