@@ -14,9 +14,10 @@ What is measured, and how (every figure is a median over repetitions):
    workers profile it at once; ``compute_scale`` = together / alone (the hosts of
    an emulated cluster share this machine's cores). ``flops`` = a 256x256 matmul's
    FLOP rate on one thread.
-4. **overhead** -- one short single-worker ``dtrain run`` at the per-worker batch:
-   median step time minus the profile's forward+backward+optimizer is the loop's
-   own bookkeeping per step (times ``compute_scale``).
+4. **overhead** -- the training loop of ``dtrain run`` for one worker at the
+   per-worker batch, in this process on one thread: median step time minus the
+   profile's forward+backward+optimizer is the loop's own bookkeeping per step
+   (times ``compute_scale``).
 5. **compressors** -- payload ratio and encode/decode time per byte of each spec.
 
 The result is a cluster TOML (:mod:`dtrain.perfmodel.spec`), printed and written
@@ -202,18 +203,32 @@ def _flops_rate() -> float:
         torch.set_num_threads(old)
 
 
-def _loop_overhead(model_name: str, dataset: str, batch: int, compute_alone: float, steps: int = 40) -> float:
-    """Median step of a short one-worker ``dtrain run`` minus the model's own compute."""
+def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60) -> float:
+    """Median step of the training loop (one worker, this process, one thread) minus the model's own compute.
+
+    The loop runs here rather than through the launcher so that it gets one
+    intra-op thread, as each worker of a job does.
+    """
     import json
 
     from dtrain.config import RunConfig
-    from dtrain.train import run
+    from dtrain.perfmodel.auto import load_model
+    from dtrain.perfmodel.profile import profile_model
+    from dtrain.train import worker_main
 
-    with tempfile.TemporaryDirectory() as d:
-        cfg = RunConfig(model=model_name, dataset=dataset, workers=1, batch_size=batch, max_steps=steps, epochs=50,
-                        trace=False, progress=False, out=d, strategy="dp")  # fmt: skip
-        run(cfg, quiet=True)
-        rows = [json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, sample, _ = load_model(model_name, dataset, batch=batch)
+        p = profile_model(model, sample, repeats=20)
+        compute_alone = p.fwd_s + p.bwd_s + p.optimizer_s
+        with tempfile.TemporaryDirectory() as d:
+            cfg = RunConfig(model=model_name, dataset=dataset, workers=1, batch_size=batch, max_steps=steps,
+                            epochs=1000, trace=False, progress=False, out=d, strategy="dp")  # fmt: skip
+            worker_main(cfg.to_dict(), d)
+            rows = [json.loads(x) for x in (Path(d) / "metrics.rank0.jsonl").read_text().splitlines() if x.strip()]
+    finally:
+        torch.set_num_threads(old)
     dts = [batch / r["samples_per_s"] for r in rows[steps // 4 :]]
     return max(0.0, statistics.median(dts) - compute_alone)
 
@@ -268,7 +283,7 @@ def calibrate_cluster(
     inter = _link(res[0]["pair0"])
     local = launch(_worker, ([(0, 1)], model, dataset, per_worker, True), nprocs=2, threads=1)
     intra = _link(local[0]["pair0"])
-    overhead = _loop_overhead(model, dataset, per_worker, res[0]["alone"])
+    overhead = _loop_overhead(model, dataset, per_worker)
     spec = _assemble(name, c.hosts, 1, inter, intra, res, _flops_rate(), overhead, compressions)
     return spec
 
@@ -283,7 +298,7 @@ def calibrate_local(
     per_worker = max(1, batch // workers)
     res = launch(_worker, ([(0, 1)], model, dataset, per_worker, quick), nprocs=workers, threads=1)
     intra = _link(res[0]["pair0"])
-    overhead = _loop_overhead(model, dataset, per_worker, res[0]["alone"])
+    overhead = _loop_overhead(model, dataset, per_worker)
     return _assemble(f"local-{this_host()}", 1, workers, None, intra, res, _flops_rate(), overhead, compressions)
 
 

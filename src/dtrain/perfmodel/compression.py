@@ -94,6 +94,6 @@ def compression_model(spec: str, cluster: ClusterSpec | None = None, *, measure:
     if measure:
         ratio, enc, dec = measure_compressor(spec)
     else:
-        ratio, enc, dec = measure_compressor(spec, repeats=1)[0], 0.0, 0.0
+        ratio, enc, dec = measure_compressor(spec, numel=1 << 16, repeats=1)[0], 0.0, 0.0
     scale = cluster.device.compute_scale if cluster is not None else 1.0
     return CompressionModel(spec, kind, ratio, enc * scale, dec * scale)

@@ -1,0 +1,134 @@
+"""Predicted vs measured step time on an emulated cluster, and the planner's choice vs the fastest.
+
+For each link rate: bring up an emulated cluster (one network namespace per host,
+tbf-shaped links), calibrate it (``dtrain bench calibrate``: ping-pong alpha/beta,
+gamma, compute under contention, loop overhead), then run ``dtrain run`` (one
+torchrun node per host, c10d rendezvous on host 0) for each strategy and compare
+the median step time of the training loop (``metrics.jsonl``, after warm-up) with
+the performance model's prediction. The planner ranks every strategy that runs on
+the cluster's processes; its first three are measured too, and the script reports
+whether its first choice is the measured fastest or within 10% of it.
+
+Run (root; ~10 minutes)::
+
+    python benchmarks/model_vs_measured.py --bandwidths 1gbit,50mbit --hosts 4 --steps 60
+
+Numbers measured while other jobs load the machine move with that load; the
+calibration runs right before the measurements to see the same conditions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from dtrain.perfmodel import Strategy
+
+DEFAULT_STRATEGIES = [
+    Strategy("dp", 4, "ring"),
+    Strategy("dp", 4, "tree"),
+    Strategy("dp", 4, "recursive_doubling"),
+    Strategy("dp", 4, "native"),
+    Strategy("ps", 2, servers=2, consistency="bsp"),
+    Strategy("dp", 4, "ring", compression="fp16"),
+    Strategy("dp", 4, "ring", compression="topk:0.01"),
+]
+
+
+def measure(cfg, cluster: str, warmup: int) -> tuple[float, float]:
+    """(median step seconds of the loop, samples/s of the whole run) of one ``dtrain run`` on the cluster."""
+    from dtrain.cluster import launch_on_cluster
+    from dtrain.trace import merge_rank_files
+    from dtrain.train import summarize, worker_main
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d)
+        cfg = cfg.replace(out=str(out))
+        t0 = time.perf_counter()
+        res = launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes, cluster=cluster,
+                                stream_first=False, timeout_s=900)  # fmt: skip
+        merge_rank_files(out)
+        summary = summarize(cfg, res, time.perf_counter() - t0)
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    world = cfg.workers if cfg.strategy != "ps" else 1  # dp rows count the global batch, ps rows their own
+    dts = [r.get("batch", cfg.batch_size // cfg.workers) * world / r["samples_per_s"] for r in rows
+           if r["step"] >= warmup and r.get("samples_per_s")]  # fmt: skip
+    return statistics.median(dts), float(summary["samples_per_s"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bandwidths", default="1gbit,50mbit")
+    ap.add_argument("--hosts", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--top", type=int, default=3, help="also measure the planner's first K (default: 3)")
+    ap.add_argument("--name", default="mvm")
+    ns = ap.parse_args()
+    import torch
+
+    import dtrain.cluster as dc
+    from dtrain.config import RunConfig
+    from dtrain.perfmodel.auto import load_model
+    from dtrain.perfmodel.calibrate import calibrate_cluster, summary
+    from dtrain.perfmodel.planner import candidates, plan
+
+    print(f"torch {torch.__version__}; model cnn on digits, global batch {ns.batch}, {ns.hosts} emulated hosts, "
+          f"{ns.steps} steps (median after {ns.warmup})")  # fmt: skip
+    base = RunConfig(model="cnn", dataset="digits", batch_size=ns.batch, max_steps=ns.steps, epochs=1000,
+                     trace=False, progress=False, workers=ns.hosts)  # fmt: skip
+    model, sample, name = load_model("cnn", "digits", batch=ns.batch)
+    worst, verdicts = 0.0, []
+    for bw in ns.bandwidths.split(","):
+        cname = f"{ns.name}_{bw.replace('.', '_')}"[:24]
+        dc.down(cname)
+        dc.up(cname, hosts=ns.hosts, bandwidth=bw)
+        try:
+            spec = calibrate_cluster(cname, model="cnn", dataset="digits", batch=ns.batch, quick=True)
+            print(f"\n=== {bw}: calibration\n{summary(spec)}")
+            runnable = [s for s in candidates(spec, ns.hosts, single=False) if s.processes == ns.hosts]
+            p = plan(model, sample, spec, workers=ns.hosts, name=name, strategies=runnable)
+            print(p.table(top=8))
+            todo = list(DEFAULT_STRATEGIES)
+            for pred in p.ranked[: ns.top]:
+                if pred.strategy not in todo:
+                    todo.append(pred.strategy)
+            rows = []
+            for s in todo:
+                pred = p.find(s.label()) or plan(model, sample, spec, workers=ns.hosts, name=name,
+                                                 strategies=[s]).ranked[0]  # fmt: skip
+                cfg = replace(base.replace(**s.overrides()), cluster=cname)
+                dt, sps = measure(cfg, cname, ns.warmup)
+                err = pred.step_s / dt - 1
+                rows.append((s, pred.step_s, dt, err, sps))
+            print(f"\n{'strategy (' + bw + ')':<34}{'predicted ms':>13}{'measured ms':>12}{'error':>8}{'run samples/s':>15}")
+            for s, pr, dt, err, sps in rows:
+                print(f"{s.label():<34}{pr * 1e3:>13.3f}{dt * 1e3:>12.3f}{err:>+8.1%}{sps:>15.0f}")
+            worst = max(worst, max(abs(r[3]) for r in rows))
+            fastest = min(rows, key=lambda r: r[2])
+            chosen = next(r for r in rows if r[0] == p.best.strategy)
+            gap = chosen[2] / fastest[2] - 1
+            ok = gap <= 0.10
+            verdicts.append((bw, p.best.strategy.label(), fastest[0].label(), gap, ok))
+        finally:
+            dc.down(cname)
+    print("\nplanner's first choice vs the measured fastest:")
+    for bw, chose, fastest, gap, ok in verdicts:
+        print(f"  {bw:>8}: chose {chose!r}; fastest measured {fastest!r}; chosen is {gap:+.1%} slower "
+              f"-> {'ok' if ok else 'MISSED'}")  # fmt: skip
+    if len(verdicts) == 2:
+        print(f"  choice differs between the bandwidths: {verdicts[0][1] != verdicts[1][1]}; "
+              f"fastest differs: {verdicts[0][2] != verdicts[1][2]}")  # fmt: skip
+    print(f"largest prediction error: {worst:.1%} (acceptance: within 20%)")
+    return 0 if worst <= 0.2 and all(v[4] for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Planner: candidates, ranking on made-up clusters, rejections, ``choose`` for ``--strategy auto``, CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain.config import RunConfig
+from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, plan
+from dtrain.perfmodel._units import parse_rate
+from dtrain.perfmodel.auto import choose
+from dtrain.perfmodel.cli import main as plan_main
+from dtrain.perfmodel.cli import parse_strategy
+from dtrain.perfmodel.planner import candidates
+from dtrain.perfmodel.spec import CompressorCost, this_host
+
+
+def spec(rate: str, latency: float, nodes: int = 4, per_node: int = 1, memory: float = 8e9) -> ClusterSpec:
+    comps = {"fp16": CompressorCost(0.5, 1e-10, 1e-10), "topk:0.01": CompressorCost(0.02, 3e-9, 1e-10)}
+    return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=Link(parse_rate(rate), latency),
+                       intra=Link(parse_rate("40gbit"), 5e-6), device=Device(flops=1e10, memory=memory),
+                       compressors=comps, name=f"made-up {rate}")  # fmt: skip
+
+
+def tiny() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    return model, (torch.randn(64, 64), torch.randint(0, 10, (64,)))
+
+
+def test_candidates_cover_every_family_once():
+    labels = [s.label() for s in candidates(spec("1gbit", 1e-4))]
+    assert len(labels) == len(set(labels))
+    assert "single process" in labels and "torch DDP 25MiB" in labels
+    assert {"dp ring 25MiB", "dp tree 25MiB", "dp recursive_doubling 1MiB", "dp rabenseifner 25MiB"} <= set(labels)
+    assert not any("hierarchical" in x for x in labels)  # one device per node: nothing to be hierarchical about
+    assert any("hierarchical" in x for x in (s.label() for s in candidates(spec("1gbit", 1e-4, 2, 2))))
+    assert {"ps bsp 1 server", "ps asp 2 servers", "dp ring 25MiB topk:0.01"} <= set(labels)
+    exact = [s for s in candidates(spec("1gbit", 1e-4), exact_only=True)]
+    assert all(s.compression == "none" and s.consistency in ("bsp",) for s in exact)
+
+
+def test_ranking_follows_the_network():
+    model, sample = tiny()
+    fast = plan(model, sample, spec("100gbit", 1e-6), measure=False)
+    slow = plan(model, sample, spec("1mbit", 1e-3), measure=False, exact_only=True)
+    assert fast.best.strategy.kind in ("dp", "ddp") and fast.best.strategy.workers == 4
+    assert slow.best.strategy.kind == "single"  # at 1 Mbit/s no exchange pays for itself
+    rates = [p.samples_per_s for p in fast.ranked]
+    assert rates == sorted(rates, reverse=True)
+    comp = plan(model, sample, spec("1mbit", 1e-3), measure=False, compressions=("topk:0.01",))
+    topk = comp.find("dp ring 25MiB topk:0.01")
+    ring = comp.find("dp ring 25MiB")
+    assert topk is not None and ring is not None and topk.step_s < ring.step_s
+    assert "approximate" in topk.why and "approximate" not in ring.why
+
+
+def test_rejections_give_the_reason():
+    model, sample = tiny()
+    p = plan(model, sample, spec("1gbit", 1e-4, memory=50e3), measure=False)  # 50 kB devices
+    assert not p.ranked
+    assert all("per device" in reason for _, reason in p.rejected if "batch" not in reason)
+    with pytest.raises(Exception, match="no strategy fits"):
+        _ = p.best
+    q = plan(model, sample, spec("1gbit", 1e-4), measure=False)
+    assert any("does not split over 3 workers" in r for s, r in q.rejected if s.workers == 3)
+    assert "rejected:" in q.table()
+
+
+def _local_cache(tmp_path, monkeypatch, workers: int = 4) -> None:
+    monkeypatch.setenv("DTRAIN_CACHE", str(tmp_path))
+    s = ClusterSpec(nodes=1, devices_per_node=workers, intra=Link(parse_rate("10gbit"), 50e-6),
+                    inter=Link(parse_rate("10gbit"), 50e-6), device=Device(host=this_host(), overhead=2e-4),
+                    compressors=spec("1gbit", 0).compressors, name="local")  # fmt: skip
+    (tmp_path / f"local-{this_host()}-w{workers}.toml").write_text(dump_cluster(s))
+
+
+def test_choose_returns_overrides_that_make_a_valid_run(tmp_path, monkeypatch, capsys):
+    _local_cache(tmp_path, monkeypatch)
+    cfg = RunConfig(strategy="auto", workers=4, batch_size=64)
+    over = choose(cfg)
+    assert over["strategy"] in ("dp", "ddp", "ps")
+    run_cfg = cfg.replace(**over).validate()
+    assert run_cfg.num_processes <= 4
+    assert "--strategy auto chose" in capsys.readouterr().err
+
+
+def test_plan_cli_table_and_simulation(tmp_path, capsys):
+    toml = tmp_path / "c.toml"
+    toml.write_text(dump_cluster(spec("100mbit", 1e-4)))
+    assert plan_main(["--model", "cnn", "--cluster", str(toml), "--top", "3", "--no-measure"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for made-up 100mbit" in out and "  1  " in out and "more" in out
+    png = tmp_path / "curve.png"
+    rc = plan_main(["--simulate", "--workers", "2,4,8", "--model", "cnn", "--cluster", str(toml), "--no-measure",
+                    "--strategies", "dp:ring,ps:asp:1/4+fp16", "--stragglers", "lognormal:0.1", "--png", str(png)])
+    assert rc == 0 and png.stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert out.count("dp:ring") == 3 and "ps:asp:1/4+fp16" in out
+    assert plan_main(["--simulate", "--workers", "2", "--strategies", "dq:ring", "--cluster", str(toml)]) == 2
+    assert "cannot read strategy" in capsys.readouterr().err
+
+
+def test_strategy_text():
+    assert parse_strategy("dp:tree:4+fp16", 8).label() == "dp tree 4MiB fp16"
+    assert parse_strategy("ps:ssp:3:2", 8).label() == "ps ssp:3 2 servers"
+    assert parse_strategy("ps:asp:1/4", 16).servers == 4
