@@ -130,7 +130,7 @@ def test_world_of_one_matches_plain_training_and_grads_are_bucket_views():
         F.cross_entropy(ref(x), y).backward()
         ropt.step()
     assert _max_diff(net, ref) < 1e-6
-    flats = {b.flat.data_ptr(): b for b in model._buckets}
+    flats = {b.flat.data_ptr(): b for b in model._reducer.bucket_objects}
     assert len(flats) > 1
     for p in net.parameters():  # every .grad lives inside a bucket's flat buffer
         assert any(b.flat.data_ptr() <= p.grad.data_ptr() < b.flat.data_ptr() + b.nbytes for b in flats.values())

@@ -117,7 +117,7 @@ def _equivalence(rank: int, algorithm: str, overlap: str, batches: list, compres
             opt.step()
     model.synchronize()
     stats = model.step_stats()
-    nbytes = [b.nbytes for b in model._buckets]
+    nbytes = [b.nbytes for b in model._reducer.bucket_objects]
     itemsize = 2 if compression is not None and "16" in str(compression) else 4
     expect = sum(
         traffic(algorithm, WORLD, n * itemsize // 4, itemsize=itemsize, node_size=WORLD).bytes_sent[rank] for n in nbytes

@@ -1,0 +1,178 @@
+"""dtrain.DataParallel beside torch DDP: training steps per second, same model, data and seed.
+
+One launch of ``--nprocs`` processes (``dtrain.launch.launch``, gloo on CPU or
+NCCL on CUDA). Inside it, for each configuration in turn -- torch DDP, then
+``dtrain.DataParallel`` with each allreduce algorithm (and each overlap mode
+asked for) -- the same model (``dtrain.models.build_model``, default the CNN), the
+same digits shards and the same seed train for ``--warmup`` discarded steps and
+then ``--steps`` timed steps (barrier before and after; rank 0's clock). The
+whole sequence is repeated ``--repeats`` times, interleaved, so that a slow spell
+of a shared machine hits every configuration alike; each configuration reports
+its median. DDP runs with ``bucket_cap_mb=--bucket-mb`` and DataParallel with
+``bucket_mb=--bucket-mb`` (both: first bucket 1 MiB).
+
+Columns: steps/s of DDP and of DataParallel, their ratio (DataParallel / DDP),
+and DataParallel's mean per-step comm, wait and bytes sent (``step_stats()``).
+
+Run::
+
+    python benchmarks/dp_vs_ddp.py                      # 4 processes, all algorithms, overlap=backward
+    python benchmarks/dp_vs_ddp.py --algorithms native,ring --overlap backward,forward
+    python benchmarks/dp_vs_ddp.py --model mlp --steps 400 --repeats 5
+
+Timings on a shared machine are indicative; run it on a quiet one for figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+ALL_ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "rabenseifner", "hierarchical")
+
+
+def _batches(model: str, batch: int, rank: int, world: int, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's shard of digits, cut into local batches of ``batch // world`` (cycled to ``count``)."""
+    from dtrain.data import load_dataset
+
+    ds = load_dataset("digits", seed=seed).train
+    x, y = ds.tensors
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(y), generator=g)
+    local = batch // world
+    per_step = local * world
+    out = []
+    for k in range(count):
+        start = (k * per_step) % (len(y) - per_step + 1)
+        idx = perm[start + rank * local : start + (rank + 1) * local]
+        out.append((x[idx], y[idx]))
+    return out
+
+
+def _run_config(cfg: dict[str, Any], args: dict[str, Any], data: list[Any]) -> dict[str, float]:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import dtrain
+    from dtrain.models import build_model
+
+    torch.manual_seed(args["seed"])
+    net = build_model(args["model"], (1, 8, 8), 10)
+
+    def make_opt(ps: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(ps, lr=args["lr"], momentum=0.9)
+
+    if cfg["kind"] == "ddp":
+        model: Any = DDP(net, bucket_cap_mb=args["bucket_mb"])
+        opt = make_opt(model.parameters())
+        engine_steps = False
+    else:
+        kw: dict[str, Any] = dict(algorithm=cfg["algorithm"], overlap=cfg["overlap"], bucket_mb=args["bucket_mb"])
+        engine_steps = cfg["overlap"] == "forward"
+        if engine_steps:
+            kw["optimizer_factory"] = make_opt
+        model = dtrain.DataParallel(net, **kw)
+        opt = model.optimizer if engine_steps else make_opt(model.parameters())
+    comm = wait = nbytes = 0.0
+    warm, steps = args["warmup"], args["steps"]
+    t0 = 0.0
+    for k, (x, y) in enumerate(data[: warm + steps]):
+        if k == warm:
+            if engine_steps:
+                model.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+        if not engine_steps:
+            opt.zero_grad(set_to_none=False)
+        F.cross_entropy(model(x), y).backward()
+        if not engine_steps:
+            opt.step()
+        if k >= warm and cfg["kind"] == "dp":
+            st = model.step_stats()
+            comm += st["comm_s"]
+            wait += st["wait_s"]
+            nbytes += st["bytes_sent"]
+    if engine_steps:
+        model.synchronize()
+    dist.barrier()
+    dt = time.perf_counter() - t0
+    if cfg["kind"] == "dp":
+        model.close()
+    return dict(steps_per_s=steps / dt, comm_ms=1e3 * comm / steps, wait_ms=1e3 * wait / steps, bytes=nbytes / steps)
+
+
+def _worker(configs: list[dict[str, Any]], args: dict[str, Any]) -> list[list[dict[str, float]]]:
+    import dtrain
+
+    rank, world = dtrain.rank(), dtrain.world_size()
+    data = _batches(args["model"], args["batch_size"], rank, world, args["warmup"] + args["steps"], args["seed"])
+    rounds = []
+    for _ in range(args["repeats"]):
+        rounds.append([_run_config(c, args, data) for c in configs])
+    return rounds
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nprocs", type=int, default=4)
+    ap.add_argument("--algorithms", default=",".join(ALL_ALGORITHMS))
+    ap.add_argument("--overlap", default="backward", help="comma-separated: backward,forward")
+    ap.add_argument("--model", default="cnn", choices=("cnn", "mlp"))
+    ap.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--steps", type=int, default=200, help="timed steps per configuration")
+    ap.add_argument("--warmup", type=int, default=20, help="discarded steps per configuration")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median is reported")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+
+    from dtrain.launch import launch, threads_per_worker
+
+    algorithms = [s for s in a.algorithms.split(",") if s]
+    overlaps = [s for s in a.overlap.split(",") if s]
+    for s in algorithms:
+        if s not in ALL_ALGORITHMS:
+            ap.error(f"unknown algorithm {s!r}; choose from {','.join(ALL_ALGORITHMS)}")
+    for s in overlaps:
+        if s not in ("backward", "forward"):
+            ap.error(f"unknown overlap {s!r}; use backward and/or forward")
+    configs: list[dict[str, Any]] = [dict(kind="ddp")]
+    configs += [dict(kind="dp", algorithm=al, overlap=ov) for ov in overlaps for al in algorithms]
+    args = dict(
+        model=a.model, batch_size=a.batch_size, bucket_mb=a.bucket_mb, steps=a.steps, warmup=a.warmup,
+        repeats=a.repeats, lr=a.lr, seed=a.seed,
+    )
+    print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
+          f"{a.nprocs} processes x {threads_per_worker(a.nprocs)} intra-op thread(s), "
+          f"backend {'nccl' if torch.cuda.is_available() else 'gloo'}")
+    print(f"model {a.model}, digits, global batch {a.batch_size}, bucket {a.bucket_mb} MiB, "
+          f"{a.warmup} warm-up + {a.steps} timed steps, median of {a.repeats} interleaved rounds")
+    t0 = time.perf_counter()
+    res = launch(_worker, (configs, args), nprocs=a.nprocs)
+    rounds = res[0]
+    med = [
+        {k: statistics.median(r[i][k] for r in rounds) for k in rounds[0][i]} for i in range(len(configs))
+    ]
+    ddp = med[0]["steps_per_s"]
+    print()
+    print(f"{'configuration':34} {'DDP steps/s':>12} {'DP steps/s':>11} {'DP/DDP':>7} "
+          f"{'comm ms':>8} {'wait ms':>8} {'bytes/step':>11}")
+    for c, m in zip(configs[1:], med[1:]):
+        name = f"{c['algorithm']} (overlap={c['overlap']})"
+        print(f"{name:34} {ddp:12.1f} {m['steps_per_s']:11.1f} {m['steps_per_s'] / ddp:7.3f} "
+              f"{m['comm_ms']:8.3f} {m['wait_ms']:8.3f} {m['bytes']:11.0f}")
+    spread = [r[0]["steps_per_s"] for r in rounds]
+    print(f"\nDDP steps/s per round: {', '.join(f'{s:.1f}' for s in spread)}; wall {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
