@@ -34,6 +34,9 @@ keeps, per key, ``corrected - sent`` where ``sent`` is what this rank contribute
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import torch
 
 from dtrain.comm.sparse import chunk_bounds, sparse_allreduce
@@ -57,6 +60,7 @@ def compressed_allreduce(
     transport: Transport,
     *,
     algorithm: str = "ring",
+    shapes: Sequence[Sequence[int]] | None = None,
 ) -> None:
     """Average ``flat`` over the transport's ranks in place, communicating compressed.
 
@@ -72,6 +76,11 @@ def compressed_allreduce(
         transport: the ranks; its ``stats`` count the bytes actually sent.
         algorithm: dense allreduce used for summable payloads, a name in
             :data:`dtrain.comm.allreduce.ALGORITHMS` (default: ring).
+        shapes: shapes of the tensors packed back to back in ``flat`` (the
+            bucket's layout). PowerSGD uses it to compress each weight matrix on
+            its own and send vectors (biases) dense, as Vogels et al. do; without
+            it the whole bucket is one square matrix, whose rank-r approximation
+            is much poorer. Other compressors ignore it (default: None).
 
     Raises:
         CommError: bad input or a failed transfer (naming rank, operation, peer).
@@ -90,7 +99,8 @@ def compressed_allreduce(
             payload, ctx = compressor.compress(flat, key)
             flat.copy_(compressor.decompress(payload, ctx))
         elif isinstance(inner, PowerSGD):
-            _powersgd(flat, inner, ef, key, transport, algorithm)
+            layout = _layout(flat.numel(), shapes, transport.rank, op)
+            _powersgd(flat, inner, ef, key, transport, algorithm, layout)
         elif inner.summable:
             _summable(flat, compressor, key, transport, algorithm)
         elif isinstance(inner, SparseCompressor):
@@ -115,29 +125,78 @@ def _summable(flat: torch.Tensor, c: Compressor, key: str, t: Transport, algorit
     flat.div_(t.world_size)
 
 
+def _layout(n: int, shapes: Sequence[Sequence[int]] | None, rank: int, op: str) -> list[tuple[int, ...]]:
+    if shapes is None:
+        return [(n,)]
+    out = [tuple(int(d) for d in s) for s in shapes]
+    total = sum(math.prod(s) for s in out)
+    if total != n:
+        raise CommError(rank, op, f"shapes describe {total} elements but the bucket holds {n}")
+    return out
+
+
 def _powersgd(
-    flat: torch.Tensor, ps: PowerSGD, ef: ErrorFeedback | None, key: str, t: Transport, algorithm: str
+    flat: torch.Tensor,
+    ps: PowerSGD,
+    ef: ErrorFeedback | None,
+    key: str,
+    t: Transport,
+    algorithm: str,
+    layout: list[tuple[int, ...]],
 ) -> None:
-    n = flat.numel()
-    m_flat = ef.corrected(flat, key) if ef is not None else flat.detach().clone()
-    if not ps.compressible(flat.shape):
-        sent = m_flat.clone()
-        if ef is not None:
-            ef.update(key, m_flat, sent)
-        _allreduce_sum(t, sent, algorithm)
-        flat.copy_(sent).div_(t.world_size)
-        return
-    m = ps.as_matrix(m_flat)
-    p = m @ ps.warm_q(key, m.shape[1])
-    _allreduce_sum(t, p, algorithm)
-    orthogonalize(p)
-    q = m.t() @ p
+    """Vogels et al.'s Algorithm 1 over every matrix of the bucket at once.
+
+    Tensors that gain nothing from factoring (vectors, tiny matrices) travel dense
+    in the second round, beside the Qs. Two allreduces per bucket in all.
+    """
+    corrected = ef.corrected(flat, key) if ef is not None else flat.detach().clone()
+    offsets = [0]
+    for s in layout:
+        offsets.append(offsets[-1] + math.prod(s))
+    parts = [corrected[offsets[i] : offsets[i + 1]] for i in range(len(layout))]
+    # with a layout only weight matrices (ndim >= 2) are factored; without one the bucket is
+    mats = {
+        i: ps.as_matrix(parts[i].view(layout[i]))
+        for i in range(len(layout))
+        if (len(layout[i]) >= 2 or len(layout) == 1) and ps.compressible(layout[i])
+    }
+    dense = [i for i in range(len(layout)) if i not in mats]
+    qkey = (lambda i: key) if len(layout) == 1 else (lambda i: f"{key}/{i}")
+
+    # round 1: P = M Q for every matrix, one allreduce, orthonormalise each
+    ps_ = {i: m @ ps.warm_q(qkey(i), m.shape[1]) for i, m in mats.items()}
+    if ps_:
+        p_all = torch.cat([p.reshape(-1) for p in ps_.values()])
+        _allreduce_sum(t, p_all, algorithm)
+        o = 0
+        for i, p in ps_.items():
+            p.copy_(p_all[o : o + p.numel()].view_as(p))
+            o += p.numel()
+            orthogonalize(p)
+    # round 2: Q = M^T P, plus the dense tensors, one allreduce
+    qs = {i: mats[i].t() @ ps_[i] for i in mats}
+    sent = torch.empty_like(corrected)
+    for i in mats:
+        n_i = offsets[i + 1] - offsets[i]
+        sent[offsets[i] : offsets[i + 1]] = (ps_[i] @ qs[i].t()).reshape(-1)[:n_i]
+    for i in dense:
+        sent[offsets[i] : offsets[i + 1]] = parts[i]
     if ef is not None:
-        ef.update(key, m_flat, (p @ q.t()).reshape(-1)[:n])
-    _allreduce_sum(t, q, algorithm)
-    q.div_(t.world_size)
-    ps.remember_q(key, q)
-    flat.copy_((p @ q.t()).reshape(-1)[:n])
+        ef.update(key, corrected, sent)
+    q_all = torch.cat([q.reshape(-1) for q in qs.values()] + [parts[i].to(torch.float32) for i in dense])
+    _allreduce_sum(t, q_all, algorithm)
+    q_all.div_(t.world_size)
+    o = 0
+    for i, q in qs.items():
+        q.copy_(q_all[o : o + q.numel()].view_as(q))
+        o += q.numel()
+        ps.remember_q(qkey(i), q)
+        n_i = offsets[i + 1] - offsets[i]
+        flat[offsets[i] : offsets[i + 1]] = (ps_[i] @ q.t()).reshape(-1)[:n_i]
+    for i in dense:
+        n_i = offsets[i + 1] - offsets[i]
+        flat[offsets[i] : offsets[i + 1]] = q_all[o : o + n_i]
+        o += n_i
 
 
 def _post_sized(t: Transport, buf: torch.Tensor, dst: int, size_tag: int, data_tag: int) -> list[Work]:
