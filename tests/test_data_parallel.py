@@ -240,7 +240,7 @@ def test_bucket_optimizer_steps_subsets_with_the_users_optimizer_state():
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     ps = list(net.parameters())
-    bo = BucketOptimizer(opt, [ps[:2], ps[2:]], {})
+    bo = BucketOptimizer(opt, [ps[:2], ps[2:]])
     for k in range(2):
         for p, q in zip(ps, ref.parameters()):
             p.grad = torch.full_like(p, 0.5 + k)
@@ -251,3 +251,38 @@ def test_bucket_optimizer_steps_subsets_with_the_users_optimizer_state():
         bo.step(0)
         ropt.step()
     assert _max_diff(net, ref) == 0.0
+
+
+def test_priority_scheduler_reduces_ready_buckets_nearest_the_input_first():
+    from dtrain.data_parallel._buckets import build_buckets
+    from dtrain.data_parallel._comm import StreamSync
+    from dtrain.data_parallel._priority import PriorityScheduler
+    from dtrain.data_parallel._stats import StepStats
+
+    params = [nn.Parameter(torch.randn(4)) for _ in range(5)]  # index = position in forward
+    buckets = build_buckets(params, [4, 3, 2, 1, 0], cap_bytes=1, first_cap_bytes=1)  # one per tensor, backward order
+    seen: list[str] = []
+    stepped: list[int] = []
+
+    class Recorder:
+        algorithm = "recorder"
+
+        def __call__(self, flat: torch.Tensor, key: str, shapes: object = None) -> int:
+            seen.append(key)
+            return 10
+
+    done: list[StepStats] = []
+    cpu = StreamSync(torch.device("cpu"))
+    sched = PriorityScheduler(Recorder(), lambda b: stepped.append(b.index), None, 0, 5.0, lambda b: cpu, done.append)
+    sched.set_buckets(buckets)
+    sched.begin_step(0, StepStats(step=0))
+    with sched._cond:  # all become ready (in backward order) before the thread may look
+        for b in buckets:
+            sched.mark_ready(b)
+        assert sched.busy()
+    sched.wait_all("test")
+    by_priority = sorted(buckets, key=lambda b: b.priority)
+    assert seen == [b.key for b in by_priority]  # the input layer's bucket first
+    assert stepped == [b.index for b in by_priority]
+    assert done and done[0].buckets == 5 and done[0].bytes_sent == 50
+    sched.close()

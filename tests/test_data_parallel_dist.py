@@ -405,12 +405,12 @@ def _silent_peer(rank: int, world: int) -> dict[str, str]:
 
     out: dict[str, str] = {}
     # a private group with a short timeout, so that the backend's own wait also gives up quickly
-    short = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    short = dist.new_group(timeout=datetime.timedelta(seconds=4))
     cases = [("ring", "backward", None), ("tree", "forward", None), ("native", "backward", short)]
     batches = _batches(2)
     for algorithm, overlap, group in cases:
         dist.barrier()  # start each case together (the default group has a long timeout)
-        kw: dict[str, Any] = dict(algorithm=algorithm, overlap=overlap, timeout_s=3, group=group, **BUCKET)
+        kw: dict[str, Any] = dict(algorithm=algorithm, overlap=overlap, timeout_s=4, group=group, **BUCKET)
         if overlap == "forward":
             kw["optimizer_factory"] = _sgd
         model = dtrain.DataParallel(_cnn(), **kw)

@@ -30,11 +30,12 @@ class Bucket:
         priority: smallest member index; lower means nearer the model's input,
             i.e. needed earlier by the next forward.
         key: names the bucket for per-bucket compressor state.
+        shapes: the members' shapes, in packing order (PowerSGD factors each matrix).
         pending: members whose gradient has not arrived in this backward.
         ready: all members arrived (this backward).
     """
 
-    __slots__ = ("index", "members", "buffer", "priority", "key", "pending", "ready")
+    __slots__ = ("index", "members", "buffer", "priority", "key", "shapes", "pending", "ready")
 
     def __init__(self, index: int, members: list[int], buffer: FlatBuffer, key: str) -> None:
         self.index = index
@@ -42,6 +43,7 @@ class Bucket:
         self.buffer = buffer
         self.priority = min(members)
         self.key = key
+        self.shapes = tuple(tuple(v.shape) for v in buffer.views)
         self.pending = len(members)
         self.ready = False
 

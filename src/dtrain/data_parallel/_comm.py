@@ -72,7 +72,9 @@ class BucketReducer:
     """Average a flat bucket over the ranks of ``group``, in place, on the calling thread.
 
     Without compression the bucket is divided by the world size and then summed
-    with ``dtrain.comm.allreduce(..., algorithm=...)`` (pre-division as DDP does).
+    by the algorithm (``dtrain.comm.allreduce_over`` on the group's cached
+    transport, i.e. what ``dtrain.comm.allreduce(..., group=group)`` runs, without
+    its per-call lookups); pre-division as DDP does.
     With a compressor, ``dtrain.compress.compressed_allreduce`` averages it.
     ``__call__`` returns the bytes this rank sent, from the transport's counters.
 
@@ -96,19 +98,21 @@ class BucketReducer:
 
             self._transport = get_transport(group, timeout_s)
 
-    def __call__(self, flat: torch.Tensor, key: str) -> int:
+    def __call__(self, flat: torch.Tensor, key: str, shapes: Any = None) -> int:
+        """Average ``flat`` (bucket ``key``, members of ``shapes``) in place; return the bytes sent."""
         if self.world <= 1:
             return 0
         before = self._transport.stats.bytes_sent
         if self.compressor is not None:
             from dtrain.compress import compressed_allreduce
 
-            compressed_allreduce(flat, self.compressor, key, self._transport, algorithm=self.algorithm)
+            # shapes: the bucket's layout, so PowerSGD factors each weight matrix on its own
+            compressed_allreduce(flat, self.compressor, key, self._transport, algorithm=self.algorithm, shapes=shapes)
         else:
-            from dtrain.comm.allreduce import allreduce
+            from dtrain.comm.allreduce import allreduce_over
 
             flat.div_(self.world)
-            allreduce(flat, op="sum", algorithm=self.algorithm, group=self.group, timeout=self.timeout_s)
+            allreduce_over(self._transport, flat, "sum", self.algorithm)
         return int(self._transport.stats.bytes_sent - before)
 
 
@@ -168,9 +172,11 @@ class NativeScheduler:
 
     ``launch`` divides the bucket by the world size and issues
     ``dist.all_reduce(flat, async_op=True)``; ``wait_all`` waits every handle with
-    the remaining time. The in-flight time of each bucket comes from the work's
-    future (its completion callback). The backend does not count bytes, so
-    ``bytes_sent`` is what a ring sends, ``2(P-1)/P * n`` (:func:`native_bytes`).
+    the remaining time. A bucket counts as in flight from its launch until
+    ``wait_all`` sees it complete (no completion callback: a Python callback on
+    the backend's thread would hold up its next collective waiting for the GIL).
+    The backend does not count bytes, so ``bytes_sent`` is what a ring sends,
+    ``2(P-1)/P * n`` (:func:`native_bytes`).
     """
 
     def __init__(self, group: Any, world: int, rank: int, timeout_s: float) -> None:
@@ -179,27 +185,23 @@ class NativeScheduler:
         self.rank = rank
         self.group_rank = dist.get_rank(group) if world > 1 else 0
         self.timeout_s = timeout_s
-        self._works: list[tuple[Bucket, Any, list[float]]] = []
+        self._works: list[tuple[Bucket, Any, float]] = []
 
     def launch(self, b: Bucket, inline: bool, step: int) -> None:
         if self.world <= 1:
             return
         b.flat.div_(self.world)
-        span = [time.perf_counter(), 0.0]
-        work = dist.all_reduce(b.flat, group=self.group, async_op=True)
-        work.get_future().then(lambda _f, s=span: s.__setitem__(1, time.perf_counter()))
-        self._works.append((b, work, span))
+        t0 = time.perf_counter()
+        self._works.append((b, dist.all_reduce(b.flat, group=self.group, async_op=True), t0))
 
     def wait_all(self, step: int, stats: StepStats) -> None:
         works, self._works = self._works, []
         deadline = time.monotonic() + self.timeout_s
-        for b, work, _ in works:
+        for b, work, t0 in works:
             op = f"allreduce(native) of gradient bucket {b.index}"
             wait_work(work, deadline - time.monotonic(), self.rank, op, step)
-        now = time.perf_counter()
-        for b, _, (t0, t1) in works:
             nbytes = native_bytes(self.world, self.group_rank, b.flat.numel(), b.flat.element_size())
-            stats.add_comm(t0, t1 if t1 > 0 else now, nbytes)
+            stats.add_comm(t0, time.perf_counter(), nbytes)
 
     def close(self) -> None:
         self._works = []
@@ -238,7 +240,7 @@ class ThreadScheduler:
         sync = self._streams(b)
         with sync.on_comm_stream(event):
             t0 = time.perf_counter()
-            nbytes = self.reducer(b.flat, b.key)
+            nbytes = self.reducer(b.flat, b.key, b.shapes)
             return t0, time.perf_counter(), nbytes, sync.finished()
 
     def _loop(self) -> None:

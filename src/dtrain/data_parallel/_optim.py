@@ -22,7 +22,24 @@ import torch
 
 from dtrain.errors import ConfigError
 
-__all__ = ["BucketOptimizer"]
+__all__ = ["BucketOptimizer", "check_optimizer"]
+
+
+def check_optimizer(optimizer: Any, params: Sequence[torch.Tensor]) -> None:
+    """Raise ConfigError unless ``optimizer`` is a torch optimizer over a subset of ``params``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer must be a torch.optim.Optimizer (optimizer_factory must return one), got {type(optimizer).__name__}"
+        )
+    known = {id(p) for p in params}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in known:
+                raise ConfigError(
+                    "the optimizer holds a parameter that is not a trainable parameter of the wrapped module "
+                    f"(shape {tuple(p.shape)}); build it from the module's parameters "
+                    "(optimizer_factory=lambda params: torch.optim.SGD(params, lr=...))"
+                )
 
 
 class BucketOptimizer:
@@ -31,24 +48,11 @@ class BucketOptimizer:
     Args:
         optimizer: the user's optimizer over (a subset of) the model's parameters.
         bucket_params: the parameters of each bucket.
-        names: name of every trainable parameter, by ``id`` (for errors).
     """
 
-    def __init__(
-        self, optimizer: torch.optim.Optimizer, bucket_params: Sequence[Sequence[torch.Tensor]], names: dict[int, str]
-    ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    def __init__(self, optimizer: torch.optim.Optimizer, bucket_params: Sequence[Sequence[torch.Tensor]]) -> None:
+        check_optimizer(optimizer, [p for ps in bucket_params for p in ps])
         self.optimizer = optimizer
-        known = {id(p) for ps in bucket_params for p in ps}
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if id(p) not in known:
-                    raise ConfigError(
-                        "the optimizer holds a parameter that is not a trainable parameter of the wrapped module "
-                        f"(shape {tuple(p.shape)}); build it from the module's parameters "
-                        "(optimizer_factory=lambda params: torch.optim.SGD(params, lr=...))"
-                    )
         self._hyper: list[dict[str, Any]] = self._snapshot()
         self._views = [self._view(ps) for ps in bucket_params]
 

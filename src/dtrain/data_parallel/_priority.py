@@ -207,7 +207,7 @@ class PriorityScheduler:
             sync = self._streams(b)
             with sync.on_comm_stream(self._events[i]):
                 t0 = time.perf_counter()
-                nbytes = self.reducer(b.flat, b.key)
+                nbytes = self.reducer(b.flat, b.key, b.shapes)
                 t1 = time.perf_counter()
                 self.apply(b)
                 self._done_cuda[i] = sync.finished()

@@ -119,7 +119,7 @@ class Reducer:
         self._pre_hooks: list[Any] = []
         if self.forward_mode:
             assert optimizer is not None
-            self._bucket_opt = BucketOptimizer(optimizer, self._bucket_params(), {})
+            self._bucket_opt = BucketOptimizer(optimizer, self._bucket_params())
             self._sched = PriorityScheduler(
                 reducer, self._apply_bucket, agree, rank, cfg.timeout_s, self._stream_of, self._publish
             )
@@ -274,6 +274,11 @@ class Reducer:
         view = self._views[i]
         g = p.grad
         if g is not view:
+            if g.is_sparse:  # type: ignore[union-attr]
+                raise DTrainError(
+                    f"parameter {self._names[i]!r} has a sparse gradient; DataParallel reduces dense gradients "
+                    "(use nn.Embedding(..., sparse=False))"
+                )
             view.copy_(g)  # type: ignore[arg-type]
             p.grad = view
         b = self._bucket_of[i]
@@ -389,7 +394,7 @@ class Reducer:
         self._install_buckets(order)
         if self.forward_mode:
             self._sched.set_buckets(self._buckets)
-            self._bucket_opt = BucketOptimizer(self.optimizer, self._bucket_params(), {})  # type: ignore[arg-type]
+            self._bucket_opt = BucketOptimizer(self.optimizer, self._bucket_params())  # type: ignore[arg-type]
             self._map_modules()
 
     # ------------------------------------------------------------------ overlap="forward"

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.data_parallel._model_sync import broadcast_tensors, check_same_everywhere, describe_module
+from dtrain.data_parallel._optim import check_optimizer
 from dtrain.data_parallel._reducer import Reducer, UnusedParametersError
 from dtrain.data_parallel.config import DataParallelConfig
 from dtrain.errors import ConfigError
@@ -93,20 +94,40 @@ class DataParallel(nn.Module):
             forward, like DDP (default: True).
         first_bucket_mb: size of the first bucket (default: 1, as DDP).
 
-    ``overlap="forward"``::
+    ``overlap="forward"`` -- priority scheduling (ByteScheduler, P3); the engine owns
+    the optimizer step::
 
         model = dtrain.DataParallel(net, overlap="forward",
                                     optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+        sched = torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=10)  # optional, as usual
         for x, y in loader:
             loss_fn(model(x), y).backward()   # returns before communication ends
-        model.synchronize()                   # before evaluating or saving
-        # do not call optimizer.step() or zero_grad(): the engine steps each bucket
-        # when it arrives and zeroes its gradients after.
+            sched.step()
+        model.synchronize()                   # before evaluating model.module or saving it
 
-    The optimizer must be per-parameter (SGD, Adam, ...), not one that couples all
-    gradients (global-norm clipping). Reading parameters outside ``model(...)``
-    (evaluating ``model.module`` directly, ``state_dict`` of the inner module)
-    needs ``model.synchronize()`` first; ``model.state_dict()`` does it for you.
+    What changes against ``overlap="backward"``:
+
+    * ``loss.backward()`` returns once backward is computed. A communication
+      thread reduces the buckets, the one nearest the input first, and as soon
+      as a bucket is averaged it runs ``optimizer`` on that bucket's parameters
+      and zeroes their gradients. Do not call ``optimizer.step()`` or
+      ``optimizer.zero_grad()`` yourself.
+    * The next ``model(x)`` waits module by module, each only for the buckets
+      holding its own parameters, so the first layers compute while the last
+      ones are still being reduced.
+    * The optimizer must treat parameters independently (SGD, Adam(W), RMSprop,
+      Adagrad, LARS/LAMB-style per-tensor rules); global gradient-norm clipping
+      or LBFGS cannot be stepped bucket by bucket.
+    * Hyperparameters are read at the start of each backward, so an LR scheduler
+      stepped after ``backward()`` takes effect on the next step, as usual.
+    * Reading parameters outside ``model(...)`` (evaluating ``model.module``,
+      saving ``model.module.state_dict()``) needs ``model.synchronize()``
+      first; ``model.state_dict()`` and ``model.load_state_dict()`` do it.
+    * ``step_stats()`` reports the last step whose buckets are all done, one
+      step behind until ``synchronize()``.
+    * Cost: one extra small allreduce (latency ``alpha``) per bucket, by which
+      the ranks agree which ready bucket goes next (ranks see buckets become
+      ready in different orders, but must issue the same collectives).
 
     Raises:
         ConfigError: bad option (before anything is communicated), or ranks
@@ -163,6 +184,8 @@ class DataParallel(nn.Module):
         # ranks
         if group is not None and not dist.is_initialized():
             raise ConfigError("a process group was given but torch.distributed is not initialized; call dtrain.init()")
+        if group is not None and dist.get_rank(group) < 0:
+            raise ConfigError(f"rank {dist.get_rank()} is not a member of the group it passed to DataParallel")
         self._group = group
         self._world = dist.get_world_size(group) if dist.is_initialized() else 1
         self._rank = dist.get_rank() if dist.is_initialized() else 0
@@ -173,12 +196,13 @@ class DataParallel(nn.Module):
         if not named:
             raise ConfigError("the module has no trainable parameters (requires_grad=True); nothing to train")
         self._buffers_list = [b for _, b in module.named_buffers()]
+        opt = optimizer
+        if cfg.overlap == "forward":
+            if opt is None:
+                opt = optimizer_factory(module.parameters())  # type: ignore[misc]
+            check_optimizer(opt, [p for _, p in named])
         if self._world > 1:
             self._agree_at_wrap(module, named)
-
-        opt = optimizer
-        if cfg.overlap == "forward" and opt is None:
-            opt = optimizer_factory(module.parameters())  # type: ignore[misc]
         self._reducer = Reducer(
             module, named, cfg, group=group, world=self._world, rank=self._rank, ranks=self._ranks,
             compressor=self.compressor, optimizer=opt,
@@ -273,7 +297,7 @@ class DataParallel(nn.Module):
             ``step``, ``compute_s`` (forward + backward, less waits), ``comm_s``
             (time at least one bucket was being reduced: the communication
             thread's reduce calls, or for ``native`` from issuing the async
-            allreduce to its completion callback), ``wait_s`` (time backward's end
+            allreduce until the end of backward saw it complete), ``wait_s`` (time backward's end
             or the forward pre-hooks blocked), ``bytes_sent`` (this rank, from
             the transport's counters; for ``native`` what a ring sends,
             ``2(P-1)/P·n``, since gloo and NCCL do not report it) and
