@@ -5,7 +5,8 @@ tbf-shaped links), calibrate it (``dtrain bench calibrate``: ping-pong alpha/bet
 gamma, compute under contention, loop overhead), then run ``dtrain run`` (one
 torchrun node per host, c10d rendezvous on host 0) for each strategy and compare
 the median step time of the training loop (``metrics.jsonl``, after warm-up) with
-the performance model's prediction. The planner ranks every strategy that runs on
+the performance model's prediction (medians over every worker's steps of
+``--rounds`` runs per strategy, taken round-robin). The planner ranks every strategy that runs on
 the cluster's processes; its first three are measured too, and the script reports
 whether its first choice is the measured fastest or within 10% of it.
 
@@ -41,25 +42,22 @@ DEFAULT_STRATEGIES = [
 ]
 
 
-def measure(cfg, cluster: str, warmup: int) -> tuple[float, float]:
-    """(median step seconds of the loop, samples/s of the whole run) of one ``dtrain run`` on the cluster."""
+def measure(cfg, cluster: str, warmup: int) -> list[float]:
+    """Step times (seconds, after warm-up, every worker) of one ``dtrain run`` on the emulated cluster."""
     from dtrain.cluster import launch_on_cluster
     from dtrain.trace import merge_rank_files
-    from dtrain.train import summarize, worker_main
+    from dtrain.train import worker_main
 
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         cfg = cfg.replace(out=str(out))
-        t0 = time.perf_counter()
-        res = launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes, cluster=cluster,
-                                stream_first=False, timeout_s=900)  # fmt: skip
+        launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes, cluster=cluster,
+                          stream_first=False, timeout_s=900)  # fmt: skip
         merge_rank_files(out)
-        summary = summarize(cfg, res, time.perf_counter() - t0)
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    world = cfg.workers if cfg.strategy != "ps" else 1  # dp rows count the global batch, ps rows their own
-    dts = [r.get("batch", cfg.batch_size // cfg.workers) * world / r["samples_per_s"] for r in rows
-           if r["step"] >= warmup and r.get("samples_per_s")]  # fmt: skip
-    return statistics.median(dts), float(summary["samples_per_s"])
+    # dp rows report the global batch per step, ps rows their worker's own batch
+    per_step = cfg.batch_size if cfg.strategy != "ps" else cfg.batch_size // cfg.workers
+    return [per_step / r["samples_per_s"] for r in rows if r["step"] >= warmup and r.get("samples_per_s")]
 
 
 def main() -> int:
@@ -70,6 +68,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--top", type=int, default=3, help="also measure the planner's first K (default: 3)")
+    ap.add_argument("--rounds", type=int, default=2, help="runs per strategy, interleaved (default: 2)")
     ap.add_argument("--name", default="mvm")
     ns = ap.parse_args()
     import torch
@@ -100,17 +99,21 @@ def main() -> int:
             for pred in p.ranked[: ns.top]:
                 if pred.strategy not in todo:
                     todo.append(pred.strategy)
+            # rounds interleave the strategies, so a change in the machine's load hits all of them alike
+            times: dict[Strategy, list[float]] = {s: [] for s in todo}
+            for _ in range(ns.rounds):
+                for s in todo:
+                    cfg = replace(base.replace(**s.overrides()), cluster=cname)
+                    times[s] += measure(cfg, cname, ns.warmup)
             rows = []
             for s in todo:
                 pred = p.find(s.label()) or plan(model, sample, spec, workers=ns.hosts, name=name,
                                                  strategies=[s]).ranked[0]  # fmt: skip
-                cfg = replace(base.replace(**s.overrides()), cluster=cname)
-                dt, sps = measure(cfg, cname, ns.warmup)
-                err = pred.step_s / dt - 1
-                rows.append((s, pred.step_s, dt, err, sps))
-            print(f"\n{'strategy (' + bw + ')':<34}{'predicted ms':>13}{'measured ms':>12}{'error':>8}{'run samples/s':>15}")
-            for s, pr, dt, err, sps in rows:
-                print(f"{s.label():<34}{pr * 1e3:>13.3f}{dt * 1e3:>12.3f}{err:>+8.1%}{sps:>15.0f}")
+                dt = statistics.median(times[s])
+                rows.append((s, pred.step_s, dt, pred.step_s / dt - 1, len(times[s])))
+            print(f"\n{'strategy (' + bw + ')':<34}{'predicted ms':>13}{'measured ms':>12}{'error':>8}{'steps':>7}")
+            for s, pr, dt, err, n in rows:
+                print(f"{s.label():<34}{pr * 1e3:>13.3f}{dt * 1e3:>12.3f}{err:>+8.1%}{n:>7}")
             worst = max(worst, max(abs(r[3]) for r in rows))
             fastest = min(rows, key=lambda r: r[2])
             chosen = next(r for r in rows if r[0] == p.best.strategy)

@@ -19,7 +19,7 @@ from dtrain.perfmodel import ClusterSpec, Device, Link, Strategy, dump_cluster, 
 from dtrain.perfmodel._units import parse_bytes, parse_rate, parse_time
 from dtrain.perfmodel.calibrate import fit_alpha_beta
 from dtrain.perfmodel.collectives import CompressionModel, allreduce_bytes, allreduce_time, compressed_allreduce_time
-from dtrain.perfmodel.compression import compression_model, compressor_kind
+from dtrain.perfmodel.compression import compressed_traffic, compression_model, compressor_kind
 from dtrain.perfmodel.predict import buckets_of, memory_per_device, ps_costs
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile
 
@@ -118,9 +118,14 @@ def test_compressed_collectives():
     half = CompressionModel("fp16", "summable", 0.5, 1e-9, 1e-9)
     comm, coding = compressed_allreduce_time(c, "ring", N, 4, half)
     assert comm == pytest.approx(1.5 / 2) and coding == pytest.approx(N * 2e-9)
-    # quantizer: direct reduce-scatter + allgather of the payload: 2 (P-1) payload/P bytes
+    # quantizer, small world: the implementation's own counts (run on threads) at alpha, beta
     q = CompressionModel("onebit", "quantizer", 1 / 32)
-    assert compressed_allreduce_time(c, "ring", N, 4, q)[0] == pytest.approx(2 * 3 * (N / 32 / 4) * B)
+    msgs, sent = compressed_traffic("onebit", 4, N // 4)
+    assert msgs == 12 and 2 * 3 / 4 * N / 32 <= sent <= 1.2 * 2 * 3 / 4 * N / 32  # 1 bit per element, + scales
+    assert compressed_allreduce_time(c, "ring", N, 4, q)[0] == pytest.approx(sent * B)
+    # large world: direct reduce-scatter + allgather of the payload, 2 (P-1) payload/P bytes
+    c16 = flat(16, 0.0, B, 0.0)
+    assert compressed_allreduce_time(c16, "ring", N, 16, q)[0] == pytest.approx(2 * 15 * (N / 32 / 16) * B)
     dense = compressed_allreduce_time(c, "ring", N, 4, CompressionModel())
     assert dense == (allreduce_time(c, "ring", N, 4), 0.0)
 

@@ -2,10 +2,11 @@
 
 What is measured, and how (every figure is a median over repetitions):
 
-1. **alpha, beta per level** -- ping-pong between two ranks over message sizes
-   from 4 B upward (growing 4x until a round trip takes ~0.3 s or 16 MiB), one-way
-   time = round trip / 2, then ``t = alpha + n * beta``: alpha from the small
-   messages, beta a least-squares slope over the large ones (:func:`fit_alpha_beta`). The inter level
+1. **alpha, beta per level** -- ping-pong in disjoint pairs of ranks, all pairs at
+   once (as in a collective step), over message sizes from 4 B upward (growing 4x
+   until a round trip takes ~0.3 s or 16 MiB); one-way time = mean round trip / 2;
+   then ``t = alpha + n * beta``: alpha from the small messages, beta a
+   least-squares slope over the large ones (:func:`fit_alpha_beta`). The inter level
    is rank 0 <-> rank 1 on different hosts of an emulated cluster; the intra
    level is two processes of one machine over loopback.
 2. **gamma** -- every worker at once times ``a += b`` on 4 MiB fp32 buffers:
@@ -96,6 +97,12 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *, small: flo
 
 
 def _pingpong(peer: int, me: int, max_rtt: float, reps: int) -> list[tuple[int, float]]:
+    """(bytes, mean one-way seconds) per message size, growing 4x from 4 B.
+
+    The mean, not the median: a step pays every message's latency, so the
+    occasional slow one (a busy machine's scheduling delay) counts in proportion.
+    Small messages get ``4 * reps`` round trips, since their latency is noisier.
+    """
     import torch.distributed as dist
 
     out = []
@@ -103,7 +110,8 @@ def _pingpong(peer: int, me: int, max_rtt: float, reps: int) -> list[tuple[int, 
     while size <= 16 << 20:
         buf = torch.zeros(size // 4)
         times = []
-        for r in range(reps + 1):
+        n = 4 * reps if size <= 64 << 10 else reps
+        for r in range(n + 1):
             t0 = time.perf_counter()
             if me < peer:
                 dist.send(buf, peer)
@@ -113,7 +121,7 @@ def _pingpong(peer: int, me: int, max_rtt: float, reps: int) -> list[tuple[int, 
                 dist.send(buf, peer)
             if r:
                 times.append((time.perf_counter() - t0) / 2)
-        one_way = statistics.median(times)
+        one_way = statistics.mean(times)
         out.append((size, one_way))
         # both sides must agree to go on: the initiator decides and tells the peer
         flag = torch.tensor([1.0 if 2 * one_way < max_rtt and size < 16 << 20 else 0.0])
@@ -169,19 +177,29 @@ def _gamma(reps: int) -> float:
 
 
 def _worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: int, quick: bool) -> dict[str, Any]:
-    """One process of a calibration job: ping-pong for each pair, gamma, compute."""
+    """One process of a calibration job: ping-pong in its pair (all pairs at once), gamma, compute.
+
+    All pairs run together so that the measurement sees the contention of a
+    collective step, where every rank communicates at once.
+    """
     import torch.distributed as dist
 
     rank = dist.get_rank()
     reps = 3 if quick else 7
     out: dict[str, Any] = {"rank": rank}
-    for i, (a, b) in enumerate(pairs):
-        dist.barrier()
+    dist.barrier()
+    for a, b in pairs:
         if rank in (a, b):
-            out[f"pair{i}"] = _pingpong(b if rank == a else a, rank, 0.3 if quick else 0.6, reps)
+            out["pingpong"] = _pingpong(b if rank == a else a, rank, 0.3 if quick else 0.6, reps)
+    dist.barrier()
     out["gamma"] = _gamma(reps * 3)
     out.update(_compute_alone_and_together(model_name, dataset, batch, reps * 2))
     return out
+
+
+def _pairs(world: int) -> list[tuple[int, int]]:
+    """Disjoint neighbour pairs (0,1), (2,3), ...: on an emulated cluster each pair spans two hosts."""
+    return [(i, i + 1) for i in range(0, world - 1, 2)]
 
 
 # ---------------------------------------------------------------------- parent side
@@ -234,8 +252,12 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60) -
 
 
 def _link(points: list[tuple[int, float]]) -> Link:
-    sizes, times = zip(*points)
-    alpha, beta = fit_alpha_beta(sizes, times)
+    """Fit one level from (size, one-way time) points (several pairs' points may be pooled)."""
+    by_size: dict[int, list[float]] = {}
+    for size, t in points:
+        by_size.setdefault(size, []).append(t)
+    sizes = sorted(by_size)
+    alpha, beta = fit_alpha_beta(sizes, [statistics.mean(by_size[n]) for n in sizes])
     return Link(bandwidth=1.0 / beta, latency=alpha)
 
 
@@ -279,10 +301,10 @@ def calibrate_cluster(
 
     c = load(name)
     per_worker = max(1, batch // c.hosts)
-    res = run_on_cluster(_worker, ([(0, 1)], model, dataset, per_worker, quick), cluster=c, timeout_s=600)
-    inter = _link(res[0]["pair0"])
-    local = launch(_worker, ([(0, 1)], model, dataset, per_worker, True), nprocs=2, threads=1)
-    intra = _link(local[0]["pair0"])
+    res = run_on_cluster(_worker, (_pairs(c.hosts), model, dataset, per_worker, quick), cluster=c, timeout_s=600)
+    inter = _link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]])
+    local = launch(_worker, (_pairs(2), model, dataset, per_worker, True), nprocs=2, threads=1)
+    intra = _link(local[0]["pingpong"])
     overhead = _loop_overhead(model, dataset, per_worker)
     spec = _assemble(name, c.hosts, 1, inter, intra, res, _flops_rate(), overhead, compressions)
     return spec
@@ -296,8 +318,8 @@ def calibrate_local(
     from dtrain.launch import launch
 
     per_worker = max(1, batch // workers)
-    res = launch(_worker, ([(0, 1)], model, dataset, per_worker, quick), nprocs=workers, threads=1)
-    intra = _link(res[0]["pair0"])
+    res = launch(_worker, (_pairs(workers), model, dataset, per_worker, quick), nprocs=workers, threads=1)
+    intra = _link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]])
     overhead = _loop_overhead(model, dataset, per_worker)
     return _assemble(f"local-{this_host()}", 1, workers, None, intra, res, _flops_rate(), overhead, compressions)
 

@@ -20,9 +20,12 @@ differently, and this module charges each round on the level it crosses:
   (:func:`dtrain.comm.cost.hierarchical_time`).
 
 Compressed collectives follow :func:`dtrain.compress.compressed_allreduce`:
-summable payloads are allreduced with the chosen algorithm; quantizers do a
-direct compressed reduce-scatter + allgather; sparse compressors the SparCML
-plan of :mod:`dtrain.comm.sparse`; PowerSGD two allreduces of its factors.
+summable payloads are allreduced with the chosen algorithm; PowerSGD does two
+allreduces of its factors. Quantizers (direct compressed reduce-scatter +
+allgather) and sparse compressors (the SparCML plan of :mod:`dtrain.comm.sparse`)
+cost ``m alpha + b beta`` for the ``m`` messages and ``b`` bytes one rank sends:
+counted by running the collective on threads for up to 8 ranks
+(:func:`~dtrain.perfmodel.compression.compressed_traffic`), from closed forms beyond.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ __all__ = [
 ]
 
 ALGORITHMS = cost.ALGORITHMS
+_COUNTED_WORLD = 8  # up to this many ranks, compressed collectives are counted by running them on threads
 
 
 def link_cost(link: Link, gamma: float, contention: float = 1.0) -> cost.LinkCost:
@@ -197,6 +201,12 @@ def compressed_allreduce_time(
     d, nodes = _levels(c, p)
     link = c.intra if nodes == 1 else c.inter
     flows = d if nodes > 1 else 1
+    if p <= _COUNTED_WORLD and comp.spec not in ("", "none"):
+        # small worlds: the implementation's own message and byte counts, one rank's sends in a row
+        from dtrain.perfmodel.compression import compressed_traffic
+
+        msgs, sent = compressed_traffic(comp.spec, p, max(1, int(nbytes // 4)))
+        return msgs * link.alpha + sent * link.beta * flows, coding * (2 if comp.kind == "quantizer" else 1)
     if comp.kind == "quantizer":
         # direct RS + AG of compressed chunks: 2(P-1) messages of payload/P, decode P chunks twice
         t = 2 * (p - 1) * (link.alpha + payload / p * link.beta * flows)

@@ -20,7 +20,7 @@ import torch
 from dtrain.perfmodel.collectives import CompressionModel
 from dtrain.perfmodel.spec import ClusterSpec
 
-__all__ = ["compression_model", "compressor_kind", "measure_compressor"]
+__all__ = ["compression_model", "compressor_kind", "measure_compressor", "compressed_traffic"]
 
 
 def compressor_kind(spec: str) -> str:
@@ -97,3 +97,34 @@ def compression_model(spec: str, cluster: ClusterSpec | None = None, *, measure:
         ratio, enc, dec = measure_compressor(spec, numel=1 << 16, repeats=1)[0], 0.0, 0.0
     scale = cluster.device.compute_scale if cluster is not None else 1.0
     return CompressionModel(spec, kind, ratio, enc * scale, dec * scale)
+
+
+@lru_cache(maxsize=256)
+def compressed_traffic(spec: str, world: int, numel: int) -> tuple[int, int]:
+    """(messages, bytes) the busiest rank sends in one ``compressed_allreduce`` of ``numel`` floats.
+
+    Counted, not modelled: the collective runs once over the in-process thread
+    transport (:func:`dtrain.comm.transport.run_threads`) and the transport's
+    counters are read, so the count is the implementation's own (headers, size
+    exchanges and all). Only for small worlds (``world <= 16``); callers use the
+    closed forms beyond.
+    """
+    from dtrain.comm.transport import run_threads
+    from dtrain.compress import compressed_allreduce, from_spec
+
+    if world < 2 or numel < 1:
+        return 0, 0
+    if world > 16:
+        raise ValueError("compressed_traffic counts worlds of up to 16 ranks")
+
+    def one(t: "object") -> tuple[int, int]:
+        g = torch.Generator().manual_seed(int(getattr(t, "rank")))
+        x = torch.randn(numel, generator=g)
+        comp = from_spec(spec)
+        before = t.stats.snapshot()  # type: ignore[attr-defined]
+        compressed_allreduce(x, comp, "probe", t, algorithm="ring")  # type: ignore[arg-type]
+        d = t.stats - before  # type: ignore[attr-defined]
+        return int(d.messages), int(d.bytes_sent)
+
+    res = run_threads(world, one, timeout=60.0)
+    return max(m for m, _ in res), max(b for _, b in res)
