@@ -25,9 +25,13 @@ torch.set_num_threads(1)
 IN, OUT, PER_WORKER = 8, 4, 4
 
 
+_RNG = threading.Lock()  # ranks are threads: seeding the global generator must not interleave
+
+
 def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, 32), nn.Tanh(), nn.Linear(32, OUT))
+    with _RNG:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(IN, 32), nn.Tanh(), nn.Linear(32, OUT))
 
 
 def _data(steps, workers):

@@ -44,6 +44,8 @@ __all__ = ["ParameterServer", "DATA_TIMEOUT_S"]
 #: closes gloo's connections); lost peers are found by heartbeats and closed sockets.
 DATA_TIMEOUT_S = 24 * 3600.0
 
+_INSTANCES: dict[str, int] = {}  # process group name -> parameter servers built on it so far
+
 
 def _compressor(c: "Compressor | str | None", what: str) -> Compressor:
     if c is None:
@@ -76,8 +78,8 @@ class ParameterServer:
         max_gradients: the servers raise :attr:`should_stop` once this many
             gradients arrived from all workers together (default: no budget).
         min_split_bytes: tensors smaller than this are never cut between servers (default: 4096).
-        group: run on the ranks of this process group only (default: all ranks);
-            ranks in messages are ranks within it.
+        group: run on the ranks of this process group, used as given (default: a
+            new group of all ranks); ranks in messages are ranks within it.
         transport / store: for in-process tests (a ``ThreadTransport`` and a
             ``torch.distributed.HashStore``); by default a new process group of all
             ranks and the default group's store.
@@ -163,15 +165,16 @@ class ParameterServer:
         backend = dist.get_backend()
         # server state lives on the CPU: with NCCL the parameter traffic goes over gloo
         pg_backend = "gloo" if backend == "nccl" else backend
-        timeout = datetime.timedelta(seconds=DATA_TIMEOUT_S)
         if group is None:
-            pg = dist.new_group(backend=pg_backend, timeout=timeout)
-        else:  # only the members build it
-            pg = dist.new_group(dist.get_process_group_ranks(group), backend=pg_backend, timeout=timeout,
-                                use_local_synchronization=True)
-        t = TorchTransport(pg, timeout=DATA_TIMEOUT_S)
+            pg = dist.new_group(backend=pg_backend, timeout=datetime.timedelta(seconds=DATA_TIMEOUT_S))
+        else:
+            pg = group  # used as given: do not run collectives on it while the parameter server runs
         name = dist.distributed_c10d._get_process_group_name(pg)
-        return t, store if store is not None else dist.distributed_c10d._get_default_store(), f"dtrain/ps/{name}"
+        # members build parameter servers on one group in the same order, so a counter names them alike
+        n = _INSTANCES[name] = _INSTANCES.get(name, -1) + 1
+        t = TorchTransport(pg, timeout=DATA_TIMEOUT_S)
+        store = store if store is not None else dist.distributed_c10d._get_default_store()
+        return t, store, f"dtrain/ps/{name}/{n}"
 
     # ------------------------------------------------------------------ roles
 

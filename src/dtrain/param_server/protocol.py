@@ -35,6 +35,7 @@ Conversation of one worker with one server::
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,7 @@ __all__ = [
     "send_message",
     "recv_header",
     "recv_payload",
+    "brief",
 ]
 
 HEADER_LEN = 8
@@ -144,21 +146,42 @@ def send_message(transport: Transport, dst: int, header: Header, payload: torch.
     n = 0 if payload is None else payload.numel()
     if n != header.nbytes:
         raise ValueError(f"header says {header.nbytes} payload bytes, payload has {n}")
-    works = [transport.isend(header.encode(), dst, TAG_HEADER)]
-    if payload is not None and n:
-        works.append(transport.isend(payload, dst, TAG_PAYLOAD))
+    try:
+        works = [transport.isend(header.encode(), dst, TAG_HEADER)]
+        if payload is not None and n:
+            works.append(transport.isend(payload, dst, TAG_PAYLOAD))
+    except CommError:
+        raise
+    except RuntimeError as e:  # gloo refuses at once when the peer's connection is closed
+        raise CommError(transport.rank, "send", brief(e), peer=dst) from None
     return works
+
+
+def brief(e: BaseException) -> str:
+    """The first sentence of a backend error, without gloo's source location."""
+    text = str(getattr(e, "cause", None) or e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(". ")[0][:200]
 
 
 def recv_header(transport: Transport, src: int) -> torch.Tensor:
     """Block until the next header from ``src`` arrives (raw int64 tensor; decode it yourself)."""
     t = torch.empty(HEADER_LEN, dtype=torch.int64)
-    transport.recv(t, src, TAG_HEADER)
+    _recv(transport, t, src, TAG_HEADER)
     return t
+
+
+def _recv(transport: Transport, t: torch.Tensor, src: int, tag: int) -> None:
+    try:
+        transport.recv(t, src, tag)
+    except CommError:
+        raise
+    except RuntimeError as e:  # gloo refuses at once when the peer's connection is closed
+        raise CommError(transport.rank, "recv", brief(e), peer=src) from None
 
 
 def recv_payload(transport: Transport, src: int, nbytes: int) -> torch.Tensor:
     """Receive the ``nbytes`` payload that follows a header from ``src``."""
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    transport.recv(buf, src, TAG_PAYLOAD)
+    _recv(transport, buf, src, TAG_PAYLOAD)
     return buf

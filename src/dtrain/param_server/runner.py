@@ -99,7 +99,8 @@ def _serve(ctx: Any, ps: ParameterServer) -> dict[str, Any]:
     everything = _collect(store, [_stats_key(ps, r) for r in ranks], timeout_s=min(60.0, ctx.cfg.timeout_s))
     merged = merge_stats(list(everything.values()))
     (ctx.out_dir / "ps_stats.json").write_text(json.dumps(merged, indent=2) + "\n")
-    print(format_table(merged), flush=True)
+    if ctx.cfg.extra.get("ps_table", True):
+        print(format_table(merged), flush=True)
     out["summary_extra"] = {
         "consistency": merged["consistency"],
         "servers": merged["servers"],
@@ -235,10 +236,14 @@ def merge_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _n(k: int, word: str) -> str:
+    return f"{k} {word}" + ("" if k == 1 else "s")
+
+
 def format_table(m: dict[str, Any]) -> str:
     """The end-of-run table: one row per server, one per worker."""
     lines = [
-        f"parameter server: {m['servers']} servers, {m['workers']} workers, consistency {m['consistency']}; "
+        f"parameter server: {_n(m['servers'], 'server')}, {_n(m['workers'], 'worker')}, consistency {m['consistency']}; "
         f"staleness mean {m['staleness']['mean']:.2f} max {m['staleness']['max']}, "
         f"clock lag mean {m['clock_lag']['mean']:.2f} max {m['clock_lag']['max']}",
         f"{'rank':>4} {'server':<7}{'updates':>8}{'applied':>9}{'dropped':>9}{'stale':>7}{'lag':>6}"

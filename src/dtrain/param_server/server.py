@@ -59,6 +59,7 @@ from dtrain.param_server.protocol import (
     RunAbortedError,
     recv_header,
     recv_payload,
+    brief,
     send_message,
 )
 from dtrain.param_server.sharding import Shard
@@ -227,7 +228,7 @@ class ShardServer:
             except CommTimeoutError:
                 continue  # only in-process transports time out here; the real one waits for hours
             except CommError as e:
-                self._inbox.put(("lost", w, f"connection closed ({e.cause[:160]})"))
+                self._inbox.put(("lost", w, f"connection closed ({brief(e)})"))
                 return
             try:
                 h = Header.decode(raw, allowed=WORKER_OPS)
@@ -243,7 +244,7 @@ class ShardServer:
                 try:
                     payload = recv_payload(self.t, w, h.nbytes)
                 except CommError as e:
-                    self._inbox.put(("lost", w, f"connection closed ({e.cause[:160]})"))
+                    self._inbox.put(("lost", w, f"connection closed ({brief(e)})"))
                     return
             self._inbox.put(("msg", w, h, payload))
             if h.op == OP_FINISH:
@@ -420,7 +421,7 @@ class ShardServer:
             for work in send_message(self.t, w, h, buf):
                 self._works.append((w, work))
         except CommError as e:
-            self._inbox.put(("lost", w, f"send failed ({e.cause[:160]})"))
+            self._inbox.put(("lost", w, f"send failed ({brief(e)})"))
 
     def _flush_sends(self) -> None:
         works, self._works = self._works, []
@@ -428,7 +429,7 @@ class ShardServer:
             try:
                 work.wait()
             except CommError as e:
-                self._inbox.put(("lost", w, f"send failed ({e.cause[:160]})"))
+                self._inbox.put(("lost", w, f"send failed ({brief(e)})"))
 
     def _goodbye(self) -> None:
         if not self._finished:

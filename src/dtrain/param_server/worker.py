@@ -50,6 +50,7 @@ from dtrain.param_server.protocol import (
     RunAbortedError,
     recv_header,
     recv_payload,
+    brief,
     send_message,
 )
 from dtrain.param_server.sharding import Shard
@@ -186,7 +187,7 @@ class ShardClient:
     def _guard(self, op: str, fn: Any) -> Any:
         try:
             return fn()
-        except (CommError, DTrainError) as e:
+        except Exception as e:
             if not isinstance(e, RunAbortedError):
                 self.live.abort(f"worker rank {self.rank} stopped: {e}")
             self._stop.set()
@@ -201,24 +202,25 @@ class ShardClient:
         keep: list[torch.Tensor] = []
         works: list[tuple[int, Work]] = []
         sent_before = self.t.stats.bytes_sent
-        for shard in self.shards:
-            s = shard.server
-            if op == OP_PUSH:
-                assert grads is not None
-                flat = shard.gather(grads, self.params).to(self.dtype)
-                buf = self.push_c.to_wire(flat, f"ps/shard{s}")
-                keep.append(buf)
-                h = Header(OP_PUSH, clock, self.version[s], buf.numel())
-                msg = send_message(self.t, s, h, buf)
-            else:
-                msg = send_message(self.t, s, Header(op, clock, self.version[s] if op == OP_FINISH else 0))
-            works += [(s, w) for w in msg]
-        for s, w in works:
-            try:
+        try:
+            for shard in self.shards:
+                s = shard.server
+                if op == OP_PUSH:
+                    assert grads is not None
+                    flat = shard.gather(grads, self.params).to(self.dtype)
+                    buf = self.push_c.to_wire(flat, f"ps/shard{s}")
+                    keep.append(buf)
+                    h = Header(OP_PUSH, clock, self.version[s], buf.numel())
+                    msg = send_message(self.t, s, h, buf)
+                else:
+                    msg = send_message(self.t, s, Header(op, clock, self.version[s] if op == OP_FINISH else 0))
+                works += [(s, w) for w in msg]
+            for s, w in works:
                 w.wait()
-            except CommError as e:
-                raise PeerLostError(self.rank, OP_NAME[op], f"server rank {s} is gone: send failed ({e.cause[:160]})",
-                                    peer=s, step=clock) from None
+        except CommError as e:
+            s = e.peer if e.peer is not None else s
+            raise PeerLostError(self.rank, OP_NAME[op], f"server rank {s} is gone: send failed ({brief(e)})",
+                                peer=s, step=clock) from None
         self.stats.bytes_sent += self.t.stats.bytes_sent - sent_before
         t1 = time.perf_counter()
         replies = self._wait(reply_op, clock, limit_s)
@@ -248,6 +250,9 @@ class ShardClient:
             if ev is not None:
                 kind, s = ev[0], ev[1]
                 if kind == "lost":
+                    reason = self.live.aborted(refresh=True)
+                    if reason:  # the server stopped on purpose and said why
+                        raise RunAbortedError(self.rank, what, f"run aborted: {reason}", step=clock)
                     raise PeerLostError(self.rank, what, f"server rank {s} is gone: {ev[2]}", peer=s, step=clock)
                 if kind == "bad":
                     raise ProtocolError(self.rank, what, f"rejected message from server rank {s}: {ev[2]}",
@@ -282,7 +287,7 @@ class ShardClient:
                 continue  # only in-process transports time out here
             except CommError as e:
                 if not self._stop.is_set():
-                    self._inbox.put(("lost", s, f"connection closed ({e.cause[:160]})"))
+                    self._inbox.put(("lost", s, f"connection closed ({brief(e)})"))
                 return
             try:
                 h = Header.decode(raw, allowed=SERVER_OPS)
@@ -294,7 +299,7 @@ class ShardClient:
                     raise ValueError(f"parameters of shape {tuple(flat.shape)}, expected ({numel},)")
             except CommError as e:
                 if not self._stop.is_set():
-                    self._inbox.put(("lost", s, f"connection closed ({e.cause[:160]})"))
+                    self._inbox.put(("lost", s, f"connection closed ({brief(e)})"))
                 return
             except Exception as e:  # noqa: BLE001 - anything malformed is the sender's fault
                 self._inbox.put(("bad", s, f"{type(e).__name__}: {e}"))

@@ -1,0 +1,183 @@
+"""Parameter-server consistency policies side by side, with and without a 4x straggler.
+
+One launch of ``servers + workers`` processes (``dtrain.launch.launch``, gloo). Inside
+it every policy runs twice -- plainly, and with the last worker slowed down
+``--factor`` times (it sleeps ``factor - 1`` times its measured compute after each
+backward pass, as ``dtrain run --straggler RANK:FACTOR`` does) -- through the same
+runner as ``dtrain run --strategy ps`` (:func:`dtrain.param_server.runner.run_process`):
+the CNN on digits, the same gradient budget (workers x epochs x steps per epoch)
+for every policy, worker 0 evaluating after each pass over its shard. The whole
+sequence is repeated ``--repeats`` times, interleaved, so that a slow spell of a
+shared machine hits every configuration alike; figures are medians.
+
+Columns (left: no straggler, right: with the straggler):
+
+* samples/s -- samples of all workers over the slowest worker's training time
+  (``summary.json``'s ``samples_per_s``), and the ratio straggler / plain;
+* t95 -- training seconds until worker 0 first measured >= 95% test accuracy
+  ("-" if never);
+* acc -- final test accuracy of the servers' parameters;
+* staleness mean/max -- updates applied between a gradient's read and its apply;
+* KB/step -- bytes a worker sends and receives per step (headers included).
+
+Run::
+
+    python benchmarks/ps_policies.py                         # 2 servers, 4 workers, 5 policies, 4x straggler
+    python benchmarks/ps_policies.py --policies bsp,asp --repeats 3 --epochs 10
+
+Acceptance (issue 3): asp and backup:1 keep >= 80% of their samples/s with the
+straggler; bsp falls to about a third or less. Timings on a shared machine are
+indicative; run it on a quiet one for figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+POLICIES = ("bsp", "asp", "ssp:2", "softsync:2", "backup:1")
+
+
+def _one(rank: int, world: int, cfg_dict: dict[str, Any], out: str) -> dict[str, Any]:
+    from dtrain.config import RunConfig
+    from dtrain.data import load_dataset
+    from dtrain.param_server.runner import run_process
+    from dtrain.trace import MetricsWriter, Tracer
+    from dtrain.train import TrainContext
+
+    cfg = RunConfig.from_mapping(cfg_dict)
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    ctx = TrainContext(cfg=cfg, rank=rank, world_size=world, out_dir=d, data=load_dataset(cfg.dataset, seed=cfg.seed),
+                       metrics=MetricsWriter(d, rank), tracer=Tracer(rank, enabled=False))
+    try:
+        r = run_process(ctx)
+    finally:
+        ctx.metrics.close()
+    r.pop("ps", None)
+    return r
+
+
+def _process(plan: list[tuple[str, dict[str, Any]]], root: str) -> dict[str, list[dict[str, Any]]]:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: dict[str, list[dict[str, Any]]] = {}
+    for i, (key, cfg) in enumerate(plan):
+        dist.barrier()
+        t0 = time.perf_counter()
+        r = _one(rank, world, cfg, os.path.join(root, f"{i:03d}"))
+        r["wall_s"] = time.perf_counter() - t0
+        results.setdefault(key, []).append(r)
+    return results
+
+
+def _summaries(cfg: dict[str, Any], per_rank: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    from dtrain.config import RunConfig
+    from dtrain.train import summarize
+
+    c = RunConfig.from_mapping(cfg)
+    out = []
+    for k in range(len(per_rank[0])):
+        results = {r: per_rank[r][k] for r in per_rank}
+        s = summarize(c, results, max(v["wall_s"] for v in results.values()))
+        worker0 = results[c.servers]
+        hist = worker0.get("accuracy_history", [])
+        s["t95"] = next((t for t, _, acc in hist if acc >= 0.95), None)
+        out.append(s)
+    return out
+
+
+def _median(xs: list[float | None]) -> float | None:
+    v = [x for x in xs if x is not None]
+    return statistics.median(v) if len(v) * 2 > len(xs) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--factor", type=float, default=4.0, help="straggler slowdown (default: 4)")
+    ap.add_argument("--epochs", type=int, default=15)
+    ap.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--model", default="cnn")
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    from dtrain.launch import launch
+    from dtrain.param_server.consistency import parse_consistency
+
+    for p in policies:
+        parse_consistency(p)
+    world = args.servers + args.workers
+    straggler = f"{world - 1}:{args.factor:g}"
+    base = dict(strategy="ps", servers=args.servers, workers=args.workers, epochs=args.epochs,
+                batch_size=args.batch_size, lr=args.lr, model=args.model, progress=False, timeout_s=120.0,
+                extra={"ps_table": False})
+    plan: list[tuple[str, dict[str, Any]]] = []
+    for _ in range(args.repeats):
+        for p in policies:
+            plan.append((f"{p}|plain", dict(base, consistency=p)))
+            plan.append((f"{p}|slow", dict(base, consistency=p, straggler=straggler)))
+    print(f"# dtrain ps_policies: torch {torch.__version__}, python {platform.python_version()}, "
+          f"{os.cpu_count()} cores, {args.servers} servers + {args.workers} workers, {args.model} on digits, "
+          f"{args.epochs} epochs, global batch {args.batch_size}, straggler rank {straggler}, "
+          f"{args.repeats} repeat(s)", flush=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as root:
+        res = launch(_process, (plan, root), nprocs=world)
+    print(f"# {len(plan)} runs in {time.perf_counter() - t0:.0f}s", flush=True)
+    cfg_of = {key: cfg for key, cfg in plan}
+    table = []
+    for p in policies:
+        row: dict[str, Any] = {"policy": p}
+        for mode in ("plain", "slow"):
+            key = f"{p}|{mode}"
+            sums = _summaries(cfg_of[key], {r: res[r][key] for r in res})
+            row[mode] = {
+                "sps": _median([s["samples_per_s"] for s in sums]),
+                "t95": _median([s["t95"] for s in sums]),
+                "acc": _median([s["test_accuracy"] for s in sums]),
+                "stale_mean": _median([s["staleness"]["mean"] for s in sums]),
+                "stale_max": max(s["staleness"]["max"] for s in sums),
+                "kb": _median([(s["bytes_sent_per_step"] + s["bytes_received_per_step"]) / 1e3 for s in sums]),
+            }
+        table.append(row)
+    _print(table, args.factor)
+    return 0
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _print(table: list[dict[str, Any]], factor: float) -> None:
+    f = f"{factor:g}x"
+    head = (f"{'policy':<11}{'samples/s':>10}{'(' + f + ')':>9}{'ratio':>7}  {'t95 s':>6}{'(' + f + ')':>7}"
+            f"  {'acc':>6}{'(' + f + ')':>7}  {'staleness':>10}{'(' + f + ')':>10}  {'KB/step':>8}")
+    print(head)
+    print("-" * len(head))
+    for row in table:
+        a, b = row["plain"], row["slow"]
+        ratio = b["sps"] / a["sps"] if a["sps"] and b["sps"] else None
+        print(
+            f"{row['policy']:<11}{_fmt(a['sps'], '.0f'):>10}{_fmt(b['sps'], '.0f'):>9}{_fmt(ratio, '.2f'):>7}  "
+            f"{_fmt(a['t95'], '.1f'):>6}{_fmt(b['t95'], '.1f'):>7}  {_fmt(a['acc'], '.3f'):>6}{_fmt(b['acc'], '.3f'):>7}  "
+            f"{_fmt(a['stale_mean'], '.2f') + '/' + str(a['stale_max']):>10}"
+            f"{_fmt(b['stale_mean'], '.2f') + '/' + str(b['stale_max']):>10}  {_fmt(a['kb'], '.0f'):>8}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

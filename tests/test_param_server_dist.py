@@ -1,0 +1,321 @@
+"""The parameter server in real processes (gloo over loopback), against single-process references.
+
+To keep process start-ups few on small machines, one spawn of 6 processes runs the
+BSP equivalence checks and the accuracy runs of every policy (module fixture), and
+two spawns of 7 processes run the fault cases side by side on disjoint process
+groups.
+"""
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import spawn
+
+STEPS = 20
+GLOBAL_BATCH = 12
+POLICIES = ("bsp", "asp", "ssp:2", "softsync:2", "backup:1")
+EPOCHS = 15  # digits, CNN, SGD lr 0.05 momentum 0.9, global batch 64: all policies >= 95% with a margin
+
+
+def _optimizer(name):
+    if name == "adam":
+        return lambda params: torch.optim.Adam(params, lr=0.01)
+    return lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+# Adam's first steps are about lr * sign(gradient): a parameter whose float32 gradient is a
+# cancellation (~1e-10) gets a step whose sign depends on the summation order. Two
+# single-process float32 references (mean over the global batch vs mean of the workers'
+# means, i.e. what DataParallel computes) already differ by up to 7e-3 after 20 steps on
+# this CNN, so Adam is compared in float64, where the order costs ~1e-13.
+DTYPES = {"sgd": torch.float32, "adam": torch.float64}
+
+
+def _batches(dtype=torch.float32):
+    from dtrain.data import load_dataset
+
+    x, y = load_dataset("digits", seed=0).train.tensors
+    n = STEPS * GLOBAL_BATCH
+    return x[:n].reshape(STEPS, GLOBAL_BATCH, 1, 8, 8).to(dtype), y[:n].reshape(STEPS, GLOBAL_BATCH)
+
+
+def _cnn(dtype=torch.float32):
+    from dtrain.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("cnn", (1, 8, 8), 10).to(dtype)
+
+
+def _reference(opt_name):
+    """Plain single-process training on the global batch (what synchronous DataParallel computes)."""
+    model = _cnn(DTYPES[opt_name])
+    opt = _optimizer(opt_name)(model.parameters())
+    x, y = _batches(DTYPES[opt_name])
+    for s in range(STEPS):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[s]), y[s]).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _bsp_run(servers, group, opt_name):
+    import dtrain
+
+    model = _cnn(DTYPES[opt_name])
+    ps = dtrain.ParameterServer(model, _optimizer(opt_name), servers=servers, consistency="bsp", group=group,
+                                timeout_s=60, min_split_bytes=0)
+    if ps.is_server:
+        ps.serve()
+        return None
+    x, y = _batches(DTYPES[opt_name])
+    per = GLOBAL_BATCH // ps.num_workers
+    sl = slice(ps.worker_index * per, (ps.worker_index + 1) * per)
+    for s in range(STEPS):
+        nn.functional.cross_entropy(model(x[s, sl]), y[s, sl]).backward()
+        ps.step()
+    ps.finish()
+    return [p.detach().numpy().copy() for p in model.parameters()]  # by value: the process exits
+
+
+def _equivalence_and_accuracy(rank, world, out_dir):
+    import torch.distributed as dist
+
+    from dtrain.config import RunConfig
+    from dtrain.data import load_dataset
+    from dtrain.param_server.runner import run_process
+    from dtrain.trace import MetricsWriter, Tracer
+    from dtrain.train import TrainContext
+
+    res = {"bsp": {}, "acc": {}}
+    five = dist.new_group([0, 1, 2, 3, 4])
+    for opt_name in ("sgd", "adam"):
+        # 1 server + 4 workers on ranks 0..4 (rank 5 sits out), then 3 servers + 3 workers on all six
+        if rank < 5:
+            res["bsp"][(1, opt_name)] = _bsp_run(1, five, opt_name)
+        res["bsp"][(3, opt_name)] = _bsp_run(3, None, opt_name)
+    data = load_dataset("digits", seed=0)
+    for pol in POLICIES:
+        d = Path(out_dir) / pol.replace(":", "_")
+        d.mkdir(parents=True, exist_ok=True)
+        cfg = RunConfig(strategy="ps", servers=2, workers=world - 2, consistency=pol, epochs=EPOCHS,
+                        progress=False, timeout_s=60)
+        ctx = TrainContext(cfg=cfg, rank=rank, world_size=world, out_dir=d, data=data,
+                           metrics=MetricsWriter(d, rank), tracer=Tracer(rank, enabled=False))
+        r = run_process(ctx)
+        ctx.metrics.close()
+        res["acc"][pol] = {k: r[k] for k in ("role", "steps", "test_accuracy", "summary_extra", "ps") if k in r}
+    return res
+
+
+@pytest.fixture(scope="module")
+def six(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ps_runs")
+    outs = spawn(_equivalence_and_accuracy, 6, str(out), timeout=420, pg_timeout=300)
+    bad = [o for o in outs if o.status != "ok"]
+    assert not bad, "\n".join(f"rank {o.rank}: {o.status}\n{o.error}" for o in bad)
+    return [o.value for o in outs]
+
+
+@pytest.mark.parametrize("servers", [1, 3])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_bsp_gives_the_parameters_of_synchronous_training(six, servers, opt_name):
+    """After 20 steps, every worker's parameters equal single-process training on the global batch
+    (SGD with momentum in float32, Adam in float64; see DTYPES)."""
+    ref = _reference(opt_name)
+    workers = range(1, 5) if servers == 1 else range(3, 6)
+    for r in workers:
+        params = six[r]["bsp"][(servers, opt_name)]
+        diff = max(float((torch.from_numpy(p) - q).abs().max()) for p, q in zip(params, ref))
+        assert diff < 1e-5, (r, diff)
+    for r in range(servers):
+        assert six[r]["bsp"][(servers, opt_name)] is None  # servers serve
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_reaches_95_percent_on_digits_with_2_servers_and_4_workers(six, policy):
+    worker0 = six[2]["acc"][policy]
+    assert worker0["role"] == "worker" and worker0["test_accuracy"] >= 0.95, worker0
+    extra = six[0]["acc"][policy]["summary_extra"]
+    assert extra["consistency"] == policy and extra["servers"] == 2
+    if policy == "bsp":
+        assert extra["staleness"]["max"] == 0 and extra["clock_lag"]["max"] == 0
+    if policy == "ssp:2":  # the staleness bound holds in a real run
+        assert extra["clock_lag"]["max"] <= 2
+        assert all(int(k) <= 2 for k in extra["clock_lag"]["hist"])
+    if policy == "backup:1":
+        assert extra["gradients_dropped"] > 0 and extra["staleness"]["max"] == 0
+    # the servers' gradient budget is the same for every policy: 4 workers x 15 epochs x 22 steps
+    pushed = sum(six[r]["acc"][policy]["steps"] for r in range(2, 6))
+    assert 4 * EPOCHS * 22 <= pushed <= 4 * EPOCHS * 22 + 3
+
+
+# ---------------------------------------------------------------------- faults
+
+
+def _linger(rank, survivors):
+    """Rank 0 hosts the store of this spawn: it stays until every surviving rank is done."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"test/done/{rank}", "1")
+    if rank == 0:
+        store.wait([f"test/done/{r}" for r in survivors], datetime.timedelta(seconds=120))
+
+
+def _train_steps(ps, model, steps, die_at=None, sleep=0.0):
+    from dtrain.data import load_dataset
+
+    x, y = load_dataset("digits", seed=0).train.tensors
+    for s in range(steps):
+        if die_at is not None and s == die_at:
+            os._exit(17)  # killed mid-run: no goodbye, sockets close
+        i = (s * 8) % 1000
+        nn.functional.cross_entropy(model(x[i : i + 8]), y[i : i + 8]).backward()
+        time.sleep(sleep)
+        ps.step()
+    ps.finish()
+    return ps.stats()
+
+
+def _lost_workers(rank, world):
+    """Ranks 0-2: bsp (server 0, workers 1, 2), worker 2 killed. Ranks 3-6: ssp:1 (server 3, workers 4-6),
+    worker 6 killed; ssp makes the others wait for its clock until it is dropped."""
+    import torch.distributed as dist
+
+    a = dist.new_group([0, 1, 2])
+    b = dist.new_group([3, 4, 5, 6])
+    group, spec = (a, "bsp") if rank < 3 else (b, "ssp:1")
+    try:
+        return _lost_workers_body(rank, group, spec)
+    finally:
+        _linger(rank, [0, 1, 3, 4, 5])
+
+
+def _lost_workers_body(rank, group, spec):
+    import dtrain
+    from dtrain.errors import CommError
+
+    model = _cnn()
+    try:
+        ps = dtrain.ParameterServer(model, _optimizer("sgd"), servers=1, consistency=spec, group=group, timeout_s=30)
+        if ps.is_server:
+            return ps.serve()
+        die_at = 3 if rank in (2, 6) else None
+        return _train_steps(ps, model, 12, die_at=die_at, sleep=0.02)
+    except CommError as e:
+        return {"error": type(e).__name__, "message": str(e), "peer": e.peer}
+
+
+def _exit_after_updates(ps, n):
+    while ps._server.stats.updates < n:
+        time.sleep(0.005)
+    os._exit(17)
+
+
+def _lost_server_and_rogue(rank, world):
+    """Ranks 0-3: asp with servers 0, 1 and workers 2, 3; server 1 is killed while serving.
+    Ranks 4-6: server 4, worker 5, and worker 6 that sends a push with a wrong clock and a huge gradient."""
+    import torch.distributed as dist
+
+    a = dist.new_group([0, 1, 2, 3])
+    b = dist.new_group([4, 5, 6])
+    try:
+        return _lost_server_and_rogue_body(rank, a, b)
+    finally:
+        _linger(rank, [0, 2, 3, 4, 5, 6])
+
+
+def _lost_server_and_rogue_body(rank, a, b):
+    import dtrain
+    from dtrain.compress.base import Identity
+    from dtrain.errors import CommError
+    from dtrain.param_server.protocol import OP_PUSH, Header, send_message
+
+    model = _cnn()
+    try:
+        if rank < 4:
+            ps = dtrain.ParameterServer(model, _optimizer("sgd"), servers=2, consistency="asp", group=a, timeout_s=30)
+        else:
+            ps = dtrain.ParameterServer(model, _optimizer("sgd"), servers=1, consistency="asp", group=b, timeout_s=30)
+        if rank == 1:  # killed once it has applied 5 updates
+            threading.Thread(target=_exit_after_updates, args=(ps, 5), daemon=True).start()
+        if ps.is_server:
+            try:
+                return ps.serve()
+            except dtrain.param_server.ProtocolError as e:
+                return {"error": "ProtocolError", "message": str(e), "peer": e.peer, "updates": ps.stats()["updates"],
+                        "params": ps._server.flat_parameters().numpy().copy()}
+        if rank == 6:
+            n = sum(p.numel() for p in model.parameters())
+            buf = Identity().to_wire(torch.full((n,), 1e3), "rogue")
+            for w in send_message(ps.transport, 0, Header(OP_PUSH, 9, 0, buf.numel()), buf):
+                w.wait()
+            ps.finish()
+            return "not stopped"
+        if rank == 5:
+            ps.finish()  # waits for the others; the rogue's rejection stops the run
+            return "not stopped"
+        return _train_steps(ps, model, 400, sleep=0.01)
+    except CommError as e:
+        return {"error": type(e).__name__, "message": str(e), "peer": e.peer}
+
+
+@pytest.fixture(scope="module")
+def lost_workers():
+    return spawn(_lost_workers, 7, timeout=180, pg_timeout=120)
+
+
+@pytest.fixture(scope="module")
+def lost_server_and_rogue():
+    return spawn(_lost_server_and_rogue, 7, timeout=180, pg_timeout=120)
+
+
+def test_a_killed_worker_stops_a_bsp_run_with_an_error_naming_it(lost_workers):
+    o = lost_workers
+    assert o[2].status == "died"
+    assert o[0].status == "ok" and o[0].value["error"] == "PeerLostError" and o[0].value["peer"] == 2
+    assert "worker rank 2 was lost" in o[0].value["message"] and "bsp cannot go on" in o[0].value["message"]
+    assert o[1].status == "ok" and o[1].value["error"] == "RunAbortedError"
+    assert "worker rank 2 was lost" in o[1].value["message"]
+
+
+def test_a_killed_worker_is_dropped_under_ssp_and_training_goes_on(lost_workers):
+    o = lost_workers
+    assert o[6].status == "died"
+    assert all(o[r].status == "ok" for r in (3, 4, 5)), [o[r].error or o[r].value for r in (3, 4, 5)]
+    server = o[3].value
+    assert list(server["lost"]) == ["3"]  # group rank 3 = global rank 6
+    assert "connection closed" in server["lost"]["3"] or "no heartbeat" in server["lost"]["3"]
+    assert [o[r].value["steps"] for r in (4, 5)] == [12, 12]
+    assert server["received"] == 3 + 24
+    assert server["clock_lag"]["max"] <= 1
+
+
+def test_a_killed_server_stops_the_run_with_a_clear_error(lost_server_and_rogue):
+    o = lost_server_and_rogue
+    assert o[1].status == "died"
+    for r in (2, 3):
+        assert o[r].status == "ok" and o[r].value["error"] == "PeerLostError", o[r].value or o[r].error
+        assert o[r].value["peer"] == 1 and "server rank 1 is gone" in o[r].value["message"]
+    assert o[0].status == "ok" and o[0].value["error"] in ("RunAbortedError", "PeerLostError")
+    assert "server rank 1 is gone" in o[0].value["message"] or "every worker was lost" in o[0].value["message"]
+
+
+def test_an_out_of_protocol_message_is_rejected_naming_the_sender(lost_server_and_rogue):
+    o = lost_server_and_rogue
+    server = o[4].value
+    assert server["error"] == "ProtocolError" and server["peer"] == 2  # group rank 2 = global rank 6
+    assert "from worker rank 2" in server["message"] and "sent clock 9, expected 1" in server["message"]
+    assert server["updates"] == 0  # nothing applied: the parameters are the initial ones
+    init = torch.cat([p.detach().reshape(-1) for p in _cnn().parameters()])
+    assert torch.equal(torch.from_numpy(server["params"]), init)
+    for r in (5, 6):
+        assert o[r].value["error"] == "RunAbortedError" and "from worker rank 2" in o[r].value["message"]
