@@ -218,7 +218,7 @@ def unpack_payload(buf: torch.Tensor) -> list[torch.Tensor]:
         raise ValueError(f"expected a 1-D uint8 buffer, got {buf.dtype} of shape {tuple(buf.shape)}")
     if buf.numel() == 0:
         raise ValueError("empty wire buffer")
-    raw = memoryview(buf.contiguous().numpy())
+    raw = memoryview(buf.contiguous().numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
     (count,) = struct.unpack_from("<B", raw, 0)
     off = 1
     specs: list[tuple[torch.dtype, tuple[int, ...]]] = []

@@ -161,7 +161,9 @@ def _powersgd(
         if (len(layout[i]) >= 2 or len(layout) == 1) and ps.compressible(layout[i])
     }
     dense = [i for i in range(len(layout)) if i not in mats]
-    qkey = (lambda i: key) if len(layout) == 1 else (lambda i: f"{key}/{i}")
+
+    def qkey(i: int) -> str:  # warm-start state per matrix
+        return key if len(layout) == 1 else f"{key}/{i}"
 
     # round 1: P = M Q for every matrix, one allreduce, orthonormalise each
     ps_ = {i: m @ ps.warm_q(qkey(i), m.shape[1]) for i, m in mats.items()}
@@ -225,7 +227,7 @@ def _scatter_gather(flat: torch.Tensor, c: Compressor, key: str, t: Transport) -
 
     # phase 1: compressed reduce-scatter
     sends: list[Work] = []
-    own = None
+    own = flat.new_empty(0)
     for j in range(p):
         if chunks[j].numel() == 0:
             continue
@@ -237,9 +239,7 @@ def _scatter_gather(flat: torch.Tensor, c: Compressor, key: str, t: Transport) -
     mine = chunks[me]
     if mine.numel():
         got = _recv_sized(t, others, _TAG_SIZE1, _TAG_DATA1)
-        decoded = [
-            own if r == me else c.from_wire(got[r], mine.shape, mine.dtype) for r in range(p)  # type: ignore[misc]
-        ]
+        decoded = [own if r == me else c.from_wire(got[r], mine.shape, mine.dtype) for r in range(p)]
         avg = c.combine(decoded)
         payload, ctx = c.compress(avg, f"{key}#{me}/agg")
         reduced = c.decompress(payload, ctx)

@@ -1,0 +1,267 @@
+"""Gradient compression side by side with uncompressed training.
+
+Two tables:
+
+1. **codec** (one process): for each compressor, the payload of a 1 MiB fp32
+   gradient (bytes and ratio to dense) and encode+decode time per MB (median of
+   ``--reps`` after one discarded warm-up), with ``none`` as the peer.
+2. **training** (``--workers`` processes through ``dtrain.launch.launch``, each
+   compressor in turn inside one launch): ``dtrain.DataParallel(compression=...)``
+   trains a model on digits for ``--epochs`` epochs; per compressor the bytes a
+   worker sent per step (the transport's counters) and the ratio to the
+   uncompressed run, the test accuracy after each epoch, the final accuracy, and
+   the training time until the test accuracy first reached ``--target``
+   (evaluations excluded; epoch granularity), also as a ratio to uncompressed.
+   Models: the default CNN, and a larger MLP (``--mlp-hidden``, default 512,512).
+   With ``--ps`` the CNN is also trained under the parameter server (BSP) through
+   ``dtrain.train.run`` (``--ps-servers`` server processes beside the workers).
+
+Run (all compressors, both models; ~10 minutes on 2 busy cores)::
+
+    python benchmarks/compression.py
+    python benchmarks/compression.py --specs none,topk:0.01,powersgd:2 --models cnn --epochs 5
+    python benchmarks/compression.py --ps --models cnn
+
+Timings on a shared machine are indicative; the ratios of bytes are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+DEFAULT_SPECS = [
+    "none",
+    "fp16",
+    "bf16",
+    "qsgd:16",
+    "terngrad",
+    "sign",
+    "sign:mv",
+    "onebit",
+    "topk:0.01",
+    "randomk:0.01",
+    "randomk:0.1",
+    "threshold:0.001",
+    "powersgd:2",
+]
+
+
+# ----------------------------------------------------------------------------- codec table
+
+
+def codec_table(specs: list[str], reps: int) -> list[dict[str, Any]]:
+    from dtrain.compress import from_spec
+    from dtrain.compress.base import payload_nbytes
+
+    torch.set_num_threads(1)  # as in the workers; less noise from a busy machine
+    n = (1 << 20) // 4
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-2
+    rows = []
+    for spec in specs:
+        c = from_spec(spec)
+        times = []
+        nbytes = 0
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            payload, ctx = c.compress(x, "probe")
+            c.decompress(payload, ctx)
+            dt = time.perf_counter() - t0
+            nbytes = payload_nbytes(payload)
+            if i:  # the first is warm-up
+                times.append(dt)
+        rows.append({"spec": spec, "bytes": nbytes, "ratio": nbytes / (4 * n), "ms_per_mb": 1e3 * statistics.median(times)})
+    return rows
+
+
+# ----------------------------------------------------------------------------- DataParallel runs
+
+
+def _evaluate(model: torch.nn.Module, data: Any) -> float:
+    model.eval()
+    x, y = data.test.tensors
+    with torch.no_grad():
+        acc = float((model(x).argmax(1) == y).float().mean())
+    model.train()
+    return acc
+
+
+def dp_worker(
+    specs: list[str], model_name: str, hidden: list[int], epochs: int, batch: int, lr: float, momentum: float, seed: int
+) -> dict[str, Any]:
+    """One process of the training table: every spec in turn, a fresh model each."""
+    import dtrain
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from dtrain.compress import from_spec
+    from dtrain.data import load_dataset
+    from dtrain.models import build_model
+
+    torch.set_num_threads(1)
+    rank, world = dtrain.rank(), dtrain.world_size()
+    data = load_dataset("digits", seed=seed)
+    results: dict[str, Any] = {}
+    for spec in specs:
+        torch.manual_seed(seed)
+        kw = {"hidden": tuple(hidden)} if model_name == "mlp" else {}
+        net = build_model(model_name, data.input_shape, data.num_classes, **kw)
+        comp = None if spec == "none" else from_spec(spec)
+        dp = dtrain.DataParallel(net, compression=comp, timeout_s=120)
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        steps, sent, train_s, history = 0, 0, 0.0, []
+        for epoch in range(epochs):
+            sampler = DistributedSampler(data.train, world, rank, shuffle=True, seed=seed, drop_last=True)
+            sampler.set_epoch(epoch)
+            loader = DataLoader(data.train, batch_size=batch // world, sampler=sampler, drop_last=True)
+            t0 = time.perf_counter()
+            for x, y in loader:
+                opt.zero_grad(set_to_none=False)
+                loss_fn(dp(x), y).backward()
+                opt.step()
+                steps += 1
+                sent += int(dp.step_stats()["bytes_sent"])
+            train_s += time.perf_counter() - t0
+            history.append((round(train_s, 3), _evaluate(net, data)))
+        dp.close()
+        results[spec] = {
+            "params": sum(p.numel() for p in net.parameters()),
+            "steps": steps,
+            "bytes_per_step": sent / max(1, steps),
+            "train_s": train_s,
+            "history": history,
+        }
+    return results
+
+
+def train_table(specs: list[str], model: str, hidden: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    from dtrain.launch import launch
+
+    out = launch(dp_worker, (specs, model, hidden, args.epochs, args.batch_size, args.lr, args.momentum, args.seed), nprocs=args.workers)
+    rows = []
+    for spec in specs:
+        per_rank = [out[r][spec] for r in sorted(out)]
+        hist = per_rank[0]["history"]
+        rows.append({
+            "spec": spec,
+            "params": per_rank[0]["params"],
+            "bytes_per_step": statistics.mean(r["bytes_per_step"] for r in per_rank),
+            "accuracy": hist[-1][1],
+            "history": [a for _, a in hist],
+            "time_to_target_s": next((t for t, a in hist if a >= args.target), None),
+            "train_s": max(r["train_s"] for r in per_rank),
+        })
+    return rows
+
+
+def ps_table(specs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    from dtrain.config import RunConfig
+    from dtrain.train import run
+
+    rows = []
+    for spec in specs:
+        with tempfile.TemporaryDirectory() as d:
+            cfg = RunConfig(
+                strategy="ps", workers=args.workers, servers=args.ps_servers, consistency="bsp", compression=spec,
+                epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, seed=args.seed, out=d,
+                progress=False, trace=False,
+            )
+            s, _ = run(cfg, quiet=True)
+        hist = s.get("accuracy_history", [])
+        rows.append({
+            "spec": spec,
+            "bytes_per_step": s["bytes_sent_per_step"],
+            "accuracy": s["test_accuracy"],
+            "history": [h[-1] for h in hist],
+            "time_to_target_s": next((h[0] for h in hist if h[-1] >= args.target), None),
+            "train_s": s.get("train_s"),
+        })
+    return rows
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def _fmt(v: float | None, f: str) -> str:
+    return "-" if v is None else format(v, f)
+
+
+def print_codec(rows: list[dict[str, Any]]) -> None:
+    base = next((r for r in rows if r["spec"] == "none"), rows[0])
+    print("\n## codec: 1 MiB fp32 gradient (N(0, 0.01^2)), one process, one thread")
+    print(f"{'compressor':16s} {'payload B':>10s} {'vs none':>9s} {'enc+dec ms/MB':>14s}")
+    for r in rows:
+        print(f"{r['spec']:16s} {r['bytes']:10d} {r['bytes'] / base['bytes']:9.4f} {r['ms_per_mb']:14.3f}")
+
+
+def print_train(title: str, rows: list[dict[str, Any]], target: float) -> None:
+    base = next((r for r in rows if r["spec"] == "none"), None)
+    print(f"\n## {title}")
+    print(f"{'compressor':16s} {'B/step':>10s} {'vs none':>8s} {'final acc':>9s} {'t->' + format(target, '.0%'):>8s} {'vs none':>8s}  accuracy per epoch")
+    for r in rows:
+        ratio = r["bytes_per_step"] / base["bytes_per_step"] if base and base["bytes_per_step"] else None
+        tt = r["time_to_target_s"]
+        tr = tt / base["time_to_target_s"] if base and tt is not None and base["time_to_target_s"] else None
+        hist = " ".join(f"{a:.3f}" for a in r["history"])
+        print(f"{r['spec']:16s} {r['bytes_per_step']:10.0f} {_fmt(ratio, '8.4f'):>8s} {r['accuracy']:9.4f} "
+              f"{_fmt(tt, '7.2f') + 's' if tt is not None else '-':>8s} {_fmt(tr, '8.2f'):>8s}  {hist}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--specs", default=",".join(DEFAULT_SPECS), help="comma-separated compressor specs")
+    ap.add_argument("--models", default="cnn,mlp", help="cnn, mlp, both, or '' for none (default: cnn,mlp)")
+    ap.add_argument("--mlp-hidden", default="512,512", help="hidden sizes of the larger MLP (default: 512,512)")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, applied after averaging (default: 0.9)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", type=float, default=0.95, help="accuracy for time-to-target (default: 0.95)")
+    ap.add_argument("--reps", type=int, default=5, help="codec timing repetitions (default: 5)")
+    ap.add_argument("--no-train", action="store_true", help="codec table only")
+    ap.add_argument("--ps", action="store_true", help="also train the CNN under the parameter server (bsp)")
+    ap.add_argument("--ps-servers", type=int, default=1)
+    ap.add_argument("--json", help="write all figures to this file")
+    args = ap.parse_args(argv)
+    specs = [s for s in args.specs.split(",") if s]
+    if "none" not in specs:
+        specs.insert(0, "none")
+    from dtrain.compress import from_spec
+
+    for s in specs:
+        from_spec(s)  # bad specs fail here, before any process starts
+    hidden = [int(h) for h in args.mlp_hidden.split(",")]
+    print(f"# dtrain compression benchmark: torch {torch.__version__}, python {platform.python_version()}, "
+          f"{args.workers} workers, {args.epochs} epochs, global batch {args.batch_size}, SGD lr {args.lr} momentum {args.momentum}")
+    report: dict[str, Any] = {"args": vars(args)}
+    report["codec"] = codec_table(specs, args.reps)
+    print_codec(report["codec"])
+    if not args.no_train:
+        for model in [m for m in args.models.split(",") if m]:
+            rows = train_table(specs, model, hidden, args)
+            label = "default CNN" if model == "cnn" else f"MLP {args.mlp_hidden}"
+            print_train(f"DataParallel, {label} ({rows[0]['params']} parameters), digits, {args.workers} workers", rows, args.target)
+            report[f"dp_{model}"] = rows
+            sys.stdout.flush()
+        if args.ps:
+            rows = ps_table(specs, args)
+            print_train(f"parameter server (bsp, {args.ps_servers} server), default CNN, {args.workers} workers", rows, args.target)
+            report["ps_cnn"] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
