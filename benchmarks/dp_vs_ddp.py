@@ -1,14 +1,15 @@
 """dtrain.DataParallel beside torch DDP: training steps per second, same model, data and seed.
 
 One launch of ``--nprocs`` processes (``dtrain.launch.launch``, gloo on CPU or
-NCCL on CUDA). Inside it, for each configuration in turn -- torch DDP, then
-``dtrain.DataParallel`` with each allreduce algorithm (and each overlap mode
-asked for) -- the same model (``dtrain.models.build_model``, default the CNN), the
-same digits shards and the same seed train for ``--warmup`` discarded steps and
-then ``--steps`` timed steps (barrier before and after; rank 0's clock). The
-whole sequence is repeated ``--repeats`` times, interleaved, so that a slow spell
-of a shared machine hits every configuration alike; each configuration reports
-its median. DDP runs with ``bucket_cap_mb=--bucket-mb`` and DataParallel with
+NCCL on CUDA). Inside it, each ``dtrain.DataParallel`` configuration (allreduce
+algorithm x overlap mode) is timed back to back with torch DDP: the same model
+(``dtrain.models.build_model``, default the CNN), the same digits shards and the
+same seed train for ``--warmup`` discarded steps and then ``--steps`` timed steps
+(barrier before and after; rank 0's clock). The pairs are repeated
+``--repeats`` times, DDP first in one round and second in the next, so that a
+slow spell of a shared machine hits both sides of a pair alike; the table gives
+medians over the rounds, and the ratio is the median of the per-pair ratios.
+DDP runs with ``bucket_cap_mb=--bucket-mb`` and DataParallel with
 ``bucket_mb=--bucket-mb`` (both: first bucket 1 MiB).
 
 Columns: steps/s of DDP and of DataParallel, their ratio (DataParallel / DDP),
@@ -108,14 +109,25 @@ def _run_config(cfg: dict[str, Any], args: dict[str, Any], data: list[Any]) -> d
     return dict(steps_per_s=steps / dt, comm_ms=1e3 * comm / steps, wait_ms=1e3 * wait / steps, bytes=nbytes / steps)
 
 
-def _worker(configs: list[dict[str, Any]], args: dict[str, Any]) -> list[list[dict[str, float]]]:
+def _worker(configs: list[dict[str, Any]], args: dict[str, Any]) -> list[list[tuple[dict[str, float], dict[str, float]]]]:
+    """Per round, per DataParallel configuration: (DDP figures, DataParallel figures) timed back to back."""
     import dtrain
 
     rank, world = dtrain.rank(), dtrain.world_size()
     data = _batches(args["model"], args["batch_size"], rank, world, args["warmup"] + args["steps"], args["seed"])
+    ddp = dict(kind="ddp")
     rounds = []
-    for _ in range(args["repeats"]):
-        rounds.append([_run_config(c, args, data) for c in configs])
+    for k in range(args["repeats"]):
+        pairs = []
+        for c in configs:
+            if k % 2 == 0:
+                d = _run_config(ddp, args, data)
+                m = _run_config(c, args, data)
+            else:
+                m = _run_config(c, args, data)
+                d = _run_config(ddp, args, data)
+            pairs.append((d, m))
+        rounds.append(pairs)
     return rounds
 
 
@@ -144,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in overlaps:
         if s not in ("backward", "forward"):
             ap.error(f"unknown overlap {s!r}; use backward and/or forward")
-    configs: list[dict[str, Any]] = [dict(kind="ddp")]
-    configs += [dict(kind="dp", algorithm=al, overlap=ov) for ov in overlaps for al in algorithms]
+    configs = [dict(kind="dp", algorithm=al, overlap=ov) for ov in overlaps for al in algorithms]
     args = dict(
         model=a.model, batch_size=a.batch_size, bucket_mb=a.bucket_mb, steps=a.steps, warmup=a.warmup,
         repeats=a.repeats, lr=a.lr, seed=a.seed,
@@ -154,23 +165,23 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.nprocs} processes x {threads_per_worker(a.nprocs)} intra-op thread(s), "
           f"backend {'nccl' if torch.cuda.is_available() else 'gloo'}")
     print(f"model {a.model}, digits, global batch {a.batch_size}, bucket {a.bucket_mb} MiB, "
-          f"{a.warmup} warm-up + {a.steps} timed steps, median of {a.repeats} interleaved rounds")
+          f"{a.warmup} warm-up + {a.steps} timed steps, median of {a.repeats} rounds of (DDP, DP) pairs")
     t0 = time.perf_counter()
     res = launch(_worker, (configs, args), nprocs=a.nprocs)
     rounds = res[0]
-    med = [
-        {k: statistics.median(r[i][k] for r in rounds) for k in rounds[0][i]} for i in range(len(configs))
-    ]
-    ddp = med[0]["steps_per_s"]
     print()
-    print(f"{'configuration':34} {'DDP steps/s':>12} {'DP steps/s':>11} {'DP/DDP':>7} "
+    print(f"{'configuration':40} {'DDP steps/s':>12} {'DP steps/s':>11} {'DP/DDP':>7} "
           f"{'comm ms':>8} {'wait ms':>8} {'bytes/step':>11}")
-    for c, m in zip(configs[1:], med[1:]):
+    for i, c in enumerate(configs):
+        ddp = statistics.median(r[i][0]["steps_per_s"] for r in rounds)
+        dp = {k: statistics.median(r[i][1][k] for r in rounds) for k in rounds[0][i][1]}
+        ratio = statistics.median(r[i][1]["steps_per_s"] / r[i][0]["steps_per_s"] for r in rounds)
         name = f"{c['algorithm']} (overlap={c['overlap']})"
-        print(f"{name:34} {ddp:12.1f} {m['steps_per_s']:11.1f} {m['steps_per_s'] / ddp:7.3f} "
-              f"{m['comm_ms']:8.3f} {m['wait_ms']:8.3f} {m['bytes']:11.0f}")
-    spread = [r[0]["steps_per_s"] for r in rounds]
-    print(f"\nDDP steps/s per round: {', '.join(f'{s:.1f}' for s in spread)}; wall {time.perf_counter() - t0:.0f}s")
+        print(f"{name:40} {ddp:12.1f} {dp['steps_per_s']:11.1f} {ratio:7.3f} "
+              f"{dp['comm_ms']:8.3f} {dp['wait_ms']:8.3f} {dp['bytes']:11.0f}")
+    spread = [p[0]["steps_per_s"] for r in rounds for p in r]
+    print(f"\nDDP steps/s over all its runs: min {min(spread):.1f}, median {statistics.median(spread):.1f}, "
+          f"max {max(spread):.1f}; wall {time.perf_counter() - t0:.0f}s")
     return 0
 
 

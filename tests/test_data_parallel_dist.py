@@ -282,6 +282,36 @@ def _buffers(rank: int, algorithm: str, overlap: str) -> float:
     return _maxdiff(mine, theirs)
 
 
+def _subgroups(rank: int, algorithm: str, overlap: str) -> float:
+    """Two independent pairs {0,1} and {2,3}, each averaging over its own group, against DDP on the same groups."""
+    import dtrain
+
+    mine, _ = dist.new_subgroups(group_size=2)
+    batches = _batches(4, seed=17 + rank // 2)  # each pair trains on its own data
+    pair_rank = rank % 2
+
+    def run(model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
+        for x, y in batches:
+            if opt is not None:
+                opt.zero_grad()
+            F.cross_entropy(model(_shard(x, pair_rank)), _shard(y, pair_rank)).backward()
+            if opt is not None:
+                opt.step()
+
+    ref = _cnn()
+    ddp = DDP(ref, process_group=mine)
+    run(ddp, _sgd(ddp.parameters()))
+    net = _cnn()
+    kw: dict[str, Any] = dict(algorithm=algorithm, overlap=overlap, group=mine, **BUCKET)
+    if overlap == "forward":
+        kw["optimizer_factory"] = _sgd
+    model = dtrain.DataParallel(net, **kw)
+    run(model, None if overlap == "forward" else _sgd(model.parameters()))
+    model.synchronize()
+    model.close()
+    return _maxdiff(_params(net), _params(ref))
+
+
 COMBOS = [(a, o) for a in ALGOS for o in ("backward", "forward")]
 
 
@@ -305,6 +335,7 @@ def _all_scenarios(rank: int, world: int) -> dict[str, Any]:
         out[f"no_sync/{a}/{o}"] = _guard(lambda: _no_sync(rank, a, o))
     for a, o in (("native", "backward"), ("recursive_doubling", "forward")):
         out[f"buffers/{a}/{o}"] = _guard(lambda: _buffers(rank, a, o))
+    out["subgroups"] = _guard(lambda: _subgroups(rank, "ring", "forward"))
     return out
 
 
@@ -394,6 +425,11 @@ def test_no_sync_accumulation_matches_ddp(results, algorithm, overlap):
 def test_buffers_follow_rank_zero_like_ddp(results, algorithm, overlap):
     for res in results:
         assert _ok(res[f"buffers/{algorithm}/{overlap}"]) < TOL
+
+
+def test_a_subgroup_is_averaged_over_on_its_own_like_ddp(results):
+    for res in results:
+        assert _ok(res["subgroups"]) < TOL
 
 
 # ---------------------------------------------------------------------- a silent rank
