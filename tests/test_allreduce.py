@@ -27,15 +27,16 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 OPS = ["sum", "avg", "max", "min"]
 LARGE = 1000
 
-# (algorithm, options): the ring with several pieces per segment and a short
-# window, hierarchical with unequal consecutive nodes and with interleaved ones
+# (algorithm, options): the ring with several (capped) pieces per segment and a
+# one-receive window; hierarchical with consecutive nodes of 3 (the last one
+# smaller) whose leaders' ring runs in pieces, and with interleaved nodes. The
+# default ring options (one piece at these sizes, window 2) run in
+# test_comm_cost.py and, over gloo, in test_allreduce_dist.py.
 VARIANTS = [
-    ("ring", AllreduceOptions()),
-    ("ring", AllreduceOptions(piece_bytes=128, window=2)),
+    ("ring", AllreduceOptions(piece_bytes=128, max_pieces=5, window=1)),
     ("tree", AllreduceOptions()),
     ("recursive_doubling", AllreduceOptions()),
     ("rabenseifner", AllreduceOptions()),
-    ("hierarchical", AllreduceOptions(node_size=2)),
     ("hierarchical", AllreduceOptions(node_size=3, piece_bytes=128)),
     ("hierarchical", None),  # nodes = r % 3, set per world size below
 ]
@@ -114,7 +115,7 @@ def test_algorithm_matches_reference(world_size: int, variant: int) -> None:
             raise AssertionError(f"{where}: {e}") from None
         expect = cost.traffic(
             algorithm, world_size, n * first.element_size(), itemsize=first.element_size(),
-            piece_bytes=opts.piece_bytes, node_size=opts.node_size or (world_size if opts.nodes is None else None),
+            piece_bytes=opts.piece_bytes, max_pieces=opts.max_pieces, node_size=opts.node_size or (world_size if opts.nodes is None else None),
             nodes=opts.nodes,
         )
         for r in range(world_size):
@@ -218,6 +219,8 @@ def test_native_needs_a_process_group_transport() -> None:
 def test_bad_options_say_what_to_change() -> None:
     with pytest.raises(ConfigError, match="piece_bytes"):
         AllreduceOptions(piece_bytes=0)
+    with pytest.raises(ConfigError, match="max_pieces"):
+        AllreduceOptions(max_pieces=0)
     with pytest.raises(ConfigError, match="window"):
         AllreduceOptions(window=0)
     with pytest.raises(ConfigError, match="node_size"):

@@ -78,6 +78,11 @@ def test_allreduce_time_dispatches_and_counts_ring_pieces() -> None:
     n = 16 << 20
     t = cost.allreduce_time("ring", 4, n, LINK, piece_bytes=1 << 20)
     assert close(t, cost.ring_time(4, n, LINK, pieces=4))
+    # 64 MiB: 16 MiB segments would be 16 pieces, capped at 4 (of 4 MiB)
+    n = 64 << 20
+    assert close(cost.allreduce_time("ring", 4, n, LINK, piece_bytes=1 << 20), cost.ring_time(4, n, LINK, pieces=4))
+    t = cost.allreduce_time("ring", 4, n, LINK, piece_bytes=1 << 20, max_pieces=100)
+    assert close(t, cost.ring_time(4, n, LINK, pieces=16))
     with pytest.raises(ConfigError, match="ring"):
         cost.allreduce_time("bcube", 4, n, LINK)
 
@@ -115,6 +120,9 @@ def test_ring_traffic_by_hand() -> None:
     # 10 elements over 2 ranks with 8-byte pieces: segments of 5 in 3 pieces (2, 2, 1)
     t = cost.ring_traffic(2, 10, itemsize=4, piece_bytes=8)
     assert t.messages == (6, 6) and t.bytes_sent == (40, 40)
+    # ... or at most 2 pieces (3, 2)
+    t = cost.ring_traffic(2, 10, itemsize=4, piece_bytes=8, max_pieces=2)
+    assert t.messages == (4, 4) and t.bytes_sent == (40, 40)
     # 3 elements over 5 ranks: segments (1,1,1,0,0); rank r skips r+1 in RS and r+2 in AG
     t = cost.ring_traffic(5, 3, itemsize=4)
     segs = [1, 1, 1, 0, 0]
@@ -166,6 +174,7 @@ def test_traffic_rejects_bad_input() -> None:
     "world_size,numel,dtype,opts",
     [
         (4, 100_000, torch.float32, AllreduceOptions(piece_bytes=64 << 10)),
+        (3, 100_000, torch.float32, AllreduceOptions(piece_bytes=4096, max_pieces=100, window=5)),
         (6, 50_001, torch.float16, AllreduceOptions(piece_bytes=4096, window=3, node_size=4)),
         (7, 30_000, torch.float64, AllreduceOptions(piece_bytes=10_000, nodes=(0, 1, 0, 1, 2, 2, 2))),
     ],
@@ -182,6 +191,6 @@ def test_threaded_runs_send_what_cost_says(
         got = run_threads(world_size, fn, timeout=30)
         itemsize = torch.empty(0, dtype=dtype).element_size()
         expect = cost.traffic(alg, world_size, numel * itemsize, itemsize=itemsize, piece_bytes=opts.piece_bytes,
-                              node_size=opts.node_size if opts.nodes is None else None, nodes=opts.nodes)
+                              max_pieces=opts.max_pieces, node_size=opts.node_size if opts.nodes is None else None, nodes=opts.nodes)
         assert [g[0] for g in got] == list(expect.messages), alg
         assert [g[1] for g in got] == list(expect.bytes_sent), alg

@@ -74,12 +74,13 @@ class BenchConfig:
     iters: int = 10
     warmup: int = 2
     piece_bytes: int = 1 << 20
-    window: int = 4
+    max_pieces: int = 4
+    window: int = 2
     node_size: int | None = None
     timeout: float = 120.0
 
     def __post_init__(self) -> None:
-        from dtrain.comm.allreduce import ALGORITHMS
+        from dtrain.comm.allreduce import ALGORITHMS, AllreduceOptions
 
         if self.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
@@ -94,6 +95,7 @@ class BenchConfig:
             raise ConfigError(f"unknown algorithm(s) {bad}; choose from {', '.join(ALGORITHMS)} or 'all'")
         if self.node_size is not None and self.node_size < 1:
             raise ConfigError(f"--node-size must be >= 1, got {self.node_size}")
+        AllreduceOptions(piece_bytes=self.piece_bytes, max_pieces=self.max_pieces, window=self.window)
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -157,7 +159,9 @@ def _worker(cfg: BenchConfig) -> dict[str, Any] | None:
     gamma = _gamma()
     fit = torch.tensor([alpha, beta, gamma], dtype=torch.float64)
     dist.broadcast(fit, 0)
-    opts = AllreduceOptions(piece_bytes=cfg.piece_bytes, window=cfg.window, node_size=cfg.node_size)
+    opts = AllreduceOptions(
+        piece_bytes=cfg.piece_bytes, max_pieces=cfg.max_pieces, window=cfg.window, node_size=cfg.node_size
+    )
     rows = []
     for nbytes in cfg.sizes:
         numel = nbytes // 4
@@ -212,8 +216,8 @@ def _table(res: dict[str, Any], cfg: BenchConfig) -> str:
     bw = (lambda b: f"{1 / b / 1e9:.2f} GB/s") if res["beta"] > 0 else (lambda b: "inf")
     lines = [
         f"dtrain bench allreduce: torch {res['torch']}, backend {res['backend']}, world size {P}, "
-        f"{res['threads']} intra-op thread(s)/worker, float32, ring piece {format_size(cfg.piece_bytes)}, "
-        f"window {cfg.window}, node_size {cfg.node_size or 'LOCAL_WORLD_SIZE'}",
+        f"{res['threads']} intra-op thread(s)/worker, float32, ring piece {format_size(cfg.piece_bytes)} "
+        f"(<= {cfg.max_pieces}/segment), window {cfg.window}, node_size {cfg.node_size or 'LOCAL_WORLD_SIZE'}",
         f"alpha-beta fit (ping-pong rank 0<->1): alpha {res['alpha'] * 1e6:.1f} us, beta {res['beta'] * 1e9:.3f} ns/B "
         f"({bw(res['beta'])}); gamma (local add) {res['gamma'] * 1e9:.3f} ns/B",
         f"median of {cfg.iters} timed runs after {cfg.warmup} warm-up; time = slowest rank; "
@@ -227,7 +231,9 @@ def _table(res: dict[str, Any], cfg: BenchConfig) -> str:
         algbw = n / t / 1e9
         busbw = algbw * 2 * (P - 1) / P
         ratio = native[n] / t if n in native else float("nan")
-        pred = allreduce_time(alg, P, n, link, node_size=cfg.node_size, piece_bytes=cfg.piece_bytes)
+        pred = allreduce_time(
+            alg, P, n, link, node_size=cfg.node_size, piece_bytes=cfg.piece_bytes, max_pieces=cfg.max_pieces
+        )
         lines.append(
             f"{format_size(n):>10}  {alg:<19} {t * 1e3:9.3f} {algbw:11.3f} {busbw:11.3f} "
             f"{ratio:9.2f} {pred * 1e3:9.3f}  {'yes' if r['correct'] else 'NO'}"
@@ -248,7 +254,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=10, help="timed runs per case (default: 10)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs first (default: 2)")
     ap.add_argument("--piece", default="1MB", help="ring piece size (default: 1MB)")
-    ap.add_argument("--window", type=int, default=4, help="receives the ring posts ahead (default: 4)")
+    ap.add_argument("--max-pieces", type=int, default=4, help="ring: at most this many pieces per segment (default: 4)")
+    ap.add_argument("--window", type=int, default=2, help="receives the ring posts ahead (default: 2)")
     ap.add_argument("--node-size", type=int, default=None, help="hierarchical: ranks per node (default: all local)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may block (default: 120)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the raw results as JSON")
@@ -274,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             iters=ns.iters,
             warmup=ns.warmup,
             piece_bytes=parse_size(ns.piece),
+            max_pieces=ns.max_pieces,
             window=ns.window,
             node_size=ns.node_size,
             timeout=ns.timeout,

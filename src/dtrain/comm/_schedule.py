@@ -38,9 +38,10 @@ def ceil_log2(p: int) -> int:
 class RingPlan:
     """How the ring cuts ``n`` elements: ``P`` segments, each in ``pieces`` pieces.
 
-    Every segment is split into the same number of pieces, so a piece index means
-    the same thing on every rank; pieces of an empty or short segment may be empty
-    and are then not sent at all.
+    ``pieces`` is the number of ``piece_elems``-sized pieces the longest segment
+    needs, capped at ``max_pieces``. Every segment is split into the same number
+    of pieces, so a piece index means the same thing on every rank; pieces of an
+    empty or short segment may be empty and are then not sent at all.
     """
 
     n: int
@@ -49,10 +50,12 @@ class RingPlan:
     seg: tuple[int, ...]
 
     @classmethod
-    def build(cls, n: int, world_size: int, piece_elems: int) -> "RingPlan":
+    def build(cls, n: int, world_size: int, piece_elems: int, max_pieces: int | None = None) -> "RingPlan":
         seg = offsets(n, world_size)
         longest = -(-n // world_size)
         pieces = max(1, -(-longest // max(1, piece_elems)))
+        if max_pieces is not None:
+            pieces = max(1, min(pieces, max_pieces))
         return cls(n, world_size, pieces, tuple(seg))
 
     def piece(self, seg: int, j: int) -> tuple[int, int]:

@@ -67,6 +67,7 @@ __all__ = [
     "ALGORITHMS",
     "OPS",
     "RING_PIECE_BYTES",
+    "RING_MAX_PIECES",
     "AllreduceOptions",
     "allreduce",
     "allreduce_over",
@@ -80,6 +81,7 @@ __all__ = [
 ]
 
 RING_PIECE_BYTES = _cost.RING_PIECE_BYTES
+RING_MAX_PIECES = _cost.RING_MAX_PIECES
 
 # tag bases keep the phases of one algorithm (and of hierarchical's sub-worlds) apart
 _TAG_TREE_REDUCE = 1 << 22
@@ -97,8 +99,12 @@ class AllreduceOptions:
         piece_bytes: the ring cuts each of its P segments into pieces of about this
             many bytes and pipelines them (default: 1 MiB; 0.25 MiB was measured
             slower on loopback gloo, see DESIGN.md).
+        max_pieces: but into at most this many pieces per segment, so large
+            tensors travel in larger pieces (default: 4). Every piece is a gloo
+            message with its own handshake and thread wake-ups; on a loaded
+            2-core machine 16 pieces per segment cost ~15% more CPU than 4.
         window: receives the ring keeps posted ahead, so the next piece arrives
-            while the current one is reduced (default: 4).
+            while the current one is reduced (default: 2).
         node_size: hierarchical only: consecutive ranks per node (default: the
             launcher's LOCAL_WORLD_SIZE, i.e. the processes of one machine).
         nodes: hierarchical only: node id of every rank, for placements that are
@@ -106,15 +112,18 @@ class AllreduceOptions:
     """
 
     piece_bytes: int = RING_PIECE_BYTES
-    window: int = 4
+    max_pieces: int = RING_MAX_PIECES
+    window: int = 2
     node_size: int | None = None
     nodes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.piece_bytes < 1:
             raise ConfigError(f"piece_bytes must be >= 1 (try {RING_PIECE_BYTES}), got {self.piece_bytes}")
+        if self.max_pieces < 1:
+            raise ConfigError(f"max_pieces must be >= 1 (try {RING_MAX_PIECES}), got {self.max_pieces}")
         if self.window < 1:
-            raise ConfigError(f"window must be >= 1 (try 4), got {self.window}")
+            raise ConfigError(f"window must be >= 1 (try 2), got {self.window}")
         if self.node_size is not None and self.node_size < 1:
             raise ConfigError(f"node_size must be >= 1 ranks per node, got {self.node_size}")
 
@@ -163,75 +172,75 @@ def _algorithm(name: str) -> Callable[[_Inner], AlgorithmFn]:
 
 def _ring(t: Transport, flat: torch.Tensor, op: str, opts: AllreduceOptions) -> None:
     P, r = t.world_size, t.rank
-    plan = RingPlan.build(flat.numel(), P, max(1, opts.piece_bytes // flat.element_size()))
+    plan = RingPlan.build(flat.numel(), P, max(1, opts.piece_bytes // flat.element_size()), opts.max_pieces)
     k, steps = plan.pieces, plan.steps()
     right, left = (r + 1) % P, (r - 1) % P
 
-    # every non-empty piece this rank receives, in order: (step, segment, piece, lo, hi)
-    recvs = []
-    for s in range(steps):
-        seg = plan.send_segment(r, s + 1)
-        for j in range(k):
-            lo, hi = plan.piece(seg, j)
-            if hi > lo:
-                recvs.append((s, seg, j, lo, hi))
+    # views[seg * k + j]: piece j of segment seg (None when empty, i.e. never sent)
+    views: list[torch.Tensor | None] = []
+    for seg in range(P):
+        base, cut = plan.seg[seg], offsets(plan.seg[seg + 1] - plan.seg[seg], k)
+        views += [flat[base + cut[j] : base + cut[j + 1]] if cut[j + 1] > cut[j] else None for j in range(k)]
+    # what this rank receives, in order: (step, piece key); at step s it is segment r-s-1
+    recvs = [
+        (s, key)
+        for s in range(steps)
+        for key in range(((r - s - 1) % P) * k, ((r - s - 1) % P) * k + k)
+        if views[key] is not None
+    ]
+    pending: dict[int, Any] = {}  # piece key -> send in flight from that slice
+    sent: set[int] = set()
 
-    pending: dict[tuple[int, int], Any] = {}  # (segment, piece) -> send in flight from that slice
-    sent: set[tuple[int, int]] = set()
-
-    def send(step: int, seg: int, j: int) -> None:
-        lo, hi = plan.piece(seg, j)
-        if hi == lo:
+    def send(step: int, key: int) -> None:
+        view = views[key]
+        if view is None:
             return
-        old = pending.pop((seg, j), None)
+        old = pending.pop(key, None)
         if old is not None:
             old.wait()
-        pending[(seg, j)] = post_send(t, flat[lo:hi], right, step * k + j)
-        sent.add((seg, j))
+        pending[key] = post_send(t, view, right, step * k + key % k)
+        sent.add(key)
 
-    for j in range(k):
-        send(0, r, j)
+    for key in range(r * k, r * k + k):
+        send(0, key)
 
     window = opts.window
-    n_rs = sum(1 for x in recvs if x[0] < P - 1)
+    n_rs = sum(1 for s, _ in recvs if s < P - 1)
     nbuf = min(window, n_rs) + 1
     width = plan.max_piece()
     pool = BUFFERS.take(nbuf * width, flat.dtype, flat.device)
     free = [pool[i * width : (i + 1) * width] for i in range(nbuf)]
-    inflight: deque[tuple[int, Any, torch.Tensor | None]] = deque()
+    inflight: deque[tuple[Any, torch.Tensor | None]] = deque()
     nxt = 0
-
-    def can_post(i: int) -> bool:
-        s, seg, j = recvs[i][:3]
-        if s < P - 1:
-            return bool(free)
-        # allgather writes into the slice this rank sent during reduce-scatter
-        return (seg, j) in sent
-
-    def post(i: int) -> None:
-        s, seg, j, lo, hi = recvs[i]
-        if s < P - 1:
-            buf = free.pop()
-            work = post_recv(t, buf[: hi - lo], left, s * k + j)
-            inflight.append((i, work, buf))
-        else:
-            old = pending.pop((seg, j), None)
-            if old is not None:
-                old.wait()
-            inflight.append((i, post_recv(t, flat[lo:hi], left, s * k + j), None))
-
-    for i, (s, seg, j, lo, hi) in enumerate(recvs):
-        while nxt < len(recvs) and len(inflight) < window and can_post(nxt):
-            post(nxt)
+    for i, (s, key) in enumerate(recvs):
+        # keep `window` receives posted; allgather ones only once the slice they
+        # overwrite has been sent during reduce-scatter
+        while nxt < len(recvs) and len(inflight) < window:
+            ps, pkey = recvs[nxt]
+            if ps < P - 1:
+                if not free:
+                    break
+                buf = free.pop()
+                view = views[pkey]
+                assert view is not None
+                inflight.append((post_recv(t, buf[: view.numel()], left, ps * k + pkey % k), buf))
+            else:
+                if pkey not in sent:
+                    break
+                old = pending.pop(pkey, None)
+                if old is not None:
+                    old.wait()
+                inflight.append((post_recv(t, views[pkey], left, ps * k + pkey % k), None))  # type: ignore[arg-type]
             nxt += 1
-        idx, work, buf = inflight.popleft()
-        assert idx == i, "ring receive order broken"
+        work, buf = inflight.popleft()
         work.wait()
         if buf is not None:
-            combine(flat[lo:hi], buf[: hi - lo], op)
+            view = views[key]
+            assert view is not None
+            combine(view, buf[: view.numel()], op)
             free.append(buf)
         if s < steps - 1:
-            send(s + 1, seg, j)
+            send(s + 1, key)
     for work in pending.values():
         work.wait()
     BUFFERS.give(pool)
@@ -249,7 +258,8 @@ def ring(t: Transport, flat: torch.Tensor, op: str, opts: AllreduceOptions) -> N
     2. Allgather, ``P-1`` steps: pass the finished segments on around the ring,
        receiving straight into place.
 
-    Each segment travels in pieces of about ``options.piece_bytes``; a piece is
+    Each segment travels in pieces of about ``options.piece_bytes`` (at most
+    ``options.max_pieces`` of them, larger ones for large tensors); a piece is
     forwarded as soon as it is reduced, and ``options.window`` receives are kept
     posted, so sending, receiving and reducing overlap. Receive buffers are reused
     across calls.
@@ -643,6 +653,8 @@ def allreduce(
         opts = options or AllreduceOptions()
     if not dist.is_initialized():
         return tensor
+    if group is not None and dist.get_rank(group) < 0:
+        raise ConfigError(f"rank {dist.get_rank()} is not a member of the group it asked to allreduce over")
     _check_device(tensor, group)
     transport = get_transport(group, timeout)
     return ALGORITHMS[algorithm](transport, tensor, op, opts)

@@ -53,6 +53,7 @@ from dtrain.errors import ConfigError
 __all__ = [
     "ALGORITHMS",
     "RING_PIECE_BYTES",
+    "RING_MAX_PIECES",
     "LinkCost",
     "Traffic",
     "traffic",
@@ -69,10 +70,13 @@ __all__ = [
     "rabenseifner_time",
     "lower_bound_time",
     "hierarchical_time",
+    "ceil_log2",
 ]
 
 ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "rabenseifner", "hierarchical")
+#: the ring's default piece size and cap on pieces per segment (see AllreduceOptions)
 RING_PIECE_BYTES = 1 << 20
+RING_MAX_PIECES = 4
 
 
 # ----------------------------------------------------------------------------- traffic
@@ -120,7 +124,13 @@ def _idle(world_size: int) -> Traffic:
     return Traffic((0,) * world_size, (0,) * world_size)
 
 
-def ring_traffic(world_size: int, numel: int, itemsize: int = 4, piece_bytes: int = RING_PIECE_BYTES) -> Traffic:
+def ring_traffic(
+    world_size: int,
+    numel: int,
+    itemsize: int = 4,
+    piece_bytes: int = RING_PIECE_BYTES,
+    max_pieces: int = RING_MAX_PIECES,
+) -> Traffic:
     """Sends of the pipelined ring: ``2(P-1)`` steps, each segment in ``k`` pieces.
 
     Rank ``r`` sends every segment but ``r+1`` during reduce-scatter and every one
@@ -133,11 +143,12 @@ def ring_traffic(world_size: int, numel: int, itemsize: int = 4, piece_bytes: in
         numel: elements in the vector.
         itemsize: bytes per element (default: 4).
         piece_bytes: the ring's piece size (default: 1 MiB, as the implementation).
+        max_pieces: the cap on pieces per segment (default: 4, as the implementation).
     """
     _check(world_size, numel, itemsize)
     if numel == 0 or world_size == 1:
         return _idle(world_size)
-    plan = RingPlan.build(numel, world_size, max(1, piece_bytes // itemsize))
+    plan = RingPlan.build(numel, world_size, max(1, piece_bytes // itemsize), max_pieces)
     msgs, sent = [], []
     for r in range(world_size):
         m = b = 0
@@ -155,7 +166,7 @@ def ring_traffic(world_size: int, numel: int, itemsize: int = 4, piece_bytes: in
 
 def native_traffic(world_size: int, numel: int, itemsize: int = 4) -> Traffic:
     """What ``native`` charges to the stats: an unpipelined ring (the backend does not report its own)."""
-    return ring_traffic(world_size, numel, itemsize, piece_bytes=max(1, numel * itemsize))
+    return ring_traffic(world_size, numel, itemsize, piece_bytes=max(1, numel * itemsize), max_pieces=1)
 
 
 def tree_traffic(world_size: int, numel: int, itemsize: int = 4) -> Traffic:
@@ -232,6 +243,7 @@ def hierarchical_traffic(
     node_size: int | None = None,
     nodes: tuple[int, ...] | list[int] | None = None,
     piece_bytes: int = RING_PIECE_BYTES,
+    max_pieces: int = RING_MAX_PIECES,
 ) -> Traffic:
     """Tree reduce/broadcast inside each node plus a pipelined ring among the node leaders.
 
@@ -251,7 +263,7 @@ def hierarchical_traffic(
         for local, q in enumerate(members):
             msgs[q] += inner.messages[local]
             sent[q] += inner.bytes_sent[local]
-    outer = ring_traffic(len(leaders), numel, itemsize, piece_bytes)
+    outer = ring_traffic(len(leaders), numel, itemsize, piece_bytes, max_pieces)
     for local, q in enumerate(leaders):
         msgs[q] += outer.messages[local]
         sent[q] += outer.bytes_sent[local]
@@ -265,6 +277,7 @@ def traffic(
     *,
     itemsize: int = 4,
     piece_bytes: int = RING_PIECE_BYTES,
+    max_pieces: int = RING_MAX_PIECES,
     node_size: int | None = None,
     nodes: tuple[int, ...] | list[int] | None = None,
 ) -> Traffic:
@@ -275,7 +288,8 @@ def traffic(
         world_size: ranks ``P``.
         nbytes: size of the vector in bytes (a multiple of ``itemsize``).
         itemsize: bytes per element (default: 4, float32).
-        piece_bytes: the ring's piece size (ring, hierarchical).
+        piece_bytes, max_pieces: the ring's piece size and cap on pieces per
+            segment (ring, hierarchical).
         node_size, nodes: hierarchical's placement (default: one node).
 
     Returns:
@@ -285,7 +299,7 @@ def traffic(
         raise ConfigError(f"nbytes={nbytes} is not a whole number of {itemsize}-byte elements")
     numel = nbytes // max(1, itemsize)
     if algorithm == "ring":
-        return ring_traffic(world_size, numel, itemsize, piece_bytes)
+        return ring_traffic(world_size, numel, itemsize, piece_bytes, max_pieces)
     if algorithm == "native":
         return native_traffic(world_size, numel, itemsize)
     if algorithm == "tree":
@@ -298,7 +312,8 @@ def traffic(
         if node_size is None and nodes is None:
             node_size = world_size
         return hierarchical_traffic(
-            world_size, numel, itemsize, node_size=node_size, nodes=nodes, piece_bytes=piece_bytes
+            world_size, numel, itemsize, node_size=node_size, nodes=nodes, piece_bytes=piece_bytes,
+            max_pieces=max_pieces,
         )
     raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
 
@@ -417,6 +432,7 @@ def allreduce_time(
     inter: LinkCost | None = None,
     node_size: int | None = None,
     piece_bytes: int | None = None,
+    max_pieces: int = RING_MAX_PIECES,
     itemsize: int = 4,
 ) -> float:
     """Predicted time of ``algorithm`` (or ``"lower_bound"``) for ``P`` ranks and ``nbytes``.
@@ -429,6 +445,7 @@ def allreduce_time(
         node_size: hierarchical only: ranks per node (default: all in one node).
         piece_bytes: the ring's piece size; when given, alpha is charged per piece
             as the implementation sends them (default: textbook, one message per step).
+        max_pieces: the ring's cap on pieces per segment (default: 4, as the implementation).
         itemsize: bytes per element, to count pieces exactly (default: 4).
     """
     P = world_size
@@ -437,7 +454,7 @@ def allreduce_time(
     def pieces(ranks: int) -> int:
         if piece_bytes is None or ranks <= 1 or nbytes <= 0:
             return 1
-        return RingPlan.build(int(nbytes) // itemsize, ranks, max(1, piece_bytes // itemsize)).pieces
+        return RingPlan.build(int(nbytes) // itemsize, ranks, max(1, piece_bytes // itemsize), max_pieces).pieces
 
     if algorithm == "ring":
         return ring_time(P, nbytes, link, pieces(P))
