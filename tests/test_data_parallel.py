@@ -190,6 +190,25 @@ def test_unused_parameter_raises_naming_it_and_find_unused_accepts():
     m.close()
 
 
+def test_forward_overlap_after_unused_error_fails_fast_instead_of_hanging():
+    class WithSpare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(4, 2)
+            self.spare = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    net = WithSpare()
+    m = DataParallel(net, overlap="forward", optimizer=torch.optim.SGD(net.parameters(), lr=0.1), timeout_s=60)
+    with pytest.raises(UnusedParametersError):
+        m(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(UnusedParametersError, match="spare.weight"):
+        m.synchronize()  # at once, not after timeout_s
+    m.close()
+
+
 def test_no_sync_accumulates_like_plain_accumulation():
     net, ref = _mlp(), _mlp()
     model = DataParallel(net, algorithm="native")

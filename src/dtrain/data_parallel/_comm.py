@@ -104,7 +104,7 @@ class BucketReducer:
             return 0
         before = self._transport.stats.bytes_sent
         if self.compressor is not None:
-            from dtrain.compress import compressed_allreduce
+            from dtrain.compress.reduce import compressed_allreduce
 
             # shapes: the bucket's layout, so PowerSGD factors each weight matrix on its own
             compressed_allreduce(flat, self.compressor, key, self._transport, algorithm=self.algorithm, shapes=shapes)
@@ -203,6 +203,10 @@ class NativeScheduler:
             nbytes = native_bytes(self.world, self.group_rank, b.flat.numel(), b.flat.element_size())
             stats.add_comm(t0, time.perf_counter(), nbytes)
 
+    def abort(self, error: BaseException) -> None:
+        """Forget the step's handles (the backend completes them on its own)."""
+        self._works = []
+
     def close(self) -> None:
         self._works = []
 
@@ -224,7 +228,7 @@ class ThreadScheduler:
         self.timeout_s = timeout_s
         self._streams = streams
         self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._queued: list[tuple[Bucket, threading.Event, list[Any]]] = []
+        self._queued: list[tuple[Bucket, threading.Event, list[Any]]] = []  # launched, in order
         self._inline: list[Bucket] = []
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -263,7 +267,8 @@ class ThreadScheduler:
             return
         if self._thread is None:
             self._start()
-        done, out = threading.Event(), []
+        done = threading.Event()
+        out: list[Any] = []  # [t0, t1, bytes, CUDA event] once reduced
         self._queued.append((b, done, out))
         self._q.put((b, done, out, self._streams(b).produced()))
 
@@ -286,6 +291,10 @@ class ThreadScheduler:
                 raise with_step(e, step) from None
             self._streams(b).consume(finished)
             stats.add_comm(t0, t1, nbytes)
+
+    def abort(self, error: BaseException) -> None:
+        """Forget the step: buckets kept for the calling thread are dropped, queued ones finish unseen."""
+        self._queued, self._inline = [], []
 
     def close(self) -> None:
         if self._thread is not None:

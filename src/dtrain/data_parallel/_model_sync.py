@@ -78,10 +78,11 @@ def _explain(descs: Sequence[list[Entry]], ranks: Sequence[int]) -> str:
     at = [d[first] if first < len(d) else None for d in descs]
     name = next(e[1] for e in at if e is not None)
     differ = [ranks[k] for k in range(1, len(descs)) if at[k] != at[0]]
+    def renamed(e: Entry | None) -> str:
+        return "" if e is None or e[1] == name else f" named {e[1]!r}"
+
     parts = [f"rank {ranks[0]} has {_fmt(at[0])}"] + [
-        f"rank {ranks[k]} has {_fmt(at[k])}" + ("" if at[k] is None or at[k][1] == name else f" named {at[k][1]!r}")
-        for k in range(1, len(descs))
-        if at[k] != at[0]
+        f"rank {ranks[k]} has {_fmt(at[k])}{renamed(at[k])}" for k in range(1, len(descs)) if at[k] != at[0]
     ]
     return (
         f"ranks wrapped different models: first difference at {at[0][0] if at[0] else 'parameter'} {name!r}: "

@@ -147,6 +147,20 @@ class PriorityScheduler:
         if self._error is not None:
             raise self._error
 
+    def abort(self, error: BaseException) -> None:
+        """The step cannot complete (its backward failed): stop, and raise ``error`` from every later wait.
+
+        Some of the step's buckets may already have been stepped, so the
+        parameters are no longer consistent; the engine is unusable afterwards.
+        """
+        if self._error is None:
+            self._error = error
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        for ev in self._done:
+            ev.set()
+
     def close(self) -> None:
         with self._cond:
             self._stop = True

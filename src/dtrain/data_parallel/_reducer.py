@@ -48,7 +48,7 @@ class UnusedParametersError(DTrainError):
 
 
 def _queue_callback(fn: Callable[[], None]) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 class Reducer:
@@ -233,7 +233,7 @@ class Reducer:
         if self.forward_mode:
             try:
                 self._quiesce("close()")
-            except DTrainError:
+            except Exception:  # noqa: BLE001 - the failure was raised to the user already
                 pass
         for h in self._pre_hooks:
             h.remove()
@@ -327,6 +327,9 @@ class Reducer:
                 self._agree_order(self._record_order)
             if self._bucket_opt is not None:
                 self._bucket_opt.committed()
+        except BaseException as e:
+            self._sched.abort(e)  # this step's gradients are undefined; nothing of it is left pending
+            raise
         finally:
             self._reset_backward()
         self.step += 1
