@@ -5,8 +5,8 @@ tbf-shaped links), calibrate it (``dtrain bench calibrate``: ping-pong alpha/bet
 gamma, compute under contention, loop overhead), then run ``dtrain run`` (one
 torchrun node per host, c10d rendezvous on host 0) for each strategy and compare
 the median step time of the training loop (``metrics.jsonl``, after warm-up) with
-the performance model's prediction (medians over every worker's steps of
-``--rounds`` runs per strategy, taken round-robin). The planner ranks every strategy that runs on
+the performance model's prediction (the mean over every worker's steps of
+``--rounds`` runs per strategy, taken round-robin: the step time throughput sees). The planner ranks every strategy that runs on
 the cluster's processes; its first three are measured too, and the script reports
 whether its first choice is the measured fastest or within 10% of it.
 
@@ -80,7 +80,7 @@ def main() -> int:
     from dtrain.perfmodel.planner import candidates, plan
 
     print(f"torch {torch.__version__}; model cnn on digits, global batch {ns.batch}, {ns.hosts} emulated hosts, "
-          f"{ns.steps} steps (median after {ns.warmup})")  # fmt: skip
+          f"{ns.steps} steps (mean after {ns.warmup})")  # fmt: skip
     base = RunConfig(model="cnn", dataset="digits", batch_size=ns.batch, max_steps=ns.steps, epochs=1000,
                      trace=False, progress=False, workers=ns.hosts)  # fmt: skip
     model, sample, name = load_model("cnn", "digits", batch=ns.batch)
@@ -109,7 +109,7 @@ def main() -> int:
             for s in todo:
                 pred = p.find(s.label()) or plan(model, sample, spec, workers=ns.hosts, name=name,
                                                  strategies=[s]).ranked[0]  # fmt: skip
-                dt = statistics.median(times[s])
+                dt = statistics.mean(times[s])  # per-step wall time as throughput sees it
                 rows.append((s, pred.step_s, dt, pred.step_s / dt - 1, len(times[s])))
             print(f"\n{'strategy (' + bw + ')':<34}{'predicted ms':>13}{'measured ms':>12}{'error':>8}{'steps':>7}")
             for s, pr, dt, err, n in rows:

@@ -140,3 +140,13 @@ def test_bad_inputs_are_refused():
         simulate(profile(), cluster(2), Strategy("dp", 4))
     with pytest.raises(ConfigError, match="waits for no one"):
         simulate(profile(), cluster(3), Strategy("ps", 2, servers=1, consistency="backup:2"))
+
+
+@pytest.mark.parametrize("s", [Strategy("dp", 4, "ring", bucket_mb=1.0), Strategy("ps", 3, servers=1)], ids=str)
+def test_wake_latency_enters_closed_form_and_simulation_alike(s):
+    c = cluster(4, "100mbit")
+    slow_wake = ClusterSpec(nodes=4, inter=c.inter, intra=c.intra, device=Device(gamma=1e-10, host="h", wake=3e-3))
+    closed, closed_wake = predict(profile(), c, s), predict(profile(), slow_wake, s)
+    assert closed_wake.step_s > closed.step_s  # once per step, partly hidden behind backward for dp
+    assert closed_wake.step_s - closed.step_s <= 3e-3 + 1e-12
+    assert simulate(profile(), slow_wake, s, steps=6).step_s == pytest.approx(closed_wake.step_s, rel=1e-9)

@@ -11,7 +11,8 @@ own network namespace, so nothing can leak onto the machine's real network):
 * Shaping: a ``tbf`` qdisc on both ends of every veth pair, so each host has a
   full-duplex link of the given rate to a non-blocking switch (what a ring
   allreduce's bound ``2(P-1)/P * n / B`` assumes). tbf counts Ethernet headers,
-  so TCP payload tops out near 95% of the rate with the default MTU of 1500.
+  so TCP payload tops out near 95% of the rate with the default MTU of 1500. The
+  bucket holds 1 ms of traffic, so a message after idle gains at most 1 ms.
 * Latency would need ``netem``; where the kernel lacks it (as on the machines
   this was built on) :func:`up` says so instead of silently ignoring it.
 * Stragglers: ``slow={host: factor}`` is recorded in the state; the launcher
@@ -195,10 +196,11 @@ def _pick_subnet() -> str:
     raise ClusterError("no free subnet left in 10.213.0.0/16; take some clusters down")
 
 
-def _shape(ns: str, dev: str, rate_bps: float) -> None:
-    # burst: about 2 ms of traffic (at least 32 KiB so GSO segments pass whole);
+def _shape(ns: str, dev: str, rate_bps: float, mtu: int) -> None:
+    # burst: 1 ms of traffic (at least two full frames). A token bucket lets a burst through
+    # at memory speed after idle, which no real link does; 1 ms bounds that error per message.
     # queue: up to 100 ms of traffic (TCP needs room for a window, or it loses rate to drops).
-    burst = max(32 * 1024, int(rate_bps * 2e-3))
+    burst = max(2 * (mtu + 14), int(rate_bps * 1e-3))
     _ns(
         ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
         "rate", f"{rate_bps * 8:.0f}bit", "burst", str(burst), "latency", "100ms",
@@ -275,8 +277,8 @@ def up(
             _ns(sw, "ip", "link", "set", f"p{i}", "up")
             _ns(ns, "ip", "addr", "add", f"{c.address(i)}/24", "dev", IFACE)
             _ns(ns, "ip", "link", "set", IFACE, "up")
-            _shape(ns, IFACE, rate)
-            _shape(sw, f"p{i}", rate)
+            _shape(ns, IFACE, rate, mtu)
+            _shape(sw, f"p{i}", rate, mtu)
     except BaseException:
         down(name)
         raise

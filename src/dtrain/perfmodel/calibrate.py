@@ -11,15 +11,19 @@ What is measured, and how (every figure is a median over repetitions):
    level is two processes of one machine over loopback.
 2. **gamma** -- every worker at once times ``a += b`` on 4 MiB fp32 buffers:
    seconds per byte reduced, under the same contention as a real step.
-3. **compute** -- worker 0 profiles the model alone (the others wait), then all
-   workers profile it at once; ``compute_scale`` = together / alone (the hosts of
-   an emulated cluster share this machine's cores). ``flops`` = a 256x256 matmul's
-   FLOP rate on one thread.
-4. **overhead** -- the training loop of ``dtrain run`` for one worker at the
-   per-worker batch, in this process on one thread: median step time minus the
-   profile's forward+backward+optimizer is the loop's own bookkeeping per step
-   (times ``compute_scale``).
-5. **compressors** -- payload ratio and encode/decode time per byte of each spec.
+3. **compute** -- worker 0 profiles the model alone (the median pass, as the
+   planner measures), then all workers run training passes at once for a while;
+   ``compute_scale`` = their mean pass / the profile (the hosts of an emulated
+   cluster share this machine's cores, and a mean counts the passes that lost the
+   CPU). ``flops`` = a 256x256 matmul's FLOP rate on one thread.
+4. **wake** -- the same ping-pong, each message sent right after a burst of
+   computing as long as one step's compute: the extra latency over alpha is what
+   the first message of a step pays on a machine whose cores are shared (the
+   scheduler's delay; about 0 on dedicated hosts).
+5. **overhead** -- the training loop of ``dtrain run`` for one worker at the
+   per-worker batch, in this process on one thread: its mean step minus the mean
+   bare training pass is the loop's own bookkeeping per step (times ``compute_scale``).
+6. **compressors** -- payload ratio and encode/decode time per byte of each spec.
 
 The result is a cluster TOML (:mod:`dtrain.perfmodel.spec`), printed and written
 to ``--out`` (default: ``~/.cache/dtrain/cluster-NAME.toml`` for an emulated
@@ -110,7 +114,7 @@ def _pingpong(peer: int, me: int, max_rtt: float, reps: int) -> list[tuple[int, 
     while size <= 16 << 20:
         buf = torch.zeros(size // 4)
         times = []
-        n = 4 * reps if size <= 64 << 10 else reps
+        n = 12 * reps if size <= 1024 else (4 * reps if size <= 64 << 10 else reps)
         for r in range(n + 1):
             t0 = time.perf_counter()
             if me < peer:
@@ -135,29 +139,68 @@ def _pingpong(peer: int, me: int, max_rtt: float, reps: int) -> list[tuple[int, 
     return out
 
 
-def _compute_alone_and_together(model_name: str, dataset: str, batch: int, reps: int) -> dict[str, float]:
+def _wake(peer: int, me: int, burst_s: float, reps: int) -> float:
+    """Mean one-way time of a 4-byte message sent right after ``burst_s`` of computing.
+
+    On a busy machine a process that has just used its share of the CPU waits for
+    the scheduler before it runs again; the first message of every step pays that.
+    """
     import torch.distributed as dist
 
-    from dtrain.data import load_dataset
-    from dtrain.models import build_model
+    a = torch.randn(96, 96)
+    buf = torch.zeros(1)
+    times = []
+    for _ in range(reps):
+        t1 = time.perf_counter()
+        while time.perf_counter() - t1 < burst_s:
+            a @ a
+        t0 = time.perf_counter()
+        if me < peer:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+        times.append((time.perf_counter() - t0) / 2)
+    return statistics.mean(times)
+
+
+def _train_passes(model: Any, sample: Any, seconds: float) -> float:
+    """Mean wall time of forward+backward+SGD step passes run back to back for ``seconds``.
+
+    The mean over a window, not the median of a few passes: on shared cores a
+    pass that loses the CPU takes far longer, and a step pays that as often as it
+    happens.
+    """
+    from torch import nn
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    x, y = sample
+    n, t0 = 0, time.perf_counter()
+    while n < 3 or time.perf_counter() - t0 < seconds:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        n += 1
+    return (time.perf_counter() - t0) / n
+
+
+def _compute_alone_and_together(model_name: str, dataset: str, batch: int, reps: int) -> dict[str, float]:
+    """Rank 0's profile alone (median, as the planner measures) and every rank's mean pass, all at once."""
+    import torch.distributed as dist
+
+    from dtrain.perfmodel.auto import load_model
     from dtrain.perfmodel.profile import profile_model
 
-    data = load_dataset(dataset, seed=0)
-    torch.manual_seed(0)
-    model = build_model(model_name, data.input_shape, data.num_classes)
-    x, y = data.train.tensors
-    sample = (x[:batch], y[:batch])
-
-    def total() -> float:
-        p = profile_model(model, sample, name=model_name, repeats=reps, warmup=2)
-        return p.fwd_s + p.bwd_s + p.optimizer_s
-
+    model, sample, _ = load_model(model_name, dataset, batch=batch)
+    _train_passes(model, sample, 0.05)  # warm-up
     alone = 0.0
     dist.barrier()
     if dist.get_rank() == 0:
-        alone = total()
+        p = profile_model(model, sample, name=model_name, repeats=reps, warmup=2)
+        alone = p.fwd_s + p.bwd_s + p.optimizer_s
     dist.barrier()
-    together = total()
+    together = _train_passes(model, sample, 0.1 * reps)
     dist.barrier()
     return {"alone": alone, "together": together}
 
@@ -186,14 +229,17 @@ def _worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: 
 
     rank = dist.get_rank()
     reps = 3 if quick else 7
+    torch.set_num_threads(1)
     out: dict[str, Any] = {"rank": rank}
+    out.update(_compute_alone_and_together(model_name, dataset, batch, reps * 2))
     dist.barrier()
     for a, b in pairs:
         if rank in (a, b):
-            out["pingpong"] = _pingpong(b if rank == a else a, rank, 0.3 if quick else 0.6, reps)
+            peer = b if rank == a else a
+            out["pingpong"] = _pingpong(peer, rank, 0.3 if quick else 0.6, reps)
+            out["wake"] = _wake(peer, rank, out["together"], 10 * reps)
     dist.barrier()
     out["gamma"] = _gamma(reps * 3)
-    out.update(_compute_alone_and_together(model_name, dataset, batch, reps * 2))
     return out
 
 
@@ -222,33 +268,34 @@ def _flops_rate() -> float:
 
 
 def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60) -> float:
-    """Median step of the training loop (one worker, this process, one thread) minus the model's own compute.
+    """Mean step of the training loop (one worker, this process, one thread) minus the mean bare pass.
 
     The loop runs here rather than through the launcher so that it gets one
-    intra-op thread, as each worker of a job does.
+    intra-op thread, as each worker of a job does; both are means, measured one
+    right after the other, so a busy machine inflates both alike.
     """
     import json
 
     from dtrain.config import RunConfig
     from dtrain.perfmodel.auto import load_model
-    from dtrain.perfmodel.profile import profile_model
     from dtrain.train import worker_main
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model, sample, _ = load_model(model_name, dataset, batch=batch)
-        p = profile_model(model, sample, repeats=20)
-        compute_alone = p.fwd_s + p.bwd_s + p.optimizer_s
+        _train_passes(model, sample, 0.05)
+        bare = _train_passes(model, sample, 0.5)
         with tempfile.TemporaryDirectory() as d:
             cfg = RunConfig(model=model_name, dataset=dataset, workers=1, batch_size=batch, max_steps=steps,
                             epochs=1000, trace=False, progress=False, out=d, strategy="dp")  # fmt: skip
             worker_main(cfg.to_dict(), d)
             rows = [json.loads(x) for x in (Path(d) / "metrics.rank0.jsonl").read_text().splitlines() if x.strip()]
+        bare = (bare + _train_passes(model, sample, 0.5)) / 2
     finally:
         torch.set_num_threads(old)
     dts = [batch / r["samples_per_s"] for r in rows[steps // 4 :]]
-    return max(0.0, statistics.median(dts) - compute_alone)
+    return max(0.0, statistics.mean(dts) - bare)
 
 
 def _link(points: list[tuple[int, float]]) -> Link:
@@ -274,11 +321,14 @@ def _compressors(specs: Sequence[str]) -> dict[str, CompressorCost]:
 def _assemble(name: str, nodes: int, per_node: int, inter: Link | None, intra: Link, results: dict[int, Any],
               flops: float, overhead_alone: float, compressions: Sequence[str]) -> ClusterSpec:  # fmt: skip
     alone = results[0]["alone"]
-    together = statistics.median(r["together"] for r in results.values())
+    together = statistics.mean(r["together"] for r in results.values())
     scale = max(1.0, together / alone) if alone > 0 else 1.0
     gamma = statistics.median(r["gamma"] for r in results.values())
+    first = inter or intra
+    wakes = [r["wake"] for r in results.values() if "wake" in r]
+    wake = max(0.0, statistics.mean(wakes) - first.alpha) if wakes else 0.0
     device = Device(kind="cpu", flops=flops, memory=float(_memory_per_device(nodes * per_node)), gamma=gamma,
-                    compute_scale=scale, host=this_host(), overhead=overhead_alone * scale)  # fmt: skip
+                    compute_scale=scale, host=this_host(), overhead=overhead_alone * scale, wake=wake)  # fmt: skip
     return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=inter or intra, intra=intra, device=device,
                        compressors=_compressors(compressions), name=name)  # fmt: skip
 
@@ -344,7 +394,8 @@ def summary(spec: ClusterSpec) -> str:
         f"  inter: alpha {format_time(spec.inter.alpha)}, bandwidth {format_rate(spec.inter.bandwidth)}",
         f"  intra: alpha {format_time(spec.intra.alpha)}, bandwidth {format_rate(spec.intra.bandwidth)}",
         f"  device: {d.flops / 1e9:.3g} GFLOP/s (1 thread), gamma {d.gamma * 1e9:.3g} ns/byte, "
-        f"compute x{d.compute_scale:.2f} when all compute at once, loop overhead {format_time(d.overhead)}/step",
+        f"compute x{d.compute_scale:.2f} when all compute at once, loop overhead {format_time(d.overhead)}/step, "
+        f"wake {format_time(d.wake)}",
     ]
     for s, cc in spec.compressors.items():
         lines.append(f"  {s}: ratio {cc.ratio:.4g}, encode {cc.encode_s_per_byte * 1e9:.3g} ns/B, "

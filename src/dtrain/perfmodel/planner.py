@@ -31,7 +31,7 @@ from dtrain.errors import ConfigError
 from dtrain.perfmodel._units import format_bytes
 from dtrain.perfmodel.collectives import ALGORITHMS, CompressionModel
 from dtrain.perfmodel.compression import compression_model
-from dtrain.perfmodel.predict import Prediction, Strategy, predict
+from dtrain.perfmodel.predict import Prediction, Strategy, buckets_of, predict
 from dtrain.perfmodel.profile import ModelProfile, profile_model
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
 
@@ -39,7 +39,7 @@ __all__ = ["Plan", "candidates", "plan", "DEFAULT_COMPRESSIONS", "DEFAULT_CONSIS
 
 DEFAULT_COMPRESSIONS = ("fp16", "powersgd:2", "qsgd", "onebit", "topk:0.01")
 DEFAULT_CONSISTENCIES = ("bsp", "asp", "ssp:3")
-DEFAULT_BUCKETS = (1.0, 25.0)
+DEFAULT_BUCKETS = (25.0, 1.0)
 
 
 @dataclass
@@ -206,6 +206,7 @@ def plan(
     ranked: list[Prediction] = []
     rejected: list[tuple[Strategy, str]] = []
     overhead = spec.device.overhead
+    seen: set[tuple[Any, ...]] = set()
     for s in cands:
         if gbatch % s.workers:
             rejected.append((s, f"global batch {gbatch} does not split over {s.workers} workers"))
@@ -217,6 +218,12 @@ def plan(
         if b not in profiles:
             profiles[b] = profile_model(model, _batch_of(sample_batch, b), name=name, measure=measure,
                                         optimizer=optimizer)  # fmt: skip
+        if s.kind in ("dp", "ddp"):
+            # a bucket size that cuts the model into the same buckets as one already seen is the same strategy
+            key = (s.kind, s.workers, s.algorithm, s.overlap, s.compression, tuple(buckets_of(profiles[b], s.bucket_mb)))
+            if key in seen:
+                continue
+            seen.add(key)
         comp = None
         if s.compression not in ("", "none"):
             comp = comps.setdefault(s.compression, compression_model(s.compression, spec, measure=measure))

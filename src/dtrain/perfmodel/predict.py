@@ -19,7 +19,9 @@ Sergeev & Del Balso 2018):
 2. Bucket ``j`` is ready at the end of the backward of its earliest layer; one
    communication stream reduces buckets in order:
    ``start_j = max(ready_j, end_{j-1})``, ``end_j = start_j + T_allreduce(bytes_j)``
-   (plus encode/decode with a compressor).
+   (plus encode/decode with a compressor, and the cluster's ``wake`` latency on
+   the first bucket: on shared cores the first message after compute waits for
+   the scheduler).
 3. ``step = fwd + max(bwd, end_last) + optimizer + overhead``; the exposed
    communication is ``max(0, end_last - bwd)``.
    With ``overlap="forward"`` (priority scheduling, Jayarajan et al. "Priority-based
@@ -284,8 +286,9 @@ def _predict_dp(
     bwd_total = t
     end, comm_total, coding_total, sent = 0.0, 0.0, 0.0, 0.0
     bucket_end: dict[int, float] = {}
-    for nbytes, first_layer in buckets_of(prof, s.bucket_mb):
+    for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb)):
         comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp)
+        comm += c.device.wake if j == 0 else 0.0  # the step's first message waits for the scheduler
         copy = 2 * nbytes * c.device.gamma  # flatten into and out of the bucket
         dur = comm + coding + copy
         start = max(ready[first_layer], end)
@@ -305,6 +308,8 @@ def _predict_dp(
     bound = "communication" if exposed > 0.5 * compute else "compute"
     why = (f"{bound}-bound: {comm_total * 1e3:.3g} ms of allreduce, {exposed * 1e3:.3g} ms not hidden by "
            f"{bwd_total * 1e3:.3g} ms of backward")  # fmt: skip
+    if comp.kind != "dense":
+        why += f"; {coding_total * 1e3:.3g} ms to encode/decode"
     return Prediction(s, step, prof.batch * p / step, compute, comm_total + coding_total, exposed, 0.0, sent, mem, fits,
                       why, {"fwd_s": f_total, "bwd_s": bwd_total, "opt_s": opt, "coding_s": coding_total})  # fmt: skip
 
@@ -381,10 +386,11 @@ def ps_costs(prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionM
     lat = 2 * S * (c.inter.alpha if c.nodes > 1 else c.intra.alpha)  # header + payload per server and direction
     w0 = S  # a representative worker
     server_beta = c.link(0, w0).beta
+    wake = c.device.wake  # the push is the first message after compute
     return PSCosts(
-        push_all=_nic_load(c, [(w, sv, payload / S) for w in workers for sv in servers]) + lat,
+        push_all=_nic_load(c, [(w, sv, payload / S) for w in workers for sv in servers]) + lat + wake,
         pull_all=_nic_load(c, [(sv, w, n / S) for w in workers for sv in servers]) + lat,
-        push_one=_nic_load(c, [(w0, sv, payload / S) for sv in servers]) + lat,
+        push_one=_nic_load(c, [(w0, sv, payload / S) for sv in servers]) + lat + wake,
         pull_one=_nic_load(c, [(sv, w0, n / S) for sv in servers]) + lat,
         in_per_push=payload / S * server_beta,
         out_per_pull=n / S * server_beta,

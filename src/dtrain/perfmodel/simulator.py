@@ -201,9 +201,10 @@ def _simulate_sync(
     b_total = float(sum(bwd))
     algorithm = "native" if s.kind == "ddp" else s.algorithm
     buckets = []
-    for nbytes, first_layer in buckets_of(prof, s.bucket_mb) if n > 1 else []:
+    for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb) if n > 1 else []):
         comm, coding = compressed_allreduce_time(c, algorithm, nbytes, n, comp)
-        buckets.append((float(ready[first_layer]), comm + coding + 2 * nbytes * c.device.gamma))
+        wake = c.device.wake if j == 0 else 0.0  # as in predict: the step's first message
+        buckets.append((float(ready[first_layer]), comm + wake + coding + 2 * nbytes * c.device.gamma))
     if s.kind == "dp" and s.overlap == "forward" and n > 1:
         # priority scheduling: the closed form's period, compute stretched by the step's slowest worker
         base = predict(prof, c, s, comp if comp.kind != "dense" else None, overhead_s=overhead)

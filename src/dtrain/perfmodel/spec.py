@@ -19,6 +19,7 @@ by hand for clusters one does not have. Schema (every key but ``nodes`` and the
     compute_scale = 1.0    # measured compute on this cluster / measured compute alone
     host = ""              # hostname the measured profiles come from (calibration sets it)
     overhead = "0.3ms"     # per training step beyond model and communication (loop bookkeeping)
+    wake = "0us"           # first message after compute waits this long for the CPU (shared cores)
 
     [links.intra]          # device <-> device inside a node
     bandwidth = "80gbit"   # each direction (tc style, bits per second)
@@ -108,6 +109,9 @@ class Device:
         host: hostname whose measured model profiles apply to this device ("" = none).
         overhead: fixed seconds per training step beyond model and communication
             (the training loop's own bookkeeping; calibration measures it).
+        wake: extra latency of the first message after a compute phase, once per
+            step of a multi-process strategy (the scheduler's delay when cores are
+            shared; 0 on dedicated hosts; calibration measures it).
     """
 
     kind: str = "cpu"
@@ -117,8 +121,11 @@ class Device:
     compute_scale: float = 1.0
     host: str = ""
     overhead: float = 0.0
+    wake: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.wake < 0:
+            raise ConfigError(f"device wake must be >= 0 seconds, got {self.wake}")
         if self.overhead < 0:
             raise ConfigError(f"device overhead must be >= 0 seconds, got {self.overhead}")
         for name in ("flops", "memory", "compute_scale"):
@@ -229,7 +236,7 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> Cl
         raise ConfigError(f"{source}: 'nodes' is required")
     links = dict(data.get("links", {}))
     dev = dict(data.get("device", {}))
-    unknown = set(dev) - {"kind", "flops", "memory", "gamma", "compute_scale", "host", "overhead"}
+    unknown = set(dev) - {"kind", "flops", "memory", "gamma", "compute_scale", "host", "overhead", "wake"}
     if unknown:
         raise ConfigError(f"{source}: [device] has unknown key(s) {', '.join(sorted(unknown))}")
     device = Device(
@@ -240,6 +247,7 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> Cl
         compute_scale=float(dev.get("compute_scale", 1.0)),
         host=str(dev.get("host", "")),
         overhead=parse_time(dev.get("overhead", 0.0)),
+        wake=parse_time(dev.get("wake", 0.0)),
     )
     inter = _link(links.get("inter", {}), f"{source}: [links.inter]", None if int(data["nodes"]) > 1 else Link(1e9))
     intra = _link(links.get("intra", {}), f"{source}: [links.intra]", Link(parse_rate("40gbit"), 10e-6))
@@ -289,7 +297,7 @@ def dump_cluster(c: ClusterSpec, comment: str = "") -> str:
     d = c.device
     out += ["[device]", f"kind = \"{d.kind}\"", f"flops = {_num(d.flops)}", f"memory = {_num(d.memory)}",
             f"gamma = {_num(d.gamma)}", f"compute_scale = {_num(d.compute_scale)}", f"host = \"{d.host}\"",
-            f"overhead = {_num(d.overhead)}", ""]  # fmt: skip
+            f"overhead = {_num(d.overhead)}", f"wake = {_num(d.wake)}", ""]  # fmt: skip
     for name, link in (("intra", c.intra), ("inter", c.inter)):
         out += [f"[links.{name}]", f"bandwidth = {_num(link.bandwidth * 8)}  # {format_rate(link.bandwidth)}",
                 f"latency = {_num(link.latency)}", f"efficiency = {_num(link.efficiency)}", ""]  # fmt: skip
