@@ -91,6 +91,16 @@ class Compressor(abc.ABC):
     def decompress(self, payload: list[torch.Tensor], ctx: TensorMeta) -> torch.Tensor:
         """Decode a payload into a tensor of ``ctx.shape`` and ``ctx.dtype``."""
 
+    def compress_layout(
+        self, tensor: torch.Tensor, key: str, shapes: Sequence[Sequence[int]]
+    ) -> tuple[list[torch.Tensor], TensorMeta]:
+        """:meth:`compress` for a flat tensor that packs tensors of ``shapes`` back to back.
+
+        Compressors that can use the layout override it (PowerSGD factors each
+        matrix on its own); the others ignore it. :meth:`decompress` decodes either.
+        """
+        return self.compress(tensor, key)
+
     def combine(self, decoded: Sequence[torch.Tensor]) -> torch.Tensor:
         """Aggregate decoded tensors of several ranks into their average.
 
@@ -106,14 +116,20 @@ class Compressor(abc.ABC):
 
     # ------------------------------------------------------------------ wire
 
-    def to_wire(self, tensor: torch.Tensor, key: str) -> torch.Tensor:
+    def to_wire(self, tensor: torch.Tensor, key: str, shapes: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """Compress ``tensor`` and pack the payload into one 1-D ``uint8`` tensor.
 
         The buffer is self-describing (a short header gives each payload tensor's
         dtype and shape), so :meth:`from_wire` needs only the original shape and
         dtype. Its length is ``buf.numel()``; put that in your message header.
+
+        Args:
+            tensor: what to send.
+            key: names it for per-key state.
+            shapes: optional layout of a flat ``tensor`` (see :meth:`compress_layout`);
+                the receiver does not need it.
         """
-        payload, _ = self.compress(tensor, key)
+        payload, _ = self.compress(tensor, key) if shapes is None else self.compress_layout(tensor, key, shapes)
         return pack_payload(payload)
 
     def from_wire(self, buf: torch.Tensor, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -169,7 +185,7 @@ class Identity(Compressor):
 
 # ---------------------------------------------------------------------- wire format
 #
-# buf = [u8 count] + count * ([u8 dtype code][u8 ndim][ndim * i64 dim]) + concatenated raw bytes.
+# buf = [u8 count] + count * ([u8 dtype code][u8 ndim][ndim * u32 dim]) + concatenated raw bytes.
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.uint8,
@@ -207,7 +223,9 @@ def pack_payload(payload: list[torch.Tensor]) -> torch.Tensor:
         if t.dtype not in _CODE:
             raise ValueError(f"cannot put dtype {t.dtype} on the wire; supported: {list(_CODE)}")
         header += struct.pack("<BB", _CODE[t.dtype], t.dim())
-        header += struct.pack(f"<{t.dim()}q", *t.shape)
+        if any(d > 0xFFFFFFFF for d in t.shape):
+            raise ValueError(f"a payload dimension over 2**32-1 cannot go on the wire: {tuple(t.shape)}")
+        header += struct.pack(f"<{t.dim()}I", *t.shape)
     head = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     return torch.cat([head, *[_as_bytes(t) for t in payload]])
 
@@ -225,8 +243,8 @@ def unpack_payload(buf: torch.Tensor) -> list[torch.Tensor]:
     for _ in range(count):
         code, ndim = struct.unpack_from("<BB", raw, off)
         off += 2
-        dims = struct.unpack_from(f"<{ndim}q", raw, off)
-        off += 8 * ndim
+        dims = struct.unpack_from(f"<{ndim}I", raw, off)
+        off += 4 * ndim
         if code >= len(_DTYPES):
             raise ValueError(f"corrupt wire buffer: unknown dtype code {code}")
         specs.append((_DTYPES[code], tuple(int(d) for d in dims)))

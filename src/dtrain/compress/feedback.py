@@ -81,6 +81,14 @@ class ErrorFeedback(Compressor):
         self.update(key, c, self.inner.decompress(payload, ctx))
         return payload, ctx
 
+    def compress_layout(
+        self, tensor: torch.Tensor, key: str, shapes: Sequence[Sequence[int]]
+    ) -> tuple[list[torch.Tensor], TensorMeta]:
+        c = self.corrected(tensor, key)
+        payload, ctx = self.inner.compress_layout(c, key, shapes)
+        self.update(key, c, self.inner.decompress(payload, ctx))
+        return payload, ctx
+
     def decompress(self, payload: list[torch.Tensor], ctx: TensorMeta) -> torch.Tensor:
         return self.inner.decompress(payload, ctx)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -119,7 +119,52 @@ class PowerSGD(Compressor):
         self.remember_q(key, q)
         return [p, q], ctx
 
+    def compress_layout(
+        self, tensor: torch.Tensor, key: str, shapes: Sequence[Sequence[int]]
+    ) -> tuple[list[torch.Tensor], TensorMeta]:
+        """Factor each weight matrix (ndim >= 2) of a flat tensor on its own; vectors go dense.
+
+        The payload starts with an int32 table, two entries per tensor: its
+        element count and its number of rows (0 when sent dense), so the receiver
+        needs no layout. Warm starts are kept per matrix (``KEY/i``).
+        """
+        ctx = TensorMeta.of(tensor)
+        layout = [tuple(int(d) for d in s) for s in shapes]
+        flat = tensor.detach().reshape(-1).to(torch.float32)
+        if sum(math.prod(s) for s in layout) != flat.numel():
+            raise ValueError(f"shapes describe {sum(math.prod(s) for s in layout)} elements, the tensor has {flat.numel()}")
+        table: list[int] = []
+        payload: list[torch.Tensor] = []
+        off = 0
+        for i, s in enumerate(layout):
+            n = math.prod(s)
+            part = flat[off : off + n]
+            off += n
+            if len(s) >= 2 and self.compressible(s):
+                m = part.view(s[0], -1)
+                p = orthogonalize(m @ self.warm_q(f"{key}/{i}", m.shape[1]))
+                q = m.t() @ p
+                self.remember_q(f"{key}/{i}", q)
+                payload += [p, q]
+                table += [n, s[0]]
+            else:
+                payload.append(part.clone())
+                table += [n, 0]
+        return [torch.tensor(table, dtype=torch.int32), *payload], ctx
+
     def decompress(self, payload: list[torch.Tensor], ctx: TensorMeta) -> torch.Tensor:
+        if payload and payload[0].dtype == torch.int32:  # made by compress_layout
+            table = payload[0].tolist()
+            parts, k = [], 1
+            for n, rows in zip(table[0::2], table[1::2]):
+                if rows:
+                    parts.append((payload[k] @ payload[k + 1].t()).reshape(-1))
+                    k += 2
+                else:
+                    parts.append(payload[k].reshape(-1))
+                    k += 1
+            flat = torch.cat(parts) if parts else torch.zeros(0)
+            return flat.reshape(ctx.shape).to(ctx.dtype)
         if len(payload) == 1:
             return payload[0].reshape(ctx.shape).to(ctx.dtype)
         p, q = payload
