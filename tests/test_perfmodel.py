@@ -116,15 +116,18 @@ def test_bytes_per_rank_match_the_traffic_counts():
 def test_compressed_collectives():
     c = flat(4, 0.0, B, 0.0)
     half = CompressionModel("fp16", "summable", 0.5, 1e-9, 1e-9)
+    # small world: the implementation's own counts (run on threads): a ring of fp16 payloads
+    msgs, sent, cpu = compressed_traffic("fp16", 4, N // 4)
+    assert msgs == 6 and sent == pytest.approx(2 * 3 / 4 * N / 2, rel=1e-3) and cpu > 0
     comm, coding = compressed_allreduce_time(c, "ring", N, 4, half)
-    assert comm == pytest.approx(1.5 / 2) and coding == pytest.approx(N * 2e-9)
-    # quantizer, small world: the implementation's own counts (run on threads) at alpha, beta
+    assert comm == pytest.approx(sent * B) and coding == pytest.approx(cpu)
     q = CompressionModel("onebit", "quantizer", 1 / 32)
-    msgs, sent = compressed_traffic("onebit", 4, N // 4)
+    msgs, sent, _ = compressed_traffic("onebit", 4, N // 4)
     assert msgs == 12 and 2 * 3 / 4 * N / 32 <= sent <= 1.2 * 2 * 3 / 4 * N / 32  # 1 bit per element, + scales
-    assert compressed_allreduce_time(c, "ring", N, 4, q)[0] == pytest.approx(sent * B)
-    # large world: direct reduce-scatter + allgather of the payload, 2 (P-1) payload/P bytes
+    # large world: closed forms. fp16: a ring of half the bytes; quantizer: direct RS + AG of the payload
     c16 = flat(16, 0.0, B, 0.0)
+    comm, coding = compressed_allreduce_time(c16, "ring", N, 16, half)
+    assert comm == pytest.approx(2 * 15 / 16 * N / 2 * B) and coding == pytest.approx(N * 2e-9)
     assert compressed_allreduce_time(c16, "ring", N, 16, q)[0] == pytest.approx(2 * 15 * (N / 32 / 16) * B)
     dense = compressed_allreduce_time(c, "ring", N, 4, CompressionModel())
     assert dense == (allreduce_time(c, "ring", N, 4), 0.0)

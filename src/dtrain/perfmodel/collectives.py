@@ -20,12 +20,13 @@ differently, and this module charges each round on the level it crosses:
   (:func:`dtrain.comm.cost.hierarchical_time`).
 
 Compressed collectives follow :func:`dtrain.compress.compressed_allreduce`:
-summable payloads are allreduced with the chosen algorithm; PowerSGD does two
-allreduces of its factors. Quantizers (direct compressed reduce-scatter +
-allgather) and sparse compressors (the SparCML plan of :mod:`dtrain.comm.sparse`)
-cost ``m alpha + b beta`` for the ``m`` messages and ``b`` bytes one rank sends:
-counted by running the collective on threads for up to 8 ranks
-(:func:`~dtrain.perfmodel.compression.compressed_traffic`), from closed forms beyond.
+for up to 8 ranks a bucket costs ``m alpha + b beta + cpu`` for the ``m`` messages,
+``b`` bytes and ``cpu`` seconds (encode, merge, decode, bookkeeping; times the
+cluster's ``compute_scale``) of one rank, counted by running the collective once
+on threads (:func:`~dtrain.perfmodel.compression.compressed_traffic`). Beyond,
+closed forms: summable payloads are allreduced with the chosen algorithm; PowerSGD
+does two allreduces of its factors; quantizers a direct compressed reduce-scatter
++ allgather; sparse compressors the SparCML plan of :mod:`dtrain.comm.sparse`.
 """
 
 from __future__ import annotations
@@ -194,19 +195,19 @@ def compressed_allreduce_time(
         return allreduce_time(c, algorithm, nbytes, p), 0.0
     payload = comp.ratio * nbytes
     coding = nbytes * (comp.encode_s_per_byte + comp.decode_s_per_byte)
-    if comp.kind == "summable":
-        return allreduce_time(c, algorithm, payload, p), coding
-    if comp.kind == "lowrank":  # two allreduces (P then Q), each about half the payload
-        return 2 * allreduce_time(c, algorithm, payload / 2, p), coding
     d, nodes = _levels(c, p)
     link = c.intra if nodes == 1 else c.inter
     flows = d if nodes > 1 else 1
     if p <= _COUNTED_WORLD and comp.spec not in ("", "none"):
-        # small worlds: the implementation's own message and byte counts, one rank's sends in a row
+        # small worlds: the implementation's own messages, bytes and CPU time (encode, merge, decode)
         from dtrain.perfmodel.compression import compressed_traffic
 
-        msgs, sent = compressed_traffic(comp.spec, p, max(1, int(nbytes // 4)))
-        return msgs * link.alpha + sent * link.beta * flows, coding * (2 if comp.kind == "quantizer" else 1)
+        msgs, sent, cpu = compressed_traffic(comp.spec, p, max(1, int(nbytes // 4)))
+        return msgs * link.alpha + sent * link.beta * flows, cpu * c.device.compute_scale
+    if comp.kind == "summable":
+        return allreduce_time(c, algorithm, payload, p), coding
+    if comp.kind == "lowrank":  # two allreduces (P then Q), each about half the payload
+        return 2 * allreduce_time(c, algorithm, payload / 2, p), coding
     if comp.kind == "quantizer":
         # direct RS + AG of compressed chunks: 2(P-1) messages of payload/P, decode P chunks twice
         t = 2 * (p - 1) * (link.alpha + payload / p * link.beta * flows)

@@ -100,31 +100,43 @@ def compression_model(spec: str, cluster: ClusterSpec | None = None, *, measure:
 
 
 @lru_cache(maxsize=256)
-def compressed_traffic(spec: str, world: int, numel: int) -> tuple[int, int]:
-    """(messages, bytes) the busiest rank sends in one ``compressed_allreduce`` of ``numel`` floats.
+def compressed_traffic(spec: str, world: int, numel: int) -> tuple[int, int, float]:
+    """(messages, bytes, CPU seconds) of the busiest rank in one ``compressed_allreduce`` of ``numel`` floats.
 
     Counted, not modelled: the collective runs once over the in-process thread
     transport (:func:`dtrain.comm.transport.run_threads`) and the transport's
     counters are read, so the count is the implementation's own (headers, size
-    exchanges and all). Only for small worlds (``world <= 16``); callers use the
+    exchanges and all); the CPU time is each rank thread's own
+    (``time.thread_time``: encoding, merging, decoding, bookkeeping; no waiting),
+    on one intra-op thread. Only for small worlds (``world <= 16``); callers use
     closed forms beyond.
     """
+    import time
+
     from dtrain.comm.transport import run_threads
     from dtrain.compress import compressed_allreduce, from_spec
 
     if world < 2 or numel < 1:
-        return 0, 0
+        return 0, 0, 0.0
     if world > 16:
         raise ValueError("compressed_traffic counts worlds of up to 16 ranks")
 
-    def one(t: "object") -> tuple[int, int]:
+    def one(t: "object") -> tuple[int, int, float]:
         g = torch.Generator().manual_seed(int(getattr(t, "rank")))
         x = torch.randn(numel, generator=g)
         comp = from_spec(spec)
+        compressed_allreduce(x.clone(), comp, "warm", t, algorithm="ring")  # type: ignore[arg-type]
         before = t.stats.snapshot()  # type: ignore[attr-defined]
+        c0 = time.thread_time()
         compressed_allreduce(x, comp, "probe", t, algorithm="ring")  # type: ignore[arg-type]
+        cpu = time.thread_time() - c0
         d = t.stats - before  # type: ignore[attr-defined]
-        return int(d.messages), int(d.bytes_sent)
+        return int(d.messages), int(d.bytes_sent), cpu
 
-    res = run_threads(world, one, timeout=60.0)
-    return max(m for m, _ in res), max(b for _, b in res)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = run_threads(world, one, timeout=60.0)
+    finally:
+        torch.set_num_threads(old)
+    return max(m for m, _, _ in res), max(b for _, b, _ in res), max(c for _, _, c in res)
