@@ -68,6 +68,9 @@ def test_every_registered_policy_is_reachable_from_the_cli():
 def test_backup_needs_more_workers_than_backups():
     with pytest.raises(ConfigError, match="needs more than 2 workers"):
         Backup(2).start([0, 1])
+    with pytest.raises(ConfigError, match="needs more than 4 workers"):
+        parse_consistency("backup:4").check_workers(4)
+    assert parse_consistency("backup:3").check_workers(4).arg == 3
 
 
 # ---------------------------------------------------------------------- scripted schedules

@@ -153,6 +153,25 @@ def test_staleness_lr_scales_the_step():
     assert b[0][0]["consistency"] == "asp+staleness_lr"
 
 
+def test_staleness_lr_divides_each_step_by_its_staleness():
+    """Three workers push one gradient each, all computed on version 0, arriving in order 0, 1, 2:
+    staleness 0, 1, 2, so plain SGD applies g0 + g1 + g2 / 2 (staleness 0 counts as 1)."""
+    plain_sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    out = _train(1, 3, 1, consistency="asp", opt_factory=plain_sgd, staleness_lr=True,
+                 delay=lambda i, s: 0.3 * i)
+    m = _model()
+    x, y = _data(1, 3)
+    grads = []
+    for i in range(3):
+        m.zero_grad()
+        sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
+        nn.functional.cross_entropy(m(x[0, sl]), y[0, sl]).backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    expected = [p.detach() - 0.1 * (g0 + g1 + 0.5 * g2) for p, g0, g1, g2 in zip(m.parameters(), *grads)]
+    assert out[0][0]["staleness"]["hist"] == {"0": 1, "1": 1, "2": 1}
+    assert _maxdiff(out[1][1], expected) < 1e-6
+
+
 def test_gradient_budget_stops_the_workers():
     out = _train(1, 2, 50, consistency="asp", max_gradients=7)
     steps = [w[0]["steps"] for w in out[1:]]
@@ -281,6 +300,8 @@ def test_configuration_errors_come_before_anything_starts():
         ParameterServer(m, _sgd, transport=ts[0], store=store)
     with pytest.raises(ConfigError, match="store"):
         ParameterServer(_model(), _sgd, transport=ts[0])
+    with pytest.raises(ConfigError, match="backup:1 needs more than 1 workers"):
+        ParameterServer(_model(), _sgd, consistency="backup:1", transport=ts[1], store=store)
 
 
 def test_roles_are_enforced():

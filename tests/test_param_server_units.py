@@ -174,7 +174,8 @@ def test_lr_scale_is_the_linear_rule_per_update_batch():
 def test_merged_stats_and_table():
     def server(rank, hist):
         return {"role": "server", "rank": rank, "consistency": "asp", "servers": 2, "workers": 1, "updates": 4,
-                "applied": {"2": 4}, "dropped": {}, "staleness": hist_summary(Counter({int(k): v for k, v in hist.items()})),
+                "applied": {"2": 4}, "dropped": {},
+                "staleness": hist_summary(Counter({int(k): v for k, v in hist.items()})),
                 "clock_lag": hist_summary(Counter({0: 4})),
                 "bytes_in": 10, "bytes_out": 20, "busy_s": 0.5, "wall_s": 1.0, "lost": {"3": "gone"}}
 

@@ -4,7 +4,9 @@ Why not through the process group: a gloo receive that times out closes the
 group's connections (DESIGN.md), so the data path waits with a very long timeout
 and never polls. Instead every rank bumps a counter ``hb/<rank>`` in the store
 every ``interval`` seconds; a rank watching a peer declares it lost when the
-counter has not moved for ``timeout_s``. A rank that hits a fatal error writes the
+counter has not moved for ``timeout_s`` (and for at least ``timeout_s / interval``
+of the watcher's own checks, so that a stall of the watching process itself is
+not mistaken for the peer's death). A rank that hits a fatal error writes the
 reason under ``abort`` so that every other rank stops with it instead of waiting.
 
 One :class:`Liveness` per rank; the store is torch's (``TCPStore`` under torchrun,
@@ -14,6 +16,7 @@ One :class:`Liveness` per rank; the store is torch's (``TCPStore`` under torchru
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Any, Iterable
@@ -40,7 +43,11 @@ class Liveness:
         self.rank = rank
         self.timeout_s = float(timeout_s)
         self.interval_s = float(interval_s) if interval_s else min(1.0, self.timeout_s / 5)
-        self._watch: dict[int, tuple[int, float]] = {}  # peer -> (last counter, when it moved)
+        # peer -> (last counter, when it moved, this thread's checks since it moved)
+        self._watch: dict[int, tuple[int, float, int]] = {}
+        # a peer is lost only after this many of our own checks saw no beat, so that a pause
+        # of this whole process (a loaded machine) is not taken for the peer's death
+        self._min_checks = max(3, math.ceil(self.timeout_s / self.interval_s))
         self._lost: dict[int, str] = {}
         self._abort: str | None = None
         self.store_error: str | None = None
@@ -59,7 +66,7 @@ class Liveness:
         now = time.monotonic()
         with self._lock:
             for p in watch:
-                self._watch[p] = (-1, now)
+                self._watch[p] = (-1, now, 0)
         self._thread = threading.Thread(target=self._loop, name=f"ps-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
 
@@ -121,10 +128,12 @@ class Liveness:
                     with self._lock:
                         if p not in self._watch:
                             continue
-                        last, since = self._watch[p]
+                        last, since, checks = self._watch[p]
                         if count != last:
-                            self._watch[p] = (count, now)
-                        elif now - since > self.timeout_s and p not in self._lost:
+                            self._watch[p] = (count, now, 0)
+                            continue
+                        self._watch[p] = (last, since, checks + 1)
+                        if now - since > self.timeout_s and checks + 1 >= self._min_checks and p not in self._lost:
                             self._lost[p] = f"no heartbeat for {now - since:.1f}s (timeout {self.timeout_s:g}s)"
                             log.warning("rank %d: rank %d %s", self.rank, p, self._lost[p])
                 if self._abort is None and self.store.check([self._key("abort")]):

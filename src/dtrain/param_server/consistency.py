@@ -574,6 +574,11 @@ class ConsistencySpec:
     def synchronous(self) -> bool:
         return self.kind == "bsp"
 
+    def check_workers(self, workers: int) -> "ConsistencySpec":
+        """Raise :class:`ConfigError` if the policy cannot run with ``workers`` workers; returns ``self``."""
+        self.build().start(range(workers))
+        return self
+
     def build(self) -> Policy:
         """A fresh policy object (one per server)."""
         cls, takes_arg = POLICIES[self.kind]

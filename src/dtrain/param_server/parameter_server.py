@@ -131,6 +131,7 @@ class ParameterServer:
                 f"{self.world_size} processes cannot hold {servers} servers and at least one worker; "
                 f"start more processes or use fewer servers"
             )
+        self.spec.check_workers(self.num_workers)  # every rank fails alike, before any message
         self.is_server = self.rank < servers
         self.worker_index = -1 if self.is_server else self.rank - servers
         self.timeout_s = float(timeout_s)

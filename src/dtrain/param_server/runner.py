@@ -59,7 +59,7 @@ def run_process(ctx: Any) -> dict[str, Any]:
     scale = lr_scale(c.consistency, workers)
 
     def optimizer_factory(params: Any) -> torch.optim.Optimizer:
-        opt = ctx.make_optimizer(params)
+        opt: torch.optim.Optimizer = ctx.make_optimizer(params)
         for group in opt.param_groups:
             group["lr"] = group["lr"] * scale
         return opt
@@ -146,7 +146,8 @@ def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: 
             last = ps.last_step
             st = ps.stats()
             ctx.metrics.write(
-                step=step, epoch=epoch, loss=loss_v, lr=c.lr * lr_scale(c.consistency, workers), samples_per_s=len(y) / dt,
+                step=step, epoch=epoch, loss=loss_v, lr=c.lr * lr_scale(c.consistency, workers),
+                samples_per_s=len(y) / dt,
                 compute_s=dt - last["push_s"] - last["wait_s"] - last["pull_s"],
                 comm_s=last["push_s"] + last["pull_s"], wait_s=last["wait_s"],
                 bytes_sent=st["bytes_sent"] - sent_before,
@@ -211,8 +212,8 @@ def merge_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """Combine the processes' :meth:`ParameterServer.stats` into one report."""
     servers = sorted((s for s in stats if s["role"] == "server"), key=lambda s: s["rank"])
     workers = sorted((s for s in stats if s["role"] == "worker"), key=lambda s: s["rank"])
-    stale: Counter = Counter()
-    lag: Counter = Counter()
+    stale: Counter[int] = Counter()
+    lag: Counter[int] = Counter()
     lost: dict[str, str] = {}
     for s in servers:
         stale.update({int(k): v for k, v in s["staleness"]["hist"].items()})
@@ -243,7 +244,8 @@ def _n(k: int, word: str) -> str:
 def format_table(m: dict[str, Any]) -> str:
     """The end-of-run table: one row per server, one per worker."""
     lines = [
-        f"parameter server: {_n(m['servers'], 'server')}, {_n(m['workers'], 'worker')}, consistency {m['consistency']}; "
+        f"parameter server: {_n(m['servers'], 'server')}, {_n(m['workers'], 'worker')}, "
+        f"consistency {m['consistency']}; "
         f"staleness mean {m['staleness']['mean']:.2f} max {m['staleness']['max']}, "
         f"clock lag mean {m['clock_lag']['mean']:.2f} max {m['clock_lag']['max']}",
         f"{'rank':>4} {'server':<7}{'updates':>8}{'applied':>9}{'dropped':>9}{'stale':>7}{'lag':>6}"

@@ -89,10 +89,10 @@ class ServerStats:
     rank: int = 0
     updates: int = 0
     received: int = 0
-    applied: Counter = field(default_factory=Counter)
-    dropped: Counter = field(default_factory=Counter)
-    staleness: Counter = field(default_factory=Counter)
-    clock_lag: Counter = field(default_factory=Counter)
+    applied: Counter[int] = field(default_factory=Counter)
+    dropped: Counter[int] = field(default_factory=Counter)
+    staleness: Counter[int] = field(default_factory=Counter)
+    clock_lag: Counter[int] = field(default_factory=Counter)
     bytes_in: int = 0
     bytes_out: int = 0
     busy_s: float = 0.0
@@ -116,7 +116,7 @@ class ServerStats:
         }
 
 
-def hist_summary(h: Counter) -> dict[str, Any]:
+def hist_summary(h: Counter[int]) -> dict[str, Any]:
     """``{max, mean, hist}`` of an integer histogram (``hist`` keys are strings for JSON)."""
     n = sum(h.values())
     return {
@@ -168,7 +168,9 @@ class ShardServer:
         self.offsets = shard.offsets()
         self.optimizer = optimizer_factory(self.pieces)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer_factory must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+            raise TypeError(
+                f"optimizer_factory must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}"
+            )
         self.policy = policy.start(workers)
         self.workers = tuple(workers)
         self.push_c = push_compressor
@@ -332,7 +334,9 @@ class ShardServer:
         except Exception as e:  # noqa: BLE001 - any decoding failure is the sender's
             self._reject(w, f"gradient payload does not decode to {self.shard.numel} x {self.dtype}: {e}", h)
         if tuple(g.shape) != (self.shard.numel,) or g.dtype != self.dtype:
-            self._reject(w, f"gradient has shape {tuple(g.shape)} {g.dtype}, expected ({self.shard.numel},) {self.dtype}", h)
+            self._reject(
+                w, f"gradient has shape {tuple(g.shape)} {g.dtype}, expected ({self.shard.numel},) {self.dtype}", h
+            )
         return g
 
     def _reject(self, w: int, why: str, h: Header | None = None) -> None:

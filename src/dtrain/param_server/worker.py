@@ -208,7 +208,9 @@ class ShardClient:
                 if op == OP_PUSH:
                     assert grads is not None
                     flat = shard.gather(grads, self.params).to(self.dtype)
-                    buf = self.push_c.to_wire(flat, f"ps/shard{s}")
+                    # the shard's layout lets PowerSGD factor each whole weight matrix (cut pieces go as vectors)
+                    layout = [tuple(self.params[pc.index].shape) if pc.whole else (pc.numel,) for pc in shard.pieces]
+                    buf = self.push_c.to_wire(flat, f"ps/shard{s}", shapes=layout)
                     keep.append(buf)
                     h = Header(OP_PUSH, clock, self.version[s], buf.numel())
                     msg = send_message(self.t, s, h, buf)
