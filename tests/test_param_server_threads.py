@@ -17,12 +17,13 @@ from torch import nn
 from dtrain.comm.transport import ThreadTransport, run_threads
 from dtrain.compress.base import Identity
 from dtrain.errors import CommError, ConfigError, DTrainError
-from dtrain.param_server import ParameterServer, PeerLostError, ProtocolError, RunAbortedError
+from dtrain.param_server import DroppedError, ParameterServer, PeerLostError, ProtocolError, RunAbortedError
 from dtrain.param_server.protocol import OP_PULL, OP_PUSH, Header, recv_header, recv_payload, send_message
 
 torch.set_num_threads(1)
 
 IN, OUT, PER_WORKER = 8, 4, 4
+FAULT_TIMEOUT = 2.0  # heartbeats of threads of one loaded process can stall for a second
 
 
 _RNG = threading.Lock()  # ranks are threads: seeding the global generator must not interleave
@@ -197,7 +198,8 @@ def _hang_after(n, spec):
     def fn(t, m, store):
         if t.rank != t.world_size - 1:
             return None
-        ps = ParameterServer(m, _sgd, servers=1, consistency=spec, transport=t, store=store, timeout_s=0.8)
+        ps = ParameterServer(m, _sgd, servers=1, consistency=spec, transport=t, store=store,
+                             timeout_s=FAULT_TIMEOUT)
         x, y = _data(n, 1)
         for s in range(n):
             nn.functional.cross_entropy(m(x[s]), y[s]).backward()
@@ -211,8 +213,8 @@ def _hang_after(n, spec):
 
 def test_hung_worker_is_dropped_after_the_timeout_under_asp(caplog):
     with caplog.at_level(logging.WARNING, logger="dtrain.param_server"):
-        out = _train(1, 3, 12, consistency="asp", timeout_s=0.8, worker_fn=_hang_after(3, "asp"),
-                     delay=lambda i, s: 0.15)
+        out = _train(1, 3, 12, consistency="asp", timeout_s=FAULT_TIMEOUT, worker_fn=_hang_after(3, "asp"),
+                     delay=lambda i, s: 0.05)
     server = out[0][0]
     assert list(server["lost"]) == ["3"] and "no heartbeat" in server["lost"]["3"]
     assert out[3] == "hung"
@@ -221,9 +223,36 @@ def test_hung_worker_is_dropped_after_the_timeout_under_asp(caplog):
     assert any("dropping worker rank 3" in r.getMessage() for r in caplog.records)
 
 
+def test_a_dropped_worker_that_comes_back_is_told_and_the_run_goes_on():
+    """The last worker stalls past the timeout (no heartbeat), is dropped, then pushes again:
+    it gets DroppedError, and the others finish normally."""
+
+    def fn(t, m, store):
+        if t.rank != t.world_size - 1:
+            return None
+        ps = ParameterServer(m, _sgd, servers=1, consistency="asp", transport=t, store=store,
+                             timeout_s=FAULT_TIMEOUT)
+        x, y = _data(3, 1)
+        for s in range(2):
+            nn.functional.cross_entropy(m(x[s]), y[s]).backward()
+            ps.step()
+        ps._live.stop()
+        time.sleep(2.2 * FAULT_TIMEOUT)  # a stall: the server drops it
+        nn.functional.cross_entropy(m(x[2]), y[2]).backward()
+        with pytest.raises(DroppedError, match="server rank 0 dropped this worker"):
+            ps.step()
+        return "dropped"
+
+    # the others outlast the stall, so the server is still serving when it comes back
+    out = _train(1, 3, 25, consistency="asp", timeout_s=FAULT_TIMEOUT, worker_fn=fn, delay=lambda i, s: 0.25)
+    assert out[3] == "dropped"
+    assert list(out[0][0]["lost"]) == ["3"]
+    assert [w[0]["steps"] for w in out[1:3]] == [25, 25]
+
+
 def test_hung_worker_stops_a_bsp_run_with_its_name():
     with pytest.raises((PeerLostError, RunAbortedError), match="worker rank 3 was lost"):
-        _train(1, 3, 8, consistency="bsp", timeout_s=0.8, worker_fn=_hang_after(2, "bsp"))
+        _train(1, 3, 8, consistency="bsp", timeout_s=FAULT_TIMEOUT, worker_fn=_hang_after(2, "bsp"))
 
 
 def _rogue(kind):
@@ -333,12 +362,13 @@ def test_a_hung_server_stops_the_workers_with_its_name():
 
     def rank_fn(t):
         if t.rank == 1:
-            ps = ParameterServer(_model(), _sgd, servers=2, consistency="asp", transport=t, store=store, timeout_s=0.8)
+            ps = ParameterServer(_model(), _sgd, servers=2, consistency="asp", transport=t, store=store,
+                                 timeout_s=FAULT_TIMEOUT)
             ps._live.stop()
             return "hung"
         with pytest.raises(CommError) as ei:
             ps = ParameterServer(_model(), _sgd, servers=2, consistency="asp", transport=t, store=store,
-                                 timeout_s=0.8)
+                                 timeout_s=FAULT_TIMEOUT)
             ps.serve()
         return ei.value
 

@@ -21,7 +21,7 @@ from dtrain.param_server.consistency import (
     parse_consistency,
 )
 from dtrain.param_server.parameter_server import ParameterServer
-from dtrain.param_server.protocol import PeerLostError, ProtocolError, RunAbortedError
+from dtrain.param_server.protocol import DroppedError, PeerLostError, ProtocolError, RunAbortedError
 from dtrain.param_server.sharding import Piece, Shard, plan_shards
 
 __all__ = [
@@ -42,4 +42,5 @@ __all__ = [
     "ProtocolError",
     "PeerLostError",
     "RunAbortedError",
+    "DroppedError",
 ]

@@ -31,6 +31,9 @@ Conversation of one worker with one server::
     ...
     FINISH(clock c)        ->
                            <-       BYE(final version) + payload   (once every worker is done)
+
+A worker the server has dropped (declared lost, yet it speaks again) gets
+``DROPPED`` (no payload) and stops alone, without stopping the run.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ __all__ = [
     "OP_FINISH",
     "OP_PARAMS",
     "OP_BYE",
+    "OP_DROPPED",
     "OP_NAMES",
     "FLAG_STOP",
     "TAG_HEADER",
@@ -59,6 +63,7 @@ __all__ = [
     "ProtocolError",
     "PeerLostError",
     "RunAbortedError",
+    "DroppedError",
     "send_message",
     "recv_header",
     "recv_payload",
@@ -73,9 +78,11 @@ OP_PUSH = 2
 OP_FINISH = 3
 OP_PARAMS = 16
 OP_BYE = 17
-OP_NAMES = {OP_PULL: "pull", OP_PUSH: "push", OP_FINISH: "finish", OP_PARAMS: "params", OP_BYE: "bye"}
+OP_DROPPED = 18
+OP_NAMES = {OP_PULL: "pull", OP_PUSH: "push", OP_FINISH: "finish", OP_PARAMS: "params", OP_BYE: "bye",
+            OP_DROPPED: "dropped"}
 WORKER_OPS = (OP_PULL, OP_PUSH, OP_FINISH)
-SERVER_OPS = (OP_PARAMS, OP_BYE)
+SERVER_OPS = (OP_PARAMS, OP_BYE, OP_DROPPED)
 
 FLAG_STOP = 1
 
@@ -96,6 +103,10 @@ class PeerLostError(CommError):
 
 class RunAbortedError(CommError):
     """Another rank stopped the run; the message says which and why."""
+
+
+class DroppedError(CommError):
+    """This worker was declared lost (e.g. it stalled past the timeout) and the run went on without it."""
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from dtrain.param_server.consistency import Action, Apply, Drop, Policy, PolicyV
 from dtrain.param_server.protocol import (
     FLAG_STOP,
     OP_BYE,
+    OP_DROPPED,
     OP_FINISH,
     OP_PARAMS,
     OP_PULL,
@@ -291,6 +292,10 @@ class ShardServer:
 
     def _handle(self, ev: tuple[Any, ...]) -> None:
         kind, w = ev[0], ev[1]
+        if w in self._lost:  # declared lost but alive after all: tell it, once per message, and go on
+            if kind == "msg":
+                self._send_header(w, Header(OP_DROPPED, ev[2].clock, self.policy.version))
+            return
         if kind == "lost":
             if w in self._remaining():
                 self._worker_lost(w, ev[2])
@@ -426,6 +431,13 @@ class ShardServer:
                 self._works.append((w, work))
         except CommError as e:
             self._inbox.put(("lost", w, f"send failed ({brief(e)})"))
+
+    def _send_header(self, w: int, h: Header) -> None:
+        try:
+            for work in send_message(self.t, w, h):
+                self._works.append((w, work))
+        except CommError:
+            pass  # it is gone for good
 
     def _flush_sends(self) -> None:
         works, self._works = self._works, []

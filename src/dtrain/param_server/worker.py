@@ -39,11 +39,13 @@ from dtrain.param_server._liveness import Liveness
 from dtrain.param_server.protocol import (
     FLAG_STOP,
     OP_BYE,
+    OP_DROPPED,
     OP_FINISH,
     OP_PARAMS,
     OP_PULL,
     OP_PUSH,
     SERVER_OPS,
+    DroppedError,
     Header,
     PeerLostError,
     ProtocolError,
@@ -188,7 +190,7 @@ class ShardClient:
         try:
             return fn()
         except Exception as e:
-            if not isinstance(e, RunAbortedError):
+            if not isinstance(e, (RunAbortedError, DroppedError)):
                 self.live.abort(f"worker rank {self.rank} stopped: {e}")
             self._stop.set()
             self.live.stop()
@@ -256,6 +258,9 @@ class ShardClient:
                     if reason:  # the server stopped on purpose and said why
                         raise RunAbortedError(self.rank, what, f"run aborted: {reason}", step=clock)
                     raise PeerLostError(self.rank, what, f"server rank {s} is gone: {ev[2]}", peer=s, step=clock)
+                if kind == "dropped":
+                    raise DroppedError(self.rank, what, f"server rank {s} dropped this worker (it was declared lost); "
+                                       "the run goes on without it", peer=s, step=clock)
                 if kind == "bad":
                     raise ProtocolError(self.rank, what, f"rejected message from server rank {s}: {ev[2]}",
                                         peer=s, step=clock)
@@ -293,6 +298,9 @@ class ShardClient:
                 return
             try:
                 h = Header.decode(raw, allowed=SERVER_OPS)
+                if h.op == OP_DROPPED:
+                    self._inbox.put(("dropped", s))
+                    return
                 if h.nbytes <= 0:
                     raise ValueError("a parameter reply without payload")
                 buf = recv_payload(self.t, s, h.nbytes)
