@@ -213,13 +213,13 @@ def _table(res: dict[str, Any], cfg: BenchConfig) -> str:
     P = res["world_size"]
     link = LinkCost(res["alpha"], res["beta"], res["gamma"])
     native = {r["bytes"]: r["time_s"] for r in res["rows"] if r["algorithm"] == "native"}
-    bw = (lambda b: f"{1 / b / 1e9:.2f} GB/s") if res["beta"] > 0 else (lambda b: "inf")
+    bw = f"{1 / res['beta'] / 1e9:.2f} GB/s" if res["beta"] > 0 else "inf GB/s"
     lines = [
         f"dtrain bench allreduce: torch {res['torch']}, backend {res['backend']}, world size {P}, "
         f"{res['threads']} intra-op thread(s)/worker, float32, ring piece {format_size(cfg.piece_bytes)} "
         f"(<= {cfg.max_pieces}/segment), window {cfg.window}, node_size {cfg.node_size or 'LOCAL_WORLD_SIZE'}",
         f"alpha-beta fit (ping-pong rank 0<->1): alpha {res['alpha'] * 1e6:.1f} us, beta {res['beta'] * 1e9:.3f} ns/B "
-        f"({bw(res['beta'])}); gamma (local add) {res['gamma'] * 1e9:.3f} ns/B",
+        f"({bw}); gamma (local add) {res['gamma'] * 1e9:.3f} ns/B",
         f"median of {cfg.iters} timed runs after {cfg.warmup} warm-up; time = slowest rank; "
         "busbw = algbw*2(P-1)/P; vs_native = busbw / native busbw",
         "",

@@ -222,24 +222,26 @@ def _ring(t: Transport, flat: torch.Tensor, op: str, opts: AllreduceOptions) -> 
                 if not free:
                     break
                 buf = free.pop()
-                view = views[pkey]
-                assert view is not None
-                inflight.append((post_recv(t, buf[: view.numel()], left, ps * k + pkey % k), buf))
+                target = views[pkey]
+                assert target is not None
+                inflight.append((post_recv(t, buf[: target.numel()], left, ps * k + pkey % k), buf))
             else:
                 if pkey not in sent:
                     break
                 old = pending.pop(pkey, None)
                 if old is not None:
                     old.wait()
-                inflight.append((post_recv(t, views[pkey], left, ps * k + pkey % k), None))  # type: ignore[arg-type]
+                into = views[pkey]
+                assert into is not None
+                inflight.append((post_recv(t, into, left, ps * k + pkey % k), None))
             nxt += 1
-        work, buf = inflight.popleft()
+        work, scratch = inflight.popleft()
         work.wait()
-        if buf is not None:
-            view = views[key]
-            assert view is not None
-            combine(view, buf[: view.numel()], op)
-            free.append(buf)
+        if scratch is not None:
+            acc = views[key]
+            assert acc is not None
+            combine(acc, scratch[: acc.numel()], op)
+            free.append(scratch)
         if s < steps - 1:
             send(s + 1, key)
     for work in pending.values():
