@@ -163,6 +163,19 @@ def _ring_bytes(model: nn.Module, world: int) -> int:
     return int(2 * (world - 1) / world * n) if world > 1 else 0
 
 
+def _write_dp_row(ctx: TrainContext, row: dict[str, Any], st: dict[str, Any] | None, model: nn.Module,
+                  world: int) -> None:
+    """Complete a step's metrics with the engine's figures (DDP reports none: ring bytes, nulls)."""
+    dt = row.pop("step_s")
+    if st is None:
+        row.update(compute_s=dt, comm_s=None, wait_s=None, bytes_sent=_ring_bytes(model, world))
+    else:
+        wait_s = float(st.get("wait_s", 0.0))
+        row.update(compute_s=float(st.get("compute_s", dt - wait_s)), comm_s=st.get("comm_s"), wait_s=wait_s,
+                   bytes_sent=int(st.get("bytes_sent", 0)))
+    ctx.metrics.write(**row)
+
+
 def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
     """Synchronous data parallelism: dtrain.DataParallel (``dp``) or torch DDP (``ddp``)."""
     c, rank, world = ctx.cfg, ctx.rank, ctx.world_size
@@ -176,6 +189,7 @@ def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
     bar = ctx.progress(total, rank == 0)
     slow = ctx.straggler_factor()
     step, samples, losses, history = 0, 0, [], []
+    pending: dict[str, Any] | None = None
     t_start = time.perf_counter()
     eval_s = 0.0
     for epoch in range(c.epochs):
@@ -196,21 +210,21 @@ def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
                     with ctx.tracer.span("optimizer"):
                         optimizer.step()
             dt = time.perf_counter() - t0
-            st = stats_fn() if stats_fn else {}
-            wait_s = float(st.get("wait_s", 0.0))
-            row = dict(
-                step=step, epoch=epoch, loss=float(loss), lr=optimizer.param_groups[0]["lr"],
-                samples_per_s=len(y) * world / dt, compute_s=dt - wait_s,
-                comm_s=st.get("comm_s"), wait_s=wait_s if stats_fn else None,
-                bytes_sent=int(st.get("bytes_sent", _ring_bytes(model, world))),
-            )
-            ctx.metrics.write(**row)
-            losses.append(float(loss))
+            row = dict(step=step, epoch=epoch, loss=float(loss.detach()), lr=optimizer.param_groups[0]["lr"],
+                       samples_per_s=len(y) * world / dt, step_s=dt)
+            if steps_in_optimizer:
+                # this step's buckets finish during the next forward: its figures come one step later
+                if pending is not None:
+                    _write_dp_row(ctx, pending, stats_fn(), model, world)
+                pending = row
+            else:
+                _write_dp_row(ctx, row, stats_fn() if stats_fn else None, model, world)
+            losses.append(row["loss"])
             samples += len(y) * world
             step += 1
             bar.update(1)
             if step % 10 == 0:
-                bar.set_postfix(loss=f"{float(loss):.3f}")
+                bar.set_postfix(loss=f"{row['loss']:.3f}")
         if rank == 0:
             te = time.perf_counter()
             if steps_in_optimizer and hasattr(wrapped, "synchronize"):
@@ -223,6 +237,8 @@ def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
             break
     if steps_in_optimizer and hasattr(wrapped, "synchronize"):
         wrapped.synchronize()
+        if pending is not None:
+            _write_dp_row(ctx, pending, stats_fn(), model, world)
     train_s = time.perf_counter() - t_start - eval_s
     bar.close()
     out: dict[str, Any] = dict(

@@ -128,7 +128,7 @@ class _TorchWork:
             ok = self._work.wait(timeout=datetime.timedelta(seconds=self._t.timeout))
         except RuntimeError as e:  # gloo raises on timeout or a closed peer
             msg = str(e)
-            cls = CommTimeoutError if "imeout" in msg or "timed out" in msg else CommError
+            cls = CommTimeoutError if "timeout" in msg.lower() or "timed out" in msg.lower() else CommError
             raise cls(self._t.rank, self._op, msg.splitlines()[0][:300], peer=self._peer) from e
         if ok is False:
             raise CommTimeoutError(
