@@ -3,14 +3,14 @@
 :func:`compressed_allreduce` is what :class:`dtrain.DataParallel` calls per bucket.
 It picks the collective from what the compressor is:
 
-=====================  =========================================================  ===========================
+=====================  =========================================================  =====================================
 compressor             collective                                                 bytes per rank (n elements)
-=====================  =========================================================  ===========================
+=====================  =========================================================  =====================================
 summable (none, fp16)  allreduce of the payload (ring by default), decode, / P     ``2 (P-1)/P * payload``
-PowerSGD               allreduce of P, orthogonalise, allreduce of Q (two rounds)  ``2 (P-1)/P * 4 (rows+cols) r``
+PowerSGD               allreduce of Ps, orthogonalise, allreduce of Qs, vectors   ``2 (P-1)/P * 4 sum (rows+cols) r``
 sparse (topk, ...)     :func:`dtrain.comm.sparse.sparse_allreduce` of the pairs    see that module
 quantizers             compressed reduce-scatter + compressed allgather            ``2 (P-1)/P * payload``
-=====================  =========================================================  ===========================
+=====================  =========================================================  =====================================
 
 The quantizers' collective (as in 1-bit SGD's and 1-bit Adam's implementations):
 
