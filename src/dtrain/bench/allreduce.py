@@ -8,9 +8,10 @@ Usage::
 
 What it does, in the launched workers (``dtrain.launch.launch``):
 
-1. Fits the alpha-beta model to a ping-pong between ranks 0 and 1 (median
-   one-way time over several sizes, least squares ``t = alpha + beta·n``) and
-   measures gamma as this machine's rate of in-place float32 addition.
+1. Fits the alpha-beta model to a ping-pong between ranks 0 and 1 (alpha: the
+   median one-way time of 4 bytes; beta: the least-squares slope of the median
+   one-way times of 64 KiB .. 4 MiB above alpha) and measures gamma as this
+   machine's rate of in-place float32 addition.
 2. For each size: ``warmup`` untimed rounds, then ``iters`` timed rounds; a
    round runs every algorithm once (round robin, so drifting machine load hits
    all alike), each started after a barrier from the same input. A run's time
@@ -103,7 +104,12 @@ class BenchConfig:
 
 
 def _pingpong_fit(rank: int, reps: int = 15) -> tuple[float, float]:
-    """Least-squares ``t = alpha + beta·n`` over median one-way times between ranks 0 and 1."""
+    """Alpha and beta from median one-way ping-pong times between ranks 0 and 1.
+
+    alpha is the one-way time of a 4-byte message; beta the least-squares slope,
+    through that intercept, of the larger messages (64 KiB .. 4 MiB) -- more
+    robust on a loaded machine than a free two-parameter fit.
+    """
     import torch
     import torch.distributed as dist
 
@@ -126,12 +132,9 @@ def _pingpong_fit(rank: int, reps: int = 15) -> tuple[float, float]:
             points.append((nbytes, statistics.median(times)))
     if rank != 0:
         return 0.0, 0.0
-    n = len(points)
-    mx = sum(p[0] for p in points) / n
-    my = sum(p[1] for p in points) / n
-    sxx = sum((p[0] - mx) ** 2 for p in points)
-    beta = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in points) / sxx)
-    alpha = max(0.0, my - beta * mx)
+    alpha = points[0][1]
+    big = [(n, t - alpha) for n, t in points if n >= 64 << 10]
+    beta = max(0.0, sum(n * t for n, t in big) / sum(n * n for n, _ in big))
     return alpha, beta
 
 
