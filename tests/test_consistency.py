@@ -365,3 +365,16 @@ def test_ssp_bounds_waiting_between_bsp_and_asp():
     waits = {s: simulate(SSP(s), slow, range(3), 12).wait[1] for s in (0, 2, 100)}
     assert waits[0] > waits[2] > waits[100] == 0.0
     assert simulate(SSP(0), slow, range(3), 12).time == simulate(BSP(), slow, range(3), 12).time
+
+
+@pytest.mark.parametrize("s", [0, 1, 3])
+@pytest.mark.parametrize("workers", [2, 4])
+def test_ssp_staleness_in_updates_stays_within_2s_plus_1_times_the_others(s, workers):
+    """SSP bounds the clock lag by s; in updates, a gradient can miss at most (2s + 1) pushes of
+    each other worker (they may be s behind at the read and s + 1 ahead at the apply)."""
+    for seed in range(10):
+        rng = random.Random(seed)
+        speed = {w: rng.choice([1, 2, 5, 10]) for w in range(workers)}
+        r = simulate(SSP(s), lambda w, c: speed[w] * rng.uniform(0.5, 1.5), range(workers), 25)
+        assert max(max(a.staleness) for a in r.applies) <= (2 * s + 1) * (workers - 1)
+        assert max(x.clock_lag for x in r.releases) <= s
