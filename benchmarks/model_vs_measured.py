@@ -5,8 +5,10 @@ tbf-shaped links), calibrate it (``dtrain bench calibrate``: ping-pong alpha/bet
 gamma, compute under contention, loop overhead), then run ``dtrain run`` (one
 torchrun node per host, c10d rendezvous on host 0) for each strategy and compare
 the median step time of the training loop (``metrics.jsonl``, after warm-up) with
-the performance model's prediction (the mean over every worker's steps of
-``--rounds`` runs per strategy, taken round-robin: the step time throughput sees). The planner ranks every strategy that runs on
+the performance model's prediction: per round, the load-dependent terms are
+re-measured (``refresh_load``: latency, wake, compute scale; ~10 s), every
+strategy is predicted and then run once; the table compares the means over
+``--rounds`` rounds of the predictions and of the measured mean step times. The planner ranks every strategy that runs on
 the cluster's processes; its first three are measured too, and the script reports
 whether its first choice is the measured fastest or within 10% of it.
 
@@ -76,7 +78,7 @@ def main() -> int:
     import dtrain.cluster as dc
     from dtrain.config import RunConfig
     from dtrain.perfmodel.auto import load_model
-    from dtrain.perfmodel.calibrate import calibrate_cluster, summary
+    from dtrain.perfmodel.calibrate import calibrate_cluster, refresh_load, summary
     from dtrain.perfmodel.planner import candidates, plan
 
     print(f"torch {torch.__version__}; model cnn on digits, global batch {ns.batch}, {ns.hosts} emulated hosts, "
@@ -93,25 +95,32 @@ def main() -> int:
             spec = calibrate_cluster(cname, model="cnn", dataset="digits", batch=ns.batch, quick=True)
             print(f"\n=== {bw}: calibration\n{summary(spec)}")
             runnable = [s for s in candidates(spec, ns.hosts, single=False) if s.processes == ns.hosts]
-            p = plan(model, sample, spec, workers=ns.hosts, name=name, strategies=runnable)
+            # the load of a shared machine moves latency and compute from minute to minute: each round
+            # re-measures them (refresh_load, ~10 s) and predicts with what it found, before running
+            spec_r = refresh_load(spec, cname, batch=ns.batch)
+            p = plan(model, sample, spec_r, workers=ns.hosts, name=name, strategies=runnable)
             print(p.table(top=8))
             todo = list(DEFAULT_STRATEGIES)
             for pred in p.ranked[: ns.top]:
                 if pred.strategy not in todo:
                     todo.append(pred.strategy)
-            # rounds interleave the strategies, so a change in the machine's load hits all of them alike
             times: dict[Strategy, list[float]] = {s: [] for s in todo}
-            for _ in range(ns.rounds):
+            preds: dict[Strategy, list[float]] = {s: [] for s in todo}
+            for r in range(ns.rounds):
+                if r:
+                    spec_r = refresh_load(spec, cname, batch=ns.batch)
+                pr = plan(model, sample, spec_r, workers=ns.hosts, name=name, strategies=todo)
+                print(f"round {r}: {summary(spec_r).splitlines()[1].strip()}; {summary(spec_r).splitlines()[3].strip()}")
                 for s in todo:
                     cfg = replace(base.replace(**s.overrides()), cluster=cname)
-                    times[s] += measure(cfg, cname, ns.warmup)
+                    times[s].append(statistics.mean(measure(cfg, cname, ns.warmup)))
+                    found = pr.find(s.label())
+                    preds[s].append(found.step_s if found else float("nan"))
             rows = []
             for s in todo:
-                pred = p.find(s.label()) or plan(model, sample, spec, workers=ns.hosts, name=name,
-                                                 strategies=[s]).ranked[0]  # fmt: skip
-                dt = statistics.mean(times[s])  # per-step wall time as throughput sees it
-                rows.append((s, pred.step_s, dt, pred.step_s / dt - 1, len(times[s])))
-            print(f"\n{'strategy (' + bw + ')':<34}{'predicted ms':>13}{'measured ms':>12}{'error':>8}{'steps':>7}")
+                dt, pred = statistics.mean(times[s]), statistics.mean(preds[s])
+                rows.append((s, pred, dt, pred / dt - 1, ns.rounds))
+            print(f"\n{'strategy (' + bw + ')':<34}{'predicted ms':>13}{'measured ms':>12}{'error':>8}{'rounds':>7}")
             for s, pr, dt, err, n in rows:
                 print(f"{s.label():<34}{pr * 1e3:>13.3f}{dt * 1e3:>12.3f}{err:>+8.1%}{n:>7}")
             worst = max(worst, max(abs(r[3]) for r in rows))

@@ -43,6 +43,7 @@ def main(path: str, script: str = "") -> int:
         local_addr=p["local_addr"],
         env=p["env"],
     )
+    out: tuple[bool, object]
     try:
         out = (True, launch(p["fn"], p["args"], nprocs=p["nprocs"], node=node, threads=p["threads"], run_id=p["run_id"]))
     except Exception as e:  # noqa: BLE001 - reported to the parent

@@ -6,7 +6,9 @@ What is measured, and how (every figure is a median over repetitions):
    once (as in a collective step), over message sizes from 4 B upward (growing 4x
    until a round trip takes ~0.3 s or 16 MiB); one-way time = mean round trip / 2;
    then ``t = alpha + n * beta``: alpha from the small messages, beta a
-   least-squares slope over the large ones (:func:`fit_alpha_beta`). The inter level
+   least-squares slope over the large ones (:func:`fit_alpha_beta`). The
+   backend's own per-step latency (``native_latency``) is a 4-byte native
+   allreduce's time over its ``2(P-1)`` steps. The inter level
    is rank 0 <-> rank 1 on different hosts of an emulated cluster; the intra
    level is two processes of one machine over loopback.
 2. **gamma** -- every worker at once times ``a += b`` on 4 MiB fp32 buffers:
@@ -49,8 +51,8 @@ from dtrain.errors import DTrainError
 from dtrain.perfmodel._units import format_rate, format_time
 from dtrain.perfmodel.spec import ClusterSpec, CompressorCost, Device, Link, dump_cluster, load_cluster, this_host
 
-__all__ = ["main", "fit_alpha_beta", "calibrate_cluster", "calibrate_local", "local_cluster", "cache_dir",
-           "cluster_file"]  # fmt: skip
+__all__ = ["main", "fit_alpha_beta", "calibrate_cluster", "refresh_load", "calibrate_local", "local_cluster",
+           "cache_dir", "cluster_file"]  # fmt: skip
 
 _CAL_COMPRESSIONS = ("fp16", "powersgd:2", "qsgd", "onebit", "topk:0.01")
 
@@ -100,7 +102,7 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *, small: flo
 # ---------------------------------------------------------------------- worker side
 
 
-def _pingpong(peer: int, me: int, max_rtt: float, reps: int) -> list[tuple[int, float]]:
+def _pingpong(peer: int, me: int, max_rtt: float, reps: int, max_size: int = 16 << 20) -> list[tuple[int, float]]:
     """(bytes, mean one-way seconds) per message size, growing 4x from 4 B.
 
     The mean, not the median: a step pays every message's latency, so the
@@ -111,7 +113,7 @@ def _pingpong(peer: int, me: int, max_rtt: float, reps: int) -> list[tuple[int, 
 
     out = []
     size = 4
-    while size <= 16 << 20:
+    while size <= max_size:
         buf = torch.zeros(size // 4)
         times = []
         n = 12 * reps if size <= 1024 else (4 * reps if size <= 64 << 10 else reps)
@@ -128,7 +130,7 @@ def _pingpong(peer: int, me: int, max_rtt: float, reps: int) -> list[tuple[int, 
         one_way = statistics.mean(times)
         out.append((size, one_way))
         # both sides must agree to go on: the initiator decides and tells the peer
-        flag = torch.tensor([1.0 if 2 * one_way < max_rtt and size < 16 << 20 else 0.0])
+        flag = torch.tensor([1.0 if 2 * one_way < max_rtt and size < max_size else 0.0])
         if me < peer:
             dist.send(flag, peer)
         else:
@@ -219,11 +221,13 @@ def _gamma(reps: int) -> float:
     return statistics.median(times) / (a.numel() * 4)
 
 
-def _worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: int, quick: bool) -> dict[str, Any]:
+def _worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: int, quick: bool,
+            small_only: bool = False) -> dict[str, Any]:  # fmt: skip
     """One process of a calibration job: ping-pong in its pair (all pairs at once), gamma, compute.
 
     All pairs run together so that the measurement sees the contention of a
-    collective step, where every rank communicates at once.
+    collective step, where every rank communicates at once. ``small_only`` stops
+    the ping-pong at 1 KiB (latency only, for :func:`refresh_load`).
     """
     import torch.distributed as dist
 
@@ -236,11 +240,27 @@ def _worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: 
     for a, b in pairs:
         if rank in (a, b):
             peer = b if rank == a else a
-            out["pingpong"] = _pingpong(peer, rank, 0.3 if quick else 0.6, reps)
+            out["pingpong"] = _pingpong(peer, rank, 0.3 if quick else 0.6, reps, 1024 if small_only else 16 << 20)
             out["wake"] = _wake(peer, rank, out["together"], 10 * reps)
     dist.barrier()
+    out["native"] = _native_small(10 * reps)
     out["gamma"] = _gamma(reps * 3)
     return out
+
+
+def _native_small(reps: int) -> float:
+    """Mean seconds of the backend's own allreduce of 4 bytes (its per-step latency, times ``2(P-1)``)."""
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - t0)
+    return statistics.mean(times)
 
 
 def _pairs(world: int) -> list[tuple[int, int]]:
@@ -298,6 +318,11 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60) -
     return max(0.0, statistics.mean(dts) - bare)
 
 
+def _native_alpha(results: dict[int, Any], world: int) -> float:
+    """Per-step latency of the backend's ring: a tiny allreduce's time over its ``2(P-1)`` steps."""
+    return statistics.mean(r["native"] for r in results.values()) / max(1, 2 * (world - 1))
+
+
 def _link(points: list[tuple[int, float]]) -> Link:
     """Fit one level from (size, one-way time) points (several pairs' points may be pooled)."""
     by_size: dict[int, list[float]] = {}
@@ -352,12 +377,41 @@ def calibrate_cluster(
     c = load(name)
     per_worker = max(1, batch // c.hosts)
     res = run_on_cluster(_worker, (_pairs(c.hosts), model, dataset, per_worker, quick), cluster=c, timeout_s=600)
-    inter = _link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]])
+    inter = replace(_link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]]),
+                    native_latency=_native_alpha(res, c.hosts))  # fmt: skip
     local = launch(_worker, (_pairs(2), model, dataset, per_worker, True), nprocs=2, threads=1)
     intra = _link(local[0]["pingpong"])
     overhead = _loop_overhead(model, dataset, per_worker)
     spec = _assemble(name, c.hosts, 1, inter, intra, res, _flops_rate(), overhead, compressions)
     return spec
+
+
+def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: str = "digits",
+                 batch: int = 64) -> ClusterSpec:  # fmt: skip
+    """Re-measure what the machine's load moves -- latency, wake, compute scale -- keeping link rates.
+
+    On an emulated cluster whose cores are shared with other work, latency and
+    compute change from minute to minute while the shaped link rates do not; this
+    takes ~10 s instead of a full calibration. The inter level's alpha and the
+    device's ``wake`` and ``compute_scale`` are replaced; ``overhead`` is rescaled.
+    """
+    from dtrain.cluster import load, run_on_cluster
+
+    c = load(name)
+    per_worker = max(1, batch // c.hosts)
+    res = run_on_cluster(_worker, (_pairs(c.hosts), model, dataset, per_worker, True, True), cluster=c,
+                         timeout_s=600)  # fmt: skip
+    small = [t for r in res.values() if "pingpong" in r for n, t in r["pingpong"] if n <= 1024]
+    alpha = max(0.0, statistics.mean(small) - 1024 * spec.inter.beta / 2) if small else spec.inter.alpha
+    alone = res[0]["alone"]
+    together = statistics.mean(r["together"] for r in res.values())
+    scale = max(1.0, together / alone) if alone > 0 else spec.device.compute_scale
+    wakes = [r["wake"] for r in res.values() if "wake" in r]
+    wake = max(0.0, statistics.mean(wakes) - alpha) if wakes else spec.device.wake
+    old = spec.device
+    device = replace(old, compute_scale=scale, wake=wake, overhead=old.overhead / old.compute_scale * scale)
+    inter = replace(spec.inter, latency=alpha, native_latency=_native_alpha(res, c.hosts))
+    return replace(spec, inter=inter, device=device)
 
 
 def calibrate_local(
@@ -391,7 +445,8 @@ def summary(spec: ClusterSpec) -> str:
     d = spec.device
     lines = [
         spec.describe(),
-        f"  inter: alpha {format_time(spec.inter.alpha)}, bandwidth {format_rate(spec.inter.bandwidth)}",
+        f"  inter: alpha {format_time(spec.inter.alpha)} (backend's own {format_time(spec.inter.native_latency or 0)}), "
+        f"bandwidth {format_rate(spec.inter.bandwidth)}",
         f"  intra: alpha {format_time(spec.intra.alpha)}, bandwidth {format_rate(spec.intra.bandwidth)}",
         f"  device: {d.flops / 1e9:.3g} GFLOP/s (1 thread), gamma {d.gamma * 1e9:.3g} ns/byte, "
         f"compute x{d.compute_scale:.2f} when all compute at once, loop overhead {format_time(d.overhead)}/step, "

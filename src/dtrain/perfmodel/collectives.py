@@ -53,9 +53,13 @@ ALGORITHMS = cost.ALGORITHMS
 _COUNTED_WORLD = 8  # up to this many ranks, compressed collectives are counted by running them on threads
 
 
-def link_cost(link: Link, gamma: float, contention: float = 1.0) -> cost.LinkCost:
-    """The ``LinkCost`` of one level; ``contention`` flows sharing it multiply ``beta``."""
-    return cost.LinkCost(alpha=link.alpha, beta=link.beta * contention, gamma=gamma)
+def link_cost(link: Link, gamma: float, contention: float = 1.0, native: bool = False) -> cost.LinkCost:
+    """The ``LinkCost`` of one level; ``contention`` flows sharing it multiply ``beta``.
+
+    ``native``: the backend's own collective, charged its own per-message latency.
+    """
+    alpha = link.native_latency if native and link.native_latency is not None else link.alpha
+    return cost.LinkCost(alpha=alpha, beta=link.beta * contention, gamma=gamma)
 
 
 def _levels(c: ClusterSpec, p: int) -> tuple[int, int]:
@@ -87,13 +91,14 @@ def allreduce_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int, *, pie
     gamma = c.device.gamma
     piece = cost.RING_PIECE_BYTES if pieces else None
     nb = float(nbytes)
+    native = algorithm == "native"
     if nodes == 1 or d == 1:
-        link = link_cost(c.intra if nodes == 1 else c.inter, gamma)
+        link = link_cost(c.intra if nodes == 1 else c.inter, gamma, native=native)
         if algorithm == "hierarchical" and nodes > 1:
             return cost.allreduce_time("ring", nodes, _whole(nb), link, piece_bytes=piece)
         return cost.allreduce_time(algorithm, p, _whole(nb), link, piece_bytes=piece if algorithm == "ring" else None)
     if algorithm in ("ring", "native"):
-        link = link_cost(c.inter, gamma)
+        link = link_cost(c.inter, gamma, native=native)
         return cost.allreduce_time(algorithm, p, _whole(nb), link, piece_bytes=piece if algorithm == "ring" else None)
     if algorithm == "hierarchical":
         return cost.allreduce_time("hierarchical", p, _whole(nb), link_cost(c.intra, gamma),

@@ -113,24 +113,25 @@ def compressed_traffic(spec: str, world: int, numel: int) -> tuple[int, int, flo
     """
     import time
 
-    from dtrain.comm.transport import run_threads
-    from dtrain.compress import compressed_allreduce, from_spec
+    from dtrain.comm.transport import Transport, run_threads
+    from dtrain.compress import from_spec
+    from dtrain.compress.reduce import compressed_allreduce
 
     if world < 2 or numel < 1:
         return 0, 0, 0.0
     if world > 16:
         raise ValueError("compressed_traffic counts worlds of up to 16 ranks")
 
-    def one(t: "object") -> tuple[int, int, float]:
-        g = torch.Generator().manual_seed(int(getattr(t, "rank")))
+    def one(t: Transport) -> tuple[int, int, float]:
+        g = torch.Generator().manual_seed(t.rank)
         x = torch.randn(numel, generator=g)
         comp = from_spec(spec)
-        compressed_allreduce(x.clone(), comp, "warm", t, algorithm="ring")  # type: ignore[arg-type]
-        before = t.stats.snapshot()  # type: ignore[attr-defined]
+        compressed_allreduce(x.clone(), comp, "warm", t, algorithm="ring")
+        before = t.stats.snapshot()
         c0 = time.thread_time()
-        compressed_allreduce(x, comp, "probe", t, algorithm="ring")  # type: ignore[arg-type]
+        compressed_allreduce(x, comp, "probe", t, algorithm="ring")
         cpu = time.thread_time() - c0
-        d = t.stats - before  # type: ignore[attr-defined]
+        d = t.stats - before
         return int(d.messages), int(d.bytes_sent), cpu
 
     old = torch.get_num_threads()

@@ -38,7 +38,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -352,7 +352,7 @@ def _simulate_ps(
 
 
 def scaling_curve(
-    prof_at: "callable[[int], ModelProfile]",  # type: ignore[valid-type]
+    prof_at: Callable[[int], ModelProfile],
     c: ClusterSpec,
     s: Strategy,
     workers: Sequence[int],

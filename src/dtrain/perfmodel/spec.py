@@ -30,6 +30,7 @@ by hand for clusters one does not have. Schema (every key but ``nodes`` and the
     bandwidth = "25gbit"
     latency = "30us"
     efficiency = 0.75
+    native_latency = "20us" # alpha of the backend's own collectives (default: latency)
 
     [models.resnet101]     # optional: known throughput of a model on one device
     samples_per_s = 129
@@ -68,13 +69,18 @@ class Link:
         bandwidth: bytes per second, each direction.
         latency: alpha, seconds per message (software overhead included when measured).
         efficiency: fraction of ``bandwidth`` that bulk transfers reach (default: 1).
+        native_latency: alpha of the backend's own collectives (gloo/NCCL run their
+            steps in C++, without dtrain's Python per message); default: ``latency``.
     """
 
     bandwidth: float
     latency: float = 0.0
     efficiency: float = 1.0
+    native_latency: float | None = None
 
     def __post_init__(self) -> None:
+        if self.native_latency is not None and self.native_latency < 0:
+            raise ConfigError(f"link native_latency must be >= 0, got {self.native_latency}")
         if not self.bandwidth > 0:
             raise ConfigError(f"link bandwidth must be > 0, got {self.bandwidth}")
         if self.latency < 0:
@@ -214,15 +220,17 @@ def _link(d: Mapping[str, Any], where: str, default: Link | None) -> Link:
         if default is None:
             raise ConfigError(f"{where}: missing; give at least bandwidth = \"...\" (e.g. \"1gbit\")")
         return default
-    unknown = set(d) - {"bandwidth", "latency", "efficiency"}
+    unknown = set(d) - {"bandwidth", "latency", "efficiency", "native_latency"}
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; use bandwidth, latency, efficiency")
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
+                          "use bandwidth, latency, efficiency, native_latency")  # fmt: skip
     if "bandwidth" not in d:
         raise ConfigError(f"{where}: bandwidth is required (e.g. bandwidth = \"25gbit\")")
     return Link(
         bandwidth=parse_rate(d["bandwidth"]),
         latency=parse_time(d.get("latency", 0.0)),
         efficiency=float(d.get("efficiency", 1.0)),
+        native_latency=parse_time(d["native_latency"]) if "native_latency" in d else None,
     )
 
 
@@ -300,7 +308,10 @@ def dump_cluster(c: ClusterSpec, comment: str = "") -> str:
             f"overhead = {_num(d.overhead)}", f"wake = {_num(d.wake)}", ""]  # fmt: skip
     for name, link in (("intra", c.intra), ("inter", c.inter)):
         out += [f"[links.{name}]", f"bandwidth = {_num(link.bandwidth * 8)}  # {format_rate(link.bandwidth)}",
-                f"latency = {_num(link.latency)}", f"efficiency = {_num(link.efficiency)}", ""]  # fmt: skip
+                f"latency = {_num(link.latency)}", f"efficiency = {_num(link.efficiency)}"]  # fmt: skip
+        if link.native_latency is not None:
+            out.append(f"native_latency = {_num(link.native_latency)}")
+        out.append("")
     for mname, m in c.models.items():
         out += [f"[models.\"{mname}\"]", f"samples_per_s = {_num(m.samples_per_s)}",
                 f"backward_fraction = {_num(m.backward_fraction)}", f"optimizer_s = {_num(m.optimizer_s)}", ""]  # fmt: skip
