@@ -302,9 +302,11 @@ def test_a_killed_worker_is_dropped_under_ssp_and_training_goes_on(lost_workers)
 def test_a_killed_server_stops_the_run_with_a_clear_error(lost_server_and_rogue):
     o = lost_server_and_rogue
     assert o[1].status == "died"
-    for r in (2, 3):
-        assert o[r].status == "ok" and o[r].value["error"] == "PeerLostError", o[r].value or o[r].error
-        assert o[r].value["peer"] == 1 and "server rank 1 is gone" in o[r].value["message"]
+    for r in (2, 3):  # each saw the closed connection, or first the other's abort that names the server
+        assert o[r].status == "ok", o[r].error
+        assert o[r].value["error"] in ("PeerLostError", "RunAbortedError"), o[r].value
+        assert "server rank 1 is gone" in o[r].value["message"]
+    assert any(o[r].value["error"] == "PeerLostError" and o[r].value["peer"] == 1 for r in (2, 3))
     assert o[0].status == "ok" and o[0].value["error"] in ("RunAbortedError", "PeerLostError")
     assert "server rank 1 is gone" in o[0].value["message"] or "every worker was lost" in o[0].value["message"]
 

@@ -155,13 +155,32 @@ def test_staleness_lr_scales_the_step():
 
 
 def test_staleness_lr_divides_each_step_by_its_staleness():
-    """Three workers push one gradient each, all computed on version 0, arriving in order 0, 1, 2:
+    """Three workers push one gradient each, all computed on version 0, in the order 0, 1, 2:
     staleness 0, 1, 2, so plain SGD applies g0 + g1 + g2 / 2 (staleness 0 counts as 1)."""
     plain_sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
-    out = _train(1, 3, 1, consistency="asp", opt_factory=plain_sgd, staleness_lr=True,
-                 delay=lambda i, s: 0.3 * i)
-    m = _model()
+    store = dist.HashStore()
+    ts = ThreadTransport.create(4, timeout=2.0)
     x, y = _data(1, 3)
+    turn = [threading.Event() for _ in range(4)]
+    turn[0].set()
+
+    def rank_fn(t):
+        m = _model()
+        ps = ParameterServer(m, plain_sgd, servers=1, consistency="asp", staleness_lr=True, transport=t,
+                             store=store, timeout_s=10)
+        if ps.is_server:
+            return ps.serve()
+        i = ps.worker_index
+        sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
+        nn.functional.cross_entropy(m(x[0, sl]), y[0, sl]).backward()
+        turn[i].wait(10)  # push in worker order: each after the previous one's reply
+        ps.step()
+        turn[i + 1].set()
+        ps.finish()
+        return [p.detach().clone() for p in m.parameters()]
+
+    out = run_threads(4, rank_fn, timeout=20.0, transports=ts)
+    m = _model()
     grads = []
     for i in range(3):
         m.zero_grad()
@@ -169,8 +188,8 @@ def test_staleness_lr_divides_each_step_by_its_staleness():
         nn.functional.cross_entropy(m(x[0, sl]), y[0, sl]).backward()
         grads.append([p.grad.clone() for p in m.parameters()])
     expected = [p.detach() - 0.1 * (g0 + g1 + 0.5 * g2) for p, g0, g1, g2 in zip(m.parameters(), *grads)]
-    assert out[0][0]["staleness"]["hist"] == {"0": 1, "1": 1, "2": 1}
-    assert _maxdiff(out[1][1], expected) < 1e-6
+    assert out[0]["staleness"]["hist"] == {"0": 1, "1": 1, "2": 1}
+    assert _maxdiff(out[1], expected) < 1e-6
 
 
 def test_gradient_budget_stops_the_workers():
