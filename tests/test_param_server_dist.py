@@ -20,7 +20,7 @@ from _dist import spawn
 STEPS = 20
 GLOBAL_BATCH = 12
 POLICIES = ("bsp", "asp", "ssp:2", "softsync:2", "backup:1")
-EPOCHS = 15  # digits, CNN, SGD lr 0.05 momentum 0.9, global batch 64: all policies >= 95% with a margin
+EPOCHS = 20  # digits, CNN, SGD lr 0.05 momentum 0.9, global batch 64: asp ends 0.95-0.98 after 15, so 20
 
 
 def _optimizer(name):
@@ -150,7 +150,7 @@ def test_every_policy_reaches_95_percent_on_digits_with_2_servers_and_4_workers(
         assert all(int(k) <= 2 for k in extra["clock_lag"]["hist"])
     if policy == "backup:1":
         assert extra["gradients_dropped"] > 0 and extra["staleness"]["max"] == 0
-    # the servers' gradient budget is the same for every policy: 4 workers x 15 epochs x 22 steps
+    # the servers' gradient budget is the same for every policy: 4 workers x EPOCHS epochs x 22 steps
     pushed = sum(six[r]["acc"][policy]["steps"] for r in range(2, 6))
     assert 4 * EPOCHS * 22 <= pushed <= 4 * EPOCHS * 22 + 3
 
