@@ -1,11 +1,12 @@
 """The parameter server in real processes (gloo over loopback), against single-process references.
 
-To keep process start-ups few on small machines, one spawn of 6 processes runs the
-BSP equivalence checks and the accuracy runs of every policy (module fixture), and
+To keep process start-ups few on small machines, one spawn of 6 processes runs all
+BSP equivalence checks, one (marked slow) the accuracy runs of every policy, and
 two spawns of 7 processes run the fault cases side by side on disjoint process
 groups.
 """
 
+import functools
 import os
 import threading
 import time
@@ -37,6 +38,7 @@ def _optimizer(name):
 DTYPES = {"sgd": torch.float32, "adam": torch.float64}
 
 
+@functools.lru_cache(maxsize=None)
 def _batches(dtype=torch.float32):
     from dtrain.data import load_dataset
 
@@ -83,22 +85,27 @@ def _bsp_run(servers, group, opt_name):
     return [p.detach().numpy().copy() for p in model.parameters()]  # by value: the process exits
 
 
-def _equivalence_and_accuracy(rank, world, out_dir):
+def _equivalence(rank, world):
     import torch.distributed as dist
 
+    res = {}
+    five = dist.new_group([0, 1, 2, 3, 4])
+    for opt_name in ("sgd", "adam"):
+        # 1 server + 4 workers on ranks 0..4 (rank 5 sits out), then 3 servers + 3 workers on all six
+        if rank < 5:
+            res[(1, opt_name)] = _bsp_run(1, five, opt_name)
+        res[(3, opt_name)] = _bsp_run(3, None, opt_name)
+    return res
+
+
+def _accuracy(rank, world, out_dir):
     from dtrain.config import RunConfig
     from dtrain.data import load_dataset
     from dtrain.param_server.runner import run_process
     from dtrain.trace import MetricsWriter, Tracer
     from dtrain.train import TrainContext
 
-    res = {"bsp": {}, "acc": {}}
-    five = dist.new_group([0, 1, 2, 3, 4])
-    for opt_name in ("sgd", "adam"):
-        # 1 server + 4 workers on ranks 0..4 (rank 5 sits out), then 3 servers + 3 workers on all six
-        if rank < 5:
-            res["bsp"][(1, opt_name)] = _bsp_run(1, five, opt_name)
-        res["bsp"][(3, opt_name)] = _bsp_run(3, None, opt_name)
+    res = {}
     data = load_dataset("digits", seed=0)
     for pol in POLICIES:
         d = Path(out_dir) / pol.replace(":", "_")
@@ -109,39 +116,48 @@ def _equivalence_and_accuracy(rank, world, out_dir):
                            metrics=MetricsWriter(d, rank), tracer=Tracer(rank, enabled=False))
         r = run_process(ctx)
         ctx.metrics.close()
-        res["acc"][pol] = {k: r[k] for k in ("role", "steps", "test_accuracy", "summary_extra", "ps") if k in r}
+        res[pol] = {k: r[k] for k in ("role", "steps", "test_accuracy", "summary_extra") if k in r}
     return res
 
 
-@pytest.fixture(scope="module")
-def six(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ps_runs")
-    outs = spawn(_equivalence_and_accuracy, 6, str(out), timeout=420, pg_timeout=300)
+def _spawn_ok(fn, world, *args, timeout):
+    outs = spawn(fn, world, *args, timeout=timeout, pg_timeout=300)
     bad = [o for o in outs if o.status != "ok"]
     assert not bad, "\n".join(f"rank {o.rank}: {o.status}\n{o.error}" for o in bad)
     return [o.value for o in outs]
 
 
+@pytest.fixture(scope="module")
+def bsp_runs():
+    return _spawn_ok(_equivalence, 6, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def policy_runs(tmp_path_factory):
+    return _spawn_ok(_accuracy, 6, str(tmp_path_factory.mktemp("ps_runs")), timeout=600)
+
+
 @pytest.mark.parametrize("servers", [1, 3])
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
-def test_bsp_gives_the_parameters_of_synchronous_training(six, servers, opt_name):
+def test_bsp_gives_the_parameters_of_synchronous_training(bsp_runs, servers, opt_name):
     """After 20 steps, every worker's parameters equal single-process training on the global batch
     (SGD with momentum in float32, Adam in float64; see DTYPES)."""
     ref = _reference(opt_name)
     workers = range(1, 5) if servers == 1 else range(3, 6)
     for r in workers:
-        params = six[r]["bsp"][(servers, opt_name)]
+        params = bsp_runs[r][(servers, opt_name)]
         diff = max(float((torch.from_numpy(p) - q).abs().max()) for p, q in zip(params, ref))
         assert diff < 1e-5, (r, diff)
     for r in range(servers):
-        assert six[r]["bsp"][(servers, opt_name)] is None  # servers serve
+        assert bsp_runs[r][(servers, opt_name)] is None  # servers serve
 
 
+@pytest.mark.slow  # 6 processes x 5 policies x 440 steps: ~100 s on 2 shared cores (pytest -m slow)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_every_policy_reaches_95_percent_on_digits_with_2_servers_and_4_workers(six, policy):
-    worker0 = six[2]["acc"][policy]
+def test_every_policy_reaches_95_percent_on_digits_with_2_servers_and_4_workers(policy_runs, policy):
+    worker0 = policy_runs[2][policy]
     assert worker0["role"] == "worker" and worker0["test_accuracy"] >= 0.95, worker0
-    extra = six[0]["acc"][policy]["summary_extra"]
+    extra = policy_runs[0][policy]["summary_extra"]
     assert extra["consistency"] == policy and extra["servers"] == 2
     if policy == "bsp":
         assert extra["staleness"]["max"] == 0 and extra["clock_lag"]["max"] == 0
@@ -151,7 +167,7 @@ def test_every_policy_reaches_95_percent_on_digits_with_2_servers_and_4_workers(
     if policy == "backup:1":
         assert extra["gradients_dropped"] > 0 and extra["staleness"]["max"] == 0
     # the servers' gradient budget is the same for every policy: 4 workers x EPOCHS epochs x 22 steps
-    pushed = sum(six[r]["acc"][policy]["steps"] for r in range(2, 6))
+    pushed = sum(policy_runs[r][policy]["steps"] for r in range(2, 6))
     assert 4 * EPOCHS * 22 <= pushed <= 4 * EPOCHS * 22 + 3
 
 
