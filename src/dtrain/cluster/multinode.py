@@ -157,7 +157,7 @@ def _main_file(fn: Callable[..., Any]) -> str:
     f = getattr(sys.modules["__main__"], "__file__", None)
     if not f:
         raise ValueError("run_on_cluster needs a module-level function of an importable module or script file")
-    return os.path.abspath(f)
+    return os.path.abspath(str(f))
 
 
 def _kill(p: subprocess.Popen[bytes]) -> None:

@@ -181,7 +181,7 @@ def _train_passes(model: Any, sample: Any, seconds: float) -> float:
     n, t0 = 0, time.perf_counter()
     while n < 3 or time.perf_counter() - t0 < seconds:
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
         opt.step()
         n += 1
     return (time.perf_counter() - t0) / n
@@ -315,12 +315,12 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60) -
     finally:
         torch.set_num_threads(old)
     dts = [batch / r["samples_per_s"] for r in rows[steps // 4 :]]
-    return max(0.0, statistics.mean(dts) - bare)
+    return max(0.0, float(statistics.mean(dts)) - bare)
 
 
 def _native_alpha(results: dict[int, Any], world: int) -> float:
     """Per-step latency of the backend's ring: a tiny allreduce's time over its ``2(P-1)`` steps."""
-    return statistics.mean(r["native"] for r in results.values()) / max(1, 2 * (world - 1))
+    return float(statistics.mean(float(r["native"]) for r in results.values())) / max(1, 2 * (world - 1))
 
 
 def _link(points: list[tuple[int, float]]) -> Link:
@@ -402,7 +402,8 @@ def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: s
     res = run_on_cluster(_worker, (_pairs(c.hosts), model, dataset, per_worker, True, True), cluster=c,
                          timeout_s=600)  # fmt: skip
     small = [t for r in res.values() if "pingpong" in r for n, t in r["pingpong"] if n <= 1024]
-    alpha = max(0.0, statistics.mean(small) - 1024 * spec.inter.beta / 2) if small else spec.inter.alpha
+    # messages of 4 B..1 KiB: latency only (they fit in the link's token bucket)
+    alpha = float(statistics.mean(small)) if small else spec.inter.alpha
     alone = res[0]["alone"]
     together = statistics.mean(r["together"] for r in res.values())
     scale = max(1.0, together / alone) if alone > 0 else spec.device.compute_scale

@@ -19,9 +19,10 @@ Sergeev & Del Balso 2018):
 2. Bucket ``j`` is ready at the end of the backward of its earliest layer; one
    communication stream reduces buckets in order:
    ``start_j = max(ready_j, end_{j-1})``, ``end_j = start_j + T_allreduce(bytes_j)``
-   (plus encode/decode with a compressor, and the cluster's ``wake`` latency on
-   the first bucket: on shared cores the first message after compute waits for
-   the scheduler).
+   (plus encode/decode with a compressor, and :func:`bucket_latency`: the
+   cluster's ``wake`` latency once per step, since on shared cores the first
+   message after compute waits for the scheduler, and twice per bucket when the
+   bucket is handed to dtrain's communication thread and back).
 3. ``step = fwd + max(bwd, end_last) + optimizer + overhead``; the exposed
    communication is ``max(0, end_last - bwd)``.
    With ``overlap="forward"`` (priority scheduling, Jayarajan et al. "Priority-based
@@ -58,7 +59,8 @@ from dtrain.perfmodel.collectives import (
 from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
 
-__all__ = ["Strategy", "Memory", "Prediction", "compute_times", "predict", "memory_per_device", "KINDS"]
+__all__ = ["Strategy", "Memory", "Prediction", "compute_times", "predict", "memory_per_device", "bucket_latency",
+           "buckets_of", "ps_costs", "KINDS"]  # fmt: skip
 
 KINDS = ("single", "dp", "ddp", "ps")
 _FIRST_BUCKET_MB = 1.0
@@ -288,7 +290,7 @@ def _predict_dp(
     bucket_end: dict[int, float] = {}
     for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb)):
         comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp)
-        comm += c.device.wake if j == 0 else 0.0  # the step's first message waits for the scheduler
+        comm += bucket_latency(c, s, comp, j)
         copy = 2 * nbytes * c.device.gamma  # flatten into and out of the bucket
         dur = comm + coding + copy
         start = max(ready[first_layer], end)
@@ -312,6 +314,18 @@ def _predict_dp(
         why += f"; {coding_total * 1e3:.3g} ms to encode/decode"
     return Prediction(s, step, prof.batch * p / step, compute, comm_total + coding_total, exposed, 0.0, sent, mem, fits,
                       why, {"fwd_s": f_total, "bwd_s": bwd_total, "opt_s": opt, "coding_s": coding_total})  # fmt: skip
+
+
+def bucket_latency(c: ClusterSpec, s: Strategy, comp: CompressionModel, index: int) -> float:
+    """Scheduling latency a data-parallel bucket pays besides its collective (``wake`` units).
+
+    The step's first message waits once for the scheduler after compute. dtrain's
+    own algorithms, compressors and priority overlap run on a communication
+    thread: each bucket is handed to that thread and back, two more wake-ups
+    (the backend's ``native`` allreduce, and DDP, are issued from the hooks).
+    """
+    threaded = s.kind == "dp" and (s.algorithm != "native" or comp.kind != "dense" or s.overlap == "forward")
+    return c.device.wake * ((1.0 if index == 0 else 0.0) + (2.0 if threaded else 0.0))
 
 
 def _forward_overlap_period(

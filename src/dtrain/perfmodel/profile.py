@@ -204,7 +204,7 @@ def profile_model(
         with torch.no_grad(), fwd_counter:
             model(x)
         with all_counter:
-            loss_fn(model(x), target).backward()
+            loss_fn(model(x), target).backward()  # type: ignore[no-untyped-call]
     finally:
         for h in handles:
             h.remove()
@@ -254,7 +254,7 @@ def _measure(
         t0 = time.perf_counter()
         loss = loss_fn(model(x), target)
         t1 = time.perf_counter()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         t2 = time.perf_counter()
         model.zero_grad(set_to_none=False)
         return t1 - t0, t2 - t1
@@ -282,7 +282,7 @@ def _measure(
                 rec.clear()
                 loss = loss_fn(model(x), target)
                 tb = time.perf_counter()
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
                 te = time.perf_counter()
                 model.zero_grad(set_to_none=False)
                 if r == 0:

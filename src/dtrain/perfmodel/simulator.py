@@ -44,7 +44,7 @@ import numpy as np
 
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.collectives import CompressionModel, compressed_allreduce_time
-from dtrain.perfmodel.predict import Strategy, buckets_of, compute_times, predict, ps_costs
+from dtrain.perfmodel.predict import Strategy, bucket_latency, buckets_of, compute_times, predict, ps_costs
 from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
 
@@ -203,7 +203,7 @@ def _simulate_sync(
     buckets = []
     for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb) if n > 1 else []):
         comm, coding = compressed_allreduce_time(c, algorithm, nbytes, n, comp)
-        wake = c.device.wake if j == 0 else 0.0  # as in predict: the step's first message
+        wake = bucket_latency(c, s, comp, j)  # as in predict
         buckets.append((float(ready[first_layer]), comm + wake + coding + 2 * nbytes * c.device.gamma))
     if s.kind == "dp" and s.overlap == "forward" and n > 1:
         # priority scheduling: the closed form's period, compute stretched by the step's slowest worker
