@@ -31,6 +31,8 @@ def test_defaults_validate():
         ({"straggler": "9:2"}, ["outside"]),
         ({"backend": "mystery"}, ["backend"]),
         ({"overlap": "sideways"}, ["overlap", "forward"]),
+        ({"strategy": "ps", "consistency": "backup:4", "workers": 4}, ["backup"]),
+        ({"strategy": "ps", "consistency": "eventual"}, ["eventual"]),
     ],
 )
 def test_invalid_values_name_the_fix(changes, words):

@@ -190,7 +190,7 @@ class RunConfig:
             from dtrain.param_server.consistency import parse_consistency
 
             try:
-                parse_consistency(self.consistency)
+                parse_consistency(self.consistency, staleness_lr=self.staleness_lr).check_workers(self.workers)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if self.straggler:
