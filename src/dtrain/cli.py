@@ -41,7 +41,6 @@ _BENCHES = {
     "allreduce": "dtrain.bench.allreduce",
     "calibrate": "dtrain.bench.calibrate",
     "train": "dtrain.bench.train",
-    "p2p": "dtrain.bench.p2p",
 }
 
 
@@ -113,6 +112,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv:
         ap.print_help()
         return 0
+    # delegated subcommands parse their own arguments (argparse's REMAINDER would swallow no --help)
+    delegated = {"plan": "dtrain.perfmodel.cli", "cluster": "dtrain.cluster.cli"}
+    if argv[0] in delegated or (argv[0] == "bench" and len(argv) > 1 and argv[1] in _BENCHES):
+        module = delegated.get(argv[0]) or _BENCHES[argv[1]]
+        rest = argv[1:] if argv[0] in delegated else argv[2:]
+        try:
+            return _delegate(module, rest)
+        except DTrainError as e:
+            print(f"dtrain: error: {e}", file=sys.stderr)
+            return 2
     ns = ap.parse_args(argv)
     try:
         if ns.command == "run":
