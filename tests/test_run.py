@@ -79,3 +79,16 @@ def test_bad_config_fails_before_any_process(tmp_path, args, words):
     assert words in p.stderr
     assert not (out / "metrics.jsonl").exists()
     assert time.monotonic() - t0 < 30
+
+
+def test_strategy_auto_runs_the_planners_choice(tmp_path):
+    out = tmp_path / "auto"
+    p = _dtrain("run", "--strategy", "auto", "--workers", "2", "--epochs", "1", "--max-steps", "5",
+                "--out", str(out), "--no-progress", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "--strategy auto chose:" in p.stderr
+    s, _ = _check_folder(out, 2)
+    assert s["strategy"] in ("dp", "ddp", "ps") and s["steps"] == 5
+    from dtrain.config import load_toml
+
+    assert load_toml(out / "config.toml")["strategy"] == s["strategy"]  # the rerunnable, resolved choice

@@ -313,8 +313,17 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
 
 
 def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
-    """Run a whole training job from the parent process; returns (summary, run folder)."""
+    """Run a whole training job from the parent process; returns (summary, run folder).
+
+    ``strategy="auto"`` asks the planner (:func:`dtrain.perfmodel.choose`) first and
+    runs its first choice; ``cluster="NAME"`` spreads the processes over the hosts
+    of an emulated cluster (``dtrain cluster up``) instead of this machine.
+    """
     cfg.validate()
+    if cfg.strategy == "auto":
+        from dtrain.perfmodel import choose
+
+        cfg = cfg.replace(**choose(cfg)).validate()
     out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("metrics*.jsonl")) + list(out.glob("trace*.json")) + list(out.glob("error.rank*.txt")):
@@ -325,8 +334,14 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
 
     t0 = time.perf_counter()
     try:
-        results = launch(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes,
-                         backend=cfg.backend or None)
+        if cfg.cluster:
+            from dtrain.cluster import launch_on_cluster
+
+            results = launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes,
+                                        cluster=cfg.cluster, stream_first=not quiet)
+        else:
+            results = launch(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes,
+                             backend=cfg.backend or None)
     finally:
         merge_rank_files(out)
     summary = summarize(cfg, results, time.perf_counter() - t0)
