@@ -255,3 +255,10 @@ def test_fit_alpha_beta_recovers_a_line():
     a, b = fit_alpha_beta(sizes, times)
     assert a == pytest.approx(20e-6, rel=0.02) and b == pytest.approx(8e-9, rel=0.01)
     assert math.isfinite(a)
+
+
+def test_trimmed_mean_drops_only_the_rare_stall():
+    from dtrain.perfmodel.calibrate import trimmed_mean
+
+    assert trimmed_mean([1.0] * 9 + [100.0]) == pytest.approx(1.0)
+    assert trimmed_mean([1.0, 2.0, 3.0, 4.0]) == pytest.approx(2.5)  # too few to cut one in ten

@@ -51,7 +51,7 @@ from dtrain.errors import DTrainError
 from dtrain.perfmodel._units import format_rate, format_time
 from dtrain.perfmodel.spec import ClusterSpec, CompressorCost, Device, Link, dump_cluster, load_cluster, this_host
 
-__all__ = ["main", "fit_alpha_beta", "calibrate_cluster", "refresh_load", "calibrate_local", "local_cluster",
+__all__ = ["main", "fit_alpha_beta", "trimmed_mean", "calibrate_cluster", "refresh_load", "calibrate_local", "local_cluster",
            "cache_dir", "cluster_file"]  # fmt: skip
 
 _CAL_COMPRESSIONS = ("fp16", "powersgd:2", "qsgd", "onebit", "topk:0.01")
@@ -64,6 +64,13 @@ def cache_dir() -> Path:
 def cluster_file(name: str) -> Path:
     """Where the calibration of emulated cluster ``name`` is kept."""
     return cache_dir() / f"cluster-{name}.toml"
+
+
+def trimmed_mean(xs: Sequence[float], cut: float = 0.1) -> float:
+    """Mean without the largest ``cut`` fraction: counts the common delays, not a rare stall."""
+    v = sorted(xs)
+    keep = v[: max(1, int(round(len(v) * (1 - cut))))]
+    return float(sum(keep) / len(keep))
 
 
 def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *, small: float = 1024,
@@ -105,8 +112,9 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *, small: flo
 def _pingpong(peer: int, me: int, max_rtt: float, reps: int, max_size: int = 16 << 20) -> list[tuple[int, float]]:
     """(bytes, mean one-way seconds) per message size, growing 4x from 4 B.
 
-    The mean, not the median: a step pays every message's latency, so the
-    occasional slow one (a busy machine's scheduling delay) counts in proportion.
+    A mean, not the median: a step pays every message's latency, so the common
+    slow ones (a busy machine's scheduling delays) count in proportion; the
+    slowest 10% are cut (:func:`trimmed_mean`) so that one stall does not decide.
     Small messages get ``4 * reps`` round trips, since their latency is noisier.
     """
     import torch.distributed as dist
@@ -127,7 +135,7 @@ def _pingpong(peer: int, me: int, max_rtt: float, reps: int, max_size: int = 16 
                 dist.send(buf, peer)
             if r:
                 times.append((time.perf_counter() - t0) / 2)
-        one_way = statistics.mean(times)
+        one_way = trimmed_mean(times)
         out.append((size, one_way))
         # both sides must agree to go on: the initiator decides and tells the peer
         flag = torch.tensor([1.0 if 2 * one_way < max_rtt and size < max_size else 0.0])
@@ -164,7 +172,7 @@ def _wake(peer: int, me: int, burst_s: float, reps: int) -> float:
             dist.recv(buf, peer)
             dist.send(buf, peer)
         times.append((time.perf_counter() - t0) / 2)
-    return statistics.mean(times)
+    return trimmed_mean(times)
 
 
 def _train_passes(model: Any, sample: Any, seconds: float) -> float:
@@ -260,7 +268,7 @@ def _native_small(reps: int) -> float:
         t0 = time.perf_counter()
         dist.all_reduce(t)
         times.append(time.perf_counter() - t0)
-    return statistics.mean(times)
+    return trimmed_mean(times)
 
 
 def _pairs(world: int) -> list[tuple[int, int]]:
