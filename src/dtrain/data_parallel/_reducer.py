@@ -395,10 +395,45 @@ class Reducer:
         order, self._pending_order = self._pending_order, None
         assert order is not None
         self._install_buckets(order)
+        self._after_install()
+
+    def _after_install(self) -> None:
         if self.forward_mode:
             self._sched.set_buckets(self._buckets)
             self._bucket_opt = BucketOptimizer(self.optimizer, self._bucket_params())  # type: ignore[arg-type]
             self._map_modules()
+
+    # ------------------------------------------------------------------ checkpoint state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The bucket layout (order, generation: they make the compressor's keys) and the step count.
+
+        Call between steps (after ``synchronize`` with ``overlap="forward"``). An
+        order agreed but not installed yet is reported as the layout the next step uses.
+        """
+        if self._pending_order is not None:
+            order, version = self._pending_order, self._version
+        else:
+            order, version = self._order_now, self._version - 1
+        return {"order": list(order), "version": version, "step": self.step,
+                "order_agreed": self._record_order is None, "names": list(self._names)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Install the saved bucket layout and step count (before the first step of a resumed run)."""
+        names = list(state["names"])
+        if names != self._names:
+            raise ValueError(f"the saved bucket layout is for parameters {names[:5]}..., this model has "
+                             f"{self._names[:5]}...; resume with the same model")
+        order = [int(i) for i in state["order"]]
+        if sorted(order) != list(range(len(self._params))):
+            raise ValueError(f"the saved bucket order is not a permutation of the {len(self._params)} parameters")
+        self._pending_order = None
+        self._version = int(state["version"])
+        self._install_buckets(order)
+        self._after_install()
+        self._record_order = None if state["order_agreed"] else []
+        self.step = int(state["step"])
+        self._stats = StepStats(step=self.step)
 
     # ------------------------------------------------------------------ overlap="forward"
 

@@ -254,6 +254,48 @@ class DataParallel(nn.Module):
             self._reducer.synchronize("load_state_dict()")
         return super().load_state_dict(*args, **kwargs)
 
+    def compressor_state_dict(self) -> dict[str, Any]:
+        """This rank's engine state that ``state_dict()`` leaves out, for a checkpoint.
+
+        Returns ``{"compressor": ..., "buckets": ...}``: the compressor's own
+        :meth:`~dtrain.compress.Compressor.state_dict` (error-feedback residuals,
+        PowerSGD's warm-start ``Q``, random compressors' generators; ``None``
+        without compression), and the bucket layout those states are keyed by
+        (the agreed gradient order, its generation, the step count). Residuals
+        differ between ranks: save the dict per rank and restore it to the same
+        rank (:func:`dtrain.checkpoint.save_checkpoint`'s ``rank_state`` does).
+        Waits for pending buckets first (``overlap="forward"``).
+        """
+        if not self._reducer.closed:
+            self._reducer.synchronize("compressor_state_dict()")
+        return {
+            "compressor": self.compressor.state_dict() if self.compressor is not None else None,
+            "compressor_repr": repr(self.compressor),
+            "buckets": self._reducer.state_dict(),
+        }
+
+    def load_compressor_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`compressor_state_dict` returned on this rank, before the first step.
+
+        Raises:
+            ConfigError: the state was saved with a different compressor (or
+                with/without one), or for a different model.
+        """
+        if not self._reducer.closed:
+            self._reducer.synchronize("load_compressor_state_dict()")
+        saved = state.get("compressor_repr")
+        if (state.get("compressor") is None) != (self.compressor is None) or saved != repr(self.compressor):
+            raise ConfigError(
+                f"the saved engine state is for compression {saved}, this DataParallel has {self.compressor!r}; "
+                "resume with the same compression"
+            )
+        try:
+            self._reducer.load_state_dict(state["buckets"])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state["compressor"])
+
     def __repr__(self) -> str:
         c = self.config
         return (f"DataParallel(algorithm={c.algorithm!r}, overlap={c.overlap!r}, world={self._world}, "

@@ -1,0 +1,247 @@
+"""Save and load training state with torch's distributed checkpoint (DCP).
+
+What a checkpoint holds, as one DCP state dict (nested keys flattened by DCP)::
+
+    model.<fqn>                      the model's tensors (identical on every rank:
+                                     DCP's planner writes each once, spread over ranks)
+    optimizer.state.<fqn>.<name>     optimizer state by parameter name (momentum,
+    optimizer.param_groups.<fqn>.*   Adam's moments, step counts) and hyperparameters
+    scheduler                        the LR scheduler's state dict (optional)
+    rank_state.rank<r>               what differs per rank -- compressor residuals and
+                                     warm starts, RNG states, a worker's clock and data
+                                     position, a server's shard -- one opaque blob per
+                                     rank, restored to the same rank
+
+Model and optimizer go through ``torch.distributed.checkpoint.state_dict``
+(``get_/set_model_state_dict``, ``get_/set_optimizer_state_dict``), so the files
+are the ones a DDP or FSDP user's DCP tooling reads. A per-rank blob is the
+rank's object serialised with ``torch.save`` into ``bytes``, which DCP stores as a
+byte item under a key that names the rank; ranks never read each other's.
+
+Steps of :func:`save_checkpoint` (collective over ``group``):
+
+1. rank 0 prepares an empty temporary folder (:mod:`.layout`); barrier;
+2. ``torch.distributed.checkpoint.save``: every rank plans its items, the
+   coordinator removes duplicates, each rank writes one file, rank 0 writes
+   ``.metadata``;
+3. rank 0 writes the marker and renames the folder into place; barrier -- when
+   the call returns on any rank the checkpoint is complete on disk.
+
+Cost: the model and optimizer bytes once in total, each rank's blob once, plus a
+few small collectives (DCP's plan gather/scatter and two barriers).
+
+Loading unpickles the per-rank blobs (``torch.load(weights_only=False)``, as DCP
+does for its byte items): load checkpoints you trust, as with ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from dtrain.checkpoint.layout import (
+    CheckpointError,
+    checkpoint_dir,
+    commit_folder,
+    find_checkpoint,
+    prepare_folder,
+    read_info,
+    temporary_folder,
+)
+from dtrain.errors import CommError
+
+__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "FORMAT"]
+
+#: version of what a checkpoint holds; bumped when the layout changes
+FORMAT = 1
+
+
+def _ranks(group: Any) -> tuple[int, int, bool]:
+    """(rank in group, group size, whether torch.distributed is in use)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group), True
+    return 0, 1, False
+
+
+def _barrier(group: Any, rank: int, what: str, step: int | None) -> None:
+    try:
+        dist.barrier(group=group)
+    except Exception as e:  # noqa: BLE001 - the backend's timeout or a lost peer
+        raise CommError(rank, what, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                        step=step) from e
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(raw: Any) -> Any:
+    if isinstance(raw, io.BytesIO):
+        raw = raw.getvalue()
+    return torch.load(io.BytesIO(raw), weights_only=False)
+
+
+def _model_optimizer_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {}
+    if optimizer is not None and model is None:
+        raise ValueError("saving or loading an optimizer needs its model too (optimizer state is keyed by parameter name)")
+    if model is not None:
+        state["model"] = get_model_state_dict(model)
+    if optimizer is not None:
+        assert model is not None
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    rank_state: Any = None,
+    info: dict[str, Any] | None = None,
+    group: Any = None,
+) -> Path:
+    """Write a checkpoint of ``step`` under ``root`` (e.g. ``RUN/checkpoints``); every rank of ``group`` calls it.
+
+    Args:
+        root: the folder that holds the checkpoints; this one becomes
+            ``root/step_<step>`` (6 digits).
+        step: the training step the state belongs to (steps completed).
+        model: the model (unwrapped: pass ``ddp.module``), or None.
+        optimizer: its optimizer, or None.
+        scheduler: an LR scheduler (anything with ``state_dict``), or None.
+        rank_state: any picklable object of this rank (tensors inside are fine);
+            restored to the same rank by :func:`load_checkpoint`.
+        info: JSON-serialisable facts about the run, stored in the marker
+            (what :func:`dtrain.checkpoint.find_checkpoint` users read without
+            loading); rank 0's is used.
+        group: the ranks that save together (default: the default group; without
+            torch.distributed, a world of one). A gloo group for CPU state.
+
+    Returns:
+        The complete checkpoint folder.
+
+    Raises:
+        CommError: a rank failed or timed out during the save (the group's
+            timeout); names the rank, the operation and the step. No complete
+            checkpoint is left behind in that case.
+    """
+    rank, world, distributed = _ranks(group)
+    root = Path(root)
+    op = f"checkpoint save to {root}"
+    if rank == 0:
+        prepare_folder(root, step)
+    if distributed:
+        _barrier(group, rank, op, step)
+    tmp = temporary_folder(root, step)
+    state = _model_optimizer_state(model, optimizer)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    state["rank_state"] = {f"rank{rank}": _to_bytes(rank_state)}
+    try:
+        dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not distributed)
+    except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure in one exception
+        raise CommError(rank, op, f"{type(e).__name__}: {str(e).strip()[:500]}", step=step) from e
+    final = checkpoint_dir(root, step)
+    if rank == 0:
+        meta = dict(info or {})
+        meta.update(step=int(step), world_size=world, format=FORMAT, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    torch=torch.__version__, has=sorted(k for k in state if k != "rank_state"))
+        final = commit_folder(tmp, meta)
+    if distributed:
+        _barrier(group, rank, op, step)
+    return final
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    group: Any = None,
+) -> tuple[dict[str, Any], Any]:
+    """Restore what :func:`save_checkpoint` wrote; every rank of ``group`` calls it.
+
+    The model and optimizer are loaded in place (the optimizer's hyperparameters
+    too, as ``torch.optim.Optimizer.load_state_dict`` does); the rank's own blob
+    is returned, not applied -- its owner knows what to do with it.
+
+    Args:
+        path: a checkpoint folder, or a run/``checkpoints`` folder (its latest
+            complete checkpoint; see :func:`dtrain.checkpoint.find_checkpoint`).
+        model / optimizer / scheduler: what to restore (None: skip).
+        group: as for :func:`save_checkpoint`; must have the checkpoint's size.
+
+    Returns:
+        ``(info, rank_state)``: the marker's contents, and this rank's blob.
+
+    Raises:
+        CheckpointError: no complete checkpoint at ``path``, a different number
+            of ranks, or the checkpoint lacks what was asked for.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    ckpt = find_checkpoint(path)
+    info = read_info(ckpt)
+    rank, world, distributed = _ranks(group)
+    if int(info["world_size"]) != world:
+        raise CheckpointError(
+            f"{ckpt} was saved by {info['world_size']} processes; this job has {world}. Per-rank state (compressor "
+            f"residuals, a worker's clock, a server's shard) belongs to one rank each: resume with the same numbers "
+            f"of workers and servers"
+        )
+    has = set(info.get("has", ()))
+    for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
+        if obj is not None and has and name not in has:
+            raise CheckpointError(f"{ckpt} holds no {name} state (it has: {', '.join(sorted(has)) or 'per-rank state only'})")
+    state = _model_optimizer_state(model, optimizer)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    state["rank_state"] = {f"rank{rank}": b""}
+    try:
+        dcp.load(state, checkpoint_id=ckpt, process_group=group, no_dist=not distributed)
+    except Exception as e:  # noqa: BLE001 - missing keys, shape mismatches, unreadable files
+        raise CheckpointError(f"rank {rank}: cannot load {ckpt}: {type(e).__name__}: {str(e).strip()[:800]}") from e
+    if model is not None:
+        set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        assert model is not None
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    return info, _from_bytes(state["rank_state"][f"rank{rank}"])
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Everything in a checkpoint, read in this one process (for inspection and tests).
+
+    Returns:
+        ``{"info": ..., "model": {fqn: tensor}, "optimizer": {...}, "scheduler": ...,
+        "rank_state": {rank: object}}`` (keys present as saved).
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = find_checkpoint(path)
+    buf = io.BytesIO()
+    dcp_to_torch_save(ckpt, buf)  # type: ignore[arg-type]  # torch.save takes a file object
+    buf.seek(0)
+    full: dict[str, Any] = torch.load(buf, weights_only=False)
+    blobs = full.pop("rank_state", {})
+    full["rank_state"] = {int(k[len("rank"):]): _from_bytes(v) for k, v in blobs.items()}
+    full["info"] = read_info(ckpt)
+    return full

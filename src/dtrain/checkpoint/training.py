@@ -1,0 +1,190 @@
+"""Checkpoint and resume for ``dtrain run`` (``--checkpoint-every N``, ``--resume PATH``).
+
+What a run's checkpoint holds, per strategy:
+
+* ``dp`` / ``ddp`` (every rank at the same step): the model and optimizer
+  (written once, DCP spreads them over the ranks), and per rank: the engine's
+  compressor state with the bucket layout it is keyed by
+  (:meth:`dtrain.DataParallel.compressor_state_dict`) and the RNG states;
+* ``ps`` under bsp: per server its shard, its optimizer state, its clock table
+  and gradient count; per worker its clock, its compressor state, its data
+  position and RNG states (:meth:`dtrain.ParameterServer.state_dict`).
+
+The data position is ``(epoch, batch)``: the sampler's epoch (its shuffle seed)
+and how many of that epoch's batches were consumed. A resumed run rebuilds the
+epoch's DistributedSampler order and starts at that batch, so it sees exactly the
+batches the uninterrupted run would have.
+
+Optimizer hyperparameters (lr, momentum, weight decay) come from the resumed
+run's configuration, not from the checkpoint: ``--resume PATH --lr 0.01``
+continues with the new rate; the optimizer's *state* (momentum buffers, Adam's
+moments and step counts) comes from the checkpoint.
+
+:func:`check_resume` runs in the parent before any process starts: it refuses a
+checkpoint that is missing or incomplete, saved by a different number of
+processes, or with a different strategy, compression, model, data order or
+consistency model, and one that leaves nothing to train.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.checkpoint._rng import rng_state, set_rng_state
+from dtrain.checkpoint.dcp import load_checkpoint, save_checkpoint
+from dtrain.checkpoint.layout import CHECKPOINTS_DIR, CheckpointError, find_checkpoint, read_info
+from dtrain.errors import ConfigError
+
+__all__ = ["RunCheckpointer", "run_info", "check_resume", "train_steps"]
+
+_DIGITS_TRAIN = 1437  # 80% of sklearn's 1,797 digits (dtrain.data)
+
+
+def run_info(cfg: Any) -> dict[str, Any]:
+    """The options a checkpoint of ``cfg``'s run depends on (a resumed run must match them)."""
+    comp = cfg.compression if cfg.compression not in ("", "none") else "none"
+    d: dict[str, Any] = {
+        "strategy": cfg.strategy, "workers": cfg.workers, "model": cfg.model, "dataset": cfg.dataset,
+        "batch_size": cfg.batch_size, "seed": cfg.seed, "optimizer": cfg.optimizer, "compression": comp,
+    }
+    if comp != "none":
+        d["error_feedback"] = cfg.error_feedback
+        if cfg.strategy == "dp":
+            d["bucket_mb"] = cfg.bucket_mb  # the bucket layout keys the compressor state
+    if cfg.dataset == "synthetic":
+        d["samples"] = cfg.samples
+    if cfg.strategy == "ps":
+        d["servers"] = cfg.servers
+        d["consistency"] = cfg.consistency
+    return d
+
+
+def train_steps(cfg: Any) -> int:
+    """Steps of ``cfg``'s run (per worker), as :meth:`dtrain.train.TrainContext.total_steps` counts them."""
+    size = cfg.samples if cfg.dataset == "synthetic" else _DIGITS_TRAIN
+    per_shard = size // cfg.workers
+    n = per_shard // (cfg.batch_size // cfg.workers) * cfg.epochs
+    return min(n, cfg.max_steps) if cfg.max_steps else n
+
+
+def _flag(k: str, v: Any) -> str:
+    if isinstance(v, bool):
+        return f"--{'' if v else 'no-'}{k.replace('_', '-')}"
+    return f"--{k.replace('_', '-')} {v}"
+
+
+def check_resume(cfg: Any) -> None:
+    """Refuse bad checkpoint options before any process starts (:class:`ConfigError` saying what to change)."""
+    if cfg.checkpoint_every < 0:
+        raise ConfigError(f"checkpoint_every must be >= 0 (0: no checkpoints), got {cfg.checkpoint_every}")
+    wants = cfg.checkpoint_every > 0 or bool(cfg.resume)
+    if wants and cfg.strategy == "ps" and cfg.consistency.strip().lower() != "bsp":
+        raise ConfigError(
+            f"checkpoints of the parameter server need consistency bsp (got {cfg.consistency!r}): under "
+            "asynchronous policies the workers and servers never share a step to save at"
+        )
+    if not cfg.resume:
+        return
+    if cfg.strategy == "auto":
+        raise ConfigError("--resume continues the checkpoint's strategy; pass it (e.g. --strategy dp) instead of auto")
+    ckpt = find_checkpoint(cfg.resume)
+    info = read_info(ckpt)
+    saved = info.get("run")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{ckpt} was not written by `dtrain run` (its marker has no run options)")
+    mine = run_info(cfg)
+    keys = sorted(set(saved) | set(mine), key=lambda k: list(mine).index(k) if k in mine else 99)
+    diff = [k for k in keys if saved.get(k) != mine.get(k)]
+    if diff:
+        was = ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
+        now = ", ".join(f"{k}={mine.get(k)!r}" for k in diff)
+        fix = " ".join(_flag(k, saved[k]) for k in diff if k in saved)
+        raise CheckpointError(
+            f"cannot resume from {ckpt}: it was saved with {was}; this run has {now}. Resume with the "
+            f"checkpoint's values ({fix}): compressor state, data order and optimizer state belong to them"
+        )
+    if int(info["world_size"]) != cfg.num_processes:
+        raise CheckpointError(
+            f"cannot resume from {ckpt}: it was saved by {info['world_size']} processes, this run starts "
+            f"{cfg.num_processes}"
+        )
+    total = train_steps(cfg)
+    if int(info["step"]) >= total:
+        raise CheckpointError(
+            f"{ckpt} is at step {info['step']} and this run ends at step {total} (epochs {cfg.epochs}, max_steps "
+            f"{cfg.max_steps}); nothing is left to train: raise --epochs or --max-steps"
+        )
+
+
+class RunCheckpointer:
+    """Saves a run's state every ``checkpoint_every`` steps and restores it for ``--resume``.
+
+    Built in every process of a run at the same point (it creates a gloo group
+    with the run's timeout, so saves never share a group with training traffic
+    and a stuck save fails after ``timeout_s`` naming the rank and step).
+
+    Args:
+        cfg: the run's :class:`~dtrain.config.RunConfig`.
+        out_dir: the run folder; checkpoints go to ``out_dir/checkpoints``.
+    """
+
+    def __init__(self, cfg: Any, out_dir: str | Path) -> None:
+        self.cfg = cfg
+        self.every = int(cfg.checkpoint_every)
+        self.root = Path(out_dir) / CHECKPOINTS_DIR
+        self.resume_from = find_checkpoint(cfg.resume) if cfg.resume else None
+        self.group: Any = None
+        if dist.is_available() and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self._saved: set[int] = set()
+
+    @classmethod
+    def create(cls, cfg: Any, out_dir: str | Path) -> "RunCheckpointer | None":
+        """A checkpointer when the run saves or resumes, else None (every process decides alike)."""
+        if cfg.checkpoint_every <= 0 and not cfg.resume:
+            return None
+        return cls(cfg, out_dir)
+
+    def due(self, step: int, final: bool = False) -> bool:
+        """Whether to save after ``step`` steps: every ``checkpoint_every`` steps, and at the end of training."""
+        return self.every > 0 and step > 0 and step not in self._saved and (step % self.every == 0 or final)
+
+    def save(self, step: int, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+             rank_state: dict[str, Any] | None = None, **facts: Any) -> Path:
+        """Collective: save the state after ``step`` steps (``facts`` go into the marker, e.g. epoch and batch)."""
+        blob = dict(rank_state or {})
+        blob["rng"] = rng_state()
+        info = {"run": run_info(self.cfg), **facts}
+        path = save_checkpoint(self.root, step, model=model, optimizer=optimizer, rank_state=blob, info=info,
+                               group=self.group)
+        self._saved.add(step)
+        return path
+
+    def restore(self, *, model: nn.Module | None = None,
+                optimizer: torch.optim.Optimizer | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Collective: load ``--resume``'s checkpoint; returns ``(info, this rank's state)``.
+
+        The optimizer keeps the hyperparameters it was built with (the run's
+        configuration); its state comes from the checkpoint. RNG states are
+        not applied here: call :meth:`restore_rng` once the data iterator of the
+        resumed epoch exists (building it draws from torch's generator, as it
+        did in the interrupted run before the checkpoint).
+        """
+        assert self.resume_from is not None
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
+        info, blob = load_checkpoint(self.resume_from, model=model, optimizer=optimizer, group=self.group)
+        if optimizer is not None:
+            for g, h in zip(optimizer.param_groups, hyper):
+                g.update(h)
+        return info, blob
+
+    @staticmethod
+    def restore_rng(blob: dict[str, Any]) -> None:
+        """Put the global generators back as they were when ``blob`` was saved."""
+        set_rng_state(blob["rng"])
