@@ -92,6 +92,8 @@ class RunConfig:
     timeout_s: float = 300.0
     trace: bool = True  # trace.json (Chrome trace); --no-trace to skip
     progress: bool = True
+    checkpoint_every: int = 0  # save a checkpoint every N steps and at the end (0: never)
+    resume: str = ""  # a checkpoint folder, or a run folder (its latest complete checkpoint)
     extra: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ building
@@ -204,6 +206,9 @@ class RunConfig:
                 from_spec(self.compression, error_feedback=self.error_feedback)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        from dtrain.checkpoint.training import check_resume
+
+        check_resume(self)
         return self
 
 

@@ -90,17 +90,23 @@ class TrainContext:
     def optimizer_factory(self) -> Callable[[Any], torch.optim.Optimizer]:
         return self.make_optimizer
 
-    def loader(self, shard: int, num_shards: int, epoch: int) -> DataLoader:
+    def loader(self, shard: int, num_shards: int, epoch: int, start_batch: int = 0) -> DataLoader:
         """This shard's training batches for ``epoch`` (a DistributedSampler slice).
 
         The per-shard batch is ``batch_size // num_shards``, so the global batch is
-        ``batch_size`` whatever the number of workers.
+        ``batch_size`` whatever the number of workers. ``start_batch`` skips the
+        epoch's first batches without reading them (a resumed run starts mid-epoch
+        on exactly the batches the uninterrupted run saw next).
         """
         sampler = DistributedSampler(
             self.data.train, num_replicas=num_shards, rank=shard, shuffle=True, seed=self.cfg.seed, drop_last=True
         )
         sampler.set_epoch(epoch)
-        return DataLoader(self.data.train, batch_size=self.cfg.batch_size // num_shards, sampler=sampler, drop_last=True)
+        bs = self.cfg.batch_size // num_shards
+        if start_batch:
+            order = list(sampler)[start_batch * bs :]
+            return DataLoader(self.data.train, batch_size=bs, sampler=order, drop_last=True)  # type: ignore[arg-type]
+        return DataLoader(self.data.train, batch_size=bs, sampler=sampler, drop_last=True)
 
     def steps_per_epoch(self, num_shards: int) -> int:
         per_shard = len(self.data.train) // num_shards
@@ -176,24 +182,57 @@ def _write_dp_row(ctx: TrainContext, row: dict[str, Any], st: dict[str, Any] | N
     ctx.metrics.write(**row)
 
 
+def _save_dp(ctx: TrainContext, ckpt: Any, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             wrapped: nn.Module) -> None:
+    """Checkpoint after ``step`` steps: model, optimizer, and per rank the engine's compressor state and RNGs."""
+    sync = getattr(wrapped, "synchronize", None)
+    if callable(sync):
+        sync()  # overlap="forward": the last step's buckets are still being applied
+    state_fn = getattr(wrapped, "compressor_state_dict", None)
+    spe = ctx.steps_per_epoch(ctx.world_size)
+    with ctx.tracer.span("checkpoint", step=step):
+        ckpt.save(step, model=model, optimizer=optimizer, rank_state={"engine": state_fn() if state_fn else None},
+                  epoch=step // spe, batch=step % spe)
+
+
 def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
-    """Synchronous data parallelism: dtrain.DataParallel (``dp``) or torch DDP (``ddp``)."""
+    """Synchronous data parallelism: dtrain.DataParallel (``dp``) or torch DDP (``ddp``).
+
+    With ``checkpoint_every`` it saves every N steps and after the last one; with
+    ``resume`` it restores model, optimizer, engine (compressor) state, step and data
+    position, and sets the RNGs once the resumed epoch's data iterator exists.
+    """
+    from dtrain.checkpoint.training import RunCheckpointer
+
     c, rank, world = ctx.cfg, ctx.rank, ctx.world_size
+    ckpt = RunCheckpointer.create(c, ctx.out_dir)  # its group first: every rank creates groups in one order
     model = ctx.make_model()
     optimizer = ctx.make_optimizer(model.parameters())
     wrapped = _wrap(model, ctx, optimizer)
+    start, blob = 0, None
+    if ckpt is not None and ckpt.resume_from is not None:
+        info, blob = ckpt.restore(model=model, optimizer=optimizer)
+        load_fn = getattr(wrapped, "load_compressor_state_dict", None)
+        if load_fn is not None:
+            load_fn(blob["engine"])
+        start = int(info["step"])
     stats_fn = getattr(wrapped, "step_stats", None)
     steps_in_optimizer = c.strategy == "dp" and c.overlap == "forward"
     loss_fn = nn.CrossEntropyLoss()
     total = ctx.total_steps(world)
-    bar = ctx.progress(total, rank == 0)
+    spe = ctx.steps_per_epoch(world)
+    bar = ctx.progress(total - start, rank == 0)
     slow = ctx.straggler_factor()
-    step, samples, losses, history = 0, 0, [], []
+    step, samples, losses, history = start, 0, [], []
     pending: dict[str, Any] | None = None
     t_start = time.perf_counter()
     eval_s = 0.0
-    for epoch in range(c.epochs):
-        for x, y in ctx.loader(rank, world, epoch):
+    for epoch in range(start // spe, c.epochs):
+        batches = iter(ctx.loader(rank, world, epoch, start_batch=start % spe if step == start else 0))
+        if blob is not None:  # after building the iterator, which draws from torch's generator
+            ckpt.restore_rng(blob)  # type: ignore[union-attr]
+            blob = None
+        for x, y in batches:
             if step >= total:
                 break
             t0 = time.perf_counter()
@@ -225,6 +264,8 @@ def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
             bar.update(1)
             if step % 10 == 0:
                 bar.set_postfix(loss=f"{row['loss']:.3f}")
+            if ckpt is not None and ckpt.due(step, final=step >= total):
+                _save_dp(ctx, ckpt, step, model, optimizer, wrapped)
         if rank == 0:
             te = time.perf_counter()
             if steps_in_optimizer and hasattr(wrapped, "synchronize"):
@@ -242,7 +283,7 @@ def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
     train_s = time.perf_counter() - t_start - eval_s
     bar.close()
     out: dict[str, Any] = dict(
-        role="worker", steps=step, samples=samples, train_s=train_s,
+        role="worker", steps=step - start, start_step=start, samples=samples, train_s=train_s,
         final_loss=sum(losses[-10:]) / max(1, len(losses[-10:])),
         bytes_sent=sum(json.loads(line)["bytes_sent"] for line in ctx.metrics.path.read_text().splitlines()),
     )
@@ -306,6 +347,9 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
         "bytes_sent_per_step": sum(float(w["bytes_sent"]) / max(1, int(w["steps"])) for w in workers) / len(workers),
         "accuracy_history": evaluator.get("accuracy_history", []),
     }
+    if cfg.resume:
+        s["resumed_from"] = cfg.resume
+        s["start_step"] = max(int(w.get("start_step", 0)) for w in workers)
     for r in results.values():  # strategy-specific extras (e.g. staleness) from any process
         for k, v in r.get("summary_extra", {}).items():
             s.setdefault(k, v)
