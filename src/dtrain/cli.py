@@ -35,6 +35,8 @@ _HELP = {
     "out": "run folder (default: runs/<timestamp>-<strategy>)",
     "max_steps": "stop after this many steps (0: no limit)",
     "error_feedback": "error feedback for biased compressors (default: on; --no-error-feedback: off)",
+    "checkpoint_every": "save a checkpoint to RUN/checkpoints every N steps and at the end (default: 0, never)",
+    "resume": "continue from a checkpoint folder, or a run folder's latest complete checkpoint",
 }
 # subcommands that live in other packages: name -> module with main(argv) -> int
 _BENCHES = {
