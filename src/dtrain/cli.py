@@ -42,6 +42,7 @@ _HELP = {
 _BENCHES = {
     "allreduce": "dtrain.bench.allreduce",
     "calibrate": "dtrain.bench.calibrate",
+    "p2p": "dtrain.bench.p2p",
     "train": "dtrain.bench.train",
 }
 
