@@ -5,14 +5,13 @@ of ranks 0..P-1 (``dist.new_group``; P = 7 on the default group), so the suite p
 torch's start-up for 7 processes instead of 28. Every case runs inside the workers,
 for every algorithm (and native, once per input):
 
-* P+1 elements (more than ranks, not divisible by P) with every dtype x op;
-* 0, 1, 3 and P-1 elements with float32 x every op and every dtype x sum (the
-  full dtype x op cross at every size runs in the threaded unit tests, for
-  P = 1..9; over gloo each tiny collective costs ~1-3 ms of CPU per rank);
+* 0, 1, 3, P-1 and P+1 elements: every dtype x op (P+1: more than ranks, not
+  divisible by P; P-1 and fewer: some ranks own empty segments);
 * 1000003 elements: every algorithm with float32 sum and with one more
   (dtype, op) pair, the pairs together covering every dtype and op, and the ring
-  also with 64 KiB pieces (the full cross product at this size is ~150 large
-  collectives per world size: minutes of loopback traffic on 2 cores);
+  also with 64 KiB pieces. The full dtype x op cross at this size (~150 large
+  collectives per world size, minutes of loopback traffic on 2 cores) is the
+  ``slow`` test ``test_full_cross_at_1000003_elements`` (``pytest -m slow``);
 * hierarchical with ``node_size=2`` (nodes of 2 and, for odd P, a last node of 1).
 
 Checks, in the workers: integers, max and min equal the exact result (computed
@@ -67,13 +66,12 @@ _BIG_EXTRA = {
 SMALL_PIECES = 64 << 10
 
 
-def _cases(world_size: int) -> list[tuple[int, torch.dtype, str, str, int | None]]:
+def _cases(world_size: int, big_full: bool = False) -> list[tuple[int, torch.dtype, str, str, int | None]]:
     """(elements, dtype, op, algorithm, ring piece bytes or None for the default)."""
-    full = world_size + 1
-    partial = sorted({0, 1, 3, max(world_size - 1, 0)} - {full})
-    pairs = [(torch.float32, op) for op in OPS] + [(dt, "sum") for dt in DTYPES if dt != torch.float32]
-    cases = [(full, dt, op, alg, None) for dt in DTYPES for op in OPS for alg in ALGS]
-    cases += [(n, dt, op, alg, None) for n in partial for dt, op in pairs for alg in ALGS]
+    small = sorted({0, 1, 3, max(world_size - 1, 0), world_size + 1})
+    cases = [(n, dt, op, alg, None) for n in small for dt in DTYPES for op in OPS for alg in ALGS]
+    if big_full:
+        return [(BIG, dt, op, alg, None) for dt in DTYPES for op in OPS for alg in ALGS]
     cases += [(BIG, torch.float32, "sum", alg, None) for alg in ALGS]
     cases += [(BIG, torch.float32, "sum", "ring", SMALL_PIECES), (BIG, torch.float16, "avg", "ring", SMALL_PIECES)]
     cases += [(BIG, *_BIG_EXTRA[alg], alg, None) for alg in ALGS]
@@ -124,7 +122,7 @@ def _mismatch(got: torch.Tensor, exp: Expected, P: int) -> str:
     return "" if excess <= 0 else f"off the exact sum by {excess:g} beyond the bound"
 
 
-def _check_world(rank: int, P: int, group: object) -> list[str]:
+def _check_world(rank: int, P: int, group: object, big_full: bool = False) -> list[str]:
     """Every case on ``group`` (ranks 0..P-1); returns what went wrong, as text."""
     import torch.distributed as dist
 
@@ -134,7 +132,7 @@ def _check_world(rank: int, P: int, group: object) -> list[str]:
     digests: list[str] = []
     seen: dict[tuple[int, torch.dtype, str], Expected] = {}
     kw = dict(group=group, timeout=TIMEOUT)
-    for n, dt, op, alg, piece in _cases(P):
+    for n, dt, op, alg, piece in _cases(P, big_full):
         case = 31 * n + DTYPES.index(dt)
         x = _input(rank, n, dt, case)
         key = (n, dt, op)
@@ -179,7 +177,7 @@ def _check_world(rank: int, P: int, group: object) -> list[str]:
     return problems
 
 
-def _worker(rank: int, world_size: int) -> dict[int, list[str]]:
+def _worker(rank: int, world_size: int, big_full: bool = False) -> dict[int, list[str]]:
     import torch.distributed as dist
 
     from dtrain.comm import allreduce
@@ -189,9 +187,11 @@ def _worker(rank: int, world_size: int) -> dict[int, list[str]]:
         # every rank takes part in creating every group, as torch requires
         group = None if P == world_size else dist.new_group(list(range(P)))
         if rank < P:
-            found[P] = _check_world(rank, P, group)
+            found[P] = _check_world(rank, P, group, big_full)
         dist.barrier()
 
+    if big_full:
+        return found
     # a group of non-consecutive ranks, with hierarchical's default and one-rank nodes
     members = list(range(0, world_size, 2))
     group = dist.new_group(members)
@@ -217,6 +217,16 @@ def test_every_algorithm_matches_native(dist_results: list[dict[int, list[str]]]
     for rank in range(world_size):
         problems = dist_results[rank][world_size]
         assert not problems, f"rank {rank}:\n" + "\n".join(problems[:20])
+
+
+@pytest.mark.slow
+def test_full_cross_at_1000003_elements() -> None:
+    """Every algorithm x dtype x op at 1000003 elements, world sizes 1..7 (minutes on 2 cores)."""
+    results = run_distributed(_worker, 7, True, timeout=3000, pg_timeout=300)
+    for P in range(1, 8):
+        for rank in range(P):
+            problems = results[rank][P]
+            assert not problems, f"P={P} rank {rank}:\n" + "\n".join(problems[:20])
 
 
 def test_non_consecutive_group(dist_results: list[dict[int, list[str]]]) -> None:
@@ -279,18 +289,22 @@ def test_rank_killed_mid_ring_makes_survivors_fail_fast() -> None:
         assert v["elapsed"] < timeout + 20, f"rank {o.rank} took {v['elapsed']:.1f}s to fail"
 
 
-def _device_worker(rank: int, world_size: int) -> str:
+def _device_worker(rank: int, world_size: int, device: str) -> str:
     from dtrain.comm import allreduce
     from dtrain.errors import ConfigError
 
     try:
-        allreduce(torch.ones(4, device="cuda"))
+        allreduce(torch.ones(4, device=device))
     except ConfigError as e:
         return str(e)
     return "no error"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to make a CUDA tensor")
-def test_cuda_tensor_on_gloo_is_rejected() -> None:
-    (msg,) = run_distributed(_device_worker, 1, timeout=120)
-    assert "gloo" in msg and "CPU" in msg, msg
+_DEVICE_WORDS = {"meta": ("meta device", "holds no data"), "cuda": ("gloo", "CPU", "cuda")}
+
+
+# a meta tensor (no storage) runs everywhere; a CUDA tensor on gloo joins where CUDA is present
+@pytest.mark.parametrize("device", ["meta", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_tensor_on_a_wrong_device_is_rejected(device: str) -> None:
+    (msg,) = run_distributed(_device_worker, 1, device, timeout=120)
+    assert all(w in msg for w in _DEVICE_WORDS[device]), msg
