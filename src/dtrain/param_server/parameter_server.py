@@ -83,6 +83,13 @@ class ParameterServer:
         transport / store: for in-process tests (a ``ThreadTransport`` and a
             ``torch.distributed.HashStore``); by default a new process group of all
             ranks and the default group's store.
+        state: this rank's :meth:`state_dict` from a checkpoint, restored before
+            the first message: a server's shard, optimizer state and clock table, a
+            worker's clock and compressor state (default: a fresh start).
+        on_update: servers only: ``f(version, budget_spent)`` called on the
+            serving thread after each update's replies are sent -- under bsp every
+            worker has just been released, the moment to call :meth:`state_dict`
+            for a checkpoint (default: None).
     """
 
     def __init__(
@@ -101,6 +108,8 @@ class ParameterServer:
         group: Any = None,
         transport: Transport | None = None,
         store: Any = None,
+        state: dict[str, Any] | None = None,
+        on_update: Callable[[int, bool], None] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -134,6 +143,10 @@ class ParameterServer:
         self.spec.check_workers(self.num_workers)  # every rank fails alike, before any message
         self.is_server = self.rank < servers
         self.worker_index = -1 if self.is_server else self.rank - servers
+        role = "server" if self.is_server else "worker"
+        if state is not None and state.get("role") != role:
+            raise ConfigError(f"rank {self.rank} is a {role} but was given the saved state of a {state.get('role')}; "
+                              "resume with the same numbers of servers and workers")
         self.timeout_s = float(timeout_s)
         workers = list(range(servers, self.world_size))
         self._live = Liveness(store, prefix, self.rank, timeout_s)
@@ -144,9 +157,14 @@ class ParameterServer:
                 self.transport, self.shards[self.rank], self.params, optimizer_factory, self.spec.build(),
                 workers, push_c, pull_c, self._live, timeout_s, max_gradients,
             )
+            self._server.on_update = on_update
+            if state is not None:
+                self._server.load_state_dict(state)
             self._live.start(watch=workers)
         else:
             self._client = ShardClient(self.transport, self.shards, self.params, push_c, pull_c, self._live, timeout_s)
+            if state is not None:
+                self._client.load_state_dict(state)
             self._live.start(watch=range(servers))
             self._client.connect()
         self._served = False
@@ -203,6 +221,19 @@ class ParameterServer:
         if self._client is None:
             raise DTrainError(f"rank {self.rank} is a server; call serve(), not finish()")
         self._client.finish()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state for a checkpoint; pass it back as ``state=`` to resume.
+
+        A worker calls it between steps (its clock and compressor state: error
+        feedback residuals, PowerSGD's Q); a server inside ``on_update`` (its
+        shard, optimizer state, clock table and gradient count). Differs per
+        rank: save it per rank.
+        """
+        if self._server is not None:
+            return {"role": "server", **self._server.state_dict()}
+        assert self._client is not None
+        return {"role": "worker", **self._client.state_dict()}
 
     @property
     def should_stop(self) -> bool:

@@ -15,6 +15,15 @@ shard (the accuracy history) and the final model after :meth:`finish`.
 ``--straggler RANK:FACTOR`` makes that worker sleep ``(FACTOR - 1)`` times its
 measured compute time after each backward pass.
 
+Checkpoints (``--checkpoint-every N``, bsp only): each server saves its shard,
+optimizer state and clock table from the ``on_update`` hook right after update
+``k * N`` (and the last one), when every worker has just been released; each
+worker saves its clock, compressor state, data position and RNGs after its step
+``k * N``; one collective save (:class:`dtrain.checkpoint.training.RunCheckpointer`)
+holds them all. ``--resume`` hands each rank its own state back
+(``ParameterServer(state=...)``): servers restore before serving, workers pull
+the checkpoint's parameters at their saved clock and continue mid-epoch.
+
 At the end every process publishes its :meth:`ParameterServer.stats` to the c10d
 store; the first server merges them, writes ``ps_stats.json`` to the run folder,
 prints a table, and returns ``staleness`` and ``clock_lag`` (``{max, mean, hist}``
@@ -55,6 +64,12 @@ def run_process(ctx: Any) -> dict[str, Any]:
         from dtrain.compress import from_spec
 
         comp = from_spec(c.compression, error_feedback=c.error_feedback)
+    from dtrain.checkpoint.training import RunCheckpointer
+
+    ckpt = RunCheckpointer.create(c, ctx.out_dir)  # its group before the parameter server's, on every rank
+    blob: dict[str, Any] | None = None
+    if ckpt is not None and ckpt.resume_from is not None:
+        _, blob = ckpt.restore()
     model = ctx.make_model()
     scale = lr_scale(c.consistency, workers)
 
@@ -64,13 +79,21 @@ def run_process(ctx: Any) -> dict[str, Any]:
             group["lr"] = group["lr"] * scale
         return opt
 
+    holder: list[ParameterServer] = []
+
+    def on_update(version: int, spent: bool) -> None:  # servers: after an update's replies went out
+        if ckpt is not None and ckpt.due(version, final=spent):
+            ckpt.save(version, rank_state={"ps": holder[0].state_dict()}, updates=version)
+
     ps = ParameterServer(
         model, optimizer_factory, servers=servers, consistency=c.consistency, staleness_lr=c.staleness_lr,
         compression=comp, timeout_s=c.timeout_s, max_gradients=workers * steps,
+        state=blob["ps"] if blob is not None else None, on_update=on_update if ckpt is not None else None,
     )
+    holder.append(ps)
     if ps.is_server:
         return _serve(ctx, ps)
-    return _work(ctx, ps, model, workers, steps)
+    return _work(ctx, ps, model, workers, steps, ckpt, blob)
 
 
 def lr_scale(consistency: str, workers: int) -> float:
@@ -114,21 +137,31 @@ def _serve(ctx: Any, ps: ParameterServer) -> dict[str, Any]:
     return out
 
 
-def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: int) -> dict[str, Any]:
+def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: int, ckpt: Any = None,
+          blob: dict[str, Any] | None = None) -> dict[str, Any]:
     c = ctx.cfg
     i = ps.worker_index
     evaluator = i == 0
     loss_fn = nn.CrossEntropyLoss()
     slow = ctx.straggler_factor()
-    bar = ctx.progress(steps, evaluator)
-    step, samples, losses, history = 0, 0, [], []
+    start, epoch, first_batch = 0, 0, 0
+    if blob is not None:  # resumed: this worker's clock and data position at the checkpoint
+        start, epoch, first_batch = int(blob["ps"]["clock"]), int(blob["epoch"]), int(blob["batch"])
+        if first_batch >= ctx.steps_per_epoch(workers):
+            epoch, first_batch = epoch + 1, 0
+    bar = ctx.progress(steps - start, evaluator)
+    step, samples, losses, history = start, 0, [], []
     eval_s = 0.0
-    epoch = 0
     t_start = time.perf_counter()
     sent_before = 0
     while not ps.should_stop:
-        batches = 0
-        for x, y in ctx.loader(i, workers, epoch):
+        batches = first_batch
+        data = iter(ctx.loader(i, workers, epoch, start_batch=first_batch))
+        first_batch = 0
+        if blob is not None:  # after building the iterator, which draws from torch's generator
+            ckpt.restore_rng(blob)
+            blob = None
+        for x, y in data:
             batches += 1
             t0 = time.perf_counter()
             with ctx.tracer.span("step", step=step):
@@ -159,6 +192,9 @@ def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: 
             bar.update(1)
             if step % 10 == 0:
                 bar.set_postfix(loss=f"{loss_v:.3f}")
+            if ckpt is not None and ckpt.due(step, final=ps.should_stop):
+                with ctx.tracer.span("checkpoint", step=step):
+                    ckpt.save(step, rank_state={"ps": ps.state_dict(), "epoch": epoch, "batch": batches})
             if ps.should_stop:
                 break
         if batches == 0:
@@ -177,7 +213,7 @@ def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: 
     st = ps.stats()
     ps.store.set(_stats_key(ps, ps.rank), json.dumps(st))
     out: dict[str, Any] = dict(
-        role="worker", steps=step, samples=samples, train_s=train_s,
+        role="worker", steps=step - start, start_step=start, samples=samples, train_s=train_s,
         final_loss=sum(losses[-10:]) / max(1, len(losses[-10:])), bytes_sent=st["bytes_sent"], ps=st,
     )
     if evaluator:

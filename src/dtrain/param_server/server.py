@@ -42,7 +42,7 @@ import torch
 
 from dtrain.comm.transport import Transport, Work
 from dtrain.compress.base import Compressor
-from dtrain.errors import CommError, CommTimeoutError
+from dtrain.errors import CommError, CommTimeoutError, DTrainError
 from dtrain.param_server._liveness import Liveness
 from dtrain.param_server.consistency import Action, Apply, Drop, Policy, PolicyViolation, Release
 from dtrain.param_server.protocol import (
@@ -190,6 +190,9 @@ class ShardServer:
         self._finished: set[int] = set()
         self._lost: set[int] = set()
         self._works: list[tuple[int, Work]] = []
+        #: called on the main thread as ``on_update(version, budget_spent)`` after an event that applied an
+        #: update, once its replies are sent (a checkpoint's hook: under bsp no worker is waiting then)
+        self.on_update: Callable[[int, bool], None] | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -198,6 +201,52 @@ class ShardServer:
         if not self.pieces:
             return torch.zeros(0, dtype=self.dtype)
         return torch.cat([p.detach().reshape(-1) for p in self.pieces])
+
+    def state_dict(self) -> dict[str, Any]:
+        """This server's part of a checkpoint: its shard, optimizer state, clock table and counters.
+
+        Only at a quiet point -- nothing buffered, no worker waiting -- which under
+        bsp is the moment :attr:`on_update` runs.
+        """
+        pol = getattr(self.policy, "inner", self.policy)
+        if pol.waiting or pol.buffer or self._pending:
+            raise DTrainError(f"server rank {self.rank}: cannot checkpoint while workers {sorted(pol.waiting)} wait "
+                              "or gradients are buffered (checkpoint under bsp, after an update)")
+        return {
+            "pieces": [p.detach().clone() for p in self.pieces], "optimizer": self.optimizer.state_dict(),
+            "clock": dict(pol.clock), "version": pol.version, "received": self.stats.received,
+            "updates": self.stats.updates, "pull_compressor": self.pull_c.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output before :meth:`serve`.
+
+        The optimizer's state (momentum, moments) is restored; its hyperparameters
+        stay as ``optimizer_factory`` set them, so a resumed run may change them.
+        Workers resume at their saved clocks (their first pull carries it).
+        """
+        pieces = state["pieces"]
+        shapes = [tuple(p.shape) for p in self.pieces]
+        if [tuple(t.shape) for t in pieces] != shapes:
+            raise ValueError(f"server rank {self.rank}: the saved shard has pieces {[tuple(t.shape) for t in pieces]}, "
+                             f"this shard {shapes}; resume with the same model and number of servers")
+        pol = getattr(self.policy, "inner", self.policy)
+        if set(state["clock"]) != set(pol.clock):
+            raise ValueError(f"server rank {self.rank}: the saved clock table has workers {sorted(state['clock'])}, "
+                             f"this run {sorted(pol.clock)}")
+        with torch.no_grad():
+            for p, t in zip(self.pieces, pieces):
+                p.copy_(t)
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state["optimizer"])
+        for g, h in zip(self.optimizer.param_groups, hyper):
+            g.update(h)
+        pol.clock = {int(w): int(c) for w, c in state["clock"].items()}
+        pol.version = int(state["version"])
+        self.stats.received = int(state["received"])
+        self.stats.updates = int(state["updates"])
+        self.pull_c.load_state_dict(state["pull_compressor"])
+        self._wire = None
 
     def serve(self) -> ServerStats:
         """Run until every worker has finished or been lost; return the statistics."""
@@ -267,9 +316,12 @@ class ShardServer:
                 ev = None
             if ev is not None:
                 t0 = time.perf_counter()
+                version = self.policy.version
                 self._handle(ev)
                 self._flush_sends()
                 self.stats.busy_s += time.perf_counter() - t0
+                if self.on_update is not None and self.policy.version != version:
+                    self.on_update(self.policy.version, bool(self._stop_flag()))
                 last_event = time.monotonic()
             self._check_health(last_event)
 
@@ -306,8 +358,9 @@ class ShardServer:
         payload: torch.Tensor | None = ev[3]
         self.stats.bytes_in += 8 * 8 + (payload.numel() if payload is not None else 0)
         if h.op == OP_PULL:
-            if h.clock != 0:
-                self._reject(w, f"first pull must carry clock 0, got {h.clock}", h)
+            expected = self.policy.clock.get(w, 0)  # 0, or the clock a resumed worker had at the checkpoint
+            if h.clock != expected:
+                self._reject(w, f"first pull must carry clock {expected}, got {h.clock}", h)
             self._run(w, h, lambda: self.policy.pull(w))
         elif h.op == OP_PUSH:
             assert payload is not None

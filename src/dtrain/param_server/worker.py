@@ -184,6 +184,21 @@ class ShardClient:
         for th in self._threads:
             th.join(timeout=1.0)
 
+    # ------------------------------------------------------------------ checkpoint state
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's part of a checkpoint (between steps): its clock and its compressors' state."""
+        return {"clock": self.clock, "version": dict(self.version), "push_compressor": self.push_c.state_dict(),
+                "pull_compressor": self.pull_c.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output before :meth:`connect` (whose pull then carries the saved clock)."""
+        if self._threads:
+            raise DTrainError(f"rank {self.rank}: load the worker's state before connect()")
+        self.clock = int(state["clock"])
+        self.push_c.load_state_dict(state["push_compressor"])
+        self.pull_c.load_state_dict(state["pull_compressor"])
+
     # ------------------------------------------------------------------ exchange
 
     def _guard(self, op: str, fn: Any) -> Any:
