@@ -1,7 +1,7 @@
 """The parameter server in real processes (gloo over loopback), against single-process references.
 
 To keep process start-ups few on small machines, one spawn of 6 processes runs all
-BSP equivalence checks, one (marked slow) the accuracy runs of every policy, and
+BSP equivalence checks (and the DataParallel runs they compare with), one (marked slow) the accuracy runs of every policy, and
 two spawns of 7 processes run the fault cases side by side on disjoint process
 groups.
 """
@@ -30,12 +30,13 @@ def _optimizer(name):
     return lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-# Adam's first steps are about lr * sign(gradient): a parameter whose float32 gradient is a
-# cancellation (~1e-10) gets a step whose sign depends on the summation order. Two
-# single-process float32 references (mean over the global batch vs mean of the workers'
-# means, i.e. what DataParallel computes) already differ by up to 7e-3 after 20 steps on
-# this CNN, so Adam is compared in float64, where the order costs ~1e-13.
-DTYPES = {"sgd": torch.float32, "adam": torch.float64}
+# Adam's first steps are about lr * sign(gradient): a parameter whose gradient is a cancellation
+# (~1e-10) gets a step whose sign depends on the order the workers' gradients are summed in. The
+# server sums them in the binomial-tree order of DataParallel's "tree" allreduce (param_server/
+# _reduce.py), so in float32 BSP equals DataParallel(algorithm="tree") to the last bit; against
+# single-process training on the global batch (another order) Adam differs by up to ~7e-3 in
+# float32, so that comparison runs in float64, where the order costs ~1e-13.
+DTYPES = (torch.float32, torch.float64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,11 +55,11 @@ def _cnn(dtype=torch.float32):
     return build_model("cnn", (1, 8, 8), 10).to(dtype)
 
 
-def _reference(opt_name):
-    """Plain single-process training on the global batch (what synchronous DataParallel computes)."""
-    model = _cnn(DTYPES[opt_name])
+def _reference(opt_name, dtype):
+    """Plain single-process training on the global batch."""
+    model = _cnn(dtype)
     opt = _optimizer(opt_name)(model.parameters())
-    x, y = _batches(DTYPES[opt_name])
+    x, y = _batches(dtype)
     for s in range(STEPS):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x[s]), y[s]).backward()
@@ -66,16 +67,16 @@ def _reference(opt_name):
     return [p.detach() for p in model.parameters()]
 
 
-def _bsp_run(servers, group, opt_name):
+def _bsp_run(servers, group, opt_name, dtype):
     import dtrain
 
-    model = _cnn(DTYPES[opt_name])
+    model = _cnn(dtype)
     ps = dtrain.ParameterServer(model, _optimizer(opt_name), servers=servers, consistency="bsp", group=group,
                                 timeout_s=60, min_split_bytes=0)
     if ps.is_server:
         ps.serve()
         return None
-    x, y = _batches(DTYPES[opt_name])
+    x, y = _batches(dtype)
     per = GLOBAL_BATCH // ps.num_workers
     sl = slice(ps.worker_index * per, (ps.worker_index + 1) * per)
     for s in range(STEPS):
@@ -85,16 +86,52 @@ def _bsp_run(servers, group, opt_name):
     return [p.detach().numpy().copy() for p in model.parameters()]  # by value: the process exits
 
 
+def _dp_run(ranks, opt_name, dtype):
+    """Synchronous DataParallel (tree allreduce) over ``ranks``; group rank i trains on worker i's shard."""
+    import torch.distributed as dist
+
+    import dtrain
+
+    rank = dist.get_rank()
+    if rank not in ranks:
+        return None
+    group = dist.new_group(ranks, use_local_synchronization=True)
+    net = _cnn(dtype)
+    model = dtrain.DataParallel(net, algorithm="tree", group=group, timeout_s=60)
+    opt = _optimizer(opt_name)(model.parameters())
+    x, y = _batches(dtype)
+    per = GLOBAL_BATCH // len(ranks)
+    i = ranks.index(rank)
+    for s in range(STEPS):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[s, i * per : (i + 1) * per]), y[s, i * per : (i + 1) * per]).backward()
+        opt.step()
+    model.close()
+    dist.destroy_process_group(group)
+    return [p.detach().numpy().copy() for p in net.parameters()]
+
+
+# DataParallel on a proper subgroup names its private groups by a hash of the ranks and of how many
+# groups the process holds, so each run below uses its own rank set, and all run before the parameter
+# servers' groups exist (then every member holds the same number of groups).
+DP_RANKS = {(1, "sgd"): [1, 2, 3, 4], (1, "adam"): [2, 3, 4, 5], (3, "sgd"): [3, 4, 5], (3, "adam"): [0, 1, 2]}
+
+
 def _equivalence(rank, world):
     import torch.distributed as dist
 
     res = {}
+    for (servers, opt_name), ranks in DP_RANKS.items():
+        out = _dp_run(ranks, opt_name, torch.float32)
+        if out is not None:
+            res[("dp", servers, opt_name, torch.float32, ranks.index(rank))] = out
     five = dist.new_group([0, 1, 2, 3, 4])
-    for opt_name in ("sgd", "adam"):
-        # 1 server + 4 workers on ranks 0..4 (rank 5 sits out), then 3 servers + 3 workers on all six
-        if rank < 5:
-            res[(1, opt_name)] = _bsp_run(1, five, opt_name)
-        res[(3, opt_name)] = _bsp_run(3, None, opt_name)
+    for dtype in DTYPES:
+        for opt_name in ("sgd", "adam"):
+            # 1 server + 4 workers on ranks 0..4 (rank 5 sits out), then 3 servers + 3 workers on all six
+            if rank < 5:
+                res[("ps", 1, opt_name, dtype)] = _bsp_run(1, five, opt_name, dtype)
+            res[("ps", 3, opt_name, dtype)] = _bsp_run(3, None, opt_name, dtype)
     return res
 
 
@@ -137,19 +174,46 @@ def policy_runs(tmp_path_factory):
     return _spawn_ok(_accuracy, 6, str(tmp_path_factory.mktemp("ps_runs")), timeout=600)
 
 
+def _maxdiff(a, b):
+    return max(float((torch.as_tensor(p) - torch.as_tensor(q)).abs().max()) for p, q in zip(a, b))
+
+
+def _workers(servers):
+    return range(1, 5) if servers == 1 else range(3, 6)
+
+
+def _dp_result(runs, servers, opt_name, index):
+    ranks = DP_RANKS[(servers, opt_name)]
+    return runs[ranks[index]][("dp", servers, opt_name, torch.float32, index)]
+
+
 @pytest.mark.parametrize("servers", [1, 3])
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
-def test_bsp_gives_the_parameters_of_synchronous_training(bsp_runs, servers, opt_name):
-    """After 20 steps, every worker's parameters equal single-process training on the global batch
-    (SGD with momentum in float32, Adam in float64; see DTYPES)."""
-    ref = _reference(opt_name)
-    workers = range(1, 5) if servers == 1 else range(3, 6)
-    for r in workers:
-        params = bsp_runs[r][(servers, opt_name)]
-        diff = max(float((torch.from_numpy(p) - q).abs().max()) for p, q in zip(params, ref))
+def test_bsp_gives_the_parameters_of_synchronous_data_parallel_in_float32(bsp_runs, servers, opt_name):
+    """After 20 float32 steps, every BSP worker's parameters equal DataParallel(algorithm="tree")'s
+    on the same data shards to < 1e-5 (the acceptance), and in fact bitwise: the server averages in
+    the tree's order and the optimizers are elementwise. (Averaging in arrival order instead gave
+    2.2e-8 with SGD and 6.8e-6 with Adam here, and 4.8e-5 / 6.7e-3 with Adam against
+    single-process training.)"""
+    for i, r in enumerate(_workers(servers)):
+        ps = bsp_runs[r][("ps", servers, opt_name, torch.float32)]
+        diff = _maxdiff(ps, _dp_result(bsp_runs, servers, opt_name, i))
+        print(f"bsp, {servers} server(s), {opt_name}, float32, worker {i}: max |PS - DataParallel(tree)| = {diff:.3g}")
         assert diff < 1e-5, (r, diff)
+        assert diff == 0.0, f"rank {r}: {diff:.3g}, not bitwise: the server's order is not the tree allreduce's"
     for r in range(servers):
-        assert bsp_runs[r][(servers, opt_name)] is None  # servers serve
+        assert bsp_runs[r][("ps", servers, opt_name, torch.float32)] is None  # servers serve
+
+
+@pytest.mark.parametrize("servers", [1, 3])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_bsp_gives_the_parameters_of_single_process_training_in_float64(bsp_runs, servers, opt_name):
+    """After 20 float64 steps, every BSP worker's parameters equal single-process training on the
+    global batch (a different summation order: float64 makes it cost ~1e-13)."""
+    ref = _reference(opt_name, torch.float64)
+    for r in _workers(servers):
+        diff = _maxdiff(bsp_runs[r][("ps", servers, opt_name, torch.float64)], ref)
+        assert diff < 1e-10, (r, diff)
 
 
 @pytest.mark.slow  # 6 processes x 5 policies x 440 steps: ~100 s on 2 shared cores (pytest -m slow)

@@ -113,6 +113,25 @@ def test_bsp_equals_synchronous_sgd_on_the_global_batch(servers, opt):
         assert stats["updates"] == 12 and stats["staleness"]["max"] == 0
 
 
+@pytest.mark.parametrize("spec", ["bsp", "backup:1"])
+def test_the_update_does_not_depend_on_the_order_gradients_arrive_in(spec):
+    """Adam in float32 turns last-bit differences of cancelling gradient elements into lr-sized steps;
+    the same run with the workers' gradients arriving in opposite orders still ends bitwise equal,
+    since the server sums them by worker (for backup:1, the first three of four, dropping the last)."""
+    W, steps = 4, 6
+    gap = 0.02  # worker i pushes i * gap after the first (or before, reversed)
+    if spec == "bsp":
+        runs = [_train(1, W, steps, consistency=spec, opt_factory=_adam, delay=d)
+                for d in (lambda i, s: gap * i, lambda i, s: gap * (W - 1 - i))]
+    else:  # workers 0..2 come first in some order, worker 3 (the backup that is dropped) last
+        runs = [_train(1, W, steps, consistency=spec, opt_factory=_adam, delay=d)
+                for d in (lambda i, s: gap * i if i < 3 else 0.15, lambda i, s: gap * (2 - i) if i < 3 else 0.15)]
+    for a, b in zip(runs[0][1:], runs[1][1:]):
+        assert _maxdiff(a[1], b[1]) == 0.0
+    if spec == "backup:1":
+        assert all(set(r[0][0]["dropped"]) == {str(1 + 3)} for r in runs)  # the late one was the one dropped
+
+
 # ---------------------------------------------------------------------- every policy runs
 
 

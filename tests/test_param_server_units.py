@@ -1,4 +1,5 @@
-"""Parameter-server pieces that need no peers: sharding, the wire header, heartbeats, the run's stats table."""
+"""Parameter-server pieces that need no peers: sharding, the wire header, heartbeats, the server's average,
+the run's stats table."""
 
 import math
 from collections import Counter
@@ -9,8 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dtrain.comm.allreduce import allreduce_over
+from dtrain.comm.transport import run_threads
 from dtrain.errors import ConfigError
 from dtrain.param_server._liveness import Liveness
+from dtrain.param_server._reduce import ordered_mean
 from dtrain.param_server.protocol import (
     HEADER_LEN,
     MAGIC,
@@ -188,3 +192,51 @@ def test_merged_stats_and_table():
     text = format_table(m)
     assert "consistency asp" in text and "worker rank 3 was dropped: gone" in text
     assert len(text.splitlines()) == 2 + 2 + 1 + 1 + 1
+
+
+# ---------------------------------------------------------------------- the server's average
+
+
+def _grads(n, numel=4096, seed=0):
+    """Gradients whose float32 sum depends on the order: magnitudes over six decades, both signs."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=g) * 10.0 ** torch.randint(-3, 3, (numel,), generator=g) for _ in range(n)]
+
+
+def _data_parallel_tree(grads):
+    """What DataParallel(algorithm="tree") computes: each rank pre-divides, then the tree allreduce sums."""
+
+    def rank_fn(t):
+        flat = grads[t.rank].clone()
+        flat.div_(t.world_size)
+        allreduce_over(t, flat, "sum", "tree")
+        return flat
+
+    return run_threads(len(grads), rank_fn, timeout=10.0)[0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
+def test_the_server_average_is_bitwise_the_tree_allreduce_of_data_parallel(n):
+    grads = _grads(n)
+    mine = ordered_mean(grads)
+    assert torch.equal(mine, _data_parallel_tree(grads))
+    exact = torch.stack(grads).double().mean(0)  # n roundings at most, each within eps of the partial sum
+    bound = n * torch.finfo(torch.float32).eps * torch.stack(grads).double().abs().mean(0)
+    assert bool(((mine.double() - exact).abs() <= bound).all())
+    if n >= 3:  # the order matters at all: a sum in another order differs in the last bits
+        other = sum((g / n for g in reversed(grads)), torch.zeros_like(grads[0]))
+        assert not torch.equal(mine, other)
+    assert all(torch.equal(g, h) for g, h in zip(grads, _grads(n)))  # the inputs are left as they were
+
+
+def test_the_server_average_spells_out_the_tree_order():
+    big = 2.0**53  # 1 ulp of big is 2: the order decides which small terms survive
+    v = (5.0, big, -big, 3.0, 3.0)
+    g = [torch.tensor([x], dtype=torch.float64) for x in v]
+    p = [x / 5 for x in v]
+    # 5 ranks: 0 <- {4, 2, 1}, 2 <- {3}; rank 0 adds 1 first (nearest), then (2 + 3), then 4
+    assert ordered_mean(g).item() == ((p[0] + p[1]) + (p[2] + p[3])) + p[4] == 2.1
+    assert (((p[0] + p[1]) + p[2]) + p[3]) + p[4] == 2.2  # left to right: another result
+    assert sum(v) / 5 == 2.0  # dividing the sum: another again
+    with pytest.raises(ValueError, match="at least one"):
+        ordered_mean([])

@@ -13,9 +13,11 @@ order, asks the policy, and runs the actions it returns:
    shard and the policy's clock table -- a malformed or out-of-protocol message is
    rejected with :class:`~.protocol.ProtocolError` naming the sender and is never
    applied;
-2. ``Apply``: average the gradients, put them in the pieces' ``.grad``, scale the
-   learning rate if asked (staleness-aware LR), ``optimizer.step()``; record each
-   gradient's staleness, clock lag and worker;
+2. ``Apply``: average the gradients -- sorted by worker and summed in the
+   binomial-tree order of DataParallel's ``tree`` allreduce whatever order they
+   arrived in (:mod:`._reduce`), so a BSP run is reproducible -- put them in the
+   pieces' ``.grad``, scale the learning rate if asked (staleness-aware LR),
+   ``optimizer.step()``; record each gradient's staleness, clock lag and worker;
 3. ``Release``: send the current parameters (compressor ``to_wire``, packed once
    per version) to the worker;
 4. when every worker has finished or been lost, send each finished worker a
@@ -44,6 +46,7 @@ from dtrain.comm.transport import Transport, Work
 from dtrain.compress.base import Compressor
 from dtrain.errors import CommError, CommTimeoutError, DTrainError
 from dtrain.param_server._liveness import Liveness
+from dtrain.param_server._reduce import ordered_mean
 from dtrain.param_server.consistency import Action, Apply, Drop, Policy, PolicyViolation, Release
 from dtrain.param_server.protocol import (
     FLAG_STOP,
@@ -439,12 +442,13 @@ class ShardServer:
 
     def _apply(self, act: Apply) -> None:
         grads, lags = [], []
-        for a in act.arrivals:
+        # by worker, not by arrival: the average is then reproducible and equals DataParallel's (see _reduce)
+        for a in sorted(act.arrivals, key=lambda a: (a.worker, a.clock)):
             g, lag = self._pending.pop((a.worker, a.clock))
             grads.append(g)
             lags.append(lag)
             self.stats.applied[a.worker] += 1
-        g = grads[0] if len(grads) == 1 else torch.stack(grads).mean(dim=0)
+        g = ordered_mean(grads)
         for p, off in zip(self.pieces, self.offsets):
             p.grad = g[off : off + p.numel()].view_as(p).clone()
         saved = [group["lr"] for group in self.optimizer.param_groups]
