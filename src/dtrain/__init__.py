@@ -25,6 +25,9 @@ _EXPORTS: dict[str, str] = {
     "ParameterServer": "dtrain.param_server",
     # planning
     "plan": "dtrain.perfmodel",
+    # checkpoints
+    "save_checkpoint": "dtrain.checkpoint",
+    "load_checkpoint": "dtrain.checkpoint",
     # errors
     "DTrainError": "dtrain.errors",
     "ConfigError": "dtrain.errors",
@@ -32,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     "CommTimeoutError": "dtrain.errors",
     "ModelMismatchError": "dtrain.errors",
 }
-_SUBPACKAGES = ("comm", "compress", "perfmodel", "cluster", "param_server", "data_parallel")
+_SUBPACKAGES = ("comm", "compress", "perfmodel", "cluster", "param_server", "data_parallel", "checkpoint")
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])
 

@@ -36,8 +36,10 @@ does for its byte items): load checkpoints you trust, as with ``torch.load``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,14 @@ def _barrier(group: Any, rank: int, what: str, step: int | None) -> None:
     except Exception as e:  # noqa: BLE001 - the backend's timeout or a lost peer
         raise CommError(rank, what, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                         step=step) from e
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Any:
+    """DCP warns on every single-process save/load; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _to_bytes(obj: Any) -> bytes:
@@ -153,7 +163,8 @@ def save_checkpoint(
         state["scheduler"] = scheduler.state_dict()
     state["rank_state"] = {f"rank{rank}": _to_bytes(rank_state)}
     try:
-        dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not distributed)
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not distributed)
     except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure in one exception
         raise CommError(rank, op, f"{type(e).__name__}: {str(e).strip()[:500]}", step=step) from e
     final = checkpoint_dir(root, step)
@@ -214,7 +225,8 @@ def load_checkpoint(
         state["scheduler"] = scheduler.state_dict()
     state["rank_state"] = {f"rank{rank}": b""}
     try:
-        dcp.load(state, checkpoint_id=ckpt, process_group=group, no_dist=not distributed)
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=ckpt, process_group=group, no_dist=not distributed)
     except Exception as e:  # noqa: BLE001 - missing keys, shape mismatches, unreadable files
         raise CheckpointError(f"rank {rank}: cannot load {ckpt}: {type(e).__name__}: {str(e).strip()[:800]}") from e
     if model is not None:
@@ -238,7 +250,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
 
     ckpt = find_checkpoint(path)
     buf = io.BytesIO()
-    dcp_to_torch_save(ckpt, buf)  # type: ignore[arg-type]  # torch.save takes a file object
+    with _single_process_quiet():
+        dcp_to_torch_save(ckpt, buf)  # type: ignore[arg-type]  # torch.save takes a file object
     buf.seek(0)
     full: dict[str, Any] = torch.load(buf, weights_only=False)
     blobs = full.pop("rank_state", {})
