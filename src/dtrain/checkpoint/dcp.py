@@ -7,16 +7,20 @@ What a checkpoint holds, as one DCP state dict (nested keys flattened by DCP)::
     optimizer.state.<fqn>.<name>     optimizer state by parameter name (momentum,
     optimizer.param_groups.<fqn>.*   Adam's moments, step counts) and hyperparameters
     scheduler                        the LR scheduler's state dict (optional)
-    rank_state.rank<r>               what differs per rank -- compressor residuals and
-                                     warm starts, RNG states, a worker's clock and data
-                                     position, a server's shard -- one opaque blob per
-                                     rank, restored to the same rank
+    rank_state.rank<r>.tree          what differs per rank -- compressor residuals and
+    rank_state.rank<r>.t.<i>         warm starts, RNG states, a worker's clock and data
+                                     position, a server's shard: the rank's object with
+                                     each tensor cut out (``tree``, pickled) and the
+                                     tensors as DCP tensors; restored to the same rank
 
 Model and optimizer go through ``torch.distributed.checkpoint.state_dict``
 (``get_/set_model_state_dict``, ``get_/set_optimizer_state_dict``), so the files
-are the ones a DDP or FSDP user's DCP tooling reads. A per-rank blob is the
-rank's object serialised with ``torch.save`` into ``bytes``, which DCP stores as a
-byte item under a key that names the rank; ranks never read each other's.
+are the ones a DDP or FSDP user's DCP tooling reads. A per-rank object is split
+into its tensors, which DCP writes as tensors under keys that name the rank
+(no pickling of large buffers: an 8 MiB residual pickled as bytes made a save
+four times slower), and the rest of the object with slots where the tensors
+were, stored as a DCP byte item. At load the tensors' shapes and dtypes come from
+DCP's metadata, so nothing needs to exist beforehand; ranks never read each other's.
 
 Steps of :func:`save_checkpoint` (collective over ``group``):
 
@@ -88,16 +92,72 @@ def _single_process_quiet() -> Any:
         yield
 
 
-def _to_bytes(obj: Any) -> bytes:
+class _Slot:
+    """Stands for the ``index``-th tensor cut out of a per-rank object."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Slot, (self.index,))
+
+
+def _cut(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with each tensor (in dicts, lists, tuples) replaced by a :class:`_Slot`; tensors appended."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return _Slot(len(tensors) - 1)
+    if isinstance(obj, dict):
+        return {k: _cut(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_cut(v, tensors) for v in obj)
+    return obj
+
+
+def _paste(obj: Any, tensors: dict[int, torch.Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _paste(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_paste(v, tensors) for v in obj)
+    return obj
+
+
+def _pack(obj: Any) -> dict[str, Any]:
+    tensors: list[torch.Tensor] = []
+    tree = _cut(obj, tensors)
     buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+    torch.save(tree, buf)
+    out: dict[str, Any] = {"tree": buf.getvalue()}
+    if tensors:
+        out["t"] = {str(i): t for i, t in enumerate(tensors)}
+    return out
 
 
-def _from_bytes(raw: Any) -> Any:
-    if isinstance(raw, io.BytesIO):
-        raw = raw.getvalue()
-    return torch.load(io.BytesIO(raw), weights_only=False)
+def _unpack(packed: dict[str, Any]) -> Any:
+    raw = packed["tree"]
+    tree = torch.load(io.BytesIO(raw.getvalue() if isinstance(raw, io.BytesIO) else raw), weights_only=False)
+    return _paste(tree, {int(i): t for i, t in packed.get("t", {}).items()})
+
+
+def _rank_slots(ckpt: Path, rank: int) -> dict[str, Any]:
+    """Empty tensors for rank ``rank``'s cut-out tensors, shaped from the checkpoint's metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    prefix = f"rank_state.rank{rank}.t."
+    slots = {
+        k[len(prefix):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
+    out: dict[str, Any] = {"tree": b""}
+    if slots:
+        out["t"] = slots
+    return out
 
 
 def _model_optimizer_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -161,7 +221,7 @@ def save_checkpoint(
     state = _model_optimizer_state(model, optimizer)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
-    state["rank_state"] = {f"rank{rank}": _to_bytes(rank_state)}
+    state["rank_state"] = {f"rank{rank}": _pack(rank_state)}
     try:
         with _single_process_quiet():
             dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not distributed)
@@ -223,7 +283,7 @@ def load_checkpoint(
     state = _model_optimizer_state(model, optimizer)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
-    state["rank_state"] = {f"rank{rank}": b""}
+    state["rank_state"] = {f"rank{rank}": _rank_slots(ckpt, rank)}
     try:
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=ckpt, process_group=group, no_dist=not distributed)
@@ -236,7 +296,7 @@ def load_checkpoint(
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
-    return info, _from_bytes(state["rank_state"][f"rank{rank}"])
+    return info, _unpack(state["rank_state"][f"rank{rank}"])
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -255,6 +315,6 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     buf.seek(0)
     full: dict[str, Any] = torch.load(buf, weights_only=False)
     blobs = full.pop("rank_state", {})
-    full["rank_state"] = {int(k[len("rank"):]): _from_bytes(v) for k, v in blobs.items()}
+    full["rank_state"] = {int(k[len("rank"):]): _unpack(v) for k, v in blobs.items()}
     full["info"] = read_info(ckpt)
     return full
