@@ -105,7 +105,7 @@ class TrainContext:
         bs = self.cfg.batch_size // num_shards
         if start_batch:
             order = list(sampler)[start_batch * bs :]
-            return DataLoader(self.data.train, batch_size=bs, sampler=order, drop_last=True)  # type: ignore[arg-type]
+            return DataLoader(self.data.train, batch_size=bs, sampler=order, drop_last=True)
         return DataLoader(self.data.train, batch_size=bs, sampler=sampler, drop_last=True)
 
     def steps_per_epoch(self, num_shards: int) -> int:

@@ -49,7 +49,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch import nn
 
 from dtrain.checkpoint.layout import (
@@ -147,7 +149,7 @@ def _rank_slots(ckpt: Path, rank: int) -> dict[str, Any]:
     """Empty tensors for rank ``rank``'s cut-out tensors, shaped from the checkpoint's metadata."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    md = FileSystemReader(str(ckpt)).read_metadata()
     prefix = f"rank_state.rank{rank}.t."
     slots = {
         k[len(prefix):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
@@ -224,7 +226,7 @@ def save_checkpoint(
     state["rank_state"] = {f"rank{rank}": _pack(rank_state)}
     try:
         with _single_process_quiet():
-            dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not distributed)
+            dcp_save(state, checkpoint_id=tmp, process_group=group, no_dist=not distributed)
     except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure in one exception
         raise CommError(rank, op, f"{type(e).__name__}: {str(e).strip()[:500]}", step=step) from e
     final = checkpoint_dir(root, step)
@@ -286,7 +288,7 @@ def load_checkpoint(
     state["rank_state"] = {f"rank{rank}": _rank_slots(ckpt, rank)}
     try:
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=ckpt, process_group=group, no_dist=not distributed)
+            dcp_load(state, checkpoint_id=ckpt, process_group=group, no_dist=not distributed)
     except Exception as e:  # noqa: BLE001 - missing keys, shape mismatches, unreadable files
         raise CheckpointError(f"rank {rank}: cannot load {ckpt}: {type(e).__name__}: {str(e).strip()[:800]}") from e
     if model is not None:

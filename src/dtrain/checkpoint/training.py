@@ -70,7 +70,7 @@ def train_steps(cfg: Any) -> int:
     size = cfg.samples if cfg.dataset == "synthetic" else _DIGITS_TRAIN
     per_shard = size // cfg.workers
     n = per_shard // (cfg.batch_size // cfg.workers) * cfg.epochs
-    return min(n, cfg.max_steps) if cfg.max_steps else n
+    return int(min(n, cfg.max_steps) if cfg.max_steps else n)
 
 
 def _flag(k: str, v: Any) -> str:
