@@ -373,6 +373,10 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
     for stale in list(out.glob("metrics*.jsonl")) + list(out.glob("trace*.json")) + list(out.glob("error.rank*.txt")):
         stale.unlink()
     cfg = cfg.replace(out=str(out))
+    if cfg.resume:  # the concrete checkpoint, so every process (and config.toml) names the same one
+        from dtrain.checkpoint import find_checkpoint
+
+        cfg = cfg.replace(resume=str(find_checkpoint(cfg.resume).resolve()))
     (out / "config.toml").write_text(dump_toml(cfg))
     from dtrain.launch import launch
 
