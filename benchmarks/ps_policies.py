@@ -2,9 +2,12 @@
 
 One launch of ``servers + workers`` processes (``dtrain.launch.launch``, gloo). Inside
 it every policy runs twice -- plainly, and with the last worker slowed down
-``--factor`` times (it sleeps ``factor - 1`` times its measured compute after each
-backward pass, as ``dtrain run --straggler RANK:FACTOR`` does) -- through the same
-runner as ``dtrain run --strategy ps`` (:func:`dtrain.param_server.runner.run_process`):
+``--factor`` times, as ``dtrain run --straggler RANK:FACTOR`` does
+(:class:`dtrain.cluster.Straggler`: after each backward pass it sleeps so that its
+own work -- data, forward, backward, bookkeeping -- takes ``factor`` times its
+reference, the median own work of its last 50 steps) -- through the same runner
+as ``dtrain run --strategy ps``
+(:func:`dtrain.param_server.runner.run_process`):
 the CNN on digits, the same gradient budget (workers x epochs x steps per epoch)
 for every policy, worker 0 evaluating after each pass over its shard. The whole
 sequence is repeated ``--repeats`` times, interleaved, so that a slow spell of a
@@ -18,7 +21,16 @@ Columns (left: no straggler, right: with the straggler):
   ("-" if never);
 * acc -- final test accuracy of the servers' parameters;
 * staleness mean/max -- updates applied between a gradient's read and its apply;
-* KB/step -- bytes a worker sends and receives per step (headers included).
+* KB/step -- bytes a worker sends and receives per step (headers included);
+* own -- share ``f`` of a worker's training time spent in its own work (data,
+  forward, backward, bookkeeping: ``compute_s`` of ``ps_stats.json``) in the plain
+  run, median over the workers but worker 0 (which also evaluates). A straggler
+  whose own work takes ``F`` times longer adds ``(F - 1) f`` plain steps to every
+  BSP step, so BSP keeps about ``1 / (1 + (F - 1) f)`` of its samples/s (printed
+  under the table): a third for ``F = 4`` needs ``f >= 2/3``, a step dominated by
+  the workers' own work rather than by the exchange with the servers;
+* slow -- the straggler's own work per step over the plain run's workers' (the
+  emulated slowdown as it came out; about ``--factor``).
 
 Defaults: SGD with lr 0.3 and momentum 0.5 on a global batch of 256 for 40 epochs
 (``dtrain run``'s runner scales the rate per update by the linear rule, see
@@ -73,7 +85,11 @@ def _one(rank: int, world: int, cfg_dict: dict[str, Any], out: str) -> dict[str,
         r = run_process(ctx)
     finally:
         ctx.metrics.close()
-    r.pop("ps", None)
+    ps = r.pop("ps", None)
+    if r.get("role") == "worker" and "test_accuracy" not in r and ps and ps["steps"]:
+        # own work per step and its share of the training time (not worker 0's: it also evaluates)
+        r["own_s"] = ps["compute_s"] / ps["steps"]
+        r["own_share"] = ps["compute_s"] / r["train_s"]
     return r
 
 
@@ -105,6 +121,13 @@ def _summaries(cfg: dict[str, Any], per_rank: dict[int, list[dict[str, Any]]]) -
         s["t95"] = next((t for t, _, acc in hist if acc >= 0.95), None)
         out.append(s)
     return out
+
+
+def _workers_median(res: dict[int, Any], key: str, k: int, field: str, straggler: bool = False) -> float | None:
+    """Median over the workers (the straggler's alone with ``straggler``) of ``field`` in repeat ``k``."""
+    v = [res[r][key][k].get(field) for r in res if ("straggler" in res[r][key][k]) == straggler]
+    v = [x for x in v if x is not None]
+    return statistics.median(v) if v else None
 
 
 def _median(xs: list[float | None]) -> float | None:
@@ -164,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                 "stale_mean": _median([s["staleness"]["mean"] for s in sums]),
                 "stale_max": max(s["staleness"]["max"] for s in sums),
                 "kb": _median([(s["bytes_sent_per_step"] + s["bytes_received_per_step"]) / 1e3 for s in sums]),
+                "own_share": _median([_workers_median(res, key, k, "own_share") for k in range(len(sums))]),
+                "own_s": _median([_workers_median(res, key, k, "own_s", straggler=mode == "slow")
+                                  for k in range(len(sums))]),
             }
         table.append(row)
     _print(table, args.factor)
@@ -177,19 +203,29 @@ def _fmt(x: float | None, spec: str) -> str:
 def _print(table: list[dict[str, Any]], factor: float) -> None:
     f = f"{factor:g}x"
     head = (f"{'policy':<11}{'samples/s':>10}{'(' + f + ')':>9}{'ratio':>7}  {'t95 s':>6}{'(' + f + ')':>7}"
-            f"  {'acc':>6}{'(' + f + ')':>7}  {'staleness':>10}{'(' + f + ')':>10}  {'KB/step':>8}")
+            f"  {'acc':>6}{'(' + f + ')':>7}  {'staleness':>10}{'(' + f + ')':>10}  {'KB/step':>8}  {'own':>5}{'slow':>6}")
     print(head)
     print("-" * len(head))
+    bsp_own: float | None = None
     for row in table:
         a, b = row["plain"], row["slow"]
         ratio = b["sps"] / a["sps"] if a["sps"] and b["sps"] else None
+        slow = b["own_s"] / a["own_s"] if a["own_s"] and b["own_s"] else None
         print(
             f"{row['policy']:<11}{_fmt(a['sps'], '.0f'):>10}{_fmt(b['sps'], '.0f'):>9}{_fmt(ratio, '.2f'):>7}  "
             f"{_fmt(a['t95'], '.1f'):>6}{_fmt(b['t95'], '.1f'):>7}  "
             f"{_fmt(a['acc'], '.3f'):>6}{_fmt(b['acc'], '.3f'):>7}  "
             f"{_fmt(a['stale_mean'], '.2f') + '/' + str(a['stale_max']):>10}"
             f"{_fmt(b['stale_mean'], '.2f') + '/' + str(b['stale_max']):>10}  {_fmt(a['kb'], '.0f'):>8}"
+            f"  {_fmt(a['own_share'], '.0%'):>5}{_fmt(slow, '.1f') + 'x':>6}"
         )
+        if row["policy"] == "bsp":
+            bsp_own = a["own_share"]
+    if bsp_own is not None:
+        bound = 1.0 / (1.0 + (factor - 1.0) * bsp_own)
+        print(f"bsp: the {f} straggler adds {factor - 1:g} x {bsp_own:.0%} of a plain step to each step, so bsp keeps "
+              f"about 1 / (1 + {factor - 1:g} x {bsp_own:.2f}) = {bound:.2f} of its samples/s; a third needs own >= "
+              f"{2 / (factor - 1):.0%}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ _HELP = {
     "batch_size": "global batch size, summed over workers",
     "compression": "gradient compressor, e.g. topk:0.01, qsgd:16, powersgd:2 (default: none)",
     "consistency": "parameter-server consistency: bsp, asp, ssp:S, softsync:K, backup:B",
-    "straggler": "slow one rank down: RANK:FACTOR",
+    "straggler": "RANK:FACTOR: that rank's own work per step (data, forward, backward) takes FACTOR times its "
+                 "usual time (median of its last 50 steps); communication is not slowed",
     "cluster": "run on an emulated cluster made by `dtrain cluster up --name NAME`",
     "out": "run folder (default: runs/<timestamp>-<strategy>)",
     "max_steps": "stop after this many steps (0: no limit)",

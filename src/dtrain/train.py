@@ -142,6 +142,13 @@ class TrainContext:
         r, f = parse_straggler(self.cfg.straggler)
         return f if r == (self.rank if rank is None else rank) else 1.0
 
+    def straggler(self) -> Any:
+        """This rank's compute slowdown (:class:`dtrain.cluster.Straggler`): ``--straggler``
+        times the emulated host's ``DTRAIN_SLOWDOWN``; call its ``stretch(compute_s)`` after backward."""
+        from dtrain.cluster.slowdown import Straggler, slowdown_factor
+
+        return Straggler(self.straggler_factor() * slowdown_factor())
+
 
 # ---------------------------------------------------------------------- data parallel
 
@@ -222,7 +229,7 @@ def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
     total = ctx.total_steps(world)
     spe = ctx.steps_per_epoch(world)
     bar = ctx.progress(total - start, rank == 0)
-    slow = ctx.straggler_factor()
+    slow = ctx.straggler()
     step, samples, losses, history = start, 0, [], []
     pending: dict[str, Any] | None = None
     t_start = time.perf_counter()
@@ -232,6 +239,7 @@ def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
         if blob is not None:  # after building the iterator, which draws from torch's generator
             ckpt.restore_rng(blob)  # type: ignore[union-attr]
             blob = None
+        t_free = time.perf_counter()  # this rank's own work of a step starts (the straggler's measure)
         for x, y in batches:
             if step >= total:
                 break
@@ -243,12 +251,12 @@ def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
                     loss = loss_fn(wrapped(x), y)
                 with ctx.tracer.span("backward"):
                     loss.backward()
-                if slow > 1.0:
-                    time.sleep((slow - 1.0) * (time.perf_counter() - t0))
+                slow.stretch(time.perf_counter() - t_free)  # backward includes the allreduce it overlaps
                 if not steps_in_optimizer:
                     with ctx.tracer.span("optimizer"):
                         optimizer.step()
-            dt = time.perf_counter() - t0
+            t_free = time.perf_counter()
+            dt = t_free - t0
             row = dict(step=step, epoch=epoch, loss=float(loss.detach()), lr=optimizer.param_groups[0]["lr"],
                        samples_per_s=len(y) * world / dt, step_s=dt)
             if steps_in_optimizer:
@@ -266,6 +274,7 @@ def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{row['loss']:.3f}")
             if ckpt is not None and ckpt.due(step, final=step >= total):
                 _save_dp(ctx, ckpt, step, model, optimizer, wrapped)
+                t_free = time.perf_counter()
         if rank == 0:
             te = time.perf_counter()
             if steps_in_optimizer and hasattr(wrapped, "synchronize"):

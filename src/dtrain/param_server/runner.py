@@ -12,8 +12,14 @@ gradients than a straggler instead of idling at the end -- which is the point of
 those policies. Worker 0 evaluates its copy of the model after each pass over its
 shard (the accuracy history) and the final model after :meth:`finish`.
 
-``--straggler RANK:FACTOR`` makes that worker sleep ``(FACTOR - 1)`` times its
-measured compute time after each backward pass.
+``--straggler RANK:FACTOR`` (and an emulated host's ``DTRAIN_SLOWDOWN``) makes
+that worker's own work ``FACTOR`` times slower (:class:`dtrain.cluster.Straggler`).
+Its own work in a step is everything from the previous ``ps.step()``'s return to
+the end of backward -- bookkeeping, the next batch, forward, backward: what
+``WorkerStats.compute_s`` counts -- and the parameter exchange is not slowed (a
+slow machine on the same network). After each backward pass it sleeps so that
+this work takes ``FACTOR`` times its reference, the median own work of its last
+50 steps in this run.
 
 Checkpoints (``--checkpoint-every N``, bsp only): each server saves its shard,
 optimizer state and clock table from the ``on_update`` hook right after update
@@ -143,7 +149,7 @@ def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: 
     i = ps.worker_index
     evaluator = i == 0
     loss_fn = nn.CrossEntropyLoss()
-    slow = ctx.straggler_factor()
+    slow = ctx.straggler()
     start, epoch, first_batch = 0, 0, 0
     if blob is not None:  # resumed: this worker's clock and data position at the checkpoint
         start, epoch, first_batch = int(blob["ps"]["clock"]), int(blob["epoch"]), int(blob["batch"])
@@ -161,6 +167,7 @@ def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: 
         if blob is not None:  # after building the iterator, which draws from torch's generator
             ckpt.restore_rng(blob)
             blob = None
+        t_free = time.perf_counter()  # the worker's own work of a step starts (the straggler's measure)
         for x, y in data:
             batches += 1
             t0 = time.perf_counter()
@@ -170,11 +177,10 @@ def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: 
                 with ctx.tracer.span("backward"):
                     loss.backward()
                 loss_v = float(loss.detach())
-                compute = time.perf_counter() - t0
-                if slow > 1.0:
-                    time.sleep((slow - 1.0) * compute)
+                slow.stretch(time.perf_counter() - t_free)
                 with ctx.tracer.span("ps.step"):
                     ps.step()
+                t_free = time.perf_counter()
             dt = time.perf_counter() - t0
             last = ps.last_step
             st = ps.stats()
@@ -195,6 +201,7 @@ def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: 
             if ckpt is not None and ckpt.due(step, final=ps.should_stop):
                 with ctx.tracer.span("checkpoint", step=step):
                     ckpt.save(step, rank_state={"ps": ps.state_dict(), "epoch": epoch, "batch": batches})
+                t_free = time.perf_counter()
             if ps.should_stop:
                 break
         if batches == 0:
@@ -216,6 +223,8 @@ def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: 
         role="worker", steps=step - start, start_step=start, samples=samples, train_s=train_s,
         final_loss=sum(losses[-10:]) / max(1, len(losses[-10:])), bytes_sent=st["bytes_sent"], ps=st,
     )
+    if slow.active:
+        out["straggler"] = {"factor": slow.factor, "reference_s": slow.reference_s}
     if evaluator:
         out["test_accuracy"] = ctx.evaluate(model)  # the final parameters, pulled by finish()
         out["accuracy_history"] = history

@@ -1,0 +1,90 @@
+"""The emulated straggler (dtrain.cluster.Straggler) on a fake clock, and how a run's processes get theirs."""
+
+from pathlib import Path
+
+import pytest
+
+from dtrain.cluster import Straggler
+from dtrain.config import RunConfig
+from dtrain.errors import ConfigError
+from dtrain.train import TrainContext
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+        self.sleeps = []
+
+    def sleep(self, s):
+        self.sleeps.append(s)
+        self.now += s
+
+
+def test_each_step_lasts_factor_times_the_median_of_the_window():
+    clock = FakeClock()
+    s = Straggler(4.0, window=50, sleep=clock.sleep)
+    assert s.stretch(0.030) == pytest.approx(0.090)  # the first step is its own reference: (4 - 1) x 0.030
+    for c in (0.010, 0.012, 0.011, 0.009):  # after a slow first step (lazy initialisation), normal ones
+        s.stretch(c)
+    assert s.reference_s == pytest.approx(0.011)  # the median, not the mean (0.0144) the first step inflates
+    # own work + sleep = 4 x the reference whatever the step's own work, which varies with contention
+    for c, ref in ((0.011, 0.011), (0.005, 0.011), (0.020, 0.011), (0.012, 0.011)):  # one outlier moves no median
+        t0 = clock.now
+        clock.now += c  # the step works
+        slept = s.stretch(c)
+        assert s.reference_s == pytest.approx(ref)
+        assert slept == pytest.approx(4 * ref - c)
+        assert clock.now - t0 == pytest.approx(4 * ref)
+    assert s.stretch(0.080) == 0.0  # a step slower than 4x the reference is not slowed further
+    assert len(clock.sleeps) == 5 + 4
+
+
+def test_the_reference_follows_the_last_steps_only():
+    s = Straggler(2.0, window=3, sleep=lambda _: None)
+    for c in (0.010, 0.010, 0.010, 0.030, 0.030):
+        s.stretch(c)
+    assert s.reference_s == pytest.approx(0.030)  # the window holds 0.010, 0.030, 0.030
+
+
+def test_the_old_rule_would_follow_contention_and_this_one_does_not():
+    """A straggler whose own work halves for a step (it had the CPU to itself) is still slowed by the factor."""
+    clock = FakeClock()
+    s = Straggler(4.0, sleep=clock.sleep)
+    for _ in range(3):
+        s.stretch(0.020)  # contended
+    assert s.stretch(0.010) == pytest.approx(0.070)  # (4 - 1) x 0.010 would be 0.030: a 2x straggler
+
+
+def test_no_slowdown_never_sleeps():
+    clock = FakeClock()
+    s = Straggler(1.0, sleep=clock.sleep)
+    assert not s.active
+    assert [s.stretch(c) for c in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)] == [0.0] * 6
+    assert clock.sleeps == [] and s.reference_s is None
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"factor": 0.5}, "factor must be >= 1"),
+    ({"factor": 4.0, "window": 0}, "window must be >= 1"),
+])
+def test_bad_settings_are_refused(kw, words):
+    with pytest.raises(ConfigError, match=words):
+        Straggler(**kw)
+
+
+def _ctx(rank, straggler):
+    cfg = RunConfig(workers=3, straggler=straggler, progress=False)
+    return TrainContext(cfg=cfg, rank=rank, world_size=3, out_dir=Path("."), data=None, metrics=None, tracer=None)
+
+
+def test_a_run_slows_the_straggler_rank_and_an_emulated_slow_host(monkeypatch):
+    monkeypatch.delenv("DTRAIN_SLOWDOWN", raising=False)
+    assert _ctx(2, "2:4").straggler().factor == 4.0
+    assert _ctx(1, "2:4").straggler().factor == 1.0
+    assert _ctx(1, "").straggler().factor == 1.0
+    monkeypatch.setenv("DTRAIN_SLOWDOWN", "3")  # dtrain cluster up --slow HOST:3 gives its workers this
+    assert _ctx(1, "").straggler().factor == 3.0
+    assert _ctx(2, "2:4").straggler().factor == 12.0
+    monkeypatch.setenv("DTRAIN_SLOWDOWN", "0.5")
+    with pytest.raises(ConfigError, match="DTRAIN_SLOWDOWN must be >= 1"):
+        _ctx(1, "").straggler()
