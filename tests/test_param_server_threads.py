@@ -415,3 +415,26 @@ def test_a_hung_server_stops_the_workers_with_its_name():
     for e in out[2:]:
         assert isinstance(e, PeerLostError) and e.peer == 1 and "server rank 1 is gone" in str(e), e
     assert isinstance(out[0], RunAbortedError) and "server rank 1 is gone" in str(out[0])
+
+
+@pytest.mark.parametrize("spec", ["asp", "backup:1"])
+def test_applied_samples_count_what_the_servers_applied(spec):
+    """merge_stats' computed vs applied samples: equal under asp; under backup:1 with W workers
+    an update applies at most W - 1 gradients, and the dropped ones are exactly the difference."""
+    from dtrain.param_server.runner import format_table, merge_stats
+
+    steps, W = 8, 3
+    out = _train(1, W, steps, consistency=spec, delay=lambda i, s: 0.004 * (i == 2))
+    m = merge_stats([st for st, _ in out], batch_per_worker=PER_WORKER)
+    server = out[0][0]
+    assert m["gradients_computed"] == W * steps
+    assert m["samples_computed"] == W * steps * PER_WORKER
+    assert m["gradients_applied"] == sum(server["applied"].values())
+    assert m["samples_applied"] == m["samples_computed"] - PER_WORKER * sum(server["dropped"].values())
+    if spec == "asp":
+        assert m["samples_applied"] == m["samples_computed"]
+    else:
+        # W - 1 gradients per update while all W work; fewer once the fast ones have finished their steps
+        assert server["updates"] <= m["gradients_applied"] <= (W - 1) * server["updates"]
+        assert m["samples_applied"] < m["samples_computed"]
+    assert f"samples: {m['samples_computed']} computed, {m['samples_applied']} applied" in format_table(m)

@@ -104,6 +104,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     acc = summary.get("test_accuracy")
     print(f"strategy {summary['strategy']}, {summary['workers']} workers, {summary['steps']} steps, "
           f"{summary['samples_per_s']:.0f} samples/s, {summary['wall_s']:.1f}s")
+    if "applied_samples_per_s" in summary:
+        print(f"parameter server: {summary['computed_samples_per_s']:.0f} samples/s computed, "
+              f"{summary['applied_samples_per_s']:.0f} applied to the parameters")
     if acc is not None:
         print(f"test accuracy: {acc:.4f}")
     print(f"run folder: {out}")

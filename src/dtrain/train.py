@@ -334,7 +334,14 @@ def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
 
 
 def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """Combine the processes' results into ``summary.json``'s contents."""
+    """Combine the processes' results into ``summary.json``'s contents.
+
+    ``samples_per_s`` counts every sample a worker computed a gradient of. A
+    parameter-server run also gets ``computed_samples_per_s`` (the same) and
+    ``applied_samples_per_s``: samples whose gradients went into an update, per
+    second -- lower under backup:b, which drops gradients (see
+    :func:`dtrain.param_server.runner.merge_stats`).
+    """
     workers = [r for r in results.values() if r.get("role") == "worker"]
     if not workers:
         raise RuntimeError("no worker returned a result")
@@ -362,6 +369,9 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
     for r in results.values():  # strategy-specific extras (e.g. staleness) from any process
         for k, v in r.get("summary_extra", {}).items():
             s.setdefault(k, v)
+    if s.get("samples_applied") is not None and train_s > 0:  # parameter server: work done vs work used
+        s["computed_samples_per_s"] = s["samples_per_s"]
+        s["applied_samples_per_s"] = s["samples_applied"] / train_s
     return s
 
 

@@ -126,7 +126,7 @@ def _serve(ctx: Any, ps: ParameterServer) -> dict[str, Any]:
     lost = {int(w) for w in stats["lost"]}
     ranks = [r for r in range(ps.world_size) if r not in lost]
     everything = _collect(store, [_stats_key(ps, r) for r in ranks], timeout_s=min(60.0, ctx.cfg.timeout_s))
-    merged = merge_stats(list(everything.values()))
+    merged = merge_stats(list(everything.values()), batch_per_worker=ctx.cfg.batch_size // ps.num_workers)
     (ctx.out_dir / "ps_stats.json").write_text(json.dumps(merged, indent=2) + "\n")
     if ctx.cfg.extra.get("ps_table", True):
         print(format_table(merged), flush=True)
@@ -137,6 +137,8 @@ def _serve(ctx: Any, ps: ParameterServer) -> dict[str, Any]:
         "clock_lag": merged["clock_lag"],
         "updates": merged["updates"],
         "gradients_dropped": merged["gradients_dropped"],
+        "samples_computed": merged["samples_computed"],
+        "samples_applied": merged["samples_applied"],
         "lost_workers": merged["lost_workers"],
         "bytes_received_per_step": merged["bytes_received_per_step"],
     }
@@ -253,8 +255,24 @@ def _collect(store: Any, keys: list[str], timeout_s: float) -> dict[str, dict[st
     return out
 
 
-def merge_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """Combine the processes' :meth:`ParameterServer.stats` into one report."""
+def merge_stats(stats: list[dict[str, Any]], batch_per_worker: int | None = None) -> dict[str, Any]:
+    """Combine the processes' :meth:`ParameterServer.stats` into one report.
+
+    Work done and work used: ``gradients_computed`` is the workers' steps (every
+    gradient pushed), ``gradients_applied`` the gradients the first server put into
+    an update (as for ``updates`` and ``gradients_dropped``, the first server's
+    count; every server sees every gradient). With ``batch_per_worker`` (every gradient is of that
+    many samples, as in ``dtrain run``, whose loaders drop the last partial batch)
+    they become ``samples_computed`` and ``samples_applied`` -- the same under bsp,
+    asp, ssp and softsync; about ``N / (N + b)`` of it under backup:b, which drops
+    the ``b`` latest gradients of every update while all ``N + b`` workers work (Chen et al. 2016, "Revisiting
+    Distributed Synchronous SGD"), so applied samples per second is the training
+    throughput and computed samples per second the hardware's.
+
+    Args:
+        stats: every process's :meth:`ParameterServer.stats`.
+        batch_per_worker: samples per gradient (default: None, no sample counts).
+    """
     servers = sorted((s for s in stats if s["role"] == "server"), key=lambda s: s["rank"])
     workers = sorted((s for s in stats if s["role"] == "worker"), key=lambda s: s["rank"])
     stale: Counter[int] = Counter()
@@ -265,6 +283,8 @@ def merge_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
         lag.update({int(k): v for k, v in s["clock_lag"]["hist"].items()})
         lost.update(s["lost"])
     first = (servers or workers or [{}])[0]
+    computed = sum(int(w["steps"]) for w in workers)
+    applied = sum(servers[0]["applied"].values()) if servers else 0
     return {
         "consistency": first.get("consistency"),
         "servers": first.get("servers"),
@@ -273,6 +293,10 @@ def merge_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
         "clock_lag": hist_summary(lag),
         "updates": servers[0]["updates"] if servers else 0,
         "gradients_dropped": sum(sum(s["dropped"].values()) for s in servers[:1]),
+        "gradients_computed": computed,
+        "gradients_applied": applied,
+        "samples_computed": computed * batch_per_worker if batch_per_worker is not None else None,
+        "samples_applied": applied * batch_per_worker if batch_per_worker is not None else None,
         "lost_workers": lost,
         "bytes_received_per_step": (
             sum(w["bytes_received"] / max(1, w["steps"]) for w in workers) / len(workers) if workers else 0.0
@@ -311,6 +335,11 @@ def format_table(m: dict[str, Any]) -> str:
             f"{w['rank']:>4} {'':<7}{w['steps']:>8}{w['compute_s']:>8.2f}s{w['push_s']:>8.2f}s{w['wait_s']:>6.1f}s"
             f"{w['pull_s']:>5.2f}s{w['bytes_sent'] / 1e6:>9.2f}{w['bytes_received'] / 1e6:>9.2f}"
         )
+    first = m["per_server"][0]["rank"] if m["per_server"] else "-"
+    work = f"gradients: {m['gradients_computed']} computed, {m['gradients_applied']} applied (server {first})"
+    if m.get("samples_computed") is not None:
+        work += f"; samples: {m['samples_computed']} computed, {m['samples_applied']} applied"
+    lines.append(work)
     for r, why in m["lost_workers"].items():
         lines.append(f"worker rank {r} was dropped: {why}")
     return "\n".join(lines)
