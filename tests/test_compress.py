@@ -164,8 +164,17 @@ def test_threshold_keeps_at_or_above() -> None:
 
 def test_sign_scales_by_block_mean_magnitude() -> None:
     x = torch.tensor([1.0, -3.0, 2.0, -2.0, 4.0])
-    y = SignSGD(block=4).decompress(*SignSGD(block=4).compress(x, "k"))
+    c = SignSGD(block=4, scale="mean")
+    y = c.decompress(*c.compress(x, "k"))
     assert torch.allclose(y, torch.tensor([2.0, -2.0, 2.0, -2.0, 4.0]))
+
+
+def test_sign_rms_scale_keeps_each_blocks_norm() -> None:
+    x = torch.tensor([1.0, -3.0, 2.0, -2.0, 4.0])
+    y = SignSGD(block=4).decompress(*SignSGD(block=4).compress(x, "k"))  # default scale="rms"
+    s = math.sqrt((1 + 9 + 4 + 4) / 4)
+    assert torch.allclose(y, torch.tensor([s, -s, s, -s, 4.0]))
+    assert torch.allclose(y[:4].norm(), x[:4].norm())
 
 
 def test_majority_vote_combines_signs() -> None:
@@ -177,8 +186,13 @@ def test_majority_vote_combines_signs() -> None:
 
 def test_onebit_reconstructs_column_means() -> None:
     x = torch.tensor([1.0, 3.0, -2.0, -4.0, 5.0, -1.0])
-    y = OneBit(column_size=4).decompress(*OneBit(column_size=4).compress(x, "k"))
+    c = OneBit(column_size=4, scale="mean")
+    y = c.decompress(*c.compress(x, "k"))
     assert torch.allclose(y, torch.tensor([2.0, 2.0, -3.0, -3.0, 5.0, -1.0]))
+    # default scale="rms": each sign class keeps its norm
+    y = OneBit(column_size=4).decompress(*OneBit(column_size=4).compress(x, "k"))
+    p, n = math.sqrt((1 + 9) / 2), -math.sqrt((4 + 16) / 2)
+    assert torch.allclose(y, torch.tensor([p, p, n, n, 5.0, -1.0]))
 
 
 def test_powersgd_exact_on_low_rank_matrix_after_warm_start() -> None:
@@ -220,7 +234,7 @@ def test_qsgd_unbiased() -> None:
 
 
 def test_terngrad_unbiased() -> None:
-    x, draws, comp = _x(256, seed=4), 4000, TernGrad(block=64, seed=7)
+    x, draws, comp = _x(256, seed=4), 4000, TernGrad(block=64, clip=None, seed=7)
     mean = _mean(comp, x, draws)
     scale = x.view(-1, 64).abs().amax(dim=1).repeat_interleave(64).double()
     p = x.abs().double() / scale

@@ -57,8 +57,11 @@ def test_every_compressor_gives_one_result_on_all_ranks(spec: str, p: int) -> No
     elif spec in ("fp16", "bf16"):
         assert err < 1e-2
     else:
-        # an estimate of the mean, not noise of the wrong size (bounds loose on purpose)
-        assert err < 12.0 if spec.startswith(("randomk", "terngrad", "qsgd:4")) else err < 1.5, err
+        # an estimate of the mean, not noise of the wrong size (bounds loose on purpose). Majority
+        # vote moves every element by the ranks' mean scale even where the independent random
+        # inputs here disagree: its error grows like sqrt(p) (1.7 at p = 5 with the rms scale)
+        bound = 12.0 if spec.startswith(("randomk", "terngrad", "qsgd:4")) else 2.5 if spec == "sign:mv" else 1.5
+        assert err < bound, err
         cos = torch.nn.functional.cosine_similarity(first, mean, dim=0).item()
         assert cos > 0.05, (spec, cos)
 
@@ -78,7 +81,7 @@ def test_world_of_one_applies_compression() -> None:
 
 @pytest.mark.parametrize(
     "make",
-    [lambda r: QSGD(levels=16, seed=r), lambda r: TernGrad(seed=r), lambda r: RandomK(ratio=0.1, seed=r)],
+    [lambda r: QSGD(levels=16, seed=r), lambda r: TernGrad(clip=None, seed=r), lambda r: RandomK(ratio=0.1, seed=r)],
     ids=["qsgd16", "terngrad", "randomk0.1"],
 )
 def test_unbiased_through_the_collective(make: Callable[[int], Compressor]) -> None:

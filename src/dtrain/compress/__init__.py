@@ -7,6 +7,15 @@ Build one from a spec string (what ``--compression`` takes)::
     c = dtrain.compress.from_spec("sign", error_feedback=False)
 
 Spec names are the keys of :data:`REGISTRY`; ``NAME:ARG`` passes one argument.
+``randomk:0.01`` is RandomK scaled to be unbiased; ``randomk:0.01:memory`` is
+rand-k unscaled with error feedback (Stich et al. 2018).
+
+Momentum: ``from_spec("sign", momentum=0.9)`` moves SGD's momentum into the error
+feedback of the compressors that need it before them (sign, sign:mv, onebit);
+the result's ``momentum`` is then 0.9 and the optimizer must use momentum 0::
+
+    c = dtrain.compress.from_spec("sign", momentum=0.9)
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9 if not c.momentum else 0.0)
 """
 
 from __future__ import annotations
@@ -72,6 +81,19 @@ def _sign(arg: str | None) -> Compressor:
     raise ConfigError(f"compressor 'sign' takes no argument or 'mv' (majority vote), got sign:{arg}")
 
 
+def _randomk(arg: str | None) -> Compressor:
+    ratio, _, kind = (arg or "").partition(":")
+    if ratio in ("memory", "unbiased") and not kind:
+        ratio, kind = "", ratio
+    try:
+        r = float(ratio) if ratio else 0.01
+    except ValueError:
+        raise ConfigError(f"compressor 'randomk': ratio must be a float, got {ratio!r}") from None
+    if kind not in ("", "unbiased", "memory"):
+        raise ConfigError(f"compressor 'randomk' takes RATIO, RATIO:unbiased or RATIO:memory, got randomk:{arg}")
+    return RandomK(ratio=r, scale=kind != "memory")
+
+
 #: name -> factory(argument string or None). One dict; the CLI's --compression reads it.
 REGISTRY: dict[str, Callable[[str | None], Compressor]] = {
     "none": _no_arg(Identity, "none"),
@@ -82,23 +104,31 @@ REGISTRY: dict[str, Callable[[str | None], Compressor]] = {
     "sign": _sign,  # sign, or sign:mv for majority vote
     "onebit": _no_arg(OneBit, "onebit"),
     "topk": _with(TopK, "topk", "ratio", float),  # topk:RATIO (default 0.01)
-    "randomk": _with(RandomK, "randomk", "ratio", float),  # randomk:RATIO (default 0.01)
+    "randomk": _randomk,  # randomk:RATIO[:unbiased] scaled by n/k (default 0.01); randomk:RATIO:memory unscaled + EF
     "threshold": _with(Threshold, "threshold", "value", float),  # threshold:VALUE (default 1e-3)
     "powersgd": _with(PowerSGD, "powersgd", "rank", int),  # powersgd:RANK (default 2)
 }
 
 
-def from_spec(spec: "str | Compressor | None", *, error_feedback: bool = True) -> Compressor:
+def from_spec(spec: "str | Compressor | None", *, error_feedback: bool = True, momentum: float = 0.0) -> Compressor:
     """Build a compressor from ``"NAME"`` or ``"NAME:ARG"`` (e.g. ``"topk:0.01"``).
 
     Args:
         spec: a registry name with optional argument, an existing compressor
             (returned as is), or ``None`` (same as ``"none"``).
         error_feedback: wrap biased compressors in error feedback (default: True).
+        momentum: the SGD momentum the training uses (default: 0). Compressors
+            that need momentum before them (``momentum_first``: sign, sign:mv,
+            onebit) get it in their error feedback, and the result's
+            :attr:`~Compressor.momentum` is then > 0: build the optimizer with
+            ``momentum=0`` (``dtrain run`` does). Others ignore it and leave
+            momentum to the optimizer.
 
     Raises:
         ConfigError: unknown name or bad argument; the message lists the names.
     """
+    if not isinstance(momentum, (int, float)) or not 0.0 <= float(momentum) < 1.0:
+        raise ConfigError(f"momentum must be in [0, 1) (the optimizer's SGD momentum), got {momentum!r}")
     if isinstance(spec, Compressor):
         return spec
     if spec is None:
@@ -116,7 +146,7 @@ def from_spec(spec: "str | Compressor | None", *, error_feedback: bool = True) -
     except (ValueError, TypeError) as e:
         raise ConfigError(f"bad compression spec {spec!r}: {e}") from e
     if error_feedback and comp.biased:
-        comp = ErrorFeedback(comp)
+        comp = ErrorFeedback(comp, momentum=float(momentum) if comp.momentum_first else 0.0)
     return comp
 
 

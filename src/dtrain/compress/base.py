@@ -68,11 +68,23 @@ class Compressor(abc.ABC):
             allreduce and then decoded once (divide by the world size afterwards).
         biased: ``E[decompress(compress(x))] != x``; :func:`dtrain.compress.from_spec`
             wraps biased compressors in :class:`~dtrain.compress.ErrorFeedback`.
+        momentum_first: SGD's momentum must be applied before this compressor, not
+            to the averaged result (sign-type quantizers, whose every element moves
+            by a group's step size): :func:`dtrain.compress.from_spec` then gives
+            the error feedback the optimizer's momentum.
+        mean_combine: :meth:`combine` is the plain mean, so an aggregator may take
+            the mean in its own order (False for majority vote).
+        momentum: SGD momentum this compressor applies itself, per worker, before
+            compressing (:class:`~dtrain.compress.ErrorFeedback` ``(momentum=...)``);
+            when > 0 the optimizer must run with momentum 0.
     """
 
     name: str = "abstract"
     summable: bool = False
     biased: bool = False
+    momentum_first: bool = False
+    mean_combine: bool = True
+    momentum: float = 0.0
 
     @abc.abstractmethod
     def compress(self, tensor: torch.Tensor, key: str) -> tuple[list[torch.Tensor], TensorMeta]:
@@ -92,12 +104,15 @@ class Compressor(abc.ABC):
         """Decode a payload into a tensor of ``ctx.shape`` and ``ctx.dtype``."""
 
     def compress_layout(
-        self, tensor: torch.Tensor, key: str, shapes: Sequence[Sequence[int]]
+        self, tensor: torch.Tensor, key: str, shapes: Sequence[Sequence[int]], offset: int = 0
     ) -> tuple[list[torch.Tensor], TensorMeta]:
         """:meth:`compress` for a flat tensor that packs tensors of ``shapes`` back to back.
 
-        Compressors that can use the layout override it (PowerSGD factors each
-        matrix on its own); the others ignore it. :meth:`decompress` decodes either.
+        ``tensor`` holds elements ``[offset, offset + numel)`` of that packing (a
+        slice of a bucket; the whole of it by default). Compressors that can use
+        the layout override it (PowerSGD factors each matrix on its own, the
+        quantizers scale each tensor on its own); the others ignore it.
+        :meth:`decompress` decodes either.
         """
         return self.compress(tensor, key)
 

@@ -120,14 +120,17 @@ class PowerSGD(Compressor):
         return [p, q], ctx
 
     def compress_layout(
-        self, tensor: torch.Tensor, key: str, shapes: Sequence[Sequence[int]]
+        self, tensor: torch.Tensor, key: str, shapes: Sequence[Sequence[int]], offset: int = 0
     ) -> tuple[list[torch.Tensor], TensorMeta]:
         """Factor each weight matrix (ndim >= 2) of a flat tensor on its own; vectors go dense.
 
         The payload starts with an int32 table, two entries per tensor: its
         element count and its number of rows (0 when sent dense), so the receiver
-        needs no layout. Warm starts are kept per matrix (``KEY/i``).
+        needs no layout. Warm starts are kept per matrix (``KEY/i``). Whole
+        tensors only (``offset`` 0).
         """
+        if offset:
+            raise ValueError(f"PowerSGD factors whole matrices; a slice at offset {offset} cannot be laid out")
         ctx = TensorMeta.of(tensor)
         layout = [tuple(int(d) for d in s) for s in shapes]
         flat = tensor.detach().reshape(-1).to(torch.float32)

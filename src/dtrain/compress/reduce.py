@@ -30,12 +30,19 @@ quantizers stay unbiased, biased ones keep a residual for it.
 Error feedback: a compressor wrapped in :class:`~dtrain.compress.ErrorFeedback`
 keeps, per key, ``corrected - sent`` where ``sent`` is what this rank contributed
 (for PowerSGD ``P P^T M``, as Vogels et al. do), so nothing a rank computed is lost.
+With momentum, each rank compresses its own velocity; the owner's second
+compression of a combined chunk feeds back its error but adds no momentum (the
+chunk already carries every rank's).
+
+Layout: given the bucket's ``shapes``, the quantizers scale each tensor on its own
+(groups never cross a tensor boundary, also where a chunk of step 1 cuts a
+tensor) and PowerSGD factors each weight matrix on its own.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -80,7 +87,8 @@ def compressed_allreduce(
             bucket's layout). PowerSGD uses it to compress each weight matrix on
             its own and send vectors (biases) dense, as Vogels et al. do; without
             it the whole bucket is one square matrix, whose rank-r approximation
-            is much poorer. Other compressors ignore it (default: None).
+            is much poorer. The quantizers use it to scale every tensor by its own
+            magnitudes; sparsifiers ignore it (default: None).
 
     Raises:
         CommError: bad input or a failed transfer (naming rank, operation, peer).
@@ -94,12 +102,15 @@ def compressed_allreduce(
         return
     ef = compressor if isinstance(compressor, ErrorFeedback) else None
     inner = ef.inner if ef is not None else compressor
+    layout = _layout(flat.numel(), shapes, transport.rank, op)
     with torch.no_grad():
         if transport.world_size == 1:
-            payload, ctx = compressor.compress(flat, key)
+            if shapes is None:
+                payload, ctx = compressor.compress(flat, key)
+            else:
+                payload, ctx = compressor.compress_layout(flat, key, layout)
             flat.copy_(compressor.decompress(payload, ctx))
         elif isinstance(inner, PowerSGD):
-            layout = _layout(flat.numel(), shapes, transport.rank, op)
             _powersgd(flat, inner, ef, key, transport, algorithm, layout)
         elif inner.summable:
             _summable(flat, compressor, key, transport, algorithm)
@@ -108,7 +119,7 @@ def compressed_allreduce(
             res = sparse_allreduce(payload[0], payload[1].to(flat.dtype), flat.numel(), transport)
             flat.copy_(res.tensor).div_(transport.world_size)
         else:
-            _scatter_gather(flat, compressor, key, transport)
+            _scatter_gather(flat, compressor, key, transport, layout if shapes is not None else None)
 
 
 def _allreduce_sum(t: Transport, x: torch.Tensor, algorithm: str) -> None:
@@ -149,7 +160,7 @@ def _powersgd(
     Tensors that gain nothing from factoring (vectors, tiny matrices) travel dense
     in the second round, beside the Qs. Two allreduces per bucket in all.
     """
-    corrected = ef.corrected(flat, key) if ef is not None else flat.detach().clone()
+    corrected = ef.corrected(ef.accumulate(flat, key), key) if ef is not None else flat.detach().clone()
     offsets = [0]
     for s in layout:
         offsets.append(offsets[-1] + math.prod(s))
@@ -219,11 +230,27 @@ def _recv_sized(t: Transport, srcs: list[int], size_tag: int, data_tag: int) -> 
     return bufs
 
 
-def _scatter_gather(flat: torch.Tensor, c: Compressor, key: str, t: Transport) -> None:
+def _scatter_gather(
+    flat: torch.Tensor, c: Compressor, key: str, t: Transport, layout: list[tuple[int, ...]] | None
+) -> None:
     p, me = t.world_size, t.rank
     bounds = chunk_bounds(flat.numel(), p)
     chunks = [flat[bounds[j] : bounds[j + 1]] for j in range(p)]
     others = [r for r in range(p) if r != me]
+    ef = c if isinstance(c, ErrorFeedback) else None
+
+    def first(j: int) -> tuple[list[torch.Tensor], Any]:  # this rank's contribution to chunk j
+        if layout is None:
+            return c.compress(chunks[j], f"{key}#{j}")
+        return c.compress_layout(chunks[j], f"{key}#{j}", layout, bounds[j])
+
+    def again(avg: torch.Tensor) -> tuple[list[torch.Tensor], Any]:  # the owner's combined chunk
+        k = f"{key}#{me}/agg"
+        if ef is not None:
+            return ef.recompress(avg, k, layout, bounds[me])
+        if layout is None:
+            return c.compress(avg, k)
+        return c.compress_layout(avg, k, layout, bounds[me])
 
     # phase 1: compressed reduce-scatter
     sends: list[Work] = []
@@ -231,7 +258,7 @@ def _scatter_gather(flat: torch.Tensor, c: Compressor, key: str, t: Transport) -
     for j in range(p):
         if chunks[j].numel() == 0:
             continue
-        payload, ctx = c.compress(chunks[j], f"{key}#{j}")
+        payload, ctx = first(j)
         if j == me:
             own = c.decompress(payload, ctx)
         else:
@@ -241,7 +268,7 @@ def _scatter_gather(flat: torch.Tensor, c: Compressor, key: str, t: Transport) -
         got = _recv_sized(t, others, _TAG_SIZE1, _TAG_DATA1)
         decoded = [own if r == me else c.from_wire(got[r], mine.shape, mine.dtype) for r in range(p)]
         avg = c.combine(decoded)
-        payload, ctx = c.compress(avg, f"{key}#{me}/agg")
+        payload, ctx = again(avg)
         reduced = c.decompress(payload, ctx)
         buf = pack_payload(payload)
         for dst in others:

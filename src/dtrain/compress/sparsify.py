@@ -10,7 +10,8 @@ to a dense representation when the merged density makes that cheaper.
 compressor   keeps                            biased  paper
 ===========  ===============================  ======  =========================
 TopK         the ``k`` largest ``|x_i|``        yes     Aji & Heafield 2017; Stich et al. 2018
-RandomK      ``k`` uniformly random, x n/k      no      Stich et al. 2018 (rand-k)
+RandomK      ``k`` uniformly random, x n/k      no      Wangni et al. 2018; Stich et al. 2018
+RandomK      ``k`` uniformly random (memory)    yes     Stich et al. 2018 (rand-k with memory)
 Threshold    every ``|x_i| >= value``           yes     Strom 2015
 ===========  ===============================  ======  =========================
 
@@ -101,19 +102,32 @@ class TopK(SparseCompressor):
 
 @dataclass(frozen=True, eq=False)
 class RandomK(SparseCompressor):
-    """Keep ``k`` elements chosen uniformly without replacement, scaled by ``n / k``.
+    """Keep ``k`` elements chosen uniformly without replacement.
 
-    Each element is kept with probability ``k / n``, so scaling the kept values by
-    ``n / k`` makes the estimate unbiased (Stich et al. 2018, "rand-k"). Its
-    variance is ``(n / k - 1) * ||x||^2``, large: prefer TopK with error feedback
-    for training, RandomK where unbiasedness is required. Cost: ``8 k`` bytes.
+    1. ``k = max(1, ceil(ratio * n))``; draw ``k`` distinct indices uniformly;
+    2. ``scale=True``: send the values times ``n / k``. Each element is kept with
+       probability ``k / n``, so the estimate is unbiased (Wangni et al., "Gradient
+       Sparsification for Communication-Efficient Distributed Optimization",
+       NeurIPS 2018); its variance is ``(n / k - 1) * ||x||^2``: 99 times the
+       gradient's own square norm at ratio 0.01;
+    3. ``scale=False``: send the values as they are. Biased (it drops ``1 - k/n`` of
+       the gradient), meant for error feedback, which :func:`~dtrain.compress.from_spec`
+       adds: every element is sent, in full, about every ``n / k`` steps --
+       rand-k with memory, Stich, Cordonnier & Jaggi, "Sparsified SGD with
+       Memory", NeurIPS 2018.
+
+    Neither trains as well as TopK with error feedback: the scaled form is too
+    noisy, the memory form sends each element ``n / k`` steps late on average
+    (figures in ``BENCHMARKS.md``, "Compression"). Cost: ``8 k`` bytes.
 
     Args:
         ratio: fraction of elements kept, in (0, 1] (default: 0.01).
+        scale: multiply by ``n / k`` (unbiased) or not (memory) (default: True).
         seed: random seed (default: derived from the rank).
     """
 
     ratio: float = 0.01
+    scale: bool = True
     seed: int | None = None
     _rng: CompressorRng = field(init=False, repr=False)
 
@@ -122,13 +136,16 @@ class RandomK(SparseCompressor):
 
     def __post_init__(self) -> None:
         _check_ratio("RandomK", self.ratio)
+        if not isinstance(self.scale, bool):
+            raise ValueError(f"RandomK scale must be True (unbiased, x n/k) or False (for error feedback), got {self.scale!r}")
+        object.__setattr__(self, "biased", not self.scale)
         object.__setattr__(self, "_rng", CompressorRng(self.seed))
 
     def select(self, flat: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         n = flat.numel()
         k = self.k_for(n, self.ratio)
         idx = self._rng.randperm(n)[:k].sort().values
-        return idx, flat[idx] * (n / k)
+        return idx, flat[idx] * (n / k) if self.scale else flat[idx].clone()
 
     def state_dict(self) -> dict[str, Any]:
         return self._rng.state_dict()
