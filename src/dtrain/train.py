@@ -85,7 +85,23 @@ class TrainContext:
         c = self.cfg
         if c.optimizer == "adam":
             return torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay)
-        return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+        comp = self.make_compressor()
+        momentum = 0.0 if comp is not None and comp.momentum else c.momentum  # the compressor applies it
+        return torch.optim.SGD(params, lr=c.lr, momentum=momentum, weight_decay=c.weight_decay)
+
+    def make_compressor(self) -> Any:
+        """The configured gradient compressor for dp and ps (None without one).
+
+        Compressors that need SGD's momentum before them (sign, sign:mv, onebit)
+        get it in their error feedback, and :meth:`make_optimizer` then builds SGD
+        without momentum (``dtrain.compress.from_spec``'s ``momentum``).
+        """
+        c = self.cfg
+        if c.compression in ("", "none") or c.strategy not in ("dp", "ps"):
+            return None
+        from dtrain.compress import from_spec
+
+        return from_spec(c.compression, error_feedback=c.error_feedback, momentum=c.momentum if c.optimizer == "sgd" else 0.0)
 
     def optimizer_factory(self) -> Callable[[Any], torch.optim.Optimizer]:
         return self.make_optimizer
@@ -163,9 +179,7 @@ def _wrap(model: nn.Module, ctx: TrainContext, optimizer: torch.optim.Optimizer)
 
     kw: dict[str, Any] = dict(algorithm=c.algorithm, bucket_mb=c.bucket_mb, overlap=c.overlap, timeout_s=c.timeout_s)
     if c.compression not in ("", "none"):
-        from dtrain.compress import from_spec
-
-        kw["compression"] = from_spec(c.compression, error_feedback=c.error_feedback)
+        kw["compression"] = ctx.make_compressor()
     if c.overlap == "forward":
         kw["optimizer"] = optimizer
     return DataParallel(model, **kw)

@@ -65,11 +65,7 @@ def run_process(ctx: Any) -> dict[str, Any]:
     steps = ctx.total_steps(workers)
     if steps < 1:
         raise ConfigError("the data shard of each worker is smaller than one batch; use a smaller batch size")
-    comp = None
-    if c.compression not in ("", "none"):
-        from dtrain.compress import from_spec
-
-        comp = from_spec(c.compression, error_feedback=c.error_feedback)
+    comp = ctx.make_compressor()  # with momentum in it for sign/onebit; the servers' optimizer then has none
     from dtrain.checkpoint.training import RunCheckpointer
 
     ckpt = RunCheckpointer.create(c, ctx.out_dir)  # its group before the parameter server's, on every rank

@@ -448,7 +448,8 @@ class ShardServer:
             grads.append(g)
             lags.append(lag)
             self.stats.applied[a.worker] += 1
-        g = ordered_mean(grads)
+        # majority vote (sign:mv) aggregates by its own rule; every other compressor's is the mean
+        g = ordered_mean(grads) if self.push_c.mean_combine else self.push_c.combine(grads)
         for p, off in zip(self.pieces, self.offsets):
             p.grad = g[off : off + p.numel()].view_as(p).clone()
         saved = [group["lr"] for group in self.optimizer.param_groups]
