@@ -191,7 +191,13 @@ def test_merged_stats_and_table():
     assert m["bytes_received_per_step"] == 200 and m["lost_workers"] == {"3": "gone"}
     text = format_table(m)
     assert "consistency asp" in text and "worker rank 3 was dropped: gone" in text
-    assert len(text.splitlines()) == 2 + 2 + 1 + 1 + 1
+    assert "gradients: 4 computed, 4 applied (server 0)" in text
+    assert len(text.splitlines()) == 2 + 2 + 1 + 1 + 1 + 1  # title and head, 2 servers, head, 1 worker, work, lost
+    assert m["samples_computed"] is None  # no batch given
+    m = merge_stats([server(0, {"0": 4}), server(1, {"0": 4}), worker], batch_per_worker=16)
+    assert (m["gradients_computed"], m["gradients_applied"], m["samples_computed"], m["samples_applied"]) == (
+        4, 4, 64, 64)
+    assert "samples: 64 computed, 64 applied" in format_table(m)
 
 
 # ---------------------------------------------------------------------- the server's average
