@@ -13,6 +13,9 @@ Two tables:
    the training time until the test accuracy first reached ``--target``
    (evaluations excluded; epoch granularity), also as a ratio to uncompressed.
    Models: the default CNN, and a larger MLP (``--mlp-hidden``, default 512,512).
+   As in ``dtrain run``, sign, sign:mv and onebit take SGD's momentum into their
+   error feedback (the optimizer then has none); ``--momentum-after`` leaves it in
+   the optimizer for every compressor, to show why.
    With ``--ps`` the CNN is also trained under the parameter server (BSP) through
    ``dtrain.train.run`` (``--ps-servers`` server processes beside the workers).
 
@@ -21,6 +24,7 @@ Run (all compressors, both models; ~10 minutes on 2 busy cores)::
     python benchmarks/compression.py
     python benchmarks/compression.py --specs none,topk:0.01,powersgd:2 --models cnn --epochs 5
     python benchmarks/compression.py --ps --models cnn
+    python benchmarks/compression.py --specs sign,onebit --models cnn --momentum-after
 
 Timings on a shared machine are indicative; the ratios of bytes are exact.
 """
@@ -50,6 +54,8 @@ DEFAULT_SPECS = [
     "topk:0.01",
     "randomk:0.01",
     "randomk:0.1",
+    "randomk:0.01:memory",
+    "randomk:0.1:memory",
     "threshold:0.001",
     "powersgd:2",
 ]
@@ -95,7 +101,8 @@ def _evaluate(model: torch.nn.Module, data: Any) -> float:
 
 
 def dp_worker(
-    specs: list[str], model_name: str, hidden: list[int], epochs: int, batch: int, lr: float, momentum: float, seed: int
+    specs: list[str], model_name: str, hidden: list[int], epochs: int, batch: int, lr: float, momentum: float, seed: int,
+    momentum_after: bool = False,
 ) -> dict[str, Any]:
     """One process of the training table: every spec in turn, a fresh model each."""
     import dtrain
@@ -113,9 +120,10 @@ def dp_worker(
         torch.manual_seed(seed)
         kw = {"hidden": tuple(hidden)} if model_name == "mlp" else {}
         net = build_model(model_name, data.input_shape, data.num_classes, **kw)
-        comp = None if spec == "none" else from_spec(spec)
+        # as dtrain run does: sign/onebit take the momentum into their error feedback, SGD then has none
+        comp = None if spec == "none" else from_spec(spec, momentum=0.0 if momentum_after else momentum)
         dp = dtrain.DataParallel(net, compression=comp, timeout_s=120)
-        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.0 if comp is not None and comp.momentum else momentum)
         loss_fn = torch.nn.CrossEntropyLoss()
         steps, sent, train_s, history = 0, 0, 0.0, []
         for epoch in range(epochs):
@@ -145,7 +153,8 @@ def dp_worker(
 def train_table(specs: list[str], model: str, hidden: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     from dtrain.launch import launch
 
-    out = launch(dp_worker, (specs, model, hidden, args.epochs, args.batch_size, args.lr, args.momentum, args.seed), nprocs=args.workers)
+    out = launch(dp_worker, (specs, model, hidden, args.epochs, args.batch_size, args.lr, args.momentum, args.seed,
+                             args.momentum_after), nprocs=args.workers)
     rows = []
     for spec in specs:
         per_rank = [out[r][spec] for r in sorted(out)]
@@ -224,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, applied after averaging (default: 0.9)")
+    ap.add_argument("--momentum", type=float, default=0.9,
+                    help="SGD momentum (default: 0.9): applied after averaging, or before the compressor for sign/onebit")
+    ap.add_argument("--momentum-after", action="store_true",
+                    help="DataParallel only: momentum in the optimizer for every compressor (what sign/onebit did before)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target", type=float, default=0.95, help="accuracy for time-to-target (default: 0.95)")
     ap.add_argument("--reps", type=int, default=5, help="codec timing repetitions (default: 5)")
@@ -242,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         from_spec(s)  # bad specs fail here, before any process starts
     hidden = [int(h) for h in args.mlp_hidden.split(",")]
     print(f"# dtrain compression benchmark: torch {torch.__version__}, python {platform.python_version()}, "
-          f"{args.workers} workers, {args.epochs} epochs, global batch {args.batch_size}, SGD lr {args.lr} momentum {args.momentum}")
+          f"{args.workers} workers, {args.epochs} epochs, global batch {args.batch_size}, SGD lr {args.lr} momentum {args.momentum} "
+          f"({'after averaging for every compressor' if args.momentum_after else 'before the compressor for sign/onebit, after averaging for the others'})")
     report: dict[str, Any] = {"args": vars(args)}
     report["codec"] = codec_table(specs, args.reps)
     print_codec(report["codec"])

@@ -74,8 +74,13 @@ class DataParallel(nn.Module):
             per bucket by the engine; see below) (default: "backward").
         compression: a :class:`dtrain.compress.Compressor` or a spec string such
             as ``"topk:0.01"``; each bucket is then averaged by
-            ``dtrain.compress.compressed_allreduce`` on the communication thread
-            (default: None, exact averaging).
+            ``dtrain.compress.compressed_allreduce`` on the communication thread,
+            with the bucket's layout (quantizers scale each tensor on its own)
+            (default: None, exact averaging). Sign-type compressors need SGD's
+            momentum before them: pass ``from_spec("sign", momentum=0.9)`` and an
+            optimizer with ``momentum=0`` (as ``dtrain run`` does); a plain
+            ``"sign"`` with momentum in the optimizer trains poorly
+            (BENCHMARKS.md, "Compression").
         find_unused_parameters: a parameter that gets no gradient in a step is
             treated as a zero gradient, and one unused on every rank keeps
             ``.grad`` as it was (None stays None), as DDP does. Off: such a
