@@ -1,10 +1,10 @@
-"""Bit packing and block helpers shared by the quantizers (private)."""
+"""Bit packing shared by the quantizers (private); their scale groups are in ``_groups``."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_bits", "unpack_bits", "as_blocks", "num_blocks"]
+__all__ = ["pack_bits", "unpack_bits"]
 
 _BYTE_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 _BYTE_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
@@ -48,15 +48,3 @@ def unpack_bits(buf: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         return flat.to(torch.int64)
     weights = 2 ** torch.arange(bits - 1, -1, -1, dtype=torch.int64)
     return (flat.view(n, bits).to(torch.int64) * weights).sum(dim=1)
-
-
-def num_blocks(n: int, block: int) -> int:
-    return (n + block - 1) // block
-
-
-def as_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
-    """View a 1-D tensor as ``(num_blocks, block)``, zero-padding the last block."""
-    pad = (-flat.numel()) % block
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, block)

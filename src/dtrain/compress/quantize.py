@@ -30,6 +30,7 @@ transport sends are ``ceil(n * bits / 8) + 4 * scales``; with a layout an
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -70,14 +71,17 @@ class _Grouped(Compressor):
     ``_decode(payload, ids, count, n)`` returning the flat fp32 values.
     """
 
+    @abc.abstractmethod
     def _group_size(self) -> int:
-        raise NotImplementedError
+        """Elements per group at most."""
 
+    @abc.abstractmethod
     def _encode(self, x: torch.Tensor, ids: torch.Tensor, count: int) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The payload (without the layout table) of flat fp32 ``x``."""
 
+    @abc.abstractmethod
     def _decode(self, payload: list[torch.Tensor], ids: torch.Tensor, count: int, n: int) -> torch.Tensor:
-        raise NotImplementedError
+        """The flat fp32 values of a payload (without the layout table)."""
 
     def _run(self, tensor: torch.Tensor, segments: Segments) -> list[torch.Tensor]:
         x = _flat32(tensor)
