@@ -20,6 +20,7 @@ import importlib
 import json
 import math
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -148,8 +149,11 @@ class TrainContext:
         """A tqdm bar when ``show`` and progress is enabled, else a no-op object."""
         from tqdm import tqdm
 
+        # on a terminal the bar redraws in place; in a log file (CI, a redirected run) every
+        # redraw is a line of its own, so there it updates at most every 30 s
+        tty = sys.stderr.isatty()
         return tqdm(total=total, disable=not (show and self.cfg.progress), desc=self.cfg.strategy,
-                    unit="step", dynamic_ncols=True, leave=False)
+                    unit="step", dynamic_ncols=True, leave=False, mininterval=0.1 if tty else 30.0)
 
     def straggler_factor(self, rank: int | None = None) -> float:
         """The slowdown factor of ``rank`` (default: this rank) from ``cfg.straggler``."""
@@ -285,7 +289,7 @@ def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
             step += 1
             bar.update(1)
             if step % 10 == 0:
-                bar.set_postfix(loss=f"{row['loss']:.3f}")
+                bar.set_postfix(loss=f"{row['loss']:.3f}", refresh=False)
             if ckpt is not None and ckpt.due(step, final=step >= total):
                 _save_dp(ctx, ckpt, step, model, optimizer, wrapped)
                 t_free = time.perf_counter()

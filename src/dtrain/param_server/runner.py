@@ -195,7 +195,7 @@ def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: 
             step += 1
             bar.update(1)
             if step % 10 == 0:
-                bar.set_postfix(loss=f"{loss_v:.3f}")
+                bar.set_postfix(loss=f"{loss_v:.3f}", refresh=False)
             if ckpt is not None and ckpt.due(step, final=ps.should_stop):
                 with ctx.tracer.span("checkpoint", step=step):
                     ckpt.save(step, rank_state={"ps": ps.state_dict(), "epoch": epoch, "batch": batches})
