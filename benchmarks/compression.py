@@ -206,21 +206,21 @@ def _fmt(v: float | None, f: str) -> str:
 def print_codec(rows: list[dict[str, Any]]) -> None:
     base = next((r for r in rows if r["spec"] == "none"), rows[0])
     print("\n## codec: 1 MiB fp32 gradient (N(0, 0.01^2)), one process, one thread")
-    print(f"{'compressor':16s} {'payload B':>10s} {'vs none':>9s} {'enc+dec ms/MB':>14s}")
+    print(f"{'compressor':20s} {'payload B':>10s} {'vs none':>9s} {'enc+dec ms/MB':>14s}")
     for r in rows:
-        print(f"{r['spec']:16s} {r['bytes']:10d} {r['bytes'] / base['bytes']:9.4f} {r['ms_per_mb']:14.3f}")
+        print(f"{r['spec']:20s} {r['bytes']:10d} {r['bytes'] / base['bytes']:9.4f} {r['ms_per_mb']:14.3f}")
 
 
 def print_train(title: str, rows: list[dict[str, Any]], target: float) -> None:
     base = next((r for r in rows if r["spec"] == "none"), None)
     print(f"\n## {title}")
-    print(f"{'compressor':16s} {'B/step':>10s} {'vs none':>8s} {'final acc':>9s} {'t->' + format(target, '.0%'):>8s} {'vs none':>8s}  accuracy per epoch")
+    print(f"{'compressor':20s} {'B/step':>10s} {'vs none':>8s} {'final acc':>9s} {'t->' + format(target, '.0%'):>8s} {'vs none':>8s}  accuracy per epoch")
     for r in rows:
         ratio = r["bytes_per_step"] / base["bytes_per_step"] if base and base["bytes_per_step"] else None
         tt = r["time_to_target_s"]
         tr = tt / base["time_to_target_s"] if base and tt is not None and base["time_to_target_s"] else None
         hist = " ".join(f"{a:.3f}" for a in r["history"])
-        print(f"{r['spec']:16s} {r['bytes_per_step']:10.0f} {_fmt(ratio, '8.4f'):>8s} {r['accuracy']:9.4f} "
+        print(f"{r['spec']:20s} {r['bytes_per_step']:10.0f} {_fmt(ratio, '8.4f'):>8s} {r['accuracy']:9.4f} "
               f"{_fmt(tt, '7.2f') + 's' if tt is not None else '-':>8s} {_fmt(tr, '8.2f'):>8s}  {hist}")
 
 

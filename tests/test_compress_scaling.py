@@ -255,6 +255,17 @@ def test_momentum_state_round_trips_and_resets() -> None:
     assert repr(clone) == "ErrorFeedback(OneBit(column_size=512, scale='rms'), momentum=0.5)"
 
 
+def test_scale_specs() -> None:
+    assert from_spec("sign").inner.scale == "rms"  # type: ignore[attr-defined]
+    assert from_spec("sign:mean").inner.scale == "mean"  # type: ignore[attr-defined]
+    mv = from_spec("sign:mv:mean").inner  # type: ignore[attr-defined]
+    assert mv.majority_vote and mv.scale == "mean"
+    assert from_spec("onebit:mean").inner.scale == "mean"  # type: ignore[attr-defined]
+    for bad in ("sign:x", "onebit:mv"):
+        with pytest.raises(ConfigError, match="takes"):
+            from_spec(bad)
+
+
 def test_from_spec_puts_momentum_where_it_belongs() -> None:
     for spec in ("sign", "sign:mv", "onebit"):
         c = from_spec(spec, momentum=0.9)

@@ -74,11 +74,18 @@ def _with(cls: Callable[..., Compressor], name: str, param: str, conv: Callable[
 
 
 def _sign(arg: str | None) -> Compressor:
-    if arg in (None, ""):
-        return SignSGD()
-    if arg in ("mv", "majority"):
-        return SignSGD(majority_vote=True)
-    raise ConfigError(f"compressor 'sign' takes no argument or 'mv' (majority vote), got sign:{arg}")
+    words = [w for w in (arg or "").split(":") if w]
+    mv = any(w in ("mv", "majority") for w in words)
+    scale = "mean" if "mean" in words else "rms"
+    if any(w not in ("mv", "majority", "mean", "rms") for w in words):
+        raise ConfigError(f"compressor 'sign' takes no argument, 'mv' (majority vote) and/or 'mean' (scale), got sign:{arg}")
+    return SignSGD(majority_vote=mv, scale=scale)
+
+
+def _onebit(arg: str | None) -> Compressor:
+    if arg not in (None, "", "rms", "mean"):
+        raise ConfigError(f"compressor 'onebit' takes no argument or 'mean' (the paper's reconstruction values), got onebit:{arg}")
+    return OneBit(scale=arg or "rms")
 
 
 def _randomk(arg: str | None) -> Compressor:
@@ -101,8 +108,8 @@ REGISTRY: dict[str, Callable[[str | None], Compressor]] = {
     "bf16": _no_arg(BF16, "bf16"),
     "qsgd": _with(QSGD, "qsgd", "levels", int),  # qsgd:LEVELS (default 16)
     "terngrad": _no_arg(TernGrad, "terngrad"),
-    "sign": _sign,  # sign, or sign:mv for majority vote
-    "onebit": _no_arg(OneBit, "onebit"),
+    "sign": _sign,  # sign, sign:mv (majority vote); :mean for the mean-magnitude scale
+    "onebit": _onebit,  # onebit; onebit:mean for the paper's reconstruction values
     "topk": _with(TopK, "topk", "ratio", float),  # topk:RATIO (default 0.01)
     "randomk": _randomk,  # randomk:RATIO[:unbiased] scaled by n/k (default 0.01); randomk:RATIO:memory unscaled + EF
     "threshold": _with(Threshold, "threshold", "value", float),  # threshold:VALUE (default 1e-3)
