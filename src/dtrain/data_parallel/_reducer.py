@@ -42,9 +42,6 @@ from dtrain.errors import DTrainError
 
 __all__ = ["Reducer", "UnusedParametersError"]
 
-# subgroups of closed DataParallels, by (ranks, backend, timeout), for the next wrap (see Reducer.close)
-_SUBGROUP_POOL: dict[tuple[Any, ...], list[Any]] = {}
-
 
 class UnusedParametersError(DTrainError):
     """Parameters received no gradient in a synchronised backward (and find_unused_parameters is off)."""
@@ -91,8 +88,7 @@ class Reducer:
         self.forward_mode = cfg.overlap == "forward"
 
         # private groups: the communication thread's, and a gloo one for small control messages
-        self._own_groups: list[tuple[Any, tuple[Any, ...], bool]] = []
-        self._failed = False
+        self._own_groups: list[Any] = []
         needs_thread = cfg.algorithm != "native" or self.forward_mode or compressor is not None
         self._comm_group = self._new_group(None) if needs_thread else None
         self._ctl_group = self._new_group("gloo")
@@ -145,17 +141,13 @@ class Reducer:
         if self._world <= 1:
             return None
         whole = len(self._ranks) == dist.get_world_size()
-        key = (tuple(self._ranks), backend, float(self.cfg.timeout_s))
-        if not whole and _SUBGROUP_POOL.get(key):
-            g = _SUBGROUP_POOL[key].pop()
-        else:
-            g = dist.new_group(
-                ranks=self._ranks,
-                timeout=datetime.timedelta(seconds=self.cfg.timeout_s),
-                backend=backend,
-                use_local_synchronization=not whole,
-            )
-        self._own_groups.append((g, key, whole))
+        g = dist.new_group(
+            ranks=self._ranks,
+            timeout=datetime.timedelta(seconds=self.cfg.timeout_s),
+            backend=backend,
+            use_local_synchronization=not whole,
+        )
+        self._own_groups.append(g)
         return g
 
     def _stream_of(self, b: Bucket) -> StreamSync:
@@ -249,21 +241,11 @@ class Reducer:
         self._sched.close()
         for h in self._hooks:
             h.remove()
-        for g, key, whole in self._own_groups:
-            if not whole and not self._failed:
-                # A subgroup is named by its ranks and how many groups this process holds
-                # (torch's use_local_synchronization); destroying it would let the next wrap
-                # over the same ranks get the same name and meet this one's stale store keys.
-                # Kept for the next wrap instead (every member closes and wraps in the same
-                # order, so the pools agree). After a failure messages may still be in
-                # flight on it, so it is dropped, never reused.
-                _SUBGROUP_POOL.setdefault(key, []).append(g)
-                continue
-            if whole:
-                try:
-                    dist.destroy_process_group(g)
-                except Exception:  # noqa: BLE001 - best effort at teardown
-                    pass
+        for g in self._own_groups:
+            try:
+                dist.destroy_process_group(g)
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
         self._own_groups = []
 
     # ------------------------------------------------------------------ backward path
@@ -346,7 +328,6 @@ class Reducer:
             if self._bucket_opt is not None:
                 self._bucket_opt.committed()
         except BaseException as e:
-            self._failed = True
             self._sched.abort(e)  # this step's gradients are undefined; nothing of it is left pending
             raise
         finally:
@@ -470,12 +451,8 @@ class Reducer:
             self._stats.wait_s += waited
 
     def _quiesce(self, what: str) -> None:
-        try:
-            self._sched.raise_if_failed()
-            if self._sched.busy():
-                self._stats.wait_s += self._sched.wait_all(what)
-        except BaseException:
-            self._failed = True
-            raise
+        self._sched.raise_if_failed()
+        if self._sched.busy():
+            self._stats.wait_s += self._sched.wait_all(what)
         if self._pending_order is not None:
             self._apply_order()
