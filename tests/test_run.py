@@ -87,8 +87,11 @@ def test_strategy_auto_runs_the_planners_choice(tmp_path):
                 "--out", str(out), "--no-progress", timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "--strategy auto chose:" in p.stderr
-    s, _ = _check_folder(out, 2)
-    assert s["strategy"] in ("dp", "ddp", "ps") and s["steps"] == 5
     from dtrain.config import load_toml
 
-    assert load_toml(out / "config.toml")["strategy"] == s["strategy"]  # the rerunnable, resolved choice
+    chosen = load_toml(out / "config.toml")  # the rerunnable, resolved choice
+    # the planner may pick fewer processes than asked (a single process can win on 2 cores)
+    assert 1 <= chosen["workers"] <= 2
+    s, _ = _check_folder(out, chosen["workers"])
+    assert s["strategy"] in ("dp", "ddp", "ps") and s["steps"] == 5
+    assert chosen["strategy"] == s["strategy"]
