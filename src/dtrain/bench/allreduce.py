@@ -37,7 +37,7 @@ from typing import Any
 
 from dtrain.errors import ConfigError
 
-__all__ = ["BenchConfig", "main", "parse_size", "format_size"]
+__all__ = ["BenchConfig", "check_timing", "main", "parse_size", "format_size"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -66,6 +66,16 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
+def check_timing(sizes: tuple[int, ...], iters: int, warmup: int) -> None:
+    """The options every timing benchmark shares: float32 sizes, timed and warm-up rounds."""
+    if iters < 1:
+        raise ConfigError(f"--iters must be >= 1, got {iters}")
+    if warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {warmup}")
+    if not sizes or any(s < 4 or s % 4 for s in sizes):
+        raise ConfigError(f"--sizes must be whole float32 counts (multiples of 4 bytes, >= 4), got {sizes}")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """Options of one benchmark run (see the module docstring)."""
@@ -86,12 +96,7 @@ class BenchConfig:
 
         if self.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
-        if self.iters < 1:
-            raise ConfigError(f"--iters must be >= 1, got {self.iters}")
-        if self.warmup < 0:
-            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
-        if not self.sizes or any(s < 4 or s % 4 for s in self.sizes):
-            raise ConfigError(f"--sizes must be whole float32 counts (multiples of 4 bytes, >= 4), got {self.sizes}")
+        check_timing(self.sizes, self.iters, self.warmup)
         bad = [a for a in self.algorithms if a not in ALGORITHMS]
         if bad or not self.algorithms:
             raise ConfigError(f"unknown algorithm(s) {bad}; choose from {', '.join(ALGORITHMS)} or 'all'")

@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dtrain.bench.allreduce import format_size, parse_size
+from dtrain.bench.allreduce import check_timing, format_size, parse_size
 from dtrain.errors import ConfigError
 
 __all__ = ["P2PConfig", "main"]
@@ -54,12 +54,7 @@ class P2PConfig:
     def __post_init__(self) -> None:
         if self.workers < 2:
             raise ConfigError(f"--workers must be >= 2 (ranks ping-pong in pairs), got {self.workers}")
-        if self.iters < 1:
-            raise ConfigError(f"--iters must be >= 1, got {self.iters}")
-        if self.warmup < 0:
-            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
-        if not self.sizes or any(s < 4 or s % 4 for s in self.sizes):
-            raise ConfigError(f"--sizes must be whole float32 counts (multiples of 4 bytes, >= 4), got {self.sizes}")
+        check_timing(self.sizes, self.iters, self.warmup)
         if self.timeout <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
 

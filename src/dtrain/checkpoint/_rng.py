@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["rng_state", "set_rng_state"]
@@ -21,12 +22,7 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy is optional
-        pass
+    state["numpy"] = np.random.get_state()
     return state
 
 
@@ -37,6 +33,4 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
-        import numpy as np
-
         np.random.set_state(state["numpy"])

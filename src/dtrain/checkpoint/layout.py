@@ -29,6 +29,7 @@ distributed checkpoint does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -82,9 +83,8 @@ def _fsync_dir(path: Path) -> None:
     except OSError:  # pragma: no cover - platforms without directory fds
         return
     try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
+        with contextlib.suppress(OSError):  # some file systems cannot sync a directory
+            os.fsync(fd)
     finally:
         os.close(fd)
 
