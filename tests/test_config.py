@@ -33,6 +33,8 @@ def test_defaults_validate():
         ({"overlap": "sideways"}, ["overlap", "forward"]),
         ({"strategy": "ps", "consistency": "backup:4", "workers": 4}, ["backup"]),
         ({"strategy": "ps", "consistency": "eventual"}, ["eventual"]),
+        ({"lr_schedule": "step"}, ["lr_schedule 'step'", "constant, cosine"]),
+        ({"strategy": "ps", "lr_schedule": "cosine", "resume": "runs/x"}, ["--lr-schedule constant"]),
     ],
 )
 def test_invalid_values_name_the_fix(changes, words):
@@ -90,6 +92,13 @@ def test_every_field_has_a_flag():
     for f in dataclasses.fields(RunConfig):
         if f.name != "extra":
             assert f.name in dests, f.name
+
+
+def test_lr_schedule_flag():
+    cfg = config_from_args(build_parser().parse_args(["run", "--lr-schedule", "cosine"]))
+    assert cfg.lr_schedule == "cosine" and RunConfig().lr_schedule == "constant"
+    with pytest.raises(SystemExit):  # argparse: invalid choice
+        build_parser().parse_args(["run", "--lr-schedule", "linear"])
 
 
 def test_parse_straggler():

@@ -95,3 +95,86 @@ def test_strategy_auto_runs_the_planners_choice(tmp_path):
     s, _ = _check_folder(out, chosen["workers"])
     assert s["strategy"] in ("dp", "ddp", "ps") and s["steps"] == 5
     assert chosen["strategy"] == s["strategy"]
+
+
+def test_lr_factor_is_torchs_cosine_annealing():
+    """lr_factor("cosine") per step is torch's CosineAnnealingLR(T_max=total, eta_min=0) stepped per step."""
+    import torch
+
+    from dtrain.train import lr_factor
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.05)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=37)
+    for step in range(37):
+        assert 0.05 * lr_factor("cosine", step, 37) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9, abs=1e-15)
+        opt.step()
+        sched.step()
+    assert lr_factor("cosine", 0, 10) == 1.0 and lr_factor("cosine", 5, 10) == pytest.approx(0.5)
+    assert lr_factor("cosine", 12, 10) == pytest.approx(0.0, abs=1e-15)
+    assert lr_factor("constant", 7, 10) == 1.0
+    with pytest.raises(ValueError, match="constant or cosine"):
+        lr_factor("step", 0, 10)
+
+
+def test_scheduled_updates_compose_with_the_servers_own_lr_scaling():
+    """The parameter server's optimizer: each update gets lr * factor(update) times whatever scale the
+    server set just before the step (staleness-aware lr), and the group's lr is restored after it."""
+    import torch
+
+    from dtrain.train import _schedule_updates, lr_factor
+
+    torch.manual_seed(0)
+    w0 = torch.randn(5)
+    a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    opt_a = torch.optim.SGD([a], lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD([b], lr=0.1, momentum=0.9)
+    _schedule_updates(opt_a, "cosine", 6)
+    for t in range(6):
+        g = torch.randn(5)
+        a.grad, b.grad = g.clone(), g.clone()
+        scale = 0.5 if t % 2 else 1.0
+        opt_a.param_groups[0]["lr"] = 0.1 * scale  # what the server does around a stale update
+        opt_a.step()
+        assert opt_a.param_groups[0]["lr"] == 0.1 * scale and "unscheduled_lr" not in opt_a.param_groups[0]
+        opt_a.param_groups[0]["lr"] = 0.1
+        opt_b.param_groups[0]["lr"] = 0.1 * scale * lr_factor("cosine", t, 6)
+        opt_b.step()
+        assert torch.equal(a, b), t
+    assert not torch.equal(a, w0)
+
+
+def test_server_updates_per_consistency():
+    from pathlib import Path
+
+    from dtrain.config import RunConfig
+    from dtrain.data import load_dataset
+    from dtrain.train import TrainContext
+
+    data = load_dataset("digits", seed=0)
+    steps = (1437 // 4) // 16 * 10  # per worker: 4 workers, global batch 64, 10 epochs
+    expect = {"bsp": steps, "backup:1": steps, "softsync:2": 2 * steps, "asp": 4 * steps, "ssp:2": 4 * steps}
+    for pol, n in expect.items():
+        cfg = RunConfig(strategy="ps", workers=4, servers=1, consistency=pol, lr_schedule="cosine")
+        ctx = TrainContext(cfg=cfg, rank=0, world_size=5, out_dir=Path("."), data=data, metrics=None, tracer=None)
+        assert ctx.server_updates() == n, pol
+
+
+def test_lr_schedule_cosine_under_dp_and_ps(tmp_path):
+    """--lr-schedule cosine: dp's metrics show lr * factor(step); one parameter-server worker (bsp) then
+    trains exactly like one data-parallel process with the same schedule, not like a constant rate."""
+    from dtrain.train import lr_factor
+
+    common = ["--workers", "1", "--epochs", "1", "--max-steps", "8", "--no-progress", "--no-trace"]
+    runs = {}
+    for name, extra in {"dp": ["--lr-schedule", "cosine"], "ps": ["--strategy", "ps", "--lr-schedule", "cosine"],
+                        "ps_const": ["--strategy", "ps"]}.items():
+        out = tmp_path / name
+        p = _dtrain("run", "--out", str(out), *common, *extra)
+        assert p.returncode == 0, p.stderr[-3000:]
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = sorted((r for r in rows if "loss" in r), key=lambda r: r["step"])
+    assert [r["lr"] for r in runs["dp"]] == pytest.approx([0.05 * lr_factor("cosine", t, 8) for t in range(8)])
+    dp_loss = [r["loss"] for r in runs["dp"]]
+    assert [r["loss"] for r in runs["ps"]] == pytest.approx(dp_loss, rel=1e-5)
+    const = [r["loss"] for r in runs["ps_const"]]
+    assert max(abs(x - y) / y for x, y in zip(const, dp_loss)) > 1e-4  # the schedule made a difference

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from dtrain.config import ALGORITHMS, OPTIMIZERS, OVERLAPS, STRATEGIES, RunConfig, load_toml
+from dtrain.config import ALGORITHMS, LR_SCHEDULES, OPTIMIZERS, OVERLAPS, STRATEGIES, RunConfig, load_toml
 from dtrain.errors import DTrainError
 
 __all__ = ["main", "build_parser", "config_from_args"]
@@ -24,9 +24,12 @@ _CHOICES: dict[str, Sequence[str]] = {
     "algorithm": ALGORITHMS,
     "overlap": OVERLAPS,
     "optimizer": OPTIMIZERS,
+    "lr_schedule": LR_SCHEDULES,
 }
 _HELP = {
     "workers": "worker processes (default: 4)",
+    "lr_schedule": "learning rate over the run: constant, or cosine from --lr down to 0 at the last step "
+                   "(default: constant)",
     "batch_size": "global batch size, summed over workers",
     "compression": "gradient compressor, e.g. topk:0.01, qsgd:16, powersgd:2 (default: none)",
     "consistency": "parameter-server consistency: bsp, asp, ssp:S, softsync:K, backup:B",

@@ -30,6 +30,7 @@ __all__ = [
     "ALGORITHMS",
     "OVERLAPS",
     "OPTIMIZERS",
+    "LR_SCHEDULES",
     "load_toml",
     "dump_toml",
     "parse_straggler",
@@ -40,6 +41,7 @@ STRATEGIES = ("dp", "ddp", "ps", "auto")
 ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "rabenseifner", "hierarchical")
 OVERLAPS = ("backward", "forward")
 OPTIMIZERS = ("sgd", "adam")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 def parse_straggler(spec: str) -> tuple[int, float]:
@@ -70,6 +72,7 @@ class RunConfig:
     lr: float = 0.05
     momentum: float = 0.9
     optimizer: str = "sgd"  # sgd | adam
+    lr_schedule: str = "constant"  # constant | cosine (decay to 0 over the run's steps)
     weight_decay: float = 0.0
     seed: int = 0
     max_steps: int = 0  # stop after this many steps (0: no limit)
@@ -154,6 +157,7 @@ class RunConfig:
         choose("algorithm", self.algorithm, ALGORITHMS)
         choose("overlap", self.overlap, OVERLAPS)
         choose("optimizer", self.optimizer, OPTIMIZERS)
+        choose("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.epochs < 1:
@@ -206,6 +210,11 @@ class RunConfig:
                 from_spec(self.compression, error_feedback=self.error_feedback)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        if self.resume and self.strategy == "ps" and self.lr_schedule != "constant":
+            raise ConfigError(
+                f"resume under the parameter server supports lr_schedule 'constant' only (the servers do not "
+                f"restore the schedule's position yet); got {self.lr_schedule!r}: resume with --lr-schedule constant"
+            )
         from dtrain.checkpoint.training import check_resume
 
         check_resume(self)

@@ -38,7 +38,7 @@ from dtrain.data import DatasetSplit, load_dataset
 from dtrain.models import build_model
 from dtrain.trace import MetricsWriter, Tracer, merge_rank_files
 
-__all__ = ["TrainContext", "RUNNERS", "run", "worker_main", "default_out_dir", "summarize"]
+__all__ = ["TrainContext", "RUNNERS", "run", "worker_main", "default_out_dir", "summarize", "lr_factor"]
 
 # strategy name -> "module:function" of its runner (imported in the worker only)
 RUNNERS: dict[str, str] = {
@@ -51,6 +51,53 @@ RUNNERS: dict[str, str] = {
 def default_out_dir(cfg: RunConfig) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{stamp}-{cfg.strategy}"
+
+
+def lr_factor(schedule: str, step: int, total: int) -> float:
+    """The learning rate of optimizer step ``step`` (from 0) of ``total``, as a fraction of ``--lr``.
+
+    ``constant``: 1. ``cosine``: ``0.5 * (1 + cos(pi * step / total))``, 1 at the
+    first step and falling to ``0.5 * (1 + cos(pi * (total - 1) / total))`` at the
+    last (Loshchilov & Hutter, "SGDR: Stochastic Gradient Descent with Warm
+    Restarts", ICLR 2017, one cycle without restarts; torch's
+    ``CosineAnnealingLR`` with ``eta_min=0`` stepped per optimizer step). Steps at
+    or past ``total`` get 0.
+
+    Raises:
+        ValueError: unknown schedule or ``total < 1``.
+    """
+    if total < 1:
+        raise ValueError(f"lr schedule needs total >= 1 steps, got {total}")
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
+    raise ValueError(f"lr schedule {schedule!r} is not known; choose constant or cosine")
+
+
+def _schedule_updates(optimizer: torch.optim.Optimizer, schedule: str, total: int) -> None:
+    """Scale every update of ``optimizer`` by :func:`lr_factor` of its own step count.
+
+    For optimizers stepped where the loop cannot set the rate (the parameter
+    server's): a pre-step hook multiplies each group's current ``lr`` (whatever
+    set it: the policy's lr scale, staleness-aware scaling) by the factor and a
+    post-step hook puts it back, so the schedule composes with them.
+    """
+    count = [0]
+
+    def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        f = lr_factor(schedule, count[0], total)
+        for g in opt.param_groups:
+            g["unscheduled_lr"] = g["lr"]
+            g["lr"] = g["lr"] * f
+
+    def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for g in opt.param_groups:
+            g["lr"] = g.pop("unscheduled_lr")
+        count[0] += 1
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
 
 
 @dataclass
@@ -83,12 +130,44 @@ class TrainContext:
         return build_model(self.cfg.model, self.data.input_shape, self.data.num_classes)
 
     def make_optimizer(self, params: Any) -> torch.optim.Optimizer:
+        """The configured optimizer. Under the parameter server its updates follow
+        ``lr_schedule`` by themselves (:meth:`server_updates` of them); the data
+        parallel loop sets the rate each step instead (:meth:`schedule_lr`)."""
         c = self.cfg
+        opt: torch.optim.Optimizer
         if c.optimizer == "adam":
-            return torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay)
-        comp = self.make_compressor()
-        momentum = 0.0 if comp is not None and comp.momentum else c.momentum  # the compressor applies it
-        return torch.optim.SGD(params, lr=c.lr, momentum=momentum, weight_decay=c.weight_decay)
+            opt = torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay)
+        else:
+            comp = self.make_compressor()
+            momentum = 0.0 if comp is not None and comp.momentum else c.momentum  # the compressor applies it
+            opt = torch.optim.SGD(params, lr=c.lr, momentum=momentum, weight_decay=c.weight_decay)
+        if c.strategy == "ps" and c.lr_schedule != "constant":
+            _schedule_updates(opt, c.lr_schedule, self.server_updates())
+        return opt
+
+    def server_updates(self) -> int:
+        """Updates each parameter server applies in the run: one per round under bsp
+        and backup:b, ``W / k`` per round under softsync:k, ``W`` under asp and ssp."""
+        from dtrain.param_server.consistency import parse_consistency
+
+        workers = self.world_size - self.cfg.servers
+        steps = self.total_steps(workers)
+        spec = parse_consistency(self.cfg.consistency)
+        if spec.kind in ("bsp", "backup"):
+            return max(1, steps)
+        if spec.kind == "softsync":
+            return max(1, workers * steps // min(spec.arg, workers))
+        return max(1, workers * steps)
+
+    def schedule_lr(self, optimizer: torch.optim.Optimizer, step: int, total: int) -> None:
+        """Set each group's ``lr`` for ``step`` of ``total``: its initial rate times
+        :func:`lr_factor` (nothing to do for a constant schedule)."""
+        if self.cfg.lr_schedule == "constant":
+            return
+        f = lr_factor(self.cfg.lr_schedule, step, total)
+        for g in optimizer.param_groups:
+            g.setdefault("initial_lr", g["lr"])
+            g["lr"] = g["initial_lr"] * f
 
     def make_compressor(self) -> Any:
         """The configured gradient compressor for dp and ps (None without one).
@@ -262,6 +341,7 @@ def run_data_parallel(ctx: TrainContext) -> dict[str, Any]:
             if step >= total:
                 break
             t0 = time.perf_counter()
+            ctx.schedule_lr(optimizer, step, total)
             with ctx.tracer.span("step", step=step):
                 if not steps_in_optimizer:
                     optimizer.zero_grad(set_to_none=False)
