@@ -18,13 +18,23 @@ Two tables:
    the optimizer for every compressor, to show why.
    With ``--ps`` the CNN is also trained under the parameter server (BSP) through
    ``dtrain.train.run`` (``--ps-servers`` server processes beside the workers).
+   Every row follows the same learning-rate schedule, ``--lr-schedule`` (default:
+   cosine, ``dtrain run --lr-schedule cosine``), stepped per optimizer step.
 
-Run (all compressors, both models; ~10 minutes on 2 busy cores)::
+A row may run at its own settings: ``SPEC@lr=0.2,momentum=0,epochs=30`` (keys
+``lr``, ``momentum``, ``epochs``, ``batch`` (global); in ``--specs`` the commas
+after ``@`` belong to the row). The default grid runs unbiased rand-k at ratio 0.1 and rand-k with
+memory at 0.01 so (:data:`TUNED`), beside ``none`` at the same settings as their
+peer: at the common settings neither trains (BENCHMARKS.md, "Compression").
+The settings of every row are printed with it.
+
+Run (all compressors, both models; ``--ps`` adds the parameter server; the three 30-epoch rows make the grid about twice as long as the 15 rows at 10 epochs)::
 
     python benchmarks/compression.py
     python benchmarks/compression.py --specs none,topk:0.01,powersgd:2 --models cnn --epochs 5
     python benchmarks/compression.py --ps --models cnn
     python benchmarks/compression.py --specs sign,onebit --models cnn --momentum-after
+    python benchmarks/compression.py --specs randomk:0.1@lr=0.2,momentum=0,epochs=30 --models cnn --ps
 
 Timings on a shared machine are indicative; the ratios of bytes are exact.
 """
@@ -59,6 +69,49 @@ DEFAULT_SPECS = [
     "threshold:0.001",
     "powersgd:2",
 ]
+
+#: Rows at their own settings in the default grid: rand-k needs a larger step without
+#: momentum and more epochs (unbiased at ratio 0.01 its variance is 99 times the
+#: gradient's and it does not train at all). ``none`` at the same settings is their peer.
+TUNED = "@lr=0.2,momentum=0,epochs=30"
+DEFAULT_SPECS += [f"none{TUNED}", f"randomk:0.1{TUNED}", f"randomk:0.01:memory{TUNED}"]
+
+_KEYS = {"lr": float, "momentum": float, "epochs": int, "batch": int}
+
+
+def split_specs(text: str) -> list[str]:
+    """``--specs`` into rows: a ``key=value`` item after a comma belongs to the row before it."""
+    rows: list[str] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        if rows and "@" in rows[-1] and "=" in item and "@" not in item:
+            rows[-1] += "," + item
+        else:
+            rows.append(item)
+    return rows
+
+
+def parse_row(row: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``SPEC[@key=value,...]`` -> {label, spec, lr, momentum, epochs}, the rest from ``args``."""
+    spec, _, extra = row.partition("@")
+    out: dict[str, Any] = {"label": row, "spec": spec, "lr": args.lr, "momentum": args.momentum, "epochs": args.epochs,
+                           "batch": args.batch_size}
+    for kv in [t for t in extra.split(",") if t]:
+        key, eq, value = kv.partition("=")
+        if not eq or key not in _KEYS:
+            raise SystemExit(f"row {row!r}: write SPEC@key=value,... with keys {', '.join(_KEYS)}; got {kv!r}")
+        try:
+            out[key] = _KEYS[key](value)
+        except ValueError:
+            raise SystemExit(f"row {row!r}: {key} must be a {_KEYS[key].__name__}, got {value!r}") from None
+    if not out["lr"] > 0 or not 0 <= out["momentum"] < 1 or out["epochs"] < 1 or out["batch"] % args.workers:
+        raise SystemExit(f"row {row!r}: needs lr > 0, momentum in [0, 1), epochs >= 1, batch a multiple of --workers")
+    return out
+
+
+def _settings(r: dict[str, Any]) -> str:
+    return f"lr {r['lr']:g} m {r['momentum']:g} {r['epochs']} ep" + (f" b {r['batch']}" if r["batch"] != 64 else "")
 
 
 # ----------------------------------------------------------------------------- codec table
@@ -101,30 +154,34 @@ def _evaluate(model: torch.nn.Module, data: Any) -> float:
 
 
 def dp_worker(
-    specs: list[str], model_name: str, hidden: list[int], epochs: int, batch: int, lr: float, momentum: float, seed: int,
-    momentum_after: bool = False,
+    rows: list[dict[str, Any]], model_name: str, hidden: list[int], seed: int,
+    momentum_after: bool = False, lr_schedule: str = "constant", timeout_s: float = 120.0,
 ) -> dict[str, Any]:
-    """One process of the training table: every spec in turn, a fresh model each."""
+    """One process of the training table: every row in turn, a fresh model each."""
     import dtrain
     from torch.utils.data import DataLoader, DistributedSampler
 
     from dtrain.compress import from_spec
     from dtrain.data import load_dataset
     from dtrain.models import build_model
+    from dtrain.train import lr_factor
 
     torch.set_num_threads(1)
     rank, world = dtrain.rank(), dtrain.world_size()
     data = load_dataset("digits", seed=seed)
     results: dict[str, Any] = {}
-    for spec in specs:
+    for row in rows:
+        spec, lr, momentum, epochs, batch = row["spec"], row["lr"], row["momentum"], row["epochs"], row["batch"]
         torch.manual_seed(seed)
         kw = {"hidden": tuple(hidden)} if model_name == "mlp" else {}
         net = build_model(model_name, data.input_shape, data.num_classes, **kw)
         # as dtrain run does: sign/onebit take the momentum into their error feedback, SGD then has none
         comp = None if spec == "none" else from_spec(spec, momentum=0.0 if momentum_after else momentum)
-        dp = dtrain.DataParallel(net, compression=comp, timeout_s=120)
+        dp = dtrain.DataParallel(net, compression=comp, timeout_s=timeout_s)
         opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.0 if comp is not None and comp.momentum else momentum)
         loss_fn = torch.nn.CrossEntropyLoss()
+        per_epoch = len(data.train) // world // (batch // world)
+        total = per_epoch * epochs
         steps, sent, train_s, history = 0, 0, 0.0, []
         for epoch in range(epochs):
             sampler = DistributedSampler(data.train, world, rank, shuffle=True, seed=seed, drop_last=True)
@@ -132,6 +189,8 @@ def dp_worker(
             loader = DataLoader(data.train, batch_size=batch // world, sampler=sampler, drop_last=True)
             t0 = time.perf_counter()
             for x, y in loader:
+                for g in opt.param_groups:  # as dtrain run's --lr-schedule: per optimizer step
+                    g["lr"] = lr * lr_factor(lr_schedule, steps, total)
                 opt.zero_grad(set_to_none=False)
                 loss_fn(dp(x), y).backward()
                 opt.step()
@@ -140,7 +199,7 @@ def dp_worker(
             train_s += time.perf_counter() - t0
             history.append((round(train_s, 3), _evaluate(net, data)))
         dp.close()
-        results[spec] = {
+        results[row["label"]] = {
             "params": sum(p.numel() for p in net.parameters()),
             "steps": steps,
             "bytes_per_step": sent / max(1, steps),
@@ -150,17 +209,17 @@ def dp_worker(
     return results
 
 
-def train_table(specs: list[str], model: str, hidden: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+def train_table(rows: list[dict[str, Any]], model: str, hidden: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     from dtrain.launch import launch
 
-    out = launch(dp_worker, (specs, model, hidden, args.epochs, args.batch_size, args.lr, args.momentum, args.seed,
-                             args.momentum_after), nprocs=args.workers)
-    rows = []
-    for spec in specs:
-        per_rank = [out[r][spec] for r in sorted(out)]
+    out = launch(dp_worker, (rows, model, hidden, args.seed, args.momentum_after, args.lr_schedule, args.timeout),
+                 nprocs=args.workers)
+    table = []
+    for row in rows:
+        per_rank = [out[r][row["label"]] for r in sorted(out)]
         hist = per_rank[0]["history"]
-        rows.append({
-            "spec": spec,
+        table.append({
+            **row,
             "params": per_rank[0]["params"],
             "bytes_per_step": statistics.mean(r["bytes_per_step"] for r in per_rank),
             "accuracy": hist[-1][1],
@@ -168,32 +227,32 @@ def train_table(specs: list[str], model: str, hidden: list[int], args: argparse.
             "time_to_target_s": next((t for t, a in hist if a >= args.target), None),
             "train_s": max(r["train_s"] for r in per_rank),
         })
-    return rows
+    return table
 
 
-def ps_table(specs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+def ps_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
     from dtrain.config import RunConfig
     from dtrain.train import run
 
-    rows = []
-    for spec in specs:
+    table = []
+    for row in rows:
         with tempfile.TemporaryDirectory() as d:
             cfg = RunConfig(
-                strategy="ps", workers=args.workers, servers=args.ps_servers, consistency="bsp", compression=spec,
-                epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, seed=args.seed, out=d,
-                progress=False, trace=False,
+                strategy="ps", workers=args.workers, servers=args.ps_servers, consistency="bsp", compression=row["spec"],
+                epochs=row["epochs"], batch_size=row["batch"], lr=row["lr"], momentum=row["momentum"],
+                lr_schedule=args.lr_schedule, seed=args.seed, out=d, progress=False, trace=False, timeout_s=args.timeout,
             )
             s, _ = run(cfg, quiet=True)
         hist = s.get("accuracy_history", [])
-        rows.append({
-            "spec": spec,
+        table.append({
+            **row,
             "bytes_per_step": s["bytes_sent_per_step"],
             "accuracy": s["test_accuracy"],
             "history": [h[-1] for h in hist],
             "time_to_target_s": next((h[0] for h in hist if h[-1] >= args.target), None),
             "train_s": s.get("train_s"),
         })
-    return rows
+    return table
 
 
 # ----------------------------------------------------------------------------- printing
@@ -211,22 +270,32 @@ def print_codec(rows: list[dict[str, Any]]) -> None:
         print(f"{r['spec']:20s} {r['bytes']:10d} {r['bytes'] / base['bytes']:9.4f} {r['ms_per_mb']:14.3f}")
 
 
+def _peer(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``none`` row at the same settings (lr, momentum, epochs), else the first ``none``."""
+    nones = [b for b in rows if b["spec"] == "none"]
+    same = [b for b in nones if _settings(b) == _settings(r)]
+    return (same or nones or [None])[0]
+
+
 def print_train(title: str, rows: list[dict[str, Any]], target: float) -> None:
-    base = next((r for r in rows if r["spec"] == "none"), None)
     print(f"\n## {title}")
-    print(f"{'compressor':20s} {'B/step':>10s} {'vs none':>8s} {'final acc':>9s} {'t->' + format(target, '.0%'):>8s} {'vs none':>8s}  accuracy per epoch")
+    print("(vs none: against the none row at the same lr, momentum and epochs)")
+    print(f"{'compressor':20s} {'settings':>20s} {'B/step':>10s} {'vs none':>8s} {'final acc':>9s} "
+          f"{'t->' + format(target, '.0%'):>8s} {'vs none':>8s}  accuracy per epoch")
     for r in rows:
+        base = _peer(r, rows)
         ratio = r["bytes_per_step"] / base["bytes_per_step"] if base and base["bytes_per_step"] else None
         tt = r["time_to_target_s"]
         tr = tt / base["time_to_target_s"] if base and tt is not None and base["time_to_target_s"] else None
         hist = " ".join(f"{a:.3f}" for a in r["history"])
-        print(f"{r['spec']:20s} {r['bytes_per_step']:10.0f} {_fmt(ratio, '8.4f'):>8s} {r['accuracy']:9.4f} "
+        print(f"{r['spec']:20s} {_settings(r):>20s} {r['bytes_per_step']:10.0f} {_fmt(ratio, '8.4f'):>8s} {r['accuracy']:9.4f} "
               f"{_fmt(tt, '7.2f') + 's' if tt is not None else '-':>8s} {_fmt(tr, '8.2f'):>8s}  {hist}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--specs", default=",".join(DEFAULT_SPECS), help="comma-separated compressor specs")
+    ap.add_argument("--specs", default=",".join(DEFAULT_SPECS),
+                    help="comma-separated rows: SPEC or SPEC@lr=..,momentum=..,epochs=.. (default: the full grid)")
     ap.add_argument("--models", default="cnn,mlp", help="cnn, mlp, both, or '' for none (default: cnn,mlp)")
     ap.add_argument("--mlp-hidden", default="512,512", help="hidden sizes of the larger MLP (default: 512,512)")
     ap.add_argument("--workers", type=int, default=4)
@@ -237,39 +306,49 @@ def main(argv: list[str] | None = None) -> int:
                     help="SGD momentum (default: 0.9): applied after averaging, or before the compressor for sign/onebit")
     ap.add_argument("--momentum-after", action="store_true",
                     help="DataParallel only: momentum in the optimizer for every compressor (what sign/onebit did before)")
+    ap.add_argument("--lr-schedule", default="cosine", choices=("constant", "cosine"),
+                    help="learning rate over each row's steps, the same for every row (default: cosine)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target", type=float, default=0.95, help="accuracy for time-to-target (default: 0.95)")
     ap.add_argument("--reps", type=int, default=5, help="codec timing repetitions (default: 5)")
     ap.add_argument("--no-train", action="store_true", help="codec table only")
     ap.add_argument("--ps", action="store_true", help="also train the CNN under the parameter server (bsp)")
     ap.add_argument("--ps-servers", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=900.0,
+                    help="seconds a worker waits for its peers before failing (default: 900; a run that other "
+                         "jobs pause for minutes needs this long)")
     ap.add_argument("--json", help="write all figures to this file")
     args = ap.parse_args(argv)
-    specs = [s for s in args.specs.split(",") if s]
-    if "none" not in specs:
-        specs.insert(0, "none")
+    rows = [parse_row(r, args) for r in split_specs(args.specs)]
+    if not any(r["spec"] == "none" for r in rows):
+        rows.insert(0, parse_row("none", args))
     from dtrain.compress import from_spec
 
-    for s in specs:
-        from_spec(s)  # bad specs fail here, before any process starts
+    for r in rows:
+        from_spec(r["spec"])  # bad specs fail here, before any process starts
+    specs = list(dict.fromkeys(r["spec"] for r in rows))
     hidden = [int(h) for h in args.mlp_hidden.split(",")]
     print(f"# dtrain compression benchmark: torch {torch.__version__}, python {platform.python_version()}, "
           f"{args.workers} workers, {args.epochs} epochs, global batch {args.batch_size}, SGD lr {args.lr} momentum {args.momentum} "
-          f"({'after averaging for every compressor' if args.momentum_after else 'before the compressor for sign/onebit, after averaging for the others'})")
+          f"({'after averaging for every compressor' if args.momentum_after else 'before the compressor for sign/onebit, after averaging for the others'}), "
+          f"lr schedule {args.lr_schedule} for every row")
+    tuned = [r for r in rows if "@" in r["label"]]
+    if tuned:
+        print("# rows at their own settings: " + "; ".join(f"{r['spec']}: {_settings(r)}" for r in tuned))
     report: dict[str, Any] = {"args": vars(args)}
     report["codec"] = codec_table(specs, args.reps)
     print_codec(report["codec"])
     if not args.no_train:
         for model in [m for m in args.models.split(",") if m]:
-            rows = train_table(specs, model, hidden, args)
+            table = train_table(rows, model, hidden, args)
             label = "default CNN" if model == "cnn" else f"MLP {args.mlp_hidden}"
-            print_train(f"DataParallel, {label} ({rows[0]['params']} parameters), digits, {args.workers} workers", rows, args.target)
-            report[f"dp_{model}"] = rows
+            print_train(f"DataParallel, {label} ({table[0]['params']} parameters), digits, {args.workers} workers", table, args.target)
+            report[f"dp_{model}"] = table
             sys.stdout.flush()
         if args.ps:
-            rows = ps_table(specs, args)
-            print_train(f"parameter server (bsp, {args.ps_servers} server), default CNN, {args.workers} workers", rows, args.target)
-            report["ps_cnn"] = rows
+            table = ps_table(rows, args)
+            print_train(f"parameter server (bsp, {args.ps_servers} server), default CNN, {args.workers} workers", table, args.target)
+            report["ps_cnn"] = table
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
