@@ -161,20 +161,19 @@ def test_server_updates_per_consistency():
 
 def test_lr_schedule_cosine_under_dp_and_ps(tmp_path):
     """--lr-schedule cosine: dp's metrics show lr * factor(step); one parameter-server worker (bsp) then
-    trains exactly like one data-parallel process with the same schedule, not like a constant rate."""
+    trains exactly like one data-parallel process with the same schedule. (With the servers' rate left
+    constant the ps losses differ from these by more than 1e-4 relative from the third step on.)"""
     from dtrain.train import lr_factor
 
-    common = ["--workers", "1", "--epochs", "1", "--max-steps", "8", "--no-progress", "--no-trace"]
+    common = ["--workers", "1", "--epochs", "1", "--max-steps", "8", "--no-progress", "--no-trace",
+              "--lr-schedule", "cosine"]
     runs = {}
-    for name, extra in {"dp": ["--lr-schedule", "cosine"], "ps": ["--strategy", "ps", "--lr-schedule", "cosine"],
-                        "ps_const": ["--strategy", "ps"]}.items():
+    for name, extra in {"dp": [], "ps": ["--strategy", "ps"]}.items():
         out = tmp_path / name
         p = _dtrain("run", "--out", str(out), *common, *extra)
         assert p.returncode == 0, p.stderr[-3000:]
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         runs[name] = sorted((r for r in rows if "loss" in r), key=lambda r: r["step"])
     assert [r["lr"] for r in runs["dp"]] == pytest.approx([0.05 * lr_factor("cosine", t, 8) for t in range(8)])
-    dp_loss = [r["loss"] for r in runs["dp"]]
-    assert [r["loss"] for r in runs["ps"]] == pytest.approx(dp_loss, rel=1e-5)
-    const = [r["loss"] for r in runs["ps_const"]]
-    assert max(abs(x - y) / y for x, y in zip(const, dp_loss)) > 1e-4  # the schedule made a difference
+    assert len(runs["ps"]) == 8
+    assert [r["loss"] for r in runs["ps"]] == pytest.approx([r["loss"] for r in runs["dp"]], rel=1e-5)
