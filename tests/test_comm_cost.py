@@ -74,15 +74,20 @@ def test_allreduce_time_dispatches_and_counts_ring_pieces() -> None:
     assert close(cost.allreduce_time("native", 8, N, LINK), cost.ring_time(8, N, LINK))
     assert close(cost.allreduce_time("tree", 8, N, LINK), cost.tree_time(8, N, LINK))
     assert close(cost.allreduce_time("lower_bound", 8, N, LINK), cost.lower_bound_time(8, N, LINK))
-    # 16 MiB float32 over 4 ranks with 1 MiB pieces: 4 MiB segments, 4 pieces each
+    # 16 MiB float32 over 4 ranks with 1 MiB pieces: 4 MiB segments, 4 pieces each without the
+    # default cap, 2 (of 2 MiB) with it
     n = 16 << 20
-    t = cost.allreduce_time("ring", 4, n, LINK, piece_bytes=1 << 20)
+    t = cost.allreduce_time("ring", 4, n, LINK, piece_bytes=1 << 20, max_pieces=64)
     assert close(t, cost.ring_time(4, n, LINK, pieces=4))
+    assert close(cost.allreduce_time("ring", 4, n, LINK, piece_bytes=1 << 20), cost.ring_time(4, n, LINK, pieces=2))
     # 64 MiB: 16 MiB segments in 16 pieces, or 4 (of 4 MiB) when capped at 4
     n = 64 << 20
-    assert close(cost.allreduce_time("ring", 4, n, LINK, piece_bytes=1 << 20), cost.ring_time(4, n, LINK, pieces=16))
+    t = cost.allreduce_time("ring", 4, n, LINK, piece_bytes=1 << 20, max_pieces=64)
+    assert close(t, cost.ring_time(4, n, LINK, pieces=16))
     t = cost.allreduce_time("ring", 4, n, LINK, piece_bytes=1 << 20, max_pieces=4)
     assert close(t, cost.ring_time(4, n, LINK, pieces=4))
+    # 1 MiB over 4 ranks: 256 KiB segments, one piece each, with or without the cap
+    assert close(cost.allreduce_time("ring", 4, 1 << 20, LINK), cost.ring_time(4, 1 << 20, LINK, pieces=1))
     with pytest.raises(ConfigError, match="ring"):
         cost.allreduce_time("bcube", 4, n, LINK)
 
@@ -118,11 +123,12 @@ def test_ring_traffic_by_hand() -> None:
     t = cost.traffic("ring", 4, 64)
     assert t.messages == (6,) * 4 and t.bytes_sent == (96,) * 4
     # 10 elements over 2 ranks with 8-byte pieces: segments of 5 in 3 pieces (2, 2, 1)
-    t = cost.ring_traffic(2, 10, itemsize=4, piece_bytes=8)
+    t = cost.ring_traffic(2, 10, itemsize=4, piece_bytes=8, max_pieces=64)
     assert t.messages == (6, 6) and t.bytes_sent == (40, 40)
-    # ... or at most 2 pieces (3, 2)
-    t = cost.ring_traffic(2, 10, itemsize=4, piece_bytes=8, max_pieces=2)
-    assert t.messages == (4, 4) and t.bytes_sent == (40, 40)
+    # ... or at most 2 pieces (3, 2), the default cap
+    for t in (cost.ring_traffic(2, 10, itemsize=4, piece_bytes=8, max_pieces=2),
+              cost.ring_traffic(2, 10, itemsize=4, piece_bytes=8)):
+        assert t.messages == (4, 4) and t.bytes_sent == (40, 40)
     # 3 elements over 5 ranks: segments (1,1,1,0,0); rank r skips r+1 in RS and r+2 in AG
     t = cost.ring_traffic(5, 3, itemsize=4)
     segs = [1, 1, 1, 0, 0]

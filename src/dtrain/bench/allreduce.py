@@ -86,7 +86,7 @@ class BenchConfig:
     iters: int = 10
     warmup: int = 2
     piece_bytes: int = 1 << 20
-    max_pieces: int = 64
+    max_pieces: int = 2  # as dtrain.comm.cost.RING_MAX_PIECES (not imported: it pulls in torch)
     window: int = 2
     node_size: int | None = None
     timeout: float = 120.0
@@ -267,7 +267,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=10, help="timed runs per case (default: 10)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs first (default: 2)")
     ap.add_argument("--piece", default="1MB", help="ring piece size (default: 1MB)")
-    ap.add_argument("--max-pieces", type=int, default=64, help="ring: at most this many pieces per segment (default: 64)")
+    ap.add_argument("--max-pieces", type=int, default=2, help="ring: at most this many pieces per segment (default: 2)")
     ap.add_argument("--window", type=int, default=2, help="receives the ring posts ahead (default: 2)")
     ap.add_argument("--node-size", type=int, default=None, help="hierarchical: ranks per node (default: all local)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may block (default: 120)")

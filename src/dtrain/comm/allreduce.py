@@ -99,11 +99,14 @@ class AllreduceOptions:
         piece_bytes: the ring cuts each of its P segments into pieces of about this
             many bytes and pipelines them (default: 1 MiB, gloo's own segment
             size; 0.25 MiB was measured slower on loopback gloo, see DESIGN.md).
-        max_pieces: but into at most this many pieces per segment, so huge
-            tensors travel in larger pieces (default: 64). Fewer, larger pieces
-            cost less CPU (64 MiB over 4 ranks: 4 MiB pieces used ~20% less CPU
-            than 1 MiB ones) but waited longer for each other on a loaded
-            2-core machine (1.17 s against 0.74 s).
+        max_pieces: but into at most this many pieces per segment, so large
+            tensors travel in larger pieces (default: 2, gloo's own ring's
+            choice: one piece in flight while the other is reduced). Every
+            message costs the Python loop and the process group's calls on top
+            of its bytes; 4 ranks on 2 cores, loopback gloo, busbw against
+            native (``dtrain bench allreduce``, 20 runs, twice each): at most 2
+            pieces 0.86/0.88 at 16 MiB and 0.92/0.94 at 64 MiB; at most 64 (1 MiB
+            pieces) 0.76 and 0.83.
         window: receives the ring keeps posted ahead, so the next piece arrives
             while the current one is reduced (default: 2, as gloo's ring).
         node_size: hierarchical only: consecutive ranks per node (default: the

@@ -76,7 +76,7 @@ __all__ = [
 ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "rabenseifner", "hierarchical")
 #: the ring's default piece size and cap on pieces per segment (see AllreduceOptions)
 RING_PIECE_BYTES = 1 << 20
-RING_MAX_PIECES = 64
+RING_MAX_PIECES = 2
 
 
 # ----------------------------------------------------------------------------- traffic
@@ -143,7 +143,7 @@ def ring_traffic(
         numel: elements in the vector.
         itemsize: bytes per element (default: 4).
         piece_bytes: the ring's piece size (default: 1 MiB, as the implementation).
-        max_pieces: the cap on pieces per segment (default: 64, as the implementation).
+        max_pieces: the cap on pieces per segment (default: 2, as the implementation).
     """
     _check(world_size, numel, itemsize)
     if numel == 0 or world_size == 1:
@@ -445,7 +445,7 @@ def allreduce_time(
         node_size: hierarchical only: ranks per node (default: all in one node).
         piece_bytes: the ring's piece size; when given, alpha is charged per piece
             as the implementation sends them (default: textbook, one message per step).
-        max_pieces: the ring's cap on pieces per segment (default: 64, as the implementation).
+        max_pieces: the ring's cap on pieces per segment (default: 2, as the implementation).
         itemsize: bytes per element, to count pieces exactly (default: 4).
     """
     P = world_size
