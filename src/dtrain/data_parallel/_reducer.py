@@ -23,6 +23,7 @@ Backward, per synchronised step:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from typing import Any, Callable, Sequence
@@ -231,10 +232,8 @@ class Reducer:
         if self.closed:
             return
         if self.forward_mode:
-            try:
+            with contextlib.suppress(Exception):  # the failure was raised to the user already
                 self._quiesce("close()")
-            except Exception:  # noqa: BLE001 - the failure was raised to the user already
-                pass
         for h in self._pre_hooks:
             h.remove()
         self.closed = True
@@ -242,10 +241,8 @@ class Reducer:
         for h in self._hooks:
             h.remove()
         for g in self._own_groups:
-            try:
+            with contextlib.suppress(Exception):  # best effort at teardown: a peer may be gone
                 dist.destroy_process_group(g)
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
         self._own_groups = []
 
     # ------------------------------------------------------------------ backward path
