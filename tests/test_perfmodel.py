@@ -46,9 +46,11 @@ def test_units_parse_tc_style_rates_sizes_and_times():
 
 
 def test_cluster_toml_round_trips_and_rejects_bad_keys(tmp_path):
-    c = ClusterSpec(nodes=32, devices_per_node=4, inter=Link(parse_rate("25gbit"), 30e-6, 0.75),
+    c = ClusterSpec(nodes=32, devices_per_node=4, inter=Link(parse_rate("25gbit"), 30e-6, 0.75,
+                                                             duplex_bandwidth=parse_rate("20gbit")),
                     intra=Link(parse_rate("80gbit"), 5e-6), device=Device(kind="P100", flops=9.3e12, memory=16 * 2**30,
-                                                                          gamma=2e-11, overhead=1e-3, wake=2e-4), name="hvd")  # fmt: skip
+                                                                          gamma=2e-11, overhead=1e-3, wake=2e-4,
+                                                                          floor=5e-3, imbalance=4e-4), name="hvd")  # fmt: skip
     p = tmp_path / "c.toml"
     p.write_text(dump_cluster(c))
     assert load_cluster(p) == c
@@ -60,6 +62,13 @@ def test_cluster_toml_round_trips_and_rejects_bad_keys(tmp_path):
         load_cluster(p)
     p.write_text('nodes = 2\n[links.inter]\nbandwidth = "1gbit"\n[models.resnet]\nsamples_per_s = 130\n')
     assert load_cluster(p).models["resnet"].samples_per_s == 130
+    with pytest.raises(ConfigError, match="floor must be >= 0"):
+        Device(floor=-1e-3)
+    with pytest.raises(ConfigError, match="duplex_bandwidth must be > 0"):
+        Link(1e9, duplex_bandwidth=0.0)
+    p.write_text('nodes = 2\n[links.inter]\nbandwidth = "1gbit"\nduplex_bandwidth = "800mbit"\n')
+    assert load_cluster(p).inter.duplex_beta == pytest.approx(8 / 800e6)
+    assert load_cluster(p).inter.beta == pytest.approx(8 / 1e9)
 
 
 # ---------------------------------------------------------------- collectives (hand-computed)
@@ -88,6 +97,23 @@ def test_one_level_costs_are_comm_cost(alg, p):
     link = cost.LinkCost(A, B, G)
     piece = cost.RING_PIECE_BYTES if alg == "ring" else None
     assert allreduce_time(c, alg, N, p) == pytest.approx(cost.allreduce_time(alg, p, N, link, piece_bytes=piece))
+
+
+@pytest.mark.parametrize("p", [4, 5])
+def test_duplex_rate_charges_the_steps_that_send_and_receive_at_once(p):
+    one_way = flat(p, A, B, G)
+    duplex = ClusterSpec(nodes=p, inter=Link(1 / B, A, duplex_bandwidth=1 / (2 * B)), intra=one_way.intra,
+                         device=one_way.device)  # fmt: skip
+    # ring, recursive doubling, Rabenseifner: every byte at the duplex rate (beta 2B)
+    for alg in ("ring", "native", "recursive_doubling", "rabenseifner"):
+        piece = cost.RING_PIECE_BYTES if alg == "ring" else None
+        assert allreduce_time(duplex, alg, N, p) == pytest.approx(
+            cost.allreduce_time(alg, p, N, cost.LinkCost(A, 2 * B, G), piece_bytes=piece))  # fmt: skip
+    # the binomial tree's rounds send one way: unchanged
+    assert allreduce_time(duplex, "tree", N, p) == pytest.approx(allreduce_time(one_way, "tree", N, p))
+    # ring on 4 ranks by hand: 6 steps of (1e-3 + 250000 * 2e-6) and 3 reductions of 250000 * 1e-9
+    if p == 4:
+        assert allreduce_time(duplex, "ring", N, p) == pytest.approx(6 * (1e-3 + 0.5) + 3 * 2.5e-4)
 
 
 def test_two_level_costs_charge_each_round_on_its_level():
@@ -200,6 +226,65 @@ def test_dp_overlaps_buckets_with_backward_by_hand():
     assert one.step_s == pytest.approx(0.15 + 0.6 + 0.01)
     single = predict(prof, c, Strategy("single", 1))
     assert single.step_s == pytest.approx(0.46) and single.comm_s == 0.0
+
+
+def test_collective_floor_by_hand():
+    prof = made_up_profile()
+    c = flat(2, 0.0, 0.15 / MiB)  # a 1 MiB bucket takes 0.15 s on a 2-rank ring (see above)
+    floored = flat(2, 0.0, 0.15 / MiB, floor=0.5)
+    dp = Strategy("dp", 2, "ring", bucket_mb=25.0)
+    # buckets [l2] ready 0.1 and [l1, l0] ready 0.3: each call takes max(0.5, its time): 0.1-0.6, 0.6-1.1
+    assert predict(prof, floored, dp).step_s == pytest.approx(0.15 + 1.1 + 0.01)
+    # a floor below every call's time changes nothing
+    assert predict(prof, flat(2, 0.0, 0.15 / MiB, floor=0.1), dp).step_s == pytest.approx(predict(prof, c, dp).step_s)
+    # one process: no collective, no floor
+    assert predict(prof, floored, Strategy("single", 1)).step_s == pytest.approx(0.46)
+    # compressed: encode and decode count toward the floor (they are part of the call)
+    fp16 = CompressionModel("fp16", "summable", 0.5, 1e-8, 1e-8)
+    s16 = Strategy("dp", 2, "ring", bucket_mb=25.0, compression="fp16")
+    # its coding (counted on threads: milliseconds) plus 0.075 / 0.15 s of ring is below the floor either way
+    assert predict(prof, floored, s16, fp16).step_s == pytest.approx(0.15 + 1.1 + 0.01)
+    # parameter server: push, apply and pull of a step take at least the floor together
+    ps_c = flat(4, 1e-3, 1e-8, 1e-10, floor=0.5)
+    bsp = predict(prof, ps_c, Strategy("ps", 3, servers=1, consistency="bsp"))
+    assert bsp.step_s == pytest.approx(0.45 + 0.5)  # push 0.096 + apply 0.031 + pull 0.096 s < 0.5
+    asp = predict(prof, ps_c, Strategy("ps", 3, servers=1, consistency="asp"))
+    assert asp.step_s == pytest.approx(0.45 + 0.5)  # push 0.033 + apply 0.010 + pull 0.033 s < 0.5
+    # above the floor the floor does nothing
+    low = predict(prof, flat(4, 1e-3, 1e-8, 1e-10, floor=0.2), Strategy("ps", 3, servers=1, consistency="bsp"))
+    assert low.step_s == pytest.approx(predict(prof, flat(4, 1e-3, 1e-8, 1e-10), Strategy("ps", 3, servers=1)).step_s)
+
+
+def test_imbalance_is_waited_for_by_synchronous_strategies_only():
+    prof = made_up_profile()
+    c, skew = flat(4, 1e-3, 1e-8, 1e-10), flat(4, 1e-3, 1e-8, 1e-10, imbalance=0.05)
+    for s in (Strategy("dp", 4, "ring"), Strategy("ddp", 4), Strategy("ps", 3, servers=1, consistency="bsp"),
+              Strategy("ps", 3, servers=1, consistency="backup:1")):  # fmt: skip
+        base, slow = predict(prof, c, s), predict(prof, skew, s)
+        assert slow.step_s == pytest.approx(base.step_s + 0.05), s
+        assert slow.wait_s == pytest.approx(base.wait_s + 0.05), s
+        assert slow.exposed_s == pytest.approx(base.exposed_s), s
+    for cons in ("asp", "ssp:2", "softsync:2"):
+        s = Strategy("ps", 3, servers=1, consistency=cons)
+        assert predict(prof, skew, s).step_s == pytest.approx(predict(prof, c, s).step_s), cons
+    assert predict(prof, skew, Strategy("single", 1)).step_s == pytest.approx(0.46)
+
+
+def test_compressors_pay_the_floor_once_per_collective_call():
+    from dtrain.perfmodel.collectives import collective_calls
+
+    kinds = {"fp16": "summable", "topk:0.01": "sparse", "powersgd:2": "lowrank", "qsgd": "quantizer"}
+    assert {k: collective_calls(CompressionModel(k, v, 0.1)) for k, v in kinds.items()} == {
+        "fp16": 1, "topk:0.01": 1, "powersgd:2": 2, "qsgd": 2}  # fmt: skip
+    prof = made_up_profile()
+    floored = flat(2, 0.0, 1e-12, floor=0.5)  # links so fast that every call is floor-bound
+    one = predict(prof, floored, Strategy("dp", 2, "ring", bucket_mb=25.0, compression="fp16"),
+                  CompressionModel("fp16", "summable", 0.5))  # fmt: skip
+    two = predict(prof, floored, Strategy("dp", 2, "ring", bucket_mb=25.0, compression="powersgd:2"),
+                  CompressionModel("powersgd:2", "lowrank", 0.01))  # fmt: skip
+    # buckets ready at 0.1 and 0.3: one call each: 0.1-0.6, 0.6-1.1; two calls each: 0.1-1.1, 1.1-2.1
+    assert one.step_s == pytest.approx(0.15 + 1.1 + 0.01, rel=1e-3)
+    assert two.step_s == pytest.approx(0.15 + 2.1 + 0.01, rel=1e-3)
 
 
 def test_compute_falls_back_to_flops_and_model_rates():

@@ -152,6 +152,29 @@ def test_wake_latency_enters_closed_form_and_simulation_alike(s):
     assert simulate(profile(), slow_wake, s, steps=6).step_s == pytest.approx(closed_wake.step_s, rel=1e-9)
 
 
+@pytest.mark.parametrize("s", [Strategy("dp", 4, "ring", bucket_mb=1.0), Strategy("dp", 4, "tree"),
+                               Strategy("ps", 3, servers=1, consistency="asp"),
+                               Strategy("ps", 3, servers=1, consistency="bsp")], ids=str)  # fmt: skip
+def test_collective_floor_enters_closed_form_and_simulation_alike(s):
+    c = cluster(4, "1gbit")
+    floored = ClusterSpec(nodes=4, inter=c.inter, intra=c.intra, device=Device(gamma=1e-10, host="h", floor=0.5))
+    closed, closed_floor = predict(profile(), c, s), predict(profile(), floored, s)
+    assert closed_floor.step_s > closed.step_s
+    # asynchronous runs start up in a transient; synchronous ones equal the closed form exactly
+    rel = 0.03 if s.consistency == "asp" and s.kind == "ps" else 1e-9
+    assert simulate(profile(), floored, s, steps=60).step_s == pytest.approx(closed_floor.step_s, rel=rel)
+
+
+@pytest.mark.parametrize("s", [Strategy("dp", 4, "ring", bucket_mb=1.0), Strategy("dp", 4, "ring", overlap="forward"),
+                               Strategy("ps", 3, servers=1, consistency="bsp")], ids=str)  # fmt: skip
+def test_imbalance_enters_closed_form_and_simulation_alike(s):
+    c = cluster(4, "1gbit")
+    skew = ClusterSpec(nodes=4, inter=c.inter, intra=c.intra, device=Device(gamma=1e-10, host="h", imbalance=0.03))
+    closed = predict(profile(), skew, s)
+    assert closed.step_s == pytest.approx(predict(profile(), c, s).step_s + 0.03)
+    assert simulate(profile(), skew, s, steps=8).step_s == pytest.approx(closed.step_s, rel=1e-9)
+
+
 def test_bucket_latency_counts_the_wake_ups():
     from dtrain.perfmodel.predict import bucket_latency
 

@@ -7,10 +7,12 @@ What is measured, and how (every figure is a median over repetitions):
    until a round trip takes ~0.3 s or 16 MiB); one-way time = mean round trip / 2;
    then ``t = alpha + n * beta``: alpha from the small messages, beta a
    least-squares slope over the large ones (:func:`fit_alpha_beta`). The
-   backend's own per-step latency (``native_latency``) is a 4-byte native
-   allreduce's time over its ``2(P-1)`` steps. The inter level
+   backend's own per-step latency (``native_latency``) is its allreduce of
+   1 KiB over the ``2(P-1)`` steps (see 4). The inter level
    is rank 0 <-> rank 1 on different hosts of an emulated cluster; the intra
-   level is two processes of one machine over loopback.
+   level is two processes of one machine over loopback. ``duplex_bandwidth``:
+   every rank sends 256 KiB and 1 MiB to the next rank while receiving as much
+   from the previous one (a ring step); the slope between the two sizes.
 2. **gamma** -- every worker at once times ``a += b`` on 4 MiB fp32 buffers:
    seconds per byte reduced, under the same contention as a real step.
 3. **compute** -- worker 0 profiles the model alone (the median pass, as the
@@ -18,10 +20,16 @@ What is measured, and how (every figure is a median over repetitions):
    ``compute_scale`` = their mean pass / the profile (the hosts of an emulated
    cluster share this machine's cores, and a mean counts the passes that lost the
    CPU). ``flops`` = a 256x256 matmul's FLOP rate on one thread.
-4. **wake** -- the same ping-pong, each message sent right after a burst of
-   computing as long as one step's compute: the extra latency over alpha is what
-   the first message of a step pays on a machine whose cores are shared (the
-   scheduler's delay; about 0 on dedicated hosts).
+4. **wake, imbalance, floor** -- every rank runs steps without payload: the
+   model's training pass, then a 4-byte allreduce handed to a second thread and
+   back (a data-parallel step's pattern). ``imbalance`` is the slowest rank's pass
+   minus a rank's own, per step (synchronous strategies wait for it); the mean
+   step beyond the slowest pass and the backend's tiny allreduce, over the
+   wake-ups the model charges one bucket, is ``wake`` (the scheduler's delays
+   after compute and at each hand-off). ``floor`` is the backend's allreduce of
+   1 KiB, every rank at once: the least time of a collective call on cores shared
+   by more ranks than they can run at once; it also gives the backend's per-step
+   latency (``native_latency``). All about 0 on dedicated hosts.
 5. **overhead** -- the training loop of ``dtrain run`` for one worker at the
    per-worker batch, in this process on one thread: its mean step minus the mean
    bare training pass is the loop's own bookkeeping per step (times ``compute_scale``).
@@ -54,6 +62,8 @@ from dtrain.perfmodel.spec import ClusterSpec, CompressorCost, Device, Link, dum
 __all__ = ["main", "fit_alpha_beta", "trimmed_mean", "calibrate_cluster", "refresh_load", "calibrate_local", "local_cluster",
            "cache_dir", "cluster_file"]  # fmt: skip
 
+# the floor's probe: 1 KiB, a few bytes in every rank's segment but latency-bound at any link rate
+_FLOOR_NUMEL = 256
 _CAL_COMPRESSIONS = ("fp16", "powersgd:2", "qsgd", "onebit", "topk:0.01")
 
 
@@ -149,30 +159,43 @@ def _pingpong(peer: int, me: int, max_rtt: float, reps: int, max_size: int = 16 
     return out
 
 
-def _wake(peer: int, me: int, burst_s: float, reps: int) -> float:
-    """Mean one-way time of a 4-byte message sent right after ``burst_s`` of computing.
+def _sync_steps(model_name: str, dataset: str, batch: int, steps: int) -> dict[str, float]:
+    """Synchronous steps without payload: a training pass, then a 4-byte allreduce on a second thread.
 
-    On a busy machine a process that has just used its share of the CPU waits for
-    the scheduler before it runs again; the first message of every step pays that.
+    Every rank runs the model's training pass and then hands a 4-byte tensor to a
+    second thread, which allreduces it with the backend and hands it back -- the
+    pattern of a data-parallel step (hooks hand the bucket to the communication
+    thread; the first message follows a burst of compute) with nothing to move.
+    Returns the means of the step, of this rank's pass and of the slowest rank's
+    pass in the same step: on cores shared by several ranks the passes differ
+    from step to step, and a synchronous step waits for the slowest.
     """
-    import torch.distributed as dist
+    from concurrent.futures import ThreadPoolExecutor
 
-    a = torch.randn(96, 96)
-    buf = torch.zeros(1)
-    times = []
-    for _ in range(reps):
-        t1 = time.perf_counter()
-        while time.perf_counter() - t1 < burst_s:
-            a @ a
-        t0 = time.perf_counter()
-        if me < peer:
-            dist.send(buf, peer)
-            dist.recv(buf, peer)
-        else:
-            dist.recv(buf, peer)
-            dist.send(buf, peer)
-        times.append((time.perf_counter() - t0) / 2)
-    return trimmed_mean(times)
+    import torch.distributed as dist
+    from torch import nn
+
+    from dtrain.perfmodel.auto import load_model
+
+    model, (x, y), _ = load_model(model_name, dataset, batch=batch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    t = torch.zeros(1)
+    step_s, pass_s = [], []
+    with ThreadPoolExecutor(1) as pool:
+        for i in range(steps + 3):
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            t1 = time.perf_counter()
+            pool.submit(dist.all_reduce, t).result()
+            if i >= 3:  # warm-up
+                step_s.append(time.perf_counter() - t0)
+                pass_s.append(t1 - t0)
+    slowest = torch.tensor(pass_s, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {"step": float(statistics.mean(step_s)), "pass": float(statistics.mean(pass_s)),
+            "slowest": float(slowest.mean())}  # fmt: skip
 
 
 def _train_passes(model: Any, sample: Any, seconds: float) -> float:
@@ -230,12 +253,13 @@ def _gamma(reps: int) -> float:
 
 
 def _worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: int, quick: bool,
-            small_only: bool = False) -> dict[str, Any]:  # fmt: skip
+            load_only: bool = False) -> dict[str, Any]:  # fmt: skip
     """One process of a calibration job: ping-pong in its pair (all pairs at once), gamma, compute.
 
     All pairs run together so that the measurement sees the contention of a
-    collective step, where every rank communicates at once. ``small_only`` stops
-    the ping-pong at 1 KiB (latency only, for :func:`refresh_load`).
+    collective step, where every rank communicates at once. ``load_only`` skips
+    the link measurements (ping-pong, duplex exchange) and keeps what the load
+    moves, for :func:`refresh_load`.
     """
     import torch.distributed as dist
 
@@ -245,22 +269,66 @@ def _worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: 
     out: dict[str, Any] = {"rank": rank}
     out.update(_compute_alone_and_together(model_name, dataset, batch, reps * 2))
     dist.barrier()
-    for a, b in pairs:
-        if rank in (a, b):
-            peer = b if rank == a else a
-            out["pingpong"] = _pingpong(peer, rank, 0.3 if quick else 0.6, reps, 1024 if small_only else 16 << 20)
-            out["wake"] = _wake(peer, rank, out["together"], 10 * reps)
+    if not load_only:
+        for a, b in pairs:
+            if rank in (a, b):
+                peer = b if rank == a else a
+                out["pingpong"] = _pingpong(peer, rank, 0.3 if quick else 0.6, reps)
+        dist.barrier()
+        out["duplex"] = _duplex(reps)
+    dist.barrier()
+    out["sync"] = _sync_steps(model_name, dataset, batch, 15 * reps)
     dist.barrier()
     out["native"] = _native_small(10 * reps)
+    out["floor"] = _native_small(10 * reps, _FLOOR_NUMEL)
     out["gamma"] = _gamma(reps * 3)
     return out
 
 
-def _native_small(reps: int) -> float:
-    """Mean seconds of the backend's own allreduce of 4 bytes (its per-step latency, times ``2(P-1)``)."""
+def _duplex(reps: int, sizes: Sequence[int] = (256 << 10, 1 << 20)) -> list[tuple[int, float]]:
+    """(size, mean seconds) of ring exchanges: every rank sends ``size`` bytes to the next rank and
+    receives as many from the previous one, all at once, as a ring step does."""
     import torch.distributed as dist
 
-    t = torch.ones(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    out = []
+    for size in sizes:
+        a, b = torch.zeros(size // 4), torch.zeros(size // 4)
+        times = []
+        dist.barrier()
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            req = dist.isend(a, right)
+            dist.recv(b, left)
+            req.wait()
+            if i:  # the first one warms the connection up
+                times.append(time.perf_counter() - t0)
+        out.append((size, float(statistics.mean(times))))
+    return out
+
+
+def _duplex_rate(results: dict[int, Any], one_way: Link) -> float | None:
+    """Bytes per second each way in ring exchanges: the slope between the sizes, over all ranks
+    (at most the one-way rate; None when there is no exchange to read)."""
+    by_size: dict[int, list[float]] = {}
+    for r in results.values():
+        for size, t in r.get("duplex", []):
+            by_size.setdefault(size, []).append(t)
+    if len(by_size) < 2:
+        return None
+    (n0, t0), (n1, t1) = [(n, statistics.mean(by_size[n])) for n in sorted(by_size)[:2]]
+    if t1 <= t0:
+        return one_way.bandwidth
+    return min(one_way.bandwidth, (n1 - n0) / (t1 - t0))
+
+
+def _native_small(reps: int, numel: int = 1) -> float:
+    """Mean seconds of the backend's own allreduce of ``numel`` floats (default 1: its per-step latency,
+    times ``2(P-1)``, as every rank's segment but one is empty)."""
+    import torch.distributed as dist
+
+    t = torch.ones(numel)
     dist.all_reduce(t)
     times = []
     for _ in range(reps):
@@ -327,8 +395,48 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60) -
 
 
 def _native_alpha(results: dict[int, Any], world: int) -> float:
-    """Per-step latency of the backend's ring: a tiny allreduce's time over its ``2(P-1)`` steps."""
-    return float(statistics.mean(float(r["native"]) for r in results.values())) / max(1, 2 * (world - 1))
+    """Per-step latency of the backend's ring: its allreduce of 1 KiB over the ``2(P-1)`` steps.
+
+    Not of a single float: the backend's ring leaves every segment but one empty
+    then (4 ranks sharing 2 cores: 0.6-1.2 ms against 4.4-4.9 ms for 64 or 256
+    floats, and the steps of real buckets measured like the latter).
+    """
+    return float(statistics.mean(float(r["floor"]) for r in results.values())) / max(1, 2 * (world - 1))
+
+
+def _wake(results: dict[int, Any]) -> float:
+    """``wake``: what a payload-free synchronous step (:func:`_sync_steps`) costs beyond the slowest
+    rank's pass and the backend's tiny allreduce, per wake-up that the model charges such a step
+    (:data:`dtrain.perfmodel.predict.WAKES_FIRST_BUCKET`)."""
+    from dtrain.perfmodel.predict import WAKES_FIRST_BUCKET
+
+    rs = list(results.values())
+    step = statistics.mean(float(r["sync"]["step"]) for r in rs)
+    slowest = statistics.mean(float(r["sync"]["slowest"]) for r in rs)
+    tiny = statistics.mean(float(r["native"]) for r in rs)
+    return max(0.0, (step - slowest - tiny) / WAKES_FIRST_BUCKET)
+
+
+def _imbalance(results: dict[int, Any]) -> float:
+    """``imbalance``: the slowest rank's pass minus a rank's own, per step (mean over steps and ranks)."""
+    rs = list(results.values())
+    if len(rs) < 2:
+        return 0.0
+    return max(0.0, statistics.mean(float(r["sync"]["slowest"]) - float(r["sync"]["pass"]) for r in rs))
+
+
+def _floor(results: dict[int, Any]) -> float:
+    """``floor``: the backend's allreduce of 1 KiB, every rank at once (mean over ranks; 0 for one rank).
+
+    On 4 ranks sharing 2 cores, back to back, an allreduce of 64 or 256 floats
+    took 4.4-4.9 ms and one of 16 KiB..300 KiB 4.6-7.1 ms, against 0.6-1.2 ms for
+    one float (whose segments are empty on all ranks but one), over loopback and
+    emulated links alike; data-parallel steps with dtrain's ring, tree and
+    recursive doubling of the 150 KB CNN measured alike on an emulated 1 Gbit
+    cluster, though their modelled times differ twofold.
+    """
+    rs = [float(r["floor"]) for r in results.values() if "floor" in r]
+    return float(statistics.mean(rs)) if len(rs) > 1 else 0.0
 
 
 def _link(points: list[tuple[int, float]]) -> Link:
@@ -357,11 +465,12 @@ def _assemble(name: str, nodes: int, per_node: int, inter: Link | None, intra: L
     together = statistics.mean(r["together"] for r in results.values())
     scale = max(1.0, together / alone) if alone > 0 else 1.0
     gamma = statistics.median(r["gamma"] for r in results.values())
-    first = inter or intra
-    wakes = [r["wake"] for r in results.values() if "wake" in r]
-    wake = max(0.0, statistics.mean(wakes) - first.alpha) if wakes else 0.0
+    wake = _wake(results)
+    floor = _floor(results)
+    imbalance = _imbalance(results)
     device = Device(kind="cpu", flops=flops, memory=float(_memory_per_device(nodes * per_node)), gamma=gamma,
-                    compute_scale=scale, host=this_host(), overhead=overhead_alone * scale, wake=wake)  # fmt: skip
+                    compute_scale=scale, host=this_host(), overhead=overhead_alone * scale, wake=wake,
+                    floor=floor, imbalance=imbalance)  # fmt: skip
     return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=inter or intra, intra=intra, device=device,
                        compressors=_compressors(compressions), name=name)  # fmt: skip
 
@@ -385,10 +494,11 @@ def calibrate_cluster(
     c = load(name)
     per_worker = max(1, batch // c.hosts)
     res = run_on_cluster(_worker, (_pairs(c.hosts), model, dataset, per_worker, quick), cluster=c, timeout_s=600)
-    inter = replace(_link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]]),
-                    native_latency=_native_alpha(res, c.hosts))  # fmt: skip
+    inter = _link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]])
+    inter = replace(inter, native_latency=_native_alpha(res, c.hosts), duplex_bandwidth=_duplex_rate(res, inter))
     local = launch(_worker, (_pairs(2), model, dataset, per_worker, True), nprocs=2, threads=1)
     intra = _link(local[0]["pingpong"])
+    intra = replace(intra, duplex_bandwidth=_duplex_rate(local, intra))
     overhead = _loop_overhead(model, dataset, per_worker)
     spec = _assemble(name, c.hosts, 1, inter, intra, res, _flops_rate(), overhead, compressions)
     return spec
@@ -396,12 +506,16 @@ def calibrate_cluster(
 
 def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: str = "digits",
                  batch: int = 64) -> ClusterSpec:  # fmt: skip
-    """Re-measure what the machine's load moves -- latency, wake, compute scale -- keeping link rates.
+    """Re-measure what the machine's load moves -- wake, floor, compute scale -- keeping the links.
 
-    On an emulated cluster whose cores are shared with other work, latency and
-    compute change from minute to minute while the shaped link rates do not; this
-    takes ~10 s instead of a full calibration. The inter level's alpha and the
-    device's ``wake`` and ``compute_scale`` are replaced; ``overhead`` is rescaled.
+    On an emulated cluster whose cores are shared with other work, scheduling
+    delays and compute change from minute to minute while the shaped links do
+    not; this takes ~10 s instead of a full calibration. The device's ``wake``,
+    ``floor`` and ``compute_scale`` and the backend's latency are replaced;
+    ``overhead`` is rescaled. The ping-pong alpha is kept: re-measured alone it
+    came out at either ~0.13 ms or ~1.85 ms on the emulated 1 Gbit cluster
+    (medians of every pair's small messages, six refreshes), whatever the load,
+    and one such refresh took every prediction with it.
     """
     from dtrain.cluster import load, run_on_cluster
 
@@ -409,19 +523,13 @@ def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: s
     per_worker = max(1, batch // c.hosts)
     res = run_on_cluster(_worker, (_pairs(c.hosts), model, dataset, per_worker, True, True), cluster=c,
                          timeout_s=600)  # fmt: skip
-    small = [t for r in res.values() if "pingpong" in r for n, t in r["pingpong"] if n <= 1024]
-    # messages of 4 B..1 KiB: latency only (they fit in the link's token bucket). The median over
-    # sizes and pairs: one pair stalled by the scheduler took the mean to 1.85 ms against a
-    # backend latency of 92 us (model_vs_measured, round 1 at 1 Gbit) and every prediction with it
-    alpha = float(statistics.median(small)) if small else spec.inter.alpha
     alone = res[0]["alone"]
     together = statistics.mean(r["together"] for r in res.values())
     scale = max(1.0, together / alone) if alone > 0 else spec.device.compute_scale
-    wakes = [r["wake"] for r in res.values() if "wake" in r]
-    wake = max(0.0, statistics.mean(wakes) - alpha) if wakes else spec.device.wake
     old = spec.device
-    device = replace(old, compute_scale=scale, wake=wake, overhead=old.overhead / old.compute_scale * scale)
-    inter = replace(spec.inter, latency=alpha, native_latency=_native_alpha(res, c.hosts))
+    device = replace(old, compute_scale=scale, wake=_wake(res), floor=_floor(res), imbalance=_imbalance(res),
+                     overhead=old.overhead / old.compute_scale * scale)  # fmt: skip
+    inter = replace(spec.inter, native_latency=_native_alpha(res, c.hosts))
     return replace(spec, inter=inter, device=device)
 
 
@@ -435,6 +543,7 @@ def calibrate_local(
     per_worker = max(1, batch // workers)
     res = launch(_worker, (_pairs(workers), model, dataset, per_worker, quick), nprocs=workers, threads=1)
     intra = _link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]])
+    intra = replace(intra, duplex_bandwidth=_duplex_rate(res, intra))
     overhead = _loop_overhead(model, dataset, per_worker)
     return _assemble(f"local-{this_host()}", 1, workers, None, intra, res, _flops_rate(), overhead, compressions)
 
@@ -457,11 +566,13 @@ def summary(spec: ClusterSpec) -> str:
     lines = [
         spec.describe(),
         f"  inter: alpha {format_time(spec.inter.alpha)} (backend's own {format_time(spec.inter.native_latency or 0)}), "
-        f"bandwidth {format_rate(spec.inter.bandwidth)}",
+        f"bandwidth {format_rate(spec.inter.bandwidth)}, "
+        f"sending and receiving at once {format_rate(spec.inter.duplex_bandwidth or spec.inter.bandwidth)}",
         f"  intra: alpha {format_time(spec.intra.alpha)}, bandwidth {format_rate(spec.intra.bandwidth)}",
         f"  device: {d.flops / 1e9:.3g} GFLOP/s (1 thread), gamma {d.gamma * 1e9:.3g} ns/byte, "
         f"compute x{d.compute_scale:.2f} when all compute at once, loop overhead {format_time(d.overhead)}/step, "
-        f"wake {format_time(d.wake)}",
+        f"wake {format_time(d.wake)}, collective floor {format_time(d.floor)}, "
+        f"slowest pass +{format_time(d.imbalance)}",
     ]
     for s, cc in spec.compressors.items():
         lines.append(f"  {s}: ratio {cc.ratio:.4g}, encode {cc.encode_s_per_byte * 1e9:.3g} ns/B, "

@@ -47,19 +47,29 @@ __all__ = [
     "CompressionModel",
     "compressed_allreduce_time",
     "compressed_allreduce_bytes",
+    "collective_calls",
 ]
 
 ALGORITHMS = cost.ALGORITHMS
 _COUNTED_WORLD = 8  # up to this many ranks, compressed collectives are counted by running them on threads
 
 
-def link_cost(link: Link, gamma: float, contention: float = 1.0, native: bool = False) -> cost.LinkCost:
+def link_cost(link: Link, gamma: float, contention: float = 1.0, native: bool = False,
+              duplex: bool = False) -> cost.LinkCost:  # fmt: skip
     """The ``LinkCost`` of one level; ``contention`` flows sharing it multiply ``beta``.
 
     ``native``: the backend's own collective, charged its own per-message latency.
+    ``duplex``: every node sends and receives at once (ring, recursive doubling,
+    Rabenseifner, direct allgathers): the link's ``duplex_beta``.
     """
     alpha = link.native_latency if native and link.native_latency is not None else link.alpha
-    return cost.LinkCost(alpha=alpha, beta=link.beta * contention, gamma=gamma)
+    beta = link.duplex_beta if duplex else link.beta
+    return cost.LinkCost(alpha=alpha, beta=beta * contention, gamma=gamma)
+
+
+# algorithms whose every step sends and receives on each node's link at once (the binomial tree's
+# rounds send one way)
+_DUPLEX = frozenset({"ring", "native", "recursive_doubling", "rabenseifner", "hierarchical"})
 
 
 def _levels(c: ClusterSpec, p: int) -> tuple[int, int]:
@@ -68,10 +78,10 @@ def _levels(c: ClusterSpec, p: int) -> tuple[int, int]:
     return d, math.ceil(p / d)
 
 
-def _round_link(c: ClusterSpec, distance: int, d: int, flows: int) -> cost.LinkCost:
+def _round_link(c: ClusterSpec, distance: int, d: int, flows: int, duplex: bool = False) -> cost.LinkCost:
     if distance < d:
-        return link_cost(c.intra, c.device.gamma)
-    return link_cost(c.inter, c.device.gamma, contention=flows)
+        return link_cost(c.intra, c.device.gamma, duplex=duplex)
+    return link_cost(c.inter, c.device.gamma, contention=flows, duplex=duplex)
 
 
 def allreduce_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int, *, pieces: bool = True) -> float:
@@ -92,17 +102,19 @@ def allreduce_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int, *, pie
     piece = cost.RING_PIECE_BYTES if pieces else None
     nb = float(nbytes)
     native = algorithm == "native"
+    duplex = algorithm in _DUPLEX
     if nodes == 1 or d == 1:
-        link = link_cost(c.intra if nodes == 1 else c.inter, gamma, native=native)
+        link = link_cost(c.intra if nodes == 1 else c.inter, gamma, native=native, duplex=duplex)
         if algorithm == "hierarchical" and nodes > 1:
             return cost.allreduce_time("ring", nodes, _whole(nb), link, piece_bytes=piece)
         return cost.allreduce_time(algorithm, p, _whole(nb), link, piece_bytes=piece if algorithm == "ring" else None)
     if algorithm in ("ring", "native"):
-        link = link_cost(c.inter, gamma, native=native)
+        link = link_cost(c.inter, gamma, native=native, duplex=True)
         return cost.allreduce_time(algorithm, p, _whole(nb), link, piece_bytes=piece if algorithm == "ring" else None)
     if algorithm == "hierarchical":
         return cost.allreduce_time("hierarchical", p, _whole(nb), link_cost(c.intra, gamma),
-                                   inter=link_cost(c.inter, gamma), node_size=d, piece_bytes=piece)  # fmt: skip
+                                   inter=link_cost(c.inter, gamma, duplex=True), node_size=d,
+                                   piece_bytes=piece)  # fmt: skip
     if algorithm == "tree":
         t = 0.0
         for k in range(cost.ceil_log2(p)):
@@ -118,7 +130,7 @@ def allreduce_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int, *, pie
         t = 0.0
         dist = 1
         while dist < core:
-            lk = _round_link(c, dist, d, d)
+            lk = _round_link(c, dist, d, d, duplex=True)
             t += lk.alpha + nb * lk.beta + nb * lk.gamma
             dist <<= 1
         return t + fold
@@ -126,7 +138,7 @@ def allreduce_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int, *, pie
         t = 0.0
         dist, part = core >> 1, nb / 2
         while dist >= 1:  # halving (reduce-scatter), then doubling (allgather) mirrors it
-            lk = _round_link(c, dist, d, d)
+            lk = _round_link(c, dist, d, d, duplex=True)
             t += 2 * (lk.alpha + part * lk.beta) + part * lk.gamma
             dist >>= 1
             part /= 2
@@ -164,7 +176,7 @@ def allgather_time(c: ClusterSpec, nbytes_each: float, p: int) -> float:
     d, nodes = _levels(c, p)
     link = c.intra if nodes == 1 else c.inter
     flows = d if nodes > 1 else 1  # every device of a node sends off-node at once
-    return (p - 1) * (link.alpha + nbytes_each * link.beta * flows)
+    return (p - 1) * (link.alpha + nbytes_each * link.duplex_beta * flows)
 
 
 # ---------------------------------------------------------------------- compression
@@ -208,30 +220,37 @@ def compressed_allreduce_time(
         from dtrain.perfmodel.compression import compressed_traffic
 
         msgs, sent, cpu = compressed_traffic(comp.spec, p, max(1, int(nbytes // 4)))
-        return msgs * link.alpha + sent * link.beta * flows, cpu * c.device.compute_scale
+        return msgs * link.alpha + sent * link.duplex_beta * flows, cpu * c.device.compute_scale
     if comp.kind == "summable":
         return allreduce_time(c, algorithm, payload, p), coding
     if comp.kind == "lowrank":  # two allreduces (P then Q), each about half the payload
         return 2 * allreduce_time(c, algorithm, payload / 2, p), coding
     if comp.kind == "quantizer":
         # direct RS + AG of compressed chunks: 2(P-1) messages of payload/P, decode P chunks twice
-        t = 2 * (p - 1) * (link.alpha + payload / p * link.beta * flows)
+        t = 2 * (p - 1) * (link.alpha + payload / p * link.duplex_beta * flows)
         return t, coding * 2
     if comp.kind == "sparse":
         # count exchange, then the cheaper of allgather and split (SparCML), as comm.sparse plans it
         v, w = 4.0, 8.0
         k = payload / w  # pairs per rank
         n_el = nbytes / v
-        counts = (p - 1) * (link.alpha + 8 * (p + 2) * link.beta * flows)
+        counts = (p - 1) * (link.alpha + 8 * (p + 2) * link.duplex_beta * flows)
         b_ag = (p - 1) * min(k * w, n_el * v)
         c_j, k_j = n_el / p, k / p
         b_split = (p - 1) * min(k_j * w, c_j * v) + (p - 1) * (8 + min(min(p * k_j, c_j) * w, c_j * v))
         if b_ag <= b_split:
-            t = (p - 1) * link.alpha + b_ag * link.beta * flows
+            t = (p - 1) * link.alpha + b_ag * link.duplex_beta * flows
         else:
-            t = 2 * (p - 1) * link.alpha + b_split * link.beta * flows
+            t = 2 * (p - 1) * link.alpha + b_split * link.duplex_beta * flows
         return counts + t, coding
     raise ConfigError(f"unknown compression kind {comp.kind!r}")
+
+
+def collective_calls(comp: CompressionModel) -> int:
+    """Collective calls one bucket makes, each separated by compute: PowerSGD allreduces P, then
+    orthogonalises and allreduces Q (Vogels et al. 2019); quantizers reduce-scatter, decode and
+    re-encode, then allgather; the others make one."""
+    return 2 if comp.kind in ("lowrank", "quantizer") else 1
 
 
 def compressed_allreduce_bytes(algorithm: str, nbytes: float, p: int, comp: CompressionModel, node_size: int = 1) -> float:

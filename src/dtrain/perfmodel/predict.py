@@ -22,7 +22,10 @@ Sergeev & Del Balso 2018):
    (plus encode/decode with a compressor, and :func:`bucket_latency`: the
    cluster's ``wake`` latency once per step, since on shared cores the first
    message after compute waits for the scheduler, and twice per bucket when the
-   bucket is handed to dtrain's communication thread and back).
+   bucket is handed to dtrain's communication thread and back). A bucket's
+   collective (with its encode and decode) takes at least the cluster's
+   ``floor``: on cores shared by more ranks than they can run at once every
+   message waits for the scheduler, whatever the algorithm (0 on dedicated hosts).
 3. ``step = fwd + max(bwd, end_last) + optimizer + overhead``; the exposed
    communication is ``max(0, end_last - bwd)``.
    With ``overlap="forward"`` (priority scheduling, Jayarajan et al. "Priority-based
@@ -40,7 +43,12 @@ Parameter server (``ps``; Li et al. OSDI 2014), ranks ``0..S-1`` serve and the
   ``backup:b`` the same with the ``b`` slowest not waited for (no help without
   stragglers); ``asp``/``ssp:s``/``softsync:k``: workers do not wait for each
   other, so the cycle is ``compute + push + pull`` unless the servers' links are
-  saturated, in which case throughput is the servers' link rate.
+  saturated, in which case throughput is the servers' link rate. Push, apply and
+  pull together take at least the cluster's ``floor``.
+
+Bytes cross a link at its one-way rate, except in the steps of ring, recursive
+doubling and Rabenseifner, where every node sends and receives at once: there
+the link's ``duplex_bandwidth`` (:mod:`dtrain.perfmodel.collectives`).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from dtrain.errors import ConfigError
 from dtrain.perfmodel.collectives import (
     CompressionModel,
     allreduce_bytes,
+    collective_calls,
     compressed_allreduce_bytes,
     compressed_allreduce_time,
 )
@@ -60,7 +69,7 @@ from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
 
 __all__ = ["Strategy", "Memory", "Prediction", "compute_times", "predict", "memory_per_device", "bucket_latency",
-           "buckets_of", "ps_costs", "KINDS"]  # fmt: skip
+           "buckets_of", "ps_costs", "KINDS", "WAKES_FIRST_BUCKET", "WAKES_PER_BUCKET"]  # fmt: skip
 
 KINDS = ("single", "dp", "ddp", "ps")
 _FIRST_BUCKET_MB = 1.0
@@ -290,6 +299,8 @@ def _predict_dp(
     bucket_end: dict[int, float] = {}
     for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb)):
         comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp)
+        if p > 1:  # each call takes at least the floor (encode and decode are part of a compressed call)
+            comm = max(comm, collective_calls(comp) * c.device.floor - coding)
         comm += bucket_latency(c, s, comp, j)
         copy = 2 * nbytes * c.device.gamma  # flatten into and out of the bucket
         dur = comm + coding + copy
@@ -304,16 +315,21 @@ def _predict_dp(
         step = _forward_overlap_period(fwd, bwd, opt, prof, bucket_end, bwd_total)
     else:
         step = f_total + max(bwd_total, end) + opt
-    step += overhead
+    wait = c.device.imbalance if p > 1 else 0.0  # every step waits for the slowest rank's pass
+    step += overhead + wait
     compute = f_total + bwd_total + opt
-    exposed = max(0.0, step - overhead - compute)
+    exposed = max(0.0, step - overhead - wait - compute)
     bound = "communication" if exposed > 0.5 * compute else "compute"
     why = (f"{bound}-bound: {comm_total * 1e3:.3g} ms of allreduce, {exposed * 1e3:.3g} ms not hidden by "
            f"{bwd_total * 1e3:.3g} ms of backward")  # fmt: skip
     if comp.kind != "dense":
         why += f"; {coding_total * 1e3:.3g} ms to encode/decode"
-    return Prediction(s, step, prof.batch * p / step, compute, comm_total + coding_total, exposed, 0.0, sent, mem, fits,
+    return Prediction(s, step, prof.batch * p / step, compute, comm_total + coding_total, exposed, wait, sent, mem, fits,
                       why, {"fwd_s": f_total, "bwd_s": bwd_total, "opt_s": opt, "coding_s": coding_total})  # fmt: skip
+
+
+WAKES_PER_BUCKET = 2  # hand-off to the communication thread and back
+WAKES_FIRST_BUCKET = 3  # and the step's first message after compute
 
 
 def bucket_latency(c: ClusterSpec, s: Strategy, comp: CompressionModel, index: int) -> float:
@@ -328,7 +344,7 @@ def bucket_latency(c: ClusterSpec, s: Strategy, comp: CompressionModel, index: i
     the ring's (12.2 and 12.7 ms against 12.1), not the 7.7 ms that a model
     without that hand-off gave.
     """
-    return c.device.wake * ((1.0 if index == 0 else 0.0) + 2.0)
+    return c.device.wake * (WAKES_FIRST_BUCKET if index == 0 else WAKES_PER_BUCKET)
 
 
 def _forward_overlap_period(
@@ -426,21 +442,25 @@ def _predict_ps(
     compute = sum(fwd) + sum(bwd)
     policy = s.consistency.split(":")[0]
     detail = {"push_s": pc.push_all, "pull_s": pc.pull_all, "apply_s": N * pc.apply_one}
+    floor = c.device.floor  # push and pull make one call's worth of waiting for the scheduler
     if policy in ("bsp", "backup"):
         comm = pc.push_all + pc.pull_all
-        step = compute + pc.coding + pc.push_all + N * pc.apply_one + pc.pull_all + overhead
-        wait = N * pc.apply_one
+        # everyone waits for the slowest pass (backup:b's b slowest too: no help without stragglers)
+        step = (compute + c.device.imbalance + pc.coding + max(floor, pc.push_all + N * pc.apply_one + pc.pull_all)
+                + overhead)  # fmt: skip
+        wait = N * pc.apply_one + c.device.imbalance
         why = (f"synchronous: {comm * 1e3:.3g} ms push+pull through {s.servers} server link(s) after "
                f"{compute * 1e3:.3g} ms compute")  # fmt: skip
     else:
         comm = pc.push_one + pc.pull_one
-        cycle = compute + pc.coding + pc.push_one + pc.apply_one + pc.pull_one + overhead
+        cycle = compute + pc.coding + max(floor, pc.push_one + pc.apply_one + pc.pull_one) + overhead
         # the servers serve one push at a time per resource: link in, CPU, link out
         per_update = max(pc.in_per_push, pc.out_per_pull, pc.apply_one)
         step = max(cycle, N * per_update)
         wait = step - cycle
         why = (f"asynchronous ({s.consistency}): no barrier; "
                + ("server links saturated" if N * per_update > cycle else "bounded by each worker's own cycle"))  # fmt: skip
-    exposed = max(0.0, step - compute - overhead - pc.coding)
+    barrier = c.device.imbalance if policy in ("bsp", "backup") else 0.0
+    exposed = max(0.0, step - compute - overhead - pc.coding - barrier)
     return Prediction(s, step, prof.batch * N / step, compute, comm, exposed, wait, pc.payload, mem, fits, why,
                       detail)  # fmt: skip

@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dtrain.errors import ConfigError
-from dtrain.perfmodel.collectives import CompressionModel, compressed_allreduce_time
+from dtrain.perfmodel.collectives import CompressionModel, collective_calls, compressed_allreduce_time
 from dtrain.perfmodel.predict import Strategy, bucket_latency, buckets_of, compute_times, predict, ps_costs
 from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
@@ -203,7 +203,8 @@ def _simulate_sync(
     buckets = []
     for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb) if n > 1 else []):
         comm, coding = compressed_allreduce_time(c, algorithm, nbytes, n, comp)
-        wake = bucket_latency(c, s, comp, j)  # as in predict
+        comm = max(comm, collective_calls(comp) * c.device.floor - coding)  # as in predict
+        wake = bucket_latency(c, s, comp, j)
         buckets.append((float(ready[first_layer]), comm + wake + coding + 2 * nbytes * c.device.gamma))
     if s.kind == "dp" and s.overlap == "forward" and n > 1:
         # priority scheduling: the closed form's period, compute stretched by the step's slowest worker
@@ -224,7 +225,7 @@ def _simulate_sync(
         for ready_j, dur in buckets:
             r = float(np.max(start + m * (f + ready_j)))
             end = max(r, end) + dur
-        done = np.maximum(start + m * (f + b_total), end) + m * opt + overhead
+        done = np.maximum(start + m * (f + b_total), end) + m * opt + overhead + c.device.imbalance
         busy += float(np.mean(m)) * (f + b_total + opt) * (k > 0)
         if k == 0:
             t_first = float(done.max())
@@ -260,13 +261,16 @@ def _simulate_ps(
             m = strag.sample(rng, N)
             t_in = float(np.sort(m * compute)[wait_for - 1])
             busy += float(np.mean(np.minimum(m * compute, t_in)))
-            t += t_in + pc.coding + pc.push_all + N * pc.apply_one + pc.pull_all + overhead
+            t += (t_in + c.device.imbalance + pc.coding
+                  + max(c.device.floor, pc.push_all + N * pc.apply_one + pc.pull_all) + overhead)  # fmt: skip
         step_s = t / steps
         sps = prof.batch * N / step_s
         return SimResult(N, s.label(), step_s, sps, sps / (N * prof.batch / alone), max(0.0, 1 - busy / t),
                          {0: steps * wait_for})  # fmt: skip
 
-    # asynchronous policies: discrete events in time order
+    # asynchronous policies: discrete events in time order; a cycle's push and pull take at least
+    # the floor between them (as in predict)
+    pad = max(0.0, c.device.floor - (pc.push_one + pc.apply_one + pc.pull_one))
     version = 0
     clock = [0] * N  # pushes applied per worker
     read_version = [0] * N
@@ -326,7 +330,7 @@ def _simulate_ps(
             pull_version[w] = version
             out = max(t + pc.pull_one, link_out + pc.out_per_pull)
             link_out = out
-            schedule(out + overhead, "pulled", w)
+            schedule(out + pad + overhead, "pulled", w)
             continue
         read_version[w] = pull_version[w]  # pulled: the worker now holds these parameters
         t_end = max(t_end, t)

@@ -20,6 +20,8 @@ by hand for clusters one does not have. Schema (every key but ``nodes`` and the
     host = ""              # hostname the measured profiles come from (calibration sets it)
     overhead = "0.3ms"     # per training step beyond model and communication (loop bookkeeping)
     wake = "0us"           # first message after compute waits this long for the CPU (shared cores)
+    floor = "0us"          # least time of one collective call of more than a few bytes (shared cores)
+    imbalance = "0us"      # slowest rank's pass minus one's own when all compute at once (shared cores)
 
     [links.intra]          # device <-> device inside a node
     bandwidth = "80gbit"   # each direction (tc style, bits per second)
@@ -31,6 +33,7 @@ by hand for clusters one does not have. Schema (every key but ``nodes`` and the
     latency = "30us"
     efficiency = 0.75
     native_latency = "20us" # alpha of the backend's own collectives (default: latency)
+    duplex_bandwidth = "23gbit"  # each way while sending and receiving at once (default: bandwidth)
 
     [models.resnet101]     # optional: known throughput of a model on one device
     samples_per_s = 129
@@ -71,14 +74,22 @@ class Link:
         efficiency: fraction of ``bandwidth`` that bulk transfers reach (default: 1).
         native_latency: alpha of the backend's own collectives (gloo/NCCL run their
             steps in C++, without dtrain's Python per message); default: ``latency``.
+        duplex_bandwidth: bytes per second each way while every node sends and
+            receives at once, as in a ring or recursive-doubling step; default:
+            ``bandwidth``. TCP's acknowledgements of the incoming flow queue behind
+            the outgoing data, so it is lower than a one-way transfer's rate
+            (measured on emulated tbf links: 13-19% lower at 50 Mbit and 1 Gbit).
     """
 
     bandwidth: float
     latency: float = 0.0
     efficiency: float = 1.0
     native_latency: float | None = None
+    duplex_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
+        if self.duplex_bandwidth is not None and not self.duplex_bandwidth > 0:
+            raise ConfigError(f"link duplex_bandwidth must be > 0, got {self.duplex_bandwidth}")
         if self.native_latency is not None and self.native_latency < 0:
             raise ConfigError(f"link native_latency must be >= 0, got {self.native_latency}")
         if not self.bandwidth > 0:
@@ -96,6 +107,11 @@ class Link:
     def beta(self) -> float:
         """Seconds per byte of a bulk transfer."""
         return 1.0 / (self.bandwidth * self.efficiency)
+
+    @property
+    def duplex_beta(self) -> float:
+        """Seconds per byte each way while the link also carries traffic the other way."""
+        return 1.0 / ((self.duplex_bandwidth or self.bandwidth) * self.efficiency)
 
     def time(self, nbytes: float, messages: int = 1) -> float:
         return messages * self.alpha + nbytes * self.beta
@@ -118,6 +134,16 @@ class Device:
         wake: extra latency of the first message after a compute phase, once per
             step of a multi-process strategy (the scheduler's delay when cores are
             shared; 0 on dedicated hosts; calibration measures it).
+        floor: least seconds of one collective call (an allreduce of a bucket,
+            a parameter server's push and pull) that moves more than a few bytes,
+            whatever its algorithm and size: on cores shared by more ranks than
+            they can run at once, every rank waits for the scheduler at each
+            message (0 = no floor; calibration measures the backend's allreduce of
+            1 KiB).
+        imbalance: seconds by which the slowest rank's training pass exceeds a
+            rank's own in a step where all compute at once (shared cores: the
+            passes that lose the CPU differ from step to step); synchronous
+            strategies wait for it, asynchronous ones do not (0 on dedicated hosts).
     """
 
     kind: str = "cpu"
@@ -128,10 +154,16 @@ class Device:
     host: str = ""
     overhead: float = 0.0
     wake: float = 0.0
+    floor: float = 0.0
+    imbalance: float = 0.0
 
     def __post_init__(self) -> None:
         if self.wake < 0:
             raise ConfigError(f"device wake must be >= 0 seconds, got {self.wake}")
+        if self.floor < 0:
+            raise ConfigError(f"device floor must be >= 0 seconds, got {self.floor}")
+        if self.imbalance < 0:
+            raise ConfigError(f"device imbalance must be >= 0 seconds, got {self.imbalance}")
         if self.overhead < 0:
             raise ConfigError(f"device overhead must be >= 0 seconds, got {self.overhead}")
         for name in ("flops", "memory", "compute_scale"):
@@ -220,10 +252,10 @@ def _link(d: Mapping[str, Any], where: str, default: Link | None) -> Link:
         if default is None:
             raise ConfigError(f"{where}: missing; give at least bandwidth = \"...\" (e.g. \"1gbit\")")
         return default
-    unknown = set(d) - {"bandwidth", "latency", "efficiency", "native_latency"}
+    unknown = set(d) - {"bandwidth", "latency", "efficiency", "native_latency", "duplex_bandwidth"}
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
-                          "use bandwidth, latency, efficiency, native_latency")  # fmt: skip
+                          "use bandwidth, latency, efficiency, native_latency, duplex_bandwidth")  # fmt: skip
     if "bandwidth" not in d:
         raise ConfigError(f"{where}: bandwidth is required (e.g. bandwidth = \"25gbit\")")
     return Link(
@@ -231,6 +263,7 @@ def _link(d: Mapping[str, Any], where: str, default: Link | None) -> Link:
         latency=parse_time(d.get("latency", 0.0)),
         efficiency=float(d.get("efficiency", 1.0)),
         native_latency=parse_time(d["native_latency"]) if "native_latency" in d else None,
+        duplex_bandwidth=parse_rate(d["duplex_bandwidth"]) if "duplex_bandwidth" in d else None,
     )
 
 
@@ -244,7 +277,8 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> Cl
         raise ConfigError(f"{source}: 'nodes' is required")
     links = dict(data.get("links", {}))
     dev = dict(data.get("device", {}))
-    unknown = set(dev) - {"kind", "flops", "memory", "gamma", "compute_scale", "host", "overhead", "wake"}
+    unknown = set(dev) - {"kind", "flops", "memory", "gamma", "compute_scale", "host", "overhead", "wake", "floor",
+                          "imbalance"}
     if unknown:
         raise ConfigError(f"{source}: [device] has unknown key(s) {', '.join(sorted(unknown))}")
     device = Device(
@@ -256,6 +290,8 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> Cl
         host=str(dev.get("host", "")),
         overhead=parse_time(dev.get("overhead", 0.0)),
         wake=parse_time(dev.get("wake", 0.0)),
+        floor=parse_time(dev.get("floor", 0.0)),
+        imbalance=parse_time(dev.get("imbalance", 0.0)),
     )
     inter = _link(links.get("inter", {}), f"{source}: [links.inter]", None if int(data["nodes"]) > 1 else Link(1e9))
     intra = _link(links.get("intra", {}), f"{source}: [links.intra]", Link(parse_rate("40gbit"), 10e-6))
@@ -305,12 +341,15 @@ def dump_cluster(c: ClusterSpec, comment: str = "") -> str:
     d = c.device
     out += ["[device]", f"kind = \"{d.kind}\"", f"flops = {_num(d.flops)}", f"memory = {_num(d.memory)}",
             f"gamma = {_num(d.gamma)}", f"compute_scale = {_num(d.compute_scale)}", f"host = \"{d.host}\"",
-            f"overhead = {_num(d.overhead)}", f"wake = {_num(d.wake)}", ""]  # fmt: skip
+            f"overhead = {_num(d.overhead)}", f"wake = {_num(d.wake)}", f"floor = {_num(d.floor)}",
+            f"imbalance = {_num(d.imbalance)}", ""]  # fmt: skip
     for name, link in (("intra", c.intra), ("inter", c.inter)):
         out += [f"[links.{name}]", f"bandwidth = {_num(link.bandwidth * 8)}  # {format_rate(link.bandwidth)}",
                 f"latency = {_num(link.latency)}", f"efficiency = {_num(link.efficiency)}"]  # fmt: skip
         if link.native_latency is not None:
             out.append(f"native_latency = {_num(link.native_latency)}")
+        if link.duplex_bandwidth is not None:
+            out.append(f"duplex_bandwidth = {_num(link.duplex_bandwidth * 8)}  # {format_rate(link.duplex_bandwidth)}")
         out.append("")
     for mname, m in c.models.items():
         out += [f"[models.\"{mname}\"]", f"samples_per_s = {_num(m.samples_per_s)}",
