@@ -116,6 +116,43 @@ def test_duplex_rate_charges_the_steps_that_send_and_receive_at_once(p):
         assert allreduce_time(duplex, "ring", N, p) == pytest.approx(6 * (1e-3 + 0.5) + 3 * 2.5e-4)
 
 
+def test_token_bucket_by_hand():
+    from dtrain.perfmodel.collectives import _tree_time_with_burst
+
+    lk = cost.LinkCost(A, B, G)
+    # without a bucket the simulated tree is the closed form
+    for p in (2, 4, 8):
+        assert _tree_time_with_burst(p, N, lk, 0.0) == pytest.approx(cost.allreduce_time("tree", p, N, lk))
+    # 2 ranks, buckets of 0.4 MB: 1 -> 0 passes 0.6 MB at the rate, rank 0 reduces, then 0 -> 1 finds
+    # its links' buckets full (unused so far): 2 (1e-3 + 0.6) + 1e-3
+    bucketed = ClusterSpec(nodes=2, inter=Link(1 / B, A, burst=4e5), intra=Link(1 / B, A), device=Device(gamma=G))
+    assert allreduce_time(bucketed, "tree", N, 2) == pytest.approx(2 * (A + 0.6) + 1e-3)
+    # 4 ranks: 1->0 and 3->2 on fresh buckets (0.601 s, reduce: 0.602); 2->0 finds 0's in-bucket drained
+    # at 0.601 and refilled by 1 ms: 1000 B (1.001 s, reduce: 1.603); 0->2 on fresh buckets (0.601 s);
+    # 0->1 after it on 0's drained out-link (1.001 s); 2->3 meanwhile (fresh: 0.601 s)
+    t4 = allreduce_time(ClusterSpec(nodes=4, inter=Link(1 / B, A, burst=4e5), intra=Link(1 / B, A),
+                                    device=Device(gamma=G)), "tree", N, 4)  # fmt: skip
+    assert t4 == pytest.approx((A + 0.6 + G * N) + (A + 0.999 + G * N) + (A + 0.6) + (A + 1.0))
+    # ring (and the other exchanges): every link's first `burst` bytes pass at once
+    ring_b = ClusterSpec(nodes=4, inter=Link(1 / B, A, burst=1e5), intra=Link(1 / B, A), device=Device(gamma=G))
+    assert allreduce_time(ring_b, "ring", N, 4) == pytest.approx(allreduce_time(flat(4, A, B, G), "ring", N, 4) - 1e5 * B)
+    with pytest.raises(ConfigError, match="burst must be >= 0"):
+        Link(1e9, burst=-1.0)
+
+
+def test_the_binomial_tree_pays_no_floor():
+    from dtrain.perfmodel.collectives import floored
+
+    dense = CompressionModel()
+    assert not floored("tree", dense)
+    assert all(floored(a, dense) for a in ("ring", "native", "recursive_doubling", "rabenseifner"))
+    assert floored("tree", CompressionModel("fp16", "summable", 0.5))  # counted as dtrain's compressed ring
+    prof = made_up_profile()
+    tree = Strategy("dp", 2, "tree", bucket_mb=25.0)
+    assert predict(prof, flat(2, 0.0, 0.15 / MiB, floor=0.5), tree).step_s == pytest.approx(
+        predict(prof, flat(2, 0.0, 0.15 / MiB), tree).step_s)  # fmt: skip
+
+
 def test_two_level_costs_charge_each_round_on_its_level():
     intra = Link(1 / 1e-8, 1e-5)
     c = flat(2, A, B, G, per_node=2, intra=intra)  # 2 nodes x 2 devices, ranks node by node

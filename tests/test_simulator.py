@@ -152,7 +152,7 @@ def test_wake_latency_enters_closed_form_and_simulation_alike(s):
     assert simulate(profile(), slow_wake, s, steps=6).step_s == pytest.approx(closed_wake.step_s, rel=1e-9)
 
 
-@pytest.mark.parametrize("s", [Strategy("dp", 4, "ring", bucket_mb=1.0), Strategy("dp", 4, "tree"),
+@pytest.mark.parametrize("s", [Strategy("dp", 4, "ring", bucket_mb=1.0), Strategy("dp", 4, "recursive_doubling"),
                                Strategy("ps", 3, servers=1, consistency="asp"),
                                Strategy("ps", 3, servers=1, consistency="bsp")], ids=str)  # fmt: skip
 def test_collective_floor_enters_closed_form_and_simulation_alike(s):

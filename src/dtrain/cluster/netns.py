@@ -196,11 +196,18 @@ def _pick_subnet() -> str:
     raise ClusterError("no free subnet left in 10.213.0.0/16; take some clusters down")
 
 
+def tbf_burst(rate_bps: float, mtu: int) -> int:
+    """Bytes the token bucket of a host link lets through at once after idle.
+
+    1 ms of traffic, at least two full frames. No real link does this; 1 ms bounds
+    the error per message, and the performance model counts it (``Link.burst``).
+    """
+    return max(2 * (mtu + 14), int(rate_bps * 1e-3))
+
+
 def _shape(ns: str, dev: str, rate_bps: float, mtu: int) -> None:
-    # burst: 1 ms of traffic (at least two full frames). A token bucket lets a burst through
-    # at memory speed after idle, which no real link does; 1 ms bounds that error per message.
     # queue: up to 100 ms of traffic (TCP needs room for a window, or it loses rate to drops).
-    burst = max(2 * (mtu + 14), int(rate_bps * 1e-3))
+    burst = tbf_burst(rate_bps, mtu)
     _ns(
         ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
         "rate", f"{rate_bps * 8:.0f}bit", "burst", str(burst), "latency", "100ms",

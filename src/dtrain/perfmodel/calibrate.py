@@ -13,6 +13,7 @@ What is measured, and how (every figure is a median over repetitions):
    level is two processes of one machine over loopback. ``duplex_bandwidth``:
    every rank sends 256 KiB and 1 MiB to the next rank while receiving as much
    from the previous one (a ring step); the slope between the two sizes.
+   ``burst`` (an emulated cluster's token bucket) is taken from its tc settings.
 2. **gamma** -- every worker at once times ``a += b`` on 4 MiB fp32 buffers:
    seconds per byte reduced, under the same contention as a real step.
 3. **compute** -- worker 0 profiles the model alone (the median pass, as the
@@ -489,13 +490,15 @@ def calibrate_cluster(
 ) -> ClusterSpec:  # fmt: skip
     """Calibrate emulated cluster ``name`` (one process per host; intra level measured locally)."""
     from dtrain.cluster import load, run_on_cluster
+    from dtrain.cluster.netns import tbf_burst
     from dtrain.launch import launch
 
     c = load(name)
     per_worker = max(1, batch // c.hosts)
     res = run_on_cluster(_worker, (_pairs(c.hosts), model, dataset, per_worker, quick), cluster=c, timeout_s=600)
     inter = _link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]])
-    inter = replace(inter, native_latency=_native_alpha(res, c.hosts), duplex_bandwidth=_duplex_rate(res, inter))
+    inter = replace(inter, native_latency=_native_alpha(res, c.hosts), duplex_bandwidth=_duplex_rate(res, inter),
+                    burst=float(tbf_burst(c.rate_bps, c.mtu)))  # the emulation's token bucket: known, not fitted
     local = launch(_worker, (_pairs(2), model, dataset, per_worker, True), nprocs=2, threads=1)
     intra = _link(local[0]["pingpong"])
     intra = replace(intra, duplex_bandwidth=_duplex_rate(local, intra))

@@ -64,6 +64,7 @@ from dtrain.perfmodel.collectives import (
     collective_calls,
     compressed_allreduce_bytes,
     compressed_allreduce_time,
+    floored,
 )
 from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
@@ -299,7 +300,7 @@ def _predict_dp(
     bucket_end: dict[int, float] = {}
     for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb)):
         comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp)
-        if p > 1:  # each call takes at least the floor (encode and decode are part of a compressed call)
+        if p > 1 and floored(algorithm, comp):  # each call takes at least the floor (with its encode/decode)
             comm = max(comm, collective_calls(comp) * c.device.floor - coding)
         comm += bucket_latency(c, s, comp, j)
         copy = 2 * nbytes * c.device.gamma  # flatten into and out of the bucket

@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dtrain.errors import ConfigError
-from dtrain.perfmodel.collectives import CompressionModel, collective_calls, compressed_allreduce_time
+from dtrain.perfmodel.collectives import CompressionModel, collective_calls, compressed_allreduce_time, floored
 from dtrain.perfmodel.predict import Strategy, bucket_latency, buckets_of, compute_times, predict, ps_costs
 from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
@@ -203,7 +203,8 @@ def _simulate_sync(
     buckets = []
     for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb) if n > 1 else []):
         comm, coding = compressed_allreduce_time(c, algorithm, nbytes, n, comp)
-        comm = max(comm, collective_calls(comp) * c.device.floor - coding)  # as in predict
+        if floored(algorithm, comp):  # as in predict
+            comm = max(comm, collective_calls(comp) * c.device.floor - coding)
         wake = bucket_latency(c, s, comp, j)
         buckets.append((float(ready[first_layer]), comm + wake + coding + 2 * nbytes * c.device.gamma))
     if s.kind == "dp" and s.overlap == "forward" and n > 1:

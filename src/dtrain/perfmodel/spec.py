@@ -34,6 +34,7 @@ by hand for clusters one does not have. Schema (every key but ``nodes`` and the
     efficiency = 0.75
     native_latency = "20us" # alpha of the backend's own collectives (default: latency)
     duplex_bandwidth = "23gbit"  # each way while sending and receiving at once (default: bandwidth)
+    burst = 0              # bytes passed at once after idle (a token bucket's depth; emulated links)
 
     [models.resnet101]     # optional: known throughput of a model on one device
     samples_per_s = 129
@@ -79,6 +80,10 @@ class Link:
             ``bandwidth``. TCP's acknowledgements of the incoming flow queue behind
             the outgoing data, so it is lower than a one-way transfer's rate
             (measured on emulated tbf links: 13-19% lower at 50 Mbit and 1 Gbit).
+        burst: bytes the link passes at once after idle (a token bucket's depth:
+            the emulated cluster's tbf holds 1 ms of traffic; 0 on real links).
+            A collective starts with a full bucket on every link, as the compute
+            before it lasts longer than ``burst`` takes to refill.
     """
 
     bandwidth: float
@@ -86,8 +91,11 @@ class Link:
     efficiency: float = 1.0
     native_latency: float | None = None
     duplex_bandwidth: float | None = None
+    burst: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.burst < 0:
+            raise ConfigError(f"link burst must be >= 0 bytes, got {self.burst}")
         if self.duplex_bandwidth is not None and not self.duplex_bandwidth > 0:
             raise ConfigError(f"link duplex_bandwidth must be > 0, got {self.duplex_bandwidth}")
         if self.native_latency is not None and self.native_latency < 0:
@@ -252,10 +260,10 @@ def _link(d: Mapping[str, Any], where: str, default: Link | None) -> Link:
         if default is None:
             raise ConfigError(f"{where}: missing; give at least bandwidth = \"...\" (e.g. \"1gbit\")")
         return default
-    unknown = set(d) - {"bandwidth", "latency", "efficiency", "native_latency", "duplex_bandwidth"}
+    unknown = set(d) - {"bandwidth", "latency", "efficiency", "native_latency", "duplex_bandwidth", "burst"}
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
-                          "use bandwidth, latency, efficiency, native_latency, duplex_bandwidth")  # fmt: skip
+                          "use bandwidth, latency, efficiency, native_latency, duplex_bandwidth, burst")  # fmt: skip
     if "bandwidth" not in d:
         raise ConfigError(f"{where}: bandwidth is required (e.g. bandwidth = \"25gbit\")")
     return Link(
@@ -264,6 +272,7 @@ def _link(d: Mapping[str, Any], where: str, default: Link | None) -> Link:
         efficiency=float(d.get("efficiency", 1.0)),
         native_latency=parse_time(d["native_latency"]) if "native_latency" in d else None,
         duplex_bandwidth=parse_rate(d["duplex_bandwidth"]) if "duplex_bandwidth" in d else None,
+        burst=float(parse_bytes(d.get("burst", 0))),
     )
 
 
@@ -348,6 +357,8 @@ def dump_cluster(c: ClusterSpec, comment: str = "") -> str:
                 f"latency = {_num(link.latency)}", f"efficiency = {_num(link.efficiency)}"]  # fmt: skip
         if link.native_latency is not None:
             out.append(f"native_latency = {_num(link.native_latency)}")
+        if link.burst:
+            out.append(f"burst = {_num(link.burst)}")
         if link.duplex_bandwidth is not None:
             out.append(f"duplex_bandwidth = {_num(link.duplex_bandwidth * 8)}  # {format_rate(link.duplex_bandwidth)}")
         out.append("")
