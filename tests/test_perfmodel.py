@@ -133,24 +133,35 @@ def test_token_bucket_by_hand():
     t4 = allreduce_time(ClusterSpec(nodes=4, inter=Link(1 / B, A, burst=4e5), intra=Link(1 / B, A),
                                     device=Device(gamma=G)), "tree", N, 4)  # fmt: skip
     assert t4 == pytest.approx((A + 0.6 + G * N) + (A + 0.999 + G * N) + (A + 0.6) + (A + 1.0))
-    # ring (and the other exchanges): every link's first `burst` bytes pass at once
+    # the exchanges are charged their (duplex) rate throughout
     ring_b = ClusterSpec(nodes=4, inter=Link(1 / B, A, burst=1e5), intra=Link(1 / B, A), device=Device(gamma=G))
-    assert allreduce_time(ring_b, "ring", N, 4) == pytest.approx(allreduce_time(flat(4, A, B, G), "ring", N, 4) - 1e5 * B)
+    for alg in ("ring", "native", "recursive_doubling", "rabenseifner"):
+        assert allreduce_time(ring_b, alg, N, 4) == pytest.approx(allreduce_time(flat(4, A, B, G), alg, N, 4))
     with pytest.raises(ConfigError, match="burst must be >= 0"):
         Link(1e9, burst=-1.0)
 
 
-def test_the_binomial_tree_pays_no_floor():
-    from dtrain.perfmodel.collectives import floored
+def test_collective_steps_by_hand():
+    from dtrain.perfmodel.collectives import collective_steps
 
-    dense = CompressionModel()
-    assert not floored("tree", dense)
-    assert all(floored(a, dense) for a in ("ring", "native", "recursive_doubling", "rabenseifner"))
-    assert floored("tree", CompressionModel("fp16", "summable", 0.5))  # counted as dtrain's compressed ring
-    prof = made_up_profile()
-    tree = Strategy("dp", 2, "tree", bucket_mb=25.0)
-    assert predict(prof, flat(2, 0.0, 0.15 / MiB, floor=0.5), tree).step_s == pytest.approx(
-        predict(prof, flat(2, 0.0, 0.15 / MiB), tree).step_s)  # fmt: skip
+    c, dense = ClusterSpec(nodes=8), CompressionModel()
+    steps = {a: [collective_steps(c, a, p, dense) for p in (1, 2, 3, 4, 5, 8)]
+             for a in ("ring", "native", "tree", "recursive_doubling", "rabenseifner", "hierarchical")}  # fmt: skip
+    assert steps == {
+        "ring": [0, 2, 4, 6, 8, 14],  # 2 (P-1)
+        "native": [0, 2, 4, 6, 8, 14],
+        "tree": [0, 2, 4, 4, 6, 6],  # 2 ceil(log2 P)
+        "recursive_doubling": [0, 1, 3, 2, 4, 3],  # log2 of the power-of-two core, +2 to fold the rest
+        "rabenseifner": [0, 2, 4, 4, 6, 6],
+        "hierarchical": [0, 2, 4, 6, 8, 14],  # one device per node: the ring among nodes
+    }
+    assert collective_steps(ClusterSpec(nodes=2, devices_per_node=4), "hierarchical", 8, dense) == 2 * 2 + 2
+    # compressed, counted: fp16 allreduces its payload on a ring, PowerSGD allreduces P then Q
+    n = 1 << 20
+    assert collective_steps(c, "ring", 4, CompressionModel("fp16", "summable", 0.5), n) == 6
+    assert collective_steps(c, "ring", 4, CompressionModel("powersgd:2", "lowrank", 0.01), n) == 12
+    # closed forms beyond 8 ranks
+    assert collective_steps(ClusterSpec(nodes=16), "ring", 16, CompressionModel("powersgd:2", "lowrank", 0.01)) == 60
 
 
 def test_two_level_costs_charge_each_round_on_its_level():
@@ -268,27 +279,38 @@ def test_dp_overlaps_buckets_with_backward_by_hand():
 def test_collective_floor_by_hand():
     prof = made_up_profile()
     c = flat(2, 0.0, 0.15 / MiB)  # a 1 MiB bucket takes 0.15 s on a 2-rank ring (see above)
-    floored = flat(2, 0.0, 0.15 / MiB, floor=0.5)
+    floored = flat(2, 0.0, 0.15 / MiB, floor=0.25)  # per step: a 2-rank ring's 2 steps take >= 0.5 s
     dp = Strategy("dp", 2, "ring", bucket_mb=25.0)
     # buckets [l2] ready 0.1 and [l1, l0] ready 0.3: each call takes max(0.5, its time): 0.1-0.6, 0.6-1.1
     assert predict(prof, floored, dp).step_s == pytest.approx(0.15 + 1.1 + 0.01)
     # a floor below every call's time changes nothing
-    assert predict(prof, flat(2, 0.0, 0.15 / MiB, floor=0.1), dp).step_s == pytest.approx(predict(prof, c, dp).step_s)
+    assert predict(prof, flat(2, 0.0, 0.15 / MiB, floor=0.05), dp).step_s == pytest.approx(predict(prof, c, dp).step_s)
     # one process: no collective, no floor
     assert predict(prof, floored, Strategy("single", 1)).step_s == pytest.approx(0.46)
+    # the binomial tree of 2 ranks has 2 steps too, but sends the whole bucket each way: the 1 MiB bucket
+    # is floor-bound (0.3 s < 0.5), the 2 MiB one not (0.6 s): 0.1-0.6, 0.6-1.2
+    tree = Strategy("dp", 2, "tree", bucket_mb=25.0)
+    assert predict(prof, floored, tree).step_s == pytest.approx(0.15 + 1.2 + 0.01)
+    four, four_f = flat(4, 0.0, 1e-12), flat(4, 0.0, 1e-12, floor=0.1)  # links so fast that floors decide
+    t_ring = predict(prof, four_f, Strategy("dp", 4, "ring", bucket_mb=25.0)).step_s
+    t_tree = predict(prof, four_f, Strategy("dp", 4, "tree", bucket_mb=25.0)).step_s
+    base = predict(prof, four, Strategy("dp", 4, "ring", bucket_mb=25.0)).step_s
+    # buckets ready at 0.1 and 0.3; ring: 0.1-0.7, 0.7-1.3; tree: 0.1-0.5, 0.5-0.9; step = 0.15 + end + 0.01
+    assert (t_ring, t_tree) == (pytest.approx(0.15 + 1.3 + 0.01, rel=1e-4), pytest.approx(0.15 + 0.9 + 0.01, rel=1e-4))
+    assert base < t_tree
     # compressed: encode and decode count toward the floor (they are part of the call)
     fp16 = CompressionModel("fp16", "summable", 0.5, 1e-8, 1e-8)
     s16 = Strategy("dp", 2, "ring", bucket_mb=25.0, compression="fp16")
     # its coding (counted on threads: milliseconds) plus 0.075 / 0.15 s of ring is below the floor either way
     assert predict(prof, floored, s16, fp16).step_s == pytest.approx(0.15 + 1.1 + 0.01)
-    # parameter server: push, apply and pull of a step take at least the floor together
-    ps_c = flat(4, 1e-3, 1e-8, 1e-10, floor=0.5)
+    # parameter server: push, apply and pull of a step take at least 2 S floors together
+    ps_c = flat(4, 1e-3, 1e-8, 1e-10, floor=0.25)
     bsp = predict(prof, ps_c, Strategy("ps", 3, servers=1, consistency="bsp"))
     assert bsp.step_s == pytest.approx(0.45 + 0.5)  # push 0.096 + apply 0.031 + pull 0.096 s < 0.5
     asp = predict(prof, ps_c, Strategy("ps", 3, servers=1, consistency="asp"))
     assert asp.step_s == pytest.approx(0.45 + 0.5)  # push 0.033 + apply 0.010 + pull 0.033 s < 0.5
     # above the floor the floor does nothing
-    low = predict(prof, flat(4, 1e-3, 1e-8, 1e-10, floor=0.2), Strategy("ps", 3, servers=1, consistency="bsp"))
+    low = predict(prof, flat(4, 1e-3, 1e-8, 1e-10, floor=0.1), Strategy("ps", 3, servers=1, consistency="bsp"))
     assert low.step_s == pytest.approx(predict(prof, flat(4, 1e-3, 1e-8, 1e-10), Strategy("ps", 3, servers=1)).step_s)
 
 
@@ -307,19 +329,15 @@ def test_imbalance_is_waited_for_by_synchronous_strategies_only():
     assert predict(prof, skew, Strategy("single", 1)).step_s == pytest.approx(0.46)
 
 
-def test_compressors_pay_the_floor_once_per_collective_call():
-    from dtrain.perfmodel.collectives import collective_calls
-
-    kinds = {"fp16": "summable", "topk:0.01": "sparse", "powersgd:2": "lowrank", "qsgd": "quantizer"}
-    assert {k: collective_calls(CompressionModel(k, v, 0.1)) for k, v in kinds.items()} == {
-        "fp16": 1, "topk:0.01": 1, "powersgd:2": 2, "qsgd": 2}  # fmt: skip
+def test_compressors_pay_the_floor_per_step():
     prof = made_up_profile()
-    floored = flat(2, 0.0, 1e-12, floor=0.5)  # links so fast that every call is floor-bound
+    floored = flat(2, 0.0, 1e-12, floor=0.25)  # links so fast that every call is floor-bound
     one = predict(prof, floored, Strategy("dp", 2, "ring", bucket_mb=25.0, compression="fp16"),
                   CompressionModel("fp16", "summable", 0.5))  # fmt: skip
     two = predict(prof, floored, Strategy("dp", 2, "ring", bucket_mb=25.0, compression="powersgd:2"),
                   CompressionModel("powersgd:2", "lowrank", 0.01))  # fmt: skip
-    # buckets ready at 0.1 and 0.3: one call each: 0.1-0.6, 0.6-1.1; two calls each: 0.1-1.1, 1.1-2.1
+    # 2 ranks: fp16's ring has 2 steps (0.5 s), PowerSGD's two allreduces 4 (1.0 s); buckets ready at
+    # 0.1 and 0.3: 0.1-0.6, 0.6-1.1 and 0.1-1.1, 1.1-2.1
     assert one.step_s == pytest.approx(0.15 + 1.1 + 0.01, rel=1e-3)
     assert two.step_s == pytest.approx(0.15 + 2.1 + 0.01, rel=1e-3)
 

@@ -2,8 +2,8 @@
 
 What is measured, and how (every figure is a median over repetitions):
 
-1. **alpha, beta per level** -- ping-pong in disjoint pairs of ranks, all pairs at
-   once (as in a collective step), over message sizes from 4 B upward (growing 4x
+1. **alpha, beta per level** -- ping-pong in disjoint pairs of ranks, one pair at
+   a time (the others idle), over message sizes from 4 B upward (growing 4x
    until a round trip takes ~0.3 s or 16 MiB); one-way time = mean round trip / 2;
    then ``t = alpha + n * beta``: alpha from the small messages, beta a
    least-squares slope over the large ones (:func:`fit_alpha_beta`). The
@@ -28,9 +28,10 @@ What is measured, and how (every figure is a median over repetitions):
    step beyond the slowest pass and the backend's tiny allreduce, over the
    wake-ups the model charges one bucket, is ``wake`` (the scheduler's delays
    after compute and at each hand-off). ``floor`` is the backend's allreduce of
-   1 KiB, every rank at once: the least time of a collective call on cores shared
-   by more ranks than they can run at once; it also gives the backend's per-step
-   latency (``native_latency``). All about 0 on dedicated hosts.
+   1 KiB, every rank at once, over its ``2(P-1)`` steps: the least time of a
+   collective's step on cores shared by more ranks than they can run at once;
+   it is also the backend's per-step latency (``native_latency``). All about 0
+   on dedicated hosts.
 5. **overhead** -- the training loop of ``dtrain run`` for one worker at the
    per-worker batch, in this process on one thread: its mean step minus the mean
    bare training pass is the loop's own bookkeeping per step (times ``compute_scale``).
@@ -255,12 +256,10 @@ def _gamma(reps: int) -> float:
 
 def _worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: int, quick: bool,
             load_only: bool = False) -> dict[str, Any]:  # fmt: skip
-    """One process of a calibration job: ping-pong in its pair (all pairs at once), gamma, compute.
+    """One process of a calibration job: ping-pong in its pair, duplex exchanges, gamma, compute, floor.
 
-    All pairs run together so that the measurement sees the contention of a
-    collective step, where every rank communicates at once. ``load_only`` skips
-    the link measurements (ping-pong, duplex exchange) and keeps what the load
-    moves, for :func:`refresh_load`.
+    ``load_only`` skips the link measurements (ping-pong, duplex exchange) and
+    keeps what the load moves, for :func:`refresh_load`.
     """
     import torch.distributed as dist
 
@@ -271,11 +270,14 @@ def _worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: 
     out.update(_compute_alone_and_together(model_name, dataset, batch, reps * 2))
     dist.barrier()
     if not load_only:
+        # one pair at a time, the other ranks idle in the barrier: alpha and beta of an uncontended
+        # link (contention is the floor's and wake's). All pairs at once, the small messages' median
+        # came out at ~0.13 ms or ~1.85 ms from one calibration to the next on the emulated 1 Gbit cluster
         for a, b in pairs:
             if rank in (a, b):
                 peer = b if rank == a else a
                 out["pingpong"] = _pingpong(peer, rank, 0.3 if quick else 0.6, reps)
-        dist.barrier()
+            dist.barrier()
         out["duplex"] = _duplex(reps)
     dist.barrier()
     out["sync"] = _sync_steps(model_name, dataset, batch, 15 * reps)
@@ -427,17 +429,18 @@ def _imbalance(results: dict[int, Any]) -> float:
 
 
 def _floor(results: dict[int, Any]) -> float:
-    """``floor``: the backend's allreduce of 1 KiB, every rank at once (mean over ranks; 0 for one rank).
+    """``floor``: the backend's allreduce of 1 KiB, every rank at once, over its ``2(P-1)`` steps (0 for one rank).
 
     On 4 ranks sharing 2 cores, back to back, an allreduce of 64 or 256 floats
     took 4.4-4.9 ms and one of 16 KiB..300 KiB 4.6-7.1 ms, against 0.6-1.2 ms for
     one float (whose segments are empty on all ranks but one), over loopback and
-    emulated links alike; data-parallel steps with dtrain's ring, tree and
-    recursive doubling of the 150 KB CNN measured alike on an emulated 1 Gbit
-    cluster, though their modelled times differ twofold.
+    emulated links alike. In training steps on an emulated 1 Gbit cluster the
+    150 KB CNN's ring allreduce took about those 6 steps' floor, recursive
+    doubling's 2 steps their duplex transfer time, and the tree its one-way
+    messages' time.
     """
     rs = [float(r["floor"]) for r in results.values() if "floor" in r]
-    return float(statistics.mean(rs)) if len(rs) > 1 else 0.0
+    return float(statistics.mean(rs)) / (2 * (len(rs) - 1)) if len(rs) > 1 else 0.0
 
 
 def _link(points: list[tuple[int, float]]) -> Link:
@@ -574,7 +577,7 @@ def summary(spec: ClusterSpec) -> str:
         f"  intra: alpha {format_time(spec.intra.alpha)}, bandwidth {format_rate(spec.intra.bandwidth)}",
         f"  device: {d.flops / 1e9:.3g} GFLOP/s (1 thread), gamma {d.gamma * 1e9:.3g} ns/byte, "
         f"compute x{d.compute_scale:.2f} when all compute at once, loop overhead {format_time(d.overhead)}/step, "
-        f"wake {format_time(d.wake)}, collective floor {format_time(d.floor)}, "
+        f"wake {format_time(d.wake)}, floor {format_time(d.floor)} per collective step, "
         f"slowest pass +{format_time(d.imbalance)}",
     ]
     for s, cc in spec.compressors.items():

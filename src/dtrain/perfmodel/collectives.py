@@ -47,8 +47,7 @@ __all__ = [
     "CompressionModel",
     "compressed_allreduce_time",
     "compressed_allreduce_bytes",
-    "collective_calls",
-    "floored",
+    "collective_steps",
 ]
 
 ALGORITHMS = cost.ALGORITHMS
@@ -110,14 +109,11 @@ def allreduce_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int, *, pie
         if algorithm == "tree" and level.burst > 0:
             return _tree_time_with_burst(p, nb, link, level.burst)
         if algorithm == "hierarchical" and nodes > 1:
-            t = cost.allreduce_time("ring", nodes, _whole(nb), link, piece_bytes=piece)
-            ranks = nodes
-        else:
-            t = cost.allreduce_time(algorithm, p, _whole(nb), link, piece_bytes=piece if algorithm == "ring" else None)
-            ranks = p
-        if level.burst > 0:  # every link's first `burst` bytes pass at once (each rank's link sends alike)
-            t -= min(level.burst, allreduce_bytes("ring" if algorithm == "hierarchical" else algorithm, nb, ranks)) * link.beta
-        return t
+            return cost.allreduce_time("ring", nodes, _whole(nb), link, piece_bytes=piece)
+        # the exchanges are charged the measured duplex rate throughout: on the emulated 1 Gbit links
+        # recursive doubling's two 150 KB exchanges took 3.0-3.8 ms in training steps, as that rate
+        # gives (3.2), not the 2.0 ms of a bucket that passes its first 125 KB at once
+        return cost.allreduce_time(algorithm, p, _whole(nb), link, piece_bytes=piece if algorithm == "ring" else None)
     if algorithm in ("ring", "native"):
         link = link_cost(c.inter, gamma, native=native, duplex=True)
         return cost.allreduce_time(algorithm, p, _whole(nb), link, piece_bytes=piece if algorithm == "ring" else None)
@@ -201,14 +197,6 @@ def _tree_time_with_burst(p: int, nbytes: float, link: cost.LinkCost, burst: flo
             if r + (1 << i) < p:
                 have[r + (1 << i)] = send(r, r + (1 << i), have[r])
     return max(have)
-
-
-def floored(algorithm: str, comp: CompressionModel) -> bool:
-    """Whether a bucket's collective pays the device's ``floor``: every rank sends and receives at once
-    in each step of ring, recursive doubling, Rabenseifner, the backend's ring and the compressed
-    collectives, not in the binomial tree's one-way rounds (4 ranks on 2 cores, 1 KiB:
-    tree 1.13 ms, recursive doubling 3.71, native 3.86, ring 5.04; ``dtrain bench allreduce``)."""
-    return not (algorithm == "tree" and comp.kind == "dense")
 
 
 def _whole(nbytes: float) -> int:
@@ -311,11 +299,42 @@ def compressed_allreduce_time(
     raise ConfigError(f"unknown compression kind {comp.kind!r}")
 
 
-def collective_calls(comp: CompressionModel) -> int:
-    """Collective calls one bucket makes, each separated by compute: PowerSGD allreduces P, then
-    orthogonalises and allreduces Q (Vogels et al. 2019); quantizers reduce-scatter, decode and
-    re-encode, then allgather; the others make one."""
-    return 2 if comp.kind in ("lowrank", "quantizer") else 1
+def collective_steps(c: ClusterSpec, algorithm: str, p: int, comp: CompressionModel, nbytes: float = 0.0) -> int:
+    """Sequential message steps of one bucket's collective on ``p`` ranks (each pays the device's ``floor``).
+
+    Dense: ring and the backend's ``2(P-1)``, the binomial tree ``2 ceil(log2 P)``,
+    recursive doubling ``log2 P'`` and Rabenseifner ``2 log2 P'`` (``P'`` the
+    power-of-two core; 2 more to fold the rest in and out), hierarchical its
+    tree inside nodes and ring among them. Compressed: up to 8 ranks the busiest
+    rank's messages, counted as :func:`compressed_allreduce_time` counts them
+    (PowerSGD's two allreduces make twice a ring's); beyond, the same in closed form.
+    """
+    if p <= 1:
+        return 0
+    if comp.kind != "dense" and comp.spec not in ("", "none"):
+        if p <= _COUNTED_WORLD:
+            from dtrain.perfmodel.compression import compressed_traffic
+
+            return compressed_traffic(comp.spec, p, max(1, int(nbytes // 4)))[0]
+        if comp.kind == "lowrank":
+            return 2 * collective_steps(c, algorithm, p, CompressionModel())
+        if comp.kind == "summable":
+            return collective_steps(c, algorithm, p, CompressionModel())
+        return 2 * (p - 1)
+    core = 1 << (p.bit_length() - 1)
+    fold = 0 if core == p else 2
+    if algorithm in ("ring", "native"):
+        return 2 * (p - 1)
+    if algorithm == "tree":
+        return 2 * cost.ceil_log2(p)
+    if algorithm == "recursive_doubling":
+        return core.bit_length() - 1 + fold
+    if algorithm == "rabenseifner":
+        return 2 * (core.bit_length() - 1) + fold
+    if algorithm == "hierarchical":
+        d, nodes = _levels(c, p)
+        return 2 * cost.ceil_log2(d) + 2 * (nodes - 1)
+    raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
 
 
 def compressed_allreduce_bytes(algorithm: str, nbytes: float, p: int, comp: CompressionModel, node_size: int = 1) -> float:

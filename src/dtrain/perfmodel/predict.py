@@ -22,10 +22,11 @@ Sergeev & Del Balso 2018):
    (plus encode/decode with a compressor, and :func:`bucket_latency`: the
    cluster's ``wake`` latency once per step, since on shared cores the first
    message after compute waits for the scheduler, and twice per bucket when the
-   bucket is handed to dtrain's communication thread and back). A bucket's
-   collective (with its encode and decode) takes at least the cluster's
-   ``floor``: on cores shared by more ranks than they can run at once every
-   message waits for the scheduler, whatever the algorithm (0 on dedicated hosts).
+   bucket is handed to dtrain's communication thread and back). Each step of a
+   bucket's collective takes at least the cluster's ``floor``
+   (:func:`~dtrain.perfmodel.collectives.collective_steps`; a compressed call's
+   encode and decode count toward it): on cores shared by more ranks than they
+   can run at once every message waits for the scheduler (0 on dedicated hosts).
 3. ``step = fwd + max(bwd, end_last) + optimizer + overhead``; the exposed
    communication is ``max(0, end_last - bwd)``.
    With ``overlap="forward"`` (priority scheduling, Jayarajan et al. "Priority-based
@@ -44,11 +45,13 @@ Parameter server (``ps``; Li et al. OSDI 2014), ranks ``0..S-1`` serve and the
   stragglers); ``asp``/``ssp:s``/``softsync:k``: workers do not wait for each
   other, so the cycle is ``compute + push + pull`` unless the servers' links are
   saturated, in which case throughput is the servers' link rate. Push, apply and
-  pull together take at least the cluster's ``floor``.
+  pull together take at least ``2 S`` floors (a push to and a pull from each server).
 
 Bytes cross a link at its one-way rate, except in the steps of ring, recursive
 doubling and Rabenseifner, where every node sends and receives at once: there
-the link's ``duplex_bandwidth`` (:mod:`dtrain.perfmodel.collectives`).
+the link's ``duplex_bandwidth`` (:mod:`dtrain.perfmodel.collectives`). The
+binomial tree's one-way messages are replayed against the links' token buckets
+(``burst``, emulated links only).
 """
 
 from __future__ import annotations
@@ -61,10 +64,9 @@ from dtrain.errors import ConfigError
 from dtrain.perfmodel.collectives import (
     CompressionModel,
     allreduce_bytes,
-    collective_calls,
+    collective_steps,
     compressed_allreduce_bytes,
     compressed_allreduce_time,
-    floored,
 )
 from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
@@ -300,8 +302,8 @@ def _predict_dp(
     bucket_end: dict[int, float] = {}
     for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb)):
         comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp)
-        if p > 1 and floored(algorithm, comp):  # each call takes at least the floor (with its encode/decode)
-            comm = max(comm, collective_calls(comp) * c.device.floor - coding)
+        if p > 1:  # every step takes at least the floor (a compressed call's encode/decode included)
+            comm = max(comm, collective_steps(c, algorithm, p, comp, nbytes) * c.device.floor - coding)
         comm += bucket_latency(c, s, comp, j)
         copy = 2 * nbytes * c.device.gamma  # flatten into and out of the bucket
         dur = comm + coding + copy
@@ -443,7 +445,7 @@ def _predict_ps(
     compute = sum(fwd) + sum(bwd)
     policy = s.consistency.split(":")[0]
     detail = {"push_s": pc.push_all, "pull_s": pc.pull_all, "apply_s": N * pc.apply_one}
-    floor = c.device.floor  # push and pull make one call's worth of waiting for the scheduler
+    floor = 2 * s.servers * c.device.floor  # a push to and a pull from each server: 2 S steps
     if policy in ("bsp", "backup"):
         comm = pc.push_all + pc.pull_all
         # everyone waits for the slowest pass (backup:b's b slowest too: no help without stragglers)

@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dtrain.errors import ConfigError
-from dtrain.perfmodel.collectives import CompressionModel, collective_calls, compressed_allreduce_time, floored
+from dtrain.perfmodel.collectives import CompressionModel, collective_steps, compressed_allreduce_time
 from dtrain.perfmodel.predict import Strategy, bucket_latency, buckets_of, compute_times, predict, ps_costs
 from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
@@ -203,8 +203,7 @@ def _simulate_sync(
     buckets = []
     for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb) if n > 1 else []):
         comm, coding = compressed_allreduce_time(c, algorithm, nbytes, n, comp)
-        if floored(algorithm, comp):  # as in predict
-            comm = max(comm, collective_calls(comp) * c.device.floor - coding)
+        comm = max(comm, collective_steps(c, algorithm, n, comp, nbytes) * c.device.floor - coding)  # as in predict
         wake = bucket_latency(c, s, comp, j)
         buckets.append((float(ready[first_layer]), comm + wake + coding + 2 * nbytes * c.device.gamma))
     if s.kind == "dp" and s.overlap == "forward" and n > 1:
@@ -263,15 +262,16 @@ def _simulate_ps(
             t_in = float(np.sort(m * compute)[wait_for - 1])
             busy += float(np.mean(np.minimum(m * compute, t_in)))
             t += (t_in + c.device.imbalance + pc.coding
-                  + max(c.device.floor, pc.push_all + N * pc.apply_one + pc.pull_all) + overhead)  # fmt: skip
+                  + max(2 * s.servers * c.device.floor, pc.push_all + N * pc.apply_one + pc.pull_all)
+                  + overhead)  # fmt: skip
         step_s = t / steps
         sps = prof.batch * N / step_s
         return SimResult(N, s.label(), step_s, sps, sps / (N * prof.batch / alone), max(0.0, 1 - busy / t),
                          {0: steps * wait_for})  # fmt: skip
 
     # asynchronous policies: discrete events in time order; a cycle's push and pull take at least
-    # the floor between them (as in predict)
-    pad = max(0.0, c.device.floor - (pc.push_one + pc.apply_one + pc.pull_one))
+    # 2 S floors between them (as in predict)
+    pad = max(0.0, 2 * s.servers * c.device.floor - (pc.push_one + pc.apply_one + pc.pull_one))
     version = 0
     clock = [0] * N  # pushes applied per worker
     read_version = [0] * N

@@ -20,7 +20,7 @@ by hand for clusters one does not have. Schema (every key but ``nodes`` and the
     host = ""              # hostname the measured profiles come from (calibration sets it)
     overhead = "0.3ms"     # per training step beyond model and communication (loop bookkeeping)
     wake = "0us"           # first message after compute waits this long for the CPU (shared cores)
-    floor = "0us"          # least time of one collective call of more than a few bytes (shared cores)
+    floor = "0us"          # least time of one step of a collective (shared cores)
     imbalance = "0us"      # slowest rank's pass minus one's own when all compute at once (shared cores)
 
     [links.intra]          # device <-> device inside a node
@@ -142,12 +142,11 @@ class Device:
         wake: extra latency of the first message after a compute phase, once per
             step of a multi-process strategy (the scheduler's delay when cores are
             shared; 0 on dedicated hosts; calibration measures it).
-        floor: least seconds of one collective call (an allreduce of a bucket,
-            a parameter server's push and pull) that moves more than a few bytes,
-            whatever its algorithm and size: on cores shared by more ranks than
-            they can run at once, every rank waits for the scheduler at each
-            message (0 = no floor; calibration measures the backend's allreduce of
-            1 KiB).
+        floor: least seconds of one step of a collective (a message every rank
+            of the step sends or exchanges): on cores shared by more ranks than
+            they can run at once each waits for the scheduler (0 = none;
+            calibration measures the backend's allreduce of 1 KiB, every rank at
+            once, over its ``2(P-1)`` steps).
         imbalance: seconds by which the slowest rank's training pass exceeds a
             rank's own in a step where all compute at once (shared cores: the
             passes that lose the CPU differ from step to step); synchronous
