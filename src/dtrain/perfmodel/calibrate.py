@@ -401,16 +401,6 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60) -
     return max(0.0, float(statistics.mean(dts)) - bare)
 
 
-def _native_alpha(results: dict[int, Any], world: int) -> float:
-    """Per-step latency of the backend's ring: its allreduce of 1 KiB over the ``2(P-1)`` steps.
-
-    Not of a single float: the backend's ring leaves every segment but one empty
-    then (4 ranks sharing 2 cores: 0.6-1.2 ms against 4.4-4.9 ms for 64 or 256
-    floats, and the steps of real buckets measured like the latter).
-    """
-    return float(statistics.mean(float(r["floor"]) for r in results.values())) / max(1, 2 * (world - 1))
-
-
 def _wake(results: dict[int, Any]) -> float:
     """``wake``: what a payload-free synchronous step (:func:`_sync_steps`) costs beyond the slowest
     rank's pass and the backend's tiny allreduce, per wake-up that the model charges such a step
@@ -434,6 +424,9 @@ def _imbalance(results: dict[int, Any]) -> float:
 
 def _floor(results: dict[int, Any]) -> float:
     """``floor``: the backend's allreduce of 1 KiB, every rank at once, over its ``2(P-1)`` steps (0 for one rank).
+
+    It is also the backend's per-step latency (``native_latency``): of 1 KiB, not
+    of a single float, whose segments are empty on every rank but one.
 
     On 4 ranks sharing 2 cores, back to back, an allreduce of 64 or 256 floats
     took 4.4-4.9 ms and one of 16 KiB..300 KiB 4.6-7.1 ms, against 0.6-1.2 ms for
@@ -504,7 +497,7 @@ def calibrate_cluster(
     per_worker = max(1, batch // c.hosts)
     res = run_on_cluster(_worker, (_pairs(c.hosts), model, dataset, per_worker, quick), cluster=c, timeout_s=600)
     inter = _link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]])
-    inter = replace(inter, native_latency=_native_alpha(res, c.hosts), duplex_bandwidth=_duplex_rate(res, inter),
+    inter = replace(inter, native_latency=_floor(res), duplex_bandwidth=_duplex_rate(res, inter),
                     burst=float(tbf_burst(c.rate_bps, c.mtu)))  # the emulation's token bucket: known, not fitted
     local = launch(_worker, (_pairs(2), model, dataset, per_worker, True), nprocs=2, threads=1)
     intra = _link(local[0]["pingpong"])
@@ -537,9 +530,10 @@ def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: s
     together = statistics.mean(r["together"] for r in res.values())
     scale = max(1.0, together / alone) if alone > 0 else spec.device.compute_scale
     old = spec.device
-    device = replace(old, compute_scale=scale, wake=_wake(res), floor=_floor(res), imbalance=_imbalance(res),
+    floor = _floor(res)
+    device = replace(old, compute_scale=scale, wake=_wake(res), floor=floor, imbalance=_imbalance(res),
                      overhead=old.overhead / old.compute_scale * scale)  # fmt: skip
-    inter = replace(spec.inter, native_latency=_native_alpha(res, c.hosts))
+    inter = replace(spec.inter, native_latency=floor)
     return replace(spec, inter=inter, device=device)
 
 
