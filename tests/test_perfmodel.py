@@ -402,3 +402,21 @@ def test_trimmed_mean_drops_only_the_rare_stall():
 
     assert trimmed_mean([1.0] * 9 + [100.0]) == pytest.approx(1.0)
     assert trimmed_mean([1.0, 2.0, 3.0, 4.0]) == pytest.approx(2.5)  # too few to cut one in ten
+
+
+def test_load_terms_from_the_payload_free_steps_by_hand():
+    from dtrain.perfmodel.calibrate import _floor, _imbalance, _wake
+    from dtrain.perfmodel.predict import WAKES_FIRST_BUCKET
+
+    # two ranks; per rank the means of its step, its own pass, the slowest pass and the shortest allreduce
+    res = {
+        0: {"sync": {"step": 10e-3, "pass": 5e-3, "slowest": 6e-3, "collective": 1e-3}, "floor": 4e-3},
+        1: {"sync": {"step": 10.6e-3, "pass": 6e-3, "slowest": 6e-3, "collective": 1e-3}, "floor": 2e-3},
+    }
+    # beyond the slowest pass and the allreduce: (3 ms + 3.6 ms) / 2 over the first bucket's wake-ups
+    assert _wake(res) == pytest.approx(3.3e-3 / WAKES_FIRST_BUCKET)
+    assert _imbalance(res) == pytest.approx(0.5e-3)  # rank 0 waits 1 ms, rank 1 none
+    assert _floor(res) == pytest.approx(3e-3 / 2)  # 2(P-1) = 2 steps
+    res[1]["sync"]["step"] = 6.5e-3  # a step shorter than its parts does not make the wake negative
+    res[0]["sync"]["step"] = 6.5e-3
+    assert _wake(res) == 0.0
