@@ -14,6 +14,8 @@ lifts that cap to about 99%.
 Run::
 
     sudo python benchmarks/cluster_allreduce.py --hosts 4 --bandwidth 100mbit --mib 16 --reps 3 [--mtu 9000]
+    sudo python benchmarks/cluster_allreduce.py --hosts 4 --bandwidth 50mbit --kib 150 --reps 15 \
+        --algorithms ring,native,recursive_doubling,tree --name bench_ar50   # the model's step sizes
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--bandwidth", default="100mbit")
     ap.add_argument("--mib", type=int, default=16, help="tensor size in MiB (default: 16)")
+    ap.add_argument("--kib", type=int, default=None, help="tensor size in KiB instead (e.g. 150: the CNN's gradient)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--algorithms", default="ring,native")
     ap.add_argument("--mtu", type=int, default=1500, help="MTU of the host links (9000: jumbo frames)")
@@ -64,7 +67,7 @@ def main() -> int:
     from dtrain.perfmodel._units import parse_rate
 
     algs = ns.algorithms.split(",")
-    nbytes = ns.mib << 20
+    nbytes = ns.kib << 10 if ns.kib else ns.mib << 20
     dc.down(ns.name)
     c = dc.up(ns.name, hosts=ns.hosts, bandwidth=ns.bandwidth, mtu=ns.mtu)
     try:
@@ -75,7 +78,8 @@ def main() -> int:
             if n.startswith(f"dtc-{ns.name}-")]  # fmt: skip
     P, B = ns.hosts, parse_rate(ns.bandwidth)
     bound = 2 * (P - 1) / P * nbytes / B
-    print(f"torch {torch.__version__}; {P} hosts at {ns.bandwidth}, {ns.mib} MiB fp32, MTU {ns.mtu}, {ns.reps} timed reps "
+    size = f"{ns.kib} KiB" if ns.kib else f"{ns.mib} MiB"
+    print(f"torch {torch.__version__}; {P} hosts at {ns.bandwidth}, {size} fp32, MTU {ns.mtu}, {ns.reps} timed reps "
           f"after 1 warm-up; bound 2(P-1)/P*n/B = {bound:.3f} s")  # fmt: skip
     print(f"{'algorithm':<12}{'median s':>10}{'of bound':>10}{'best':>8}{'vs native':>11}")
     med = {a: statistics.median(max(res[r][a][i] for r in res) for i in range(ns.reps)) for a in algs}

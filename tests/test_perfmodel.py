@@ -420,3 +420,15 @@ def test_load_terms_from_the_payload_free_steps_by_hand():
     res[1]["sync"]["step"] = 6.5e-3  # a step shorter than its parts does not make the wake negative
     res[0]["sync"]["step"] = 6.5e-3
     assert _wake(res) == 0.0
+
+
+def test_duplex_rate_is_the_exchanges_bytes_over_their_time_by_hand():
+    from dtrain.perfmodel.calibrate import _duplex_rate
+
+    one_way = Link(bandwidth=1e6, latency=1e-4)
+    # two ranks' medians per size; the rate is over the medians across ranks: 3 MB in (1 + 2) s
+    res = {0: {"duplex": [(1_000_000, 1.0), (2_000_000, 2.0)]}, 1: {"duplex": [(1_000_000, 1.2), (2_000_000, 1.8)]},
+           2: {"duplex": [(1_000_000, 0.8), (2_000_000, 2.4)]}}  # fmt: skip
+    assert _duplex_rate(res, Link(bandwidth=5e6)) == pytest.approx(3e6 / 3.0)
+    assert _duplex_rate(res, one_way) == 1e6  # never above the one-way rate
+    assert _duplex_rate({0: {}}, one_way) is None
