@@ -79,7 +79,7 @@ class Link:
             receives at once, as in a ring or recursive-doubling step; default:
             ``bandwidth``. TCP's acknowledgements of the incoming flow queue behind
             the outgoing data, so it is lower than a one-way transfer's rate
-            (measured on emulated tbf links: 13-19% lower at 50 Mbit and 1 Gbit).
+            (measured on emulated tbf links: 1-4% lower at 1 Gbit, 10-16% at 50 Mbit).
         burst: bytes the link passes at once after idle (a token bucket's depth:
             the emulated cluster's tbf holds 1 ms of traffic; 0 on real links).
             A collective starts with a full bucket on every link, as the compute
