@@ -548,10 +548,12 @@ def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: s
     rescaled; the compressed collectives' counted CPU time
     (:func:`dtrain.perfmodel.compression.compressed_traffic`) is forgotten, to be
     counted again when next predicted (kept, one count at the 1 Gbit phase's
-    start put topk:0.01 at 2.5 ms of CPU through the 50 Mbit phase, +25.6%). The ping-pong alpha is kept: re-measured alone it
-    came out at either ~0.13 ms or ~1.85 ms on the emulated 1 Gbit cluster
-    (medians of every pair's small messages, six refreshes), whatever the load,
-    and one such refresh took every prediction with it.
+    start put topk:0.01 at 2.5 ms of CPU through the 50 Mbit phase, +25.6%).
+
+    The ping-pong alpha is kept: re-measured alone it came out at either ~0.13 ms
+    or ~1.85 ms on the emulated 1 Gbit cluster (medians of every pair's small
+    messages, six refreshes), whatever the load, and one such refresh took every
+    prediction with it.
     """
     from dtrain.cluster import load, run_on_cluster
     from dtrain.perfmodel.compression import compressed_traffic

@@ -165,8 +165,8 @@ def _tree_time_with_burst(p: int, nbytes: float, link: cost.LinkCost, burst: flo
     Gbit/s: 125 KB, the CNN's gradient is 150 KB) most of it passes at once.
     """
     rate = 1.0 / link.beta if link.beta > 0 else math.inf
-    free = {}  # (node, "out"/"in") -> time the link is next free
-    credit = {}  # (node, dir) -> (bytes in the bucket, as of time)
+    free: dict[tuple[int, str], float] = {}  # (node, "out"/"in") -> time the link is next free
+    credit: dict[tuple[int, str], tuple[float, float]] = {}  # (node, dir) -> (bytes in the bucket, as of time)
 
     def bucket(key: tuple[int, str], t: float) -> float:
         c, since = credit.get(key, (burst, 0.0))
@@ -321,16 +321,16 @@ def collective_steps(c: ClusterSpec, algorithm: str, p: int, comp: CompressionMo
         if comp.kind == "summable":
             return collective_steps(c, algorithm, p, CompressionModel())
         return 2 * (p - 1)
-    core = 1 << (p.bit_length() - 1)
-    fold = 0 if core == p else 2
     if algorithm in ("ring", "native"):
         return 2 * (p - 1)
     if algorithm == "tree":
         return 2 * cost.ceil_log2(p)
+    rounds = p.bit_length() - 1  # log2 of the power-of-two core
+    fold = 0 if p == 1 << rounds else 2
     if algorithm == "recursive_doubling":
-        return core.bit_length() - 1 + fold
+        return rounds + fold
     if algorithm == "rabenseifner":
-        return 2 * (core.bit_length() - 1) + fold
+        return 2 * rounds + fold
     if algorithm == "hierarchical":
         d, nodes = _levels(c, p)
         return 2 * cost.ceil_log2(d) + 2 * (nodes - 1)

@@ -72,7 +72,7 @@ from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
 
 __all__ = ["Strategy", "Memory", "Prediction", "compute_times", "predict", "memory_per_device", "bucket_latency",
-           "buckets_of", "ps_costs", "KINDS", "WAKES_FIRST_BUCKET", "WAKES_PER_BUCKET"]  # fmt: skip
+           "buckets_of", "bucket_collective", "ps_costs", "KINDS", "WAKES_FIRST_BUCKET", "WAKES_PER_BUCKET"]  # fmt: skip
 
 KINDS = ("single", "dp", "ddp", "ps")
 _FIRST_BUCKET_MB = 1.0
@@ -301,9 +301,7 @@ def _predict_dp(
     end, comm_total, coding_total, sent = 0.0, 0.0, 0.0, 0.0
     bucket_end: dict[int, float] = {}
     for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb)):
-        comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp)
-        if p > 1:  # every step takes at least the floor (a compressed call's encode/decode included)
-            comm = max(comm, collective_steps(c, algorithm, p, comp, nbytes) * c.device.floor - coding)
+        comm, coding = bucket_collective(c, algorithm, nbytes, p, comp)
         comm += bucket_latency(c, s, comp, j)
         copy = 2 * nbytes * c.device.gamma  # flatten into and out of the bucket
         dur = comm + coding + copy
@@ -329,6 +327,17 @@ def _predict_dp(
         why += f"; {coding_total * 1e3:.3g} ms to encode/decode"
     return Prediction(s, step, prof.batch * p / step, compute, comm_total + coding_total, exposed, wait, sent, mem, fits,
                       why, {"fwd_s": f_total, "bwd_s": bwd_total, "opt_s": opt, "coding_s": coding_total})  # fmt: skip
+
+
+def bucket_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, comp: CompressionModel
+                      ) -> tuple[float, float]:  # fmt: skip
+    """(communication, encode+decode) seconds of one bucket's collective on ``p`` ranks: every one of
+    its steps (:func:`~dtrain.perfmodel.collectives.collective_steps`) takes at least the device's
+    ``floor``, a compressed call's encode and decode counting toward it."""
+    comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp)
+    if p > 1:
+        comm = max(comm, collective_steps(c, algorithm, p, comp, nbytes) * c.device.floor - coding)
+    return comm, coding
 
 
 WAKES_PER_BUCKET = 2  # hand-off to the communication thread and back
@@ -399,6 +408,8 @@ class PSCosts:
         apply_one: server time to fold in one gradient (its shard: sum + optimizer step).
         coding: encode + decode of a compressed gradient on the worker.
         payload: bytes one worker sends per push.
+        floor: least time of a push, apply and pull together: ``2 S`` steps (a push
+            to and a pull from each server) of the device's ``floor``.
     """
 
     push_all: float
@@ -410,6 +421,7 @@ class PSCosts:
     apply_one: float
     coding: float
     payload: float
+    floor: float
 
 
 def ps_costs(prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionModel, opt: float) -> PSCosts:
@@ -433,6 +445,7 @@ def ps_costs(prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionM
         apply_one=(n / S) * c.device.gamma + opt / S,
         coding=coding,
         payload=payload,
+        floor=2 * S * c.device.floor,
     )
 
 
@@ -445,18 +458,17 @@ def _predict_ps(
     compute = sum(fwd) + sum(bwd)
     policy = s.consistency.split(":")[0]
     detail = {"push_s": pc.push_all, "pull_s": pc.pull_all, "apply_s": N * pc.apply_one}
-    floor = 2 * s.servers * c.device.floor  # a push to and a pull from each server: 2 S steps
     if policy in ("bsp", "backup"):
         comm = pc.push_all + pc.pull_all
         # everyone waits for the slowest pass (backup:b's b slowest too: no help without stragglers)
-        step = (compute + c.device.imbalance + pc.coding + max(floor, pc.push_all + N * pc.apply_one + pc.pull_all)
+        step = (compute + c.device.imbalance + pc.coding + max(pc.floor, pc.push_all + N * pc.apply_one + pc.pull_all)
                 + overhead)  # fmt: skip
         wait = N * pc.apply_one + c.device.imbalance
         why = (f"synchronous: {comm * 1e3:.3g} ms push+pull through {s.servers} server link(s) after "
                f"{compute * 1e3:.3g} ms compute")  # fmt: skip
     else:
         comm = pc.push_one + pc.pull_one
-        cycle = compute + pc.coding + max(floor, pc.push_one + pc.apply_one + pc.pull_one) + overhead
+        cycle = compute + pc.coding + max(pc.floor, pc.push_one + pc.apply_one + pc.pull_one) + overhead
         # the servers serve one push at a time per resource: link in, CPU, link out
         per_update = max(pc.in_per_push, pc.out_per_pull, pc.apply_one)
         step = max(cycle, N * per_update)

@@ -43,8 +43,16 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dtrain.errors import ConfigError
-from dtrain.perfmodel.collectives import CompressionModel, collective_steps, compressed_allreduce_time
-from dtrain.perfmodel.predict import Strategy, bucket_latency, buckets_of, compute_times, predict, ps_costs
+from dtrain.perfmodel.collectives import CompressionModel
+from dtrain.perfmodel.predict import (
+    Strategy,
+    bucket_collective,
+    bucket_latency,
+    buckets_of,
+    compute_times,
+    predict,
+    ps_costs,
+)
 from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
 
@@ -202,8 +210,7 @@ def _simulate_sync(
     algorithm = "native" if s.kind == "ddp" else s.algorithm
     buckets = []
     for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb) if n > 1 else []):
-        comm, coding = compressed_allreduce_time(c, algorithm, nbytes, n, comp)
-        comm = max(comm, collective_steps(c, algorithm, n, comp, nbytes) * c.device.floor - coding)  # as in predict
+        comm, coding = bucket_collective(c, algorithm, nbytes, n, comp)
         wake = bucket_latency(c, s, comp, j)
         buckets.append((float(ready[first_layer]), comm + wake + coding + 2 * nbytes * c.device.gamma))
     if s.kind == "dp" and s.overlap == "forward" and n > 1:
@@ -261,8 +268,7 @@ def _simulate_ps(
             m = strag.sample(rng, N)
             t_in = float(np.sort(m * compute)[wait_for - 1])
             busy += float(np.mean(np.minimum(m * compute, t_in)))
-            t += (t_in + c.device.imbalance + pc.coding
-                  + max(2 * s.servers * c.device.floor, pc.push_all + N * pc.apply_one + pc.pull_all)
+            t += (t_in + c.device.imbalance + pc.coding + max(pc.floor, pc.push_all + N * pc.apply_one + pc.pull_all)
                   + overhead)  # fmt: skip
         step_s = t / steps
         sps = prof.batch * N / step_s
@@ -270,8 +276,8 @@ def _simulate_ps(
                          {0: steps * wait_for})  # fmt: skip
 
     # asynchronous policies: discrete events in time order; a cycle's push and pull take at least
-    # 2 S floors between them (as in predict)
-    pad = max(0.0, 2 * s.servers * c.device.floor - (pc.push_one + pc.apply_one + pc.pull_one))
+    # the floor between them (as in predict)
+    pad = max(0.0, pc.floor - (pc.push_one + pc.apply_one + pc.pull_one))
     version = 0
     clock = [0] * N  # pushes applied per worker
     read_version = [0] * N
