@@ -1,0 +1,64 @@
+"""A model and one batch for it, by name: what the planner and calibration profile.
+
+:func:`load_model` takes a dtrain model name ("cnn", "mlp", ...) built for a
+dataset, or a user's ``FILE.py:FN`` / ``MODULE:FN`` returning
+``(model, sample_batch)``. It starts nothing: the planner (``dtrain plan``,
+``--strategy auto``) and the calibration runners both call it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.errors import ConfigError
+
+__all__ = ["load_model"]
+
+
+def _user_model(spec: str) -> tuple[nn.Module, Any, str]:
+    where, fn_name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ConfigError(f"model file {where!r} does not exist")
+        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert mod_spec and mod_spec.loader
+        mod = importlib.util.module_from_spec(mod_spec)
+        sys.modules[path.stem] = mod
+        mod_spec.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(where)
+    fn = getattr(mod, fn_name, None)
+    if fn is None:
+        raise ConfigError(f"{where} has no function {fn_name!r}")
+    model, sample = fn()
+    return model, sample, fn_name
+
+
+def load_model(spec: str, dataset: str = "digits", *, batch: int = 64, seed: int = 0,
+               samples: int = 4096) -> tuple[nn.Module, Any, str]:  # fmt: skip
+    """A model, one batch for it, and its name, from a dtrain model name or ``FILE.py:FN`` / ``MODULE:FN``.
+
+    ``FN()`` must return ``(model, sample_batch)``; dtrain's own names ("cnn",
+    "mlp") are built for ``dataset`` and take ``batch`` samples from its training set.
+    """
+    if ":" in spec:
+        return _user_model(spec)
+    from dtrain.data import load_dataset
+    from dtrain.models import MODELS, build_model
+
+    if spec not in MODELS:
+        raise ConfigError(f"model {spec!r} is not known; use one of {', '.join(MODELS)} or FILE.py:FUNCTION")
+    data = load_dataset(dataset, seed=seed, samples=samples)
+    torch.manual_seed(seed)
+    model = build_model(spec, data.input_shape, data.num_classes)
+    x, y = data.train.tensors
+    reps = -(-batch // len(y))
+    return model, (x.repeat(reps, *([1] * (x.dim() - 1)))[:batch], y.repeat(reps, *([1] * (y.dim() - 1)))[:batch]), spec
