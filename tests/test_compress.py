@@ -370,7 +370,7 @@ def test_every_registry_name_reachable_from_cli() -> None:
         spec = specs.get(name, name)
         for flag, wrapped in (("--error-feedback", True), ("--no-error-feedback", False)):
             cfg = config_from_args(build_parser().parse_args(["run", "--compression", spec, flag])).validate()
-            c = from_spec(cfg.compression, error_feedback=cfg.error_feedback)
+            c = from_spec(cfg.options.compression, error_feedback=cfg.options.error_feedback)
             assert c.name == name
             assert isinstance(c, ErrorFeedback) == (wrapped and c.biased)
 

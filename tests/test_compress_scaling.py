@@ -285,7 +285,7 @@ def test_dtrain_run_moves_momentum_from_the_optimizer_into_the_compressor(tmp_pa
     from dtrain.train import TrainContext
 
     def ctx(**kw: object) -> TrainContext:
-        cfg = RunConfig(workers=2, out=str(tmp_path), **kw).validate()  # type: ignore[arg-type]
+        cfg = RunConfig.make(workers=2, out=str(tmp_path), **kw).validate()  # type: ignore[arg-type]
         return TrainContext(cfg, 0, 2, tmp_path, None, None, None)  # type: ignore[arg-type]
 
     w = [torch.nn.Parameter(torch.zeros(3))]
@@ -299,7 +299,9 @@ def test_dtrain_run_moves_momentum_from_the_optimizer_into_the_compressor(tmp_pa
     assert c.make_compressor().momentum == 0.9 and c.make_optimizer(w).param_groups[0]["momentum"] == 0.0
     c = ctx(compression="sign", error_feedback=False)
     assert c.make_compressor().momentum == 0.0 and c.make_optimizer(w).param_groups[0]["momentum"] == 0.9
-    assert ctx(compression="sign", strategy="ddp").make_optimizer(w).param_groups[0]["momentum"] == 0.9
+    assert ctx(strategy="ddp").make_optimizer(w).param_groups[0]["momentum"] == 0.9
+    with pytest.raises(ConfigError, match="belongs to strategy dp / ps"):  # torch DDP compresses nothing
+        ctx(compression="sign", strategy="ddp")
 
 
 # ----------------------------------------------------------------------------- majority vote on the server

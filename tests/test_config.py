@@ -56,7 +56,7 @@ def test_unknown_and_mistyped_keys():
 
 
 def test_toml_round_trip(tmp_path):
-    cfg = RunConfig(workers=2, algorithm="tree", lr=0.1, compression="none", extra={"note": "x"})
+    cfg = RunConfig.make(workers=2, algorithm="tree", lr=0.1, compression="none", extra={"note": "x"})
     p = tmp_path / "c.toml"
     p.write_text(dump_toml(cfg))
     assert RunConfig.from_mapping(load_toml(p)) == cfg
@@ -82,16 +82,19 @@ def test_cli_overrides_file(tmp_path):
     p.write_text('workers = 2\nalgorithm = "tree"\nepochs = 3\n')
     ns = build_parser().parse_args(["run", str(p), "--algorithm", "ring", "--no-trace"])
     cfg = config_from_args(ns)
-    assert (cfg.workers, cfg.algorithm, cfg.epochs, cfg.trace) == (2, "ring", 3, False)
+    assert (cfg.workers, cfg.options.algorithm, cfg.epochs, cfg.trace) == (2, "ring", 3, False)
 
 
 def test_every_field_has_a_flag():
     ap = build_parser()
     run = next(a for a in ap._subparsers._group_actions[0].choices.values() if a.prog.endswith("run"))
     dests = {a.dest for a in run._actions}
-    for f in dataclasses.fields(RunConfig):
-        if f.name != "extra":
-            assert f.name in dests, f.name
+    from dtrain.config import option_fields
+
+    for name in [f.name for f in RunConfig.shared_fields()] + list(option_fields()):
+        assert name in dests, name
+    assert {f.name for f in dataclasses.fields(RunConfig)} - {f.name for f in RunConfig.shared_fields()} == {
+        "extra", "options"}
 
 
 def test_lr_schedule_flag():

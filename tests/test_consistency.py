@@ -60,9 +60,9 @@ def test_every_registered_policy_is_reachable_from_the_cli():
         spec = f"{name}:1" if takes_arg else name
         ns = build_parser().parse_args(["run", "--strategy", "ps", "--servers", "2", "--consistency", spec])
         cfg = config_from_args(ns).validate()
-        assert parse_consistency(cfg.consistency).kind == name
+        assert parse_consistency(cfg.options.consistency).kind == name
     with pytest.raises(ConfigError, match="unknown consistency"):
-        RunConfig(strategy="ps", consistency="nope").validate()
+        RunConfig.make(strategy="ps", consistency="nope").validate()
 
 
 def test_backup_needs_more_workers_than_backups():

@@ -138,7 +138,7 @@ def _equivalence(rank, world):
 def _accuracy(rank, world, out_dir):
     from dtrain.config import RunConfig
     from dtrain.data import load_dataset
-    from dtrain.param_server.runner import run_process
+    from dtrain.strategies.ps import run_process
     from dtrain.trace import MetricsWriter, Tracer
     from dtrain.train import TrainContext
 
@@ -147,7 +147,7 @@ def _accuracy(rank, world, out_dir):
     for pol in POLICIES:
         d = Path(out_dir) / pol.replace(":", "_")
         d.mkdir(parents=True, exist_ok=True)
-        cfg = RunConfig(strategy="ps", servers=2, workers=world - 2, consistency=pol, epochs=EPOCHS,
+        cfg = RunConfig.make(strategy="ps", servers=2, workers=world - 2, consistency=pol, epochs=EPOCHS,
                         progress=False, timeout_s=60)
         ctx = TrainContext(cfg=cfg, rank=rank, world_size=world, out_dir=d, data=data,
                            metrics=MetricsWriter(d, rank), tracer=Tracer(rank, enabled=False))

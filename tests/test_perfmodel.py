@@ -15,7 +15,8 @@ from torch import nn
 
 from dtrain.comm import cost
 from dtrain.errors import ConfigError
-from dtrain.perfmodel import ClusterSpec, Device, Link, Strategy, dump_cluster, load_cluster, predict, profile_model
+from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, load_cluster, predict, profile_model
+from dtrain.strategies import choice
 from dtrain.perfmodel._units import parse_bytes, parse_rate, parse_time
 from dtrain.perfmodel.calibrate import fit_alpha_beta
 from dtrain.perfmodel.collectives import CompressionModel, allreduce_bytes, allreduce_time, compressed_allreduce_time
@@ -263,16 +264,16 @@ def test_dp_overlaps_buckets_with_backward_by_hand():
     prof = made_up_profile()
     c = flat(2, 0.0, 0.15 / MiB)  # a 1 MiB bucket takes 0.15 s on a 2-rank ring
     assert [b for b, _ in buckets_of(prof, 1.0)] == [MiB, MiB, MiB]
-    p = predict(prof, c, Strategy("dp", 2, "ring", bucket_mb=1.0))
+    p = predict(prof, c, choice("dp", 2, "ring", bucket_mb=1.0))
     # buckets ready at 0.1, 0.2, 0.3; chain: 0.1-0.25, 0.25-0.4, 0.4-0.55; step = 0.15 + 0.55 + 0.01
     assert p.step_s == pytest.approx(0.71)
     assert p.exposed_s == pytest.approx(0.25)
     assert p.samples_per_s == pytest.approx(16 / 0.71)
     assert p.bytes_per_step == pytest.approx(3 * MiB)  # 2 (P-1)/P n = n per bucket for P = 2
-    one = predict(prof, c, Strategy("dp", 2, "ring", bucket_mb=25.0))  # 1 MiB first bucket, then the rest
+    one = predict(prof, c, choice("dp", 2, "ring", bucket_mb=25.0))  # 1 MiB first bucket, then the rest
     # buckets [l2] ready 0.1 and [l1, l0] ready 0.3: 0.1-0.25, 0.3-0.6
     assert one.step_s == pytest.approx(0.15 + 0.6 + 0.01)
-    single = predict(prof, c, Strategy("single", 1))
+    single = predict(prof, c, choice("single", 1))
     assert single.step_s == pytest.approx(0.46) and single.comm_s == 0.0
 
 
@@ -280,61 +281,61 @@ def test_collective_floor_by_hand():
     prof = made_up_profile()
     c = flat(2, 0.0, 0.15 / MiB)  # a 1 MiB bucket takes 0.15 s on a 2-rank ring (see above)
     floored = flat(2, 0.0, 0.15 / MiB, floor=0.25)  # per step: a 2-rank ring's 2 steps take >= 0.5 s
-    dp = Strategy("dp", 2, "ring", bucket_mb=25.0)
+    dp = choice("dp", 2, "ring", bucket_mb=25.0)
     # buckets [l2] ready 0.1 and [l1, l0] ready 0.3: each call takes max(0.5, its time): 0.1-0.6, 0.6-1.1
     assert predict(prof, floored, dp).step_s == pytest.approx(0.15 + 1.1 + 0.01)
     # a floor below every call's time changes nothing
     assert predict(prof, flat(2, 0.0, 0.15 / MiB, floor=0.05), dp).step_s == pytest.approx(predict(prof, c, dp).step_s)
     # one process: no collective, no floor
-    assert predict(prof, floored, Strategy("single", 1)).step_s == pytest.approx(0.46)
+    assert predict(prof, floored, choice("single", 1)).step_s == pytest.approx(0.46)
     # the binomial tree of 2 ranks has 2 steps too, but sends the whole bucket each way: the 1 MiB bucket
     # is floor-bound (0.3 s < 0.5), the 2 MiB one not (0.6 s): 0.1-0.6, 0.6-1.2
-    tree = Strategy("dp", 2, "tree", bucket_mb=25.0)
+    tree = choice("dp", 2, "tree", bucket_mb=25.0)
     assert predict(prof, floored, tree).step_s == pytest.approx(0.15 + 1.2 + 0.01)
     four, four_f = flat(4, 0.0, 1e-12), flat(4, 0.0, 1e-12, floor=0.1)  # links so fast that floors decide
-    t_ring = predict(prof, four_f, Strategy("dp", 4, "ring", bucket_mb=25.0)).step_s
-    t_tree = predict(prof, four_f, Strategy("dp", 4, "tree", bucket_mb=25.0)).step_s
-    base = predict(prof, four, Strategy("dp", 4, "ring", bucket_mb=25.0)).step_s
+    t_ring = predict(prof, four_f, choice("dp", 4, "ring", bucket_mb=25.0)).step_s
+    t_tree = predict(prof, four_f, choice("dp", 4, "tree", bucket_mb=25.0)).step_s
+    base = predict(prof, four, choice("dp", 4, "ring", bucket_mb=25.0)).step_s
     # buckets ready at 0.1 and 0.3; ring: 0.1-0.7, 0.7-1.3; tree: 0.1-0.5, 0.5-0.9; step = 0.15 + end + 0.01
     assert (t_ring, t_tree) == (pytest.approx(0.15 + 1.3 + 0.01, rel=1e-4), pytest.approx(0.15 + 0.9 + 0.01, rel=1e-4))
     assert base < t_tree
     # compressed: encode and decode count toward the floor (they are part of the call)
     fp16 = CompressionModel("fp16", "summable", 0.5, 1e-8, 1e-8)
-    s16 = Strategy("dp", 2, "ring", bucket_mb=25.0, compression="fp16")
+    s16 = choice("dp", 2, "ring", bucket_mb=25.0, compression="fp16")
     # its coding (counted on threads: milliseconds) plus 0.075 / 0.15 s of ring is below the floor either way
     assert predict(prof, floored, s16, fp16).step_s == pytest.approx(0.15 + 1.1 + 0.01)
     # parameter server: push, apply and pull of a step take at least 2 S floors together
     ps_c = flat(4, 1e-3, 1e-8, 1e-10, floor=0.25)
-    bsp = predict(prof, ps_c, Strategy("ps", 3, servers=1, consistency="bsp"))
+    bsp = predict(prof, ps_c, choice("ps", 3, servers=1, consistency="bsp"))
     assert bsp.step_s == pytest.approx(0.45 + 0.5)  # push 0.096 + apply 0.031 + pull 0.096 s < 0.5
-    asp = predict(prof, ps_c, Strategy("ps", 3, servers=1, consistency="asp"))
+    asp = predict(prof, ps_c, choice("ps", 3, servers=1, consistency="asp"))
     assert asp.step_s == pytest.approx(0.45 + 0.5)  # push 0.033 + apply 0.010 + pull 0.033 s < 0.5
     # above the floor the floor does nothing
-    low = predict(prof, flat(4, 1e-3, 1e-8, 1e-10, floor=0.1), Strategy("ps", 3, servers=1, consistency="bsp"))
-    assert low.step_s == pytest.approx(predict(prof, flat(4, 1e-3, 1e-8, 1e-10), Strategy("ps", 3, servers=1)).step_s)
+    low = predict(prof, flat(4, 1e-3, 1e-8, 1e-10, floor=0.1), choice("ps", 3, servers=1, consistency="bsp"))
+    assert low.step_s == pytest.approx(predict(prof, flat(4, 1e-3, 1e-8, 1e-10), choice("ps", 3, servers=1)).step_s)
 
 
 def test_imbalance_is_waited_for_by_synchronous_strategies_only():
     prof = made_up_profile()
     c, skew = flat(4, 1e-3, 1e-8, 1e-10), flat(4, 1e-3, 1e-8, 1e-10, imbalance=0.05)
-    for s in (Strategy("dp", 4, "ring"), Strategy("ddp", 4), Strategy("ps", 3, servers=1, consistency="bsp"),
-              Strategy("ps", 3, servers=1, consistency="backup:1")):  # fmt: skip
+    for s in (choice("dp", 4, "ring"), choice("ddp", 4), choice("ps", 3, servers=1, consistency="bsp"),
+              choice("ps", 3, servers=1, consistency="backup:1")):  # fmt: skip
         base, slow = predict(prof, c, s), predict(prof, skew, s)
         assert slow.step_s == pytest.approx(base.step_s + 0.05), s
         assert slow.wait_s == pytest.approx(base.wait_s + 0.05), s
         assert slow.exposed_s == pytest.approx(base.exposed_s), s
     for cons in ("asp", "ssp:2", "softsync:2"):
-        s = Strategy("ps", 3, servers=1, consistency=cons)
+        s = choice("ps", 3, servers=1, consistency=cons)
         assert predict(prof, skew, s).step_s == pytest.approx(predict(prof, c, s).step_s), cons
-    assert predict(prof, skew, Strategy("single", 1)).step_s == pytest.approx(0.46)
+    assert predict(prof, skew, choice("single", 1)).step_s == pytest.approx(0.46)
 
 
 def test_compressors_pay_the_floor_per_step():
     prof = made_up_profile()
     floored = flat(2, 0.0, 1e-12, floor=0.25)  # links so fast that every call is floor-bound
-    one = predict(prof, floored, Strategy("dp", 2, "ring", bucket_mb=25.0, compression="fp16"),
+    one = predict(prof, floored, choice("dp", 2, "ring", bucket_mb=25.0, compression="fp16"),
                   CompressionModel("fp16", "summable", 0.5))  # fmt: skip
-    two = predict(prof, floored, Strategy("dp", 2, "ring", bucket_mb=25.0, compression="powersgd:2"),
+    two = predict(prof, floored, choice("dp", 2, "ring", bucket_mb=25.0, compression="powersgd:2"),
                   CompressionModel("powersgd:2", "lowrank", 0.01))  # fmt: skip
     # 2 ranks: fp16's ring has 2 steps (0.5 s), PowerSGD's two allreduces 4 (1.0 s); buckets ready at
     # 0.1 and 0.3: 0.1-0.6, 0.6-1.1 and 0.1-1.1, 1.1-2.1
@@ -345,28 +346,28 @@ def test_compressors_pay_the_floor_per_step():
 def test_compute_falls_back_to_flops_and_model_rates():
     prof = made_up_profile(host="elsewhere")
     c = flat(2, 0.0, 1e-9, 0.0)
-    p = predict(prof, c, Strategy("single", 1))
+    p = predict(prof, c, choice("single", 1))
     assert p.compute_s == pytest.approx(9e9 / c.device.flops + 4 * 3 * MiB * c.device.gamma)
     from dtrain.perfmodel.spec import ModelRate
 
     rated = ClusterSpec(nodes=2, device=Device(), models={"made_up": ModelRate(samples_per_s=80.0)})
-    assert predict(prof, rated, Strategy("single", 1)).step_s == pytest.approx(8 / 80.0)
+    assert predict(prof, rated, choice("single", 1)).step_s == pytest.approx(8 / 80.0)
 
 
 def test_parameter_server_bsp_by_hand():
     prof = made_up_profile()
     n = 3 * MiB
     c = flat(4, 1e-3, 1e-8, 1e-10)  # 4 nodes, one device each: server on node 0, workers on 1..3
-    s = Strategy("ps", 3, servers=1, consistency="bsp")
-    pc = ps_costs(prof, c, s, CompressionModel(), prof.optimizer_s)
+    s = choice("ps", 3, servers=1, consistency="bsp")
+    pc = ps_costs(prof, c, s, s.options, CompressionModel(), prof.optimizer_s)
     assert pc.push_all == pytest.approx(3 * n * 1e-8 + 2e-3)  # server's link takes 3 n; header + payload
     assert pc.push_one == pytest.approx(n * 1e-8 + 2e-3)
     p = predict(prof, c, s)
     apply = 3 * (n * 1e-10 + 0.01)
     assert p.step_s == pytest.approx(0.45 + 2 * (3 * n * 1e-8 + 2e-3) + apply)
-    two = predict(prof, c, Strategy("ps", 2, servers=2, consistency="bsp"))
+    two = predict(prof, c, choice("ps", 2, servers=2, consistency="bsp"))
     assert two.detail["push_s"] == pytest.approx(2 * n / 2 * 1e-8 + 4e-3)  # each server link takes N n / S
-    asp = predict(prof, c, Strategy("ps", 3, servers=1, consistency="asp"))
+    asp = predict(prof, c, choice("ps", 3, servers=1, consistency="asp"))
     assert asp.step_s == pytest.approx(0.45 + 2 * (n * 1e-8 + 2e-3) + n * 1e-10 + 0.01)
 
 
@@ -374,19 +375,19 @@ def test_memory_per_device_by_hand():
     prof = made_up_profile()
     p = float(prof.param_bytes)
     act = 3 * 1000.0
-    m = memory_per_device(prof, Strategy("dp", 4))
+    m = memory_per_device(prof, choice("dp", 4))
     assert (m.params, m.grads, m.optimizer, m.activations, m.buffers) == (p, p, p, act, p)
-    adam = memory_per_device(ModelProfile("m", 8, prof.layers, optimizer="adam"), Strategy("single", 1))
+    adam = memory_per_device(ModelProfile("m", 8, prof.layers, optimizer="adam"), choice("single", 1))
     assert adam.optimizer == 2 * p and adam.buffers == 0
     tiny = ClusterSpec(nodes=2, device=Device(memory=1000.0, host="h"))
-    assert not predict(prof, tiny, Strategy("dp", 2)).fits
+    assert not predict(prof, tiny, choice("dp", 2)).fits
 
 
 def test_bad_strategies_are_refused_before_predicting():
-    with pytest.raises(ConfigError, match="kind"):
-        Strategy("zero", 2)
+    with pytest.raises(ConfigError, match="strategy 'zero' is not known"):
+        choice("zero", 2)
     with pytest.raises(ConfigError, match="processes"):
-        predict(made_up_profile(), flat(2, 0.0, 1e-9), Strategy("dp", 4))
+        predict(made_up_profile(), flat(2, 0.0, 1e-9), choice("dp", 4))
 
 
 def test_fit_alpha_beta_recovers_a_line():

@@ -9,9 +9,9 @@ from torch import nn
 from dtrain.config import RunConfig
 from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, plan
 from dtrain.perfmodel._units import parse_rate
-from dtrain.perfmodel.auto import choose
-from dtrain.perfmodel.cli import main as plan_main
-from dtrain.perfmodel.cli import parse_strategy
+from dtrain.planning import choose
+from dtrain.planning.cli import main as plan_main
+from dtrain.planning.cli import parse_strategy
 from dtrain.perfmodel.planner import candidates
 from dtrain.perfmodel.spec import CompressorCost, this_host
 
@@ -38,7 +38,7 @@ def test_candidates_cover_every_family_once():
     assert any("hierarchical" in x for x in (s.label() for s in candidates(spec("1gbit", 1e-4, 2, 2))))
     assert {"ps bsp 1 server", "ps asp 2 servers", "dp ring 25MiB topk:0.01"} <= set(labels)
     exact = [s for s in candidates(spec("1gbit", 1e-4), exact_only=True)]
-    assert all(s.compression == "none" and s.consistency in ("bsp",) for s in exact)
+    assert all(s.opts.compressor_spec() == "none" and getattr(s.opts, "consistency", "bsp") == "bsp" for s in exact)
 
 
 def test_ranking_follows_the_network():
@@ -78,10 +78,10 @@ def _local_cache(tmp_path, monkeypatch, workers: int = 4) -> None:
 
 def test_choose_returns_overrides_that_make_a_valid_run(tmp_path, monkeypatch, capsys):
     _local_cache(tmp_path, monkeypatch)
-    cfg = RunConfig(strategy="auto", workers=4, batch_size=64)
-    over = choose(cfg)
-    assert over["strategy"] in ("dp", "ddp", "ps")
-    run_cfg = cfg.replace(**over).validate()
+    cfg = RunConfig.make(strategy="auto", workers=4, batch_size=64)
+    best = choose(cfg)
+    assert best.strategy in ("dp", "ddp", "ps")
+    run_cfg = cfg.replace(strategy=best.strategy, workers=best.workers, options=best.options).validate()
     assert run_cfg.num_processes <= 4
     assert "--strategy auto chose" in capsys.readouterr().err
 
@@ -105,4 +105,4 @@ def test_plan_cli_table_and_simulation(tmp_path, capsys):
 def test_strategy_text():
     assert parse_strategy("dp:tree:4+fp16", 8).label() == "dp tree 4MiB fp16"
     assert parse_strategy("ps:ssp:3:2", 8).label() == "ps ssp:3 2 servers"
-    assert parse_strategy("ps:asp:1/4", 16).servers == 4
+    assert parse_strategy("ps:asp:1/4", 16).options.servers == 4

@@ -1,13 +1,20 @@
-"""Every registered name (algorithms, compressors, consistency policies, strategies) is reachable from the CLI."""
+"""Every registered name (algorithms, compressors, consistency policies, strategies) is reachable from
+the CLI, the planner and the checkpoint checks: one registry per name family."""
 
 import pytest
 
+from dtrain.checkpoint.training import run_info
 from dtrain.cli import build_parser, config_from_args
 from dtrain.comm.allreduce import ALGORITHMS as COMM_ALGORITHMS
+from dtrain.comm.cost import ALGORITHMS as COST_ALGORITHMS
 from dtrain.compress import REGISTRY as COMPRESSORS
-from dtrain.config import ALGORITHMS, STRATEGIES
+from dtrain.data_parallel.config import ALGORITHMS, OVERLAPS
 from dtrain.param_server.consistency import POLICIES
-from dtrain.train import RUNNERS
+from dtrain.perfmodel import ClusterSpec, Device, Link
+from dtrain.perfmodel.compression import compression_model
+from dtrain.perfmodel.planner import candidates
+from dtrain.perfmodel.simulator import parse_policy
+from dtrain.strategies import registered
 
 _ARGS = {"qsgd": "qsgd:16", "topk": "topk:0.01", "randomk": "randomk:0.05", "threshold": "threshold:0.001",
          "powersgd": "powersgd:2", "sign": "sign"}
@@ -18,27 +25,53 @@ def _cfg(*flags):
     return config_from_args(build_parser().parse_args(["run", *flags])).validate()
 
 
-def test_cli_algorithms_are_the_comm_registry():
-    assert set(ALGORITHMS) == set(COMM_ALGORITHMS)
+def _cluster() -> ClusterSpec:
+    return ClusterSpec(nodes=2, devices_per_node=4, intra=Link(1e10, 1e-5), inter=Link(1e9, 1e-4),
+                       device=Device(flops=1e10), name="made-up")
+
+
+def test_one_algorithm_registry_for_engine_cost_model_and_cli():
+    assert set(ALGORITHMS) == set(COMM_ALGORITHMS) == set(COST_ALGORITHMS)
 
 
 @pytest.mark.parametrize("name", sorted(COMM_ALGORITHMS))
 def test_algorithm_reachable(name):
-    assert _cfg("--algorithm", name).algorithm == name
+    assert _cfg("--algorithm", name).options.algorithm == name
+    labels = {c.label() for c in candidates(_cluster(), 8)}
+    assert f"dp {name} 25MiB" in labels
+
+
+@pytest.mark.parametrize("name", OVERLAPS)
+def test_overlap_reachable(name):
+    assert _cfg("--overlap", name).options.overlap == name
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_compressor_reachable(name):
     spec = _ARGS.get(name, name)
-    assert _cfg("--compression", spec).compression == spec
+    cfg = _cfg("--compression", spec)
+    assert cfg.options.compression == spec and run_info(cfg)["compression"] == spec
+    assert _cfg("--strategy", "ps", "--compression", spec).options.compression == spec
+    kinds = ("dense",) if spec == "none" else ("summable", "sparse", "lowrank", "quantizer")
+    assert compression_model(spec, measure=False).kind in kinds
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_policy_reachable(name):
     spec = _POLICY_ARGS.get(name, name)
-    assert _cfg("--strategy", "ps", "--consistency", spec, "--servers", "2").consistency == spec
+    cfg = _cfg("--strategy", "ps", "--consistency", spec, "--servers", "2")
+    assert cfg.options.consistency == spec and run_info(cfg)["consistency"] == spec
+    assert parse_policy(spec)[0] == name  # the simulator reads the policies the runs accept
 
 
-def test_every_strategy_has_a_runner_or_planner():
-    for s in STRATEGIES:
-        assert s in RUNNERS or s == "auto"
+@pytest.mark.parametrize("name", sorted(registered()))
+def test_strategy_reachable(name):
+    entry = registered()[name]
+    cfg = _cfg("--strategy", name)
+    assert cfg.strategy == name and isinstance(cfg.options, entry.options)
+    assert entry.run is not None or entry.resolve is not None
+    if name != "auto":
+        assert run_info(cfg)["strategy"] == name
+    if entry.candidates is not None:
+        assert any(c.strategy == name for c in candidates(_cluster(), 8))
+        assert entry.predict is not None and entry.memory is not None

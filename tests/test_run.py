@@ -148,15 +148,16 @@ def test_server_updates_per_consistency():
 
     from dtrain.config import RunConfig
     from dtrain.data import load_dataset
+    from dtrain.strategies.ps import server_updates
     from dtrain.train import TrainContext
 
     data = load_dataset("digits", seed=0)
     steps = (1437 // 4) // 16 * 10  # per worker: 4 workers, global batch 64, 10 epochs
     expect = {"bsp": steps, "backup:1": steps, "softsync:2": 2 * steps, "asp": 4 * steps, "ssp:2": 4 * steps}
     for pol, n in expect.items():
-        cfg = RunConfig(strategy="ps", workers=4, servers=1, consistency=pol, lr_schedule="cosine")
+        cfg = RunConfig.make(strategy="ps", workers=4, servers=1, consistency=pol, lr_schedule="cosine")
         ctx = TrainContext(cfg=cfg, rank=0, world_size=5, out_dir=Path("."), data=data, metrics=None, tracer=None)
-        assert ctx.server_updates() == n, pol
+        assert server_updates(cfg, ctx.total_steps(4)) == n, pol
 
 
 def test_lr_schedule_cosine_under_dp_and_ps(tmp_path):

@@ -24,7 +24,7 @@ _EXPORTS: dict[str, str] = {
     "DataParallel": "dtrain.data_parallel",
     "ParameterServer": "dtrain.param_server",
     # planning
-    "plan": "dtrain.perfmodel",
+    "plan": "dtrain.planning",
     # checkpoints
     "save_checkpoint": "dtrain.checkpoint",
     "load_checkpoint": "dtrain.checkpoint",
@@ -35,7 +35,8 @@ _EXPORTS: dict[str, str] = {
     "CommTimeoutError": "dtrain.errors",
     "ModelMismatchError": "dtrain.errors",
 }
-_SUBPACKAGES = ("comm", "compress", "perfmodel", "cluster", "param_server", "data_parallel", "checkpoint")
+_SUBPACKAGES = ("comm", "compress", "perfmodel", "planning", "strategies", "cluster", "param_server", "data_parallel",
+                "checkpoint")
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])
 

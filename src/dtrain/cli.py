@@ -1,28 +1,26 @@
 """The ``dtrain`` command: run, bench, plan, cluster, report.
 
-``dtrain run`` flags are generated from :class:`dtrain.config.RunConfig`'s fields
-(``batch_size`` -> ``--batch-size``), so the TOML keys and the flags cannot drift
-apart. Precedence: built-in defaults < config file < flags.
+``dtrain run`` flags are generated from :class:`dtrain.config.RunConfig`'s shared
+fields and every registered strategy's options dataclass (``batch_size`` ->
+``--batch-size``, ``PSOptions.servers`` -> ``--servers``), so the TOML keys and
+the flags cannot drift apart. Precedence: built-in defaults < config file < flags.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import sys
 from typing import Any, Sequence
 
-from dtrain.config import ALGORITHMS, LR_SCHEDULES, OPTIMIZERS, OVERLAPS, STRATEGIES, RunConfig, load_toml
+from dtrain.config import LR_SCHEDULES, OPTIMIZERS, RunConfig, load_toml, option_fields
 from dtrain.errors import DTrainError
+from dtrain.strategies.base import registered
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
 _CHOICES: dict[str, Sequence[str]] = {
-    "strategy": STRATEGIES,
-    "algorithm": ALGORITHMS,
-    "overlap": OVERLAPS,
     "optimizer": OPTIMIZERS,
     "lr_schedule": LR_SCHEDULES,
 }
@@ -31,14 +29,12 @@ _HELP = {
     "lr_schedule": "learning rate over the run: constant, or cosine from --lr down to 0 at the last step "
                    "(default: constant)",
     "batch_size": "global batch size, summed over workers",
-    "compression": "gradient compressor, e.g. topk:0.01, qsgd:16, powersgd:2 (default: none)",
-    "consistency": "parameter-server consistency: bsp, asp, ssp:S, softsync:K, backup:B",
     "straggler": "RANK:FACTOR: that rank's own work per step (data, forward, backward) takes FACTOR times its "
                  "usual time (median of its last 50 steps); communication is not slowed",
+    "strategy": "how to distribute: one of the registered strategies (default: dp)",
     "cluster": "run on an emulated cluster made by `dtrain cluster up --name NAME`",
     "out": "run folder (default: runs/<timestamp>-<strategy>)",
     "max_steps": "stop after this many steps (0: no limit)",
-    "error_feedback": "error feedback for biased compressors (default: on; --no-error-feedback: off)",
     "checkpoint_every": "save a checkpoint to RUN/checkpoints every N steps and at the end (default: 0, never)",
     "resume": "continue from a checkpoint folder, or a run folder's latest complete checkpoint",
 }
@@ -51,19 +47,26 @@ _BENCHES = {
 }
 
 
+def _add_flag(p: argparse.ArgumentParser, name: str, default: Any, helptext: str,
+              choices: Sequence[str] | None) -> None:  # fmt: skip
+    flag = "--" + name.replace("_", "-")
+    if isinstance(default, bool):
+        p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+    else:
+        p.add_argument(flag, dest=name, type=type(default), default=None, choices=choices,
+                       metavar=None if choices else name.upper(), help=helptext)  # fmt: skip
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    for f in dataclasses.fields(RunConfig):
-        if f.name == "extra":
-            continue
-        flag = "--" + f.name.replace("_", "-")
+    for f in RunConfig.shared_fields():
+        choices = tuple(registered()) if f.name == "strategy" else _CHOICES.get(f.name)
+        _add_flag(p, f.name, f.default, _HELP.get(f.name, f"(default: {f.default!r})"), choices)
+    g = p.add_argument_group("strategy options (each belongs to the strategies named; TOML: a [STRATEGY] table)")
+    for name, owners in option_fields().items():
+        f = owners[0][1]
         default = f.default
-        helptext = _HELP.get(f.name, f"(default: {default!r})")
-        if isinstance(default, bool):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
-        else:
-            kind: Any = type(default)
-            p.add_argument(flag, dest=f.name, type=kind, default=None, choices=_CHOICES.get(f.name),
-                           metavar=None if f.name in _CHOICES else f.name.upper(), help=helptext)
+        helptext = f.metadata.get("help", f"(default: {default!r})") + f" [{', '.join(s for s, _ in owners)}]"
+        _add_flag(g, name, default, helptext, f.metadata.get("choices"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,11 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(ns: argparse.Namespace) -> RunConfig:
+    """TOML file (if any), then the flags that were given: shared keys and flat strategy options."""
     values: dict[str, Any] = load_toml(ns.config) if getattr(ns, "config", None) else {}
-    for f in dataclasses.fields(RunConfig):
-        v = getattr(ns, f.name, None)
+    for name in [f.name for f in RunConfig.shared_fields()] + list(option_fields()):
+        v = getattr(ns, name, None)
         if v is not None:
-            values[f.name] = v
+            values[name] = v
     return RunConfig.from_mapping(values)
 
 
@@ -123,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.print_help()
         return 0
     # delegated subcommands parse their own arguments (argparse's REMAINDER would swallow no --help)
-    delegated = {"plan": "dtrain.perfmodel.cli", "cluster": "dtrain.cluster.cli"}
+    delegated = {"plan": "dtrain.planning.cli", "cluster": "dtrain.cluster.cli"}
     if argv[0] in delegated or (argv[0] == "bench" and len(argv) > 1 and argv[1] in _BENCHES):
         module = delegated.get(argv[0]) or _BENCHES[argv[1]]
         rest = argv[1:] if argv[0] in delegated else argv[2:]
@@ -139,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "bench":
             return _delegate(_BENCHES[ns.name], ns.args)
         if ns.command == "plan":
-            return _delegate("dtrain.perfmodel.cli", ns.args)
+            return _delegate("dtrain.planning.cli", ns.args)
         if ns.command == "cluster":
             return _delegate("dtrain.cluster.cli", ns.args)
         if ns.command == "report":

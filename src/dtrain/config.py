@@ -1,47 +1,55 @@
-"""Run configuration: one frozen dataclass, read from TOML and the command line.
+"""Run configuration: what every run shares, plus the chosen strategy's own options.
 
 Configuration flows one way: TOML file -> command-line overrides -> a validated
 :class:`RunConfig` -> constructors. :meth:`RunConfig.validate` runs in the parent
 process before any worker starts, so a typo costs a second, not a launch.
 
-TOML keys are the field names below (a flat table; ``[run]`` may wrap them)::
+:class:`RunConfig` holds what every run shares (model, data, optimizer, workers,
+the run folder, ...); the strategy's options are ``options``, an instance of the
+registered strategy's options dataclass (:mod:`dtrain.strategies`). In TOML they
+are a table named for the strategy; the shared keys are top-level (a ``[run]``
+table may wrap them)::
 
+    strategy = "ps"
     workers = 4
-    strategy = "dp"
-    algorithm = "ring"
     epochs = 10
-    batch_size = 64
+
+    [ps]
+    servers = 2
+    consistency = "ssp:3"
+
+A flat key of the chosen strategy's options (``servers = 2`` above the table, or
+``--servers 2`` on the command line) still works and wins over the table; a flat
+key of another strategy is an error that names the strategy it belongs to.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from dtrain._toml import read_toml
 from dtrain.errors import ConfigError
+from dtrain.strategies.base import Strategy, StrategyOptions, get, registered
 
 __all__ = [
     "RunConfig",
-    "STRATEGIES",
-    "ALGORITHMS",
-    "OVERLAPS",
     "OPTIMIZERS",
     "LR_SCHEDULES",
+    "BACKENDS",
     "load_toml",
     "dump_toml",
     "parse_straggler",
+    "option_fields",
+    "build_options",
 ]
 
-# Registries the CLI accepts; tests check they match the implementations' own.
-STRATEGIES = ("dp", "ddp", "ps", "auto")
-ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "rabenseifner", "hierarchical")
-OVERLAPS = ("backward", "forward")
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine")
+BACKENDS = ("gloo", "nccl", "mpi")
 
 
 def parse_straggler(spec: str) -> tuple[int, float]:
@@ -56,11 +64,60 @@ def parse_straggler(spec: str) -> tuple[int, float]:
     return rank, factor
 
 
+def _typed(name: str, default: Any, v: Any) -> Any:
+    """``v`` checked against the type of the field's ``default`` (ConfigError naming the option)."""
+    if isinstance(default, bool):
+        if not isinstance(v, bool):
+            raise ConfigError(f"option {name} must be true or false, got {v!r}")
+        return v
+    if isinstance(default, (int, float)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"option {name} must be a number, got {v!r}")
+        if isinstance(default, int) and float(v) != int(v):
+            raise ConfigError(f"option {name} must be an integer, got {v!r}")
+        return type(default)(v)
+    if isinstance(default, str) and not isinstance(v, str):
+        raise ConfigError(f"option {name} must be a string, got {v!r}")
+    return v
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def option_fields() -> dict[str, list[tuple[str, dataclasses.Field[Any]]]]:
+    """Field name -> [(strategy, field), ...] over every registered strategy's options."""
+    out: dict[str, list[tuple[str, dataclasses.Field[Any]]]] = {}
+    for name, entry in registered().items():
+        for f in fields(entry.options):
+            out.setdefault(f.name, []).append((name, f))
+    return out
+
+
+def build_options(entry: Strategy, values: Mapping[str, Any]) -> StrategyOptions:
+    """``entry``'s options from a mapping of its field names (ConfigError for unknown keys, bad types)."""
+    known = {f.name: f for f in fields(entry.options)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"[{entry.name}] has no option(s) {', '.join(unknown)}; "
+                          f"valid: {', '.join(known) or 'none'}")  # fmt: skip
+    kw = {k: _typed(k, _default(known[k]), v) for k, v in values.items()}
+    try:
+        return entry.options(**kw)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything one ``dtrain run`` needs. Field names are the TOML keys and CLI flags.
 
-    Attributes are grouped: what to train, how to distribute it, and the run itself.
+    Attributes are grouped: what to train, how to distribute it, and the run
+    itself. ``options`` is the strategy's own options (default: its defaults).
     """
 
     # --- what to train
@@ -77,16 +134,8 @@ class RunConfig:
     seed: int = 0
     max_steps: int = 0  # stop after this many steps (0: no limit)
     # --- how to distribute it
-    strategy: str = "dp"  # dp | ddp (torch's, the peer) | ps | auto
+    strategy: str = "dp"  # a registered strategy: dp | ddp (torch's, the peer) | ps | auto | ...
     workers: int = 4
-    algorithm: str = "ring"
-    bucket_mb: float = 25.0
-    overlap: str = "backward"  # backward | forward (priority scheduling)
-    compression: str = "none"  # e.g. topk:0.01, qsgd:16, powersgd:2
-    error_feedback: bool = True
-    servers: int = 1  # parameter server: ranks 0..servers-1 serve
-    consistency: str = "bsp"  # bsp | asp | ssp:S | softsync:K | backup:B
-    staleness_lr: bool = False
     straggler: str = ""  # RANK:FACTOR
     cluster: str = ""  # emulated cluster name (dtrain cluster up)
     backend: str = ""  # gloo | nccl | mpi (default: nccl with CUDA, else gloo)
@@ -98,52 +147,107 @@ class RunConfig:
     checkpoint_every: int = 0  # save a checkpoint every N steps and at the end (0: never)
     resume: str = ""  # a checkpoint folder, or a run folder (its latest complete checkpoint)
     extra: dict[str, Any] = field(default_factory=dict)
+    options: StrategyOptions | None = None  # the strategy's (default: its defaults)
+
+    def __post_init__(self) -> None:
+        entry = get(self.strategy)
+        if self.options is None:
+            object.__setattr__(self, "options", entry.options())
+        elif not isinstance(self.options, entry.options):
+            raise ConfigError(f"strategy {self.strategy!r} takes {entry.options.__name__}, "
+                              f"got {type(self.options).__name__}")  # fmt: skip
 
     # ------------------------------------------------------------------ building
 
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "RunConfig":
-        """Build from a mapping of field names (unknown keys are an error naming them)."""
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise ConfigError(
-                f"unknown option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(names))}"
-            )
-        kw: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name not in values:
-                continue
-            v = values[f.name]
-            default = f.default if f.default is not dataclasses.MISSING else None
-            if isinstance(default, bool) and not isinstance(v, bool):
-                raise ConfigError(f"option {f.name} must be true or false, got {v!r}")
-            if isinstance(default, (int, float)) and not isinstance(default, bool):
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise ConfigError(f"option {f.name} must be a number, got {v!r}")
-                if isinstance(default, int) and not isinstance(default, bool) and float(v) != int(v):
-                    raise ConfigError(f"option {f.name} must be an integer, got {v!r}")
-                v = type(default)(v)
-            if isinstance(default, str) and not isinstance(v, str):
-                raise ConfigError(f"option {f.name} must be a string, got {v!r}")
-            kw[f.name] = v
-        return cls(**kw)
+    @property
+    def entry(self) -> Strategy:
+        """The registered strategy this run uses."""
+        return get(self.strategy)
 
-    def replace(self, **changes: Any) -> "RunConfig":
-        return self.from_mapping({**self.to_dict(), **changes})
+    @property
+    def opts(self) -> StrategyOptions:
+        """The strategy's options (never None after construction)."""
+        assert self.options is not None
+        return self.options
+
+    @classmethod
+    def shared_fields(cls) -> list[dataclasses.Field[Any]]:
+        """The fields every run shares (all but ``extra`` and ``options``)."""
+        return [f for f in fields(cls) if f.name not in ("extra", "options")]
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
+        """Build from TOML-shaped values: shared keys, ``extra``, and the strategy's table.
+
+        Unknown keys are an error naming them; a flat key of the chosen strategy's
+        options goes into its options (and wins over its table).
+        """
+        shared = {f.name: f for f in cls.shared_fields()}
+        strategy = values.get("strategy", "dp")
+        if not isinstance(strategy, str):
+            raise ConfigError(f"option strategy must be a string, got {strategy!r}")
+        entry = get(strategy)
+        table = values.get(strategy, {})
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"[{strategy}] must be a table of options, got {table!r}")
+        opts = dict(table)
+        everywhere = option_fields()
+        kw: dict[str, Any] = {}
+        for k, v in values.items():
+            if k in shared:
+                kw[k] = _typed(k, _default(shared[k]), v)
+            elif k == "extra" or k == strategy:
+                continue
+            elif any(s == strategy for s, _ in everywhere.get(k, [])):
+                opts[k] = v
+            elif k in everywhere:
+                owners = sorted({s for s, _ in everywhere[k]} | ({k} if k in registered() else set()))
+                raise ConfigError(f"option {k} belongs to strategy {' / '.join(owners)} ([{owners[0]}] in TOML); "
+                                  f"this run's strategy is {strategy}")  # fmt: skip
+            elif k in registered():
+                raise ConfigError(f"[{k}] holds options of strategy {k}; this run's strategy is {strategy}")
+            else:
+                valid = sorted([*shared, *(k for k, owners in everywhere.items() if any(s == strategy for s, _ in owners))])
+                raise ConfigError(f"unknown option(s) {k}; valid options: {', '.join(valid)}")
+        extra = values.get("extra", {})
+        if not isinstance(extra, Mapping):
+            raise ConfigError(f"[extra] must be a table, got {extra!r}")
+        return cls(**kw, extra=dict(extra), options=build_options(entry, opts))
+
+    @classmethod
+    def make(cls, **values: Any) -> RunConfig:
+        """Keyword shorthand for :meth:`from_mapping`: ``RunConfig.make(strategy="ps", servers=2)``."""
+        return cls.from_mapping(values)
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with ``changes`` (shared keys, the strategy's option names, or ``options``).
+
+        Changing ``strategy`` starts from the new strategy's default options.
+        """
+        if "options" in changes:
+            opts = changes.pop("options")
+            base = dataclasses.replace(self, strategy=changes.pop("strategy", self.strategy), options=opts)
+            return base.replace(**changes) if changes else base
+        d = self.to_dict()
+        if changes.get("strategy", self.strategy) != self.strategy:
+            d.pop(self.strategy, None)
+        return self.from_mapping({**d, **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """TOML-shaped: shared keys, ``extra``, and the options as a table named for the strategy."""
+        d = {f.name: getattr(self, f.name) for f in self.shared_fields()}
+        d["extra"] = dict(self.extra)
+        d[self.strategy] = self.opts.to_table()
+        return d
 
     # ------------------------------------------------------------------ validation
 
     @property
     def num_processes(self) -> int:
-        """Processes one run starts: workers, plus servers for the parameter server."""
-        return self.workers + (self.servers if self.strategy == "ps" else 0)
+        """Processes one run starts (the strategy's, e.g. workers plus servers for the parameter server)."""
+        return self.opts.processes(self.workers)
 
-    def validate(self) -> "RunConfig":
-        """Check every option; raise :class:`ConfigError` saying what to change."""
+    def _check_names(self) -> None:
         from dtrain.data import DATASETS
         from dtrain.models import MODELS
 
@@ -153,11 +257,12 @@ class RunConfig:
 
         choose("model", self.model, MODELS)
         choose("dataset", self.dataset, DATASETS)
-        choose("strategy", self.strategy, STRATEGIES)
-        choose("algorithm", self.algorithm, ALGORITHMS)
-        choose("overlap", self.overlap, OVERLAPS)
         choose("optimizer", self.optimizer, OPTIMIZERS)
         choose("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.backend and self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r} is not known; choose gloo, nccl or mpi")
+
+    def _check_numbers(self) -> None:
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.epochs < 1:
@@ -175,46 +280,27 @@ class RunConfig:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.bucket_mb <= 0:
-            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.max_steps < 0:
             raise ConfigError(f"max_steps must be >= 0, got {self.max_steps}")
         if self.samples < 16:
             raise ConfigError(f"samples must be >= 16, got {self.samples}")
-        train_size = self.samples if self.dataset == "synthetic" else 1437  # digits: 80% of 1797
-        if self.batch_size > train_size:
-            raise ConfigError(
-                f"batch_size {self.batch_size} is larger than the training set ({train_size} samples)"
-            )
-        if self.backend and self.backend not in ("gloo", "nccl", "mpi"):
-            raise ConfigError(f"backend {self.backend!r} is not known; choose gloo, nccl or mpi")
-        if self.strategy == "ps":
-            if self.servers < 1:
-                raise ConfigError(f"the parameter server needs servers >= 1, got {self.servers}")
-            from dtrain.param_server.consistency import parse_consistency
+        from dtrain.data import load_dataset
 
-            try:
-                parse_consistency(self.consistency, staleness_lr=self.staleness_lr).check_workers(self.workers)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        size = len(load_dataset(self.dataset, seed=self.seed, samples=self.samples).train)
+        if self.batch_size > size:
+            raise ConfigError(f"batch_size {self.batch_size} is larger than the training set ({size} samples)")
+
+    def validate(self) -> RunConfig:
+        """Check every option; raise :class:`ConfigError` saying what to change."""
+        self._check_names()
+        self._check_numbers()
         if self.straggler:
             rank, _ = parse_straggler(self.straggler)
             if rank >= self.num_processes:
                 raise ConfigError(f"straggler rank {rank} is outside the {self.num_processes} processes")
-        if self.compression not in ("", "none"):
-            from dtrain.compress import from_spec
-
-            try:
-                from_spec(self.compression, error_feedback=self.error_feedback)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        if self.resume and self.strategy == "ps" and self.lr_schedule != "constant":
-            raise ConfigError(
-                f"resume under the parameter server supports lr_schedule 'constant' only (the servers do not "
-                f"restore the schedule's position yet); got {self.lr_schedule!r}: resume with --lr-schedule constant"
-            )
+        self.entry.check(self.opts, self)
         from dtrain.checkpoint.training import check_resume
 
         check_resume(self)
@@ -225,20 +311,11 @@ class RunConfig:
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a run config file; a top-level ``[run]`` table is unwrapped."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
-    try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: not valid TOML: {e}") from None
-    if set(data) == {"run"} and isinstance(data["run"], dict):
-        data = data["run"]
+    """Read a run config file; a top-level ``[run]`` table (with strategy tables beside it) is unwrapped."""
+    data = read_toml(path, "config file")
+    run = data.get("run")
+    if isinstance(run, dict):
+        data = {**{k: v for k, v in data.items() if k != "run"}, **run}
     return data
 
 
@@ -258,12 +335,10 @@ def dump_toml(cfg: RunConfig) -> str:
     """The resolved configuration as TOML that :func:`load_toml` reads back."""
     lines = ["# dtrain run configuration (resolved); rerun with: dtrain run config.toml"]
     d = cfg.to_dict()
-    extra = d.pop("extra")
+    tables = {"extra": d.pop("extra"), cfg.strategy: d.pop(cfg.strategy)}
     for k, v in d.items():
         lines.append(f"{k} = {_toml_value(v)}")
-    if extra:
-        lines.append("")
-        lines.append("[extra]")
-        for k, v in extra.items():
-            lines.append(f"{k} = {_toml_value(v)}")
+    for name, table in tables.items():
+        if table or name == cfg.strategy:
+            lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
     return "\n".join(lines) + "\n"

@@ -2,6 +2,10 @@
 
 What a run's checkpoint holds, per strategy:
 
+The strategy decides what goes in (its engine's ``save``) and which of its
+options a checkpoint depends on (its options' ``checkpoint_keys``); for the
+built-in ones:
+
 * ``dp`` / ``ddp`` (every rank at the same step): the model and optimizer
   (written once, DCP spreads them over the ranks), and per rank: the engine's
   compressor state with the bucket layout it is keyed by
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,33 +45,30 @@ from dtrain.checkpoint.dcp import load_checkpoint, save_checkpoint
 from dtrain.checkpoint.layout import CHECKPOINTS_DIR, CheckpointError, find_checkpoint, read_info
 from dtrain.errors import ConfigError
 
+if TYPE_CHECKING:
+    from dtrain.config import RunConfig
+
 __all__ = ["RunCheckpointer", "run_info", "check_resume", "train_steps"]
 
-_DIGITS_TRAIN = 1437  # 80% of sklearn's 1,797 digits (dtrain.data)
-
-
-def run_info(cfg: Any) -> dict[str, Any]:
-    """The options a checkpoint of ``cfg``'s run depends on (a resumed run must match them)."""
-    comp = cfg.compression if cfg.compression not in ("", "none") else "none"
+def run_info(cfg: RunConfig) -> dict[str, Any]:
+    """The options a checkpoint of ``cfg``'s run depends on (a resumed run must match them):
+    the shared ones, and the strategy's own (its options' ``checkpoint_keys``)."""
     d: dict[str, Any] = {
         "strategy": cfg.strategy, "workers": cfg.workers, "model": cfg.model, "dataset": cfg.dataset,
-        "batch_size": cfg.batch_size, "seed": cfg.seed, "optimizer": cfg.optimizer, "compression": comp,
+        "batch_size": cfg.batch_size, "seed": cfg.seed, "optimizer": cfg.optimizer,
+        "compression": cfg.opts.compressor_spec(),
     }
-    if comp != "none":
-        d["error_feedback"] = cfg.error_feedback
-        if cfg.strategy == "dp":
-            d["bucket_mb"] = cfg.bucket_mb  # the bucket layout keys the compressor state
+    d.update(cfg.opts.checkpoint_keys())
     if cfg.dataset == "synthetic":
         d["samples"] = cfg.samples
-    if cfg.strategy == "ps":
-        d["servers"] = cfg.servers
-        d["consistency"] = cfg.consistency
     return d
 
 
-def train_steps(cfg: Any) -> int:
-    """Steps of ``cfg``'s run (per worker), as :meth:`dtrain.train.TrainContext.total_steps` counts them."""
-    size = cfg.samples if cfg.dataset == "synthetic" else _DIGITS_TRAIN
+def train_steps(cfg: RunConfig) -> int:
+    """Steps of ``cfg``'s run (per worker), as :meth:`dtrain.training.TrainContext.total_steps` counts them."""
+    from dtrain.data import load_dataset
+
+    size = len(load_dataset(cfg.dataset, seed=cfg.seed, samples=cfg.samples).train)
     per_shard = size // cfg.workers
     n = per_shard // (cfg.batch_size // cfg.workers) * cfg.epochs
     return int(min(n, cfg.max_steps) if cfg.max_steps else n)
@@ -79,20 +80,14 @@ def _flag(k: str, v: Any) -> str:
     return f"--{k.replace('_', '-')} {v}"
 
 
-def check_resume(cfg: Any) -> None:
+def check_resume(cfg: RunConfig) -> None:
     """Refuse bad checkpoint options before any process starts (:class:`ConfigError` saying what to change)."""
     if cfg.checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every must be >= 0 (0: no checkpoints), got {cfg.checkpoint_every}")
-    wants = cfg.checkpoint_every > 0 or bool(cfg.resume)
-    if wants and cfg.strategy == "ps" and cfg.consistency.strip().lower() != "bsp":
-        raise ConfigError(
-            f"checkpoints of the parameter server need consistency bsp (got {cfg.consistency!r}): under "
-            "asynchronous policies the workers and servers never share a step to save at"
-        )
+    if cfg.checkpoint_every > 0 or cfg.resume:
+        cfg.entry.check_checkpointing(cfg.opts, cfg)
     if not cfg.resume:
         return
-    if cfg.strategy == "auto":
-        raise ConfigError("--resume continues the checkpoint's strategy; pass it (e.g. --strategy dp) instead of auto")
     ckpt = find_checkpoint(cfg.resume)
     info = read_info(ckpt)
     saved = info.get("run")
@@ -134,7 +129,7 @@ class RunCheckpointer:
         out_dir: the run folder; checkpoints go to ``out_dir/checkpoints``.
     """
 
-    def __init__(self, cfg: Any, out_dir: str | Path) -> None:
+    def __init__(self, cfg: RunConfig, out_dir: str | Path) -> None:
         self.cfg = cfg
         self.every = int(cfg.checkpoint_every)
         self.root = Path(out_dir) / CHECKPOINTS_DIR
@@ -145,7 +140,7 @@ class RunCheckpointer:
         self._saved: set[int] = set()
 
     @classmethod
-    def create(cls, cfg: Any, out_dir: str | Path) -> "RunCheckpointer | None":
+    def create(cls, cfg: RunConfig, out_dir: str | Path) -> "RunCheckpointer | None":
         """A checkpointer when the run saves or resumes, else None (every process decides alike)."""
         if cfg.checkpoint_every <= 0 and not cfg.resume:
             return None

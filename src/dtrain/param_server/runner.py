@@ -1,39 +1,11 @@
-"""``dtrain run --strategy ps``: the parameter server inside the training loop.
+"""The parameter server's end of a run: serving, the workers' statistics, the merged report.
 
-:func:`run_process` runs in every process of the job (``servers + workers`` of
-them). Ranks ``0..S-1`` serve; worker ``i`` (rank ``S + i``) trains on shard ``i``
-of the data (the data is split among workers only).
-
-The amount of work is a budget of gradients, the same for every policy:
-``workers x steps`` (steps from the epochs and ``max_steps`` as in data
-parallelism). Each worker cycles through its shard until the servers report that
-the budget is spent, so under asynchronous policies a fast worker computes more
-gradients than a straggler instead of idling at the end -- which is the point of
-those policies. Worker 0 evaluates its copy of the model after each pass over its
-shard (the accuracy history) and the final model after :meth:`finish`.
-
-``--straggler RANK:FACTOR`` (and an emulated host's ``DTRAIN_SLOWDOWN``) makes
-that worker's own work ``FACTOR`` times slower (:class:`dtrain.cluster.Straggler`).
-Its own work in a step is everything from the previous ``ps.step()``'s return to
-the end of backward -- bookkeeping, the next batch, forward, backward: what
-``WorkerStats.compute_s`` counts -- and the parameter exchange is not slowed (a
-slow machine on the same network). After each backward pass it sleeps so that
-this work takes ``FACTOR`` times its reference, the median own work of its last
-50 steps in this run.
-
-Checkpoints (``--checkpoint-every N``, bsp only): each server saves its shard,
-optimizer state and clock table from the ``on_update`` hook right after update
-``k * N`` (and the last one), when every worker has just been released; each
-worker saves its clock, compressor state, data position and RNGs after its step
-``k * N``; one collective save (:class:`dtrain.checkpoint.training.RunCheckpointer`)
-holds them all. ``--resume`` hands each rank its own state back
-(``ParameterServer(state=...)``): servers restore before serving, workers pull
-the checkpoint's parameters at their saved clock and continue mid-epoch.
-
+The training side of ``dtrain run --strategy ps`` is :mod:`dtrain.strategies.ps`.
 At the end every process publishes its :meth:`ParameterServer.stats` to the c10d
-store; the first server merges them, writes ``ps_stats.json`` to the run folder,
-prints a table, and returns ``staleness`` and ``clock_lag`` (``{max, mean, hist}``
-over all servers' applied gradients) for ``summary.json``.
+store (:func:`publish_worker_stats` for workers); the first server (:func:`serve`)
+merges them, writes ``ps_stats.json`` to the run folder, prints a table, and
+returns ``staleness`` and ``clock_lag`` (``{max, mean, hist}`` over all servers'
+applied gradients) for ``summary.json``.
 """
 
 from __future__ import annotations
@@ -41,61 +13,14 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
-from dtrain.errors import ConfigError
 from dtrain.param_server.consistency import parse_consistency
 from dtrain.param_server.parameter_server import ParameterServer
 from dtrain.param_server.server import hist_summary
 
-__all__ = ["run_process", "lr_scale", "format_table", "merge_stats"]
-
-
-
-def run_process(ctx: Any) -> dict[str, Any]:
-    """One process of a parameter-server run (``ctx`` is a :class:`dtrain.train.TrainContext`)."""
-    c = ctx.cfg
-    servers = c.servers
-    workers = ctx.world_size - servers
-    if workers < 1:
-        raise ConfigError(f"--strategy ps needs workers >= 1 besides the {servers} servers")
-    steps = ctx.total_steps(workers)
-    if steps < 1:
-        raise ConfigError("the data shard of each worker is smaller than one batch; use a smaller batch size")
-    comp = ctx.make_compressor()  # with momentum in it for sign/onebit; the servers' optimizer then has none
-    from dtrain.checkpoint.training import RunCheckpointer
-
-    ckpt = RunCheckpointer.create(c, ctx.out_dir)  # its group before the parameter server's, on every rank
-    blob: dict[str, Any] | None = None
-    if ckpt is not None and ckpt.resume_from is not None:
-        _, blob = ckpt.restore()
-    model = ctx.make_model()
-    scale = lr_scale(c.consistency, workers)
-
-    def optimizer_factory(params: Any) -> torch.optim.Optimizer:
-        opt: torch.optim.Optimizer = ctx.make_optimizer(params)
-        for group in opt.param_groups:
-            group["lr"] = group["lr"] * scale
-        return opt
-
-    holder: list[ParameterServer] = []
-
-    def on_update(version: int, spent: bool) -> None:  # servers: after an update's replies went out
-        if ckpt is not None and ckpt.due(version, final=spent):
-            ckpt.save(version, rank_state={"ps": holder[0].state_dict()}, updates=version)
-
-    ps = ParameterServer(
-        model, optimizer_factory, servers=servers, consistency=c.consistency, staleness_lr=c.staleness_lr,
-        compression=comp, timeout_s=c.timeout_s, max_gradients=workers * steps,
-        state=blob["ps"] if blob is not None else None, on_update=on_update if ckpt is not None else None,
-    )
-    holder.append(ps)
-    if ps.is_server:
-        return _serve(ctx, ps)
-    return _work(ctx, ps, model, workers, steps, ckpt, blob)
+__all__ = ["serve", "publish_worker_stats", "lr_scale", "format_table", "merge_stats"]
 
 
 def lr_scale(consistency: str, workers: int) -> float:
@@ -112,7 +37,10 @@ def lr_scale(consistency: str, workers: int) -> float:
     return per_update / workers
 
 
-def _serve(ctx: Any, ps: ParameterServer) -> dict[str, Any]:
+def serve(ps: ParameterServer, out_dir: Path, *, batch_size: int, timeout_s: float, table: bool = True
+          ) -> dict[str, Any]:  # fmt: skip
+    """A server's whole run: serve until every worker is done, publish the stats; the first server
+    merges everyone's into ``ps_stats.json`` and returns the summary's parameter-server keys."""
     stats = ps.serve()
     store = ps.store
     store.set(_stats_key(ps, ps.rank), json.dumps(stats))
@@ -121,112 +49,22 @@ def _serve(ctx: Any, ps: ParameterServer) -> dict[str, Any]:
         return out
     lost = {int(w) for w in stats["lost"]}
     ranks = [r for r in range(ps.world_size) if r not in lost]
-    everything = _collect(store, [_stats_key(ps, r) for r in ranks], timeout_s=min(60.0, ctx.cfg.timeout_s))
-    merged = merge_stats(list(everything.values()), batch_per_worker=ctx.cfg.batch_size // ps.num_workers)
-    (ctx.out_dir / "ps_stats.json").write_text(json.dumps(merged, indent=2) + "\n")
-    if ctx.cfg.extra.get("ps_table", True):
+    everything = _collect(store, [_stats_key(ps, r) for r in ranks], timeout_s=min(60.0, timeout_s))
+    merged = merge_stats(list(everything.values()), batch_per_worker=batch_size // ps.num_workers)
+    (out_dir / "ps_stats.json").write_text(json.dumps(merged, indent=2) + "\n")
+    if table:
         print(format_table(merged), flush=True)
-    out["summary_extra"] = {
-        "consistency": merged["consistency"],
-        "servers": merged["servers"],
-        "staleness": merged["staleness"],
-        "clock_lag": merged["clock_lag"],
-        "updates": merged["updates"],
-        "gradients_dropped": merged["gradients_dropped"],
-        "samples_computed": merged["samples_computed"],
-        "samples_applied": merged["samples_applied"],
-        "lost_workers": merged["lost_workers"],
-        "bytes_received_per_step": merged["bytes_received_per_step"],
-    }
+    keys = ("consistency", "servers", "staleness", "clock_lag", "updates", "gradients_dropped", "samples_computed",
+            "samples_applied", "lost_workers", "bytes_received_per_step")  # fmt: skip
+    out["summary_extra"] = {k: merged[k] for k in keys}
     return out
 
 
-def _work(ctx: Any, ps: ParameterServer, model: nn.Module, workers: int, steps: int, ckpt: Any = None,
-          blob: dict[str, Any] | None = None) -> dict[str, Any]:
-    c = ctx.cfg
-    i = ps.worker_index
-    evaluator = i == 0
-    loss_fn = nn.CrossEntropyLoss()
-    slow = ctx.straggler()
-    start, epoch, first_batch = 0, 0, 0
-    if blob is not None:  # resumed: this worker's clock and data position at the checkpoint
-        start, epoch, first_batch = int(blob["ps"]["clock"]), int(blob["epoch"]), int(blob["batch"])
-        if first_batch >= ctx.steps_per_epoch(workers):
-            epoch, first_batch = epoch + 1, 0
-    bar = ctx.progress(steps - start, evaluator)
-    step, samples, losses, history = start, 0, [], []
-    eval_s = 0.0
-    t_start = time.perf_counter()
-    sent_before = 0
-    while not ps.should_stop:
-        batches = first_batch
-        data = iter(ctx.loader(i, workers, epoch, start_batch=first_batch))
-        first_batch = 0
-        if blob is not None:  # after building the iterator, which draws from torch's generator
-            ckpt.restore_rng(blob)
-            blob = None
-        t_free = time.perf_counter()  # the worker's own work of a step starts (the straggler's measure)
-        for x, y in data:
-            batches += 1
-            t0 = time.perf_counter()
-            with ctx.tracer.span("step", step=step):
-                with ctx.tracer.span("forward"):
-                    loss = loss_fn(model(x), y)
-                with ctx.tracer.span("backward"):
-                    loss.backward()
-                loss_v = float(loss.detach())
-                slow.stretch(time.perf_counter() - t_free)
-                with ctx.tracer.span("ps.step"):
-                    ps.step()
-                t_free = time.perf_counter()
-            dt = time.perf_counter() - t0
-            last = ps.last_step
-            st = ps.stats()
-            ctx.metrics.write(
-                step=step, epoch=epoch, loss=loss_v, lr=c.lr * lr_scale(c.consistency, workers),
-                samples_per_s=len(y) / dt,
-                compute_s=dt - last["push_s"] - last["wait_s"] - last["pull_s"],
-                comm_s=last["push_s"] + last["pull_s"], wait_s=last["wait_s"],
-                bytes_sent=st["bytes_sent"] - sent_before,
-            )
-            sent_before = st["bytes_sent"]
-            losses.append(loss_v)
-            samples += len(y)
-            step += 1
-            bar.update(1)
-            if step % 10 == 0:
-                bar.set_postfix(loss=f"{loss_v:.3f}", refresh=False)
-            if ckpt is not None and ckpt.due(step, final=ps.should_stop):
-                with ctx.tracer.span("checkpoint", step=step):
-                    ckpt.save(step, rank_state={"ps": ps.state_dict(), "epoch": epoch, "batch": batches})
-                t_free = time.perf_counter()
-            if ps.should_stop:
-                break
-        if batches == 0:
-            raise ConfigError(f"worker {i}'s data shard yields no batch; use a smaller batch size")
-        if evaluator:
-            te = time.perf_counter()
-            acc = ctx.evaluate(model)
-            eval_s += time.perf_counter() - te
-            history.append((round(time.perf_counter() - t_start - eval_s, 4), epoch, acc))
-            if c.progress:
-                bar.write(f"epoch {epoch}: test accuracy {acc:.4f} (worker 0's copy)")
-        epoch += 1
-    train_s = time.perf_counter() - t_start - eval_s
-    ps.finish()
-    bar.close()
+def publish_worker_stats(ps: ParameterServer) -> dict[str, Any]:
+    """A worker's :meth:`ParameterServer.stats` after :meth:`finish`, published for the first server."""
     st = ps.stats()
     ps.store.set(_stats_key(ps, ps.rank), json.dumps(st))
-    out: dict[str, Any] = dict(
-        role="worker", steps=step - start, start_step=start, samples=samples, train_s=train_s,
-        final_loss=sum(losses[-10:]) / max(1, len(losses[-10:])), bytes_sent=st["bytes_sent"], ps=st,
-    )
-    if slow.active:
-        out["straggler"] = {"factor": slow.factor, "reference_s": slow.reference_s}
-    if evaluator:
-        out["test_accuracy"] = ctx.evaluate(model)  # the final parameters, pulled by finish()
-        out["accuracy_history"] = history
-    return out
+    return st
 
 
 # ---------------------------------------------------------------------- stats

@@ -1,20 +1,22 @@
-"""Performance model: cost formulas, calibration, planner and simulator.
+"""Performance model: cost formulas, planner and simulator -- pure functions, nothing started.
 
 * :mod:`.spec` -- the cluster description (TOML; written by calibration or by hand);
 * :mod:`.profile` -- a model's per-layer parameters, FLOPs, activations and times;
-* :mod:`.collectives`, :mod:`.predict` -- pure functions: step time, memory, bytes;
-* :mod:`.planner` -- :func:`plan` ranks strategies; :func:`choose` picks one for ``--strategy auto``;
-* :mod:`.simulator` -- event-driven replay with stragglers and asynchrony;
-* :mod:`.calibrate` -- ``dtrain bench calibrate``.
+* :mod:`.collectives`, :mod:`.predict` -- step time, memory, bytes (each strategy's hooks
+  in :mod:`dtrain.strategies` call them);
+* :mod:`.planner` -- :func:`plan` ranks the registered strategies' candidates;
+* :mod:`.simulator` -- event-driven replay with stragglers and asynchrony.
+
+Measuring a cluster is :mod:`dtrain.bench.calibrate`; planning for a run
+(``--strategy auto``, ``dtrain plan``, this machine's calibration) is :mod:`dtrain.planning`.
 """
 
 from dtrain.perfmodel.collectives import CompressionModel, allreduce_time
 from dtrain.perfmodel.planner import Plan, candidates, plan
-from dtrain.perfmodel.predict import Memory, Prediction, Strategy, predict
+from dtrain.perfmodel.predict import Memory, Prediction, predict
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile, profile_model
 from dtrain.perfmodel.simulator import SimResult, Stragglers, scaling_curve, simulate
 from dtrain.perfmodel.spec import ClusterSpec, Device, Link, dump_cluster, load_cluster
-from dtrain.perfmodel.auto import choose
 
 __all__ = [
     "ClusterSpec",
@@ -27,14 +29,12 @@ __all__ = [
     "profile_model",
     "CompressionModel",
     "allreduce_time",
-    "Strategy",
     "Prediction",
     "Memory",
     "predict",
     "Plan",
     "candidates",
     "plan",
-    "choose",
     "SimResult",
     "Stragglers",
     "simulate",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 from torch import nn
@@ -31,9 +31,10 @@ from dtrain.errors import ConfigError
 from dtrain.perfmodel._units import format_bytes
 from dtrain.perfmodel.collectives import ALGORITHMS, CompressionModel
 from dtrain.perfmodel.compression import compression_model
-from dtrain.perfmodel.predict import Prediction, Strategy, buckets_of, predict
+from dtrain.perfmodel.predict import Prediction, predict
 from dtrain.perfmodel.profile import ModelProfile, profile_model
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
+from dtrain.strategies.base import Choice, PlanSpace, registered
 
 __all__ = ["Plan", "candidates", "plan", "DEFAULT_COMPRESSIONS", "DEFAULT_CONSISTENCIES", "DEFAULT_BUCKETS"]
 
@@ -57,7 +58,7 @@ class Plan:
     cluster: ClusterSpec
     batch: int
     ranked: list[Prediction]
-    rejected: list[tuple[Strategy, str]] = field(default_factory=list)
+    rejected: list[tuple[Choice, str]] = field(default_factory=list)
     profiles: dict[int, ModelProfile] = field(default_factory=dict)
 
     @property
@@ -97,41 +98,16 @@ def candidates(
     exact_only: bool = False,
     single: bool = True,
     ddp: bool = True,
-) -> list[Strategy]:
-    """Every strategy the planner considers on ``workers`` devices (default: all of the cluster's)."""
-    w = workers or cluster.devices
-    out = [Strategy("single", 1)] if single else []
-    if w < 2:
-        return out
-    hier = cluster.nodes > 1 and cluster.devices_per_node > 1 and w > cluster.devices_per_node
-    for alg in algorithms:
-        if alg == "hierarchical" and not hier:
-            continue
-        for b in buckets:
-            out.append(Strategy("dp", w, alg, bucket_mb=b))
-    out.append(Strategy("dp", w, "ring", bucket_mb=max(buckets), overlap="forward"))
-    if ddp:
-        out.append(Strategy("ddp", w, "native", bucket_mb=max(buckets)))
-    if not exact_only:
-        for comp in compressions:
-            out.append(Strategy("dp", w, "ring", bucket_mb=max(buckets), compression=comp))
-    for servers in sorted({1, 2, w // 4} - {0}):
-        if w - servers < 1:
-            continue
-        for cons in consistencies:
-            if exact_only and cons != "bsp":
-                continue
-            out.append(Strategy("ps", w - servers, servers=servers, consistency=cons))
+) -> list[Choice]:
+    """Every choice the planner considers on ``workers`` devices (default: all of the cluster's):
+    each registered strategy's ``candidates`` hook over the same :class:`PlanSpace`."""
+    space = PlanSpace(cluster, workers or cluster.devices, tuple(compressions), tuple(consistencies), tuple(buckets),
+                      tuple(algorithms), exact_only, single, ddp)  # fmt: skip
+    out: list[Choice] = []
+    for entry in registered().values():
+        if entry.candidates is not None:
+            out += entry.candidates(space)
     return out
-
-
-def _approximate(s: Strategy) -> str:
-    notes = []
-    if s.compression not in ("", "none"):
-        notes.append(f"approximate: {s.compression} gradients")
-    if s.kind == "ps" and not s.consistency.startswith(("bsp", "backup")):
-        notes.append(f"approximate: {s.consistency} staleness")
-    return "; ".join(notes)
 
 
 def _batch_of(sample: Any, b: int) -> Any:
@@ -157,7 +133,7 @@ def _global_batch(sample: Any) -> int:
 def plan(
     model: nn.Module,
     sample_batch: Any,
-    cluster: "str | Path | ClusterSpec | None" = None,
+    cluster: str | Path | ClusterSpec,
     *,
     batch: int | None = None,
     workers: int | None = None,
@@ -166,7 +142,7 @@ def plan(
     compressions: Sequence[str] = DEFAULT_COMPRESSIONS,
     consistencies: Sequence[str] = DEFAULT_CONSISTENCIES,
     exact_only: bool = False,
-    strategies: Sequence[Strategy] | None = None,
+    strategies: Sequence[Choice] | None = None,
     measure: bool = True,
 ) -> Plan:
     """Rank the strategies for training ``model`` on ``cluster``.
@@ -175,8 +151,8 @@ def plan(
         model: the model to train.
         sample_batch: ``(inputs, targets)`` of one global batch (its size is the
             global batch unless ``batch`` is given).
-        cluster: a cluster TOML path, a :class:`ClusterSpec`, or None for this
-            machine (a quick calibration, cached in ``~/.cache/dtrain``).
+        cluster: a cluster TOML path or a :class:`ClusterSpec` (:func:`dtrain.plan`
+            calibrates this machine when given none).
         batch: global batch size (default: the sample batch's size).
         workers: devices to use (default: all of the cluster's).
         name: model name for the cluster's ``[models.NAME]`` table (default: class name).
@@ -189,51 +165,56 @@ def plan(
     Returns:
         A :class:`Plan`; ``print(plan)`` shows the table.
     """
-    if cluster is None:
-        from dtrain.perfmodel.calibrate import local_cluster
-
-        spec = local_cluster(workers=workers)
-    elif isinstance(cluster, ClusterSpec):
-        spec = cluster
-    else:
-        spec = load_cluster(cluster)
+    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
     gbatch = batch or _global_batch(sample_batch)
     name = name or type(model).__name__.lower()
     cands = list(strategies) if strategies is not None else candidates(
         spec, workers, compressions=compressions, consistencies=consistencies, exact_only=exact_only)  # fmt: skip
-    profiles: dict[int, ModelProfile] = {}
-    comps: dict[str, CompressionModel] = {}
-    ranked: list[Prediction] = []
-    rejected: list[tuple[Strategy, str]] = []
-    overhead = spec.device.overhead
-    seen: set[tuple[Any, ...]] = set()
+    ranker = _Ranker(model, sample_batch, spec, name, optimizer, measure)
     for s in cands:
+        ranker.add(s, gbatch)
+    ranker.ranked.sort(key=lambda p: -p.samples_per_s)
+    return Plan(cluster=spec, batch=gbatch, ranked=ranker.ranked, rejected=ranker.rejected, profiles=ranker.profiles)
+
+
+class _Ranker:
+    """Predicts candidates one by one, profiling the model once per per-worker batch."""
+
+    def __init__(self, model: nn.Module, sample: Any, spec: ClusterSpec, name: str, optimizer: str,
+                 measure: bool) -> None:  # fmt: skip
+        self.model, self.sample, self.spec, self.name = model, sample, spec, name
+        self.optimizer, self.measure = optimizer, measure
+        self.profiles: dict[int, ModelProfile] = {}
+        self.comps: dict[str, CompressionModel] = {}
+        self.ranked: list[Prediction] = []
+        self.rejected: list[tuple[Choice, str]] = []
+        self.seen: set[Hashable] = set()
+
+    def add(self, s: Choice, gbatch: int) -> None:
+        spec = self.spec
         if gbatch % s.workers:
-            rejected.append((s, f"global batch {gbatch} does not split over {s.workers} workers"))
-            continue
+            self.rejected.append((s, f"global batch {gbatch} does not split over {s.workers} workers"))
+            return
         if s.processes > spec.devices:
-            rejected.append((s, f"needs {s.processes} processes; the cluster has {spec.devices} devices"))
-            continue
+            self.rejected.append((s, f"needs {s.processes} processes; the cluster has {spec.devices} devices"))
+            return
         b = gbatch // s.workers
-        if b not in profiles:
-            profiles[b] = profile_model(model, _batch_of(sample_batch, b), name=name, measure=measure,
-                                        optimizer=optimizer)  # fmt: skip
-        if s.kind in ("dp", "ddp"):
-            # a bucket size that cuts the model into the same buckets as one already seen is the same strategy
-            key = (s.kind, s.workers, s.algorithm, s.overlap, s.compression, tuple(buckets_of(profiles[b], s.bucket_mb)))
-            if key in seen:
-                continue
-            seen.add(key)
+        if b not in self.profiles:
+            self.profiles[b] = profile_model(self.model, _batch_of(self.sample, b), name=self.name,
+                                             measure=self.measure, optimizer=self.optimizer)  # fmt: skip
+        key = (s.strategy, s.workers, s.opts.plan_identity(self.profiles[b]))
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        comp_spec = s.opts.compressor_spec()
         comp = None
-        if s.compression not in ("", "none"):
-            comp = comps.setdefault(s.compression, compression_model(s.compression, spec, measure=measure))
-        pred = predict(profiles[b], spec.with_devices(s.processes) if s.processes < spec.devices else spec, s, comp,
-                       overhead_s=overhead)  # fmt: skip
+        if comp_spec != "none":
+            comp = self.comps.setdefault(comp_spec, compression_model(comp_spec, spec, measure=self.measure))
+        pred = predict(self.profiles[b], spec.with_devices(s.processes) if s.processes < spec.devices else spec, s,
+                       comp, overhead_s=spec.device.overhead)  # fmt: skip
         if not pred.fits:
-            rejected.append((s, f"needs {format_bytes(pred.memory.total)} per device, "
-                                f"has {format_bytes(spec.device.memory)}"))  # fmt: skip
-            continue
-        note = _approximate(s)
-        ranked.append(replace(pred, why=f"{pred.why}; {note}" if note else pred.why))
-    ranked.sort(key=lambda p: -p.samples_per_s)
-    return Plan(cluster=spec, batch=gbatch, ranked=ranked, rejected=rejected, profiles=profiles)
+            self.rejected.append((s, f"needs {format_bytes(pred.memory.total)} per device, "
+                                     f"has {format_bytes(spec.device.memory)}"))  # fmt: skip
+            return
+        note = s.opts.approximation()
+        self.ranked.append(replace(pred, why=f"{pred.why}; {note}" if note else pred.why))

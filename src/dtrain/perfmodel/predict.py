@@ -2,7 +2,7 @@
 
 Every function here takes a :class:`~dtrain.perfmodel.profile.ModelProfile` (at
 the per-worker batch), a :class:`~dtrain.perfmodel.spec.ClusterSpec` and a
-:class:`Strategy`, and returns a :class:`Prediction`. Nothing is run.
+:class:`~dtrain.strategies.Choice` (a registered strategy, its options and workers), and returns a :class:`Prediction`. Nothing is run.
 
 Compute. Per-layer forward and backward times come, in this order of
 preference, from the cluster's ``[models.NAME]`` throughput (split over layers
@@ -57,7 +57,7 @@ binomial tree's one-way messages are replayed against the links' token buckets
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dtrain.comm.fusion import MB, assign_buckets
 from dtrain.errors import ConfigError
@@ -71,69 +71,35 @@ from dtrain.perfmodel.collectives import (
 from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
 
-__all__ = ["Strategy", "Memory", "Prediction", "compute_times", "predict", "memory_per_device", "bucket_latency",
-           "buckets_of", "bucket_collective", "ps_costs", "KINDS", "WAKES_FIRST_BUCKET", "WAKES_PER_BUCKET"]  # fmt: skip
+if TYPE_CHECKING:
+    from dtrain.strategies.base import Choice
 
-KINDS = ("single", "dp", "ddp", "ps")
+__all__ = ["Memory", "Prediction", "StepInputs", "DataParallelLike", "ServerLike", "compute_times", "predict",
+           "memory_per_device", "data_parallel_memory", "server_memory", "predict_data_parallel",
+           "predict_parameter_server", "bucket_latency", "buckets_of", "bucket_collective", "ps_costs",
+           "WAKES_FIRST_BUCKET", "WAKES_PER_BUCKET"]  # fmt: skip
+
 _FIRST_BUCKET_MB = 1.0
 
 
-@dataclass(frozen=True)
-class Strategy:
-    """One way to train: what the planner ranks and ``dtrain run`` can execute.
-
-    Attributes:
-        kind: "single" (one process), "dp" (dtrain.DataParallel), "ddp" (torch DDP), "ps".
-        workers: training processes.
-        algorithm / bucket_mb / overlap: data-parallel settings.
-        compression: compressor spec ("none", "fp16", "topk:0.01", ...).
-        servers / consistency: parameter-server settings.
-    """
-
-    kind: str = "dp"
-    workers: int = 1
-    algorithm: str = "ring"
-    bucket_mb: float = 25.0
-    overlap: str = "backward"
-    compression: str = "none"
-    servers: int = 1
-    consistency: str = "bsp"
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ConfigError(f"strategy kind {self.kind!r} is not known; choose one of {', '.join(KINDS)}")
-        if self.workers < 1 or self.servers < 1:
-            raise ConfigError(f"workers and servers must be >= 1, got {self.workers} and {self.servers}")
-        if self.bucket_mb <= 0:
-            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+class DataParallelLike(Protocol):
+    """What the model reads of a data-parallel strategy's options."""
 
     @property
-    def processes(self) -> int:
-        return self.workers + (self.servers if self.kind == "ps" else 0)
+    def algorithm(self) -> str: ...
+    @property
+    def bucket_mb(self) -> float: ...
+    @property
+    def overlap(self) -> str: ...
 
-    def label(self) -> str:
-        comp = "" if self.compression in ("", "none") else f" {self.compression}"
-        if self.kind == "single":
-            return "single process"
-        if self.kind == "ps":
-            return f"ps {self.consistency} {self.servers} server{'s' if self.servers > 1 else ''}{comp}"
-        if self.kind == "ddp":
-            return f"torch DDP {self.bucket_mb:g}MiB"
-        ov = "" if self.overlap == "backward" else " fwd-overlap"
-        return f"dp {self.algorithm} {self.bucket_mb:g}MiB{ov}{comp}"
 
-    def overrides(self) -> dict[str, Any]:
-        """The :class:`dtrain.config.RunConfig` fields that select this strategy."""
-        if self.kind == "single":
-            return {"strategy": "dp", "workers": 1}
-        out: dict[str, Any] = {"strategy": self.kind, "workers": self.workers}
-        if self.kind in ("dp", "ddp"):
-            out.update(bucket_mb=float(self.bucket_mb))
-        if self.kind == "dp":
-            out.update(algorithm=self.algorithm, overlap=self.overlap, compression=self.compression)
-        if self.kind == "ps":
-            out.update(servers=self.servers, consistency=self.consistency, compression=self.compression)
-        return out
+class ServerLike(Protocol):
+    """What the model reads of a parameter server's options."""
+
+    @property
+    def servers(self) -> int: ...
+    @property
+    def consistency(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -168,7 +134,7 @@ class Prediction:
         why: one line on what bounds the step.
     """
 
-    strategy: Strategy
+    strategy: Choice
     step_s: float
     samples_per_s: float
     compute_s: float
@@ -216,62 +182,100 @@ def _opt_state(prof: ModelProfile) -> float:
     return {"adam": 2.0, "sgd": 1.0, "sgd0": 0.0}.get(prof.optimizer, 1.0) * prof.param_bytes
 
 
-def memory_per_device(prof: ModelProfile, s: Strategy, comp: CompressionModel | None = None) -> Memory:
+def memory_per_device(prof: ModelProfile, s: Choice, comp: CompressionModel | None = None) -> Memory:
     """Bytes per device for ``s``: parameters, gradients, optimizer state, activations, buffers.
 
-    Buffers: data parallel keeps flat bucket copies of the gradients (one model's
-    worth) and, with a biased compressor, an error-feedback residual per
-    parameter; a parameter-server worker keeps a push buffer; a server holds its
-    ``1/S`` shard of parameters and optimizer state plus one gradient accumulator.
+    One process holds the model, its gradients and optimizer state and the
+    activations; a distributed strategy adds its own (its ``memory`` hook).
     """
     p = float(prof.param_bytes)
     act = prof.activation_bytes + prof.input_bytes
-    if s.kind == "single":
+    hook = s.entry.memory
+    if s.kind == "single" or hook is None:
         return Memory(params=p, grads=p, optimizer=_opt_state(prof), activations=act)
-    residual = p if comp is not None and comp.kind not in ("dense", "summable") else 0.0
+    return hook(prof, s, comp)
+
+
+def _residual(prof: ModelProfile, comp: CompressionModel | None) -> float:
+    """An error-feedback residual per parameter for biased compressors."""
+    return float(prof.param_bytes) if comp is not None and comp.kind not in ("dense", "summable") else 0.0
+
+
+def data_parallel_memory(prof: ModelProfile, comp: CompressionModel | None) -> Memory:
+    """Data parallel keeps flat bucket copies of the gradients (one model's worth) and, with a
+    biased compressor, an error-feedback residual per parameter."""
+    p = float(prof.param_bytes)
+    act = prof.activation_bytes + prof.input_bytes
+    return Memory(params=p, grads=p, optimizer=_opt_state(prof), activations=act, buffers=p + _residual(prof, comp))
+
+
+def server_memory(prof: ModelProfile, o: ServerLike, comp: CompressionModel | None) -> Memory:
+    """A parameter-server worker keeps a push buffer; a server holds its ``1/S`` shard of parameters
+    and optimizer state plus one gradient accumulator. The larger of the two."""
+    p = float(prof.param_bytes)
+    act = prof.activation_bytes + prof.input_bytes
     payload = (comp.ratio if comp is not None else 1.0) * p
-    if s.kind in ("dp", "ddp"):
-        return Memory(params=p, grads=p, optimizer=_opt_state(prof), activations=act, buffers=p + residual)
-    worker = Memory(params=p, grads=p, optimizer=0.0, activations=act, buffers=payload + residual)
-    server = Memory(params=p / s.servers, grads=0.0, optimizer=_opt_state(prof) / s.servers, activations=0.0,
-                    buffers=2 * p / s.servers)  # fmt: skip
+    worker = Memory(params=p, grads=p, optimizer=0.0, activations=act, buffers=payload + _residual(prof, comp))
+    server = Memory(params=p / o.servers, grads=0.0, optimizer=_opt_state(prof) / o.servers, activations=0.0,
+                    buffers=2 * p / o.servers)  # fmt: skip
     return worker if worker.total >= server.total else server
 
 
 # ---------------------------------------------------------------------- strategies
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What :func:`predict` works out for every strategy before its own hook runs.
+
+    Attributes:
+        fwd / bwd: seconds per layer on one device; opt: the optimizer step.
+        overhead: the training loop's own seconds per step.
+        memory / fits: bytes per device and whether they fit.
+    """
+
+    fwd: list[float]
+    bwd: list[float]
+    opt: float
+    overhead: float
+    memory: Memory
+    fits: bool
+
+
 def predict(
-    prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionModel | None = None, *, overhead_s: float = 0.0
+    prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel | None = None, *, overhead_s: float = 0.0
 ) -> Prediction:
-    """Predict one strategy.
+    """Predict one strategy (its registered ``predict`` hook; one process needs none).
 
     Args:
         prof: the model profile at the per-worker batch (``global batch / workers``).
         c: the cluster (the strategy's processes fill its nodes in order).
-        s: the strategy.
-        comp: the compressor's cost model (required when ``s.compression`` is not "none").
+        s: the strategy, its options and workers.
+        comp: the compressor's cost model (required when the strategy compresses).
         overhead_s: fixed seconds per step beyond model and communication (the
             training loop's own bookkeeping; calibration measures it).
 
     Raises:
-        ConfigError: the strategy needs more processes than the cluster has devices.
+        ConfigError: the strategy needs more processes than the cluster has devices,
+            or has no performance model.
     """
     if s.processes > c.devices:
         raise ConfigError(f"{s.label()} needs {s.processes} processes, the cluster has {c.devices} devices")
-    if s.compression not in ("", "none") and comp is None:
-        raise ConfigError(f"strategy {s.label()} needs a CompressionModel for {s.compression!r}")
+    spec = s.opts.compressor_spec()
+    if spec != "none" and comp is None:
+        raise ConfigError(f"strategy {s.label()} needs a CompressionModel for {spec!r}")
     comp = comp or CompressionModel()
     fwd, bwd, opt = compute_times(prof, c)
     mem = memory_per_device(prof, s, comp)
     fits = mem.total <= c.device.memory
-    if s.kind == "single" or s.workers == 1 and s.kind != "ps":
+    if s.kind == "single":
         step = sum(fwd) + sum(bwd) + opt + overhead_s
         return Prediction(s, step, prof.batch * s.workers / step, step - overhead_s, 0.0, 0.0, 0.0, 0.0, mem, fits,
                           "compute only: no communication")  # fmt: skip
-    if s.kind in ("dp", "ddp"):
-        return _predict_dp(prof, c, s, comp, fwd, bwd, opt, overhead_s, mem, fits)
-    return _predict_ps(prof, c, s, comp, fwd, bwd, opt, overhead_s, mem, fits)
+    hook = s.entry.predict
+    if hook is None:
+        raise ConfigError(f"strategy {s.strategy!r} has no performance model (its registry entry has no predict)")
+    return hook(prof, c, s, comp, StepInputs(fwd, bwd, opt, overhead_s, mem, fits))
 
 
 def buckets_of(prof: ModelProfile, bucket_mb: float) -> list[tuple[float, int]]:
@@ -285,12 +289,12 @@ def buckets_of(prof: ModelProfile, bucket_mb: float) -> list[tuple[float, int]]:
     return [(float(sum(sizes[k] for k in g)), order[g[-1]]) for g in groups]
 
 
-def _predict_dp(
-    prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionModel, fwd: list[float], bwd: list[float],
-    opt: float, overhead: float, mem: Memory, fits: bool,
-) -> Prediction:  # fmt: skip
+def predict_data_parallel(prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallelLike, comp: CompressionModel,
+                          inputs: StepInputs) -> Prediction:  # fmt: skip
+    """Data parallel (``dp``, ``ddp``): buckets reduced in backward's order (module docstring)."""
+    fwd, bwd, opt, overhead, mem, fits = inputs.fwd, inputs.bwd, inputs.opt, inputs.overhead, inputs.memory, inputs.fits
     p = s.workers
-    algorithm = "native" if s.kind == "ddp" else s.algorithm
+    algorithm = o.algorithm
     node_size = min(c.devices_per_node, p)
     # backward finishes layer i at ready[i] (layers run last to first)
     ready, t = [0.0] * len(bwd), 0.0
@@ -300,7 +304,7 @@ def _predict_dp(
     bwd_total = t
     end, comm_total, coding_total, sent = 0.0, 0.0, 0.0, 0.0
     bucket_end: dict[int, float] = {}
-    for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb)):
+    for j, (nbytes, first_layer) in enumerate(buckets_of(prof, o.bucket_mb)):
         comm, coding = bucket_collective(c, algorithm, nbytes, p, comp)
         comm += bucket_latency(c, s, comp, j)
         copy = 2 * nbytes * c.device.gamma  # flatten into and out of the bucket
@@ -312,7 +316,7 @@ def _predict_dp(
         coding_total += coding + copy
         sent += compressed_allreduce_bytes(algorithm, nbytes, p, comp, node_size)
     f_total = sum(fwd)
-    if s.overlap == "forward" and s.kind == "dp":
+    if o.overlap == "forward":
         step = _forward_overlap_period(fwd, bwd, opt, prof, bucket_end, bwd_total)
     else:
         step = f_total + max(bwd_total, end) + opt
@@ -344,7 +348,7 @@ WAKES_PER_BUCKET = 2  # hand-off to the communication thread and back
 WAKES_FIRST_BUCKET = 3  # and the step's first message after compute
 
 
-def bucket_latency(c: ClusterSpec, s: Strategy, comp: CompressionModel, index: int) -> float:
+def bucket_latency(c: ClusterSpec, s: Choice | None, comp: CompressionModel, index: int) -> float:
     """Scheduling latency a data-parallel bucket pays besides its collective (``wake`` units).
 
     The step's first message waits once for the scheduler after compute. Every
@@ -424,9 +428,10 @@ class PSCosts:
     floor: float
 
 
-def ps_costs(prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionModel, opt: float) -> PSCosts:
+def ps_costs(prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, comp: CompressionModel,
+             opt: float) -> PSCosts:  # fmt: skip
     """Phase times of the parameter server (ranks ``0..S-1`` serve, workers follow, placed node by node)."""
-    S, N = s.servers, s.workers
+    S, N = o.servers, s.workers
     n = float(prof.param_bytes)
     payload = comp.ratio * n if comp.kind != "dense" else n
     coding = n * (comp.encode_s_per_byte + comp.decode_s_per_byte) if comp.kind != "dense" else 0.0
@@ -449,14 +454,14 @@ def ps_costs(prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionM
     )
 
 
-def _predict_ps(
-    prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionModel, fwd: list[float], bwd: list[float],
-    opt: float, overhead: float, mem: Memory, fits: bool,
-) -> Prediction:  # fmt: skip
+def predict_parameter_server(prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, comp: CompressionModel,
+                             inputs: StepInputs) -> Prediction:  # fmt: skip
+    """The parameter server under its consistency policy (module docstring)."""
+    fwd, bwd, opt, overhead, mem, fits = inputs.fwd, inputs.bwd, inputs.opt, inputs.overhead, inputs.memory, inputs.fits
     N = s.workers
-    pc = ps_costs(prof, c, s, comp, opt)
+    pc = ps_costs(prof, c, s, o, comp, opt)
     compute = sum(fwd) + sum(bwd)
-    policy = s.consistency.split(":")[0]
+    policy = o.consistency.split(":")[0]
     detail = {"push_s": pc.push_all, "pull_s": pc.pull_all, "apply_s": N * pc.apply_one}
     if policy in ("bsp", "backup"):
         comm = pc.push_all + pc.pull_all
@@ -464,7 +469,7 @@ def _predict_ps(
         step = (compute + c.device.imbalance + pc.coding + max(pc.floor, pc.push_all + N * pc.apply_one + pc.pull_all)
                 + overhead)  # fmt: skip
         wait = N * pc.apply_one + c.device.imbalance
-        why = (f"synchronous: {comm * 1e3:.3g} ms push+pull through {s.servers} server link(s) after "
+        why = (f"synchronous: {comm * 1e3:.3g} ms push+pull through {o.servers} server link(s) after "
                f"{compute * 1e3:.3g} ms compute")  # fmt: skip
     else:
         comm = pc.push_one + pc.pull_one
@@ -473,7 +478,7 @@ def _predict_ps(
         per_update = max(pc.in_per_push, pc.out_per_pull, pc.apply_one)
         step = max(cycle, N * per_update)
         wait = step - cycle
-        why = (f"asynchronous ({s.consistency}): no barrier; "
+        why = (f"asynchronous ({o.consistency}): no barrier; "
                + ("server links saturated" if N * per_update > cycle else "bounded by each worker's own cycle"))  # fmt: skip
     barrier = c.device.imbalance if policy in ("bsp", "backup") else 0.0
     exposed = max(0.0, step - compute - overhead - pc.coding - barrier)

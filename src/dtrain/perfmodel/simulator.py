@@ -37,15 +37,17 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.collectives import CompressionModel
 from dtrain.perfmodel.predict import (
-    Strategy,
+    DataParallelLike,
+    PSCosts,
+    ServerLike,
     bucket_collective,
     bucket_latency,
     buckets_of,
@@ -56,7 +58,10 @@ from dtrain.perfmodel.predict import (
 from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
 
-__all__ = ["Stragglers", "SimResult", "simulate", "scaling_curve", "parse_policy"]
+if TYPE_CHECKING:
+    from dtrain.strategies.base import Choice
+
+__all__ = ["Stragglers", "SimResult", "simulate", "simulate_sync", "simulate_ps", "scaling_curve", "parse_policy"]
 
 
 @dataclass(frozen=True)
@@ -148,25 +153,21 @@ class SimResult:
 
 
 def parse_policy(consistency: str) -> tuple[str, int]:
-    """"bsp" -> ("bsp", 0); "ssp:3" -> ("ssp", 3); "softsync:2"; "backup:1"; "asp"."""
-    name, _, arg = consistency.partition(":")
-    if name in ("bsp", "asp"):
-        return name, 0
-    if name in ("ssp", "softsync", "backup"):
-        try:
-            k = int(arg)
-        except ValueError:
-            raise ConfigError(f"consistency {consistency!r} needs an integer, e.g. {name}:2") from None
-        if k < (0 if name == "ssp" else 1):
-            raise ConfigError(f"consistency {consistency!r}: the number must be >= {0 if name == 'ssp' else 1}")
-        return name, k
-    raise ConfigError(f"consistency {consistency!r} not known; use bsp, asp, ssp:S, softsync:K or backup:B")
+    """"bsp" -> ("bsp", 0); "ssp:3" -> ("ssp", 3); "softsync:2"; "backup:1"; "asp".
+
+    The parameter server's own parser (:func:`dtrain.param_server.consistency.parse_consistency`)
+    decides, so the simulator accepts exactly the policies a run does.
+    """
+    from dtrain.param_server.consistency import parse_consistency
+
+    spec = parse_consistency(consistency)
+    return spec.kind, spec.arg
 
 
 def simulate(
     prof: ModelProfile,
     c: ClusterSpec,
-    s: Strategy,
+    s: Choice,
     *,
     comp: CompressionModel | None = None,
     stragglers: Stragglers = Stragglers(),
@@ -180,7 +181,7 @@ def simulate(
         prof: model profile at the per-worker batch.
         c: cluster; must hold ``s.processes`` devices (use ``c.with_devices``).
         s: the strategy.
-        comp: compressor cost model when ``s.compression`` is set.
+        comp: compressor cost model when the strategy compresses.
         stragglers: compute-time distribution.
         steps: steps per worker (the first is discarded as warm-up for sync DP).
         seed: random seed.
@@ -194,26 +195,30 @@ def simulate(
     rng = np.random.default_rng(seed)
     fwd, bwd, opt = compute_times(prof, c)
     alone = sum(fwd) + sum(bwd) + opt + overhead_s  # one worker, nothing to communicate
-    if s.kind == "ps":
-        return _simulate_ps(prof, c, s, comp, stragglers, steps, rng, fwd, bwd, opt, overhead_s, alone)
-    return _simulate_sync(prof, c, s, comp, stragglers, steps, rng, fwd, bwd, opt, overhead_s, alone)
+    hook = s.entry.simulate
+    if hook is None:
+        raise ConfigError(f"strategy {s.strategy!r} has no simulator (its registry entry has no simulate)")
+    result: SimResult = hook(prof, c, s, comp, stragglers, steps, rng, fwd, bwd, opt, overhead_s, alone)
+    return result
 
 
-def _simulate_sync(
-    prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionModel, strag: Stragglers, steps: int,
-    rng: np.random.Generator, fwd: list[float], bwd: list[float], opt: float, overhead: float, alone: float,
+def simulate_sync(
+    prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallelLike, comp: CompressionModel, strag: Stragglers,
+    steps: int, rng: np.random.Generator, fwd: list[float], bwd: list[float], opt: float, overhead: float,
+    alone: float,
 ) -> SimResult:  # fmt: skip
+    """Synchronous data parallel (``dp``, ``ddp``): buckets, step by step (module docstring)."""
     n = s.workers
     f = sum(fwd)
     ready = np.cumsum(bwd[::-1])[::-1] if bwd else np.zeros(0)  # ready[i]: backward done through layer i
     b_total = float(sum(bwd))
-    algorithm = "native" if s.kind == "ddp" else s.algorithm
+    algorithm = o.algorithm
     buckets = []
-    for j, (nbytes, first_layer) in enumerate(buckets_of(prof, s.bucket_mb) if n > 1 else []):
+    for j, (nbytes, first_layer) in enumerate(buckets_of(prof, o.bucket_mb) if n > 1 else []):
         comm, coding = bucket_collective(c, algorithm, nbytes, n, comp)
         wake = bucket_latency(c, s, comp, j)
         buckets.append((float(ready[first_layer]), comm + wake + coding + 2 * nbytes * c.device.gamma))
-    if s.kind == "dp" and s.overlap == "forward" and n > 1:
+    if o.overlap == "forward" and n > 1:
         # priority scheduling: the closed form's period, compute stretched by the step's slowest worker
         base = predict(prof, c, s, comp if comp.kind != "dense" else None, overhead_s=overhead)
         comm_part = base.step_s - (f + b_total + opt + overhead)
@@ -241,131 +246,161 @@ def _simulate_sync(
     return _sync_result(s, prof, n, steps - 1, t_total, busy, alone)
 
 
-def _sync_result(s: Strategy, prof: ModelProfile, n: int, steps: int, t_total: float, busy: float,
+def _sync_result(s: Choice, prof: ModelProfile, n: int, steps: int, t_total: float, busy: float,
                  alone: float) -> SimResult:  # fmt: skip
     step_s = t_total / steps
     sps = prof.batch * n / step_s
     return SimResult(n, s.label(), step_s, sps, sps / (n * prof.batch / alone), max(0.0, 1 - busy / t_total))
 
 
-def _simulate_ps(
-    prof: ModelProfile, c: ClusterSpec, s: Strategy, comp: CompressionModel, strag: Stragglers, steps: int,
-    rng: np.random.Generator, fwd: list[float], bwd: list[float], opt: float, overhead: float, alone: float,
+def simulate_ps(
+    prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, comp: CompressionModel, strag: Stragglers,
+    steps: int, rng: np.random.Generator, fwd: list[float], bwd: list[float], opt: float, overhead: float,
+    alone: float,
 ) -> SimResult:  # fmt: skip
-    N = s.workers
-    policy, k = parse_policy(s.consistency)
-    pc = ps_costs(prof, c, s, comp, opt)
-    compute = sum(fwd) + sum(bwd)
-    slow_count = int(math.ceil(strag.a * N)) if strag.kind == "slow" else 0
-
+    """The parameter server: rounds under bsp/backup, discrete events otherwise (module docstring)."""
+    policy, k = parse_policy(o.consistency)
+    pc = ps_costs(prof, c, s, o, comp, opt)
     if policy in ("bsp", "backup"):
-        # a round ends when the (N-b)-th push is in; then apply, everyone pulls
-        wait_for = N - (k if policy == "backup" else 0)
-        if wait_for < 1:
-            raise ConfigError(f"{s.consistency} with {N} workers waits for no one; use fewer backups")
-        t = busy = 0.0
-        for _ in range(steps):
-            m = strag.sample(rng, N)
-            t_in = float(np.sort(m * compute)[wait_for - 1])
-            busy += float(np.mean(np.minimum(m * compute, t_in)))
-            t += (t_in + c.device.imbalance + pc.coding + max(pc.floor, pc.push_all + N * pc.apply_one + pc.pull_all)
-                  + overhead)  # fmt: skip
-        step_s = t / steps
-        sps = prof.batch * N / step_s
-        return SimResult(N, s.label(), step_s, sps, sps / (N * prof.batch / alone), max(0.0, 1 - busy / t),
-                         {0: steps * wait_for})  # fmt: skip
+        return _ps_rounds(prof, c, s, o, pc, strag, steps, rng, sum(fwd) + sum(bwd), overhead, alone, policy, k)
+    sim = _AsyncServer(s.workers, pc, strag, rng, sum(fwd) + sum(bwd), overhead, policy, k)
+    return sim.run(prof, s, steps, alone)
 
-    # asynchronous policies: discrete events in time order; a cycle's push and pull take at least
-    # the floor between them (as in predict)
-    pad = max(0.0, pc.floor - (pc.push_one + pc.apply_one + pc.pull_one))
-    version = 0
-    clock = [0] * N  # pushes applied per worker
-    read_version = [0] * N
-    link_in = link_out = server_cpu = 0.0
-    pending: list[int] = []  # softsync: pushes waiting to be applied together
-    blocked: list[int] = []  # ssp: workers waiting for the slowest
-    stale: dict[int, int] = {}
-    busy = 0.0
-    events: list[tuple[float, int, str, int]] = []
-    seq = 0
 
-    def schedule(t: float, kind: str, w: int) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, seq, kind, w))
-        seq += 1
+def _ps_rounds(prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, pc: PSCosts, strag: Stragglers,
+               steps: int, rng: np.random.Generator, compute: float, overhead: float, alone: float, policy: str,
+               k: int) -> SimResult:  # fmt: skip
+    """bsp and backup:b: a round ends when the (N-b)-th push is in; then apply, everyone pulls."""
+    N = s.workers
+    wait_for = N - (k if policy == "backup" else 0)
+    if wait_for < 1:
+        raise ConfigError(f"{o.consistency} with {N} workers waits for no one; use fewer backups")
+    t = busy = 0.0
+    for _ in range(steps):
+        m = strag.sample(rng, N)
+        t_in = float(np.sort(m * compute)[wait_for - 1])
+        busy += float(np.mean(np.minimum(m * compute, t_in)))
+        t += (t_in + c.device.imbalance + pc.coding + max(pc.floor, pc.push_all + N * pc.apply_one + pc.pull_all)
+              + overhead)  # fmt: skip
+    step_s = t / steps
+    sps = prof.batch * N / step_s
+    return SimResult(N, s.label(), step_s, sps, sps / (N * prof.batch / alone), max(0.0, 1 - busy / t),
+                     {0: steps * wait_for})  # fmt: skip
 
-    def start_compute(t: float, w: int) -> None:
-        nonlocal busy
-        if strag.kind == "slow":
-            m = strag.b if w < slow_count else 1.0
+
+class _AsyncServer:
+    """asp, ssp:s and softsync:k as discrete events in time order.
+
+    A cycle's push and pull take at least the floor between them (as in predict).
+    Events: ``pushed`` (compute done: the push crosses the worker's link, queues
+    for the servers' inbound links, then their CPU), ``applied`` (a new version;
+    the pull queues for the outbound links), ``pulled`` (the worker holds the new
+    parameters and computes again, unless ssp holds it back).
+    """
+
+    def __init__(self, n: int, pc: PSCosts, strag: Stragglers, rng: np.random.Generator, compute: float,
+                 overhead: float, policy: str, k: int) -> None:  # fmt: skip
+        self.n, self.pc, self.strag, self.rng = n, pc, strag, rng
+        self.compute, self.overhead, self.policy, self.k = compute, overhead, policy, k
+        self.pad = max(0.0, pc.floor - (pc.push_one + pc.apply_one + pc.pull_one))
+        self.slow_count = int(math.ceil(strag.a * n)) if strag.kind == "slow" else 0
+        self.version = 0
+        self.clock = [0] * n  # pushes applied per worker
+        self.read_version = [0] * n
+        self.pull_version = [0] * n
+        self.link_in = self.link_out = self.server_cpu = 0.0
+        self.pending: list[int] = []  # softsync: pushes waiting to be applied together
+        self.blocked: list[int] = []  # ssp: workers waiting for the slowest
+        self.stale: dict[int, int] = {}
+        self.busy = 0.0
+        self.events: list[tuple[float, int, str, int]] = []
+        self.seq = 0
+        self.applied_at: list[float] = []
+
+    def schedule(self, t: float, kind: str, w: int) -> None:
+        heapq.heappush(self.events, (t, self.seq, kind, w))
+        self.seq += 1
+
+    def start_compute(self, t: float, w: int) -> None:
+        if self.strag.kind == "slow":
+            m = self.strag.b if w < self.slow_count else 1.0
         else:
-            m = float(strag.sample(rng, 1)[0])
-        busy += m * compute
-        schedule(t + m * compute + pc.coding, "pushed", w)
+            m = float(self.strag.sample(self.rng, 1)[0])
+        self.busy += m * self.compute
+        self.schedule(t + m * self.compute + self.pc.coding, "pushed", w)
 
-    def count(st: int) -> None:
-        stale[st] = stale.get(st, 0) + 1
+    def count(self, st: int) -> None:
+        self.stale[st] = self.stale.get(st, 0) + 1
 
-    for w in range(N):
-        start_compute(0.0, w)
-    t_end = 0.0
-    pull_version = [0] * N
-    applied_at: list[float] = []
-    first_done = math.inf  # throughput is counted until the first worker finishes its steps
-    while events:
-        t, _, kind, w = heapq.heappop(events)
-        if kind == "pushed":
-            # the push crosses the worker's link, queues for the servers' inbound links, then their CPU
-            arrive = max(t + pc.push_one, link_in + pc.in_per_push)
-            link_in = arrive
-            server_cpu = max(server_cpu, arrive) + pc.apply_one
-            schedule(server_cpu, "applied", w)
-            continue
-        if kind == "applied":
-            if policy == "softsync":
-                pending.append(w)
-                if len(pending) >= k:
-                    for pw in pending:
-                        count(version - read_version[pw])
-                    version += 1
-                    pending.clear()
-            else:
-                count(version - read_version[w])
-                version += 1
-            clock[w] += 1
-            applied_at.append(t)
-            pull_version[w] = version
-            out = max(t + pc.pull_one, link_out + pc.out_per_pull)
-            link_out = out
-            schedule(out + pad + overhead, "pulled", w)
-            continue
-        read_version[w] = pull_version[w]  # pulled: the worker now holds these parameters
-        t_end = max(t_end, t)
-        if clock[w] >= steps:
-            first_done = min(first_done, t)
+    def pushed(self, t: float, w: int) -> None:
+        arrive = max(t + self.pc.push_one, self.link_in + self.pc.in_per_push)
+        self.link_in = arrive
+        self.server_cpu = max(self.server_cpu, arrive) + self.pc.apply_one
+        self.schedule(self.server_cpu, "applied", w)
+
+    def applied(self, t: float, w: int) -> None:
+        if self.policy == "softsync":
+            self.pending.append(w)
+            if len(self.pending) >= self.k:
+                for pw in self.pending:
+                    self.count(self.version - self.read_version[pw])
+                self.version += 1
+                self.pending.clear()
         else:
-            if policy == "ssp" and clock[w] - min(clock) > k:
-                blocked.append(w)
+            self.count(self.version - self.read_version[w])
+            self.version += 1
+        self.clock[w] += 1
+        self.applied_at.append(t)
+        self.pull_version[w] = self.version
+        out = max(t + self.pc.pull_one, self.link_out + self.pc.out_per_pull)
+        self.link_out = out
+        self.schedule(out + self.pad + self.overhead, "pulled", w)
+
+    def pulled(self, t: float, w: int, steps: int) -> bool:
+        """The worker holds the new parameters; returns whether it has done all its steps."""
+        self.read_version[w] = self.pull_version[w]
+        finished = self.clock[w] >= steps
+        if not finished:
+            if self.policy == "ssp" and self.clock[w] - min(self.clock) > self.k:
+                self.blocked.append(w)
             else:
-                start_compute(t, w)
-        if policy == "ssp" and blocked:
-            low = min(clock)
-            ready = [bw for bw in blocked if clock[bw] - low <= k]
-            blocked = [bw for bw in blocked if clock[bw] - low > k]
+                self.start_compute(t, w)
+        if self.policy == "ssp" and self.blocked:
+            low = min(self.clock)
+            ready = [bw for bw in self.blocked if self.clock[bw] - low <= self.k]
+            self.blocked = [bw for bw in self.blocked if self.clock[bw] - low > self.k]
             for bw in ready:
-                start_compute(t, bw)
-    window = min(first_done, t_end)
-    updates = sum(1 for a in applied_at if a <= window)
-    sps = prof.batch * updates / window
-    step_s = prof.batch * N / sps  # mean time per step of one worker
-    return SimResult(N, s.label(), step_s, sps, sps / (N * prof.batch / alone), max(0.0, 1 - busy / (N * t_end)),
-                     dict(sorted(stale.items())))  # fmt: skip
+                self.start_compute(t, bw)
+        return finished
+
+    def run(self, prof: ModelProfile, s: Choice, steps: int, alone: float) -> SimResult:
+        for w in range(self.n):
+            self.start_compute(0.0, w)
+        t_end = 0.0
+        first_done = math.inf  # throughput is counted until the first worker finishes its steps
+        while self.events:
+            t, _, kind, w = heapq.heappop(self.events)
+            if kind == "pushed":
+                self.pushed(t, w)
+            elif kind == "applied":
+                self.applied(t, w)
+            else:
+                t_end = max(t_end, t)
+                if self.pulled(t, w, steps):
+                    first_done = min(first_done, t)
+        window = min(first_done, t_end)
+        updates = sum(1 for a in self.applied_at if a <= window)
+        N = self.n
+        sps = prof.batch * updates / window
+        step_s = prof.batch * N / sps  # mean time per step of one worker
+        return SimResult(N, s.label(), step_s, sps, sps / (N * prof.batch / alone),
+                         max(0.0, 1 - self.busy / (N * t_end)), dict(sorted(self.stale.items())))  # fmt: skip
 
 
 def scaling_curve(
     prof_at: Callable[[int], ModelProfile],
     c: ClusterSpec,
-    s: Strategy,
+    s: Choice,
     workers: Sequence[int],
     *,
     comp: CompressionModel | None = None,
@@ -382,7 +417,7 @@ def scaling_curve(
     """
     out = []
     for n in workers:
-        sn = replace(s, workers=n)
+        sn = s.with_workers(n)
         cn = c.with_devices(sn.processes)
         out.append(simulate(prof_at(n), cn, sn, comp=comp, stragglers=stragglers, steps=steps, seed=seed,
                             overhead_s=overhead_s))  # fmt: skip

@@ -22,17 +22,18 @@ from dataclasses import replace
 from typing import Sequence
 
 from dtrain.errors import ConfigError, DTrainError
-from dtrain.perfmodel.auto import cluster_for, load_model
-from dtrain.perfmodel.planner import DEFAULT_COMPRESSIONS, plan
-from dtrain.perfmodel.predict import Strategy
+from dtrain.perfmodel.planner import DEFAULT_COMPRESSIONS
+from dtrain.planning.auto import cluster_for, plan
 from dtrain.perfmodel.profile import profile_model
 from dtrain.perfmodel.simulator import SimResult, Stragglers, simulate
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
+from dtrain.strategies.base import Choice, choice
+from dtrain.workload import load_model
 
 __all__ = ["main", "parse_strategy"]
 
 
-def parse_strategy(text: str, workers: int) -> Strategy:
+def parse_strategy(text: str, workers: int) -> Choice:
     """One ``--strategies`` item for ``workers`` workers (see the module docstring)."""
     body, _, comp = text.partition("+")
     parts = body.split(":")
@@ -41,16 +42,16 @@ def parse_strategy(text: str, workers: int) -> Strategy:
         if parts[0] == "dp":
             alg = parts[1] if len(parts) > 1 else "ring"
             bucket = float(parts[2]) if len(parts) > 2 else 25.0
-            return Strategy("dp", workers, alg, bucket_mb=bucket, compression=comp)
+            return choice("dp", workers, alg, bucket_mb=bucket, compression=comp)
         if parts[0] == "ddp":
-            return Strategy("ddp", workers, "native")
+            return choice("ddp", workers)
         if parts[0] == "ps":
             cons = parts[1] if len(parts) > 1 else "bsp"
             if len(parts) > 2 and cons in ("ssp", "softsync", "backup"):  # ps:ssp:3:2 -> ssp:3, 2 servers
                 cons, parts = f"{cons}:{parts[2]}", parts[:2] + parts[3:]
             srv = parts[2] if len(parts) > 2 else "1"
             servers = max(1, workers // int(srv[2:])) if srv.startswith("1/") else int(srv)
-            return Strategy("ps", workers, servers=servers, consistency=cons, compression=comp)
+            return choice("ps", workers, servers=servers, consistency=cons, compression=comp)
     except (IndexError, ValueError):
         pass
     raise ConfigError(f"cannot read strategy {text!r}; use dp:ALG[:MB], ddp or ps:CONSISTENCY:SERVERS, +COMPRESSOR")
@@ -85,7 +86,8 @@ def _simulate(ns: argparse.Namespace) -> int:
         for w in workers:
             s = parse_strategy(text, w)
             b = ns.device_batch or max(1, (ns.batch or base_batch) // s.workers)
-            comp = compression_model(s.compression, spec) if s.compression not in ("", "none") else None
+            spec_c = s.opts.compressor_spec()
+            comp = compression_model(spec_c, spec) if spec_c != "none" else None
             c = replace(spec.with_devices(s.processes), models=spec.models, compressors=spec.compressors)
             rows.append(simulate(base.at_batch(b), c, s, comp=comp, stragglers=strag, steps=ns.steps,
                                  overhead_s=spec.device.overhead))  # fmt: skip
@@ -180,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # run the importable module's main, so worker functions pickle as dtrain.perfmodel.cli.*, not __main__.*
-    from dtrain.perfmodel.cli import main as _main
+    # run the importable module's main, so worker functions pickle as dtrain.planning.cli.*, not __main__.*
+    from dtrain.planning.cli import main as _main
 
     sys.exit(_main())

@@ -1,0 +1,96 @@
+"""``dtrain run --strategy auto`` and :func:`dtrain.plan`: the planner on a run's model and cluster.
+
+:func:`choose` is what the ``auto`` strategy's ``resolve`` hook calls before
+launching: it builds the configured model and one global batch, finds the
+cluster description (the calibration of the emulated cluster ``cfg.cluster``, or
+this machine's cached quick calibration), runs the planner over the registered
+strategies' candidates that ``dtrain run`` can execute with ``cfg.workers``
+processes, prints the top of the table and returns the winner, a
+:class:`~dtrain.strategies.Choice`.
+
+This layer measures (it calibrates and profiles); :mod:`dtrain.perfmodel` stays pure.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from torch import nn
+
+from dtrain.perfmodel.calibrate import calibrate_cluster, cluster_file, local_cluster
+from dtrain.config import RunConfig
+from dtrain.errors import ConfigError
+from dtrain.perfmodel.planner import DEFAULT_COMPRESSIONS, DEFAULT_CONSISTENCIES, Plan, candidates
+from dtrain.perfmodel.planner import plan as rank
+from dtrain.perfmodel.spec import ClusterSpec, dump_cluster, load_cluster
+from dtrain.strategies.base import Choice
+from dtrain.workload import load_model
+
+__all__ = ["choose", "plan", "plan_for_config", "cluster_for"]
+
+
+def plan(model: nn.Module, sample_batch: Any, cluster: str | Path | ClusterSpec | None = None, *,
+         workers: int | None = None, compressions: Sequence[str] = DEFAULT_COMPRESSIONS,
+         consistencies: Sequence[str] = DEFAULT_CONSISTENCIES, **kw: Any) -> Plan:  # fmt: skip
+    """Rank the strategies for ``model`` (:func:`dtrain.perfmodel.plan`); with no ``cluster``, this
+    machine's quick calibration (cached in the calibration cache folder)."""
+    spec = local_cluster(workers=workers) if cluster is None else cluster
+    return rank(model, sample_batch, spec, workers=workers, compressions=compressions, consistencies=consistencies,
+                **kw)  # fmt: skip
+
+
+def cluster_for(name: str, *, processes: int | None = None) -> ClusterSpec:
+    """The calibrated description of emulated cluster ``name`` (calibrating it first if needed).
+
+    With ``processes`` (a multiple of the hosts), each host holds ``processes / hosts`` devices.
+    """
+    path = cluster_file(name)
+    if path.exists():
+        spec = load_cluster(path)
+    else:
+        print(f"dtrain: calibrating emulated cluster {name!r} (once; kept in {path}) ...", file=sys.stderr)
+        spec = calibrate_cluster(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dump_cluster(spec, comment=f"dtrain bench calibrate --cluster {name}"))
+    if processes and processes != spec.devices:
+        if processes % spec.nodes:
+            raise ConfigError(f"{processes} processes do not spread evenly over the {spec.nodes} hosts of {name!r}")
+        from dataclasses import replace
+
+        spec = replace(spec, devices_per_node=processes // spec.nodes)
+    return spec
+
+
+def _optimizer(cfg: RunConfig) -> str:
+    if cfg.optimizer == "adam":
+        return "adam"
+    return "sgd" if cfg.momentum > 0 else "sgd0"
+
+
+def plan_for_config(cfg: RunConfig) -> Plan:
+    """The planner's table for a :class:`~dtrain.config.RunConfig` (its model, batch, workers, cluster)."""
+    model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, samples=cfg.samples)
+    spec = cluster_for(cfg.cluster, processes=cfg.workers) if cfg.cluster else local_cluster(cfg.workers)
+    spec = spec.with_devices(cfg.workers) if cfg.workers < spec.devices else spec
+    cands = candidates(spec, cfg.workers, single=not cfg.cluster)
+    # the emulated cluster spreads processes over hosts evenly: keep those that do
+    cands = [s for s in cands if not cfg.cluster or s.processes == cfg.workers]
+    return rank(model, sample, spec, workers=cfg.workers, name=name, optimizer=_optimizer(cfg), strategies=cands)
+
+
+def choose(cfg: RunConfig, *, verbose: bool = True) -> Choice:
+    """The planner's first choice for ``cfg`` (a strategy, its options and workers).
+
+    Args:
+        cfg: a :class:`~dtrain.config.RunConfig` (its ``strategy`` is ignored).
+        verbose: print the top of the plan to stderr.
+    """
+    p = plan_for_config(cfg)
+    if verbose:
+        print(p.table(top=8), file=sys.stderr)
+    best = p.best.strategy
+    if verbose:
+        print(f"dtrain: --strategy auto chose: {best.label()}", file=sys.stderr)
+    return best

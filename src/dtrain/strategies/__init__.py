@@ -1,0 +1,29 @@
+"""Strategies: one registry entry each (see :mod:`dtrain.strategies.base`).
+
+The built-in strategies are ``dp`` and ``ddp`` (:mod:`.dp`), ``ps`` (:mod:`.ps`)
+and ``auto`` (:mod:`.auto`); :mod:`.builtin` imports them, which registers
+them, the first time the registry is read. Adding one is a module that defines
+its options dataclass, its engine and a :func:`register` call, plus one import
+line in :mod:`.builtin` (docs/architecture.md). Importing this package stays
+light: the built-in modules (and their options classes, ``DPOptions``,
+``DDPOptions``, ``PSOptions``) load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from dtrain.strategies.base import Choice, PlanSpace, Strategy, StrategyOptions, choice, get, register, registered
+
+__all__ = ["Strategy", "StrategyOptions", "Choice", "PlanSpace", "register", "registered", "get", "choice",
+           "DPOptions", "DDPOptions", "PSOptions", "AutoOptions"]  # fmt: skip
+
+_LAZY = {"DPOptions": "dtrain.strategies.dp", "DDPOptions": "dtrain.strategies.dp",
+         "PSOptions": "dtrain.strategies.ps", "AutoOptions": "dtrain.strategies.auto"}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dtrain.strategies' has no attribute {name!r}")

@@ -1,0 +1,67 @@
+"""Options shared by strategies that compress gradients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dtrain.errors import ConfigError
+from dtrain.strategies.base import StrategyOptions
+
+if TYPE_CHECKING:
+    from dtrain.compress.base import Compressor
+
+__all__ = ["CompressedOptions", "choose"]
+
+
+def choose(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """ConfigError unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(f"{name} {value!r} is not known; choose one of: {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class CompressedOptions(StrategyOptions):
+    """A gradient compressor (``--compression``) and its error feedback.
+
+    Attributes:
+        compression: compressor spec, e.g. ``topk:0.01``, ``qsgd:16``, ``powersgd:2`` (default: none).
+        error_feedback: error feedback for biased compressors (default: on).
+    """
+
+    compression: str = field(default="none", metadata={
+        "help": "gradient compressor, e.g. topk:0.01, qsgd:16, powersgd:2 (default: none)"})
+    error_feedback: bool = field(default=True, metadata={
+        "help": "error feedback for biased compressors (default: on; --no-error-feedback: off)"})
+
+    def __post_init__(self) -> None:
+        if self.compressor_spec() != "none":
+            from dtrain.compress import from_spec
+
+            try:
+                from_spec(self.compression, error_feedback=self.error_feedback)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
+    def compressor_spec(self) -> str:
+        return "none" if self.compression in ("", "none") else self.compression
+
+    def build_compressor(self, momentum: float) -> Compressor | None:
+        """The compressor (None without one). Sign-type compressors take SGD's ``momentum`` into
+        their error feedback (``from_spec``'s ``momentum``); the optimizer then has none."""
+        if self.compressor_spec() == "none":
+            return None
+        from dtrain.compress import from_spec
+
+        return from_spec(self.compression, error_feedback=self.error_feedback, momentum=momentum)
+
+    def checkpoint_keys(self) -> dict[str, Any]:
+        return {"error_feedback": self.error_feedback} if self.compressor_spec() != "none" else {}
+
+    def approximation(self) -> str:
+        comp = self.compressor_spec()
+        return "" if comp == "none" else f"approximate: {comp} gradients"
+
+    def _comp_label(self) -> str:
+        comp = self.compressor_spec()
+        return "" if comp == "none" else f" {comp}"

@@ -1,0 +1,277 @@
+"""The strategy seam: a registry of named strategies, their options, and a chosen one.
+
+A strategy is one :class:`Strategy` entry (torchtitan's ``TrainSpec`` is the
+model): its name, its options dataclass, and named hooks -- the process body
+that ``dtrain run`` starts (``run``), and the performance model's ``predict``,
+``memory``, ``simulate`` and ``candidates``. The trainer, the configuration, the
+checkpoint checks and the planner ask the entry; none of them holds an
+``if name == ...``.
+
+A strategy's options are a frozen dataclass derived from
+:class:`StrategyOptions`, validated in ``__post_init__``. Their fields become the
+``[NAME]`` table of a run's TOML and flat ``dtrain run`` flags (``--servers 2``).
+Methods on the options answer the questions every layer asks without running
+anything: how many processes, what a checkpoint depends on, which compressor,
+what the planner prints.
+
+:class:`Choice` is a strategy with its options and a number of workers: what the
+planner ranks, what ``--strategy auto`` picks, what a run configuration holds.
+
+Registration: :func:`register` adds an entry. The built-in strategies are
+registered by importing :mod:`dtrain.strategies.builtin`; :func:`get` and
+:func:`registered` import it on first use, so callers that only need the
+registry (configuration, the performance model) do not import every engine.
+A strategy of one's own lives in any importable module that calls
+:func:`register`; name it in the environment variable ``DTRAIN_STRATEGY_MODULES``
+(comma-separated module names) and every process of a run imports it along with
+the built-ins, the parent and the workers alike (the launcher's children inherit
+the environment).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Hashable
+
+from dtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dtrain.compress.base import Compressor
+    from dtrain.config import RunConfig
+    from dtrain.perfmodel.collectives import CompressionModel
+    from dtrain.perfmodel.predict import Memory, Prediction, StepInputs
+    from dtrain.perfmodel.profile import ModelProfile
+    from dtrain.perfmodel.simulator import SimResult, Stragglers
+    from dtrain.perfmodel.spec import ClusterSpec
+    from dtrain.training.context import TrainContext
+
+__all__ = ["PLUGINS_ENV", "StrategyOptions", "Strategy", "Choice", "PlanSpace", "register", "unregister", "get", "registered",
+           "choice"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """Base of every strategy's options (a frozen dataclass; subclasses add fields).
+
+    Field metadata read by the CLI: ``help`` (the flag's help text) and
+    ``choices`` (a tuple of accepted strings).
+    """
+
+    def processes(self, workers: int) -> int:
+        """Processes a run starts for ``workers`` training workers (default: the workers)."""
+        return workers
+
+    def compressor_spec(self) -> str:
+        """The gradient compressor's spec string ("none" when the strategy compresses nothing)."""
+        return "none"
+
+    def build_compressor(self, momentum: float) -> Compressor | None:
+        """The gradient compressor to build (None: the strategy compresses nothing)."""
+        return None
+
+    def checkpoint_keys(self) -> dict[str, Any]:
+        """Options a checkpoint depends on: a resumed run must match them (default: none)."""
+        return {}
+
+    def approximation(self) -> str:
+        """What the strategy trades against single-process training ("" when it is exact)."""
+        return ""
+
+    def label(self, workers: int) -> str:
+        """One line naming the strategy and its options, as the planner prints it."""
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"{type(self).__name__}({fields}) x{workers}"
+
+    def plan_identity(self, prof: ModelProfile) -> Hashable:
+        """Choices with equal identities are the same strategy for ``prof`` (the planner keeps one)."""
+        return self
+
+    def to_table(self) -> dict[str, Any]:
+        """The options as a TOML table (field name -> value)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class PlanSpace:
+    """What the planner may try on ``workers`` devices of ``cluster`` (see :func:`dtrain.perfmodel.candidates`)."""
+
+    cluster: ClusterSpec
+    workers: int
+    compressions: tuple[str, ...]
+    consistencies: tuple[str, ...]
+    buckets: tuple[float, ...]
+    algorithms: tuple[str, ...]
+    exact_only: bool = False
+    single: bool = True
+    ddp: bool = True
+
+
+PredictHook = Callable[["ModelProfile", "ClusterSpec", "Choice", "CompressionModel", "StepInputs"], "Prediction"]
+MemoryHook = Callable[["ModelProfile", "Choice", "CompressionModel | None"], "Memory"]
+SimulateHook = Callable[..., "SimResult"]
+RunHook = Callable[["TrainContext"], "dict[str, Any]"]
+
+
+def _no_check(options: Any, cfg: RunConfig) -> None:
+    return None
+
+
+def _itself(cfg: RunConfig) -> RunConfig:
+    return cfg
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One registered strategy: its name, options type and hooks.
+
+    Attributes:
+        name: the ``--strategy`` value and the TOML table name.
+        options: its options dataclass (default-constructible).
+        help: one line for ``dtrain run --help``.
+        run: the body of every process of a run (:class:`~dtrain.training.context.TrainContext`
+            -> this process's result, see :mod:`dtrain.train`); None for a strategy that
+            resolves to another one before any process starts.
+        check: cross-checks against the whole run configuration (raise ConfigError);
+            the options' own checks run when they are built.
+        resolve: runs in the parent before anything starts; returns the configuration to
+            run (``auto`` replaces itself by the planner's first choice).
+        check_checkpointing: refuse ``--checkpoint-every`` / ``--resume`` where the
+            strategy cannot save (ConfigError saying why).
+        predict / memory / simulate: the performance model's hooks (None: not modelled).
+        candidates: the choices of this strategy the planner tries in a :class:`PlanSpace`.
+    """
+
+    name: str
+    options: type[StrategyOptions]
+    help: str
+    run: RunHook | None = None
+    check: Callable[[Any, RunConfig], None] = _no_check
+    resolve: Callable[[RunConfig], RunConfig] = _itself
+    check_checkpointing: Callable[[Any, RunConfig], None] = _no_check
+    predict: PredictHook | None = None
+    memory: MemoryHook | None = None
+    simulate: SimulateHook | None = None
+    candidates: Callable[[PlanSpace], list[Choice]] | None = None
+
+
+_REGISTRY: dict[str, Strategy] = {}
+_BUILTINS = "dtrain.strategies.builtin"
+
+
+PLUGINS_ENV = "DTRAIN_STRATEGY_MODULES"
+
+
+def _load_builtins() -> None:
+    importlib.import_module(_BUILTINS)  # registers dp, ddp, ps, auto
+    for name in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"{PLUGINS_ENV} names module {name!r}, which cannot be imported: {e}") from None
+
+
+def register(entry: Strategy, *, replace: bool = False) -> Strategy:
+    """Add ``entry`` to the registry (``replace=True`` to overwrite a name); returns it."""
+    if not entry.name or not entry.name.replace("_", "").isalnum():
+        raise ValueError(f"a strategy name is letters, digits and '_', got {entry.name!r}")
+    if entry.name in _REGISTRY and not replace and _REGISTRY[entry.name] is not entry:
+        raise ValueError(f"strategy {entry.name!r} is registered already")
+    if not (isinstance(entry.options, type) and issubclass(entry.options, StrategyOptions)):
+        raise TypeError(f"strategy {entry.name!r}: options must be a StrategyOptions dataclass")
+    _REGISTRY[entry.name] = entry
+    return entry
+
+
+def unregister(name: str) -> None:
+    """Remove a strategy (tests register throw-away ones)."""
+    _REGISTRY.pop(name, None)
+
+
+def registered() -> dict[str, Strategy]:
+    """Every registered strategy by name (built-ins first)."""
+    _load_builtins()
+    return dict(_REGISTRY)
+
+
+def get(name: str) -> Strategy:
+    """The strategy registered as ``name`` (ConfigError listing the names otherwise)."""
+    _load_builtins()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"strategy {name!r} is not known; choose one of: {', '.join(_REGISTRY)}") from None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A strategy with its options on ``workers`` training workers.
+
+    Attributes:
+        strategy: the registered name.
+        workers: training processes (a parameter server's servers come on top).
+        options: the strategy's options (default: its defaults).
+    """
+
+    strategy: str
+    workers: int = 1
+    options: StrategyOptions | None = None
+
+    def __post_init__(self) -> None:
+        entry = get(self.strategy)
+        if self.options is None:
+            object.__setattr__(self, "options", entry.options())
+        elif not isinstance(self.options, entry.options):
+            raise ConfigError(f"strategy {self.strategy!r} takes {entry.options.__name__}, "
+                              f"got {type(self.options).__name__}")  # fmt: skip
+        if self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+
+    @property
+    def opts(self) -> StrategyOptions:
+        assert self.options is not None
+        return self.options
+
+    @property
+    def entry(self) -> Strategy:
+        return get(self.strategy)
+
+    @property
+    def processes(self) -> int:
+        return self.opts.processes(self.workers)
+
+    @property
+    def kind(self) -> str:
+        """"single" for one process with nothing to exchange, else the strategy's name."""
+        return "single" if self.processes == 1 else self.strategy
+
+    def label(self) -> str:
+        return "single process" if self.kind == "single" else self.opts.label(self.workers)
+
+    def with_workers(self, workers: int) -> Choice:
+        return Choice(self.strategy, workers, self.options)
+
+    def __str__(self) -> str:
+        return self.label()
+
+
+def choice(strategy: str, workers: int = 1, algorithm: str | None = None, **options: Any) -> Choice:
+    """Shorthand: ``choice("dp", 8, "ring", bucket_mb=1.0)``, ``choice("ps", 6, servers=2)``.
+
+    ``"single"`` means one data-parallel worker (the planner's baseline).
+    """
+    if strategy == "single":
+        return Choice("dp", 1)
+    entry = get(strategy)
+    if algorithm is not None and "algorithm" in {f.name for f in dataclasses.fields(entry.options)}:
+        options["algorithm"] = algorithm
+    elif algorithm not in (None, "native"):  # torch's own strategies have only the backend's allreduce
+        raise ConfigError(f"strategy {strategy!r} has no algorithm option (got {algorithm!r})")
+    try:
+        return Choice(strategy, workers, entry.options(**options))
+    except TypeError as e:
+        raise ConfigError(f"strategy {strategy!r}: {e}") from None

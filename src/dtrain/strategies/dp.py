@@ -1,0 +1,285 @@
+"""``dp`` (dtrain.DataParallel) and ``ddp`` (torch's DistributedDataParallel, the peer).
+
+Synchronous data parallelism: every worker trains on its shard of the global
+batch, gradients are averaged in buckets during backward, and every worker
+applies the same update. ``dp`` reduces buckets with one of dtrain's allreduce
+algorithms (or the backend's own), optionally compressed, with overlap in
+backward or priority scheduling into the next forward; ``ddp`` is torch's DDP
+on the same loop, the peer every figure is compared with.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Hashable
+
+import torch
+from torch import nn
+
+from dtrain.data_parallel.config import ALGORITHMS, OVERLAPS
+from dtrain.errors import ConfigError
+from dtrain.perfmodel.predict import (
+    Memory,
+    Prediction,
+    StepInputs,
+    buckets_of,
+    data_parallel_memory,
+    predict_data_parallel,
+)
+from dtrain.perfmodel.simulator import simulate_sync
+from dtrain.strategies._common import CompressedOptions, choose
+from dtrain.strategies.base import Choice, PlanSpace, Strategy, StrategyOptions, register
+from dtrain.training.context import TrainContext
+from dtrain.training.loop import Position, run_loop
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.perfmodel.collectives import CompressionModel
+    from dtrain.perfmodel.profile import ModelProfile
+    from dtrain.perfmodel.spec import ClusterSpec
+
+__all__ = ["DPOptions", "DDPOptions", "DataParallelEngine", "DP", "DDP"]
+
+
+@dataclass(frozen=True)
+class DPOptions(CompressedOptions):
+    """Options of ``--strategy dp`` (:class:`dtrain.DataParallel`).
+
+    Attributes:
+        algorithm: allreduce algorithm of each bucket (default: ring).
+        bucket_mb: bucket size in MiB (default: 25, DDP's).
+        overlap: "backward" (DDP-style) or "forward" (priority scheduling) (default: backward).
+    """
+
+    algorithm: str = field(default="ring", metadata={"choices": ALGORITHMS, "help": "allreduce algorithm"})
+    bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket size in MiB (default: 25.0)"})
+    overlap: str = field(default="backward", metadata={
+        "choices": OVERLAPS, "help": "overlap communication with backward, or with the next forward (priority)"})
+
+    def __post_init__(self) -> None:
+        choose("algorithm", self.algorithm, ALGORITHMS)
+        choose("overlap", self.overlap, OVERLAPS)
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        super().__post_init__()
+
+    def checkpoint_keys(self) -> dict[str, Any]:
+        keys = super().checkpoint_keys()
+        if keys:
+            keys["bucket_mb"] = self.bucket_mb  # the bucket layout keys the compressor state
+        return keys
+
+    def label(self, workers: int) -> str:
+        ov = "" if self.overlap == "backward" else " fwd-overlap"
+        return f"dp {self.algorithm} {self.bucket_mb:g}MiB{ov}{self._comp_label()}"
+
+    def plan_identity(self, prof: ModelProfile) -> Hashable:
+        # a bucket size that cuts the model into the same buckets as another is the same strategy
+        return ("dp", self.algorithm, self.overlap, self.compressor_spec(), tuple(buckets_of(prof, self.bucket_mb)))
+
+
+@dataclass(frozen=True)
+class DDPOptions(StrategyOptions):
+    """Options of ``--strategy ddp`` (torch's DistributedDataParallel).
+
+    Attributes:
+        bucket_mb: DDP's ``bucket_cap_mb`` (default: 25).
+    """
+
+    bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket size in MiB (default: 25.0)"})
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+
+    # what the performance model reads of a data-parallel strategy
+    @property
+    def algorithm(self) -> str:
+        return "native"
+
+    @property
+    def overlap(self) -> str:
+        return "backward"
+
+    def label(self, workers: int) -> str:
+        return f"torch DDP {self.bucket_mb:g}MiB"
+
+    def plan_identity(self, prof: ModelProfile) -> Hashable:
+        return ("ddp", tuple(buckets_of(prof, self.bucket_mb)))
+
+
+def _ring_bytes(model: nn.Module, world: int) -> int:
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    return int(2 * (world - 1) / world * n) if world > 1 else 0
+
+
+class DataParallelEngine:
+    """One data-parallel worker for :func:`~dtrain.training.loop.run_loop`: dtrain's or torch's DDP."""
+
+    eval_note = ""
+
+    def __init__(self, ctx: TrainContext, ckpt: RunCheckpointer | None, *, torch_ddp: bool) -> None:
+        self.ctx, self.ckpt = ctx, ckpt
+        world = ctx.world_size
+        self.model = ctx.make_model()
+        self.optimizer = ctx.make_optimizer(self.model.parameters())
+        self.evaluator = ctx.rank == 0
+        self.shard, self.num_shards, self.samples_scale = ctx.rank, world, world
+        self.total_steps = ctx.total_steps(world)
+        self._spe = ctx.steps_per_epoch(world)
+        self._pending: dict[str, Any] | None = None
+        self._engine: Any = None  # dtrain.DataParallel (None under torch DDP)
+        self.wrapped: nn.Module = self.model
+        self.steps_in_optimizer = False
+        if torch_ddp:
+            if world > 1:
+                assert isinstance(ctx.cfg.options, DDPOptions)
+                self.wrapped = nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=ctx.cfg.options.bucket_mb)
+            return
+        from dtrain.data_parallel import DataParallel
+
+        o = ctx.cfg.options
+        assert isinstance(o, DPOptions)
+        self.steps_in_optimizer = o.overlap == "forward"
+        self._engine = DataParallel(self.model, algorithm=o.algorithm, bucket_mb=o.bucket_mb, overlap=o.overlap,
+                                    timeout_s=ctx.cfg.timeout_s, compression=ctx.make_compressor(),
+                                    optimizer=self.optimizer if self.steps_in_optimizer else None)  # fmt: skip
+        self.wrapped = self._engine
+
+    def start(self) -> Position:
+        if self.ckpt is None or self.ckpt.resume_from is None:
+            return Position()
+        info, blob = self.ckpt.restore(model=self.model, optimizer=self.optimizer)
+        if self._engine is not None:
+            self._engine.load_compressor_state_dict(blob["engine"])
+        start = int(info["step"])
+        return Position(start, start // self._spe, start % self._spe, rng=blob)
+
+    def done(self, step: int) -> bool:
+        return step >= self.total_steps
+
+    def before_step(self, step: int) -> None:
+        self.ctx.schedule_lr(self.optimizer, step, self.total_steps)
+        if not self.steps_in_optimizer:
+            self.optimizer.zero_grad(set_to_none=False)
+
+    def forward(self, x: Any) -> torch.Tensor:
+        out: torch.Tensor = self.wrapped(x)
+        return out
+
+    def update(self) -> None:
+        if not self.steps_in_optimizer:
+            with self.ctx.tracer.span("optimizer"):
+                self.optimizer.step()
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _complete(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A step's row with the engine's figures (DDP reports none: ring bytes, nulls)."""
+        dt = row.pop("step_s")
+        if self._engine is None:
+            row.update(compute_s=dt, comm_s=None, wait_s=None, bytes_sent=_ring_bytes(self.model, self.num_shards))
+            return row
+        st = self._engine.step_stats()
+        wait_s = float(st.get("wait_s", 0.0))
+        row.update(compute_s=float(st.get("compute_s", dt - wait_s)), comm_s=st.get("comm_s"), wait_s=wait_s,
+                   bytes_sent=int(st.get("bytes_sent", 0)))  # fmt: skip
+        return row
+
+    def rows(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        if not self.steps_in_optimizer:
+            return [self._complete(row)]
+        # this step's buckets finish during the next forward: its figures come one step later
+        prev, self._pending = self._pending, row
+        return [self._complete(prev)] if prev is not None else []
+
+    def synchronize(self) -> list[dict[str, Any]]:
+        if self._engine is None:
+            return []
+        self._engine.synchronize()  # overlap="forward": the last step's buckets are still being applied
+        prev, self._pending = self._pending, None
+        return [self._complete(prev)] if prev is not None else []
+
+    def save(self, ckpt: RunCheckpointer, step: int, epoch: int, batch: int) -> None:
+        """Model, optimizer, and per rank the engine's compressor state and RNGs."""
+        if self._engine is not None:
+            self._engine.synchronize()
+        state = self._engine.compressor_state_dict() if self._engine is not None else None
+        ckpt.save(step, model=self.model, optimizer=self.optimizer, rank_state={"engine": state},
+                  epoch=step // self._spe, batch=step % self._spe)  # fmt: skip
+
+    def finish(self) -> dict[str, Any]:
+        rows = (json.loads(line) for line in self.ctx.metrics.path.read_text().splitlines())
+        return {"bytes_sent": sum(r["bytes_sent"] for r in rows)}
+
+
+def _run(ctx: TrainContext, *, torch_ddp: bool) -> dict[str, Any]:
+    from dtrain.checkpoint.training import RunCheckpointer
+
+    ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # its group first: every rank creates groups in one order
+    return run_loop(ctx, DataParallelEngine(ctx, ckpt, torch_ddp=torch_ddp), ckpt)
+
+
+def _run_dp(ctx: TrainContext) -> dict[str, Any]:
+    return _run(ctx, torch_ddp=False)
+
+
+def _run_ddp(ctx: TrainContext) -> dict[str, Any]:
+    return _run(ctx, torch_ddp=True)
+
+
+# ---------------------------------------------------------------------- performance model hooks
+
+
+def _dp_options(s: Choice) -> DPOptions | DDPOptions:
+    assert isinstance(s.options, (DPOptions, DDPOptions))
+    return s.options
+
+
+def _predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel, inputs: StepInputs) -> Prediction:
+    return predict_data_parallel(prof, c, s, _dp_options(s), comp, inputs)
+
+
+def _memory(prof: ModelProfile, s: Choice, comp: CompressionModel | None) -> Memory:
+    return data_parallel_memory(prof, comp)
+
+
+def _simulate(prof: ModelProfile, c: ClusterSpec, s: Choice, *args: Any) -> Any:
+    return simulate_sync(prof, c, s, _dp_options(s), *args)
+
+
+def _dp_candidates(space: PlanSpace) -> list[Choice]:
+    w = space.workers
+    out = [Choice("dp", 1)] if space.single else []
+    if w < 2:
+        return out
+    c = space.cluster
+    hier = c.nodes > 1 and c.devices_per_node > 1 and w > c.devices_per_node
+    for alg in space.algorithms:
+        if alg == "hierarchical" and not hier:
+            continue
+        out += [Choice("dp", w, DPOptions(algorithm=alg, bucket_mb=b)) for b in space.buckets]
+    out.append(Choice("dp", w, DPOptions(bucket_mb=max(space.buckets), overlap="forward")))
+    if not space.exact_only:
+        out += [Choice("dp", w, DPOptions(bucket_mb=max(space.buckets), compression=comp))
+                for comp in space.compressions]  # fmt: skip
+    return out
+
+
+def _ddp_candidates(space: PlanSpace) -> list[Choice]:
+    if space.workers < 2 or not space.ddp:
+        return []
+    return [Choice("ddp", space.workers, DDPOptions(bucket_mb=max(space.buckets)))]
+
+
+DP = register(Strategy(
+    name="dp", options=DPOptions, run=_run_dp,
+    help="data parallel: dtrain.DataParallel (allreduce algorithm, buckets, overlap, compression)",
+    predict=_predict, memory=_memory, simulate=_simulate, candidates=_dp_candidates,
+))
+DDP = register(Strategy(
+    name="ddp", options=DDPOptions, run=_run_ddp, help="data parallel through torch DDP (the peer)",
+    predict=_predict, memory=_memory, simulate=_simulate, candidates=_ddp_candidates,
+))

@@ -1,0 +1,276 @@
+"""``ps``: the parameter server inside the training loop.
+
+Every process of the run (``servers + workers`` of them) runs :func:`run_process`.
+Ranks ``0..S-1`` serve; worker ``i`` (rank ``S + i``) trains on shard ``i`` of
+the data (the data is split among workers only).
+
+The amount of work is a budget of gradients, the same for every policy:
+``workers x steps`` (steps from the epochs and ``max_steps`` as in data
+parallelism). Each worker cycles through its shard until the servers report that
+the budget is spent, so under asynchronous policies a fast worker computes more
+gradients than a straggler instead of idling at the end -- which is the point of
+those policies. Worker 0 evaluates its copy of the model after each pass over its
+shard (the accuracy history) and the final model after :meth:`finish`.
+
+``--straggler RANK:FACTOR`` slows a worker's own work (everything from the
+previous ``ps.step()``'s return to the end of backward), not the parameter
+exchange: a slow machine on the same network (:class:`dtrain.cluster.Straggler`).
+
+Checkpoints (``--checkpoint-every N``, bsp only): each server saves its shard,
+optimizer state and clock table from the ``on_update`` hook right after update
+``k * N`` (and the last one), when every worker has just been released; each
+worker saves its clock, compressor state, data position and RNGs after its step
+``k * N``; one collective save (:class:`dtrain.checkpoint.training.RunCheckpointer`)
+holds them all. ``--resume`` hands each rank its own state back.
+
+The end-of-run statistics (staleness, clock lag, the per-rank table) are
+:mod:`dtrain.param_server.runner`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+from torch import nn
+
+from dtrain.errors import ConfigError
+from dtrain.param_server.consistency import parse_consistency
+from dtrain.param_server.parameter_server import ParameterServer
+from dtrain.param_server.runner import lr_scale, publish_worker_stats, serve
+from dtrain.perfmodel.predict import Memory, Prediction, StepInputs, predict_parameter_server, server_memory
+from dtrain.perfmodel.simulator import simulate_ps
+from dtrain.strategies._common import CompressedOptions
+from dtrain.strategies.base import Choice, PlanSpace, Strategy, register
+from dtrain.training.context import TrainContext, schedule_updates
+from dtrain.training.loop import Position, run_loop
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.config import RunConfig
+    from dtrain.perfmodel.collectives import CompressionModel
+    from dtrain.perfmodel.profile import ModelProfile
+    from dtrain.perfmodel.spec import ClusterSpec
+
+__all__ = ["PSOptions", "PSWorkerEngine", "run_process", "server_updates", "PS"]
+
+
+@dataclass(frozen=True)
+class PSOptions(CompressedOptions):
+    """Options of ``--strategy ps``.
+
+    Attributes:
+        servers: ranks ``0..servers-1`` serve, each a shard of the parameters (default: 1).
+        consistency: bsp | asp | ssp:S | softsync:K | backup:B (default: bsp).
+        staleness_lr: divide a gradient's learning rate by its staleness (default: off).
+    """
+
+    servers: int = field(default=1, metadata={"help": "parameter-server ranks (default: 1)"})
+    consistency: str = field(default="bsp", metadata={
+        "help": "parameter-server consistency: bsp, asp, ssp:S, softsync:K, backup:B"})
+    staleness_lr: bool = field(default=False, metadata={
+        "help": "staleness-aware learning rate: each gradient's rate divided by its staleness (default: off)"})
+
+    def __post_init__(self) -> None:
+        if self.servers < 1:
+            raise ConfigError(f"the parameter server needs servers >= 1, got {self.servers}")
+        try:
+            parse_consistency(self.consistency, staleness_lr=self.staleness_lr)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        super().__post_init__()
+
+    def processes(self, workers: int) -> int:
+        return workers + self.servers
+
+    def checkpoint_keys(self) -> dict[str, Any]:
+        return {**super().checkpoint_keys(), "servers": self.servers, "consistency": self.consistency}
+
+    def approximation(self) -> str:
+        notes = [super().approximation()]
+        if not self.consistency.startswith(("bsp", "backup")):
+            notes.append(f"approximate: {self.consistency} staleness")
+        return "; ".join(n for n in notes if n)
+
+    def label(self, workers: int) -> str:
+        return f"ps {self.consistency} {self.servers} server{'s' if self.servers > 1 else ''}{self._comp_label()}"
+
+
+def _options(cfg: RunConfig) -> PSOptions:
+    assert isinstance(cfg.options, PSOptions)
+    return cfg.options
+
+
+def server_updates(cfg: RunConfig, steps: int) -> int:
+    """Updates each server applies in a run of ``steps`` steps per worker: one per round under bsp
+    and backup:b, ``W / k`` per round under softsync:k, ``W`` under asp and ssp."""
+    spec = parse_consistency(_options(cfg).consistency)
+    workers = cfg.workers
+    if spec.kind in ("bsp", "backup"):
+        return max(1, steps)
+    if spec.kind == "softsync":
+        return max(1, workers * steps // min(spec.arg, workers))
+    return max(1, workers * steps)
+
+
+class PSWorkerEngine:
+    """One parameter-server worker for :func:`~dtrain.training.loop.run_loop`."""
+
+    eval_note = " (worker 0's copy)"
+    samples_scale = 1
+
+    def __init__(self, ctx: TrainContext, ps: ParameterServer, model: nn.Module, workers: int, steps: int,
+                 ckpt: RunCheckpointer | None, blob: dict[str, Any] | None) -> None:  # fmt: skip
+        self.ctx, self.ps, self.model, self.ckpt, self.blob = ctx, ps, model, ckpt, blob
+        self.shard, self.num_shards = ps.worker_index, workers
+        self.evaluator = ps.worker_index == 0
+        self.total_steps = steps
+        self._lr = ctx.cfg.lr * lr_scale(_options(ctx.cfg).consistency, workers)
+        self._sent = 0
+
+    def start(self) -> Position:
+        if self.blob is None:
+            return Position()
+        # resumed: this worker's clock and data position at the checkpoint
+        start, epoch, batch = int(self.blob["ps"]["clock"]), int(self.blob["epoch"]), int(self.blob["batch"])
+        if batch >= self.ctx.steps_per_epoch(self.num_shards):
+            epoch, batch = epoch + 1, 0
+        return Position(start, epoch, batch, rng=self.blob)
+
+    def done(self, step: int) -> bool:
+        return self.ps.should_stop
+
+    def before_step(self, step: int) -> None:
+        return None  # ps.step() zeroes the gradients; the servers' optimizer has the schedule
+
+    def forward(self, x: Any) -> torch.Tensor:
+        out: torch.Tensor = self.model(x)
+        return out
+
+    def update(self) -> None:
+        with self.ctx.tracer.span("ps.step"):
+            self.ps.step()
+
+    def lr(self) -> float:
+        return self._lr
+
+    def rows(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        dt = row.pop("step_s")
+        last, sent = self.ps.last_step, int(self.ps.stats()["bytes_sent"])
+        row.update(compute_s=dt - last["push_s"] - last["wait_s"] - last["pull_s"], comm_s=last["push_s"] + last["pull_s"],
+                   wait_s=last["wait_s"], bytes_sent=sent - self._sent)  # fmt: skip
+        self._sent = sent
+        return [row]
+
+    def synchronize(self) -> list[dict[str, Any]]:
+        return []
+
+    def save(self, ckpt: RunCheckpointer, step: int, epoch: int, batch: int) -> None:
+        ckpt.save(step, rank_state={"ps": self.ps.state_dict(), "epoch": epoch, "batch": batch})
+
+    def finish(self) -> dict[str, Any]:
+        self.ps.finish()  # pulls the final parameters
+        st = publish_worker_stats(self.ps)
+        return {"bytes_sent": st["bytes_sent"], "ps": st}
+
+
+def run_process(ctx: TrainContext) -> dict[str, Any]:
+    """One process of a parameter-server run: serve, or train as a worker."""
+    c, o = ctx.cfg, _options(ctx.cfg)
+    workers = ctx.world_size - o.servers
+    if workers < 1:
+        raise ConfigError(f"--strategy ps needs workers >= 1 besides the {o.servers} servers")
+    steps = ctx.total_steps(workers)
+    if steps < 1:
+        raise ConfigError("the data shard of each worker is smaller than one batch; use a smaller batch size")
+    comp = ctx.make_compressor()  # with momentum in it for sign/onebit; the servers' optimizer then has none
+    from dtrain.checkpoint.training import RunCheckpointer
+
+    ckpt = RunCheckpointer.create(c, ctx.out_dir)  # its group before the parameter server's, on every rank
+    blob = ckpt.restore()[1] if ckpt is not None and ckpt.resume_from is not None else None
+    model = ctx.make_model()
+    scale = lr_scale(o.consistency, workers)
+
+    def optimizer_factory(params: Iterable[Any]) -> torch.optim.Optimizer:
+        opt = ctx.make_optimizer(params)
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * scale
+        if c.lr_schedule != "constant":  # the servers step the optimizer: each update follows the schedule
+            schedule_updates(opt, c.lr_schedule, server_updates(c, steps))
+        return opt
+
+    holder: list[ParameterServer] = []
+
+    def on_update(version: int, spent: bool) -> None:  # servers: after an update's replies went out
+        if ckpt is not None and ckpt.due(version, final=spent):
+            ckpt.save(version, rank_state={"ps": holder[0].state_dict()}, updates=version)
+
+    ps = ParameterServer(
+        model, optimizer_factory, servers=o.servers, consistency=o.consistency, staleness_lr=o.staleness_lr,
+        compression=comp, timeout_s=c.timeout_s, max_gradients=workers * steps,
+        state=blob["ps"] if blob is not None else None, on_update=on_update if ckpt is not None else None,
+    )
+    holder.append(ps)
+    if ps.is_server:
+        return serve(ps, ctx.out_dir, batch_size=c.batch_size, timeout_s=c.timeout_s,
+                     table=bool(c.extra.get("ps_table", True)))  # fmt: skip
+    return run_loop(ctx, PSWorkerEngine(ctx, ps, model, workers, steps, ckpt, blob), ckpt)
+
+
+# ---------------------------------------------------------------------- checks and performance model hooks
+
+
+def _check(o: PSOptions, cfg: RunConfig) -> None:
+    try:
+        parse_consistency(o.consistency, staleness_lr=o.staleness_lr).check_workers(cfg.workers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.resume and cfg.lr_schedule != "constant":
+        raise ConfigError(
+            f"resume under the parameter server supports lr_schedule 'constant' only (the servers do not "
+            f"restore the schedule's position yet); got {cfg.lr_schedule!r}: resume with --lr-schedule constant"
+        )
+
+
+def _check_checkpointing(o: PSOptions, cfg: RunConfig) -> None:
+    if o.consistency.strip().lower() != "bsp":
+        raise ConfigError(
+            f"checkpoints of the parameter server need consistency bsp (got {o.consistency!r}): under "
+            "asynchronous policies the workers and servers never share a step to save at"
+        )
+
+
+def _ps(s: Choice) -> PSOptions:
+    assert isinstance(s.options, PSOptions)
+    return s.options
+
+
+def _predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel, inputs: StepInputs) -> Prediction:
+    return predict_parameter_server(prof, c, s, _ps(s), comp, inputs)
+
+
+def _memory(prof: ModelProfile, s: Choice, comp: CompressionModel | None) -> Memory:
+    return server_memory(prof, _ps(s), comp)
+
+
+def _simulate(prof: ModelProfile, c: ClusterSpec, s: Choice, *args: Any) -> Any:
+    return simulate_ps(prof, c, s, _ps(s), *args)
+
+
+def _candidates(space: PlanSpace) -> list[Choice]:
+    w, out = space.workers, []
+    for servers in sorted({1, 2, w // 4} - {0}):
+        if w - servers < 1:
+            continue
+        out += [Choice("ps", w - servers, PSOptions(servers=servers, consistency=cons))
+                for cons in space.consistencies if not (space.exact_only and cons != "bsp")]  # fmt: skip
+    return out
+
+
+PS = register(Strategy(
+    name="ps", options=PSOptions, run=run_process,
+    help="parameter server: sharded servers, consistency bsp | asp | ssp:S | softsync:K | backup:B",
+    check=_check, check_checkpointing=_check_checkpointing,
+    predict=_predict, memory=_memory, simulate=_simulate, candidates=_candidates,
+))

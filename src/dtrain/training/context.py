@@ -1,0 +1,207 @@
+"""What every process of a run gets: :class:`TrainContext`.
+
+The context knows the run configuration, this process's rank, the data, the
+metrics writer and the tracer, and builds what every strategy builds alike:
+the seeded model, the optimizer, the data loader of a shard, the learning-rate
+schedule, the evaluation, the progress bar and the straggler emulation. It holds
+nothing strategy-specific; a strategy's options are ``cfg.options``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from dtrain.cluster.slowdown import Straggler, slowdown_factor
+from dtrain.compress.base import Compressor
+from dtrain.config import RunConfig, parse_straggler
+from dtrain.data import DatasetSplit
+from dtrain.models import build_model
+from dtrain.trace import MetricsWriter, Tracer
+
+__all__ = ["TrainContext", "lr_factor", "schedule_updates"]
+
+
+def lr_factor(schedule: str, step: int, total: int) -> float:
+    """The learning rate of optimizer step ``step`` (from 0) of ``total``, as a fraction of ``--lr``.
+
+    ``constant``: 1. ``cosine``: ``0.5 * (1 + cos(pi * step / total))``, 1 at the
+    first step and falling to ``0.5 * (1 + cos(pi * (total - 1) / total))`` at the
+    last (Loshchilov & Hutter, "SGDR: Stochastic Gradient Descent with Warm
+    Restarts", ICLR 2017, one cycle without restarts; torch's
+    ``CosineAnnealingLR`` with ``eta_min=0`` stepped per optimizer step). Steps at
+    or past ``total`` get 0.
+
+    Raises:
+        ValueError: unknown schedule or ``total < 1``.
+    """
+    if total < 1:
+        raise ValueError(f"lr schedule needs total >= 1 steps, got {total}")
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
+    raise ValueError(f"lr schedule {schedule!r} is not known; choose constant or cosine")
+
+
+def schedule_updates(optimizer: torch.optim.Optimizer, schedule: str, total: int) -> None:
+    """Scale every update of ``optimizer`` by :func:`lr_factor` of its own step count.
+
+    For optimizers stepped where the loop cannot set the rate (the parameter
+    server's): a pre-step hook multiplies each group's current ``lr`` (whatever
+    set it: the policy's lr scale, staleness-aware scaling) by the factor and a
+    post-step hook puts it back, so the schedule composes with them.
+    """
+    count = [0]
+
+    def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        f = lr_factor(schedule, count[0], total)
+        for g in opt.param_groups:
+            g["unscheduled_lr"] = g["lr"]
+            g["lr"] = g["lr"] * f
+
+    def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for g in opt.param_groups:
+            g["lr"] = g.pop("unscheduled_lr")
+        count[0] += 1
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+
+
+@dataclass
+class TrainContext:
+    """What a strategy's process body gets in each process.
+
+    Attributes:
+        cfg: the validated run configuration (the strategy's options are ``cfg.options``).
+        rank / world_size: this process in the whole job.
+        out_dir: the run folder (shared by all local processes).
+        data: the dataset (every process loads it; it is small and deterministic).
+        metrics: this rank's metrics writer (one JSON object per step).
+        tracer: this rank's timeline (a no-op unless ``cfg.trace``).
+    """
+
+    cfg: RunConfig
+    rank: int
+    world_size: int
+    out_dir: Path
+    data: DatasetSplit
+    metrics: MetricsWriter
+    tracer: Tracer
+    started: float = field(default_factory=time.perf_counter)
+
+    # ---------------------------------------------------------------- factories
+
+    def make_model(self) -> nn.Module:
+        """The configured model, initialised identically on every rank (seeded)."""
+        torch.manual_seed(self.cfg.seed)
+        return build_model(self.cfg.model, self.data.input_shape, self.data.num_classes)
+
+    def make_optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:
+        """The configured optimizer. SGD gets no momentum where the compressor applies it
+        (:meth:`make_compressor`)."""
+        c = self.cfg
+        if c.optimizer == "adam":
+            return torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay)
+        comp = self.make_compressor()
+        momentum = 0.0 if comp is not None and comp.momentum else c.momentum
+        return torch.optim.SGD(params, lr=c.lr, momentum=momentum, weight_decay=c.weight_decay)
+
+    def make_compressor(self) -> Compressor | None:
+        """The strategy's gradient compressor (None without one).
+
+        Compressors that need SGD's momentum before them (sign, sign:mv, onebit)
+        get it in their error feedback, and :meth:`make_optimizer` then builds SGD
+        without momentum (``dtrain.compress.from_spec``'s ``momentum``).
+        """
+        return self.cfg.opts.build_compressor(self.sgd_momentum)
+
+    @property
+    def sgd_momentum(self) -> float:
+        """SGD's momentum (0 for other optimizers): what a sign/onebit compressor takes over."""
+        return self.cfg.momentum if self.cfg.optimizer == "sgd" else 0.0
+
+    def schedule_lr(self, optimizer: torch.optim.Optimizer, step: int, total: int) -> None:
+        """Set each group's ``lr`` for ``step`` of ``total``: its initial rate times
+        :func:`lr_factor` (nothing to do for a constant schedule)."""
+        if self.cfg.lr_schedule == "constant":
+            return
+        f = lr_factor(self.cfg.lr_schedule, step, total)
+        for g in optimizer.param_groups:
+            g.setdefault("initial_lr", g["lr"])
+            g["lr"] = g["initial_lr"] * f
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The training loss: cross entropy over classes (over every position for a language model)."""
+        if output.dim() == 3:  # (batch, seq, vocab) logits of a language model
+            return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+        return nn.functional.cross_entropy(output, target)
+
+    def loader(self, shard: int, num_shards: int, epoch: int, start_batch: int = 0) -> DataLoader[Any]:
+        """This shard's training batches for ``epoch`` (a DistributedSampler slice).
+
+        The per-shard batch is ``batch_size // num_shards``, so the global batch is
+        ``batch_size`` whatever the number of workers. ``start_batch`` skips the
+        epoch's first batches without reading them (a resumed run starts mid-epoch
+        on exactly the batches the uninterrupted run saw next).
+        """
+        sampler = DistributedSampler(
+            self.data.train, num_replicas=num_shards, rank=shard, shuffle=True, seed=self.cfg.seed, drop_last=True
+        )
+        sampler.set_epoch(epoch)
+        bs = self.cfg.batch_size // num_shards
+        if start_batch:
+            order = list(sampler)[start_batch * bs :]
+            return DataLoader(self.data.train, batch_size=bs, sampler=order, drop_last=True)
+        return DataLoader(self.data.train, batch_size=bs, sampler=sampler, drop_last=True)
+
+    def steps_per_epoch(self, num_shards: int) -> int:
+        per_shard = len(self.data.train) // num_shards
+        return per_shard // (self.cfg.batch_size // num_shards)
+
+    def total_steps(self, num_shards: int) -> int:
+        n = self.steps_per_epoch(num_shards) * self.cfg.epochs
+        return min(n, self.cfg.max_steps) if self.cfg.max_steps else n
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> float:
+        """Accuracy of ``model`` on the whole test set."""
+        was_training = model.training
+        model.eval()
+        x, y = self.data.test.tensors
+        correct = 0
+        for i in range(0, len(y), 1024):
+            correct += int((model(x[i : i + 1024]).argmax(1) == y[i : i + 1024]).sum())
+        model.train(was_training)
+        return correct / max(1, len(y))
+
+    def progress(self, total: int, show: bool) -> Any:
+        """A tqdm bar when ``show`` and progress is enabled, else a no-op object."""
+        from tqdm import tqdm
+
+        # on a terminal the bar redraws in place; in a log file (CI, a redirected run) every
+        # redraw is a line of its own, so there it updates at most every 30 s
+        tty = sys.stderr.isatty()
+        return tqdm(total=total, disable=not (show and self.cfg.progress), desc=self.cfg.strategy,
+                    unit="step", dynamic_ncols=True, leave=False, mininterval=0.1 if tty else 30.0)
+
+    def straggler_factor(self, rank: int | None = None) -> float:
+        """The slowdown factor of ``rank`` (default: this rank) from ``cfg.straggler``."""
+        if not self.cfg.straggler:
+            return 1.0
+        r, f = parse_straggler(self.cfg.straggler)
+        return f if r == (self.rank if rank is None else rank) else 1.0
+
+    def straggler(self) -> Straggler:
+        """This rank's compute slowdown (:class:`dtrain.cluster.Straggler`): ``--straggler``
+        times the emulated host's ``DTRAIN_SLOWDOWN``; call its ``stretch(compute_s)`` after backward."""
+        return Straggler(self.straggler_factor() * slowdown_factor())
