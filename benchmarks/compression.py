@@ -240,7 +240,7 @@ def ps_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[
     table = []
     for row in rows:
         with tempfile.TemporaryDirectory() as d:
-            cfg = RunConfig(
+            cfg = RunConfig.make(
                 strategy="ps", workers=args.workers, servers=args.ps_servers, consistency="bsp", compression=row["spec"],
                 epochs=row["epochs"], batch_size=row["batch"], lr=row["lr"], momentum=row["momentum"],
                 lr_schedule=args.lr_schedule, seed=args.seed, out=d, progress=False, trace=False, timeout_s=args.timeout,

@@ -23,7 +23,8 @@ sys.path.insert(0, str(HERE))
 
 import horovod_models  # noqa: E402
 
-from dtrain.perfmodel import Strategy, load_cluster, profile_model, scaling_curve  # noqa: E402
+from dtrain.perfmodel import load_cluster, profile_model, scaling_curve  # noqa: E402
+from dtrain.strategies import choice  # noqa: E402
 
 REPORTED = {  # (model, network) -> scaling efficiency at 128 GPUs reported by the paper
     ("resnet101", "tcp"): 0.90,
@@ -48,7 +49,7 @@ def main() -> int:
         cluster = load_cluster(HERE / "clusters" / f"horovod_{net}.toml")
         model, sample = getattr(horovod_models, model_name)()
         prof = profile_model(model, sample, name=model_name, measure=False)
-        s = Strategy("dp", 1, "native", bucket_mb=64.0)  # NCCL ring, 64 MiB tensor fusion
+        s = choice("dp", 1, "native", bucket_mb=64.0)  # NCCL ring, 64 MiB tensor fusion
         rows = scaling_curve(lambda n: prof, cluster, s, WORKERS, steps=20)
         curves[(model_name, net)] = rows
         for r in rows[:-1]:

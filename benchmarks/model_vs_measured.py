@@ -31,16 +31,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from dtrain.perfmodel import Strategy
+from dtrain.strategies import Choice, choice
 
 DEFAULT_STRATEGIES = [
-    Strategy("dp", 4, "ring"),
-    Strategy("dp", 4, "tree"),
-    Strategy("dp", 4, "recursive_doubling"),
-    Strategy("dp", 4, "native"),
-    Strategy("ps", 2, servers=2, consistency="bsp"),
-    Strategy("dp", 4, "ring", compression="fp16"),
-    Strategy("dp", 4, "ring", compression="topk:0.01"),
+    choice("dp", 4, "ring"),
+    choice("dp", 4, "tree"),
+    choice("dp", 4, "recursive_doubling"),
+    choice("dp", 4, "native"),
+    choice("ps", 2, servers=2, consistency="bsp"),
+    choice("dp", 4, "ring", compression="fp16"),
+    choice("dp", 4, "ring", compression="topk:0.01"),
 ]
 
 
@@ -77,13 +77,13 @@ def main() -> int:
 
     import dtrain.cluster as dc
     from dtrain.config import RunConfig
-    from dtrain.perfmodel.auto import load_model
+    from dtrain.workload import load_model
     from dtrain.perfmodel.calibrate import calibrate_cluster, refresh_load, summary
     from dtrain.perfmodel.planner import candidates, plan
 
     print(f"torch {torch.__version__}; model cnn on digits, global batch {ns.batch}, {ns.hosts} emulated hosts, "
           f"{ns.steps} steps (mean after {ns.warmup})")  # fmt: skip
-    base = RunConfig(model="cnn", dataset="digits", batch_size=ns.batch, max_steps=ns.steps, epochs=1000,
+    base = RunConfig.make(model="cnn", dataset="digits", batch_size=ns.batch, max_steps=ns.steps, epochs=1000,
                      trace=False, progress=False, workers=ns.hosts)  # fmt: skip
     model, sample, name = load_model("cnn", "digits", batch=ns.batch)
     worst, verdicts = 0.0, []
@@ -104,15 +104,15 @@ def main() -> int:
             for pred in p.ranked[: ns.top]:
                 if pred.strategy not in todo:
                     todo.append(pred.strategy)
-            times: dict[Strategy, list[float]] = {s: [] for s in todo}
-            preds: dict[Strategy, list[float]] = {s: [] for s in todo}
+            times: dict[Choice, list[float]] = {s: [] for s in todo}
+            preds: dict[Choice, list[float]] = {s: [] for s in todo}
             for r in range(ns.rounds):
                 if r:
                     spec_r = refresh_load(spec, cname, batch=ns.batch)
                 pr = plan(model, sample, spec_r, workers=ns.hosts, name=name, strategies=todo)
                 print(f"round {r}: {summary(spec_r).splitlines()[1].strip()}; {summary(spec_r).splitlines()[3].strip()}")
                 for s in todo:
-                    cfg = replace(base.replace(**s.overrides()), cluster=cname)
+                    cfg = replace(base.replace(strategy=s.strategy, workers=s.workers, options=s.options), cluster=cname)
                     times[s].append(statistics.mean(measure(cfg, cname, ns.warmup)))
                     found = pr.find(s.label())
                     preds[s].append(found.step_s if found else float("nan"))

@@ -7,7 +7,7 @@ it every policy runs twice -- plainly, and with the last worker slowed down
 own work -- data, forward, backward, bookkeeping -- takes ``factor`` times its
 reference, the median own work of its last 50 steps) -- through the same runner
 as ``dtrain run --strategy ps``
-(:func:`dtrain.param_server.runner.run_process`):
+(:func:`dtrain.strategies.ps.run_process`):
 the CNN on digits (or ``--dataset synthetic``), the same gradient budget (workers x epochs x steps per epoch)
 for every policy, worker 0 evaluating after each pass over its shard. The whole
 sequence is repeated ``--repeats`` times, interleaved, so that a slow spell of a
@@ -96,7 +96,7 @@ POLICIES = ("bsp", "asp", "ssp:2", "softsync:2", "backup:1")
 def _one(rank: int, world: int, cfg_dict: dict[str, Any], out: str) -> dict[str, Any]:
     from dtrain.config import RunConfig
     from dtrain.data import load_dataset
-    from dtrain.param_server.runner import run_process
+    from dtrain.strategies.ps import run_process
     from dtrain.trace import MetricsWriter, Tracer
     from dtrain.train import TrainContext
 

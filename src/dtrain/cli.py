@@ -15,6 +15,7 @@ import sys
 from typing import Any, Sequence
 
 from dtrain.config import LR_SCHEDULES, OPTIMIZERS, RunConfig, load_toml, option_fields
+from dtrain._cli import run_command
 from dtrain.errors import DTrainError
 from dtrain.strategies.base import registered
 
@@ -131,12 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] in delegated or (argv[0] == "bench" and len(argv) > 1 and argv[1] in _BENCHES):
         module = delegated.get(argv[0]) or _BENCHES[argv[1]]
         rest = argv[1:] if argv[0] in delegated else argv[2:]
-        try:
-            return _delegate(module, rest)
-        except DTrainError as e:
-            print(f"dtrain: error: {e}", file=sys.stderr)
-            return 2
+        return run_command("dtrain", lambda: _delegate(module, rest))
     ns = ap.parse_args(argv)
+    return run_command("dtrain", lambda: _dispatch(ap, ns))
+
+
+def _dispatch(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     try:
         if ns.command == "run":
             return _cmd_run(ns)
@@ -151,13 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(report(ns.run_dir))
             return 0
-    except DTrainError as e:
-        print(f"dtrain: error: {e}", file=sys.stderr)
-        return 2
     except ModuleNotFoundError as e:
         if e.name and e.name.startswith("dtrain."):
-            print(f"dtrain: error: {ns.command} needs {e.name}, which this build does not have", file=sys.stderr)
-            return 2
+            raise DTrainError(f"{ns.command} needs {e.name}, which this build does not have") from None
         raise
     ap.print_help()
     return 0

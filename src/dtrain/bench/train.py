@@ -37,7 +37,10 @@ def parse_entry(entry: str) -> dict[str, Any]:
 
 
 def _coerce(values: dict[str, Any]) -> dict[str, Any]:
-    base = RunConfig().to_dict()
+    from dtrain.config import option_fields
+
+    base = {f.name: f.default for f in RunConfig.shared_fields()}
+    base.update({name: owners[0][1].default for name, owners in option_fields().items()})
     out = {}
     for k, v in values.items():
         d = base.get(k)

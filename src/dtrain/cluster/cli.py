@@ -16,7 +16,7 @@ import sys
 from typing import Sequence
 
 from dtrain.cluster.netns import ClusterError, down, status, up
-from dtrain.errors import DTrainError
+from dtrain._cli import run_command
 
 __all__ = ["main", "parse_slow"]
 
@@ -52,31 +52,31 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _cluster(ns: argparse.Namespace) -> int:
+    if ns.cmd == "up":
+        c = up(ns.name, hosts=ns.hosts, bandwidth=ns.bandwidth, slow=parse_slow(ns.slow),
+               latency=ns.latency, mtu=ns.mtu)  # fmt: skip
+        print(f"up: {c.describe()}")
+        print(f"run on it: dtrain run --cluster {c.name} --workers {c.hosts}")
+    elif ns.cmd == "down":
+        removed = down(None if ns.all else ns.name, all_clusters=ns.all)
+        what = "every dtrain cluster" if ns.all else f"cluster {ns.name!r}"
+        print(f"down: {what}: removed {len(removed)} namespaces" + (f" ({', '.join(removed)})" if removed else ""))
+    else:
+        rows = status()
+        if ns.json:
+            print(json.dumps(rows, indent=2))
+        elif not rows:
+            print("no emulated clusters")
+        else:
+            for r in rows:
+                print(f"[{r['state']}] {r['description']}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        if ns.cmd == "up":
-            c = up(ns.name, hosts=ns.hosts, bandwidth=ns.bandwidth, slow=parse_slow(ns.slow),
-                   latency=ns.latency, mtu=ns.mtu)  # fmt: skip
-            print(f"up: {c.describe()}")
-            print(f"run on it: dtrain run --cluster {c.name} --workers {c.hosts}")
-        elif ns.cmd == "down":
-            removed = down(None if ns.all else ns.name, all_clusters=ns.all)
-            what = "every dtrain cluster" if ns.all else f"cluster {ns.name!r}"
-            print(f"down: {what}: removed {len(removed)} namespaces" + (f" ({', '.join(removed)})" if removed else ""))
-        else:
-            rows = status()
-            if ns.json:
-                print(json.dumps(rows, indent=2))
-            elif not rows:
-                print("no emulated clusters")
-            else:
-                for r in rows:
-                    print(f"[{r['state']}] {r['description']}")
-        return 0
-    except DTrainError as e:
-        print(f"dtrain cluster: error: {e}", file=sys.stderr)
-        return 2
+    return run_command("dtrain cluster", lambda: _cluster(ns))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import sys
 from dataclasses import replace
 from typing import Sequence
 
-from dtrain.errors import ConfigError, DTrainError
+from dtrain._cli import run_command
+from dtrain.errors import ConfigError
 from dtrain.perfmodel.planner import DEFAULT_COMPRESSIONS
 from dtrain.planning.auto import cluster_for, plan
 from dtrain.perfmodel.profile import profile_model
@@ -158,27 +159,24 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _plan(ns: argparse.Namespace) -> int:
+    if ns.simulate:
+        if not ns.workers:
+            raise ConfigError("--simulate needs --workers, e.g. 8,16,32,64")
+        return _simulate(ns)
+    spec = _cluster(ns)
+    workers = int(ns.workers) if ns.workers else None
+    model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64)
+    comps = tuple(c for c in ns.compressions.split(",") if c)
+    p = plan(model, sample, spec, batch=ns.batch, workers=workers, name=name, compressions=comps,
+             exact_only=ns.exact, measure=not ns.no_measure)  # fmt: skip
+    print(p.table(top=ns.top or None))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        if ns.simulate:
-            if not ns.workers:
-                raise ConfigError("--simulate needs --workers, e.g. 8,16,32,64")
-            return _simulate(ns)
-        spec = _cluster(ns)
-        workers = int(ns.workers) if ns.workers else None
-        model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64)
-        comps = tuple(c for c in ns.compressions.split(",") if c)
-        p = plan(model, sample, spec, batch=ns.batch, workers=workers, name=name, compressions=comps,
-                 exact_only=ns.exact, measure=not ns.no_measure)  # fmt: skip
-        print(p.table(top=ns.top or None))
-        return 0
-    except DTrainError as e:
-        print(f"dtrain plan: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:
-        print(f"dtrain plan: error: {e}", file=sys.stderr)
-        return 2
+    return run_command("dtrain plan", lambda: _plan(ns), also=(ValueError,))
 
 
 if __name__ == "__main__":
