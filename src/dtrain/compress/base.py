@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Compressor", "Identity", "TensorMeta", "pack_payload", "unpack_payload", "payload_nbytes"]
+__all__ = ["COLLECTIVES", "Compressor", "Identity", "TensorMeta", "pack_payload", "unpack_payload", "payload_nbytes"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,10 @@ class TensorMeta:
         return cls(torch.Size(tensor.shape), tensor.dtype)
 
 
+#: the collectives a compressor's payloads travel by (:attr:`Compressor.collective`)
+COLLECTIVES = ("summable", "lowrank", "sparse", "gathered")
+
+
 class Compressor(abc.ABC):
     """Abstract gradient compressor.
 
@@ -77,10 +81,17 @@ class Compressor(abc.ABC):
         momentum: SGD momentum this compressor applies itself, per worker, before
             compressing (:class:`~dtrain.compress.ErrorFeedback` ``(momentum=...)``);
             when > 0 the optimizer must run with momentum 0.
+        collective: which collective carries the payloads (:data:`COLLECTIVES`):
+            "summable" (an allreduce of the payloads), "lowrank" (PowerSGD's two
+            allreduces of factors), "sparse" (the sparse allreduce of (index, value)
+            pairs) or "gathered" (every rank's payload to every rank, decoded and
+            combined there: the quantizers). The compressed allreduce and the
+            performance model read it; neither asks for the class.
     """
 
     name: str = "abstract"
     summable: bool = False
+    collective: str = "gathered"
     biased: bool = False
     momentum_first: bool = False
     mean_combine: bool = True
@@ -186,6 +197,8 @@ class Compressor(abc.ABC):
 
 class Identity(Compressor):
     """No compression: the payload is the tensor itself (summable, unbiased)."""
+
+    collective = "summable"
 
     name = "none"
     summable = True

@@ -72,6 +72,7 @@ class ErrorFeedback(Compressor):
         self.inner = inner
         self.name = inner.name
         self.summable = inner.summable
+        self.collective = inner.collective
         self.biased = inner.biased
         self.momentum_first = inner.momentum_first
         self.mean_combine = inner.mean_combine

@@ -63,6 +63,7 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
     summable = True
+    collective = "lowrank"
     biased = True
 
     def __post_init__(self) -> None:

@@ -136,6 +136,7 @@ class FP16(Compressor):
 
     name = "fp16"
     summable = True
+    collective = "summable"
     biased = False
 
     def compress(self, tensor: torch.Tensor, key: str) -> tuple[list[torch.Tensor], TensorMeta]:
@@ -151,6 +152,7 @@ class BF16(Compressor):
 
     name = "bf16"
     summable = True
+    collective = "summable"
     biased = False
 
     def compress(self, tensor: torch.Tensor, key: str) -> tuple[list[torch.Tensor], TensorMeta]:

@@ -51,7 +51,6 @@ from dtrain.comm.transport import Transport, Work
 from dtrain.compress.base import Compressor, pack_payload, unpack_payload
 from dtrain.compress.feedback import ErrorFeedback
 from dtrain.compress.lowrank import PowerSGD, orthogonalize
-from dtrain.compress.sparsify import SparseCompressor
 from dtrain.errors import CommError
 
 __all__ = ["compressed_allreduce"]
@@ -110,11 +109,12 @@ def compressed_allreduce(
             else:
                 payload, ctx = compressor.compress_layout(flat, key, layout)
             flat.copy_(compressor.decompress(payload, ctx))
-        elif isinstance(inner, PowerSGD):
+        elif compressor.collective == "lowrank":
+            assert isinstance(inner, PowerSGD)
             _powersgd(flat, inner, ef, key, transport, algorithm, layout)
-        elif inner.summable:
+        elif compressor.collective == "summable":
             _summable(flat, compressor, key, transport, algorithm)
-        elif isinstance(inner, SparseCompressor):
+        elif compressor.collective == "sparse":
             payload, _ = compressor.compress(flat, key)
             res = sparse_allreduce(payload[0], payload[1].to(flat.dtype), flat.numel(), transport)
             flat.copy_(res.tensor).div_(transport.world_size)

@@ -48,6 +48,7 @@ class SparseCompressor(Compressor):
     """
 
     summable = False
+    collective = "sparse"
 
     @abc.abstractmethod
     def select(self, flat: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:

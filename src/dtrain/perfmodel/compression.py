@@ -28,16 +28,9 @@ def compressor_kind(spec: str) -> str:
     if spec in ("", "none"):
         return "dense"
     from dtrain.compress import from_spec
-    from dtrain.compress.lowrank import PowerSGD
-    from dtrain.compress.sparsify import SparseCompressor
 
-    comp = from_spec(spec)
-    inner = getattr(comp, "inner", comp)
-    if isinstance(inner, PowerSGD):
-        return "lowrank"
-    if isinstance(inner, SparseCompressor):
-        return "sparse"
-    return "summable" if comp.summable else "quantizer"
+    collective = from_spec(spec).collective  # the compressor declares it
+    return "quantizer" if collective == "gathered" else collective
 
 
 @lru_cache(maxsize=64)
