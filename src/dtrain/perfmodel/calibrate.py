@@ -181,7 +181,7 @@ def _sync_steps(model_name: str, dataset: str, batch: int, steps: int) -> dict[s
     import torch.distributed as dist
     from torch import nn
 
-    from dtrain.perfmodel.auto import load_model
+    from dtrain.workload import load_model
 
     model, (x, y), _ = load_model(model_name, dataset, batch=batch)
     opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
@@ -235,7 +235,7 @@ def _compute_alone_and_together(model_name: str, dataset: str, batch: int, reps:
     """Rank 0's profile alone (median, as the planner measures) and every rank's mean pass, all at once."""
     import torch.distributed as dist
 
-    from dtrain.perfmodel.auto import load_model
+    from dtrain.workload import load_model
     from dtrain.perfmodel.profile import profile_model
 
     model, sample, _ = load_model(model_name, dataset, batch=batch)
@@ -395,7 +395,7 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, r
     import json
 
     from dtrain.config import RunConfig
-    from dtrain.perfmodel.auto import load_model
+    from dtrain.workload import load_model
     from dtrain.train import worker_main
 
     old = torch.get_num_threads()
