@@ -23,13 +23,15 @@ push, pull and apply; costs from :func:`~dtrain.perfmodel.predict.ps_costs`):
   closed form's push, apply and pull phases follow; ``backup:b``: when the
   ``(N-b)``-th has (the late gradients are dropped and their workers restart from
   the new parameters with everyone else).
-* ``asp``, ``ssp:s``, ``softsync:k``: discrete events in a priority queue.
-  compute done -> push (the worker's own link, then the servers' inbound links,
-  FIFO) -> apply (server CPU, FIFO; ``version += 1``; staleness = versions
-  applied since the worker read its parameters) -> pull (servers' outbound
-  links, FIFO) -> next compute. ``ssp:s`` holds a worker back while it is more
-  than ``s`` steps ahead of the slowest; ``softsync:k`` applies one update per
-  ``k`` pushes. Throughput is counted until the first worker has done all its
+* ``asp``, ``ssp:s``, ``softsync:k``: discrete events in a priority queue around
+  the parameter server's own policy object (the state machine a run's servers
+  use). compute done -> push (the worker's own link, then the servers' inbound
+  links, FIFO) -> the policy takes it at the server CPU (FIFO): its ``Apply``
+  actions count staleness (versions applied since the worker read its
+  parameters), its ``Release`` actions send a pull (servers' outbound links,
+  FIFO) -> next compute. So ``ssp:s`` holds a worker back while it is more than
+  ``s`` steps ahead of the slowest and ``softsync:k`` applies one update per
+  ``k`` pushes because the policy says so. Throughput is counted until the first worker has done all its
   steps, so a permanent straggler does not stretch the window.
 """
 
@@ -43,6 +45,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from dtrain.errors import ConfigError
+from dtrain.param_server.consistency import Action, Apply, Release
 from dtrain.perfmodel.collectives import CompressionModel
 from dtrain.perfmodel.predict import (
     DataParallelLike,
@@ -263,7 +266,7 @@ def simulate_ps(
     pc = ps_costs(prof, c, s, o, comp, opt)
     if policy in ("bsp", "backup"):
         return _ps_rounds(prof, c, s, o, pc, strag, steps, rng, sum(fwd) + sum(bwd), overhead, alone, policy, k)
-    sim = _AsyncServer(s.workers, pc, strag, rng, sum(fwd) + sum(bwd), overhead, policy, k)
+    sim = _AsyncServer(s.workers, pc, strag, rng, sum(fwd) + sum(bwd), overhead, o.consistency)
     return sim.run(prof, s, steps, alone)
 
 
@@ -289,28 +292,33 @@ def _ps_rounds(prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, pc:
 
 
 class _AsyncServer:
-    """asp, ssp:s and softsync:k as discrete events in time order.
+    """asp, ssp:s and softsync:k as discrete events in time order, around the real policy.
 
-    A cycle's push and pull take at least the floor between them (as in predict).
+    The consistency policy is the parameter server's own state machine
+    (:class:`dtrain.param_server.consistency.Policy`, built from the strategy's
+    ``consistency``): the simulator hands it each push when the servers' CPU
+    reaches it and follows its actions -- an ``Apply`` counts the staleness of its
+    gradients, a ``Release`` sends that worker the parameters. So ssp holds a
+    worker back, and softsync batches gradients, exactly as a run's servers do.
+
     Events: ``pushed`` (compute done: the push crosses the worker's link, queues
-    for the servers' inbound links, then their CPU), ``applied`` (a new version;
-    the pull queues for the outbound links), ``pulled`` (the worker holds the new
-    parameters and computes again, unless ssp holds it back).
+    for the servers' inbound links, then their CPU), ``applied`` (the policy
+    takes the push), ``pulled`` (the worker holds the released parameters and
+    computes again, or leaves after its last step). A cycle's push and pull take
+    at least the floor between them (as in predict).
     """
 
     def __init__(self, n: int, pc: PSCosts, strag: Stragglers, rng: np.random.Generator, compute: float,
-                 overhead: float, policy: str, k: int) -> None:  # fmt: skip
+                 overhead: float, consistency: str) -> None:  # fmt: skip
+        from dtrain.param_server.consistency import parse_consistency
+
         self.n, self.pc, self.strag, self.rng = n, pc, strag, rng
-        self.compute, self.overhead, self.policy, self.k = compute, overhead, policy, k
+        self.compute, self.overhead = compute, overhead
+        self.policy = parse_consistency(consistency).build().start(range(n))
         self.pad = max(0.0, pc.floor - (pc.push_one + pc.apply_one + pc.pull_one))
         self.slow_count = int(math.ceil(strag.a * n)) if strag.kind == "slow" else 0
-        self.version = 0
-        self.clock = [0] * n  # pushes applied per worker
-        self.read_version = [0] * n
-        self.pull_version = [0] * n
+        self.steps_done = [0] * n  # gradients each worker has pushed
         self.link_in = self.link_out = self.server_cpu = 0.0
-        self.pending: list[int] = []  # softsync: pushes waiting to be applied together
-        self.blocked: list[int] = []  # ssp: workers waiting for the slowest
         self.stale: dict[int, int] = {}
         self.busy = 0.0
         self.events: list[tuple[float, int, str, int]] = []
@@ -329,52 +337,40 @@ class _AsyncServer:
         self.busy += m * self.compute
         self.schedule(t + m * self.compute + self.pc.coding, "pushed", w)
 
-    def count(self, st: int) -> None:
-        self.stale[st] = self.stale.get(st, 0) + 1
-
     def pushed(self, t: float, w: int) -> None:
         arrive = max(t + self.pc.push_one, self.link_in + self.pc.in_per_push)
         self.link_in = arrive
         self.server_cpu = max(self.server_cpu, arrive) + self.pc.apply_one
         self.schedule(self.server_cpu, "applied", w)
 
+    def follow(self, t: float, actions: Sequence[Action]) -> None:
+        """Carry out the policy's actions at time ``t``."""
+        for act in actions:
+            if isinstance(act, Apply):
+                for st in act.staleness:
+                    self.stale[st] = self.stale.get(st, 0) + 1
+            elif isinstance(act, Release):
+                out = max(t + self.pc.pull_one, self.link_out + self.pc.out_per_pull)
+                self.link_out = out
+                self.schedule(out + self.pad + self.overhead, "pulled", act.worker)
+
     def applied(self, t: float, w: int) -> None:
-        if self.policy == "softsync":
-            self.pending.append(w)
-            if len(self.pending) >= self.k:
-                for pw in self.pending:
-                    self.count(self.version - self.read_version[pw])
-                self.version += 1
-                self.pending.clear()
-        else:
-            self.count(self.version - self.read_version[w])
-            self.version += 1
-        self.clock[w] += 1
+        self.steps_done[w] += 1
         self.applied_at.append(t)
-        self.pull_version[w] = self.version
-        out = max(t + self.pc.pull_one, self.link_out + self.pc.out_per_pull)
-        self.link_out = out
-        self.schedule(out + self.pad + self.overhead, "pulled", w)
+        p = self.policy
+        self.follow(t, p.push(w, p.clock[w] + 1, p.last_read[w]))
 
     def pulled(self, t: float, w: int, steps: int) -> bool:
-        """The worker holds the new parameters; returns whether it has done all its steps."""
-        self.read_version[w] = self.pull_version[w]
-        finished = self.clock[w] >= steps
-        if not finished:
-            if self.policy == "ssp" and self.clock[w] - min(self.clock) > self.k:
-                self.blocked.append(w)
-            else:
-                self.start_compute(t, w)
-        if self.policy == "ssp" and self.blocked:
-            low = min(self.clock)
-            ready = [bw for bw in self.blocked if self.clock[bw] - low <= self.k]
-            self.blocked = [bw for bw in self.blocked if self.clock[bw] - low > self.k]
-            for bw in ready:
-                self.start_compute(t, bw)
-        return finished
+        """The worker holds the released parameters; returns whether it has done all its steps."""
+        if self.steps_done[w] >= steps:
+            self.follow(t, self.policy.leave(w))
+            return True
+        self.start_compute(t, w)
+        return False
 
     def run(self, prof: ModelProfile, s: Choice, steps: int, alone: float) -> SimResult:
         for w in range(self.n):
+            self.policy.pull(w)  # the first read: released at once with version 0
             self.start_compute(0.0, w)
         t_end = 0.0
         first_done = math.inf  # throughput is counted until the first worker finishes its steps
