@@ -161,9 +161,9 @@ def dp_worker(
     momentum_after: bool = False, lr_schedule: str = "constant", timeout_s: float = 120.0,
 ) -> dict[str, Any]:
     """One process of the training table: every row in turn, a fresh model each."""
-    import dtrain
     from torch.utils.data import DataLoader, DistributedSampler
 
+    import dtrain
     from dtrain.compress import from_spec
     from dtrain.data import load_dataset
     from dtrain.models import build_model

@@ -27,7 +27,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -77,9 +76,9 @@ def main() -> int:
 
     import dtrain.cluster as dc
     from dtrain.config import RunConfig
-    from dtrain.workload import load_model
     from dtrain.perfmodel.calibrate import calibrate_cluster, refresh_load, summary
     from dtrain.perfmodel.planner import candidates, plan
+    from dtrain.workload import load_model
 
     print(f"torch {torch.__version__}; model cnn on digits, global batch {ns.batch}, {ns.hosts} emulated hosts, "
           f"{ns.steps} steps (mean after {ns.warmup})")  # fmt: skip

@@ -18,8 +18,9 @@ import queue as _queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["Outcome", "spawn", "run_distributed", "free_port"]
 

@@ -33,7 +33,6 @@ import time
 
 import pytest
 import torch
-
 from _dist import run_distributed, spawn
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
-
 from _dist import run_distributed
+
 from dtrain.comm.transport import Transport, run_threads
 from dtrain.compress import (
     QSGD,

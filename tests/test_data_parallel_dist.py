@@ -10,16 +10,16 @@ from __future__ import annotations
 import datetime
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _dist import run_distributed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from _dist import run_distributed
 
 WORLD = 4
 STEPS = 20

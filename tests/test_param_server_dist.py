@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from _dist import spawn
+from torch import nn
 
 STEPS = 20
 GLOBAL_BATCH = 12
@@ -39,7 +38,7 @@ def _optimizer(name):
 DTYPES = (torch.float32, torch.float64)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _batches(dtype=torch.float32):
     from dtrain.data import load_dataset
 

@@ -2,9 +2,9 @@
 the run's stats table."""
 
 import math
-from collections import Counter
 import random
 import time
+from collections import Counter
 
 import pytest
 import torch

@@ -8,10 +8,10 @@ import pytest
 
 from dtrain.errors import ConfigError
 from dtrain.perfmodel import ClusterSpec, Device, Link, predict
-from dtrain.strategies import choice
 from dtrain.perfmodel.collectives import CompressionModel
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile
 from dtrain.perfmodel.simulator import Stragglers, parse_policy, scaling_curve, simulate
+from dtrain.strategies import choice
 
 MiB = 1 << 20
 

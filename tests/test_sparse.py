@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _dist import run_distributed
+
 from dtrain.comm.sparse import (
     INDEX_BYTES,
     chunk_bounds,

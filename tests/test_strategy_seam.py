@@ -60,11 +60,12 @@ def test_toy_strategy_runs_checkpoints_and_resumes(toy, tmp_path):
 
 
 def test_toy_strategy_in_the_planner_and_the_cli(toy):
+    import torch
+    from torch import nn
+
     from dtrain.cli import build_parser, config_from_args
     from dtrain.perfmodel import ClusterSpec, Device, Link
     from dtrain.perfmodel.planner import candidates, plan
-    from torch import nn
-    import torch
 
     cluster = ClusterSpec(nodes=4, devices_per_node=1, intra=Link(1e9, 1e-5), inter=Link(1e8, 1e-4),
                           device=Device(flops=1e10), name="made-up")

@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = ["MetricsWriter", "Tracer", "merge_rank_files", "METRIC_FIELDS"]
 

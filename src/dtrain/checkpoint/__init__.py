@@ -21,7 +21,14 @@
 from __future__ import annotations
 
 from dtrain.checkpoint.dcp import load_checkpoint, read_checkpoint, save_checkpoint
-from dtrain.checkpoint.layout import CHECKPOINTS_DIR, MARKER, CheckpointError, find_checkpoint, list_checkpoints, read_info
+from dtrain.checkpoint.layout import (
+    CHECKPOINTS_DIR,
+    MARKER,
+    CheckpointError,
+    find_checkpoint,
+    list_checkpoints,
+    read_info,
+)
 
 __all__ = [
     "save_checkpoint",

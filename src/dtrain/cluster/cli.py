@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-from dtrain.cluster.netns import ClusterError, down, status, up
 from dtrain._cli import run_command
+from dtrain.cluster.netns import ClusterError, down, status, up
 
 __all__ = ["main", "parse_slow"]
 

@@ -105,7 +105,7 @@ class EmulatedCluster:
         return json.dumps(d, indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "EmulatedCluster":
+    def from_json(cls, text: str) -> EmulatedCluster:
         d = json.loads(text)
         d["slow"] = {int(k): float(v) for k, v in d.get("slow", {}).items()}
         return cls(**d)

@@ -36,8 +36,8 @@ import os
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from dtrain.errors import ConfigError
 

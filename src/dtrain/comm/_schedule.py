@@ -50,7 +50,7 @@ class RingPlan:
     seg: tuple[int, ...]
 
     @classmethod
-    def build(cls, n: int, world_size: int, piece_elems: int, max_pieces: int | None = None) -> "RingPlan":
+    def build(cls, n: int, world_size: int, piece_elems: int, max_pieces: int | None = None) -> RingPlan:
         seg = offsets(n, world_size)
         longest = -(-n // world_size)
         pieces = max(1, -(-longest // max(1, piece_elems)))
@@ -97,7 +97,7 @@ class Fold:
     partner: int
 
     @classmethod
-    def of(cls, rank: int, world_size: int) -> "Fold":
+    def of(cls, rank: int, world_size: int) -> Fold:
         core = 1 << (world_size.bit_length() - 1)
         extra = world_size - core
         if rank < 2 * extra:

@@ -19,7 +19,7 @@ Three pieces, all pure torch (no communication here):
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 

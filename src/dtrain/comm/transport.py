@@ -21,8 +21,9 @@ import abc
 import datetime
 import queue
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -54,10 +55,10 @@ class CommStats:
         self.messages = 0
         self.bytes_sent = 0
 
-    def snapshot(self) -> "CommStats":
+    def snapshot(self) -> CommStats:
         return CommStats(self.messages, self.bytes_sent)
 
-    def __sub__(self, other: "CommStats") -> "CommStats":
+    def __sub__(self, other: CommStats) -> CommStats:
         return CommStats(self.messages - other.messages, self.bytes_sent - other.bytes_sent)
 
 
@@ -117,7 +118,7 @@ class Transport(abc.ABC):
 
 
 class _TorchWork:
-    def __init__(self, work: Any, transport: "TorchTransport", op: str, peer: int) -> None:
+    def __init__(self, work: Any, transport: TorchTransport, op: str, peer: int) -> None:
         self._work = work
         self._t = transport
         self._op = op
@@ -179,7 +180,7 @@ class _Mailboxes:
         self._lock = threading.Lock()
         self._boxes: dict[tuple[int, int, int], queue.Queue[torch.Tensor]] = {}
 
-    def box(self, src: int, dst: int, tag: int) -> "queue.Queue[torch.Tensor]":
+    def box(self, src: int, dst: int, tag: int) -> queue.Queue[torch.Tensor]:
         with self._lock:
             key = (src, dst, tag)
             if key not in self._boxes:
@@ -188,7 +189,7 @@ class _Mailboxes:
 
 
 class _ThreadRecv:
-    def __init__(self, t: "ThreadTransport", tensor: torch.Tensor, src: int, tag: int) -> None:
+    def __init__(self, t: ThreadTransport, tensor: torch.Tensor, src: int, tag: int) -> None:
         self._t, self._tensor, self._src, self._tag = t, tensor, src, tag
 
     def wait(self) -> None:
@@ -225,7 +226,7 @@ class ThreadTransport(Transport):
         self._boxes = boxes
 
     @classmethod
-    def create(cls, world_size: int, timeout: float = 10.0) -> list["ThreadTransport"]:
+    def create(cls, world_size: int, timeout: float = 10.0) -> list[ThreadTransport]:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         boxes = _Mailboxes()

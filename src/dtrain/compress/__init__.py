@@ -20,7 +20,7 @@ the result's ``momentum`` is then 0.9 and the optimizer must use momentum 0::
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from dtrain.compress.base import Compressor, Identity, TensorMeta
 from dtrain.compress.feedback import ErrorFeedback
@@ -117,7 +117,7 @@ REGISTRY: dict[str, Callable[[str | None], Compressor]] = {
 }
 
 
-def from_spec(spec: "str | Compressor | None", *, error_feedback: bool = True, momentum: float = 0.0) -> Compressor:
+def from_spec(spec: str | Compressor | None, *, error_feedback: bool = True, momentum: float = 0.0) -> Compressor:
     """Build a compressor from ``"NAME"`` or ``"NAME:ARG"`` (e.g. ``"topk:0.01"``).
 
     Args:

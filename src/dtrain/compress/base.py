@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import abc
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ class TensorMeta:
         return n
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "TensorMeta":
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
         return cls(torch.Size(tensor.shape), tensor.dtype)
 
 

@@ -33,7 +33,8 @@ while momentum before the compressor trains like uncompressed SGD
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

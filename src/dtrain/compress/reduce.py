@@ -42,13 +42,14 @@ tensor) and PowerSGD factors each weight matrix on its own.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from dtrain.comm.sparse import chunk_bounds, sparse_allreduce
 from dtrain.comm.transport import Transport, Work
-from dtrain.compress.base import Compressor, pack_payload, unpack_payload
+from dtrain.compress.base import Compressor, pack_payload
 from dtrain.compress.feedback import ErrorFeedback
 from dtrain.compress.lowrank import PowerSGD, orthogonalize
 from dtrain.errors import CommError

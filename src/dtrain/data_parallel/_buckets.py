@@ -11,7 +11,7 @@ once and the view put back.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

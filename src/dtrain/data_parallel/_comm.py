@@ -24,7 +24,8 @@ import functools
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -227,7 +228,7 @@ class ThreadScheduler:
         self.rank = rank
         self.timeout_s = timeout_s
         self._streams = streams
-        self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._queued: list[tuple[Bucket, threading.Event, list[Any]]] = []  # launched, in order
         self._inline: list[Bucket] = []
         self._error: BaseException | None = None

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

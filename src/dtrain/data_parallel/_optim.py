@@ -16,7 +16,8 @@ affects the next step, exactly as in ``backward(); step(); scheduler.step()``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -49,7 +49,7 @@ class StepStats:
             self.bytes_sent += int(nbytes)
             self.buckets += 1
 
-    def close(self) -> "StepStats":
+    def close(self) -> StepStats:
         with self._lock:
             self.comm_s = busy_time(self._intervals)
         return self

@@ -38,8 +38,9 @@ about to use. See :class:`DataParallel` for the API of that mode.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -19,7 +19,8 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["Liveness"]
 

@@ -27,7 +27,7 @@ The result is bitwise the tree allreduce's, whatever the arrival order. Cost:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

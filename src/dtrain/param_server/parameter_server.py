@@ -24,12 +24,13 @@ default group's backend; liveness goes through the c10d store (:mod:`._liveness`
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from dtrain.comm.transport import Transport, TorchTransport
+from dtrain.comm.transport import TorchTransport, Transport
 from dtrain.compress.base import Compressor, Identity
 from dtrain.errors import ConfigError, DTrainError
 from dtrain.param_server._liveness import Liveness
@@ -47,7 +48,7 @@ DATA_TIMEOUT_S = 24 * 3600.0
 _INSTANCES: dict[str, int] = {}  # process group name -> parameter servers built on it so far
 
 
-def _compressor(c: "Compressor | str | None", what: str) -> Compressor:
+def _compressor(c: Compressor | str | None, what: str) -> Compressor:
     if c is None:
         return Identity()
     if isinstance(c, Compressor):
@@ -98,10 +99,10 @@ class ParameterServer:
         optimizer_factory: Callable[[Any], torch.optim.Optimizer],
         *,
         servers: int = 1,
-        consistency: "str | ConsistencySpec" = "bsp",
+        consistency: str | ConsistencySpec = "bsp",
         staleness_lr: bool = False,
-        compression: "Compressor | str | None" = None,
-        pull_compression: "Compressor | str | None" = None,
+        compression: Compressor | str | None = None,
+        pull_compression: Compressor | str | None = None,
         timeout_s: float = 300.0,
         max_gradients: int | None = None,
         min_split_bytes: int = 4096,

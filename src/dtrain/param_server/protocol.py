@@ -130,7 +130,7 @@ class Header:
         )
 
     @classmethod
-    def decode(cls, t: torch.Tensor, *, allowed: tuple[int, ...]) -> "Header":
+    def decode(cls, t: torch.Tensor, *, allowed: tuple[int, ...]) -> Header:
         """Read a received header; raise ``ValueError`` saying what is wrong."""
         v = [int(x) for x in t.tolist()]
         if v[_MAGIC] != MAGIC:

@@ -37,8 +37,9 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -61,9 +62,9 @@ from dtrain.param_server.protocol import (
     PeerLostError,
     ProtocolError,
     RunAbortedError,
+    brief,
     recv_header,
     recv_payload,
-    brief,
     send_message,
 )
 from dtrain.param_server.sharding import Shard

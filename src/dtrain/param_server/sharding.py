@@ -28,8 +28,8 @@ tensors. Optimizers that use whole-tensor norms (LARS, LAMB) see pieces instead.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

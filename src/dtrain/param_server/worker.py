@@ -27,8 +27,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -50,9 +51,9 @@ from dtrain.param_server.protocol import (
     PeerLostError,
     ProtocolError,
     RunAbortedError,
+    brief,
     recv_header,
     recv_payload,
-    brief,
     send_message,
 )
 from dtrain.param_server.sharding import Shard

@@ -14,14 +14,15 @@ This layer measures (it calibrates and profiles); :mod:`dtrain.perfmodel` stays 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from torch import nn
 
-from dtrain.perfmodel.calibrate import calibrate_cluster, cluster_file, local_cluster
 from dtrain.config import RunConfig
 from dtrain.errors import ConfigError
+from dtrain.perfmodel.calibrate import calibrate_cluster, cluster_file, local_cluster
 from dtrain.perfmodel.planner import DEFAULT_COMPRESSIONS, DEFAULT_CONSISTENCIES, Plan, candidates
 from dtrain.perfmodel.planner import plan as rank
 from dtrain.perfmodel.spec import ClusterSpec, dump_cluster, load_cluster

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 from dtrain._cli import run_command
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.planner import DEFAULT_COMPRESSIONS
-from dtrain.planning.auto import cluster_for, plan
 from dtrain.perfmodel.profile import profile_model
 from dtrain.perfmodel.simulator import SimResult, Stragglers, simulate
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
+from dtrain.planning.auto import cluster_for, plan
 from dtrain.strategies.base import Choice, choice
 from dtrain.workload import load_model
 
