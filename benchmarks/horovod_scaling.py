@@ -50,7 +50,7 @@ def main() -> int:
         model, sample = getattr(horovod_models, model_name)()
         prof = profile_model(model, sample, name=model_name, measure=False)
         s = choice("dp", 1, "native", bucket_mb=64.0)  # NCCL ring, 64 MiB tensor fusion
-        rows = scaling_curve(lambda n: prof, cluster, s, WORKERS, steps=20)
+        rows = scaling_curve(lambda n, prof=prof: prof, cluster, s, WORKERS, steps=20)
         curves[(model_name, net)] = rows
         for r in rows[:-1]:
             print(f"{model_name:<10}{net:<8}{r.workers:>5}{r.efficiency:>10.1%}")

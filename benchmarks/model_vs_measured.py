@@ -121,7 +121,7 @@ def main() -> int:
                 rows.append((s, pred, dt, pred / dt - 1, ns.rounds))
             print(f"\n{'strategy (' + bw + ')':<34}{'predicted ms':>13}{'measured ms':>12}{'error':>8}"
                   f"   per round: predicted/measured ms")  # fmt: skip
-            for s, pr, dt, err, n in rows:
+            for s, pr, dt, err, _n in rows:
                 per = "  ".join(f"{a * 1e3:.0f}/{b * 1e3:.0f}" for a, b in zip(preds[s], times[s]))
                 print(f"{s.label():<34}{pr * 1e3:>13.3f}{dt * 1e3:>12.3f}{err:>+8.1%}   {per}")
             worst = max(worst, max(abs(r[3]) for r in rows))

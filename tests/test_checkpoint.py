@@ -8,6 +8,7 @@ compressor state zeroed must give a different result (so the test can fail).
 """
 
 import json
+import pickle
 import subprocess
 import sys
 
@@ -75,7 +76,7 @@ def test_latest_complete_checkpoint_and_interrupted_saves(tmp_path):
     save_checkpoint(root, 2, model=m, optimizer=opt)
     save_checkpoint(root, 5, model=m, optimizer=opt)
     # a save that fails half-way (this rank's state cannot be pickled) leaves no complete checkpoint
-    with pytest.raises(Exception):
+    with pytest.raises((pickle.PicklingError, AttributeError)):  # AttributeError: "Can't pickle local object"
         save_checkpoint(root, 7, model=m, optimizer=opt, rank_state=lambda: None)
     assert (root / ".tmp-step_000007").is_dir()
     # a step folder without the marker (e.g. copied by hand, or cut short) is never taken

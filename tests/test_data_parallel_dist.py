@@ -386,7 +386,7 @@ def test_fp16_compression_halves_bytes_and_stays_close(results):
 
 
 def test_mismatched_models_raise_on_every_rank_naming_parameter_and_ranks(results):
-    for rank, res in enumerate(results):
+    for res in results:
         msg = _ok(res["mismatch"])["model"]
         assert msg.startswith("ModelMismatchError"), msg
         assert "'0.weight'" in msg and "rank 3" in msg and "(4, 1, 3, 3)" in msg and "(5, 1, 3, 3)" in msg

@@ -123,7 +123,7 @@ def test_sparse_allgather_returns_every_ranks_pairs() -> None:
     data = [_pairs(r, 300, 0.02 * (r + 1)) for r in range(p)]
     data[2] = (torch.empty(0, dtype=torch.int64), torch.empty(0))  # a rank with nothing
     out = run_threads(p, lambda t: (sparse_allgather(*data[t.rank], t), t.stats.bytes_sent))
-    for got, sent in out:
+    for got, _sent in out:
         assert len(got) == p
         for (gi, gv), (i, v) in zip(got, data):
             assert torch.equal(gi, i.to(torch.int64)) and torch.equal(gv, v)

@@ -59,7 +59,9 @@ class NodeSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def _child(fn: Callable[..., Any], threads: int, env: dict[str, str], backend: str | None, args: tuple[Any, ...]) -> Any:
+def _child(
+    fn: Callable[..., Any], threads: int, env: dict[str, str], backend: str | None, args: tuple[Any, ...]
+) -> Any:
     import torch
 
     os.environ.update(env)

@@ -167,7 +167,9 @@ def _model_optimizer_state(model: nn.Module | None, optimizer: torch.optim.Optim
 
     state: dict[str, Any] = {}
     if optimizer is not None and model is None:
-        raise ValueError("saving or loading an optimizer needs its model too (optimizer state is keyed by parameter name)")
+        raise ValueError(
+            "saving or loading an optimizer needs its model too (optimizer state is keyed by parameter name)"
+        )
     if model is not None:
         state["model"] = get_model_state_dict(model)
     if optimizer is not None:
@@ -281,7 +283,8 @@ def load_checkpoint(
     has = set(info.get("has", ()))
     for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
         if obj is not None and has and name not in has:
-            raise CheckpointError(f"{ckpt} holds no {name} state (it has: {', '.join(sorted(has)) or 'per-rank state only'})")
+            has_text = ", ".join(sorted(has)) or "per-rank state only"
+            raise CheckpointError(f"{ckpt} holds no {name} state (it has: {has_text})")
     state = _model_optimizer_state(model, optimizer)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()

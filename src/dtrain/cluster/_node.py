@@ -45,7 +45,8 @@ def main(path: str, script: str = "") -> int:
     )
     out: tuple[bool, object]
     try:
-        out = (True, launch(p["fn"], p["args"], nprocs=p["nprocs"], node=node, threads=p["threads"], run_id=p["run_id"]))
+        result = launch(p["fn"], p["args"], nprocs=p["nprocs"], node=node, threads=p["threads"], run_id=p["run_id"])
+        out = (True, result)
     except Exception as e:  # noqa: BLE001 - reported to the parent
         out = (False, f"{type(e).__name__}: {e}")
     Path(p["result"]).write_bytes(pickle.dumps(out))

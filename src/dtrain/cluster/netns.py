@@ -362,6 +362,7 @@ def status() -> list[dict[str, object]]:
             rows.append({"name": cname, "state": "up" if ok else "broken", "hosts": c.hosts,
                          "rate": format_rate(c.rate_bps), "namespaces": have, "description": c.describe()})  # fmt: skip
         else:
+            orphan = f"{cname}: namespaces without a state file (crash?); `dtrain cluster down --name {cname}`"
             rows.append({"name": cname, "state": "orphaned", "hosts": None, "rate": None, "namespaces": have,
-                         "description": f"{cname}: namespaces without a state file (crash?); `dtrain cluster down --name {cname}`"})  # fmt: skip
+                         "description": orphan})  # fmt: skip
     return rows

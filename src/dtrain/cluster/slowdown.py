@@ -87,7 +87,9 @@ class Straggler:
 
     def __post_init__(self) -> None:
         if not self.factor >= 1.0:
-            raise ConfigError(f"a straggler's factor must be >= 1 (a slowdown), got {self.factor}; use e.g. 4 for 4x slower")
+            raise ConfigError(
+                f"a straggler's factor must be >= 1 (a slowdown), got {self.factor}; use e.g. 4 for 4x slower"
+            )
         if self.window < 1:
             raise ConfigError(f"the straggler's window must be >= 1 step, got {self.window}")
         self._seen = deque(maxlen=self.window)

@@ -60,7 +60,9 @@ def _no_arg(cls: Callable[[], Compressor], name: str) -> Callable[[str | None], 
     return make
 
 
-def _with(cls: Callable[..., Compressor], name: str, param: str, conv: Callable[[str], object]) -> Callable[[str | None], Compressor]:
+def _with(
+    cls: Callable[..., Compressor], name: str, param: str, conv: Callable[[str], object]
+) -> Callable[[str | None], Compressor]:
     def make(arg: str | None) -> Compressor:
         if arg is None:
             return cls()
@@ -78,13 +80,17 @@ def _sign(arg: str | None) -> Compressor:
     mv = any(w in ("mv", "majority") for w in words)
     scale = "mean" if "mean" in words else "rms"
     if any(w not in ("mv", "majority", "mean", "rms") for w in words):
-        raise ConfigError(f"compressor 'sign' takes no argument, 'mv' (majority vote) and/or 'mean' (scale), got sign:{arg}")
+        raise ConfigError(
+            f"compressor 'sign' takes no argument, 'mv' (majority vote) and/or 'mean' (scale), got sign:{arg}"
+        )
     return SignSGD(majority_vote=mv, scale=scale)
 
 
 def _onebit(arg: str | None) -> Compressor:
     if arg not in (None, "", "rms", "mean"):
-        raise ConfigError(f"compressor 'onebit' takes no argument or 'mean' (the paper's reconstruction values), got onebit:{arg}")
+        raise ConfigError(
+            f"compressor 'onebit' takes no argument or 'mean' (the paper's reconstruction values), got onebit:{arg}"
+        )
     return OneBit(scale=arg or "rms")
 
 

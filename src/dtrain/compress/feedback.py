@@ -69,7 +69,9 @@ class ErrorFeedback(Compressor):
         if isinstance(inner, ErrorFeedback):
             raise ValueError("ErrorFeedback is already applied; do not wrap it twice")
         if not isinstance(momentum, (int, float)) or not 0.0 <= float(momentum) < 1.0:
-            raise ValueError(f"ErrorFeedback momentum must be in [0, 1) (the optimizer's SGD momentum, e.g. 0.9), got {momentum!r}")
+            raise ValueError(
+                f"ErrorFeedback momentum must be in [0, 1) (the optimizer's SGD momentum, e.g. 0.9), got {momentum!r}"
+            )
         self.inner = inner
         self.name = inner.name
         self.summable = inner.summable

@@ -137,7 +137,8 @@ class PowerSGD(Compressor):
         layout = [tuple(int(d) for d in s) for s in shapes]
         flat = tensor.detach().reshape(-1).to(torch.float32)
         if sum(math.prod(s) for s in layout) != flat.numel():
-            raise ValueError(f"shapes describe {sum(math.prod(s) for s in layout)} elements, the tensor has {flat.numel()}")
+            described = sum(math.prod(s) for s in layout)
+            raise ValueError(f"shapes describe {described} elements, the tensor has {flat.numel()}")
         table: list[int] = []
         payload: list[torch.Tensor] = []
         off = 0
@@ -161,7 +162,7 @@ class PowerSGD(Compressor):
         if payload and payload[0].dtype == torch.int32:  # made by compress_layout
             table = payload[0].tolist()
             parts, k = [], 1
-            for n, rows in zip(table[0::2], table[1::2]):
+            for _n, rows in zip(table[0::2], table[1::2]):
                 if rows:
                     parts.append((payload[k] @ payload[k + 1].t()).reshape(-1))
                     k += 2

@@ -56,7 +56,9 @@ def _out(flat: torch.Tensor, ctx: TensorMeta) -> torch.Tensor:
 
 def _check_scale(name: str, scale: str) -> None:
     if scale not in ("rms", "mean"):
-        raise ValueError(f"{name} scale must be 'rms' (root mean square, keeps the norm) or 'mean' (mean magnitude), got {scale!r}")
+        raise ValueError(
+            f"{name} scale must be 'rms' (root mean square, keeps the norm) or 'mean' (mean magnitude), got {scale!r}"
+        )
 
 
 def _check_block(name: str, block: int) -> None:
@@ -281,8 +283,11 @@ class TernGrad(_Grouped):
 
     def __post_init__(self) -> None:
         _check_block("TernGrad block", self.block)
-        if self.clip is not None and (not isinstance(self.clip, (int, float)) or not self.clip > 0 or math.isinf(self.clip)):
-            raise ValueError(f"TernGrad clip must be a finite number of sigmas > 0 (the paper's is 2.5) or None, got {self.clip!r}")
+        clip = self.clip
+        if clip is not None and (not isinstance(clip, (int, float)) or not clip > 0 or math.isinf(clip)):
+            raise ValueError(
+                f"TernGrad clip must be a finite number of sigmas > 0 (the paper's is 2.5) or None, got {clip!r}"
+            )
         object.__setattr__(self, "_rng", CompressorRng(self.seed))
 
     def _group_size(self) -> int:

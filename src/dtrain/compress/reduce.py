@@ -183,7 +183,7 @@ def _powersgd(
         p_all = torch.cat([p.reshape(-1) for p in ps_.values()])
         _allreduce_sum(t, p_all, algorithm)
         o = 0
-        for i, p in ps_.items():
+        for p in ps_.values():
             p.copy_(p_all[o : o + p.numel()].view_as(p))
             o += p.numel()
             orthogonalize(p)

@@ -138,7 +138,9 @@ class RandomK(SparseCompressor):
     def __post_init__(self) -> None:
         _check_ratio("RandomK", self.ratio)
         if not isinstance(self.scale, bool):
-            raise ValueError(f"RandomK scale must be True (unbiased, x n/k) or False (for error feedback), got {self.scale!r}")
+            raise ValueError(
+                f"RandomK scale must be True (unbiased, x n/k) or False (for error feedback), got {self.scale!r}"
+            )
         object.__setattr__(self, "biased", not self.scale)
         object.__setattr__(self, "_rng", CompressorRng(self.seed))
 

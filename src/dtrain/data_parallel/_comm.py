@@ -223,7 +223,9 @@ class ThreadScheduler:
     (the thread is idle then, so the group is never used by two threads at once).
     """
 
-    def __init__(self, reducer: BucketReducer, rank: int, timeout_s: float, streams: Callable[[Bucket], StreamSync]) -> None:
+    def __init__(
+        self, reducer: BucketReducer, rank: int, timeout_s: float, streams: Callable[[Bucket], StreamSync]
+    ) -> None:
         self.reducer = reducer
         self.rank = rank
         self.timeout_s = timeout_s

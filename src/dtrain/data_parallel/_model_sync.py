@@ -114,7 +114,8 @@ def check_same_everywhere(
     size = len(ranks)
     mine = torch.tensor([_digest(desc), _digest(options)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(size)]
-    wait_work(dist.all_gather(gathered, mine, group=group, async_op=True), timeout_s, ranks[me], "DataParallel model check")
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    wait_work(work, timeout_s, ranks[me], "DataParallel model check")
     digests = [tuple(g.tolist()) for g in gathered]
     if all(d == digests[0] for d in digests):
         return

@@ -30,7 +30,8 @@ def check_optimizer(optimizer: Any, params: Sequence[torch.Tensor]) -> None:
     """Raise ConfigError unless ``optimizer`` is a torch optimizer over a subset of ``params``."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
-            f"optimizer must be a torch.optim.Optimizer (optimizer_factory must return one), got {type(optimizer).__name__}"
+            "optimizer must be a torch.optim.Optimizer (optimizer_factory must return one), "
+            f"got {type(optimizer).__name__}"
         )
     known = {id(p) for p in params}
     for g in optimizer.param_groups:

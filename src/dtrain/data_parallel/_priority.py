@@ -27,6 +27,7 @@ layer it is about to run.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -175,6 +176,13 @@ class PriorityScheduler:
     def _offer(self, unreduced: set[int]) -> frozenset[int]:
         return frozenset(i for i in unreduced if self._ready[i])
 
+    def _news(self, unreduced: set[int], last: frozenset[int] | None) -> bool:
+        """Stopped, or a ready set other than the last agreed one (and not empty), or every bucket ready."""
+        if self._stop:
+            return True
+        offer = self._offer(unreduced)
+        return offer not in (last, frozenset()) or offer == unreduced
+
     def _agree(self, offer: frozenset[int], n: int) -> list[int]:
         if self.group is None:
             agreed = offer
@@ -197,11 +205,7 @@ class PriorityScheduler:
         while unreduced:
             with self._cond:
                 if not known:
-                    ok = self._cond.wait_for(
-                        lambda: self._stop or self._offer(unreduced) not in (last, frozenset())
-                        or self._offer(unreduced) == unreduced,
-                        timeout=self.timeout_s,
-                    )
+                    ok = self._cond.wait_for(functools.partial(self._news, unreduced, last), timeout=self.timeout_s)
                     if self._stop:
                         return
                     if not ok:
@@ -243,7 +247,9 @@ class PriorityScheduler:
         except BaseException as e:  # noqa: BLE001 - surfaced in the training thread
             err = with_step(e, self._step)
             if not isinstance(err, DTrainError):
-                err = DTrainError(f"rank {self.rank}: DataParallel communication thread failed at step {self._step}: {e!r}")
+                err = DTrainError(
+                    f"rank {self.rank}: DataParallel communication thread failed at step {self._step}: {e!r}"
+                )
                 err.__cause__ = e
             self._error = err
             for ev in self._done:

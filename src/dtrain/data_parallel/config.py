@@ -61,7 +61,9 @@ class DataParallelConfig:
         for name in ("bucket_mb", "first_bucket_mb"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ConfigError(f"{name} must be a number of MiB >= 0 (e.g. 25; 0 = one bucket per tensor), got {v!r}")
+                raise ConfigError(
+                    f"{name} must be a number of MiB >= 0 (e.g. 25; 0 = one bucket per tensor), got {v!r}"
+                )
         for name in ("find_unused_parameters", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -223,7 +223,9 @@ class DataParallel(nn.Module):
             raise ConfigError(f"a gloo group reduces CPU tensors; the module has parameters on {sorted(devs)}; "
                               "use NCCL for CUDA (dtrain.init() picks it when CUDA is available)")
         if backend == "nccl" and devs != {"cuda"}:
-            raise ConfigError(f"an NCCL group reduces CUDA tensors; move the module to CUDA first (found {sorted(devs)})")
+            raise ConfigError(
+                f"an NCCL group reduces CUDA tensors; move the module to CUDA first (found {sorted(devs)})"
+            )
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         check_same_everywhere(
             describe_module(module), cfg.describe(), group=group, device=device, ranks=self._ranks,
@@ -368,5 +370,7 @@ def _resolve_compression(compression: Any) -> Any:
     if isinstance(compression, str) and compression.strip().lower() == "none":
         return None
     if not isinstance(compression, (str, Compressor)):
-        raise ConfigError(f"compression must be a spec string like 'topk:0.01' or a Compressor, got {type(compression).__name__}")
+        raise ConfigError(
+            f"compression must be a spec string like 'topk:0.01' or a Compressor, got {type(compression).__name__}"
+        )
     return from_spec(compression)

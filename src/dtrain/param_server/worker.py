@@ -235,7 +235,8 @@ class ShardClient:
                 else:
                     msg = send_message(self.t, s, Header(op, clock, self.version[s] if op == OP_FINISH else 0))
                 works += [(s, w) for w in msg]
-            for s, w in works:
+            for server, w in works:
+                s = server  # the handler below names the server whose send failed
                 w.wait()
         except CommError as e:
             s = e.peer if e.peer is not None else s
