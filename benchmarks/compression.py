@@ -29,7 +29,8 @@ at 0.01 (the same for 40 epochs): at the common settings neither trains
 (BENCHMARKS.md, "Compression").
 The settings of every row are printed with it.
 
-Run (all compressors, both models; ``--ps`` adds the parameter server; the three rows of 30-40 epochs make the grid about 1.7 times as long as the 15 rows at 10 epochs)::
+Run (all compressors, both models; ``--ps`` adds the parameter server; the three rows
+of 30-40 epochs make the grid about 1.7 times as long as the 15 rows at 10 epochs)::
 
     python benchmarks/compression.py
     python benchmarks/compression.py --specs none,topk:0.01,powersgd:2 --models cnn --epochs 5
@@ -140,7 +141,8 @@ def codec_table(specs: list[str], reps: int) -> list[dict[str, Any]]:
             nbytes = payload_nbytes(payload)
             if i:  # the first is warm-up
                 times.append(dt)
-        rows.append({"spec": spec, "bytes": nbytes, "ratio": nbytes / (4 * n), "ms_per_mb": 1e3 * statistics.median(times)})
+        ms_per_mb = 1e3 * statistics.median(times)
+        rows.append({"spec": spec, "bytes": nbytes, "ratio": nbytes / (4 * n), "ms_per_mb": ms_per_mb})
     return rows
 
 
@@ -212,7 +214,9 @@ def dp_worker(
     return results
 
 
-def train_table(rows: list[dict[str, Any]], model: str, hidden: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+def train_table(
+    rows: list[dict[str, Any]], model: str, hidden: list[int], args: argparse.Namespace
+) -> list[dict[str, Any]]:
     from dtrain.launch import launch
 
     out = launch(dp_worker, (rows, model, hidden, args.seed, args.momentum_after, args.lr_schedule, args.timeout),
@@ -241,9 +245,10 @@ def ps_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[
     for row in rows:
         with tempfile.TemporaryDirectory() as d:
             cfg = RunConfig.make(
-                strategy="ps", workers=args.workers, servers=args.ps_servers, consistency="bsp", compression=row["spec"],
-                epochs=row["epochs"], batch_size=row["batch"], lr=row["lr"], momentum=row["momentum"],
-                lr_schedule=args.lr_schedule, seed=args.seed, out=d, progress=False, trace=False, timeout_s=args.timeout,
+                strategy="ps", workers=args.workers, servers=args.ps_servers, consistency="bsp",
+                compression=row["spec"], epochs=row["epochs"], batch_size=row["batch"], lr=row["lr"],
+                momentum=row["momentum"], lr_schedule=args.lr_schedule, seed=args.seed, out=d, progress=False,
+                trace=False, timeout_s=args.timeout,
             )
             s, _ = run(cfg, quiet=True)
         hist = s.get("accuracy_history", [])
@@ -291,12 +296,14 @@ def print_train(title: str, rows: list[dict[str, Any]], target: float) -> None:
         tt = r["time_to_target_s"]
         tr = tt / base["time_to_target_s"] if base and tt is not None and base["time_to_target_s"] else None
         hist = " ".join(f"{a:.3f}" for a in r["history"])
-        print(f"{r['spec']:20s} {_settings(r):>20s} {r['bytes_per_step']:10.0f} {_fmt(ratio, '8.4f'):>8s} {r['accuracy']:9.4f} "
-              f"{_fmt(tt, '7.2f') + 's' if tt is not None else '-':>8s} {_fmt(tr, '8.2f'):>8s}  {hist}")
+        print(f"{r['spec']:20s} {_settings(r):>20s} {r['bytes_per_step']:10.0f} {_fmt(ratio, '8.4f'):>8s} "
+              f"{r['accuracy']:9.4f} {_fmt(tt, '7.2f') + 's' if tt is not None else '-':>8s} {_fmt(tr, '8.2f'):>8s}  "
+              f"{hist}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--specs", default=",".join(DEFAULT_SPECS),
                     help="comma-separated rows: SPEC or SPEC@lr=..,momentum=..,epochs=.. (default: the full grid)")
     ap.add_argument("--models", default="cnn,mlp", help="cnn, mlp, both, or '' for none (default: cnn,mlp)")
@@ -306,9 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9,
-                    help="SGD momentum (default: 0.9): applied after averaging, or before the compressor for sign/onebit")
+                    help="SGD momentum (default: 0.9): applied after averaging, "
+                         "or before the compressor for sign/onebit")
     ap.add_argument("--momentum-after", action="store_true",
-                    help="DataParallel only: momentum in the optimizer for every compressor (what sign/onebit did before)")
+                    help="DataParallel only: momentum in the optimizer for every compressor "
+                         "(what sign/onebit did before)")
     ap.add_argument("--lr-schedule", default="cosine", choices=("constant", "cosine"),
                     help="learning rate over each row's steps, the same for every row (default: cosine)")
     ap.add_argument("--seed", type=int, default=0)
@@ -331,10 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         from_spec(r["spec"])  # bad specs fail here, before any process starts
     specs = list(dict.fromkeys(r["spec"] for r in rows))
     hidden = [int(h) for h in args.mlp_hidden.split(",")]
+    momentum_at = ("after averaging for every compressor" if args.momentum_after
+                   else "before the compressor for sign/onebit, after averaging for the others")
     print(f"# dtrain compression benchmark: torch {torch.__version__}, python {platform.python_version()}, "
-          f"{args.workers} workers, {args.epochs} epochs, global batch {args.batch_size}, SGD lr {args.lr} momentum {args.momentum} "
-          f"({'after averaging for every compressor' if args.momentum_after else 'before the compressor for sign/onebit, after averaging for the others'}), "
-          f"lr schedule {args.lr_schedule} for every row")
+          f"{args.workers} workers, {args.epochs} epochs, global batch {args.batch_size}, SGD lr {args.lr} "
+          f"momentum {args.momentum} ({momentum_at}), lr schedule {args.lr_schedule} for every row")
     tuned = [r for r in rows if "@" in r["label"]]
     if tuned:
         print("# rows at their own settings: " + "; ".join(f"{r['spec']}: {_settings(r)}" for r in tuned))
@@ -345,12 +355,14 @@ def main(argv: list[str] | None = None) -> int:
         for model in [m for m in args.models.split(",") if m]:
             table = train_table(rows, model, hidden, args)
             label = "default CNN" if model == "cnn" else f"MLP {args.mlp_hidden}"
-            print_train(f"DataParallel, {label} ({table[0]['params']} parameters), digits, {args.workers} workers", table, args.target)
+            title = f"DataParallel, {label} ({table[0]['params']} parameters), digits, {args.workers} workers"
+            print_train(title, table, args.target)
             report[f"dp_{model}"] = table
             sys.stdout.flush()
         if args.ps:
             table = ps_table(rows, args)
-            print_train(f"parameter server (bsp, {args.ps_servers} server), default CNN, {args.workers} workers", table, args.target)
+            title = f"parameter server (bsp, {args.ps_servers} server), default CNN, {args.workers} workers"
+            print_train(title, table, args.target)
             report["ps_cnn"] = table
     if args.json:
         with open(args.json, "w") as f:

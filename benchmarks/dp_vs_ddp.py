@@ -38,7 +38,9 @@ import torch
 ALL_ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "rabenseifner", "hierarchical")
 
 
-def _batches(model: str, batch: int, rank: int, world: int, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(
+    model: str, batch: int, rank: int, world: int, count: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's shard of digits, cut into local batches of ``batch // world`` (cycled to ``count``)."""
     from dtrain.data import load_dataset
 
@@ -109,7 +111,9 @@ def _run_config(cfg: dict[str, Any], args: dict[str, Any], data: list[Any]) -> d
     return dict(steps_per_s=steps / dt, comm_ms=1e3 * comm / steps, wait_ms=1e3 * wait / steps, bytes=nbytes / steps)
 
 
-def _worker(configs: list[dict[str, Any]], args: dict[str, Any]) -> list[list[tuple[dict[str, float], dict[str, float]]]]:
+def _worker(
+    configs: list[dict[str, Any]], args: dict[str, Any]
+) -> list[list[tuple[dict[str, float], dict[str, float]]]]:
     """Per round, per DataParallel configuration: (DDP figures, DataParallel figures) timed back to back."""
     import dtrain
 

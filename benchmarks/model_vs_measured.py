@@ -8,9 +8,9 @@ the median step time of the training loop (``metrics.jsonl``, after warm-up) wit
 the performance model's prediction: per round, the load-dependent terms are
 re-measured (``refresh_load``: latency, wake, compute scale; ~10 s), every
 strategy is predicted and then run once; the table compares the means over
-``--rounds`` rounds of the predictions and of the measured mean step times. The planner ranks every strategy that runs on
-the cluster's processes; its first three are measured too, and the script reports
-whether its first choice is the measured fastest or within 10% of it.
+``--rounds`` rounds of the predictions and of the measured mean step times. The
+planner ranks every strategy that runs on the cluster's processes; its first three
+are measured too, and the script reports whether its first choice is the measured fastest or within 10% of it.
 
 Run (root; ~10 minutes)::
 
@@ -109,9 +109,11 @@ def main() -> int:
                 if r:
                     spec_r = refresh_load(spec, cname, batch=ns.batch)
                 pr = plan(model, sample, spec_r, workers=ns.hosts, name=name, strategies=todo)
-                print(f"round {r}: {summary(spec_r).splitlines()[1].strip()}; {summary(spec_r).splitlines()[3].strip()}")
+                lines = summary(spec_r).splitlines()
+                print(f"round {r}: {lines[1].strip()}; {lines[3].strip()}")
                 for s in todo:
-                    cfg = replace(base.replace(strategy=s.strategy, workers=s.workers, options=s.options), cluster=cname)
+                    run_cfg = base.replace(strategy=s.strategy, workers=s.workers, options=s.options)
+                    cfg = replace(run_cfg, cluster=cname)
                     times[s].append(statistics.mean(measure(cfg, cname, ns.warmup)))
                     found = pr.find(s.label())
                     preds[s].append(found.step_s if found else float("nan"))
