@@ -197,6 +197,7 @@ def test_threaded_runs_send_what_cost_says(
         got = run_threads(world_size, fn, timeout=30)
         itemsize = torch.empty(0, dtype=dtype).element_size()
         expect = cost.traffic(alg, world_size, numel * itemsize, itemsize=itemsize, piece_bytes=opts.piece_bytes,
-                              max_pieces=opts.max_pieces, node_size=opts.node_size if opts.nodes is None else None, nodes=opts.nodes)
+                              max_pieces=opts.max_pieces, node_size=opts.node_size if opts.nodes is None else None,
+                              nodes=opts.nodes)
         assert [g[0] for g in got] == list(expect.messages), alg
         assert [g[1] for g in got] == list(expect.bytes_sent), alg

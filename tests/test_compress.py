@@ -65,7 +65,9 @@ def test_pack_bits_round_trip(bits: int, n: int) -> None:
 
 
 def test_payload_wire_format_round_trip() -> None:
-    payload = [torch.arange(5, dtype=torch.int32), _x(2, 3).half(), _x(3).bfloat16(), torch.zeros(0, dtype=torch.float64)]
+    payload = [
+        torch.arange(5, dtype=torch.int32), _x(2, 3).half(), _x(3).bfloat16(), torch.zeros(0, dtype=torch.float64)
+    ]
     back = unpack_payload(pack_payload(payload))
     assert [(t.dtype, t.shape) for t in back] == [(t.dtype, t.shape) for t in payload]
     assert all(torch.equal(a, b) for a, b in zip(payload, back))
@@ -308,7 +310,10 @@ def test_state_dict_round_trip_restores_residuals_q_and_rng() -> None:
         buf.seek(0)
         state = torch.load(buf)
         after = [comp.decompress(*comp.compress(_x(20, 30, seed=9), "w")) for _ in range(2)]
-        clone = ErrorFeedback(type(comp.inner)(**_fields(comp.inner))) if isinstance(comp, ErrorFeedback) else type(comp)(**_fields(comp))
+        if isinstance(comp, ErrorFeedback):
+            clone = ErrorFeedback(type(comp.inner)(**_fields(comp.inner)))
+        else:
+            clone = type(comp)(**_fields(comp))
         clone.load_state_dict(state)
         again = [clone.decompress(*clone.compress(_x(20, 30, seed=9), "w")) for _ in range(2)]
         assert all(torch.equal(a, b) for a, b in zip(after, again)), comp
@@ -327,7 +332,9 @@ def test_stateless_rejects_state() -> None:
 
 
 def test_every_registry_name_builds_and_round_trips() -> None:
-    expected = {"none", "fp16", "bf16", "qsgd", "terngrad", "sign", "onebit", "topk", "randomk", "threshold", "powersgd"}
+    expected = {
+        "none", "fp16", "bf16", "qsgd", "terngrad", "sign", "onebit", "topk", "randomk", "threshold", "powersgd"
+    }
     assert expected <= set(REGISTRY)
     x = _x(64, 64)
     for name in REGISTRY:
@@ -382,7 +389,9 @@ def test_powersgd_wire_with_layout_factors_each_matrix() -> None:
     """The parameter server's path: a flat shard of several tensors, decoded without the layout."""
     shapes = [(20, 30), (30,), (16, 4, 3, 3), (7,)]
     a1, a2 = _x(20, 2, seed=1), _x(16, 2, seed=2)
-    flat = torch.cat([(a1 @ _x(2, 30, seed=3)).reshape(-1), _x(30, seed=4), (a2 @ _x(2, 36, seed=5)).reshape(-1), _x(7, seed=6)])
+    flat = torch.cat(
+        [(a1 @ _x(2, 30, seed=3)).reshape(-1), _x(30, seed=4), (a2 @ _x(2, 36, seed=5)).reshape(-1), _x(7, seed=6)]
+    )
     sender, receiver = PowerSGD(rank=2), PowerSGD(rank=2)
     buf = sender.to_wire(flat, "ps/shard0", shapes=shapes)
     got = receiver.from_wire(buf, flat.shape, flat.dtype)

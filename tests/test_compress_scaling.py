@@ -123,7 +123,8 @@ def test_per_tensor_scales_survive_the_reduce_scatter() -> None:
     p = 3
     comps = [ErrorFeedback(SignSGD()) for _ in range(p)]
     xs = [_bucket(seed=r) for r in range(p)]
-    assert any(b < 2560 < chunk_bounds(xs[0].numel(), p)[i + 1] for i, b in enumerate(chunk_bounds(xs[0].numel(), p)[:-1]))
+    bounds = chunk_bounds(xs[0].numel(), p)
+    assert any(b < 2560 < bounds[i + 1] for i, b in enumerate(bounds[:-1]))
 
     def fn(t: Transport) -> torch.Tensor:
         x = xs[t.rank].clone()
@@ -322,8 +323,8 @@ def _ps_one_step(spec: str, grads: list[torch.Tensor]) -> torch.Tensor:
         m = torch.nn.Linear(grads[0].numel(), 1, bias=False)
         with torch.no_grad():
             m.weight.zero_()
-        ps = ParameterServer(m, lambda p: torch.optim.SGD(p, lr=1.0), servers=1, consistency="bsp",
-                             transport=t, store=store, timeout_s=10.0, compression=from_spec(spec, error_feedback=False))
+        ps = ParameterServer(m, lambda p: torch.optim.SGD(p, lr=1.0), servers=1, consistency="bsp", transport=t,
+                             store=store, timeout_s=10.0, compression=from_spec(spec, error_feedback=False))
         if ps.is_server:
             ps.serve()
             return None
@@ -363,7 +364,10 @@ def test_randomk_memory_is_unscaled_and_gets_error_feedback() -> None:
         u = from_spec(spec)
         assert isinstance(u, RandomK) and u.scale and not u.biased
     assert from_spec("randomk:memory").inner.ratio == 0.01  # type: ignore[attr-defined]
-    for bad, msg in [("randomk:0.1:x", "RATIO:memory"), ("randomk:abc", "ratio must be a float"), ("randomk:0", "in \\(0, 1\\]")]:
+    bad_specs = [
+        ("randomk:0.1:x", "RATIO:memory"), ("randomk:abc", "ratio must be a float"), ("randomk:0", "in \\(0, 1\\]")
+    ]
+    for bad, msg in bad_specs:
         with pytest.raises(ConfigError, match=msg):
             from_spec(bad)
 

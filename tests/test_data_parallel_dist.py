@@ -120,7 +120,8 @@ def _equivalence(rank: int, algorithm: str, overlap: str, batches: list, compres
     nbytes = [b.nbytes for b in model._reducer.bucket_objects]
     itemsize = 2 if compression is not None and "16" in str(compression) else 4
     expect = sum(
-        traffic(algorithm, WORLD, n * itemsize // 4, itemsize=itemsize, node_size=WORLD).bytes_sent[rank] for n in nbytes
+        traffic(algorithm, WORLD, n * itemsize // 4, itemsize=itemsize, node_size=WORLD).bytes_sent[rank]
+        for n in nbytes
     )
     model.close()
     return dict(params=_params(net), stats=stats, buckets=len(nbytes), expected_bytes=expect)

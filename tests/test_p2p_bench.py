@@ -35,7 +35,8 @@ def test_four_workers_ping_pong_in_two_pairs(tmp_path, capsys: pytest.CaptureFix
     assert rc == 0, text
     assert "world size 4 (2 pair(s) at once)" in text
     assert "fit native" in text and "fit dtrain" in text
-    rows = [line.split() for line in text.splitlines() if line.strip().startswith(("4 B", "1 KiB", "256 KiB", "16 MiB"))]
+    sizes = ("4 B", "1 KiB", "256 KiB", "16 MiB")
+    rows = [line.split() for line in text.splitlines() if line.strip().startswith(sizes)]
     assert len(rows) == 4
     res = json.loads(out.read_text())
     for path in ("native", "dtrain"):

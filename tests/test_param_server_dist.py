@@ -1,8 +1,8 @@
 """The parameter server in real processes (gloo over loopback), against single-process references.
 
 To keep process start-ups few on small machines, one spawn of 6 processes runs all
-BSP equivalence checks (and the DataParallel runs they compare with), one (marked slow) the accuracy runs of every policy, and
-two spawns of 7 processes run the fault cases side by side on disjoint process
+BSP equivalence checks (and the DataParallel runs they compare with), one (marked slow)
+the accuracy runs of every policy, and two spawns of 7 processes run the fault cases side by side on disjoint process
 groups.
 """
 

@@ -47,11 +47,11 @@ def test_units_parse_tc_style_rates_sizes_and_times():
 
 
 def test_cluster_toml_round_trips_and_rejects_bad_keys(tmp_path):
-    c = ClusterSpec(nodes=32, devices_per_node=4, inter=Link(parse_rate("25gbit"), 30e-6, 0.75,
-                                                             duplex_bandwidth=parse_rate("20gbit")),
-                    intra=Link(parse_rate("80gbit"), 5e-6), device=Device(kind="P100", flops=9.3e12, memory=16 * 2**30,
-                                                                          gamma=2e-11, overhead=1e-3, wake=2e-4,
-                                                                          floor=5e-3, imbalance=4e-4), name="hvd")  # fmt: skip
+    device = Device(kind="P100", flops=9.3e12, memory=16 * 2**30, gamma=2e-11, overhead=1e-3, wake=2e-4,
+                    floor=5e-3, imbalance=4e-4)
+    c = ClusterSpec(nodes=32, devices_per_node=4,
+                    inter=Link(parse_rate("25gbit"), 30e-6, 0.75, duplex_bandwidth=parse_rate("20gbit")),
+                    intra=Link(parse_rate("80gbit"), 5e-6), device=device, name="hvd")
     p = tmp_path / "c.toml"
     p.write_text(dump_cluster(c))
     assert load_cluster(p) == c

@@ -85,7 +85,9 @@ def test_sparse_allreduce_matches_dense_and_formula(p: int, density: float) -> N
         if ran == "split":
             # the plan's split estimate is an upper bound of what it sends
             assert max(sent) - _counts_bytes(p) <= plan.costs["split"]
-            assert res.merged_nnz == [int((ref[a:b] != 0).sum()) for a, b in zip(chunk_bounds(N, p), chunk_bounds(N, p)[1:])]  # type: ignore[attr-defined]
+            bounds = chunk_bounds(N, p)
+            expect = [int((ref[a:b] != 0).sum()) for a, b in zip(bounds, bounds[1:])]
+            assert res.merged_nnz == expect  # type: ignore[attr-defined]
 
 
 def test_plan_picks_cheaper_and_switches_dense() -> None:
