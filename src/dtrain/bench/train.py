@@ -41,7 +41,7 @@ def _coerce(values: dict[str, Any]) -> dict[str, Any]:
 
     base = {f.name: f.default for f in RunConfig.shared_fields()}
     base.update({name: owners[0][1].default for name, owners in option_fields().items()})
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in values.items():
         d = base.get(k)
         if isinstance(d, bool):

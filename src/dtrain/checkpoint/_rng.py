@@ -20,7 +20,7 @@ __all__ = ["rng_state", "set_rng_state"]
 def rng_state() -> dict[str, Any]:
     """The current state of every global generator of this process."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     state["numpy"] = np.random.get_state()
     return state

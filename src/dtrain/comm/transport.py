@@ -158,7 +158,9 @@ class TorchTransport(Transport):
         self.stats = CommStats()
         # the group object itself: its send/recv take group ranks and skip the per-call argument
         # handling of dist.isend/irecv (~10 us per message, measured on gloo; the ring sends many)
-        self._pg = group if group is not None else dist.group.WORLD
+        pg = group if group is not None else dist.group.WORLD
+        assert pg is not None  # torch.distributed is initialized (checked above)
+        self._pg = pg
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         _check_tensor(tensor, self.rank, "isend")
