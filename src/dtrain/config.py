@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 from dtrain._toml import read_toml
 from dtrain.errors import ConfigError
-from dtrain.strategies.base import Strategy, StrategyOptions, get, registered
+from dtrain.strategies.base import Strategy, StrategyOptions, get, options_for, registered
 
 __all__ = [
     "RunConfig",
@@ -150,12 +150,7 @@ class RunConfig:
     options: StrategyOptions | None = None  # the strategy's (default: its defaults)
 
     def __post_init__(self) -> None:
-        entry = get(self.strategy)
-        if self.options is None:
-            object.__setattr__(self, "options", entry.options())
-        elif not isinstance(self.options, entry.options):
-            raise ConfigError(f"strategy {self.strategy!r} takes {entry.options.__name__}, "
-                              f"got {type(self.options).__name__}")  # fmt: skip
+        object.__setattr__(self, "options", options_for(self.strategy, self.options))
 
     # ------------------------------------------------------------------ building
 

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from dtrain.perfmodel.spec import ClusterSpec
     from dtrain.training.context import TrainContext
 
-__all__ = ["PLUGINS_ENV", "StrategyOptions", "Strategy", "Choice", "PlanSpace", "register", "unregister", "get", "registered",
+__all__ = ["PLUGINS_ENV", "options_for", "StrategyOptions", "Strategy", "Choice", "PlanSpace", "register", "unregister", "get", "registered",
            "choice"]  # fmt: skip
 
 
@@ -207,6 +207,16 @@ def get(name: str) -> Strategy:
         raise ConfigError(f"strategy {name!r} is not known; choose one of: {', '.join(_REGISTRY)}") from None
 
 
+def options_for(strategy: str, options: StrategyOptions | None) -> StrategyOptions:
+    """``options`` checked to be ``strategy``'s type, or its defaults when None (ConfigError otherwise)."""
+    entry = get(strategy)
+    if options is None:
+        return entry.options()
+    if not isinstance(options, entry.options):
+        raise ConfigError(f"strategy {strategy!r} takes {entry.options.__name__}, got {type(options).__name__}")
+    return options
+
+
 @dataclass(frozen=True)
 class Choice:
     """A strategy with its options on ``workers`` training workers.
@@ -222,12 +232,7 @@ class Choice:
     options: StrategyOptions | None = None
 
     def __post_init__(self) -> None:
-        entry = get(self.strategy)
-        if self.options is None:
-            object.__setattr__(self, "options", entry.options())
-        elif not isinstance(self.options, entry.options):
-            raise ConfigError(f"strategy {self.strategy!r} takes {entry.options.__name__}, "
-                              f"got {type(self.options).__name__}")  # fmt: skip
+        object.__setattr__(self, "options", options_for(self.strategy, self.options))
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
 
