@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from dtrain.comm._schedule import (
@@ -120,8 +121,21 @@ def _check(world_size: int, numel: int, itemsize: int) -> None:
         raise ConfigError(f"itemsize must be >= 1 byte, got {itemsize}")
 
 
+def _nothing_sent(world_size: int, numel: int, itemsize: int) -> bool:
+    """Check the arguments; True when nothing is sent (an empty vector, or one rank)."""
+    _check(world_size, numel, itemsize)
+    return numel == 0 or world_size == 1
+
+
 def _idle(world_size: int) -> Traffic:
     return Traffic((0,) * world_size, (0,) * world_size)
+
+
+def _tally(world_size: int, sends: Callable[[int], Iterable[int]]) -> Traffic:
+    """Traffic of every rank from ``sends(rank)``: the payload bytes of each message it sends, in
+    order; an empty message is not sent (the implementation skips it), so it counts for nothing."""
+    sizes = [[b for b in sends(r) if b > 0] for r in range(world_size)]
+    return Traffic(tuple(len(s) for s in sizes), tuple(sum(s) for s in sizes))
 
 
 def ring_traffic(
@@ -145,23 +159,18 @@ def ring_traffic(
         piece_bytes: the ring's piece size (default: 1 MiB, as the implementation).
         max_pieces: the cap on pieces per segment (default: 2, as the implementation).
     """
-    _check(world_size, numel, itemsize)
-    if numel == 0 or world_size == 1:
+    if _nothing_sent(world_size, numel, itemsize):
         return _idle(world_size)
     plan = RingPlan.build(numel, world_size, max(1, piece_bytes // itemsize), max_pieces)
-    msgs, sent = [], []
-    for r in range(world_size):
-        m = b = 0
+
+    def sends(r: int) -> Iterator[int]:
         for s in range(plan.steps()):
             seg = plan.send_segment(r, s)
             for j in range(plan.pieces):
                 lo, hi = plan.piece(seg, j)
-                if hi > lo:
-                    m += 1
-                    b += (hi - lo) * itemsize
-        msgs.append(m)
-        sent.append(b)
-    return Traffic(tuple(msgs), tuple(sent))
+                yield (hi - lo) * itemsize
+
+    return _tally(world_size, sends)
 
 
 def native_traffic(world_size: int, numel: int, itemsize: int = 4) -> Traffic:
@@ -171,58 +180,48 @@ def native_traffic(world_size: int, numel: int, itemsize: int = 4) -> Traffic:
 
 def tree_traffic(world_size: int, numel: int, itemsize: int = 4) -> Traffic:
     """Binomial reduce + broadcast: a rank sends the whole vector once to its parent and once to each child."""
-    _check(world_size, numel, itemsize)
-    if numel == 0 or world_size == 1:
+    if _nothing_sent(world_size, numel, itemsize):
         return _idle(world_size)
     n = numel * itemsize
-    msgs = [(binomial_parent(r) >= 0) + len(binomial_children(r, world_size)) for r in range(world_size)]
-    return Traffic(tuple(msgs), tuple(m * n for m in msgs))
+    return _tally(world_size, lambda r: [n] * ((binomial_parent(r) >= 0) + len(binomial_children(r, world_size))))
 
 
-def _fold_traffic(rank: int, world_size: int, n: int) -> tuple[Fold, int, int]:
-    fold = Fold.of(rank, world_size)
-    if fold.partner < 0:
-        return fold, 0, 0
-    return fold, 1, n  # the folded rank sends its vector in; its partner sends the result back
+def _fold_sends(fold: Fold, n: int) -> list[int]:
+    # the folded rank sends its vector in; its partner sends the result back
+    return [n] if fold.partner >= 0 else []
 
 
 def recursive_doubling_traffic(world_size: int, numel: int, itemsize: int = 4) -> Traffic:
     """Butterfly on the power-of-two core (full vector each round) plus the fold of the extra ranks."""
-    _check(world_size, numel, itemsize)
-    if numel == 0 or world_size == 1:
+    if _nothing_sent(world_size, numel, itemsize):
         return _idle(world_size)
     n = numel * itemsize
-    msgs, sent = [], []
-    for r in range(world_size):
-        fold, m, b = _fold_traffic(r, world_size, n)
-        if fold.new_rank >= 0:
-            rounds = fold.core.bit_length() - 1
-            m, b = m + rounds, b + rounds * n
-        msgs.append(m)
-        sent.append(b)
-    return Traffic(tuple(msgs), tuple(sent))
+
+    def sends(r: int) -> list[int]:
+        fold = Fold.of(r, world_size)
+        rounds = fold.core.bit_length() - 1 if fold.new_rank >= 0 else 0
+        return _fold_sends(fold, n) + [n] * rounds
+
+    return _tally(world_size, sends)
 
 
 def rabenseifner_traffic(world_size: int, numel: int, itemsize: int = 4) -> Traffic:
     """Recursive halving + doubling on the core (empty halves not sent) plus the full-vector fold."""
-    _check(world_size, numel, itemsize)
-    if numel == 0 or world_size == 1:
+    if _nothing_sent(world_size, numel, itemsize):
         return _idle(world_size)
     n = numel * itemsize
-    msgs, sent = [], []
-    for r in range(world_size):
-        fold, m, b = _fold_traffic(r, world_size, n)
+
+    def sends(r: int) -> Iterator[int]:
+        fold = Fold.of(r, world_size)
+        yield from _fold_sends(fold, n)
         if fold.new_rank >= 0 and fold.core > 1:
             blocks = offsets(numel, fold.core)
             for _, _, give in halving_rounds(fold.new_rank, fold.core):
-                size = blocks[give[1]] - blocks[give[0]]
-                m, b = m + (size > 0), b + size * itemsize
+                yield (blocks[give[1]] - blocks[give[0]]) * itemsize
             for _, mine, _ in doubling_rounds(fold.new_rank, fold.core):
-                size = blocks[mine[1]] - blocks[mine[0]]
-                m, b = m + (size > 0), b + size * itemsize
-        msgs.append(m)
-        sent.append(b)
-    return Traffic(tuple(msgs), tuple(sent))
+                yield (blocks[mine[1]] - blocks[mine[0]]) * itemsize
+
+    return _tally(world_size, sends)
 
 
 def _nodes(world_size: int, node_size: int | None, nodes: tuple[int, ...] | list[int] | None) -> list[int]:
@@ -253,20 +252,20 @@ def hierarchical_traffic(
     """
     _check(world_size, numel, itemsize)
     ids = _nodes(world_size, node_size, nodes)
-    if numel == 0 or world_size == 1:
+    if _nothing_sent(world_size, numel, itemsize):
         return _idle(world_size)
     msgs, sent = [0] * world_size, [0] * world_size
-    leaders = sorted({min(q for q in range(world_size) if ids[q] == i) for i in set(ids)})
+
+    def add(ranks: list[int], t: Traffic) -> None:  # t counts ranks[0], ranks[1], ... as 0, 1, ...
+        for local, q in enumerate(ranks):
+            msgs[q] += t.messages[local]
+            sent[q] += t.bytes_sent[local]
+
     for i in set(ids):
         members = [q for q in range(world_size) if ids[q] == i]
-        inner = tree_traffic(len(members), numel, itemsize)
-        for local, q in enumerate(members):
-            msgs[q] += inner.messages[local]
-            sent[q] += inner.bytes_sent[local]
-    outer = ring_traffic(len(leaders), numel, itemsize, piece_bytes, max_pieces)
-    for local, q in enumerate(leaders):
-        msgs[q] += outer.messages[local]
-        sent[q] += outer.bytes_sent[local]
+        add(members, tree_traffic(len(members), numel, itemsize))
+    leaders = sorted({min(q for q in range(world_size) if ids[q] == i) for i in set(ids)})
+    add(leaders, ring_traffic(len(leaders), numel, itemsize, piece_bytes, max_pieces))
     return Traffic(tuple(msgs), tuple(sent))
 
 
