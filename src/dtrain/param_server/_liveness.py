@@ -19,7 +19,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["Liveness"]
@@ -36,9 +36,20 @@ class Liveness:
         rank: this rank.
         timeout_s: a watched peer whose heartbeat has not moved for this long is lost.
         interval_s: seconds between heartbeats (default: a fifth of the timeout, at most 1 s).
+        clock: seconds, for the timeout (default: ``time.monotonic``; tests pass a fake one and
+            call :meth:`tick` themselves instead of :meth:`start`'s thread).
     """
 
-    def __init__(self, store: Any, prefix: str, rank: int, timeout_s: float, interval_s: float | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        prefix: str,
+        rank: int,
+        timeout_s: float,
+        interval_s: float | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.store = store
         self.prefix = prefix.rstrip("/")
         self.rank = rank
@@ -52,6 +63,7 @@ class Liveness:
         self._lost: dict[int, str] = {}
         self._abort: str | None = None
         self.store_error: str | None = None
+        self._clock = clock
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -62,14 +74,18 @@ class Liveness:
     # ------------------------------------------------------------------ control
 
     def start(self, watch: Iterable[int] = ()) -> None:
-        """Beat once, then keep beating and watching ``watch`` in a daemon thread."""
+        """Beat once, then keep beating and watching ``watch`` in a daemon thread (a :meth:`tick` per interval)."""
         self._beat()
-        now = time.monotonic()
-        with self._lock:
-            for p in watch:
-                self._watch[p] = (-1, now, 0)
+        self.watch(watch)
         self._thread = threading.Thread(target=self._loop, name=f"ps-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
+
+    def watch(self, peers: Iterable[int]) -> None:
+        """Watch ``peers`` from now on: each is lost once its heartbeat stops moving for the timeout."""
+        now = self._clock()
+        with self._lock:
+            for p in peers:
+                self._watch[p] = (-1, now, 0)
 
     def unwatch(self, peer: int) -> None:
         """Stop watching ``peer`` (it finished normally)."""
@@ -119,33 +135,43 @@ class Liveness:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                self._beat()
-                with self._lock:
-                    peers = list(self._watch)
-                now = time.monotonic()
-                for p in peers:
-                    count = self.store.add(self._key(f"hb/{p}"), 0)
-                    with self._lock:
-                        if p not in self._watch:
-                            continue
-                        last, since, checks = self._watch[p]
-                        if count != last:
-                            self._watch[p] = (count, now, 0)
-                            continue
-                        self._watch[p] = (last, since, checks + 1)
-                        if now - since > self.timeout_s and checks + 1 >= self._min_checks and p not in self._lost:
-                            self._lost[p] = f"no heartbeat for {now - since:.1f}s (timeout {self.timeout_s:g}s)"
-                            log.warning("rank %d: rank %d %s", self.rank, p, self._lost[p])
-                if self._abort is None and self.store.check([self._key("abort")]):
-                    self._abort = self.store.get(self._key("abort")).decode(errors="replace")
-            except Exception as e:  # noqa: BLE001 - the store host is gone; the owner decides
-                if not self._stop.is_set():
-                    self.store_error = _first_line(e)
-                    log.warning("rank %d: heartbeats stopped, the store is unreachable (%s); "
-                                "lost peers are still seen through their closed connections", self.rank,
-                                self.store_error)
+            if not self.tick():
                 return
+
+    def tick(self) -> bool:
+        """One round of the heartbeat thread: beat, check the watched peers, read the abort flag.
+
+        Returns:
+            False when the store is unreachable (``store_error`` says why); the thread then stops.
+        """
+        try:
+            self._beat()
+            with self._lock:
+                peers = list(self._watch)
+            now = self._clock()
+            for p in peers:
+                count = self.store.add(self._key(f"hb/{p}"), 0)
+                with self._lock:
+                    if p not in self._watch:
+                        continue
+                    last, since, checks = self._watch[p]
+                    if count != last:
+                        self._watch[p] = (count, now, 0)
+                        continue
+                    self._watch[p] = (last, since, checks + 1)
+                    if now - since > self.timeout_s and checks + 1 >= self._min_checks and p not in self._lost:
+                        self._lost[p] = f"no heartbeat for {now - since:.1f}s (timeout {self.timeout_s:g}s)"
+                        log.warning("rank %d: rank %d %s", self.rank, p, self._lost[p])
+            if self._abort is None and self.store.check([self._key("abort")]):
+                self._abort = self.store.get(self._key("abort")).decode(errors="replace")
+        except Exception as e:  # noqa: BLE001 - the store host is gone; the owner decides
+            if not self._stop.is_set():
+                self.store_error = _first_line(e)
+                log.warning("rank %d: heartbeats stopped, the store is unreachable (%s); "
+                            "lost peers are still seen through their closed connections", self.rank,
+                            self.store_error)
+            return False
+        return True
 
 
 def _first_line(e: BaseException) -> str:
