@@ -7,14 +7,12 @@ with PowerSGD, and for the parameter server under bsp. Resuming with the
 compressor state zeroed must give a different result (so the test can fail).
 """
 
-import json
 import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
 from _dist import run_distributed
+from _helpers import dtrain_cli, max_diff, read_metrics, read_summary
 
 from dtrain.checkpoint import (
     CheckpointError,
@@ -67,7 +65,7 @@ def test_round_trip_restores_model_optimizer_and_rank_state(tmp_path):
     # one more step from both gives the same parameters
     _one_step(m, opt, 2)
     _one_step(m2, opt2, 2)
-    assert max((a - b).abs().max().item() for a, b in zip(m.parameters(), m2.parameters())) == 0.0
+    assert max_diff(m.parameters(), m2.parameters()) == 0.0
 
 
 def test_latest_complete_checkpoint_and_interrupted_saves(tmp_path):
@@ -171,9 +169,8 @@ def test_checkpoint_options_are_checked():
 def test_cli_world_size_mismatch_fails_before_launch(one_worker_checkpoint, tmp_path):
     _, run = one_worker_checkpoint
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", "--workers", "2", "--compression", "topk:0.01",
-                        "--resume", str(run), "--out", str(out), "--no-progress"],
-                       capture_output=True, text=True, timeout=120)
+    p = dtrain_cli("run", "--workers", "2", "--compression", "topk:0.01", "--resume", str(run), "--out", str(out),
+                   "--no-progress", timeout=120)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "cannot resume" in p.stderr and "--workers 1" in p.stderr
     assert not out.exists()
@@ -263,12 +260,11 @@ def test_data_parallel_resume_equals_straight_training(tmp_path):
 
 
 def _dtrain(*args):
-    return subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *args, "--no-progress", "--no-trace",
-                           "--timeout-s", "60"], capture_output=True, text=True, timeout=300)
+    return dtrain_cli("run", *args, "--no-progress", "--no-trace", "--timeout-s", "60", timeout=300)
 
 
 def _rows(out):
-    return {(r["rank"], r["step"]): r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    return {(r["rank"], r["step"]): r for r in read_metrics(out)}
 
 
 # batch 256 on 2 workers: 5 steps per epoch, so the resumed run starts mid-epoch and crosses an epoch
@@ -287,14 +283,14 @@ def test_dtrain_run_resume_equals_straight_run(tmp_path, extra):
     assert [s for s, _, ok in list_checkpoints(a / "checkpoints") if ok] == [3, 6, 8]
     p = _dtrain(*RUN, *extra, "--out", str(b), "--resume", str(a / "checkpoints" / "step_000003"))
     assert p.returncode == 0, p.stderr[-3000:]
-    summary = json.loads((b / "summary.json").read_text())
+    summary = read_summary(b)
     assert summary["start_step"] == 3 and summary["steps"] == 5
 
     ca, cb = read_checkpoint(a / "checkpoints" / "step_000008"), read_checkpoint(b)
     assert cb["info"]["step"] == 8
     if "ps" in extra:  # the server's shard and momentum, each worker's clock and residuals
         sa, sb = ca["rank_state"][0]["ps"], cb["rank_state"][0]["ps"]
-        assert max((x - y).abs().max().item() for x, y in zip(sa["pieces"], sb["pieces"])) < TOL
+        assert max_diff(sa["pieces"], sb["pieces"]) < TOL
         for x, y in zip(sa["optimizer"]["state"].values(), sb["optimizer"]["state"].values()):
             assert (x["momentum_buffer"] - y["momentum_buffer"]).abs().max().item() < TOL
         assert sb["clock"] == {1: 8, 2: 8} and sb["version"] == 8

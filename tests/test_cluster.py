@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from _helpers import dtrain_cli, read_metrics, read_summary
 
 from dtrain.cluster import ClusterError, EmulatedCluster, down, load, run_on_cluster, status, up
 from dtrain.cluster.cli import main as cluster_main
@@ -185,27 +186,23 @@ def test_dtrain_run_cluster_trains_over_the_hosts(cluster_name, tmp_path):
     The run must equal the same job launched locally (same seed, same global batch,
     same ring allreduce): the network changes the timing, never the arithmetic.
     """
-    import json
-
     up(cluster_name, hosts=2, bandwidth="1gbit")
     common = ["--workers", "2", "--epochs", "1", "--max-steps", "6", "--no-progress", "--algorithm", "ring"]
     env = {**os.environ, "DTRAIN_CLUSTER_DIR": os.environ["DTRAIN_CLUSTER_DIR"]}
 
     def run(out, *extra):
-        p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *common, "--out", str(out), *extra],
-                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+        p = dtrain_cli("run", *common, "--out", str(out), *extra, timeout=300, env=env)
         assert p.returncode == 0, p.stderr[-3000:]
-        return json.loads((out / "summary.json").read_text()), (out / "metrics.jsonl").read_text().splitlines()
+        return read_summary(out), read_metrics(out)
 
     s_cluster, rows = run(tmp_path / "cluster", "--cluster", cluster_name)
     s_local, _ = run(tmp_path / "local")
     assert s_cluster["world_size"] == 2 and s_cluster["steps"] == 6
-    assert {json.loads(r)["rank"] for r in rows} == {0, 1}
+    assert {r["rank"] for r in rows} == {0, 1}
     assert s_cluster["final_loss"] == pytest.approx(s_local["final_loss"], rel=1e-5)
     assert s_cluster["test_accuracy"] == pytest.approx(s_local["test_accuracy"], abs=1e-9)
     # a process count that does not spread over the hosts is refused before anything starts
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", "--workers", "3", "--batch-size", "63",
-                        "--cluster", cluster_name, "--out", str(tmp_path / "bad"), "--no-progress"],
-                       capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    p = dtrain_cli("run", "--workers", "3", "--batch-size", "63", "--cluster", cluster_name,
+                   "--out", str(tmp_path / "bad"), "--no-progress", timeout=120, env=env)
     assert p.returncode != 0 and "spread evenly" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()

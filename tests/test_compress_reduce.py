@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from _dist import run_distributed
+from _helpers import two_phase_residuals
 
 from dtrain.comm.transport import Transport, run_threads
 from dtrain.compress import (
@@ -95,15 +97,21 @@ def test_unbiased_through_the_collective(make: Callable[[int], Compressor]) -> N
     assert (se > 0).sum() > n // 2  # it really is random
 
 
-def test_error_feedback_through_sparse_collective_loses_nothing() -> None:
-    """TopK + EF: sum of results == mean over ranks of (sum of gradients - final residual)."""
-    p, n, steps = 4, 2000, 25
-    comps = [ErrorFeedback(TopK(ratio=0.01)) for _ in range(p)]
+def _sum_of_steps(p: int, n: int, comps: list[Any], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over ``steps`` compressed allreduces: the sum of rank 0's results, and each rank's sum of gradients."""
     acc = torch.zeros(n, dtype=torch.float64)
     g = torch.zeros(p, n, dtype=torch.float64)
     for s in range(steps):
         acc += _run(p, n, comps, step=s)[0][0].double()
         g += torch.stack([_grad(r, n, s) for r in range(p)]).double()
+    return acc, g
+
+
+def test_error_feedback_through_sparse_collective_loses_nothing() -> None:
+    """TopK + EF: sum of results == mean over ranks of (sum of gradients - final residual)."""
+    p, n, steps = 4, 2000, 25
+    comps = [ErrorFeedback(TopK(ratio=0.01)) for _ in range(p)]
+    acc, g = _sum_of_steps(p, n, comps, steps)
     res = torch.stack([c.residual("bucket0") for c in comps]).double()  # type: ignore[misc]
     assert (acc - (g - res).mean(0)).abs().max().item() < 1e-4
 
@@ -112,21 +120,9 @@ def test_error_feedback_through_quantized_collective_loses_nothing() -> None:
     """SignSGD + EF in both phases: the owners' residuals account for the re-compression."""
     p, n, steps = 3, 1500, 20
     comps = [ErrorFeedback(SignSGD(block=100)) for _ in range(p)]
-    acc = torch.zeros(n, dtype=torch.float64)
-    g = torch.zeros(p, n, dtype=torch.float64)
-    for s in range(steps):
-        acc += _run(p, n, comps, step=s)[0][0].double()
-        g += torch.stack([_grad(r, n, s) for r in range(p)]).double()
+    acc, g = _sum_of_steps(p, n, comps, steps)
     # worker residuals, chunk by chunk, and each owner's residual of its combined chunk
-    from dtrain.comm.sparse import chunk_bounds
-
-    b = chunk_bounds(n, p)
-    worker = torch.zeros(p, n, dtype=torch.float64)
-    server = torch.zeros(n, dtype=torch.float64)
-    for r, c in enumerate(comps):
-        for j in range(p):
-            worker[r, b[j] : b[j + 1]] = c.residual(f"bucket0#{j}").double()  # type: ignore[union-attr]
-        server[b[r] : b[r + 1]] = c.residual(f"bucket0#{r}/agg").double()  # type: ignore[union-attr]
+    worker, server = two_phase_residuals(comps, "bucket0", n)
     assert (acc - ((g - worker).mean(0) - server)).abs().max().item() < 1e-4
 
 

@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from _helpers import two_phase_residuals
 
 from dtrain.comm.sparse import chunk_bounds
 from dtrain.comm.transport import Transport, run_threads
@@ -227,13 +228,8 @@ def test_momentum_is_not_applied_again_to_the_owners_combined_chunk() -> None:
         acc += run_threads(p, fn)[0].double()
         vel = beta * vel + torch.stack(gs).double()
         vel_sum += vel
-    b = chunk_bounds(n, p)
-    worker = torch.zeros(p, n, dtype=torch.float64)
-    server = torch.zeros(n, dtype=torch.float64)
+    worker, server = two_phase_residuals(comps, "b", n)
     for r, c in enumerate(comps):
-        for j in range(p):
-            worker[r, b[j] : b[j + 1]] = c.residual(f"b#{j}").double()  # type: ignore[union-attr]
-        server[b[r] : b[r + 1]] = c.residual(f"b#{r}/agg").double()  # type: ignore[union-attr]
         assert c.velocity(f"b#{r}/agg") is None
     assert (acc - ((vel_sum - worker).mean(0) - server)).abs().max().item() < 1e-3
 

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import max_diff
 from torch import nn
 
 import dtrain
@@ -29,10 +30,6 @@ def _mlp(seed: int = 0) -> nn.Sequential:
 def _data(steps: int, n: int = 16, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for _ in range(steps)]
-
-
-def _max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
 # ---------------------------------------------------------------------- options
@@ -129,7 +126,7 @@ def test_world_of_one_matches_plain_training_and_grads_are_bucket_views():
         ropt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
         ropt.step()
-    assert _max_diff(net, ref) < 1e-6
+    assert max_diff(net.parameters(), ref.parameters()) < 1e-6
     flats = {b.flat.data_ptr(): b for b in model._reducer.bucket_objects}
     assert len(flats) > 1
     for p in net.parameters():  # every .grad lives inside a bucket's flat buffer
@@ -166,24 +163,27 @@ def test_buckets_are_rebuilt_in_the_order_backward_produced_gradients():
     model.close()
 
 
+class _WithSpare(nn.Module):
+    """A model with a layer its forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 2)
+        self.spare = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
 def test_unused_parameter_raises_naming_it_and_find_unused_accepts():
-    class WithSpare(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.used = nn.Linear(4, 2)
-            self.spare = nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.used(x)
-
-    m = DataParallel(WithSpare())
+    m = DataParallel(_WithSpare())
     with pytest.raises(UnusedParametersError) as ei:
         m(torch.randn(3, 4)).sum().backward()
     msg = str(ei.value)
     assert "'spare.weight'" in msg and "'spare.bias'" in msg and "find_unused_parameters=True" in msg
     assert "rank 0" in msg and "step 0" in msg
     m.close()
-    m = DataParallel(WithSpare(), find_unused_parameters=True)
+    m = DataParallel(_WithSpare(), find_unused_parameters=True)
     m(torch.randn(3, 4)).sum().backward()
     assert m.module.spare.weight.grad is None  # unused everywhere: left untouched, as DDP
     assert m.module.used.weight.grad is not None
@@ -191,16 +191,7 @@ def test_unused_parameter_raises_naming_it_and_find_unused_accepts():
 
 
 def test_forward_overlap_after_unused_error_fails_fast_instead_of_hanging():
-    class WithSpare(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.used = nn.Linear(4, 2)
-            self.spare = nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.used(x)
-
-    net = WithSpare()
+    net = _WithSpare()
     m = DataParallel(net, overlap="forward", optimizer=torch.optim.SGD(net.parameters(), lr=0.1), timeout_s=60)
     with pytest.raises(UnusedParametersError):
         m(torch.randn(3, 4)).sum().backward()
@@ -249,7 +240,7 @@ def test_forward_overlap_per_bucket_steps_equal_one_whole_step_with_lr_schedule(
         ropt.step()
         rsched.step()
     model.synchronize()
-    assert _max_diff(net, ref) < 1e-6
+    assert max_diff(net.parameters(), ref.parameters()) < 1e-6
     model.close()
 
 
@@ -269,7 +260,7 @@ def test_bucket_optimizer_steps_subsets_with_the_users_optimizer_state():
             assert all(p in opt.state for p in ps[2:]) and not any(p in opt.state for p in ps[:2])
         bo.step(0)
         ropt.step()
-    assert _max_diff(net, ref) == 0.0
+    assert max_diff(net.parameters(), ref.parameters()) == 0.0
 
 
 def test_priority_scheduler_reduces_ready_buckets_nearest_the_input_first():

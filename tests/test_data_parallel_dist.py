@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _dist import run_distributed
+from _helpers import max_diff, train_steps
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -54,14 +55,25 @@ def _shard(t: torch.Tensor, rank: int) -> torch.Tensor:
     return t[rank * n : (rank + 1) * n]
 
 
+def _shards(batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(_shard(x, rank), _shard(y, rank)) for x, y in batches]
+
+
+def _wrap(net: nn.Module, algorithm: str, overlap: str, **extra: Any) -> tuple[Any, torch.optim.Optimizer | None]:
+    """DataParallel over ``net`` with the test's buckets and SGD, and the optimizer the loop steps:
+    None under overlap="forward", where the model steps its own, bucket by bucket."""
+    import dtrain
+
+    kw: dict[str, Any] = dict(algorithm=algorithm, overlap=overlap, **BUCKET, **extra)
+    if overlap == "forward":
+        kw["optimizer_factory"] = _sgd
+    model = dtrain.DataParallel(net, **kw)
+    return model, None if overlap == "forward" else _sgd(model.parameters())
+
+
 def _params(m: nn.Module) -> list[Any]:
     # numpy, not tensors: tensors cross the result queue as shared-memory handles that die with the worker
     return [p.detach().clone().numpy() for p in m.parameters()]
-
-
-def _maxdiff(a: list[Any], b: list[Any]) -> float:
-    assert len(a) == len(b)
-    return max((torch.as_tensor(x) - torch.as_tensor(y)).abs().max().item() for x, y in zip(a, b))
 
 
 def _guard(fn: Callable[[], Any]) -> Any:
@@ -77,22 +89,14 @@ def _guard(fn: Callable[[], Any]) -> Any:
 
 def _single_process(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     net = _cnn()
-    opt = _sgd(net.parameters())
-    for x, y in batches:
-        opt.zero_grad()
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
+    train_steps(net, _sgd(net.parameters()), batches)
     return _params(net)
 
 
 def _ddp(batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> list[torch.Tensor]:
     net = _cnn()
     model = DDP(net)
-    opt = _sgd(model.parameters())
-    for x, y in batches:
-        opt.zero_grad()
-        F.cross_entropy(model(_shard(x, rank)), _shard(y, rank)).backward()
-        opt.step()
+    train_steps(model, _sgd(model.parameters()), _shards(batches, rank))
     return _params(net)
 
 
@@ -100,21 +104,11 @@ def _ddp(batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> list[to
 
 
 def _equivalence(rank: int, algorithm: str, overlap: str, batches: list, compression: Any = None) -> dict[str, Any]:
-    import dtrain
     from dtrain.comm.cost import traffic
 
     net = _cnn()
-    kw: dict[str, Any] = dict(algorithm=algorithm, overlap=overlap, timeout_s=60, compression=compression, **BUCKET)
-    if overlap == "forward":
-        kw["optimizer_factory"] = _sgd
-    model = dtrain.DataParallel(net, **kw)
-    opt = model.optimizer if overlap == "forward" else _sgd(model.parameters())
-    for x, y in batches:
-        if overlap == "backward":
-            opt.zero_grad()
-        F.cross_entropy(model(_shard(x, rank)), _shard(y, rank)).backward()
-        if overlap == "backward":
-            opt.step()
+    model, opt = _wrap(net, algorithm, overlap, timeout_s=60, compression=compression)
+    train_steps(model, opt, _shards(batches, rank))
     model.synchronize()
     stats = model.step_stats()
     nbytes = [b.nbytes for b in model._reducer.bucket_objects]
@@ -197,8 +191,8 @@ def _unused(rank: int, overlap: str) -> dict[str, Any]:
             opt.step()
     model.synchronize()
     model.close()
-    return dict(diff=_maxdiff(_params(net), _params(ref)), spare_grad_none=net.spare.weight.grad is None,
-                spare_moved=_maxdiff(_params(net.spare), _params(_Branchy().spare)))
+    return dict(diff=max_diff(_params(net), _params(ref)), spare_grad_none=net.spare.weight.grad is None,
+                spare_moved=max_diff(_params(net.spare), _params(_Branchy().spare)))
 
 
 def _unused_error(rank: int) -> str:
@@ -217,8 +211,6 @@ def _unused_error(rank: int) -> str:
 
 def _no_sync(rank: int, algorithm: str, overlap: str) -> float:
     """Two micro-batches per step, the first under no_sync, against DDP doing the same."""
-    import dtrain
-
     batches = _batches(8, seed=11)
 
     def run(model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
@@ -237,19 +229,15 @@ def _no_sync(rank: int, algorithm: str, overlap: str) -> float:
     ddp = DDP(ref)
     run(ddp, _sgd(ddp.parameters()))
     net = _cnn()
-    kw: dict[str, Any] = dict(algorithm=algorithm, overlap=overlap, **BUCKET)
-    if overlap == "forward":
-        kw["optimizer_factory"] = _sgd
-    model = dtrain.DataParallel(net, **kw)
-    run(model, None if overlap == "forward" else _sgd(model.parameters()))
+    model, opt = _wrap(net, algorithm, overlap)
+    run(model, opt)
     model.synchronize()
     model.close()
-    return _maxdiff(_params(net), _params(ref))
+    return max_diff(_params(net), _params(ref))
 
 
 def _buffers(rank: int, algorithm: str, overlap: str) -> float:
     """BatchNorm running statistics follow rank 0 (broadcast_buffers), as in DDP."""
-    import dtrain
 
     def bn_net() -> nn.Module:
         torch.manual_seed(9)
@@ -258,59 +246,32 @@ def _buffers(rank: int, algorithm: str, overlap: str) -> float:
     batches = _batches(4, seed=13)
     ref = bn_net()
     ddp = DDP(ref)
-    ropt = _sgd(ddp.parameters())
-    for x, y in batches:
-        ropt.zero_grad()
-        F.cross_entropy(ddp(_shard(x, rank)), _shard(y, rank)).backward()
-        ropt.step()
+    train_steps(ddp, _sgd(ddp.parameters()), _shards(batches, rank))
     net = bn_net()
-    kw: dict[str, Any] = dict(algorithm=algorithm, overlap=overlap, **BUCKET)
-    if overlap == "forward":
-        kw["optimizer_factory"] = _sgd
-    model = dtrain.DataParallel(net, **kw)
-    opt = model.optimizer if overlap == "forward" else _sgd(model.parameters())
-    for x, y in batches:
-        if overlap == "backward":
-            opt.zero_grad()
-        F.cross_entropy(model(_shard(x, rank)), _shard(y, rank)).backward()
-        if overlap == "backward":
-            opt.step()
+    model, opt = _wrap(net, algorithm, overlap)
+    train_steps(model, opt, _shards(batches, rank))
     model.synchronize()
     model.close()
     mine = [t.detach().float() for t in [*net.parameters(), *net.buffers()]]
     theirs = [t.detach().float() for t in [*ref.parameters(), *ref.buffers()]]
     assert len(mine) == 9  # 6 parameters + running mean, running var, batches tracked
-    return _maxdiff(mine, theirs)
+    return max_diff(mine, theirs)
 
 
 def _subgroups(rank: int, algorithm: str, overlap: str) -> float:
     """Two independent pairs {0,1} and {2,3}, each averaging over its own group, against DDP on the same groups."""
-    import dtrain
-
     mine, _ = dist.new_subgroups(group_size=2)
-    batches = _batches(4, seed=17 + rank // 2)  # each pair trains on its own data
-    pair_rank = rank % 2
-
-    def run(model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
-        for x, y in batches:
-            if opt is not None:
-                opt.zero_grad()
-            F.cross_entropy(model(_shard(x, pair_rank)), _shard(y, pair_rank)).backward()
-            if opt is not None:
-                opt.step()
+    batches = _shards(_batches(4, seed=17 + rank // 2), rank % 2)  # each pair trains on its own data
 
     ref = _cnn()
     ddp = DDP(ref, process_group=mine)
-    run(ddp, _sgd(ddp.parameters()))
+    train_steps(ddp, _sgd(ddp.parameters()), batches)
     net = _cnn()
-    kw: dict[str, Any] = dict(algorithm=algorithm, overlap=overlap, group=mine, **BUCKET)
-    if overlap == "forward":
-        kw["optimizer_factory"] = _sgd
-    model = dtrain.DataParallel(net, **kw)
-    run(model, None if overlap == "forward" else _sgd(model.parameters()))
+    model, opt = _wrap(net, algorithm, overlap, group=mine)
+    train_steps(model, opt, batches)
     model.synchronize()
     model.close()
-    return _maxdiff(_params(net), _params(ref))
+    return max_diff(_params(net), _params(ref))
 
 
 COMBOS = [(a, o) for a in ALGOS for o in ("backward", "forward")]
@@ -359,8 +320,8 @@ def test_equivalence_with_single_process_and_ddp(results, algorithm, overlap):
     for rank, res in enumerate(results):
         r = _ok(res[f"eq/{algorithm}/{overlap}"])
         ddp = _ok(res["ddp"])
-        assert _maxdiff(r["params"], res["single"]) < TOL, f"rank {rank} vs single process"
-        assert _maxdiff(r["params"], ddp) < TOL, f"rank {rank} vs DDP"
+        assert max_diff(r["params"], res["single"]) < TOL, f"rank {rank} vs single process"
+        assert max_diff(r["params"], ddp) < TOL, f"rank {rank} vs DDP"
         assert r["buckets"] >= 3
         st = r["stats"]
         assert st["step"] == STEPS - 1 and st["buckets"] == r["buckets"]
@@ -372,7 +333,7 @@ def test_equivalence_with_single_process_and_ddp(results, algorithm, overlap):
 def test_compression_wiring_with_lossless_compressor_is_exact(results, name):
     for res in results:
         r = _ok(res[f"eq/{name}"])
-        assert _maxdiff(r["params"], res["single"]) < TOL
+        assert max_diff(r["params"], res["single"]) < TOL
         assert r["stats"]["bytes_sent"] == r["expected_bytes"]
 
 
@@ -381,7 +342,7 @@ def test_fp16_compression_halves_bytes_and_stays_close(results):
         r = _ok(res["eq/fp16/backward"])
         exact = _ok(res["eq/ring/backward"])
         assert r["stats"]["bytes_sent"] == r["expected_bytes"] == exact["stats"]["bytes_sent"] // 2
-        d = _maxdiff(r["params"], res["single"])
+        d = max_diff(r["params"], res["single"])
         assert 0 < d < 1e-2  # rounded to float16 on the wire, not exact
     assert results[0]["fp16_is"] == "FP16"
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import spawn
+from _helpers import max_diff, train_steps
 from torch import nn
 
 STEPS = 20
@@ -57,12 +58,8 @@ def _cnn(dtype=torch.float32):
 def _reference(opt_name, dtype):
     """Plain single-process training on the global batch."""
     model = _cnn(dtype)
-    opt = _optimizer(opt_name)(model.parameters())
     x, y = _batches(dtype)
-    for s in range(STEPS):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x[s]), y[s]).backward()
-        opt.step()
+    train_steps(model, _optimizer(opt_name)(model.parameters()), zip(x, y))
     return [p.detach() for p in model.parameters()]
 
 
@@ -173,10 +170,6 @@ def policy_runs(tmp_path_factory):
     return _spawn_ok(_accuracy, 6, str(tmp_path_factory.mktemp("ps_runs")), timeout=600)
 
 
-def _maxdiff(a, b):
-    return max(float((torch.as_tensor(p) - torch.as_tensor(q)).abs().max()) for p, q in zip(a, b))
-
-
 def _workers(servers):
     return range(1, 5) if servers == 1 else range(3, 6)
 
@@ -196,7 +189,7 @@ def test_bsp_gives_the_parameters_of_synchronous_data_parallel_in_float32(bsp_ru
     single-process training.)"""
     for i, r in enumerate(_workers(servers)):
         ps = bsp_runs[r][("ps", servers, opt_name, torch.float32)]
-        diff = _maxdiff(ps, _dp_result(bsp_runs, servers, opt_name, i))
+        diff = max_diff(ps, _dp_result(bsp_runs, servers, opt_name, i))
         print(f"bsp, {servers} server(s), {opt_name}, float32, worker {i}: max |PS - DataParallel(tree)| = {diff:.3g}")
         assert diff < 1e-5, (r, diff)
         assert diff == 0.0, f"rank {r}: {diff:.3g}, not bitwise: the server's order is not the tree allreduce's"
@@ -211,7 +204,7 @@ def test_bsp_gives_the_parameters_of_single_process_training_in_float64(bsp_runs
     global batch (a different summation order: float64 makes it cost ~1e-13)."""
     ref = _reference(opt_name, torch.float64)
     for r in _workers(servers):
-        diff = _maxdiff(bsp_runs[r][("ps", servers, opt_name, torch.float64)], ref)
+        diff = max_diff(bsp_runs[r][("ps", servers, opt_name, torch.float64)], ref)
         print(f"bsp, {servers} server(s), {opt_name}, float64, rank {r}: max |PS - single process| = {diff:.3g}")
         assert diff < 1e-10, (r, diff)
 

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import max_diff, train_steps
 from torch import nn
 
 from dtrain.comm.transport import ThreadTransport, run_threads
@@ -53,12 +54,8 @@ def _adam(params):
 def _reference(opt_factory, steps, workers):
     """Single-process synchronous SGD on the global batch."""
     m = _model()
-    opt = opt_factory(m.parameters())
     x, y = _data(steps, workers)
-    for s in range(steps):
-        opt.zero_grad()
-        nn.functional.cross_entropy(m(x[s]), y[s]).backward()
-        opt.step()
+    train_steps(m, opt_factory(m.parameters()), zip(x, y))
     return [p.detach() for p in m.parameters()]
 
 
@@ -94,10 +91,6 @@ def _train(servers, workers, steps, consistency="bsp", opt_factory=_sgd, timeout
     return run_threads(servers + workers, rank_fn, timeout=20.0, transports=ts)
 
 
-def _maxdiff(a, b):
-    return max(float((p - q).abs().max()) for p, q in zip(a, b))
-
-
 # ---------------------------------------------------------------------- equivalence
 
 
@@ -107,7 +100,7 @@ def test_bsp_equals_synchronous_sgd_on_the_global_batch(servers, opt):
     ref = _reference(opt, 12, 3)
     out = _train(servers, 3, 12, opt_factory=opt, min_split_bytes=0)
     for stats, params in out[servers:]:
-        assert _maxdiff(params, ref) < 1e-5
+        assert max_diff(params, ref) < 1e-5
         assert stats["steps"] == 12
     for stats, _ in out[:servers]:
         assert stats["updates"] == 12 and stats["staleness"]["max"] == 0
@@ -127,7 +120,7 @@ def test_the_update_does_not_depend_on_the_order_gradients_arrive_in(spec):
         runs = [_train(1, W, steps, consistency=spec, opt_factory=_adam, delay=d)
                 for d in (lambda i, s: gap * i if i < 3 else 0.15, lambda i, s: gap * (2 - i) if i < 3 else 0.15)]
     for a, b in zip(runs[0][1:], runs[1][1:]):
-        assert _maxdiff(a[1], b[1]) == 0.0
+        assert max_diff(a[1], b[1]) == 0.0
     if spec == "backup:1":
         assert all(set(r[0][0]["dropped"]) == {str(1 + 3)} for r in runs)  # the late one was the one dropped
 
@@ -169,7 +162,7 @@ def test_staleness_lr_scales_the_step():
     """asp with staleness_lr on one worker: never stale, so identical to asp; the flag is recorded."""
     a = _train(1, 1, 6, consistency="asp", opt_factory=_sgd)
     b = _train(1, 1, 6, consistency="asp", opt_factory=_sgd, staleness_lr=True)
-    assert _maxdiff(a[1][1], b[1][1]) == 0.0
+    assert max_diff(a[1][1], b[1][1]) == 0.0
     assert b[0][0]["consistency"] == "asp+staleness_lr"
 
 
@@ -208,7 +201,7 @@ def test_staleness_lr_divides_each_step_by_its_staleness():
         grads.append([p.grad.clone() for p in m.parameters()])
     expected = [p.detach() - 0.1 * (g0 + g1 + 0.5 * g2) for p, g0, g1, g2 in zip(m.parameters(), *grads)]
     assert out[0]["staleness"]["hist"] == {"0": 1, "1": 1, "2": 1}
-    assert _maxdiff(out[1], expected) < 1e-6
+    assert max_diff(out[1], expected) < 1e-6
 
 
 def test_gradient_budget_stops_the_workers():
@@ -223,7 +216,7 @@ def test_compression_hook_is_used_on_the_push():
 
     exact = _train(1, 2, 5)
     half = _train(1, 2, 5, compression=from_spec("fp16"))
-    assert _maxdiff(exact[1][1], half[1][1]) < 1e-2
+    assert max_diff(exact[1][1], half[1][1]) < 1e-2
     assert half[1][0]["bytes_sent"] < 0.6 * exact[1][0]["bytes_sent"]
 
 

@@ -1,11 +1,9 @@
 """`dtrain run` end to end: real worker processes through torchrun's agent, the run folder's contract."""
 
-import json
-import subprocess
-import sys
 import time
 
 import pytest
+from _helpers import dtrain_cli, read_metrics, read_summary
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json")
 SUMMARY_KEYS = ("strategy", "world_size", "steps", "wall_s", "samples_per_s", "test_accuracy",
@@ -13,18 +11,13 @@ SUMMARY_KEYS = ("strategy", "world_size", "steps", "wall_s", "samples_per_s", "t
 METRIC_KEYS = ("step", "rank", "loss", "lr", "samples_per_s", "compute_s", "comm_s", "wait_s", "bytes_sent")
 
 
-def _dtrain(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def _check_folder(out, workers):
     for f in RUN_FILES:
         assert (out / f).is_file(), f
-    s = json.loads((out / "summary.json").read_text())
+    s = read_summary(out)
     for k in SUMMARY_KEYS:
         assert k in s, k
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     assert {r["rank"] for r in rows} == set(range(workers))
     assert len(rows) == s["steps"] * workers
     for k in METRIC_KEYS:
@@ -36,7 +29,7 @@ def test_default_run_reaches_95_percent(tmp_path):
     """The embedded default (4 workers, CNN, digits, dp ring) must reach >= 95% in under 2 minutes."""
     out = tmp_path / "default"
     t0 = time.monotonic()
-    p = _dtrain("run", "--out", str(out), "--no-progress")
+    p = dtrain_cli("run", "--out", str(out), "--no-progress")
     wall = time.monotonic() - t0
     assert p.returncode == 0, p.stderr[-3000:]
     s, rows = _check_folder(out, 4)
@@ -51,14 +44,14 @@ def test_default_run_reaches_95_percent(tmp_path):
 
 def test_ddp_peer_and_toml_rerun(tmp_path):
     out = tmp_path / "ddp"
-    p = _dtrain("run", "--strategy", "ddp", "--workers", "2", "--epochs", "1", "--max-steps", "5",
-                "--out", str(out), "--no-progress")
+    p = dtrain_cli("run", "--strategy", "ddp", "--workers", "2", "--epochs", "1", "--max-steps", "5",
+                   "--out", str(out), "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
     s, _ = _check_folder(out, 2)
     assert s["steps"] == 5
     # the written config reruns the same job
     out2 = tmp_path / "rerun"
-    p = _dtrain("run", str(out / "config.toml"), "--out", str(out2))
+    p = dtrain_cli("run", str(out / "config.toml"), "--out", str(out2))
     assert p.returncode == 0, p.stderr[-3000:]
     s2, _ = _check_folder(out2, 2)
     assert s2["steps"] == 5 and s2["final_loss"] == pytest.approx(s["final_loss"], rel=1e-5)
@@ -74,7 +67,7 @@ def test_ddp_peer_and_toml_rerun(tmp_path):
 def test_bad_config_fails_before_any_process(tmp_path, args, words):
     out = tmp_path / "bad"
     t0 = time.monotonic()
-    p = _dtrain("run", "--out", str(out), *args, timeout=60)
+    p = dtrain_cli("run", "--out", str(out), *args, timeout=60)
     assert p.returncode == 2
     assert words in p.stderr
     assert not (out / "metrics.jsonl").exists()
@@ -83,8 +76,8 @@ def test_bad_config_fails_before_any_process(tmp_path, args, words):
 
 def test_strategy_auto_runs_the_planners_choice(tmp_path):
     out = tmp_path / "auto"
-    p = _dtrain("run", "--strategy", "auto", "--workers", "2", "--epochs", "1", "--max-steps", "5",
-                "--out", str(out), "--no-progress", timeout=300)
+    p = dtrain_cli("run", "--strategy", "auto", "--workers", "2", "--epochs", "1", "--max-steps", "5",
+                   "--out", str(out), "--no-progress", timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "--strategy auto chose:" in p.stderr
     from dtrain.config import load_toml
@@ -171,9 +164,9 @@ def test_lr_schedule_cosine_under_dp_and_ps(tmp_path):
     runs = {}
     for name, extra in {"dp": [], "ps": ["--strategy", "ps"]}.items():
         out = tmp_path / name
-        p = _dtrain("run", "--out", str(out), *common, *extra)
+        p = dtrain_cli("run", "--out", str(out), *common, *extra)
         assert p.returncode == 0, p.stderr[-3000:]
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(out)
         runs[name] = sorted((r for r in rows if "loss" in r), key=lambda r: r["step"])
     assert [r["lr"] for r in runs["dp"]] == pytest.approx([0.05 * lr_factor("cosine", t, 8) for t in range(8)])
     assert len(runs["ps"]) == 8

@@ -4,13 +4,11 @@ other file touched; the registry answers every layer."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _helpers import dtrain_cli, read_metrics, read_summary
 
 from dtrain.errors import ConfigError
 
@@ -30,28 +28,23 @@ def toy(monkeypatch):
     base.unregister("alone")
 
 
-def _dtrain(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
 def _losses(out: Path) -> dict[tuple[int, int], float]:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {(r["rank"], r["step"]): r["loss"] for r in rows}
+    return {(r["rank"], r["step"]): r["loss"] for r in read_metrics(out)}
 
 
 def test_toy_strategy_runs_checkpoints_and_resumes(toy, tmp_path):
     common = ["--strategy", "alone", "--workers", "2", "--epochs", "1", "--max-steps", "12", "--no-progress",
               "--no-trace", "--report-every", "3"]
     a = tmp_path / "a"
-    p = _dtrain("run", *common, "--checkpoint-every", "6", "--out", str(a))
+    p = dtrain_cli("run", *common, "--checkpoint-every", "6", "--out", str(a))
     assert p.returncode == 0, p.stderr[-3000:]
-    summary = json.loads((a / "summary.json").read_text())
+    summary = read_summary(a)
     assert summary["strategy"] == "alone" and summary["steps"] == 12 and summary["bytes_sent_per_step"] == 0
     assert "[alone]" in (a / "config.toml").read_text() and "report_every = 3" in (a / "config.toml").read_text()
     full = _losses(a)
     assert full[(0, 11)] != full[(1, 11)]  # the workers really train apart
     b = tmp_path / "b"
-    p = _dtrain("run", *common, "--resume", str(a / "checkpoints" / "step_000006"), "--out", str(b))
+    p = dtrain_cli("run", *common, "--resume", str(a / "checkpoints" / "step_000006"), "--out", str(b))
     assert p.returncode == 0, p.stderr[-3000:]
     resumed = _losses(b)
     assert sorted(resumed) == [(r, s) for r in range(2) for s in range(6, 12)]

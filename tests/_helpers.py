@@ -1,0 +1,98 @@
+"""Helpers shared by the test files (imported as ``from _helpers import ...``; tests/conftest.py puts
+this folder on the path). Spawning processes lives in ``_dist.py``.
+
+- :func:`max_diff`: the largest elementwise difference of two lists of tensors (or arrays).
+- :func:`train_steps`: the plain single-process reference: one cross-entropy step per batch.
+- :func:`dtrain_cli`, :func:`read_metrics`, :func:`read_summary`: ``python -m dtrain.cli`` in a
+  subprocess and the run folder it writes.
+- :class:`FakeClock`: time that moves only when the test says, for code that takes a clock or a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FakeClock", "max_diff", "train_steps", "two_phase_residuals", "dtrain_cli", "read_metrics", "read_summary"]
+
+
+class FakeClock:
+    """A clock for code under test: ``clock()`` reads it, ``clock.sleep(s)`` (which the code may
+    call instead of ``time.sleep``) and ``clock.advance(s)`` move it; ``sleeps`` lists the sleeps."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, s: float) -> None:
+        self.now += s
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.now += s
+
+
+def max_diff(a: Iterable[Any], b: Iterable[Any]) -> float:
+    """``max |x - y|`` over the pairs of two equally long sequences of tensors (numpy arrays and
+    lists are converted: results that crossed a process boundary are often numpy)."""
+    a, b = list(a), list(b)
+    assert len(a) == len(b), f"{len(a)} tensors against {len(b)}"
+    return max(float((torch.as_tensor(x) - torch.as_tensor(y)).abs().max()) for x, y in zip(a, b))
+
+
+def train_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """Train ``model``: per ``(x, y)``, zero the gradients, cross-entropy backward, step.
+
+    ``optimizer`` None: the model steps itself (``DataParallel(overlap="forward")``), so only backward.
+    """
+    for x, y in batches:
+        if optimizer is not None:
+            optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if optimizer is not None:
+            optimizer.step()
+
+
+def two_phase_residuals(comps: list[Any], key: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What error feedback keeps back in the two-phase compressed allreduce of ``n`` elements under
+    ``key`` over ``len(comps)`` ranks: per rank the worker residuals of every chunk it sent
+    (``KEY#j``), and the residual each owner kept of the chunk it combined (``KEY#r/agg``), as float64."""
+    from dtrain.comm.sparse import chunk_bounds
+
+    p = len(comps)
+    b = chunk_bounds(n, p)
+    worker = torch.zeros(p, n, dtype=torch.float64)
+    server = torch.zeros(n, dtype=torch.float64)
+    for r, c in enumerate(comps):
+        for j in range(p):
+            worker[r, b[j] : b[j + 1]] = c.residual(f"{key}#{j}").double()
+        server[b[r] : b[r + 1]] = c.residual(f"{key}#{r}/agg").double()
+    return worker, server
+
+
+def dtrain_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m dtrain.cli ARGS`` in a subprocess with a hard timeout; stdout and stderr captured as text."""
+    return subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)  # fmt: skip
+
+
+def read_metrics(out: Path) -> list[dict[str, Any]]:
+    """The rows of a run folder's ``metrics.jsonl``."""
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_summary(out: Path) -> dict[str, Any]:
+    """A run folder's ``summary.json``."""
+    return dict(json.loads((out / "summary.json").read_text()))
