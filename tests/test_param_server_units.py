@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import FakeClock
 
 from dtrain.comm.allreduce import allreduce_over
 from dtrain.comm.transport import run_threads
@@ -128,25 +129,27 @@ def test_a_server_op_is_not_a_worker_op():
 
 
 def test_a_silent_peer_is_lost_after_the_timeout_and_a_beating_one_is_not():
+    """On a fake clock, each rank's heartbeat round (``tick``) run by the test every 0.05 s."""
     store = dist.HashStore()
-    a = Liveness(store, "t", 0, timeout_s=0.5, interval_s=0.05)
-    b = Liveness(store, "t", 1, timeout_s=0.5, interval_s=0.05)
-    c = Liveness(store, "t", 2, timeout_s=0.5, interval_s=0.05)
-    b.start()
-    c.start()
-    a.start(watch=[1, 2])
-    time.sleep(0.3)
-    c.stop()  # rank 2 goes quiet
-    t0 = time.monotonic()
-    while 2 not in a.lost() and time.monotonic() - t0 < 3:
-        time.sleep(0.02)
-    waited = time.monotonic() - t0
+    clock = FakeClock()
+    a, b, c = (Liveness(store, "t", r, timeout_s=0.5, interval_s=0.05, clock=clock) for r in range(3))
+    a.watch([1, 2])
+
+    def interval(*ranks: Liveness) -> None:
+        clock.advance(0.05)
+        for x in ranks:
+            assert x.tick()
+
+    for _ in range(6):  # 0.3 s of beats
+        interval(a, b, c)
+    t0 = clock()  # rank 2 goes quiet
+    while 2 not in a.lost() and clock() - t0 < 3:
+        interval(a, b)
+    waited = clock() - t0
     assert 0.4 < waited < 1.5 and "no heartbeat" in a.lost()[2]
     assert 1 not in a.lost()
     a.unwatch(2)
     assert a.lost() == {}
-    for x in (a, b):
-        x.stop()
 
 
 def test_abort_reaches_every_rank():
@@ -158,7 +161,9 @@ def test_abort_reaches_every_rank():
     assert b.aborted() is None
     a.abort("worker rank 0 stopped: boom")
     a.abort("a second reason does not overwrite the first")
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10  # b's heartbeat thread reads it within an interval; no fixed sleep
+    while b.aborted(refresh=False) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert b.aborted(refresh=False) == "worker rank 0 stopped: boom"
     a.stop()
     b.stop()

@@ -3,21 +3,12 @@
 from pathlib import Path
 
 import pytest
+from _helpers import FakeClock
 
 from dtrain.cluster import Straggler
 from dtrain.config import RunConfig
 from dtrain.errors import ConfigError
 from dtrain.train import TrainContext
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-        self.sleeps = []
-
-    def sleep(self, s):
-        self.sleeps.append(s)
-        self.now += s
 
 
 def test_each_step_lasts_factor_times_the_median_of_the_window():
