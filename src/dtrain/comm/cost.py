@@ -186,42 +186,39 @@ def tree_traffic(world_size: int, numel: int, itemsize: int = 4) -> Traffic:
     return _tally(world_size, lambda r: [n] * ((binomial_parent(r) >= 0) + len(binomial_children(r, world_size))))
 
 
-def _fold_sends(fold: Fold, n: int) -> list[int]:
-    # the folded rank sends its vector in; its partner sends the result back
-    return [n] if fold.partner >= 0 else []
-
-
-def recursive_doubling_traffic(world_size: int, numel: int, itemsize: int = 4) -> Traffic:
-    """Butterfly on the power-of-two core (full vector each round) plus the fold of the extra ranks."""
-    if _nothing_sent(world_size, numel, itemsize):
-        return _idle(world_size)
-    n = numel * itemsize
-
-    def sends(r: int) -> list[int]:
-        fold = Fold.of(r, world_size)
-        rounds = fold.core.bit_length() - 1 if fold.new_rank >= 0 else 0
-        return _fold_sends(fold, n) + [n] * rounds
-
-    return _tally(world_size, sends)
-
-
-def rabenseifner_traffic(world_size: int, numel: int, itemsize: int = 4) -> Traffic:
-    """Recursive halving + doubling on the core (empty halves not sent) plus the full-vector fold."""
+def _folded_traffic(world_size: int, numel: int, itemsize: int, core: Callable[[Fold], Iterable[int]]) -> Traffic:
+    """An algorithm on the power-of-two core: the fold's full-vector message (the folded rank sends
+    its vector in, its partner sends the result back) plus, for a rank in the core, ``core(fold)``."""
     if _nothing_sent(world_size, numel, itemsize):
         return _idle(world_size)
     n = numel * itemsize
 
     def sends(r: int) -> Iterator[int]:
         fold = Fold.of(r, world_size)
-        yield from _fold_sends(fold, n)
-        if fold.new_rank >= 0 and fold.core > 1:
-            blocks = offsets(numel, fold.core)
-            for _, _, give in halving_rounds(fold.new_rank, fold.core):
-                yield (blocks[give[1]] - blocks[give[0]]) * itemsize
-            for _, mine, _ in doubling_rounds(fold.new_rank, fold.core):
-                yield (blocks[mine[1]] - blocks[mine[0]]) * itemsize
+        if fold.partner >= 0:
+            yield n
+        if fold.new_rank >= 0:
+            yield from core(fold)
 
     return _tally(world_size, sends)
+
+
+def recursive_doubling_traffic(world_size: int, numel: int, itemsize: int = 4) -> Traffic:
+    """Butterfly on the power-of-two core (full vector each round) plus the fold of the extra ranks."""
+    return _folded_traffic(world_size, numel, itemsize, lambda fold: [numel * itemsize] * (fold.core.bit_length() - 1))
+
+
+def rabenseifner_traffic(world_size: int, numel: int, itemsize: int = 4) -> Traffic:
+    """Recursive halving + doubling on the core (empty halves not sent) plus the full-vector fold."""
+
+    def core(fold: Fold) -> Iterator[int]:
+        blocks = offsets(numel, fold.core)
+        for _, _, give in halving_rounds(fold.new_rank, fold.core):
+            yield (blocks[give[1]] - blocks[give[0]]) * itemsize
+        for _, mine, _ in doubling_rounds(fold.new_rank, fold.core):
+            yield (blocks[mine[1]] - blocks[mine[0]]) * itemsize
+
+    return _folded_traffic(world_size, numel, itemsize, core)
 
 
 def _nodes(world_size: int, node_size: int | None, nodes: tuple[int, ...] | list[int] | None) -> list[int]:
