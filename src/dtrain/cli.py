@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from dtrain.config import LR_SCHEDULES, OPTIMIZERS, RunConfig, load_toml, option_fields
 from dtrain._cli import run_command
+from dtrain.config import LR_SCHEDULES, OPTIMIZERS, RunConfig, load_toml, option_fields
 from dtrain.errors import DTrainError
 from dtrain.strategies.base import registered
 
@@ -48,7 +48,7 @@ _BENCHES = {
 }
 
 
-def _add_flag(p: argparse.ArgumentParser, name: str, default: Any, helptext: str,
+def _add_flag(p: argparse._ActionsContainer, name: str, default: Any, helptext: str,
               choices: Sequence[str] | None) -> None:  # fmt: skip
     flag = "--" + name.replace("_", "-")
     if isinstance(default, bool):

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from dtrain._toml import read_toml
 from dtrain.errors import ConfigError
@@ -202,7 +203,8 @@ class RunConfig:
             elif k in registered():
                 raise ConfigError(f"[{k}] holds options of strategy {k}; this run's strategy is {strategy}")
             else:
-                valid = sorted([*shared, *(k for k, owners in everywhere.items() if any(s == strategy for s, _ in owners))])
+                mine = (name for name, owners in everywhere.items() if any(s == strategy for s, _ in owners))
+                valid = sorted([*shared, *mine])
                 raise ConfigError(f"unknown option(s) {k}; valid options: {', '.join(valid)}")
         extra = values.get("extra", {})
         if not isinstance(extra, Mapping):

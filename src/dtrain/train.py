@@ -21,9 +21,10 @@ import json
 import math
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as dist
 

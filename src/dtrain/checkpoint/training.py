@@ -140,7 +140,7 @@ class RunCheckpointer:
         self._saved: set[int] = set()
 
     @classmethod
-    def create(cls, cfg: RunConfig, out_dir: str | Path) -> "RunCheckpointer | None":
+    def create(cls, cfg: RunConfig, out_dir: str | Path) -> RunCheckpointer | None:
         """A checkpointer when the run saves or resumes, else None (every process decides alike)."""
         if cfg.checkpoint_every <= 0 and not cfg.resume:
             return None

@@ -20,9 +20,10 @@ rest; their line says what they trade (compression error, staleness), and
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Hashable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,7 +74,7 @@ class Plan:
     def table(self, top: int | None = None) -> str:
         """The ranked table (and the rejected strategies) as text."""
         rows = [f"plan for {self.cluster.describe()}; global batch {self.batch}",
-                f"{'#':>3}  {'strategy':<34}{'step ms':>9}{'samples/s':>11}{'mem/dev':>10}{'sent/step':>11}  why"]  # fmt: skip
+                f"{'#':>3}  {'strategy':<34}{'step ms':>9}{'samples/s':>11}{'mem/dev':>10}{'sent/step':>11}  why"]
         for i, p in enumerate(self.ranked[:top] if top else self.ranked, 1):
             rows.append(f"{i:>3}  {p.strategy.label():<34}{p.step_s * 1e3:>9.3g}{p.samples_per_s:>11.4g}"
                         f"{format_bytes(p.memory.total):>10}{format_bytes(p.bytes_per_step):>11}  {p.why}")  # fmt: skip

@@ -2,7 +2,8 @@
 
 Every function here takes a :class:`~dtrain.perfmodel.profile.ModelProfile` (at
 the per-worker batch), a :class:`~dtrain.perfmodel.spec.ClusterSpec` and a
-:class:`~dtrain.strategies.Choice` (a registered strategy, its options and workers), and returns a :class:`Prediction`. Nothing is run.
+:class:`~dtrain.strategies.Choice` (a registered strategy, its options and workers),
+and returns a :class:`Prediction`. Nothing is run.
 
 Compute. Per-layer forward and backward times come, in this order of
 preference, from the cluster's ``[models.NAME]`` throughput (split over layers
@@ -57,13 +58,12 @@ binomial tree's one-way messages are replayed against the links' token buckets
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dtrain.comm.fusion import MB, assign_buckets
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.collectives import (
     CompressionModel,
-    allreduce_bytes,
     collective_steps,
     compressed_allreduce_bytes,
     compressed_allreduce_time,
@@ -330,7 +330,7 @@ def predict_data_parallel(prof: ModelProfile, c: ClusterSpec, s: Choice, o: Data
     if comp.kind != "dense":
         why += f"; {coding_total * 1e3:.3g} ms to encode/decode"
     return Prediction(s, step, prof.batch * p / step, compute, comm_total + coding_total, exposed, wait, sent, mem, fits,
-                      why, {"fwd_s": f_total, "bwd_s": bwd_total, "opt_s": opt, "coding_s": coding_total})  # fmt: skip
+                      why, {"fwd_s": f_total, "bwd_s": bwd_total, "opt_s": opt, "coding_s": coding_total})
 
 
 def bucket_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, comp: CompressionModel
@@ -479,7 +479,7 @@ def predict_parameter_server(prof: ModelProfile, c: ClusterSpec, s: Choice, o: S
         step = max(cycle, N * per_update)
         wait = step - cycle
         why = (f"asynchronous ({o.consistency}): no barrier; "
-               + ("server links saturated" if N * per_update > cycle else "bounded by each worker's own cycle"))  # fmt: skip
+               + ("server links saturated" if N * per_update > cycle else "bounded by each worker's own cycle"))
     barrier = c.device.imbalance if policy in ("bsp", "backup") else 0.0
     exposed = max(0.0, step - compute - overhead - pc.coding - barrier)
     return Prediction(s, step, prof.batch * N / step, compute, comm, exposed, wait, pc.payload, mem, fits, why,

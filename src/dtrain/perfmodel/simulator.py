@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class Stragglers:
             raise ConfigError(f"lognormal sigma must be >= 0, got {self.a}")
 
     @classmethod
-    def parse(cls, text: str) -> "Stragglers":
+    def parse(cls, text: str) -> Stragglers:
         parts = (text or "none").split(":")
         try:
             if parts[0] == "none":

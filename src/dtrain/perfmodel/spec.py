@@ -54,11 +54,12 @@ from __future__ import annotations
 
 import math
 import socket
-import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
+from dtrain._toml import read_toml
 from dtrain.errors import ConfigError
 from dtrain.perfmodel._units import format_rate, parse_bytes, parse_rate, parse_time
 
@@ -238,7 +239,7 @@ class ClusterSpec:
         """The slowest level a message from rank ``a`` to rank ``b`` crosses."""
         return self.intra if self.node_of(a) == self.node_of(b) else self.inter
 
-    def with_devices(self, p: int) -> "ClusterSpec":
+    def with_devices(self, p: int) -> ClusterSpec:
         """The same hardware holding ``p`` devices (fills nodes in order; may add nodes)."""
         d = min(self.devices_per_node, p)
         return replace(self, nodes=max(1, math.ceil(p / d)), devices_per_node=d)
@@ -323,18 +324,8 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     Raises:
         ConfigError: missing file, bad TOML, or a value that says what to change.
     """
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"cluster file {str(p)!r} does not exist (write one by hand or run `dtrain bench calibrate`)")
-    try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: not valid TOML: {e}") from None
-    return cluster_from_dict(data, source=str(p))
+    data = read_toml(path, "cluster file", hint="write one by hand or run `dtrain bench calibrate`")
+    return cluster_from_dict(data, source=str(path))
 
 
 def _num(x: float) -> str:
@@ -363,11 +354,11 @@ def dump_cluster(c: ClusterSpec, comment: str = "") -> str:
         out.append("")
     for mname, m in c.models.items():
         out += [f"[models.\"{mname}\"]", f"samples_per_s = {_num(m.samples_per_s)}",
-                f"backward_fraction = {_num(m.backward_fraction)}", f"optimizer_s = {_num(m.optimizer_s)}", ""]  # fmt: skip
+                f"backward_fraction = {_num(m.backward_fraction)}", f"optimizer_s = {_num(m.optimizer_s)}", ""]
     for cname, cc in c.compressors.items():
         out += [f"[compressors.\"{cname}\"]", f"ratio = {_num(cc.ratio)}",
-                f"encode_s_per_byte = {_num(cc.encode_s_per_byte)}", f"decode_s_per_byte = {_num(cc.decode_s_per_byte)}",
-                ""]  # fmt: skip
+                f"encode_s_per_byte = {_num(cc.encode_s_per_byte)}",
+                f"decode_s_per_byte = {_num(cc.decode_s_per_byte)}", ""]
     return "\n".join(out)
 
 

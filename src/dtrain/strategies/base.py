@@ -33,25 +33,25 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Hashable
+from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    import numpy as np
 
     from dtrain.compress.base import Compressor
     from dtrain.config import RunConfig
     from dtrain.perfmodel.collectives import CompressionModel
     from dtrain.perfmodel.predict import Memory, Prediction, StepInputs
     from dtrain.perfmodel.profile import ModelProfile
-    from dtrain.perfmodel.simulator import SimResult, Stragglers
+    from dtrain.perfmodel.simulator import SimResult
     from dtrain.perfmodel.spec import ClusterSpec
     from dtrain.training.context import TrainContext
 
-__all__ = ["PLUGINS_ENV", "options_for", "StrategyOptions", "Strategy", "Choice", "PlanSpace", "register", "unregister", "get", "registered",
-           "choice"]  # fmt: skip
+__all__ = ["PLUGINS_ENV", "options_for", "StrategyOptions", "Strategy", "Choice", "PlanSpace", "register",
+           "unregister", "get", "registered", "choice"]
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ on the same loop, the peer every figure is compared with.
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn

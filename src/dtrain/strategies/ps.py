@@ -29,8 +29,9 @@ The end-of-run statistics (staleness, clock lag, the per-rank table) are
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -158,8 +159,9 @@ class PSWorkerEngine:
     def rows(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         dt = row.pop("step_s")
         last, sent = self.ps.last_step, int(self.ps.stats()["bytes_sent"])
-        row.update(compute_s=dt - last["push_s"] - last["wait_s"] - last["pull_s"], comm_s=last["push_s"] + last["pull_s"],
-                   wait_s=last["wait_s"], bytes_sent=sent - self._sent)  # fmt: skip
+        comm_s = last["push_s"] + last["pull_s"]
+        row.update(compute_s=dt - comm_s - last["wait_s"], comm_s=comm_s, wait_s=last["wait_s"],
+                   bytes_sent=sent - self._sent)
         self._sent = sent
         return [row]
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -154,7 +155,7 @@ class TrainContext:
         epoch's first batches without reading them (a resumed run starts mid-epoch
         on exactly the batches the uninterrupted run saw next).
         """
-        sampler = DistributedSampler(
+        sampler: DistributedSampler[Any] = DistributedSampler(
             self.data.train, num_replicas=num_shards, rank=shard, shuffle=True, seed=self.cfg.seed, drop_last=True
         )
         sampler.set_epoch(epoch)

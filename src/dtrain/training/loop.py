@@ -203,8 +203,8 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
     extra = engine.finish()
     bar.close()
     last = tally.losses[-10:]
-    out: dict[str, Any] = dict(role="worker", steps=tally.step - pos.step, start_step=pos.step,
-                               samples=tally.samples, train_s=train_s, final_loss=sum(last) / max(1, len(last)))  # fmt: skip
+    out: dict[str, Any] = dict(role="worker", steps=tally.step - pos.step, start_step=pos.step, samples=tally.samples,
+                               train_s=train_s, final_loss=sum(last) / max(1, len(last)))
     out.update(extra)
     if engine.evaluator:
         out["test_accuracy"] = ctx.evaluate(engine.model)
