@@ -6,7 +6,7 @@ walk them layer by layer.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from torch import nn
 

@@ -25,8 +25,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dtrain.cluster.netns import IFACE, EmulatedCluster, load, require_root
 from dtrain.errors import ConfigError
@@ -131,7 +132,8 @@ def run_on_cluster(
                     continue
                 failures.append(f"host {h}: {value}")
             elif h in late:
-                why = "killed after another host failed" if gave_up else f"still running after {timeout_s:.0f} s (killed)"
+                why = ("killed after another host failed" if gave_up
+                       else f"still running after {timeout_s:.0f} s (killed)")
                 failures.append(f"host {h}: {why}; log: {_tail(work, h)}")
             else:
                 failures.append(f"host {h}: node exited with code {p.returncode}; log: {_tail(work, h)}")

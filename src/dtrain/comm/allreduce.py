@@ -34,8 +34,9 @@ import datetime
 import functools
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -493,7 +494,8 @@ def native(t: Transport, flat: torch.Tensor, op: str, opts: AllreduceOptions) ->
     Needs a :class:`TorchTransport`.
     """
     if not isinstance(t, TorchTransport):
-        raise ConfigError(f"algorithm 'native' runs the backend's own allreduce and needs a TorchTransport, got {type(t).__name__}")
+        raise ConfigError("algorithm 'native' runs the backend's own allreduce and needs a TorchTransport, "
+                          f"got {type(t).__name__}")
     import torch.distributed as dist
 
     red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]

@@ -52,8 +52,9 @@ from __future__ import annotations
 import abc
 import heapq
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterable, Sequence, Union
+from typing import ClassVar
 
 from dtrain.errors import ConfigError
 
@@ -154,7 +155,7 @@ class Release:
         return f"release w{self.worker}@{self.version}" + (f" lag{self.clock_lag}" if self.clock_lag else "")
 
 
-Action = Union[Apply, Drop, Release]
+Action = Apply | Drop | Release
 
 
 class PolicyViolation(ValueError):
@@ -197,7 +198,7 @@ class Policy(abc.ABC):
 
     # ------------------------------------------------------------------ set-up
 
-    def start(self, workers: Iterable[int]) -> "Policy":
+    def start(self, workers: Iterable[int]) -> Policy:
         """Reset the state for a new run with these worker ids; returns ``self``."""
         ws = tuple(sorted(set(workers)))
         if not ws:
@@ -502,7 +503,7 @@ class StalenessAwareLR(Policy):
             raise AttributeError(item)
         return getattr(self.inner, item)
 
-    def start(self, workers: Iterable[int]) -> "Policy":
+    def start(self, workers: Iterable[int]) -> Policy:
         self.inner.start(workers)
         return self
 
@@ -574,7 +575,7 @@ class ConsistencySpec:
     def synchronous(self) -> bool:
         return self.kind == "bsp"
 
-    def check_workers(self, workers: int) -> "ConsistencySpec":
+    def check_workers(self, workers: int) -> ConsistencySpec:
         """Raise :class:`ConfigError` if the policy cannot run with ``workers`` workers; returns ``self``."""
         self.build().start(range(workers))
         return self
@@ -590,7 +591,7 @@ class ConsistencySpec:
         return s + ("+staleness_lr" if self.staleness_lr else "")
 
 
-def parse_consistency(spec: "str | ConsistencySpec", *, staleness_lr: bool = False) -> ConsistencySpec:
+def parse_consistency(spec: str | ConsistencySpec, *, staleness_lr: bool = False) -> ConsistencySpec:
     """Parse ``"bsp"``, ``"asp"``, ``"ssp:3"``, ``"softsync:2"`` or ``"backup:1"``.
 
     Raises:

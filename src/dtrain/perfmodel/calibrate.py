@@ -51,9 +51,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,7 +63,8 @@ from dtrain.errors import DTrainError
 from dtrain.perfmodel._units import format_rate, format_time
 from dtrain.perfmodel.spec import ClusterSpec, CompressorCost, Device, Link, dump_cluster, load_cluster, this_host
 
-__all__ = ["main", "fit_alpha_beta", "trimmed_mean", "calibrate_cluster", "refresh_load", "calibrate_local", "local_cluster",
+__all__ = ["main", "fit_alpha_beta", "trimmed_mean", "calibrate_cluster", "refresh_load", "calibrate_local",
+           "local_cluster",
            "cache_dir", "cluster_file"]  # fmt: skip
 
 # the floor's probe: 1 KiB, a few bytes in every rank's segment but latency-bound at any link rate
@@ -197,7 +199,7 @@ def _sync_steps(model_name: str, dataset: str, batch: int, steps: int) -> dict[s
         for i in range(steps + 3):
             t0 = time.perf_counter()
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             t1 = time.perf_counter()
             coll = pool.submit(allreduce).result()
@@ -225,7 +227,7 @@ def _train_passes(model: Any, sample: Any, seconds: float) -> float:
     n, t0 = 0, time.perf_counter()
     while n < 3 or time.perf_counter() - t0 < seconds:
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+        nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         n += 1
     return (time.perf_counter() - t0) / n
@@ -235,8 +237,8 @@ def _compute_alone_and_together(model_name: str, dataset: str, batch: int, reps:
     """Rank 0's profile alone (median, as the planner measures) and every rank's mean pass, all at once."""
     import torch.distributed as dist
 
-    from dtrain.workload import load_model
     from dtrain.perfmodel.profile import profile_model
+    from dtrain.workload import load_model
 
     model, sample, _ = load_model(model_name, dataset, batch=batch)
     _train_passes(model, sample, 0.05)  # warm-up
@@ -395,8 +397,8 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, r
     import json
 
     from dtrain.config import RunConfig
-    from dtrain.workload import load_model
     from dtrain.train import worker_main
+    from dtrain.workload import load_model
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)

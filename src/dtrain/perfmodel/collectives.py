@@ -337,7 +337,8 @@ def collective_steps(c: ClusterSpec, algorithm: str, p: int, comp: CompressionMo
     raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
 
 
-def compressed_allreduce_bytes(algorithm: str, nbytes: float, p: int, comp: CompressionModel, node_size: int = 1) -> float:
+def compressed_allreduce_bytes(algorithm: str, nbytes: float, p: int, comp: CompressionModel,
+                               node_size: int = 1) -> float:
     """Mean bytes a rank sends for one bucket of ``nbytes`` under ``comp``."""
     if p <= 1 or nbytes <= 0:
         return 0.0

@@ -34,7 +34,8 @@ def compressor_kind(spec: str) -> str:
 
 
 @lru_cache(maxsize=64)
-def measure_compressor(spec: str, numel: int = 1 << 18, repeats: int = 5, threads: int = 1) -> tuple[float, float, float]:
+def measure_compressor(spec: str, numel: int = 1 << 18, repeats: int = 5,
+                       threads: int = 1) -> tuple[float, float, float]:
     """(payload ratio, encode seconds per dense byte, decode seconds per dense byte) of ``spec``.
 
     The probe is a ``(rows, cols)`` matrix of ``numel`` normal values (matrices let

@@ -329,7 +329,8 @@ def predict_data_parallel(prof: ModelProfile, c: ClusterSpec, s: Choice, o: Data
            f"{bwd_total * 1e3:.3g} ms of backward")  # fmt: skip
     if comp.kind != "dense":
         why += f"; {coding_total * 1e3:.3g} ms to encode/decode"
-    return Prediction(s, step, prof.batch * p / step, compute, comm_total + coding_total, exposed, wait, sent, mem, fits,
+    return Prediction(s, step, prof.batch * p / step, compute, comm_total + coding_total, exposed, wait, sent, mem,
+                      fits,
                       why, {"fwd_s": f_total, "bwd_s": bwd_total, "opt_s": opt, "coding_s": coding_total})
 
 

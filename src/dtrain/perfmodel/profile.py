@@ -20,8 +20,9 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -103,7 +104,7 @@ class ModelProfile:
     def measured(self) -> bool:
         return bool(self.host) and self.fwd_s + self.bwd_s > 0
 
-    def at_batch(self, batch: int) -> "ModelProfile":
+    def at_batch(self, batch: int) -> ModelProfile:
         """The same model at another per-device batch: FLOPs, activations and times scale linearly.
 
         Linear time scaling is an approximation (small batches carry fixed
@@ -120,12 +121,13 @@ class ModelProfile:
         return replace(self, batch=batch, layers=layers, input_bytes=self.input_bytes * f)
 
     def table(self) -> str:
-        rows = [f"{'layer':<14}{'params':>10}{'fwd MFLOP':>11}{'bwd MFLOP':>11}{'act KiB':>9}{'fwd ms':>8}{'bwd ms':>8}"]
+        head = f"{'layer':<14}{'params':>10}{'fwd MFLOP':>11}{'bwd MFLOP':>11}{'act KiB':>9}{'fwd ms':>8}{'bwd ms':>8}"
+        rows = [head]
         for ly in self.layers:
             rows.append(f"{ly.name[:13]:<14}{ly.params:>10}{ly.fwd_flops / 1e6:>11.2f}{ly.bwd_flops / 1e6:>11.2f}"
                         f"{ly.activation_bytes / 1024:>9.1f}{ly.fwd_s * 1e3:>8.3f}{ly.bwd_s * 1e3:>8.3f}")  # fmt: skip
         rows.append(f"{'total':<14}{self.params:>10}{self.fwd_flops / 1e6:>11.2f}{self.bwd_flops / 1e6:>11.2f}"
-                    f"{self.activation_bytes / 1024:>9.1f}{self.fwd_s * 1e3:>8.3f}{self.bwd_s * 1e3:>8.3f}")  # fmt: skip
+                    f"{self.activation_bytes / 1024:>9.1f}{self.fwd_s * 1e3:>8.3f}{self.bwd_s * 1e3:>8.3f}")
         return "\n".join(rows)
 
 
@@ -204,7 +206,7 @@ def profile_model(
         with torch.no_grad(), fwd_counter:
             model(x)
         with all_counter:
-            loss_fn(model(x), target).backward()  # type: ignore[no-untyped-call]
+            loss_fn(model(x), target).backward()
     finally:
         for h in handles:
             h.remove()
@@ -254,7 +256,7 @@ def _measure(
         t0 = time.perf_counter()
         loss = loss_fn(model(x), target)
         t1 = time.perf_counter()
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()
         t2 = time.perf_counter()
         model.zero_grad(set_to_none=False)
         return t1 - t0, t2 - t1
@@ -282,7 +284,7 @@ def _measure(
                 rec.clear()
                 loss = loss_fn(model(x), target)
                 tb = time.perf_counter()
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()
                 te = time.perf_counter()
                 model.zero_grad(set_to_none=False)
                 if r == 0:
