@@ -1,0 +1,80 @@
+"""Reference models: a small CNN (the default), an MLP, and GPT language models.
+
+Every model is an ``nn.Sequential`` so pipeline partitioning and per-layer
+profiling can walk it child by child.
+
+* ``cnn``, ``mlp`` -- image classifiers (:mod:`dtrain.models.vision`).
+* ``gpt``, ``gpt-tiny``, ``gpt-small``, ``gpt-medium`` -- decoder-only
+  transformers over token ids (:mod:`dtrain.models.gpt`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from dtrain.models.gpt import GPT_MODELS, GPT_PRESETS, GPTConfig, build_gpt, generate, gpt_config
+from dtrain.models.vision import VISION_MODELS, build_cnn, build_mlp
+
+__all__ = ["MODELS", "build_model", "GPTConfig", "GPT_PRESETS", "generate", "gpt_config", "is_language_model"]
+
+MODELS = (*VISION_MODELS, *GPT_MODELS)
+
+
+def is_language_model(name: str) -> bool:
+    """Whether ``name`` is a language model (takes token ids, predicts the next token at every position)."""
+    return name in GPT_MODELS
+
+
+def build_model(
+    name: str = "cnn",
+    input_shape: tuple[int, ...] = (1, 8, 8),
+    num_classes: int = 10,
+    *,
+    width: int = 16,
+    hidden: Sequence[int] = (128, 64),
+    **gpt_overrides: Any,
+) -> nn.Sequential:
+    """Build a reference model.
+
+    Args:
+        name: one of :data:`MODELS`: "cnn" (two 3x3 convolutions, max-pool, two
+            linear layers), "mlp", or a GPT: "gpt" (gpt-small's shape), "gpt-tiny",
+            "gpt-small", "gpt-medium".
+        input_shape: ``(channels, height, width)`` of one sample for cnn/mlp. For a
+            GPT, a 1-D ``(seq_len,)`` sets ``seq_len`` unless it is given by keyword.
+        num_classes: output logits; for a GPT the vocabulary size unless
+            ``vocab_size`` is given by keyword.
+        width: channels of the CNN's first convolution (default: 16).
+        hidden: hidden layer sizes of the MLP (default: (128, 64)).
+        **gpt_overrides: GPT only: any :class:`GPTConfig` field (``vocab_size``,
+            ``seq_len``, ``layers``, ``d_model``, ``heads``, ``dropout``); 0 or None
+            keeps the preset's value.
+
+    Raises:
+        ValueError: unknown name or keyword, a GPT keyword given a non-default
+            value for cnn/mlp, or a bad shape or config.
+    """
+    if is_language_model(name):
+        opts = dict(gpt_overrides)
+        if not opts.get("seq_len") and len(input_shape) == 1:
+            opts["seq_len"] = input_shape[0]
+        if not opts.get("vocab_size"):
+            opts["vocab_size"] = num_classes
+        return build_gpt(name, **opts)
+    if name not in VISION_MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    valid = GPTConfig.__dataclass_fields__
+    unknown = sorted(set(gpt_overrides) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown model option(s) {', '.join(unknown)}; valid GPT options are {', '.join(valid)}")
+    used = sorted(k for k, v in gpt_overrides.items() if v is not None and v != 0)
+    if used:
+        raise ValueError(f"{', '.join(used)} only apply to GPT models ({', '.join(GPT_MODELS)}), not {name!r}")
+    if name == "cnn":
+        if len(input_shape) != 3:
+            raise ValueError(f"cnn needs a (C, H, W) input shape, got {input_shape}")
+        return build_cnn(input_shape, num_classes, width)
+    return build_mlp(input_shape, num_classes, hidden)
