@@ -38,6 +38,20 @@ _HELP = {
     "max_steps": "stop after this many steps (0: no limit)",
     "checkpoint_every": "save a checkpoint to RUN/checkpoints every N steps and at the end (default: 0, never)",
     "resume": "continue from a checkpoint folder, or a run folder's latest complete checkpoint",
+    "model": "cnn | mlp (classifiers) | gpt-tiny | gpt-small | gpt-medium | gpt (gpt-small's shape, resized by "
+             "--layers --d-model --heads) (default: cnn)",
+    "dataset": "digits (scikit-learn's 1,797 8x8 digits) | synthetic (a random teacher's labels, --samples) | "
+               "pytext (the Python documentation text shipped with CPython, pydoc_data.topics: about 465 KB of "
+               "English as byte tokens, 90%% train / 10%% validation; for gpt models) (default: digits)",
+    "seq_len": "tokens per pytext window and the gpt's context (default: 64)",
+    "layers": "gpt blocks (default: 0, the preset's)",
+    "d_model": "gpt width (default: 0, the preset's)",
+    "heads": "gpt attention heads (default: 0, the preset's)",
+    "dropout": "gpt dropout (default: 0, none: runs are deterministic)",
+    "target": "stop when the metric reaches it: test accuracy >= TARGET, or a language model's validation loss "
+              "(nats/token) <= TARGET; summary.json records time_to_target_s (default: 0, no target)",
+    "eval_every": "evaluate every N steps (default: 0, after each epoch)",
+    "eval_samples": "evaluate on the first N test samples or validation windows (default: 0, all)",
 }
 # subcommands that live in other packages: name -> module with main(argv) -> int
 _BENCHES = {
@@ -87,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("args", nargs=argparse.REMAINDER)
     rp = sub.add_parser("report", help="summary and plots of a finished run")
     rp.add_argument("run_dir")
+    sm = sub.add_parser("sample", help="text from a finished language-model run", add_help=False)
+    sm.add_argument("args", nargs=argparse.REMAINDER)
     return ap
 
 
@@ -109,14 +125,23 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
     cfg = config_from_args(ns)
     summary, out = run(cfg)
-    acc = summary.get("test_accuracy")
     print(f"strategy {summary['strategy']}, {summary['workers']} workers, {summary['steps']} steps, "
           f"{summary['samples_per_s']:.0f} samples/s, {summary['wall_s']:.1f}s")
     if "applied_samples_per_s" in summary:
         print(f"parameter server: {summary['computed_samples_per_s']:.0f} samples/s computed, "
               f"{summary['applied_samples_per_s']:.0f} applied to the parameters")
-    if acc is not None:
-        print(f"test accuracy: {acc:.4f}")
+    if summary.get("val_loss") is not None:
+        print(f"validation loss: {summary['val_loss']:.4f} nats/token (perplexity {summary['perplexity']:.2f})")
+    elif summary.get("test_accuracy") is not None:
+        print(f"test accuracy: {summary['test_accuracy']:.4f}")
+    if summary.get("target") is not None:
+        t = summary.get("time_to_target_s")
+        print(f"target {summary['target']:g}: " + (f"reached at step {summary['target_step']} after {t:.1f}s"
+                                                   if t is not None else "not reached"))
+    if (out / "model.pt").is_file():
+        from dtrain.sample import sample_run
+
+        print("sample (dtrain sample RUN_DIR for more):\n" + sample_run(out, tokens=160))
     print(f"run folder: {out}")
     return 0
 
@@ -128,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.print_help()
         return 0
     # delegated subcommands parse their own arguments (argparse's REMAINDER would swallow no --help)
-    delegated = {"plan": "dtrain.planning.cli", "cluster": "dtrain.cluster.cli"}
+    delegated = {"plan": "dtrain.planning.cli", "cluster": "dtrain.cluster.cli", "sample": "dtrain.sample"}
     if argv[0] in delegated or (argv[0] == "bench" and len(argv) > 1 and argv[1] in _BENCHES):
         module = delegated.get(argv[0]) or _BENCHES[argv[1]]
         rest = argv[1:] if argv[0] in delegated else argv[2:]

@@ -30,11 +30,14 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtrain._toml import read_toml
 from dtrain.errors import ConfigError
 from dtrain.strategies.base import Strategy, StrategyOptions, get, options_for, registered
+
+if TYPE_CHECKING:
+    from dtrain.data import DatasetSplit
 
 __all__ = [
     "RunConfig",
@@ -122,9 +125,14 @@ class RunConfig:
     """
 
     # --- what to train
-    model: str = "cnn"  # cnn | mlp
-    dataset: str = "digits"  # digits | synthetic
+    model: str = "cnn"  # cnn | mlp | gpt | gpt-tiny | gpt-small | gpt-medium
+    dataset: str = "digits"  # digits | synthetic | pytext
     samples: int = 4096  # synthetic dataset size
+    seq_len: int = 64  # pytext windows and the gpt's context (tokens)
+    layers: int = 0  # gpt blocks (0: the preset's)
+    d_model: int = 0  # gpt width (0: the preset's)
+    heads: int = 0  # gpt attention heads (0: the preset's)
+    dropout: float = 0.0  # gpt dropout (0: none, so runs are deterministic)
     epochs: int = 10
     batch_size: int = 64  # global: summed over workers
     lr: float = 0.05
@@ -134,6 +142,9 @@ class RunConfig:
     weight_decay: float = 0.0
     seed: int = 0
     max_steps: int = 0  # stop after this many steps (0: no limit)
+    target: float = 0.0  # stop when the metric reaches it: accuracy >= target, or validation loss <= target
+    eval_every: int = 0  # evaluate every N steps (0: after each epoch)
+    eval_samples: int = 0  # evaluate on the first N test samples / validation windows (0: all)
     # --- how to distribute it
     strategy: str = "dp"  # a registered strategy: dp | ddp (torch's, the peer) | ps | auto | ...
     workers: int = 4
@@ -254,10 +265,39 @@ class RunConfig:
 
         choose("model", self.model, MODELS)
         choose("dataset", self.dataset, DATASETS)
+        self._check_task()
         choose("optimizer", self.optimizer, OPTIMIZERS)
         choose("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if self.backend and self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r} is not known; choose gloo, nccl or mpi")
+
+    def _check_task(self) -> None:
+        """A language model trains on text, a classifier on images; gpt flags need a gpt model."""
+        from dtrain.models import is_language_model
+
+        lm, text = is_language_model(self.model), self.dataset == "pytext"
+        if lm and not text:
+            raise ConfigError(f"model {self.model} is a language model; use --dataset pytext")
+        if text and not lm:
+            raise ConfigError("dataset pytext is text; use a language model: --model gpt-tiny, gpt-small, ...")
+        if not lm:
+            given = [f"--{k.replace('_', '-')}" for k in ("layers", "d_model", "heads", "dropout") if getattr(self, k)]
+            if given:
+                raise ConfigError(f"{', '.join(given)} shape(s) a gpt model; model {self.model} has no such option")
+        if lm and self.target < 0:
+            raise ConfigError(f"target is a validation loss (nats per token) for {self.model}; got {self.target}")
+        if not lm and not 0 <= self.target <= 1:
+            raise ConfigError(f"target is a test accuracy in (0, 1] for {self.model}; got {self.target}")
+
+    def gpt_overrides(self) -> dict[str, Any]:
+        """The gpt shape flags that were set (0 means the preset's value)."""
+        return {k: getattr(self, k) for k in ("layers", "d_model", "heads", "dropout") if getattr(self, k)}
+
+    def load_data(self) -> DatasetSplit:
+        """This run's dataset (every process loads it; small and deterministic)."""
+        from dtrain.data import load_dataset
+
+        return load_dataset(self.dataset, seed=self.seed, samples=self.samples, seq_len=self.seq_len)
 
     def _check_numbers(self) -> None:
         if self.workers < 1:
@@ -283,9 +323,21 @@ class RunConfig:
             raise ConfigError(f"max_steps must be >= 0, got {self.max_steps}")
         if self.samples < 16:
             raise ConfigError(f"samples must be >= 16, got {self.samples}")
-        from dtrain.data import load_dataset
+        for k in ("eval_every", "eval_samples", "layers", "d_model", "heads"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"{k} must be >= 0, got {getattr(self, k)}")
+        if self.seq_len < 2:
+            raise ConfigError(f"seq_len must be >= 2, got {self.seq_len}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.model.startswith("gpt"):
+            from dtrain.models.gpt import resolve_gpt_config
 
-        size = len(load_dataset(self.dataset, seed=self.seed, samples=self.samples).train)
+            try:
+                resolve_gpt_config(self.model, **self.gpt_overrides(), seq_len=self.seq_len)
+            except ValueError as e:
+                raise ConfigError(f"model {self.model}: {e}") from None
+        size = len(self.load_data().train)
         if self.batch_size > size:
             raise ConfigError(f"batch_size {self.batch_size} is larger than the training set ({size} samples)")
 

@@ -37,10 +37,13 @@ def _plot(run_dir: Path, rows: list[dict[str, Any]], summary: dict[str, Any]) ->
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     axes[0].plot(steps, [sum(by_step[s]) / len(by_step[s]) for s in steps])
     axes[0].set(xlabel="step", ylabel="training loss (mean over ranks)", yscale="log", title="loss")
-    hist = summary.get("accuracy_history") or []
+    hist = summary.get("metric_history") or [{"train_s": h[0], "value": h[2]} for h in
+                                             summary.get("accuracy_history") or []]
+    name = summary.get("metric_name") or "test_accuracy"
     if hist:
-        axes[1].plot([h[0] for h in hist], [h[2] for h in hist], marker="o")
-        axes[1].set(xlabel="training time (s)", ylabel="test accuracy", title="accuracy")
+        axes[1].plot([h["train_s"] for h in hist], [h["value"] for h in hist], marker="o")
+        label = "validation loss (nats/token)" if name == "val_loss" else "test accuracy"
+        axes[1].set(xlabel="training time (s)", ylabel=label, title=label.split(" (")[0])
     fig.suptitle(f"{summary.get('strategy')} x {summary.get('workers')} workers")
     fig.tight_layout()
     path = run_dir / "curves.png"
@@ -71,7 +74,7 @@ def report(run_dir: str | Path) -> str:
     summary, rows = _load(d)
     lines = [f"run folder      {d}"]
     for k in ("strategy", "workers", "world_size", "steps", "wall_s", "train_s", "samples_per_s",
-              "test_accuracy", "final_loss", "bytes_sent_per_step"):
+              "test_accuracy", "val_loss", "perplexity", "time_to_target_s", "final_loss", "bytes_sent_per_step"):
         v = summary.get(k)
         if v is not None:
             lines.append(f"{k:<15} {v:.4g}" if isinstance(v, float) else f"{k:<15} {v}")

@@ -10,8 +10,10 @@ strategies' workers share one loop (:func:`dtrain.training.loop.run_loop`).
 
 A process body returns this process's part of the summary: ``role`` ("worker"
 or "server"), and for workers ``steps``, ``samples``, ``train_s``,
-``final_loss``, ``bytes_sent`` and, on the rank that evaluates,
-``test_accuracy`` and ``accuracy_history``. It may add keys (e.g. the parameter
+``final_loss``, ``bytes_sent`` and, on the rank that evaluates, the metric
+(``metric_name``, ``metric``, ``metric_history``; ``test_accuracy`` and
+``accuracy_history`` for a classifier, ``val_loss`` and ``perplexity`` for a
+language model; ``time_to_target_s`` under ``--target``). It may add keys (e.g. the parameter
 server's ``staleness`` under ``summary_extra``).
 """
 
@@ -29,7 +31,6 @@ from typing import Any
 import torch.distributed as dist
 
 from dtrain.config import RunConfig, dump_toml
-from dtrain.data import load_dataset
 from dtrain.errors import ConfigError
 from dtrain.strategies.base import get
 from dtrain.trace import MetricsWriter, Tracer, merge_rank_files
@@ -53,7 +54,7 @@ def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
     out = Path(out_dir)
     ctx = TrainContext(
         cfg=cfg, rank=rank, world_size=world, out_dir=out,
-        data=load_dataset(cfg.dataset, seed=cfg.seed, samples=cfg.samples),
+        data=cfg.load_data(),
         metrics=MetricsWriter(out, rank), tracer=Tracer(rank, enabled=cfg.trace),
     )
     body = cfg.entry.run
@@ -84,7 +85,7 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
     if not workers:
         raise RuntimeError("no worker returned a result")
     steps = max(int(w["steps"]) for w in workers)
-    evaluator = next((w for w in workers if "test_accuracy" in w), {})
+    evaluator = next((w for w in workers if "metric" in w), {})
     train_s = max(float(w["train_s"]) for w in workers)
     samples = sum(int(w["samples"]) for w in workers)
     s: dict[str, Any] = {
@@ -99,7 +100,13 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
         "final_loss": sum(float(w["final_loss"]) for w in workers) / len(workers),
         "bytes_sent_per_step": sum(float(w["bytes_sent"]) / max(1, int(w["steps"])) for w in workers) / len(workers),
         "accuracy_history": evaluator.get("accuracy_history", []),
+        "metric_name": evaluator.get("metric_name"),
+        "metric": evaluator.get("metric"),
+        "metric_history": evaluator.get("metric_history", []),
     }
+    for k in ("val_loss", "perplexity", "target", "time_to_target_s", "target_step"):
+        if k in evaluator:
+            s[k] = evaluator[k]
     if cfg.resume:
         s["resumed_from"] = cfg.resume
         s["start_step"] = max(int(w.get("start_step", 0)) for w in workers)

@@ -42,23 +42,27 @@ def _user_model(spec: str) -> tuple[nn.Module, Any, str]:
     return model, sample, fn_name
 
 
-def load_model(spec: str, dataset: str = "digits", *, batch: int = 64, seed: int = 0,
-               samples: int = 4096) -> tuple[nn.Module, Any, str]:  # fmt: skip
+def load_model(spec: str, dataset: str = "digits", *, batch: int = 64, seed: int = 0, samples: int = 4096,
+               seq_len: int = 64, **gpt_overrides: Any) -> tuple[nn.Module, Any, str]:  # fmt: skip
     """A model, one batch for it, and its name, from a dtrain model name or ``FILE.py:FN`` / ``MODULE:FN``.
 
     ``FN()`` must return ``(model, sample_batch)``; dtrain's own names ("cnn",
-    "mlp") are built for ``dataset`` and take ``batch`` samples from its training set.
+    "mlp", "gpt-small", ...) are built for ``dataset`` (a language model always
+    for pytext, with ``seq_len`` and ``gpt_overrides``) and take ``batch`` samples
+    from its training set.
     """
     if ":" in spec:
         return _user_model(spec)
     from dtrain.data import load_dataset
-    from dtrain.models import MODELS, build_model
+    from dtrain.models import MODELS, build_model, is_language_model
 
     if spec not in MODELS:
         raise ConfigError(f"model {spec!r} is not known; use one of {', '.join(MODELS)} or FILE.py:FUNCTION")
-    data = load_dataset(dataset, seed=seed, samples=samples)
+    if is_language_model(spec):
+        dataset = "pytext"
+    data = load_dataset(dataset, seed=seed, samples=samples, seq_len=seq_len)
     torch.manual_seed(seed)
-    model = build_model(spec, data.input_shape, data.num_classes)
+    model = build_model(spec, data.input_shape, data.num_classes, **gpt_overrides)
     x, y = data.train.tensors
     reps = -(-batch // len(y))
     return model, (x.repeat(reps, *([1] * (x.dim() - 1)))[:batch], y.repeat(reps, *([1] * (y.dim() - 1)))[:batch]), spec

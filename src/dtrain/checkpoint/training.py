@@ -61,14 +61,14 @@ def run_info(cfg: RunConfig) -> dict[str, Any]:
     d.update(cfg.opts.checkpoint_keys())
     if cfg.dataset == "synthetic":
         d["samples"] = cfg.samples
+    if cfg.dataset == "pytext":  # the windows and the model's shape
+        d.update(seq_len=cfg.seq_len, **cfg.gpt_overrides())
     return d
 
 
 def train_steps(cfg: RunConfig) -> int:
     """Steps of ``cfg``'s run (per worker), as :meth:`dtrain.training.TrainContext.total_steps` counts them."""
-    from dtrain.data import load_dataset
-
-    size = len(load_dataset(cfg.dataset, seed=cfg.seed, samples=cfg.samples).train)
+    size = len(cfg.load_data().train)
     per_shard = size // cfg.workers
     n = per_shard // (cfg.batch_size // cfg.workers) * cfg.epochs
     return int(min(n, cfg.max_steps) if cfg.max_steps else n)

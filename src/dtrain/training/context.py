@@ -105,7 +105,7 @@ class TrainContext:
     def make_model(self) -> nn.Module:
         """The configured model, initialised identically on every rank (seeded)."""
         torch.manual_seed(self.cfg.seed)
-        return build_model(self.cfg.model, self.data.input_shape, self.data.num_classes)
+        return build_model(self.cfg.model, self.data.input_shape, self.data.num_classes, **self.cfg.gpt_overrides())
 
     def make_optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:
         """The configured optimizer. SGD gets no momentum where the compressor applies it
@@ -173,17 +173,49 @@ class TrainContext:
         n = self.steps_per_epoch(num_shards) * self.cfg.epochs
         return min(n, self.cfg.max_steps) if self.cfg.max_steps else n
 
+    @property
+    def language_model(self) -> bool:
+        """Whether the run trains a language model (next-token prediction on text)."""
+        return self.data.task == "lm"
+
+    @property
+    def metric_name(self) -> str:
+        """``"val_loss"`` (nats per token) for a language model, else ``"test_accuracy"``."""
+        return "val_loss" if self.language_model else "test_accuracy"
+
+    def reached(self, metric: float) -> bool:
+        """Whether ``metric`` meets ``--target`` (accuracy at or above it, a loss at or below it)."""
+        if not self.cfg.target:
+            return False
+        return metric <= self.cfg.target if self.language_model else metric >= self.cfg.target
+
+    def metric_text(self, metric: float) -> str:
+        """The metric as ``dtrain run`` prints it."""
+        if self.language_model:
+            return f"validation loss {metric:.4f} nats/token (perplexity {math.exp(min(metric, 700.0)):.2f})"
+        return f"test accuracy {metric:.4f}"
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> float:
-        """Accuracy of ``model`` on the whole test set."""
+        """The run's metric of ``model`` (:attr:`metric_name`) on the test / validation set.
+
+        A classifier's accuracy, or a language model's mean cross entropy per token
+        (nats); over the first ``--eval-samples`` samples or windows (default: all).
+        """
         was_training = model.training
         model.eval()
         x, y = self.data.test.tensors
-        correct = 0
-        for i in range(0, len(y), 1024):
-            correct += int((model(x[i : i + 1024]).argmax(1) == y[i : i + 1024]).sum())
+        if self.cfg.eval_samples:
+            x, y = x[: self.cfg.eval_samples], y[: self.cfg.eval_samples]
+        total, chunk = 0.0, 64 if self.language_model else 1024
+        for i in range(0, len(y), chunk):
+            out, target = model(x[i : i + chunk]), y[i : i + chunk]
+            if self.language_model:
+                total += float(self.loss(out, target)) * target.numel()
+            else:
+                total += int((out.argmax(1) == target).sum())
         model.train(was_training)
-        return correct / max(1, len(y))
+        return total / max(1, y.numel())
 
     def progress(self, total: int, show: bool) -> Any:
         """A tqdm bar when ``show`` and progress is enabled, else a no-op object."""

@@ -20,15 +20,18 @@ Roughly, per step::
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dtrain.cluster.slowdown import Straggler
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, DTrainError
 from dtrain.training.context import TrainContext
 
 if TYPE_CHECKING:
@@ -116,14 +119,17 @@ class _Progress:
     step: int
     samples: int = 0
     eval_s: float = 0.0
+    stopped: bool = False  # --target reached: every rank stops at the same evaluation
+    target_s: float | None = None
+    target_step: int | None = None
 
     def __post_init__(self) -> None:
         self.losses: list[float] = []
-        self.history: list[tuple[float, int, float]] = []
+        self.history: list[dict[str, Any]] = []  # {"train_s", "step", "epoch", "value"} per evaluation
 
 
 def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos: Position, epoch: int,
-           first_batch: int, tally: _Progress, bar: Any, slow: Straggler) -> int:  # fmt: skip
+           first_batch: int, tally: _Progress, bar: Any, slow: Straggler, t_start: float) -> int:  # fmt: skip
     """One pass over this shard's batches of ``epoch`` from ``first_batch``; returns batches consumed (total)."""
     batches = first_batch
     data = iter(ctx.loader(engine.shard, engine.num_shards, epoch, start_batch=first_batch))
@@ -160,19 +166,70 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
             with ctx.tracer.span("checkpoint", step=tally.step):
                 engine.save(ckpt, tally.step, epoch, batches)
             t_free = time.perf_counter()
-        if engine.done(tally.step):
+        if ctx.cfg.eval_every and tally.step % ctx.cfg.eval_every == 0:
+            _evaluate(ctx, engine, tally, epoch, t_start, bar)
+            t_free = time.perf_counter()
+        if engine.done(tally.step) or tally.stopped:
             break
     return batches
 
 
+def _verdict(ctx: TrainContext, engine: Engine, step: int, stop: bool) -> bool:
+    """Every rank's answer to "stop now?" after the evaluation at ``step``: the evaluating rank's.
+
+    The evaluator posts its verdict in the job's key-value store (torch.distributed's
+    default store, the rendezvous's); the others wait for it there, so no collective is
+    needed among processes that share no group (a parameter server's workers).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return stop
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    key = f"dtrain/target/step{step}"
+    if engine.evaluator:
+        store.set(key, "stop" if stop else "go")
+        return stop
+    try:
+        store.wait([key], timedelta(seconds=ctx.cfg.timeout_s))
+    except (RuntimeError, dist.DistStoreError) as e:  # the store's timeout
+        raise DTrainError(f"rank {ctx.rank}: waiting for the evaluating rank's --target verdict at step {step} "
+                          f"timed out after {ctx.cfg.timeout_s:g}s ({e})") from None
+    return bytes(store.get(key)) == b"stop"
+
+
 def _evaluate(ctx: TrainContext, engine: Engine, tally: _Progress, epoch: int, t_start: float, bar: Any) -> None:
+    """Evaluate on the evaluating rank; with ``--target``, every rank learns whether to stop."""
     te = time.perf_counter()
-    _write(ctx, engine.synchronize())
-    acc = ctx.evaluate(engine.model)
+    stop = False
+    if engine.evaluator:
+        _write(ctx, engine.synchronize())
+        value = ctx.evaluate(engine.model)
+        t = round(te - t_start - tally.eval_s, 4)
+        tally.history.append({"train_s": t, "step": tally.step, "epoch": epoch, "value": value})
+        stop = ctx.reached(value)
+        if stop:
+            tally.target_s, tally.target_step = t, tally.step
+        if ctx.cfg.progress:
+            bar.write(f"step {tally.step} (epoch {epoch}): {ctx.metric_text(value)}{engine.eval_note}")
+    if ctx.cfg.target:
+        tally.stopped = _verdict(ctx, engine, tally.step, stop)
     tally.eval_s += time.perf_counter() - te
-    tally.history.append((round(time.perf_counter() - t_start - tally.eval_s, 4), epoch, acc))
-    if ctx.cfg.progress:
-        bar.write(f"epoch {epoch}: test accuracy {acc:.4f}{engine.eval_note}")
+
+
+def _metric_keys(ctx: TrainContext, engine: Engine, tally: _Progress) -> dict[str, Any]:
+    """The evaluating rank's result keys: the final metric, its history, time to target."""
+    value = ctx.evaluate(engine.model)
+    out: dict[str, Any] = dict(metric_name=ctx.metric_name, metric=value, metric_history=tally.history)
+    if ctx.language_model:
+        out.update(val_loss=value, perplexity=math.exp(min(value, 700.0)))
+        torch.save(engine.model.state_dict(), ctx.out_dir / "model.pt")  # for `dtrain sample`
+    else:
+        out.update(test_accuracy=value,
+                   accuracy_history=[(h["train_s"], h["epoch"], h["value"]) for h in tally.history])
+    if ctx.cfg.target:
+        out.update(target=ctx.cfg.target, time_to_target_s=tally.target_s, target_step=tally.target_step)
+    return out
 
 
 def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = None) -> dict[str, Any]:
@@ -181,8 +238,13 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
     The result: ``role`` "worker", ``steps`` (this run's), ``start_step``,
     ``samples`` (this process's), ``train_s`` (without evaluation), ``final_loss``
     (mean of the last 10 steps), ``bytes_sent``, and on the evaluating rank
-    ``test_accuracy`` and ``accuracy_history`` ((train seconds, epoch, accuracy) per
-    epoch); plus the engine's :meth:`Engine.finish` keys.
+    ``metric_name`` / ``metric`` / ``metric_history`` (one entry per evaluation:
+    training seconds so far, evaluations excluded, step, epoch, value), with
+    ``test_accuracy`` and ``accuracy_history`` ((train seconds, epoch, accuracy)) for
+    a classifier, ``val_loss`` and ``perplexity`` for a language model, and under
+    ``--target`` ``time_to_target_s`` (training seconds from the first step to the
+    evaluation that met it; None if none did) and ``target_step``; plus the
+    engine's :meth:`Engine.finish` keys.
     """
     pos = engine.start()
     slow = ctx.straggler()
@@ -190,12 +252,12 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
     bar = ctx.progress(engine.total_steps - pos.step, engine.evaluator)
     t_start = time.perf_counter()
     epoch, first_batch = pos.epoch, pos.batch
-    while not engine.done(tally.step):
-        batches = _epoch(ctx, engine, ckpt, pos, epoch, first_batch, tally, bar, slow)
+    while not engine.done(tally.step) and not tally.stopped:
+        batches = _epoch(ctx, engine, ckpt, pos, epoch, first_batch, tally, bar, slow, t_start)
         if batches == 0:
             raise ConfigError(f"rank {ctx.rank}'s data shard yields no batch; use a smaller batch size")
         first_batch = 0
-        if engine.evaluator:
+        if not ctx.cfg.eval_every and not tally.stopped:
             _evaluate(ctx, engine, tally, epoch, t_start, bar)
         epoch += 1
     _write(ctx, engine.synchronize())
@@ -207,8 +269,7 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
                                train_s=train_s, final_loss=sum(last) / max(1, len(last)))
     out.update(extra)
     if engine.evaluator:
-        out["test_accuracy"] = ctx.evaluate(engine.model)
-        out["accuracy_history"] = tally.history
+        out.update(_metric_keys(ctx, engine, tally))
     if slow.active:
         out.setdefault("straggler", {"factor": slow.factor, "reference_s": slow.reference_s})
     return out
