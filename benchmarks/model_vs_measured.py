@@ -75,8 +75,8 @@ def main() -> int:
     import torch
 
     import dtrain.cluster as dc
+    from dtrain.bench.calibrate import calibrate_cluster, refresh_load, summary
     from dtrain.config import RunConfig
-    from dtrain.perfmodel.calibrate import calibrate_cluster, refresh_load, summary
     from dtrain.perfmodel.planner import candidates, plan
     from dtrain.workload import load_model
 

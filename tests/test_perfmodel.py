@@ -17,9 +17,9 @@ from dtrain.comm import cost
 from dtrain.errors import ConfigError
 from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, load_cluster, predict, profile_model
 from dtrain.perfmodel._units import parse_bytes, parse_rate, parse_time
-from dtrain.perfmodel.calibrate import fit_alpha_beta
 from dtrain.perfmodel.collectives import CompressionModel, allreduce_bytes, allreduce_time, compressed_allreduce_time
 from dtrain.perfmodel.compression import compressed_traffic, compression_model, compressor_kind
+from dtrain.perfmodel.fit import fit_alpha_beta
 from dtrain.perfmodel.predict import buckets_of, memory_per_device, ps_costs
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile
 from dtrain.strategies import choice
@@ -399,14 +399,16 @@ def test_fit_alpha_beta_recovers_a_line():
 
 
 def test_trimmed_mean_drops_only_the_rare_stall():
-    from dtrain.perfmodel.calibrate import trimmed_mean
+    from dtrain.perfmodel.fit import trimmed_mean
 
     assert trimmed_mean([1.0] * 9 + [100.0]) == pytest.approx(1.0)
     assert trimmed_mean([1.0, 2.0, 3.0, 4.0]) == pytest.approx(2.5)  # too few to cut one in ten
 
 
 def test_load_terms_from_the_payload_free_steps_by_hand():
-    from dtrain.perfmodel.calibrate import _floor, _imbalance, _wake
+    from dtrain.perfmodel.fit import fit_floor as _floor
+    from dtrain.perfmodel.fit import fit_imbalance as _imbalance
+    from dtrain.perfmodel.fit import fit_wake as _wake
     from dtrain.perfmodel.predict import WAKES_FIRST_BUCKET
 
     # two ranks; per rank the means of its step, its own pass, the slowest pass and the shortest allreduce
@@ -424,7 +426,7 @@ def test_load_terms_from_the_payload_free_steps_by_hand():
 
 
 def test_duplex_rate_is_the_exchanges_bytes_over_their_time_by_hand():
-    from dtrain.perfmodel.calibrate import _duplex_rate
+    from dtrain.perfmodel.fit import fit_duplex_rate as _duplex_rate
 
     one_way = Link(bandwidth=1e6, latency=1e-4)
     # two ranks' medians per size; the rate is over the medians across ranks: 3 MB in (1 + 2) s

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
+from dtrain.bench.calibrate import main as calibrate_main
 from dtrain.perfmodel import load_cluster
-from dtrain.perfmodel.calibrate import main as calibrate_main
 
 needs_root = pytest.mark.skipif(
     not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")),

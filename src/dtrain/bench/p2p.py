@@ -14,7 +14,7 @@ What it does, in the launched workers (``dtrain.launch.launch``):
    peer); ``dtrain`` is :class:`dtrain.comm.TorchTransport` -- ``isend``/``irecv``
    with a timeout and byte counters, what every dtrain algorithm sends through.
    A round trip is timed on the lower rank of each pair; one-way = half of it.
-3. Fits ``t = alpha + n * beta`` (:func:`dtrain.perfmodel.calibrate.fit_alpha_beta`)
+3. Fits ``t = alpha + n * beta`` (:func:`dtrain.perfmodel.fit.fit_alpha_beta`)
    to each path's median one-way times, the model every cost formula in
    :mod:`dtrain.comm.cost` uses.
 
@@ -135,7 +135,7 @@ def _worker(cfg: P2PConfig) -> dict[str, Any] | None:
 
 
 def _fit(sizes: tuple[int, ...], times: list[float]) -> tuple[float, float]:
-    from dtrain.perfmodel.calibrate import fit_alpha_beta
+    from dtrain.perfmodel.fit import fit_alpha_beta
 
     return fit_alpha_beta([float(s) for s in sizes], times)
 

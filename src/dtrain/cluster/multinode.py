@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from dtrain.cluster.netns import IFACE, EmulatedCluster, load, require_root
 from dtrain.errors import ConfigError
@@ -84,7 +84,7 @@ def run_on_cluster(
     # The node (and the workers it spawns) must import ``fn`` by name, as this process does.
     penv = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     procs: list[subprocess.Popen[bytes]] = []
-    logs = []
+    logs: list[IO[bytes]] = []
     try:
         for h in range(c.hosts):
             payload = {
@@ -100,46 +100,9 @@ def run_on_cluster(
                 "run_id": run_id,
                 "result": str(work / f"result{h}.pkl"),
             }
-            pfile = work / f"payload{h}.pkl"
-            pfile.write_bytes(pickle.dumps(payload))
-            main_file = _main_file(fn)
-            log = open(work / f"host{h}.log", "wb")
-            logs.append(log)
-            out = None if (stream_first and h == 0) else log
-            cmd = ["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cluster._node", str(pfile),
-                   main_file]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                          start_new_session=True, env=penv))  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        gave_up = False
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.returncode not in (None, 0) for p in procs):
-                time.sleep(2.0)  # let the others notice and report their own error
-                gave_up = True
-                break
-            time.sleep(0.05)
-        late = [h for h, p in enumerate(procs) if p.poll() is None]
-        for h in late:
-            _kill(procs[h])
-        results: dict[int, Any] = {}
-        failures = []
-        for h, p in enumerate(procs):
-            rfile = work / f"result{h}.pkl"
-            if rfile.exists():
-                ok, value = pickle.loads(rfile.read_bytes())
-                if ok:
-                    results.update(value)
-                    continue
-                failures.append(f"host {h}: {value}")
-            elif h in late:
-                why = ("killed after another host failed" if gave_up
-                       else f"still running after {timeout_s:.0f} s (killed)")
-                failures.append(f"host {h}: {why}; log: {_tail(work, h)}")
-            else:
-                failures.append(f"host {h}: node exited with code {p.returncode}; log: {_tail(work, h)}")
-        if failures:
-            raise LaunchError(f"job on emulated cluster {c.name!r} failed:\n  " + "\n  ".join(failures))
-        return results
+            procs.append(_start_node(c, h, payload, work, penv, logs, stream=stream_first and h == 0))
+        late, gave_up = _wait(procs, timeout_s)
+        return _collect(c, procs, work, late, gave_up, timeout_s)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -150,6 +113,68 @@ def run_on_cluster(
             for f in work.iterdir():
                 f.unlink()
             work.rmdir()
+
+
+def _start_node(c: EmulatedCluster, h: int, payload: dict[str, Any], work: Path, penv: dict[str, str],
+                logs: list[IO[bytes]], *, stream: bool) -> subprocess.Popen[bytes]:  # fmt: skip
+    """Start host ``h``'s node (``python -m dtrain.cluster._node``) in its namespace, logging to ``work``.
+
+    The log file is appended to ``logs`` before the node starts, so the caller closes it whatever happens.
+    """
+    pfile = work / f"payload{h}.pkl"
+    pfile.write_bytes(pickle.dumps(payload))
+    main_file = _main_file(payload["fn"])
+    log = open(work / f"host{h}.log", "wb")
+    logs.append(log)
+    out = None if stream else log
+    cmd = ["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cluster._node", str(pfile),
+           main_file]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                            env=penv)  # fmt: skip
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> tuple[list[int], bool]:
+    """Wait for every node until ``timeout_s``, or 2 s more after one failed; kill the late ones.
+
+    Returns:
+        (the hosts still running, which were killed; whether the wait gave up after a failure).
+    """
+    deadline = time.monotonic() + timeout_s
+    gave_up = False
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            time.sleep(2.0)  # let the others notice and report their own error
+            gave_up = True
+            break
+        time.sleep(0.05)
+    late = [h for h, p in enumerate(procs) if p.poll() is None]
+    for h in late:
+        _kill(procs[h])
+    return late, gave_up
+
+
+def _collect(c: EmulatedCluster, procs: list[subprocess.Popen[bytes]], work: Path, late: list[int], gave_up: bool,
+             timeout_s: float) -> dict[int, Any]:  # fmt: skip
+    """Every host's results, merged, or a :class:`LaunchError` that names each host that failed and why."""
+    results: dict[int, Any] = {}
+    failures = []
+    for h, p in enumerate(procs):
+        rfile = work / f"result{h}.pkl"
+        if rfile.exists():
+            ok, value = pickle.loads(rfile.read_bytes())
+            if ok:
+                results.update(value)
+                continue
+            failures.append(f"host {h}: {value}")
+        elif h in late:
+            why = ("killed after another host failed" if gave_up
+                   else f"still running after {timeout_s:.0f} s (killed)")
+            failures.append(f"host {h}: {why}; log: {_tail(work, h)}")
+        else:
+            failures.append(f"host {h}: node exited with code {p.returncode}; log: {_tail(work, h)}")
+    if failures:
+        raise LaunchError(f"job on emulated cluster {c.name!r} failed:\n  " + "\n  ".join(failures))
+    return results
 
 
 def _main_file(fn: Callable[..., Any]) -> str:

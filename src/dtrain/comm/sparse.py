@@ -353,13 +353,26 @@ def _split(
     cuts: list[int],
     counts: list[list[int]],
 ) -> tuple[torch.Tensor, list[int]]:
+    """SparCML's split allgather: phase 1 reduces each chunk on its owner, phase 2 gathers the merged chunks."""
+    c = [bounds[j + 1] - bounds[j] for j in range(t.world_size)]
+    acc = _reduce_to_owners(t, idx, vals, bounds, cuts, counts, c)
+    return _gather_merged(t, acc, numel, bounds, c, vals.element_size())
+
+
+def _reduce_to_owners(
+    t: Transport,
+    idx: torch.Tensor,
+    vals: torch.Tensor,
+    bounds: list[int],
+    cuts: list[int],
+    counts: list[list[int]],
+    c: list[int],
+) -> torch.Tensor:
+    """Phase 1 of :func:`_split`: a sparse (or dense) reduce-scatter; returns this rank's summed chunk."""
     p, me = t.world_size, t.rank
     v = vals.element_size()
     dtype = vals.dtype
-    c = [bounds[j + 1] - bounds[j] for j in range(p)]
     lo = bounds[me]
-
-    # phase 1: sparse (or dense) reduce-scatter to the chunk owners
     recv: dict[int, torch.Tensor] = {}
     sends: list[torch.Tensor] = []
     works: list[Work] = []
@@ -384,6 +397,7 @@ def _split(
         sends.append(msg)
         works.append(t.isend(msg, dst, _TAG_SCATTER))
     _wait_all(works)
+    del sends
 
     acc = torch.zeros(c[me], dtype=dtype)
     for src in range(p):
@@ -396,8 +410,19 @@ def _split(
         else:
             ri, rv = _unpack_pairs(recv[src], counts[src][me], dtype)
             acc.index_add_(0, ri, rv)
+    return acc
 
-    # phase 2: every owner sends its merged chunk, sparse or dense, to every rank
+
+def _gather_merged(
+    t: Transport, acc: torch.Tensor, numel: int, bounds: list[int], c: list[int], v: int
+) -> tuple[torch.Tensor, list[int]]:
+    """Phase 2 of :func:`_split`: every owner sends its merged chunk ``acc``, sparse or dense, to every rank.
+
+    Returns:
+        the dense sum, and the non-zeros of each merged chunk.
+    """
+    p, me = t.world_size, t.rank
+    dtype = acc.dtype
     nz = torch.nonzero(acc, as_tuple=True)[0]
     m = nz.numel()
     header = torch.tensor([m], dtype=torch.int64)
@@ -421,12 +446,11 @@ def _split(
     _wait_all(works)
 
     out = torch.zeros(numel, dtype=dtype)
-    out[lo : bounds[me + 1]] = acc
+    out[bounds[me] : bounds[me + 1]] = acc
     for src, buf in got.items():
         if buf.dtype != torch.uint8:
             out[bounds[src] : bounds[src + 1]] = buf
         else:
             ri, rv = _unpack_pairs(buf, nnz[src], dtype)
             out[ri + bounds[src]] = rv
-    del sends
     return out, nnz

@@ -55,7 +55,7 @@ def ordered_mean(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 
     def subtree(r: int) -> torch.Tensor:
         acc = parts[r]
-        for c in reversed(binomial_children(r, n)):  # nearest child first, as _tree_reduce receives them
+        for c in reversed(binomial_children(r, n)):  # nearest child first, as comm._tree.tree_reduce receives them
             acc.add_(subtree(c))
         return acc
 

@@ -5,9 +5,10 @@
 * :mod:`.collectives`, :mod:`.predict` -- step time, memory, bytes (each strategy's hooks
   in :mod:`dtrain.strategies` call them);
 * :mod:`.planner` -- :func:`plan` ranks the registered strategies' candidates;
-* :mod:`.simulator` -- event-driven replay with stragglers and asynchrony.
+* :mod:`.simulator` -- event-driven replay with stragglers and asynchrony;
+* :mod:`.fit` -- a cluster description's terms fitted to what calibration measured.
 
-Measuring a cluster is :mod:`dtrain.bench.calibrate`; planning for a run
+Measuring a cluster is :mod:`dtrain.bench.calibrate` (its probes :mod:`dtrain.bench._probes`); planning for a run
 (``--strategy auto``, ``dtrain plan``, this machine's calibration) is :mod:`dtrain.planning`.
 """
 

@@ -23,7 +23,7 @@ Compressed collectives follow :func:`dtrain.compress.compressed_allreduce`:
 for up to 8 ranks a bucket costs ``m alpha + b beta + cpu`` for the ``m`` messages,
 ``b`` bytes and ``cpu`` seconds (encode, merge, decode, bookkeeping; times the
 cluster's ``compute_scale``) of one rank, counted by running the collective once
-on threads (:func:`~dtrain.perfmodel.compression.compressed_traffic`). Beyond,
+on threads (:func:`~dtrain.perfmodel._traffic.compressed_traffic`). Beyond,
 closed forms: summable payloads are allreduced with the chosen algorithm; PowerSGD
 does two allreduces of its factors; quantizers a direct compressed reduce-scatter
 + allgather; sparse compressors the SparCML plan of :mod:`dtrain.comm.sparse`.
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from dtrain.comm import cost
 from dtrain.errors import ConfigError
+from dtrain.perfmodel._traffic import compressed_traffic
 from dtrain.perfmodel.spec import ClusterSpec, Link
 
 __all__ = [
@@ -270,8 +271,6 @@ def compressed_allreduce_time(
     flows = d if nodes > 1 else 1
     if p <= _COUNTED_WORLD and comp.spec not in ("", "none"):
         # small worlds: the implementation's own messages, bytes and CPU time (encode, merge, decode)
-        from dtrain.perfmodel.compression import compressed_traffic
-
         msgs, sent, cpu = compressed_traffic(comp.spec, p, max(1, int(nbytes // 4)))
         return msgs * link.alpha + sent * link.duplex_beta * flows, cpu * c.device.compute_scale
     if comp.kind == "summable":
@@ -313,8 +312,6 @@ def collective_steps(c: ClusterSpec, algorithm: str, p: int, comp: CompressionMo
         return 0
     if comp.kind != "dense" and comp.spec not in ("", "none"):
         if p <= _COUNTED_WORLD:
-            from dtrain.perfmodel.compression import compressed_traffic
-
             return compressed_traffic(comp.spec, p, max(1, int(nbytes // 4)))[0]
         if comp.kind == "lowrank":
             return 2 * collective_steps(c, algorithm, p, CompressionModel())

@@ -195,10 +195,33 @@ def profile_model(
     loss_fn = loss_fn or _default_loss
     layers = _layers(model)
     batch = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() > 0 else 1
+    profiles = _count_layers(model, x, target, loss_fn, layers)
+    prof = ModelProfile(name=name, batch=batch, layers=profiles, input_bytes=float(_nbytes(x)),
+                        optimizer=optimizer)  # fmt: skip
+    if not measure:
+        return prof
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _measure(model, x, target, loss_fn, prof, layers, repeats, warmup, optimizer)
+    finally:
+        torch.set_num_threads(old_threads)
 
-    # (1) FLOPs per layer, forward and backward counted apart
-    # (backward ops are attributed to modules only when the forward ran inside the
-    # same counter, so count forward alone, then forward+backward, and subtract)
+
+def _count_layers(
+    model: nn.Module,
+    x: Any,
+    target: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    layers: list[tuple[str, nn.Module]],
+) -> tuple[LayerProfile, ...]:
+    """Steps (1) and (2) of :func:`profile_model`: each layer's parameters, FLOPs and output activation.
+
+    FLOPs per layer, forward and backward counted apart (backward ops are attributed
+    to modules only when the forward ran inside the same counter, so count forward
+    alone, then forward+backward, and subtract). Leaves the model's gradients unset.
+    """
     fwd_counter, all_counter = FlopCounterMode(display=False), FlopCounterMode(display=False)
     acts: dict[str, int] = {}
     handles = [m.register_forward_hook(lambda _m, _i, o, n=n: acts.__setitem__(n, _nbytes(o))) for n, m in layers]
@@ -228,17 +251,7 @@ def profile_model(
             bwd_flops=max(0.0, flops(all_counts, lname) - flops(fwd_counts, lname)),
             activation_bytes=float(acts.get(lname, 0)),
         ))  # fmt: skip
-    prof = ModelProfile(name=name, batch=batch, layers=tuple(profiles), input_bytes=float(_nbytes(x)),
-                        optimizer=optimizer)  # fmt: skip
-    if not measure:
-        return prof
-    old_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        return _measure(model, x, target, loss_fn, prof, layers, repeats, warmup, optimizer)
-    finally:
-        torch.set_num_threads(old_threads)
+    return tuple(profiles)
 
 
 def _measure(

@@ -20,9 +20,9 @@ from typing import Any
 
 from torch import nn
 
+from dtrain.bench.calibrate import calibrate_cluster, cluster_file, local_cluster
 from dtrain.config import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.perfmodel.calibrate import calibrate_cluster, cluster_file, local_cluster
 from dtrain.perfmodel.planner import DEFAULT_COMPRESSIONS, DEFAULT_CONSISTENCIES, Plan, candidates
 from dtrain.perfmodel.planner import plan as rank
 from dtrain.perfmodel.spec import ClusterSpec, dump_cluster, load_cluster

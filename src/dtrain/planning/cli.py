@@ -73,7 +73,7 @@ def _simulate(ns: argparse.Namespace) -> int:
 
     spec = _cluster(ns)
     if spec is None:
-        from dtrain.perfmodel.calibrate import local_cluster
+        from dtrain.bench.calibrate import local_cluster
 
         spec = local_cluster()
     workers = [int(w) for w in ns.workers.split(",")]

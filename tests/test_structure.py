@@ -1,0 +1,53 @@
+"""The source tree keeps its shape (scripts/check_structure.py): modules <= 600 lines, functions
+<= 80 lines, no import cycle, no strategy branch outside the registry; and the performance model
+stays pure (importing it starts nothing: no launcher, cluster, training loop, benchmark or planning)."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# what measures or starts processes; dtrain.perfmodel must import none of it
+IMPURE = ("dtrain.train", "dtrain.training", "dtrain.launch", "dtrain.cluster", "dtrain.bench", "dtrain.planning")
+
+
+def _checker() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("check_structure", ROOT / "scripts" / "check_structure.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_source_tree_shape() -> None:
+    assert _checker().check(ROOT / "src" / "dtrain") == []
+
+
+def test_checker_finds_what_it_looks_for(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from pkg import b\n" + "    x = 1\n" * 90)
+    (pkg / "b.py").write_text("import pkg.a\nif cfg.strategy == 'x':\n    pass\n" + "\n" * 600)
+    found = "\n".join(_checker().check(pkg))
+    assert "function f of 92 lines" in found and "module of 603 lines" in found
+    assert "import cycle among: pkg.a, pkg.b" in found and "strategy branch" in found
+
+
+def test_perfmodel_imports_nothing_that_starts_processes() -> None:
+    folder = ROOT / "src" / "dtrain" / "perfmodel"
+    modules = ["dtrain.perfmodel"] + sorted(f"dtrain.perfmodel.{p.stem}" for p in folder.glob("*.py")
+                                            if p.stem != "__init__")  # fmt: skip
+    assert "dtrain.perfmodel.predict" in modules and "dtrain.perfmodel.fit" in modules
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        f"print(sorted(m for m in sys.modules if any(m == p or m.startswith(p + '.') for p in {IMPURE!r})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"dtrain.perfmodel pulled in: {out.stdout.strip()}"
