@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dtrain.bench.p2p import round_trip
 from dtrain.perfmodel.fit import trimmed_mean
 
 __all__ = [
@@ -52,15 +53,9 @@ def pingpong(peer: int, me: int, max_rtt: float, reps: int, max_size: int = 16 <
         times = []
         n = 12 * reps if size <= 1024 else (4 * reps if size <= 64 << 10 else reps)
         for r in range(n + 1):
-            t0 = time.perf_counter()
-            if me < peer:
-                dist.send(buf, peer)
-                dist.recv(buf, peer)
-            else:
-                dist.recv(buf, peer)
-                dist.send(buf, peer)
+            rt = round_trip("native", None, buf, peer, me < peer)
             if r:
-                times.append((time.perf_counter() - t0) / 2)
+                times.append(rt / 2)
         one_way = trimmed_mean(times)
         out.append((size, one_way))
         # both sides must agree to go on: the initiator decides and tells the peer

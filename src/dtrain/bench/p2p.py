@@ -36,7 +36,7 @@ from typing import Any
 from dtrain.bench.allreduce import check_timing, format_size, parse_size
 from dtrain.errors import ConfigError
 
-__all__ = ["P2PConfig", "main"]
+__all__ = ["P2PConfig", "main", "round_trip"]
 
 PATHS = ("native", "dtrain")
 
@@ -62,7 +62,9 @@ class P2PConfig:
 # ----------------------------------------------------------------------------- worker side
 
 
-def _round_trip(path: str, transport: Any, buf: Any, peer: int, initiator: bool) -> float:
+def round_trip(path: str, transport: Any, buf: Any, peer: int, initiator: bool) -> float:
+    """Seconds of one round trip of ``buf`` with ``peer`` (``path``: "native" send/recv, or dtrain's
+    ``transport``); the initiator sends first."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
@@ -97,7 +99,7 @@ def _worker(cfg: P2PConfig) -> dict[str, Any] | None:
     if paired:  # the pair's first messages set up connections and buffers: never timed
         for path in PATHS:
             for _ in range(3):
-                _round_trip(path, transport, torch.zeros(1), peer, initiator)
+                round_trip(path, transport, torch.zeros(1), peer, initiator)
     for nbytes in cfg.sizes:
         buf = torch.zeros(nbytes // 4)
         times: dict[str, list[float]] = {p: [] for p in PATHS}
@@ -105,7 +107,7 @@ def _worker(cfg: P2PConfig) -> dict[str, Any] | None:
             for path in PATHS:
                 dist.barrier()
                 if paired:
-                    dt = _round_trip(path, transport, buf, peer, initiator)
+                    dt = round_trip(path, transport, buf, peer, initiator)
                     if i >= cfg.warmup:
                         times[path].append(dt / 2)
         for path in PATHS:

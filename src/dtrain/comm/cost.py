@@ -294,16 +294,12 @@ def traffic(
     if nbytes % max(1, itemsize):
         raise ConfigError(f"nbytes={nbytes} is not a whole number of {itemsize}-byte elements")
     numel = nbytes // max(1, itemsize)
+    plain = {"native": native_traffic, "tree": tree_traffic, "recursive_doubling": recursive_doubling_traffic,
+             "rabenseifner": rabenseifner_traffic}  # the algorithms with no option of their own
+    if algorithm in plain:
+        return plain[algorithm](world_size, numel, itemsize)
     if algorithm == "ring":
         return ring_traffic(world_size, numel, itemsize, piece_bytes, max_pieces)
-    if algorithm == "native":
-        return native_traffic(world_size, numel, itemsize)
-    if algorithm == "tree":
-        return tree_traffic(world_size, numel, itemsize)
-    if algorithm == "recursive_doubling":
-        return recursive_doubling_traffic(world_size, numel, itemsize)
-    if algorithm == "rabenseifner":
-        return rabenseifner_traffic(world_size, numel, itemsize)
     if algorithm == "hierarchical":
         if node_size is None and nodes is None:
             node_size = world_size
@@ -452,18 +448,12 @@ def allreduce_time(
             return 1
         return RingPlan.build(int(nbytes) // itemsize, ranks, max(1, piece_bytes // itemsize), max_pieces).pieces
 
+    plain = {"native": ring_time, "tree": tree_time, "recursive_doubling": recursive_doubling_time,
+             "rabenseifner": rabenseifner_time, "lower_bound": lower_bound_time}  # native: an unpipelined ring
+    if algorithm in plain:
+        return plain[algorithm](P, nbytes, link)
     if algorithm == "ring":
         return ring_time(P, nbytes, link, pieces(P))
-    if algorithm == "native":
-        return ring_time(P, nbytes, link)
-    if algorithm == "tree":
-        return tree_time(P, nbytes, link)
-    if algorithm == "recursive_doubling":
-        return recursive_doubling_time(P, nbytes, link)
-    if algorithm == "rabenseifner":
-        return rabenseifner_time(P, nbytes, link)
-    if algorithm == "lower_bound":
-        return lower_bound_time(P, nbytes, link)
     if algorithm == "hierarchical":
         L = node_size or P
         return hierarchical_time(P, nbytes, L, link, inter or link, pieces(-(-P // min(L, P))))

@@ -72,7 +72,8 @@ def _optimizer(cfg: RunConfig) -> str:
 
 def plan_for_config(cfg: RunConfig) -> Plan:
     """The planner's table for a :class:`~dtrain.config.RunConfig` (its model, batch, workers, cluster)."""
-    model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, samples=cfg.samples)
+    model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, samples=cfg.samples,
+                                     seq_len=cfg.seq_len, **cfg.gpt_overrides())
     spec = cluster_for(cfg.cluster, processes=cfg.workers) if cfg.cluster else local_cluster(cfg.workers)
     spec = spec.with_devices(cfg.workers) if cfg.workers < spec.devices else spec
     cands = candidates(spec, cfg.workers, single=not cfg.cluster)

@@ -77,7 +77,7 @@ def _simulate(ns: argparse.Namespace) -> int:
 
         spec = local_cluster()
     workers = [int(w) for w in ns.workers.split(",")]
-    model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64)
+    model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len)
     strag = Stragglers.parse(ns.stragglers)
     base_batch = sample[0].shape[0] if isinstance(sample, (tuple, list)) else sample.shape[0]
     base = profile_model(model, sample, name=name, measure=not ns.no_measure)
@@ -139,7 +139,9 @@ def _plot(curves: dict[str, list[SimResult]], path: str, title: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dtrain plan", description="Rank strategies by predicted step time "
                                  "(or, with --simulate, replay them for many workers).")  # fmt: skip
-    ap.add_argument("--model", default="cnn", help="cnn, mlp, or FILE.py:FUNCTION returning (model, batch)")
+    ap.add_argument("--model", default="cnn", help="cnn, mlp, gpt-tiny, gpt-small, gpt-medium (on pytext), or "
+                    "FILE.py:FUNCTION returning (model, batch)")
+    ap.add_argument("--seq-len", type=int, default=64, help="a gpt model's context in tokens (default: 64)")
     ap.add_argument("--dataset", default="digits", help="dataset for dtrain's models (default: digits)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: 64, or the function's batch)")
     ap.add_argument("--cluster", default="", help="cluster TOML (default: this machine, calibrated once)")
@@ -166,7 +168,7 @@ def _plan(ns: argparse.Namespace) -> int:
         return _simulate(ns)
     spec = _cluster(ns)
     workers = int(ns.workers) if ns.workers else None
-    model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64)
+    model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len)
     comps = tuple(c for c in ns.compressions.split(",") if c)
     p = plan(model, sample, spec, batch=ns.batch, workers=workers, name=name, compressions=comps,
              exact_only=ns.exact, measure=not ns.no_measure)  # fmt: skip
