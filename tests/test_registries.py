@@ -80,3 +80,27 @@ def test_strategy_reachable(name):
     if entry.candidates is not None:
         assert any(c.strategy == name for c in candidates(_cluster(), 8))
         assert entry.predict is not None and entry.memory is not None
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp", "gpt", "gpt-tiny", "gpt-small", "gpt-medium"])
+def test_model_reachable(name):
+    from dtrain.models import MODELS, is_language_model
+    from dtrain.workload import load_model
+
+    assert name in MODELS
+    flags = ["--model", name] + (["--dataset", "pytext"] if is_language_model(name) else [])
+    cfg = _cfg(*flags)
+    assert cfg.model == name and run_info(cfg)["model"] == name
+    if name in ("cnn", "gpt-tiny"):  # the planner's loader builds it with a batch of its data
+        model, (x, y), _ = load_model(name, cfg.dataset, batch=4)
+        assert model(x).shape[0] == 4 and len(y) == 4
+
+
+def test_every_dataset_reachable():
+    from dtrain.data import DATASETS
+
+    for name in DATASETS:
+        model = "gpt-tiny" if name == "pytext" else "cnn"
+        cfg = _cfg("--dataset", name, "--model", model)
+        assert cfg.dataset == name and run_info(cfg)["dataset"] == name
+        assert len(cfg.load_data().train) > cfg.batch_size

@@ -171,3 +171,16 @@ def test_lr_schedule_cosine_under_dp_and_ps(tmp_path):
     assert [r["lr"] for r in runs["dp"]] == pytest.approx([0.05 * lr_factor("cosine", t, 8) for t in range(8)])
     assert len(runs["ps"]) == 8
     assert [r["loss"] for r in runs["ps"]] == pytest.approx([r["loss"] for r in runs["dp"]], rel=1e-5)
+
+
+def test_classifier_target_stops_at_the_first_evaluation_that_meets_it(tmp_path):
+    out = tmp_path / "t"
+    p = dtrain_cli("run", "--workers", "2", "--epochs", "5", "--eval-every", "5", "--target", "0.5", "--no-progress",
+                   "--no-trace", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = read_summary(out)
+    hist = s["metric_history"]
+    assert s["metric_name"] == "test_accuracy" and hist[-1]["value"] >= 0.5
+    assert all(h["value"] < 0.5 for h in hist[:-1])
+    assert s["target_step"] == s["steps"] == hist[-1]["step"] < 5 * 22  # stopped well before 5 epochs
+    assert s["accuracy_history"][-1][2] == hist[-1]["value"] and s["test_accuracy"] >= 0.5

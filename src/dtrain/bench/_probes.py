@@ -87,8 +87,8 @@ def sync_steps(model_name: str, dataset: str, batch: int, steps: int) -> dict[st
     from concurrent.futures import ThreadPoolExecutor
 
     import torch.distributed as dist
-    from torch import nn
 
+    from dtrain.models import task_loss
     from dtrain.workload import load_model
 
     model, (x, y), _ = load_model(model_name, dataset, batch=batch)
@@ -105,7 +105,7 @@ def sync_steps(model_name: str, dataset: str, batch: int, steps: int) -> dict[st
         for i in range(steps + 3):
             t0 = time.perf_counter()
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
+            task_loss(model(x), y).backward()
             opt.step()
             t1 = time.perf_counter()
             coll = pool.submit(allreduce).result()
@@ -126,14 +126,14 @@ def train_passes(model: Any, sample: Any, seconds: float) -> float:
     pass that loses the CPU takes far longer, and a step pays that as often as it
     happens.
     """
-    from torch import nn
+    from dtrain.models import task_loss
 
     opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
     x, y = sample
     n, t0 = 0, time.perf_counter()
     while n < 3 or time.perf_counter() - t0 < seconds:
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        task_loss(model(x), y).backward()
         opt.step()
         n += 1
     return (time.perf_counter() - t0) / n

@@ -121,6 +121,7 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, r
     import json
 
     from dtrain.config import RunConfig
+    from dtrain.models import is_language_model
     from dtrain.train import worker_main
     from dtrain.workload import load_model
 
@@ -133,8 +134,9 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, r
         for _ in range(runs):
             bare = train_passes(model, sample, 0.5)
             with tempfile.TemporaryDirectory() as d:
-                cfg = RunConfig(model=model_name, dataset=dataset, workers=1, batch_size=batch, max_steps=steps,
-                                epochs=1000, trace=False, progress=False, out=d, strategy="dp")  # fmt: skip
+                cfg = RunConfig(model=model_name, dataset="pytext" if is_language_model(model_name) else dataset,
+                                workers=1, batch_size=batch, max_steps=steps, epochs=1000, trace=False,
+                                progress=False, out=d, strategy="dp", eval_samples=64)  # fmt: skip
                 worker_main(cfg.to_dict(), d)
                 rows = [json.loads(x) for x in (Path(d) / "metrics.rank0.jsonl").read_text().splitlines()
                         if x.strip()]  # fmt: skip

@@ -13,14 +13,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from dtrain.models.gpt import GPT_MODELS, GPT_PRESETS, GPTConfig, build_gpt, generate, gpt_config
 from dtrain.models.vision import VISION_MODELS, build_cnn, build_mlp
 
-__all__ = ["MODELS", "build_model", "GPTConfig", "GPT_PRESETS", "generate", "gpt_config", "is_language_model"]
+__all__ = ["MODELS", "build_model", "task_loss", "GPTConfig", "GPT_PRESETS", "generate", "gpt_config",
+           "is_language_model"]
 
 MODELS = (*VISION_MODELS, *GPT_MODELS)
+
+
+def task_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The training loss of dtrain's models: cross entropy over classes, or over every position of a
+    language model's ``(batch, seq, vocab)`` logits against ``(batch, seq)`` next tokens."""
+    if output.dim() == 3 and target.dim() == 2:
+        return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+    return nn.functional.cross_entropy(output, target)
 
 
 def is_language_model(name: str) -> bool:

@@ -149,9 +149,9 @@ def _nbytes(x: Any) -> int:
 def _default_loss(out: torch.Tensor, target: Any) -> torch.Tensor:
     if target is None:
         return out.float().pow(2).mean()
-    if out.dim() == 3 and target.dim() == 2:  # a language model: (batch, seq, vocab) logits, (batch, seq) tokens
-        return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
-    return nn.functional.cross_entropy(out, target)
+    from dtrain.models import task_loss
+
+    return task_loss(out, target)
 
 
 def profile_model(

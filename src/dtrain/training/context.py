@@ -25,7 +25,7 @@ from dtrain.cluster.slowdown import Straggler, slowdown_factor
 from dtrain.compress.base import Compressor
 from dtrain.config import RunConfig, parse_straggler
 from dtrain.data import DatasetSplit
-from dtrain.models import build_model
+from dtrain.models import build_model, task_loss
 from dtrain.trace import MetricsWriter, Tracer
 
 __all__ = ["TrainContext", "lr_factor", "schedule_updates"]
@@ -143,9 +143,7 @@ class TrainContext:
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The training loss: cross entropy over classes (over every position for a language model)."""
-        if output.dim() == 3:  # (batch, seq, vocab) logits of a language model
-            return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
-        return nn.functional.cross_entropy(output, target)
+        return task_loss(output, target)
 
     def loader(self, shard: int, num_shards: int, epoch: int, start_batch: int = 0) -> DataLoader[Any]:
         """This shard's training batches for ``epoch`` (a DistributedSampler slice).
