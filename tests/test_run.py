@@ -176,7 +176,7 @@ def test_lr_schedule_cosine_under_dp_and_ps(tmp_path):
 def test_classifier_target_stops_at_the_first_evaluation_that_meets_it(tmp_path):
     out = tmp_path / "t"
     p = dtrain_cli("run", "--workers", "2", "--epochs", "5", "--eval-every", "5", "--target", "0.5", "--no-progress",
-                   "--no-trace", "--out", str(out))
+                   "--no-trace", "--checkpoint-every", "1000", "--out", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
     s = read_summary(out)
     hist = s["metric_history"]
@@ -184,3 +184,5 @@ def test_classifier_target_stops_at_the_first_evaluation_that_meets_it(tmp_path)
     assert all(h["value"] < 0.5 for h in hist[:-1])
     assert s["target_step"] == s["steps"] == hist[-1]["step"] < 5 * 22  # stopped well before 5 epochs
     assert s["accuracy_history"][-1][2] == hist[-1]["value"] and s["test_accuracy"] >= 0.5
+    saved = sorted(d.name for d in (out / "checkpoints").iterdir())
+    assert saved == [f"step_{s['steps']:06d}"]  # the run's end is where the target stopped it

@@ -162,12 +162,12 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
         bar.update(1)
         if tally.step % 10 == 0:
             bar.set_postfix(loss=f"{loss_v:.3f}", refresh=False)
-        if ckpt is not None and ckpt.due(tally.step, final=engine.done(tally.step)):
+        if ctx.cfg.eval_every and tally.step % ctx.cfg.eval_every == 0:
+            _evaluate(ctx, engine, tally, epoch, t_start, bar)  # may stop the run (--target)
+            t_free = time.perf_counter()
+        if ckpt is not None and ckpt.due(tally.step, final=engine.done(tally.step) or tally.stopped):
             with ctx.tracer.span("checkpoint", step=tally.step):
                 engine.save(ckpt, tally.step, epoch, batches)
-            t_free = time.perf_counter()
-        if ctx.cfg.eval_every and tally.step % ctx.cfg.eval_every == 0:
-            _evaluate(ctx, engine, tally, epoch, t_start, bar)
             t_free = time.perf_counter()
         if engine.done(tally.step) or tally.stopped:
             break
@@ -259,6 +259,8 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
         first_batch = 0
         if not ctx.cfg.eval_every and not tally.stopped:
             _evaluate(ctx, engine, tally, epoch, t_start, bar)
+            if tally.stopped and ckpt is not None and ckpt.due(tally.step, final=True):
+                engine.save(ckpt, tally.step, epoch, batches)  # the run ends here: its last checkpoint
         epoch += 1
     _write(ctx, engine.synchronize())
     train_s = time.perf_counter() - t_start - tally.eval_s
