@@ -16,7 +16,7 @@ is written to ``--out``.
 
 Run (root)::
 
-    python benchmarks/time_to_target.py --bandwidths 100mbit,1gbit --hosts 4 --model gpt-small --target 2.8
+    python benchmarks/time_to_target.py --bandwidths 100mbit,1gbit --hosts 4 --model gpt-small --target 3.0
 
 A strategy is ``ddp``, ``dp:ALGORITHM[:OVERLAP]`` or ``ps:CONSISTENCY:SERVERS``, each
 with an optional ``+COMPRESSOR`` (``dp:ring+powersgd:4``).
@@ -135,10 +135,10 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--model", default="gpt-small")
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8, help="global batch in windows (default: 8, 2 per worker)")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--target", type=float, default=2.8, help="validation loss, nats/token (default: 2.8)")
-    ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--batch", type=int, default=16, help="global batch in windows (default: 16, 4 per worker)")
+    ap.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate (default: 0.002)")
+    ap.add_argument("--target", type=float, default=3.0, help="validation loss, nats/token (default: 3.0)")
+    ap.add_argument("--max-steps", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-samples", type=int, default=64, help="validation windows per evaluation")
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the step-time median")
