@@ -18,7 +18,7 @@ Run (root)::
 
     python benchmarks/time_to_target.py --bandwidths 100mbit,1gbit --hosts 4 --model gpt-small --target 3.0
 
-A strategy is ``ddp``, ``dp:ALGORITHM[:OVERLAP]`` or ``ps:CONSISTENCY:SERVERS``, each
+A strategy is ``ddp``, ``dp:ALGORITHM[:OVERLAP]`` or ``ps:CONSISTENCY:SERVERS`` (``ps:ssp:3:2``), each
 with an optional ``+COMPRESSOR`` (``dp:ring+powersgd:4``).
 """
 
@@ -48,9 +48,10 @@ def strategy_options(spec: str, hosts: int) -> dict[str, Any]:
         if comp:
             kw["compression"] = comp
         return kw
-    if parts[0] == "ps":
-        servers = int(parts[2]) if len(parts) > 2 else 1
-        kw = dict(strategy="ps", workers=hosts - servers, servers=servers, consistency=parts[1])
+    if parts[0] == "ps":  # ps:CONSISTENCY[:ARG]:SERVERS, e.g. ps:ssp:3:2
+        servers = int(parts[-1]) if len(parts) > 2 else 1
+        consistency = ":".join(parts[1:-1]) if len(parts) > 2 else parts[1]
+        kw = dict(strategy="ps", workers=hosts - servers, servers=servers, consistency=consistency)
         if comp:
             kw["compression"] = comp
         return kw
