@@ -54,6 +54,7 @@ __all__ = [
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine")
 BACKENDS = ("gloo", "nccl", "mpi")
+_GPT_SHAPE = ("layers", "d_model", "heads", "dropout")  # RunConfig fields that resize a gpt model
 
 
 def parse_straggler(spec: str) -> tuple[int, float]:
@@ -281,7 +282,7 @@ class RunConfig:
         if text and not lm:
             raise ConfigError("dataset pytext is text; use a language model: --model gpt-tiny, gpt-small, ...")
         if not lm:
-            given = [f"--{k.replace('_', '-')}" for k in ("layers", "d_model", "heads", "dropout") if getattr(self, k)]
+            given = [f"--{k.replace('_', '-')}" for k in self.gpt_overrides()]
             if given:
                 raise ConfigError(f"{', '.join(given)} shape(s) a gpt model; model {self.model} has no such option")
         if lm and self.target < 0:
@@ -291,7 +292,7 @@ class RunConfig:
 
     def gpt_overrides(self) -> dict[str, Any]:
         """The gpt shape flags that were set (0 means the preset's value)."""
-        return {k: getattr(self, k) for k in ("layers", "d_model", "heads", "dropout") if getattr(self, k)}
+        return {k: getattr(self, k) for k in _GPT_SHAPE if getattr(self, k)}
 
     def load_data(self) -> DatasetSplit:
         """This run's dataset (every process loads it; small and deterministic)."""
