@@ -8,6 +8,7 @@ computed by hand for tiny models.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ def test_units_parse_tc_style_rates_sizes_and_times():
 
 def test_cluster_toml_round_trips_and_rejects_bad_keys(tmp_path):
     device = Device(kind="P100", flops=9.3e12, memory=16 * 2**30, gamma=2e-11, overhead=1e-3, wake=2e-4,
-                    floor=5e-3, imbalance=4e-4)
+                    floor=5e-3, imbalance=4e-4, p2p_floor=3e-3)
     c = ClusterSpec(nodes=32, devices_per_node=4,
                     inter=Link(parse_rate("25gbit"), 30e-6, 0.75, duplex_bandwidth=parse_rate("20gbit")),
                     intra=Link(parse_rate("80gbit"), 5e-6), device=device, name="hvd")
@@ -313,6 +314,21 @@ def test_collective_floor_by_hand():
     # above the floor the floor does nothing
     low = predict(prof, flat(4, 1e-3, 1e-8, 1e-10, floor=0.1), choice("ps", 3, servers=1, consistency="bsp"))
     assert low.step_s == pytest.approx(predict(prof, flat(4, 1e-3, 1e-8, 1e-10), choice("ps", 3, servers=1)).step_s)
+
+
+def test_own_collectives_pay_the_p2p_floor_and_the_backend_its_own():
+    prof = made_up_profile()
+    base = flat(4, 0.0, 1e-12, floor=0.1)  # links so fast that floors decide (see above)
+    own = replace(base, device=replace(base.device, p2p_floor=0.05))
+    ring, native = choice("dp", 4, "ring", bucket_mb=25.0), choice("dp", 4, "native", bucket_mb=25.0)
+    # buckets ready at 0.1 and 0.3; 6 steps each: 0.6 s per call at 0.1, 0.3 s at 0.05
+    assert predict(prof, own, ring).step_s == pytest.approx(0.15 + 0.1 + 0.3 + 0.3 + 0.01, rel=1e-4)
+    assert predict(prof, own, native).step_s == pytest.approx(predict(prof, base, native).step_s)
+    assert predict(prof, own, choice("ddp", 4)).step_s == pytest.approx(predict(prof, base, native).step_s)
+    assert predict(prof, base, ring).step_s == pytest.approx(0.15 + 1.3 + 0.01, rel=1e-4)  # None: the floor
+    assert own.device.own_floor == 0.05 and base.device.own_floor == 0.1
+    with pytest.raises(ConfigError, match="p2p_floor must be >= 0"):
+        Device(p2p_floor=-1.0)
 
 
 def test_imbalance_is_waited_for_by_synchronous_strategies_only():

@@ -203,6 +203,8 @@ def calibration_worker(pairs: list[tuple[int, int]], model_name: str, dataset: s
     out["sync"] = sync_steps(model_name, dataset, batch, 50 * reps)
     dist.barrier()
     out["floor"] = native_small(40 * reps, FLOOR_NUMEL)
+    dist.barrier()
+    out["p2p_floor"] = native_small(40 * reps, FLOOR_NUMEL, algorithm="ring")
     out["gamma"] = gamma(reps * 3)
     return out
 
@@ -231,16 +233,25 @@ def duplex(reps: int, sizes: Sequence[int] = (256 << 10, 512 << 10, 768 << 10, 1
     return out
 
 
-def native_small(reps: int, numel: int) -> float:
-    """Trimmed mean seconds of the backend's own allreduce of ``numel`` floats, every rank at once."""
+def native_small(reps: int, numel: int, algorithm: str = "native") -> float:
+    """Trimmed mean seconds of an allreduce of ``numel`` floats, every rank at once: the backend's
+    own (``native``) or one of dtrain's algorithms (the p2p floor's probe)."""
     import torch.distributed as dist
 
+    from dtrain.comm.allreduce import allreduce
+
+    def reduce(t: torch.Tensor) -> None:
+        if algorithm == "native":
+            dist.all_reduce(t)
+        else:
+            allreduce(t, algorithm=algorithm)
+
     t = torch.ones(numel)
-    dist.all_reduce(t)
+    reduce(t)
     times = []
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
-        dist.all_reduce(t)
+        reduce(t)
         times.append(time.perf_counter() - t0)
     return trimmed_mean(times)

@@ -66,7 +66,15 @@ import torch
 from dtrain.bench._probes import calibration_worker, train_passes
 from dtrain.errors import DTrainError
 from dtrain.perfmodel._units import format_rate, format_time
-from dtrain.perfmodel.fit import fit_compute_scale, fit_duplex_rate, fit_floor, fit_imbalance, fit_link, fit_wake
+from dtrain.perfmodel.fit import (
+    fit_compute_scale,
+    fit_duplex_rate,
+    fit_floor,
+    fit_imbalance,
+    fit_link,
+    fit_p2p_floor,
+    fit_wake,
+)
 from dtrain.perfmodel.spec import ClusterSpec, CompressorCost, Device, Link, dump_cluster, load_cluster, this_host
 
 __all__ = ["main", "calibrate_cluster", "refresh_load", "calibrate_local", "local_cluster", "summary", "cache_dir",
@@ -167,7 +175,7 @@ def _assemble(name: str, nodes: int, per_node: int, inter: Link | None, intra: L
     imbalance = fit_imbalance(results)
     device = Device(kind="cpu", flops=flops, memory=float(_memory_per_device(nodes * per_node)), gamma=gamma,
                     compute_scale=scale, host=this_host(), overhead=overhead_alone * scale, wake=wake,
-                    floor=floor, imbalance=imbalance)  # fmt: skip
+                    floor=floor, imbalance=imbalance, p2p_floor=fit_p2p_floor(results))  # fmt: skip
     return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=inter or intra, intra=intra, device=device,
                        compressors=_compressors(compressions), name=name)  # fmt: skip
 
@@ -232,7 +240,7 @@ def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: s
                          timeout_s=600)  # fmt: skip
     scale = fit_compute_scale(res, default=spec.device.compute_scale)
     old = spec.device
-    device = replace(old, compute_scale=scale, wake=fit_wake(res), floor=fit_floor(res),
+    device = replace(old, compute_scale=scale, wake=fit_wake(res), floor=fit_floor(res), p2p_floor=fit_p2p_floor(res),
                      imbalance=fit_imbalance(res), overhead=old.overhead / old.compute_scale * scale)  # fmt: skip
     return replace(spec, device=device)
 
@@ -277,7 +285,8 @@ def summary(spec: ClusterSpec) -> str:
         f"  intra: alpha {format_time(spec.intra.alpha)}, bandwidth {format_rate(spec.intra.bandwidth)}",
         f"  device: {d.flops / 1e9:.3g} GFLOP/s (1 thread), gamma {d.gamma * 1e9:.3g} ns/byte, "
         f"compute x{d.compute_scale:.2f} when all compute at once, loop overhead {format_time(d.overhead)}/step, "
-        f"wake {format_time(d.wake)}, floor {format_time(d.floor)} per collective step, "
+        f"wake {format_time(d.wake)}, floor {format_time(d.floor)} per collective step "
+        f"(dtrain's own: {format_time(d.own_floor)}), "
         f"slowest pass +{format_time(d.imbalance)}",
     ]
     for s, cc in spec.compressors.items():

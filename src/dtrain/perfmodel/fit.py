@@ -31,6 +31,7 @@ __all__ = [
     "fit_wake",
     "fit_imbalance",
     "fit_floor",
+    "fit_p2p_floor",
     "fit_compute_scale",
 ]
 
@@ -154,6 +155,20 @@ def fit_floor(results: dict[int, Any]) -> float:
     """
     rs = [float(r["floor"]) for r in results.values() if "floor" in r]
     return float(statistics.mean(rs)) / (2 * (len(rs) - 1)) if len(rs) > 1 else 0.0
+
+
+def fit_p2p_floor(results: dict[int, Any]) -> float | None:
+    """``p2p_floor``: dtrain's ring allreduce of 1 KiB, every rank at once, over its ``2(P-1)`` steps.
+
+    The backend's floor had charged dtrain's ring as much as gloo's allreduce; on a morning
+    when dtrain's ring ran 2-3 ms under gloo's at 1 Gbit (7.6-7.9 against 9.2-10.6 ms a
+    training step), the ring was overpredicted by a fifth (BENCHMARKS.md, session 6).
+    None when the probe did not run (an older calibration).
+    """
+    rs = [float(r["p2p_floor"]) for r in results.values() if "p2p_floor" in r]
+    if len(rs) < 2:
+        return None
+    return float(statistics.mean(rs)) / (2 * (len(rs) - 1))
 
 
 def fit_compute_scale(results: dict[int, Any], default: float = 1.0) -> float:

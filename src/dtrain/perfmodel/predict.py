@@ -338,10 +338,13 @@ def bucket_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, com
                       ) -> tuple[float, float]:  # fmt: skip
     """(communication, encode+decode) seconds of one bucket's collective on ``p`` ranks: every one of
     its steps (:func:`~dtrain.perfmodel.collectives.collective_steps`) takes at least the device's
-    ``floor``, a compressed call's encode and decode counting toward it."""
+    ``floor`` (the backend's own allreduce; dtrain's collectives the ``p2p_floor``), a compressed
+    call's encode and decode counting toward it."""
     comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp)
     if p > 1:
-        comm = max(comm, collective_steps(c, algorithm, p, comp, nbytes) * c.device.floor - coding)
+        native = algorithm == "native" and comp.kind == "dense"
+        floor = c.device.floor if native else c.device.own_floor
+        comm = max(comm, collective_steps(c, algorithm, p, comp, nbytes) * floor - coding)
     return comm, coding
 
 

@@ -148,6 +148,10 @@ class Device:
             they can run at once each waits for the scheduler (0 = none;
             calibration measures the backend's allreduce of 1 KiB, every rank at
             once, over its ``2(P-1)`` steps).
+        p2p_floor: the same for dtrain's own point-to-point collectives (its ring,
+            tree, recursive doubling, Rabenseifner and compressed collectives, run
+            from Python on a communication thread): calibration times dtrain's ring
+            allreduce of 1 KiB the same way. None: ``floor``.
         imbalance: seconds by which the slowest rank's training pass exceeds a
             rank's own in a step where all compute at once (shared cores: the
             passes that lose the CPU differ from step to step); synchronous
@@ -164,12 +168,20 @@ class Device:
     wake: float = 0.0
     floor: float = 0.0
     imbalance: float = 0.0
+    p2p_floor: float | None = None
+
+    @property
+    def own_floor(self) -> float:
+        """The floor of a step of dtrain's own collectives (``p2p_floor``, else ``floor``)."""
+        return self.floor if self.p2p_floor is None else self.p2p_floor
 
     def __post_init__(self) -> None:
         if self.wake < 0:
             raise ConfigError(f"device wake must be >= 0 seconds, got {self.wake}")
         if self.floor < 0:
             raise ConfigError(f"device floor must be >= 0 seconds, got {self.floor}")
+        if self.p2p_floor is not None and self.p2p_floor < 0:
+            raise ConfigError(f"device p2p_floor must be >= 0 seconds, got {self.p2p_floor}")
         if self.imbalance < 0:
             raise ConfigError(f"device imbalance must be >= 0 seconds, got {self.imbalance}")
         if self.overhead < 0:
@@ -287,7 +299,7 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> Cl
     links = dict(data.get("links", {}))
     dev = dict(data.get("device", {}))
     unknown = set(dev) - {"kind", "flops", "memory", "gamma", "compute_scale", "host", "overhead", "wake", "floor",
-                          "imbalance"}
+                          "imbalance", "p2p_floor"}
     if unknown:
         raise ConfigError(f"{source}: [device] has unknown key(s) {', '.join(sorted(unknown))}")
     device = Device(
@@ -301,6 +313,7 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> Cl
         wake=parse_time(dev.get("wake", 0.0)),
         floor=parse_time(dev.get("floor", 0.0)),
         imbalance=parse_time(dev.get("imbalance", 0.0)),
+        p2p_floor=parse_time(dev["p2p_floor"]) if "p2p_floor" in dev else None,
     )
     inter = _link(links.get("inter", {}), f"{source}: [links.inter]", None if int(data["nodes"]) > 1 else Link(1e9))
     intra = _link(links.get("intra", {}), f"{source}: [links.intra]", Link(parse_rate("40gbit"), 10e-6))
@@ -341,7 +354,8 @@ def dump_cluster(c: ClusterSpec, comment: str = "") -> str:
     out += ["[device]", f"kind = \"{d.kind}\"", f"flops = {_num(d.flops)}", f"memory = {_num(d.memory)}",
             f"gamma = {_num(d.gamma)}", f"compute_scale = {_num(d.compute_scale)}", f"host = \"{d.host}\"",
             f"overhead = {_num(d.overhead)}", f"wake = {_num(d.wake)}", f"floor = {_num(d.floor)}",
-            f"imbalance = {_num(d.imbalance)}", ""]  # fmt: skip
+            f"imbalance = {_num(d.imbalance)}"]  # fmt: skip
+    out += ([f"p2p_floor = {_num(d.p2p_floor)}"] if d.p2p_floor is not None else []) + [""]
     for name, link in (("intra", c.intra), ("inter", c.inter)):
         out += [f"[links.{name}]", f"bandwidth = {_num(link.bandwidth * 8)}  # {format_rate(link.bandwidth)}",
                 f"latency = {_num(link.latency)}", f"efficiency = {_num(link.efficiency)}"]  # fmt: skip
