@@ -19,7 +19,8 @@ Run (root)::
     python benchmarks/time_to_target.py --bandwidths 100mbit,1gbit --hosts 4 --model gpt-small --target 3.0
 
 A strategy is ``ddp``, ``dp:ALGORITHM[:OVERLAP]`` or ``ps:CONSISTENCY:SERVERS`` (``ps:ssp:3:2``), each
-with an optional ``+COMPRESSOR`` (``dp:ring+powersgd:4``).
+with an optional ``+COMPRESSOR`` (``dp:ring+powersgd:4``), or model averaging: ``local_sgd:PERIOD[:WARMUP]``,
+``easgd:ALPHA:PERIOD[:SERVERS]``, ``gossip:TOPOLOGY[:async]``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,18 @@ def strategy_options(spec: str, hosts: int) -> dict[str, Any]:
         if comp:
             kw["compression"] = comp
         return kw
+    if parts[0] == "local_sgd":  # local_sgd:PERIOD[:WARMUP]
+        kw = dict(strategy="local_sgd", workers=hosts, period=int(parts[1]) if len(parts) > 1 else 8)
+        if len(parts) > 2:
+            kw["warmup_steps"] = int(parts[2])
+        return kw
+    if parts[0] == "easgd":  # easgd:ALPHA:PERIOD[:SERVERS]
+        servers = int(parts[3]) if len(parts) > 3 else 0
+        return dict(strategy="easgd", workers=hosts - servers, alpha=float(parts[1]), period=int(parts[2]),
+                    servers=servers)  # fmt: skip
+    if parts[0] == "gossip":  # gossip:TOPOLOGY[:async]
+        return dict(strategy="gossip", workers=hosts, topology=parts[1] if len(parts) > 1 else "ring",
+                    mode=parts[2] if len(parts) > 2 else "sync")  # fmt: skip
     raise SystemExit(f"cannot read strategy {spec!r}")
 
 

@@ -23,6 +23,10 @@ _EXPORTS: dict[str, str] = {
     # strategies
     "DataParallel": "dtrain.data_parallel",
     "ParameterServer": "dtrain.param_server",
+    "LocalSGD": "dtrain.decentralized",
+    "EASGD": "dtrain.decentralized",
+    "Gossip": "dtrain.decentralized",
+    "Topology": "dtrain.decentralized",
     # planning
     "plan": "dtrain.planning",
     # checkpoints
@@ -36,7 +40,7 @@ _EXPORTS: dict[str, str] = {
     "ModelMismatchError": "dtrain.errors",
 }
 _SUBPACKAGES = ("comm", "compress", "perfmodel", "planning", "strategies", "cluster", "param_server", "data_parallel",
-                "checkpoint")
+                "checkpoint", "decentralized")
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])
 

@@ -82,6 +82,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         default = f.default
         helptext = f.metadata.get("help", f"(default: {default!r})") + f" [{', '.join(s for s, _ in owners)}]"
         _add_flag(g, name, default, helptext, f.metadata.get("choices"))
+        if "switch" in f.metadata:  # a short flag for one value: --async is --mode async
+            flag, value = f.metadata["switch"]
+            g.add_argument(f"--{flag}", dest=name, action="store_const", const=value, help=f"--{name} {value}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,8 @@ Candidates, for ``W`` devices:
   on a cluster with several devices per node), bucket sizes, priority overlap,
   and each compressor of ``compressions``; torch DDP (the peer);
 * the parameter server with ``S`` servers and ``W - S`` workers, each consistency
-  policy of ``consistencies``.
+  policy of ``consistencies``;
+* with ``averaging=True``: local SGD, EASGD and gossip (model averaging).
 
 Approximate strategies (compressed, asynchronous) are ranked on speed like the
 rest; their line says what they trade (compression error, staleness), and
@@ -99,11 +100,12 @@ def candidates(
     exact_only: bool = False,
     single: bool = True,
     ddp: bool = True,
+    averaging: bool = False,
 ) -> list[Choice]:
     """Every choice the planner considers on ``workers`` devices (default: all of the cluster's):
     each registered strategy's ``candidates`` hook over the same :class:`PlanSpace`."""
     space = PlanSpace(cluster, workers or cluster.devices, tuple(compressions), tuple(consistencies), tuple(buckets),
-                      tuple(algorithms), exact_only, single, ddp)  # fmt: skip
+                      tuple(algorithms), exact_only, single, ddp, averaging)  # fmt: skip
     out: list[Choice] = []
     for entry in registered().values():
         if entry.candidates is not None:
@@ -145,6 +147,7 @@ def plan(
     exact_only: bool = False,
     strategies: Sequence[Choice] | None = None,
     measure: bool = True,
+    averaging: bool = False,
 ) -> Plan:
     """Rank the strategies for training ``model`` on ``cluster``.
 
@@ -162,6 +165,8 @@ def plan(
         exact_only: only strategies equivalent to single-process training.
         strategies: an explicit candidate list instead.
         measure: time the model here (False: FLOPs over the device rate only).
+        averaging: also rank the model-averaging strategies (local SGD, EASGD, gossip), which
+            change the optimisation itself: their steps are cheaper, not their progress per step.
 
     Returns:
         A :class:`Plan`; ``print(plan)`` shows the table.
@@ -170,7 +175,8 @@ def plan(
     gbatch = batch or _global_batch(sample_batch)
     name = name or type(model).__name__.lower()
     cands = list(strategies) if strategies is not None else candidates(
-        spec, workers, compressions=compressions, consistencies=consistencies, exact_only=exact_only)  # fmt: skip
+        spec, workers, compressions=compressions, consistencies=consistencies, exact_only=exact_only,
+        averaging=averaging)  # fmt: skip
     ranker = _Ranker(model, sample_batch, spec, name, optimizer, measure)
     for s in cands:
         ranker.add(s, gbatch)

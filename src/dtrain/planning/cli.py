@@ -149,6 +149,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", default="", help="devices to plan for (default: all); with --simulate a list 8,16,...")
     ap.add_argument("--top", type=int, default=0, help="show only the best K (default: all)")
     ap.add_argument("--exact", action="store_true", help="only strategies equivalent to one-process training")
+    ap.add_argument("--averaging", action="store_true",
+                    help="also rank model averaging (local_sgd, easgd, gossip): cheaper steps, different optimisation")
     ap.add_argument("--compressions", default=",".join(DEFAULT_COMPRESSIONS), help="compressors to try")
     ap.add_argument("--no-measure", action="store_true", help="do not time the model here (FLOPs only)")
     sim = ap.add_argument_group("simulation")
@@ -171,7 +173,7 @@ def _plan(ns: argparse.Namespace) -> int:
     model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len)
     comps = tuple(c for c in ns.compressions.split(",") if c)
     p = plan(model, sample, spec, batch=ns.batch, workers=workers, name=name, compressions=comps,
-             exact_only=ns.exact, measure=not ns.no_measure)  # fmt: skip
+             exact_only=ns.exact, measure=not ns.no_measure, averaging=ns.averaging)  # fmt: skip
     print(p.table(top=ns.top or None))
     return 0
 

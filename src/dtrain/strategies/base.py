@@ -109,6 +109,7 @@ class PlanSpace:
     exact_only: bool = False
     single: bool = True
     ddp: bool = True
+    averaging: bool = False  # model-averaging strategies (local SGD, EASGD, gossip): they change the optimisation
 
 
 PredictHook = Callable[["ModelProfile", "ClusterSpec", "Choice", "CompressionModel", "StepInputs"], "Prediction"]

@@ -1,5 +1,5 @@
 """The built-in strategies: importing this module registers them (in this order)."""
 
-from dtrain.strategies import dp, ps, auto  # noqa: I001 - registration order: dp, ddp, ps, auto
+from dtrain.strategies import dp, ps, decentralized, auto  # noqa: I001 - registration order: dp, ddp, ps, then local_sgd, easgd, gossip, auto
 
-__all__ = ["dp", "ps", "auto"]
+__all__ = ["dp", "ps", "decentralized", "auto"]

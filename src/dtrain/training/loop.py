@@ -101,7 +101,8 @@ class Engine(Protocol):
         """Collective: checkpoint after ``step`` steps (``batch`` batches of ``epoch`` consumed)."""
 
     def synchronize(self) -> list[dict[str, Any]]:
-        """Finish outstanding work (before evaluation, checkpoints, the end); returns rows it completed."""
+        """Finish outstanding work (on every rank before an evaluation, before checkpoints, at the end);
+        returns rows it completed."""
 
     def finish(self) -> dict[str, Any]:
         """End of training; returns result keys: ``bytes_sent`` and any extras."""
@@ -202,8 +203,8 @@ def _evaluate(ctx: TrainContext, engine: Engine, tally: _Progress, epoch: int, t
     """Evaluate on the evaluating rank; with ``--target``, every rank learns whether to stop."""
     te = time.perf_counter()
     stop = False
+    _write(ctx, engine.synchronize())  # every rank: the evaluated model may need them all (a replicas' average)
     if engine.evaluator:
-        _write(ctx, engine.synchronize())
         value = ctx.evaluate(engine.model)
         t = round(te - t_start - tally.eval_s, 4)
         tally.history.append({"train_s": t, "step": tally.step, "epoch": epoch, "value": value})
