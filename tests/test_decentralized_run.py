@@ -35,6 +35,7 @@ def test_local_sgd_runs_sends_the_closed_form_and_resumes(tmp_path):
     s = read_summary(a)
     assert s["strategy"] == "local_sgd" and s["steps"] == 12
     assert s["evaluated"] == "average of the replicas" and s["consensus_distance"] > 0
+    assert [h["step"] for h in s["consensus_history"]] == [12, 12]  # after the epoch and at the end
     rounds = s["averaging_rounds"]
     assert rounds == 4  # steps 0, 3, 6, 9 (torch's PeriodicModelAverager counts the same way)
     # ring average of n bytes over N = 2: 2 (N-1) / N n = n per round, each rank

@@ -11,7 +11,7 @@ import torch
 from dtrain.comm._kernel import TAG_FOLD, AllreduceOptions, algorithm
 from dtrain.comm._reduce import BUFFERS, combine, post_recv, post_send
 from dtrain.comm._schedule import Fold, doubling_rounds, halving_rounds, offsets
-from dtrain.comm.transport import Transport
+from dtrain.comm.transport import Transport, Work
 
 __all__ = ["recursive_doubling", "rabenseifner"]
 
@@ -37,18 +37,6 @@ def _fold_out(t: Transport, flat: torch.Tensor, fold: Fold) -> None:
         post_send(t, flat, fold.partner, TAG_FOLD + 1).wait()
 
 
-def _exchange(
-    t: Transport, send: torch.Tensor, recv: torch.Tensor, peer: int, tag: int
-) -> None:
-    """Send ``send`` to and receive ``recv`` from ``peer`` at once (either may be empty: skipped)."""
-    rw = post_recv(t, recv, peer, tag) if recv.numel() else None
-    sw = post_send(t, send, peer, tag) if send.numel() else None
-    if rw is not None:
-        rw.wait()
-    if sw is not None:
-        sw.wait()
-
-
 @algorithm("recursive_doubling")
 def recursive_doubling(t: Transport, flat: torch.Tensor, op: str, opts: AllreduceOptions) -> None:
     """Recursive doubling (butterfly): ``log2 P`` rounds of full-vector exchange.
@@ -64,14 +52,28 @@ def recursive_doubling(t: Transport, flat: torch.Tensor, op: str, opts: Allreduc
     fold = Fold.of(t.rank, t.world_size)
     _fold_in(t, flat, op, fold)
     if fold.new_rank >= 0 and fold.core > 1:
-        buf = BUFFERS.take(flat.numel(), flat.dtype, flat.device)
-        d, rnd = 1, 0
+        n = flat.numel()
+        bufs = BUFFERS.take(2 * n, flat.dtype, flat.device)  # round i receives into half i % 2
+        peers = []
+        d = 1
         while d < fold.core:
-            peer = fold.real(fold.new_rank ^ d)
-            _exchange(t, flat, buf, peer, rnd)
-            combine(flat, buf, op)
-            d, rnd = d << 1, rnd + 1
-        BUFFERS.give(buf)
+            peers.append(fold.real(fold.new_rank ^ d))
+            d <<= 1
+        # each round's receive is posted a round ahead: a message finds its buffer waiting (gloo
+        # otherwise holds a send until the receiver posts: a rendezvous per round)
+        def half(rnd: int) -> torch.Tensor:
+            return bufs[(rnd % 2) * n : (rnd % 2 + 1) * n]
+
+        recv: Work | None = post_recv(t, half(0), peers[0], 0)
+        for rnd, peer in enumerate(peers):
+            nxt = post_recv(t, half(rnd + 1), peers[rnd + 1], rnd + 1) if rnd + 1 < len(peers) else None
+            send = post_send(t, flat, peer, rnd)
+            assert recv is not None
+            recv.wait()
+            send.wait()
+            combine(flat, half(rnd), op)
+            recv = nxt
+        BUFFERS.give(bufs)
     _fold_out(t, flat, fold)
 
 
@@ -96,20 +98,37 @@ def rabenseifner(t: Transport, flat: torch.Tensor, op: str, opts: AllreduceOptio
     _fold_in(t, flat, op, fold)
     if fold.new_rank >= 0 and fold.core > 1:
         blocks = offsets(flat.numel(), fold.core)
-        half = blocks[fold.core // 2]  # the first window kept is the largest
-        buf = BUFFERS.take(max(half, flat.numel() - half), flat.dtype, flat.device)
-        rnd = 0
-        for peer_new, keep, give in halving_rounds(fold.new_rank, fold.core):
-            klo, khi = blocks[keep[0]], blocks[keep[1]]
-            glo, ghi = blocks[give[0]], blocks[give[1]]
-            got = buf[: khi - klo]
-            _exchange(t, flat[glo:ghi], got, fold.real(peer_new), rnd)
-            combine(flat[klo:khi], got, op)
-            rnd += 1
-        BUFFERS.give(buf)
-        for peer_new, mine, theirs in doubling_rounds(fold.new_rank, fold.core):
-            mlo, mhi = blocks[mine[0]], blocks[mine[1]]
+        halving = halving_rounds(fold.new_rank, fold.core)
+        doubling = doubling_rounds(fold.new_rank, fold.core)
+        # every round's receive is posted up front (a message finds its buffer waiting; gloo otherwise
+        # holds a send until the receiver posts): the reduce-scatter's into buffers end to end (n/2 +
+        # n/4 + ... < n), the allgather's in place -- each lands in a window this rank gave away to
+        # that same partner in the reduce-scatter, which the partner answers only after receiving it
+        sizes = [blocks[keep[1]] - blocks[keep[0]] for _, keep, _ in halving]
+        buf = BUFFERS.take(max(1, sum(sizes)), flat.dtype, flat.device)
+        gots, recvs, off = [], [], 0
+        for rnd, ((peer_new, _, _), size) in enumerate(zip(halving, sizes)):
+            gots.append(buf[off : off + size])
+            recvs.append(post_recv(t, gots[-1], fold.real(peer_new), rnd) if size else None)
+            off += size
+        for j, (peer_new, _, theirs) in enumerate(doubling):
             tlo, thi = blocks[theirs[0]], blocks[theirs[1]]
-            _exchange(t, flat[mlo:mhi], flat[tlo:thi], fold.real(peer_new), rnd)
-            rnd += 1
+            recvs.append(post_recv(t, flat[tlo:thi], fold.real(peer_new), len(halving) + j) if thi > tlo else None)
+        for rnd, (peer_new, keep, give) in enumerate(halving):
+            glo, ghi = blocks[give[0]], blocks[give[1]]
+            _finish_round(t, flat[glo:ghi], recvs[rnd], fold.real(peer_new), rnd)
+            combine(flat[blocks[keep[0]] : blocks[keep[1]]], gots[rnd], op)
+        BUFFERS.give(buf)
+        for j, (peer_new, mine, _) in enumerate(doubling):
+            mlo, mhi = blocks[mine[0]], blocks[mine[1]]
+            _finish_round(t, flat[mlo:mhi], recvs[len(halving) + j], fold.real(peer_new), len(halving) + j)
     _fold_out(t, flat, fold)
+
+
+def _finish_round(t: Transport, send: torch.Tensor, recv: Work | None, peer: int, tag: int) -> None:
+    """Send ``send`` to ``peer`` and wait for it and for the round's receive posted before."""
+    sw = post_send(t, send, peer, tag) if send.numel() else None
+    if recv is not None:
+        recv.wait()
+    if sw is not None:
+        sw.wait()

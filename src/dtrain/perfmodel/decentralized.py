@@ -11,7 +11,9 @@ each worker sends per step (``n`` the model's parameter bytes, ``N`` workers):
   centre back every ``T`` steps (``n / T`` sent, ``2 n / T`` through the worker's link);
 * synchronous gossip (D-PSGD, Lian et al. 2017): ``degree x n`` every step, all
   neighbours at once through the worker's one link; asynchronous (AD-PSGD, Lian et
-  al. 2018): one pairwise exchange, ``n`` each way, by every active worker.
+  al. 2018): an active worker sends ``n`` and gets the pair's average (``n``) back after it,
+  ``2 n`` of link time one way after the other (measured at 100 Mbit on gpt-small: 3.5 s median
+  against 1.9 s predicted when the two were counted as one duplex exchange).
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ def gossip_cost(c: ClusterSpec, degree: int, asynchronous: bool, nbytes: float) 
     """(seconds, bytes sent) per step: D-PSGD sends the model to each of ``degree`` neighbours
     through the worker's one link while receiving theirs; AD-PSGD one pairwise exchange."""
     link = _link(c)
-    if asynchronous:
-        return 2 * link.alpha + nbytes * link.duplex_beta, nbytes
+    if asynchronous:  # the request, then the pair's average back: one after the other
+        return 2 * link.alpha + 2 * nbytes * link.beta, nbytes
     return degree * link.alpha + degree * nbytes * link.duplex_beta, degree * nbytes
 
 

@@ -200,6 +200,8 @@ class ReplicaEngine:
         self._spe = ctx.steps_per_epoch(workers)
         self._comm_s = 0.0
         self._sent = 0
+        self._done = 0  # steps finished (this run and before a resume)
+        self._consensus: list[dict[str, float]] = []  # {"step", "distance"} at each evaluation
 
     def start(self) -> Position:
         if self.ckpt is None or self.ckpt.resume_from is None:
@@ -208,7 +210,7 @@ class ReplicaEngine:
         self.replica.load_state_dict(blob["model"])
         self.optimizer.load_state_dict(blob["optimizer"])
         self.wrapper.load_wrapper_state(blob["wrapper"])
-        step = int(info["step"])
+        step = self._done = int(info["step"])
         return Position(step, step // self._spe, step % self._spe, rng=blob)
 
     def done(self, step: int) -> bool:
@@ -229,6 +231,7 @@ class ReplicaEngine:
         with self.ctx.tracer.span("average"):
             self.wrapper.step()
         self._comm_s = time.perf_counter() - t0
+        self._done += 1
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -241,8 +244,10 @@ class ReplicaEngine:
         return [row]
 
     def synchronize(self) -> list[dict[str, Any]]:
-        """The replicas' average into ``model`` (collective: every worker at the same step)."""
+        """The replicas' average into ``model`` and their consensus distance (collectives: every
+        worker at the same step)."""
         self.model.load_state_dict(self.wrapper.averaged_state_dict())
+        self._consensus.append({"step": self._done, "distance": self.wrapper.consensus_distance()})
         return []
 
     def save(self, ckpt: RunCheckpointer, step: int, epoch: int, batch: int) -> None:
@@ -251,11 +256,12 @@ class ReplicaEngine:
         ckpt.save(step, rank_state=state, epoch=epoch, batch=batch)
 
     def finish(self) -> dict[str, Any]:
-        distance = self.wrapper.consensus_distance()
+        """Result keys: the last consensus distance (the loop synchronized after the last step) and
+        its history over the evaluations, the averaging rounds and the bytes sent."""
         st = self.wrapper.stats()
         self.wrapper.close()
-        extra = {"evaluated": "average of the replicas", "consensus_distance": distance,
-                 "averaging_rounds": int(st["rounds"])}  # fmt: skip
+        extra = {"evaluated": "average of the replicas", "consensus_distance": self._consensus[-1]["distance"],
+                 "consensus_history": self._consensus, "averaging_rounds": int(st["rounds"])}  # fmt: skip
         return {"bytes_sent": int(st["bytes_sent"]), "summary_extra": extra}
 
 
