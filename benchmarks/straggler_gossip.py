@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--straggler", default="1:4", help="RANK:FACTOR (default: 1:4)")
     ap.add_argument("--model", default="cnn")
+    ap.add_argument("--dataset", default="", help="default: digits, or pytext for a gpt model")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--cluster", default="", help="an emulated cluster's name (default: this machine, loopback)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -72,9 +73,10 @@ def main() -> int:
     from dtrain.config import RunConfig
 
     names = [n for n in ns.strategies.split(",") if n]
-    base = RunConfig.make(model=ns.model, batch_size=ns.batch, workers=ns.workers, epochs=1000, max_steps=ns.steps,
+    dataset = ns.dataset or ("pytext" if ns.model.startswith("gpt") else "digits")
+    base = RunConfig.make(model=ns.model, dataset=dataset, batch_size=ns.batch, workers=ns.workers, epochs=1000, max_steps=ns.steps,
                           trace=False, progress=False, cluster=ns.cluster, timeout_s=600.0)  # fmt: skip
-    print(f"torch {torch.__version__}; {ns.model}, global batch {ns.batch}, {ns.workers} workers, {ns.steps} steps; "
+    print(f"torch {torch.__version__}; {ns.model} on {dataset}, global batch {ns.batch}, {ns.workers} workers, {ns.steps} steps; "
           f"straggler {ns.straggler}; {'cluster ' + ns.cluster if ns.cluster else 'loopback'}")  # fmt: skip
     lines = [f"{'strategy':<30}{'alone samples/s':>16}{'straggler':>11}{'kept':>7}   per-rank samples/s with it"]
     for name in names:
