@@ -175,6 +175,7 @@ def test_staleness_lr_divides_each_step_by_its_staleness():
     x, y = _data(1, 3)
     turn = [threading.Event() for _ in range(4)]
     turn[0].set()
+    connected = threading.Barrier(3)  # every worker has pulled version 0 before the first push
 
     def rank_fn(t):
         m = _model()
@@ -182,6 +183,7 @@ def test_staleness_lr_divides_each_step_by_its_staleness():
                              store=store, timeout_s=10)
         if ps.is_server:
             return ps.serve()
+        connected.wait(10)
         i = ps.worker_index
         sl = slice(i * PER_WORKER, (i + 1) * PER_WORKER)
         nn.functional.cross_entropy(m(x[0, sl]), y[0, sl]).backward()
