@@ -47,7 +47,7 @@ def max_diff(a: Iterable[Any], b: Iterable[Any]) -> float:
     lists are converted: results that crossed a process boundary are often numpy)."""
     a, b = list(a), list(b)
     assert len(a) == len(b), f"{len(a)} tensors against {len(b)}"
-    return max(float((torch.as_tensor(x) - torch.as_tensor(y)).abs().max()) for x, y in zip(a, b))
+    return max(float((torch.as_tensor(x).detach() - torch.as_tensor(y).detach()).abs().max()) for x, y in zip(a, b))
 
 
 def train_steps(
