@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Outcome", "spawn", "run_distributed", "free_port"]
+__all__ = ["Outcome", "spawn", "run_distributed", "free_port", "guard", "scenario_result"]
 
 
 def free_port() -> int:
@@ -147,3 +147,22 @@ def run_distributed(
         lines = [f"rank {o.rank}: {o.status} (exit {o.exitcode})\n{o.error}" for o in bad]
         raise AssertionError("distributed test failed:\n" + "\n".join(lines))
     return [o.value for o in outs]
+
+
+def guard(fn: Callable[[], Any]) -> Any:
+    """Run one scenario inside a spawned rank; an exception becomes data (``{"error", "trace"}``) so that
+    the rank's other scenarios still run and report."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported as data
+        return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+
+
+def scenario_result(r: Any) -> Any:
+    """A scenario's value, or the test fails with the error and traceback :func:`guard` kept."""
+    import pytest
+
+    if isinstance(r, dict) and "error" in r:
+        pytest.fail(r["error"] + "\n" + r.get("trace", ""))
+    return r
+

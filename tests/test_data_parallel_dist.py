@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import datetime
 import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _dist import guard as _guard
 from _dist import run_distributed
+from _dist import scenario_result as _ok
 from _helpers import max_diff, train_steps
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -75,13 +75,6 @@ def _params(m: nn.Module) -> list[Any]:
     # numpy, not tensors: tensors cross the result queue as shared-memory handles that die with the worker
     return [p.detach().clone().numpy() for p in m.parameters()]
 
-
-def _guard(fn: Callable[[], Any]) -> Any:
-    """Run one scenario; an exception becomes data so the other scenarios still report."""
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001
-        return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
 
 
 # ---------------------------------------------------------------------- references
@@ -305,11 +298,6 @@ def _all_scenarios(rank: int, world: int) -> dict[str, Any]:
 def results() -> list[dict[str, Any]]:
     return run_distributed(_all_scenarios, WORLD, timeout=240)
 
-
-def _ok(r: Any) -> Any:
-    if isinstance(r, dict) and "error" in r:
-        pytest.fail(r["error"] + "\n" + r.get("trace", ""))
-    return r
 
 
 # ---------------------------------------------------------------------- tests

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _dist import guard as _guard
 from _dist import spawn
 from _helpers import max_diff
 from torch import nn
@@ -128,12 +129,6 @@ def _center(easgd: Any, model: nn.Module) -> list[Any]:
     sd = easgd.center_state_dict()
     return [sd[n].numpy() for n, _ in model.named_parameters()]
 
-
-def _guard(fn: Any) -> Any:
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001 - reported as data, so that the other scenarios still run
-        return {"error": f"{type(e).__name__}: {e}"}
 
 
 # ---------------------------------------------------------------------- synchronous: 4 workers

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import threading
 import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _dist import guard as _guard
 from _dist import run_distributed
 from torch import nn
 
@@ -57,12 +56,6 @@ def _batches(rank: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Te
 def _flat(m: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
-
-def _guard(fn: Callable[[], Any]) -> Any:
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001 - reported as data so the other scenarios still run
-        return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
 
 
 def _gossip_threads() -> list[str]:
