@@ -19,6 +19,7 @@ their bytes are counted like every other strategy's.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -50,7 +51,7 @@ def assign_flat(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
             off += n
 
 
-class ReplicaWrapper(nn.Module):
+class ReplicaWrapper(nn.Module, abc.ABC):
     """Base of the decentralized wrappers (see the module docstring).
 
     Args:
@@ -85,8 +86,9 @@ class ReplicaWrapper(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def step(self) -> None:  # pragma: no cover - every subclass overrides
-        raise NotImplementedError
+    @abc.abstractmethod
+    def step(self) -> None:
+        """Called after ``optimizer.step()``: mix the replicas when the wrapper's rule says so."""
 
     # -- what the subclasses use ---------------------------------------------------------
     def _allreduce(self, t: torch.Tensor, op: str = "avg", transport: Transport | None = None) -> torch.Tensor:
@@ -112,13 +114,21 @@ class ReplicaWrapper(nn.Module):
         return math.sqrt(max(0.0, float(sq.item())))
 
     def averaged_state_dict(self) -> dict[str, torch.Tensor]:
-        """The replicas' average as a state dict of ``module`` (collective): floating entries averaged."""
-        out: dict[str, torch.Tensor] = {}
-        for k, v in self.module.state_dict().items():
-            t = v.detach().clone()
+        """The replicas' average as a state dict of ``module`` (collective): floating entries averaged,
+        one allreduce per dtype over the entries flattened end to end."""
+        out = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for k, t in out.items():
             if t.is_floating_point():
-                allreduce_over(self.transport, t.contiguous(), "avg", self.algorithm)
-            out[k] = t
+                by_dtype.setdefault(t.dtype, []).append(k)
+        for keys in by_dtype.values():
+            flat = torch.cat([out[k].reshape(-1) for k in keys])
+            allreduce_over(self.transport, flat, "avg", self.algorithm)
+            off = 0
+            for k in keys:
+                n = out[k].numel()
+                out[k] = flat[off : off + n].view_as(out[k]).clone()
+                off += n
         return out
 
     def stats(self) -> dict[str, Any]:
