@@ -27,6 +27,8 @@ _EXPORTS: dict[str, str] = {
     "EASGD": "dtrain.decentralized",
     "Gossip": "dtrain.decentralized",
     "Topology": "dtrain.decentralized",
+    "Pipeline": "dtrain.pipeline",
+    "PipelineError": "dtrain.pipeline",
     # planning
     "plan": "dtrain.planning",
     # checkpoints
@@ -40,7 +42,7 @@ _EXPORTS: dict[str, str] = {
     "ModelMismatchError": "dtrain.errors",
 }
 _SUBPACKAGES = ("comm", "compress", "perfmodel", "planning", "strategies", "cluster", "param_server", "data_parallel",
-                "checkpoint", "decentralized")
+                "checkpoint", "decentralized", "pipeline")
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])
 

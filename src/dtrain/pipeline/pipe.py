@@ -1,0 +1,284 @@
+"""``dtrain.Pipeline``: an ``nn.Sequential`` cut into stages, trained micro-batch by micro-batch.
+
+Every rank of the group builds the same model and calls :class:`Pipeline` with it;
+each keeps only its stages (``stages = ranks * chunks``; virtual stage ``s`` lives
+on rank ``s % ranks``). :meth:`Pipeline.step` splits the batch into micro-batches
+and plays this rank's list of the schedule (:mod:`dtrain.pipeline.schedules`,
+lowered with its sends and receives) through :mod:`dtrain.pipeline.executor`; it
+leaves in every local parameter's ``.grad`` the gradient of the mean loss over the
+whole batch (the micro-batch losses are scaled by ``1 / M``), exactly what the
+unsplit model would have, and returns that loss on every rank.
+
+PipeDream-2BW (``schedule="2bw"``) is asynchronous: the backward passes of a
+batch's last micro-batches run during the next call (no pipeline flush), on the
+weight version their forward used (weight stashing with two versions). A call
+then leaves in ``.grad`` the gradient of the *previous* batch, computed on the
+weights one optimizer step older: ``W(t+1) = W(t) - lr * grad(W(t-1))`` (Narayanan
+et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021). The first
+call has no earlier batch and leaves ``.grad`` as it was; :meth:`Pipeline.flush`
+finishes the last batch.
+
+Example (every rank of a 4-process job)::
+
+    pipe = dtrain.Pipeline(build_gpt("gpt-small"), microbatches=8, schedule="1f1b")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    loss = pipe.step(x, y); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.comm.transport import DEFAULT_TIMEOUT_S, TorchTransport, Transport
+from dtrain.pipeline import partition as _partition
+from dtrain.pipeline._channel import LOSS, STATE, Channel, PipelineError, tag
+from dtrain.pipeline.executor import Executor, StepStats
+from dtrain.pipeline.schedules import Schedule, ScheduleError, generate, validate, with_comms
+
+__all__ = ["Pipeline", "PipelineError", "CHECKPOINTS", "SCHEDULES"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
+CHECKPOINTS = ("never", "except_last", "always")
+
+
+def _default_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    from dtrain.models import task_loss
+
+    return task_loss(out, target)
+
+
+class Pipeline:
+    """This rank's stages of a pipeline-parallel model.
+
+    Args:
+        model: an ``nn.Sequential`` (cut between its children; ``dtrain``'s gpt models are one),
+            the same on every rank of ``group``.
+        microbatches: M, micro-batches per step; must divide the batch.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"2bw"``, or a
+            :class:`~dtrain.pipeline.schedules.Schedule` of one's own (its ranks must be the group's size).
+        loss_fn: ``loss_fn(output, target)`` of a micro-batch, a mean over its samples (default: cross
+            entropy, over every position for a language model).
+        balance: layer counts per stage, ``"equal"``, ``"params"``, ``"memory"`` or ``"time"`` (the last two
+            profile the children on ``sample``; see :func:`dtrain.pipeline.partition.balance`).
+        checkpoint: ``"never"``, ``"except_last"`` (recompute every micro-batch's activations in backward but
+            the last's) or ``"always"`` (torch.utils.checkpoint).
+        chunks: virtual stages per rank for ``"interleaved"`` (default 2).
+        group: the process group (default: the whole job); or pass ``transport``.
+        sample: one micro-batch of input for ``balance="time"`` / ``"memory"``.
+        timeout: seconds any send or receive may block.
+        transport: a :class:`~dtrain.comm.transport.Transport` to use instead of ``group``.
+
+    Attributes:
+        module: this rank's stages, their children under the original names.
+        stage / stages: this rank's first virtual stage and the number of virtual stages.
+        sizes: children per virtual stage (the cut).
+        schedule: the schedule played.
+        last_stats: figures of the last step (:class:`~dtrain.pipeline.executor.StepStats`).
+    """
+
+    def __init__(self, model: nn.Module, microbatches: int, schedule: str | Schedule = "1f1b",
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 balance: str | Sequence[int] = "equal", checkpoint: str = "never", chunks: int = 2,
+                 group: Any = None, sample: torch.Tensor | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 transport: Transport | None = None) -> None:  # fmt: skip
+        if not isinstance(model, nn.Sequential):
+            raise PipelineError(f"a pipeline cuts an nn.Sequential between its children; got a {type(model).__name__}"
+                                f" (wrap its blocks in one nn.Sequential)")  # fmt: skip
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise PipelineError(f"microbatches must be a positive int, got {microbatches!r}")
+        if checkpoint not in CHECKPOINTS:
+            raise PipelineError(f"checkpoint {checkpoint!r} is not known; choose one of: {', '.join(CHECKPOINTS)}")
+        self.transport = transport if transport is not None else TorchTransport(group, timeout)
+        self.rank, ranks = self.transport.rank, self.transport.world_size
+        try:
+            self.schedule = self._schedule(schedule, ranks, microbatches, chunks)
+            validate(self.schedule)
+        except ScheduleError as e:
+            raise PipelineError(f"schedule: {e}") from None
+        self.microbatches = microbatches
+        self.stages = self.schedule.stages
+        try:
+            sizes = _partition.balance(model, self.stages, balance, sample=sample)
+        except _partition.PartitionError as e:
+            raise PipelineError(f"partition: {e}") from None
+        self.sizes = self._agree(sizes)
+        children = list(model.named_children())
+        offsets = [sum(self.sizes[:s]) for s in range(self.stages + 1)]
+        blocks = [nn.Sequential(OrderedDict(children[offsets[s] : offsets[s + 1]])) for s in range(self.stages)]
+        self._local = self.schedule.rank_stages(self.rank)
+        self.stage = self._local[0]
+        parts = {s: blocks[s] for s in self._local}
+        self.module = nn.Sequential(OrderedDict(kv for s in self._local for kv in blocks[s].named_children()))
+        self._layout = [[(n, tuple(t.shape), t.dtype) for s in self.schedule.rank_stages(r)
+                         for n, t in blocks[s].state_dict().items()] for r in range(ranks)]  # fmt: skip
+        self._names = list(model.state_dict())
+        self.channel = Channel(self.transport, self.schedule.stage_rank, self.stages)
+        self.loss_fn = loss_fn if loss_fn is not None else _default_loss
+        self.checkpoint = checkpoint
+        self.executor = Executor(self.channel, parts, with_comms(self.schedule), self.rank, self.loss_fn,
+                                 checkpoint)  # fmt: skip
+        self.last_stats: StepStats | None = None
+        self.steps = 0
+
+    def _agree(self, sizes: list[int]) -> list[int]:
+        """Rank 0's cut on every rank (a measured balance differs from rank to rank by noise)."""
+        t, n = self.transport, len(sizes)
+        if t.world_size == 1:
+            return sizes
+        if self.rank == 0:
+            msg = torch.tensor(sizes, dtype=torch.int64)
+            works = [t.isend(msg, r, tag(STATE, 0, -1)) for r in range(1, t.world_size)]
+            for w in works:
+                w.wait()
+            return sizes
+        got = torch.empty(n, dtype=torch.int64)
+        t.irecv(got, 0, tag(STATE, 0, -1)).wait()
+        return [int(v) for v in got]
+
+    @staticmethod
+    def _schedule(schedule: str | Schedule, ranks: int, microbatches: int, chunks: int) -> Schedule:
+        if isinstance(schedule, Schedule):
+            if schedule.ranks != ranks or schedule.microbatches != microbatches:
+                raise ScheduleError(f"the schedule is for {schedule.ranks} ranks and {schedule.microbatches} "
+                                    f"micro-batches; this pipeline has {ranks} ranks and {microbatches}")  # fmt: skip
+            return schedule
+        if schedule not in SCHEDULES:
+            raise ScheduleError(f"schedule {schedule!r} is not known; choose one of: {', '.join(SCHEDULES)}")
+        return generate(schedule, ranks, microbatches, chunks if schedule == "interleaved" else 1)
+
+    # ------------------------------------------------------------------ training
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (build the optimizer over them)."""
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds stage 0 (reads the input)."""
+        return 0 in self._local
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last stage (reads the target, computes the loss)."""
+        return self.stages - 1 in self._local
+
+    def _split(self, t: torch.Tensor | None, what: str) -> list[torch.Tensor]:
+        if t is None:
+            raise PipelineError(f"rank {self.rank}, stage {self.stage}: step() needs the {what} on this rank")
+        n = t.shape[0]
+        if n % self.microbatches:
+            raise PipelineError(f"rank {self.rank}, stage {self.stage}: {self.microbatches} micro-batches do not "
+                                f"divide the batch of {n} ({what}); use a batch that is a multiple of "
+                                f"{self.microbatches}")  # fmt: skip
+        return list(t.chunk(self.microbatches))
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> float:
+        """Forward and backward of the batch ``(x, y)`` through the schedule; the mean loss.
+
+        Every rank of the group calls it. ``x`` is read on the first stage's rank and ``y`` on
+        the last's (other ranks may pass None). Gradients accumulate into ``.grad`` (zero them
+        between steps, as with any torch training loop).
+        """
+        xs = self._split(x, "input") if self.is_first else None
+        ys = self._split(y, "target") if self.is_last else None
+        t0 = time.perf_counter()
+        stats = self.executor.run(xs, ys, self.steps)
+        loss = self._share_loss(stats.loss_sum / self.microbatches if self.is_last else 0.0)
+        self.channel.wait_sends()
+        stats.step_s = time.perf_counter() - t0
+        stats.loss = loss
+        self.last_stats = stats
+        self.steps += 1
+        return loss
+
+    def flush(self) -> None:
+        """2bw: run the backward passes deferred from the last step, leaving that batch's gradient in
+        ``.grad`` (step the optimizer after it); nothing for the other schedules."""
+        self.executor.flush(self.steps)
+        self.channel.wait_sends()
+
+    def _share_loss(self, value: float) -> float:
+        """The last stage's loss on every rank (it sends; the others receive)."""
+        last = self.schedule.stage_rank(self.stages - 1)
+        if self.transport.world_size == 1:
+            return value
+        if self.rank == last:
+            t = torch.tensor([value], dtype=torch.float64)
+            for r in range(self.transport.world_size):
+                if r != last:
+                    self.channel.send_to(t, r, LOSS, self.stages - 1, 0)
+            return value
+        got = self.channel.recv_from(last, LOSS, self.stages - 1, 0, (1,), torch.float64)
+        return float(got[0])
+
+    # ------------------------------------------------------------------ evaluation and state
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """The model's output for ``x`` (evaluation: no gradients, the whole batch at once) on the last
+        stage's rank; None on the others. Every rank calls it; ``x`` is read on the first stage's."""
+        out: torch.Tensor | None = None
+        for s in self._local:
+            if s == 0:
+                if x is None:
+                    raise PipelineError(f"rank {self.rank}, stage 0: forward() needs the input on this rank")
+                inp = x
+            elif self.schedule.stage_rank(s - 1) == self.rank:
+                assert out is not None
+                inp = out
+            else:
+                inp = self.channel.recv_eval(s)
+            out = self.executor.parts[s](inp)
+            if s < self.stages - 1 and self.schedule.stage_rank(s + 1) != self.rank:
+                assert out is not None
+                self.channel.send_eval(s, out)
+        self.channel.wait_sends()
+        return out if self.is_last else None
+
+    __call__ = forward
+
+    def train(self, mode: bool = True) -> Pipeline:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        return self.train(False)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the original model's names."""
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> Any:
+        """Load this rank's entries; a full-model state dict may be passed (other stages' entries are skipped)."""
+        own = set(self.module.state_dict())
+        return self.module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=strict)
+
+    def full_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict, assembled on rank ``dst`` (None on the others); every rank calls it."""
+        mine = self.module.state_dict()
+        if self.rank != dst:
+            for i, (name, _, _) in enumerate(self._layout[self.rank]):
+                self.channel.send_to(mine[name].detach(), dst, STATE, 0, i)
+            self.channel.wait_sends()
+            return None
+        parts: dict[int, dict[str, torch.Tensor]] = {dst: {k: v.detach().clone() for k, v in mine.items()}}
+        for r, entries in enumerate(self._layout):
+            if r != dst:
+                parts[r] = {name: self.channel.recv_from(r, STATE, 0, i, shape, dtype)
+                            for i, (name, shape, dtype) in enumerate(entries)}  # fmt: skip
+        merged = {k: v for part in parts.values() for k, v in part.items()}
+        return {n: merged[n] for n in self._names}  # in the original model's order
+
+    def stats(self) -> dict[str, Any]:
+        """Totals so far: bytes and messages sent, peak micro-batches in flight per local stage."""
+        return {"bytes_sent": self.transport.stats.bytes_sent, "messages": self.transport.stats.messages,
+                "peak_in_flight": dict(self.executor.peak_in_flight)}  # fmt: skip
