@@ -305,11 +305,12 @@ class RunConfig:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.epochs < 1:
             raise ConfigError(f"epochs must be >= 1, got {self.epochs}")
-        if self.batch_size < self.workers:
+        shards = self.opts.batch_shards(self.workers)
+        if self.batch_size < shards:
             raise ConfigError(
                 f"batch_size is global ({self.batch_size}) and must be at least workers ({self.workers})"
             )
-        if self.batch_size % self.workers:
+        if self.batch_size % shards:
             raise ConfigError(
                 f"batch_size {self.batch_size} is not divisible by workers {self.workers}; "
                 f"use a multiple, e.g. {self.workers * max(1, self.batch_size // self.workers)}"

@@ -12,7 +12,8 @@ Candidates, for ``W`` devices:
   and each compressor of ``compressions``; torch DDP (the peer);
 * the parameter server with ``S`` servers and ``W - S`` workers, each consistency
   policy of ``consistencies``;
-* with ``averaging=True``: local SGD, EASGD and gossip (model averaging).
+* with ``averaging=True``: local SGD, EASGD and gossip (model averaging);
+* with ``pipeline=True``: pipelines of one stage per device (gpipe, 1f1b, interleaved, 2bw).
 
 Approximate strategies (compressed, asynchronous) are ranked on speed like the
 rest; their line says what they trade (compression error, staleness), and
@@ -101,11 +102,12 @@ def candidates(
     single: bool = True,
     ddp: bool = True,
     averaging: bool = False,
+    pipeline: bool = False,
 ) -> list[Choice]:
     """Every choice the planner considers on ``workers`` devices (default: all of the cluster's):
     each registered strategy's ``candidates`` hook over the same :class:`PlanSpace`."""
     space = PlanSpace(cluster, workers or cluster.devices, tuple(compressions), tuple(consistencies), tuple(buckets),
-                      tuple(algorithms), exact_only, single, ddp, averaging)  # fmt: skip
+                      tuple(algorithms), exact_only, single, ddp, averaging, pipeline)  # fmt: skip
     out: list[Choice] = []
     for entry in registered().values():
         if entry.candidates is not None:
@@ -148,6 +150,7 @@ def plan(
     strategies: Sequence[Choice] | None = None,
     measure: bool = True,
     averaging: bool = False,
+    pipeline: bool = False,
 ) -> Plan:
     """Rank the strategies for training ``model`` on ``cluster``.
 
@@ -167,6 +170,7 @@ def plan(
         measure: time the model here (False: FLOPs over the device rate only).
         averaging: also rank the model-averaging strategies (local SGD, EASGD, gossip), which
             change the optimisation itself: their steps are cheaper, not their progress per step.
+        pipeline: also rank pipelines (gpipe, 1f1b, interleaved; 2bw unless ``exact_only``).
 
     Returns:
         A :class:`Plan`; ``print(plan)`` shows the table.
@@ -176,7 +180,7 @@ def plan(
     name = name or type(model).__name__.lower()
     cands = list(strategies) if strategies is not None else candidates(
         spec, workers, compressions=compressions, consistencies=consistencies, exact_only=exact_only,
-        averaging=averaging)  # fmt: skip
+        averaging=averaging, pipeline=pipeline)  # fmt: skip
     ranker = _Ranker(model, sample_batch, spec, name, optimizer, measure)
     for s in cands:
         ranker.add(s, gbatch)

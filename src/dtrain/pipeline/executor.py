@@ -142,10 +142,11 @@ class Executor:
         self._stats.in_flight = dict(self.peak_in_flight)
         return self._stats
 
-    def flush(self, step: int) -> None:
-        """2bw: the deferred backwards of the last batch, and its gradient into ``.grad``."""
+    def flush(self, step: int) -> bool:
+        """2bw: the deferred backwards of the last batch, and its gradient into ``.grad``; whether
+        there was such a batch."""
         if not self.twobw or self._prev is None:
-            return
+            return False
         self._stats = StepStats(step)
         self._prefetch(self._flush)
         for a in self._flush:
@@ -154,6 +155,7 @@ class Executor:
         self._prev = None
         self._records.clear()
         self._call += 1
+        return True
 
     def _rotate(self) -> None:
         """2bw, end of a call: the previous batch is complete (its gradient goes to ``.grad``); this batch's

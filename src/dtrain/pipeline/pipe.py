@@ -200,11 +200,13 @@ class Pipeline:
         self.steps += 1
         return loss
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         """2bw: run the backward passes deferred from the last step, leaving that batch's gradient in
-        ``.grad`` (step the optimizer after it); nothing for the other schedules."""
-        self.executor.flush(self.steps)
+        ``.grad`` (step the optimizer after it); whether there was such a batch (never for the other
+        schedules). Every rank calls it."""
+        ran = self.executor.flush(self.steps)
         self.channel.wait_sends()
+        return ran
 
     def _share_loss(self, value: float) -> float:
         """The last stage's loss on every rank (it sends; the others receive)."""

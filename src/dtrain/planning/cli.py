@@ -151,6 +151,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--exact", action="store_true", help="only strategies equivalent to one-process training")
     ap.add_argument("--averaging", action="store_true",
                     help="also rank model averaging (local_sgd, easgd, gossip): cheaper steps, different optimisation")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="also rank pipelines (gpipe, 1f1b, interleaved, 2bw) of one stage per device")
     ap.add_argument("--compressions", default=",".join(DEFAULT_COMPRESSIONS), help="compressors to try")
     ap.add_argument("--no-measure", action="store_true", help="do not time the model here (FLOPs only)")
     sim = ap.add_argument_group("simulation")
@@ -173,7 +175,8 @@ def _plan(ns: argparse.Namespace) -> int:
     model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len)
     comps = tuple(c for c in ns.compressions.split(",") if c)
     p = plan(model, sample, spec, batch=ns.batch, workers=workers, name=name, compressions=comps,
-             exact_only=ns.exact, measure=not ns.no_measure, averaging=ns.averaging)  # fmt: skip
+             exact_only=ns.exact, measure=not ns.no_measure, averaging=ns.averaging,
+             pipeline=ns.pipeline)  # fmt: skip
     print(p.table(top=ns.top or None))
     return 0
 

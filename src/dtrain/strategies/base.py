@@ -66,6 +66,10 @@ class StrategyOptions:
         """Processes a run starts for ``workers`` training workers (default: the workers)."""
         return workers
 
+    def batch_shards(self, workers: int) -> int:
+        """Slices the global batch is split into (default: one per worker; a pipeline's stages share one)."""
+        return workers
+
     def compressor_spec(self) -> str:
         """The gradient compressor's spec string ("none" when the strategy compresses nothing)."""
         return "none"
@@ -110,6 +114,7 @@ class PlanSpace:
     single: bool = True
     ddp: bool = True
     averaging: bool = False  # model-averaging strategies (local SGD, EASGD, gossip): they change the optimisation
+    pipeline: bool = False  # pipelines (one stage per device): opt-in while their model is uncalibrated here
 
 
 PredictHook = Callable[["ModelProfile", "ClusterSpec", "Choice", "CompressionModel", "StepInputs"], "Prediction"]

@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from dtrain.training.context import TrainContext
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
 
-__all__ = ["Engine", "Position", "run_loop"]
+__all__ = ["Engine", "WholeStep", "Position", "run_loop"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,15 @@ class Engine(Protocol):
         """End of training; returns result keys: ``bytes_sent`` and any extras."""
 
 
+@runtime_checkable
+class WholeStep(Protocol):
+    """An engine that runs a step's forward and backward itself (a pipeline's schedule interleaves
+    the micro-batches' passes): the loop calls ``train_step`` instead of forward, loss and backward."""
+
+    def train_step(self, x: Any, y: Any) -> float:
+        """Forward and backward of the batch, gradients left in ``.grad``; the batch's mean loss."""
+
+
 def _write(ctx: TrainContext, rows: list[dict[str, Any]]) -> None:
     for r in rows:
         ctx.metrics.write(**r)
@@ -145,11 +154,14 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
         t0 = time.perf_counter()
         with ctx.tracer.span("step", step=tally.step):
             engine.before_step(tally.step)
-            with ctx.tracer.span("forward"):
-                loss = ctx.loss(engine.forward(x), y)
-            with ctx.tracer.span("backward"):
-                loss.backward()
-            loss_v = float(loss.detach())
+            if isinstance(engine, WholeStep):  # a pipeline interleaves forwards and backwards of micro-batches
+                loss_v = engine.train_step(x, y)
+            else:
+                with ctx.tracer.span("forward"):
+                    loss = ctx.loss(engine.forward(x), y)
+                with ctx.tracer.span("backward"):
+                    loss.backward()
+                loss_v = float(loss.detach())
             slow.stretch(time.perf_counter() - t_free)  # backward includes the exchange it overlaps
             engine.update()
         t_free = time.perf_counter()

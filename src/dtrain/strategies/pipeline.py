@@ -1,0 +1,230 @@
+"""``pipeline``: the model cut into one stage per worker, micro-batches played through a schedule.
+
+Every worker builds the whole model, keeps its stage (:class:`dtrain.Pipeline`) and
+reads the whole batch (only the first stage uses the inputs and the last the
+targets). The evaluated model is the stages' parameters gathered on rank 0 (a
+message from every stage at each evaluation).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dtrain.errors import ConfigError
+from dtrain.perfmodel import pipeline as pipeline_model
+from dtrain.strategies._common import choose
+from dtrain.strategies.base import Strategy, StrategyOptions, register
+from dtrain.training.context import TrainContext
+from dtrain.training.loop import Position, run_loop
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.config import RunConfig
+    from dtrain.pipeline.pipe import Pipeline
+
+__all__ = ["PipelineOptions", "PipelineEngine", "PIPELINE"]
+
+_SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
+_CHECKPOINTS = ("never", "except_last", "always")
+
+
+def parse_balance(spec: str) -> str | list[int]:
+    """``"equal"``, ``"params"``, ``"memory"``, ``"time"`` or layer counts ``"2,3,2"``."""
+    if spec in ("equal", "params", "memory", "time"):
+        return spec
+    try:
+        counts = [int(p) for p in spec.split(",")]
+    except ValueError:
+        raise ConfigError(f"balance {spec!r}: equal, params, memory, time or layer counts such as 2,3,2") from None
+    return counts
+
+
+@dataclass(frozen=True)
+class PipelineOptions(StrategyOptions):
+    """Options of ``--strategy pipeline`` (:class:`dtrain.Pipeline`).
+
+    Attributes:
+        microbatches: micro-batches per step (must divide the batch).
+        schedule: gpipe, 1f1b, interleaved or 2bw (PipeDream-2BW, asynchronous).
+        chunks: virtual stages per worker for the interleaved schedule.
+        balance: how the model is cut: equal, params, memory, time, or layer counts "2,3,2".
+        checkpoint: activation recomputation: never, except_last, always.
+    """
+
+    microbatches: int = field(default=4, metadata={"help": "micro-batches per step (default: 4)"})
+    schedule: str = field(default="1f1b", metadata={"choices": _SCHEDULES, "help": "pipeline schedule"})
+    chunks: int = field(default=2, metadata={"help": "virtual stages per worker, interleaved only (default: 2)"})
+    balance: str = field(default="equal", metadata={
+        "help": "the cut: equal, params, memory, time (profiled), or layer counts such as 2,3,2"})
+    checkpoint: str = field(default="never", metadata={
+        "choices": _CHECKPOINTS, "help": "recompute activations in backward (default: never)"})
+
+    def __post_init__(self) -> None:
+        choose("schedule", self.schedule, _SCHEDULES)
+        choose("checkpoint", self.checkpoint, _CHECKPOINTS)
+        if self.microbatches < 1:
+            raise ConfigError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.chunks < 1 or (self.schedule == "interleaved" and self.chunks < 2):
+            raise ConfigError(f"chunks must be >= 2 for the interleaved schedule (>= 1 otherwise), got {self.chunks}")
+        parse_balance(self.balance)
+
+    @property
+    def virtual(self) -> int:
+        """Virtual stages per worker."""
+        return self.chunks if self.schedule == "interleaved" else 1
+
+    def batch_shards(self, workers: int) -> int:
+        return 1  # every stage sees the whole batch (the micro-batches split it)
+
+    def checkpoint_keys(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "balance": self.balance}
+
+    def approximation(self) -> str:
+        return "approximate: gradients one weight version old (PipeDream-2BW)" if self.schedule == "2bw" else ""
+
+    def label(self, workers: int) -> str:
+        v = f" v{self.chunks}" if self.schedule == "interleaved" else ""
+        return f"pipeline {self.schedule}{v} M{self.microbatches} x{workers}"
+
+
+def _model_children(cfg: RunConfig) -> int:
+    from dtrain.models import build_model, is_language_model
+    from dtrain.models.gpt import resolve_gpt_config
+
+    if is_language_model(cfg.model):
+        layers: int = resolve_gpt_config(cfg.model, **cfg.gpt_overrides(), seq_len=cfg.seq_len).layers
+        return layers + 3
+    return len(build_model(cfg.model))
+
+
+def _check(o: PipelineOptions, cfg: RunConfig) -> None:
+    from dtrain.pipeline.schedules import ScheduleError, generate
+
+    if cfg.batch_size % o.microbatches:
+        raise ConfigError(f"pipeline: {o.microbatches} micro-batches do not divide the batch of {cfg.batch_size}; "
+                          f"use --batch-size a multiple of {o.microbatches}")  # fmt: skip
+    stages = cfg.workers * o.virtual
+    children = _model_children(cfg)
+    if children < stages:
+        raise ConfigError(f"pipeline: model {cfg.model} has {children} layers (children), fewer than the "
+                          f"{stages} stages of {cfg.workers} workers x {o.virtual}; use fewer workers")  # fmt: skip
+    counts = parse_balance(o.balance)
+    if isinstance(counts, list) and (len(counts) != stages or sum(counts) != children or min(counts) < 1):
+        raise ConfigError(f"pipeline: balance {o.balance} must give {stages} positive layer counts summing to "
+                          f"{children}")  # fmt: skip
+    try:
+        generate(o.schedule, cfg.workers, o.microbatches, o.virtual)
+    except (ScheduleError, ValueError) as e:
+        raise ConfigError(f"pipeline: {e}") from None
+
+
+def _check_checkpointing(o: PipelineOptions, cfg: RunConfig) -> None:
+    raise ConfigError("checkpoints of a pipeline run are not supported yet: each stage would save its own "
+                      "parameters and optimizer state, which dtrain's run checkpoints do not hold")  # fmt: skip
+
+
+class PipelineEngine:
+    """One stage of the pipeline for :func:`~dtrain.training.loop.run_loop` (a ``WholeStep`` engine)."""
+
+    eval_note = " (the stages gathered on rank 0)"
+
+    def __init__(self, ctx: TrainContext) -> None:
+        from dtrain.pipeline.pipe import Pipeline
+
+        o = ctx.cfg.options
+        assert isinstance(o, PipelineOptions)
+        self.ctx, self.o = ctx, o
+        self.model = ctx.make_model()
+        x0 = ctx.data.train.tensors[0][: max(1, ctx.cfg.batch_size // o.microbatches)]
+        self.pipe: Pipeline = Pipeline(self.model, o.microbatches, o.schedule, loss_fn=ctx.loss,
+                                       balance=parse_balance(o.balance), checkpoint=o.checkpoint, chunks=o.chunks,
+                                       sample=x0, timeout=ctx.cfg.timeout_s)  # fmt: skip
+        params = list(self.pipe.parameters())  # a stage of parameter-free layers (pooling, flatten) has none
+        self.optimizer = ctx.make_optimizer(params) if params else None
+        self.evaluator = ctx.rank == 0
+        self.shard, self.num_shards, self.samples_scale = 0, 1, 1  # every stage reads the whole batch
+        self.total_steps = ctx.total_steps(1)
+        self._sent = 0
+        self._flushes = 0
+
+    def start(self) -> Position:
+        return Position()
+
+    def done(self, step: int) -> bool:
+        return step >= self.total_steps
+
+    def before_step(self, step: int) -> None:
+        if self.optimizer is not None:
+            self.ctx.schedule_lr(self.optimizer, step, self.total_steps)
+            self.optimizer.zero_grad(set_to_none=True)  # 2bw's first step leaves no gradient: no update
+
+    def train_step(self, x: Any, y: Any) -> float:
+        with self.ctx.tracer.span("pipeline"):
+            return self.pipe.step(x, y)
+
+    def forward(self, x: Any) -> torch.Tensor:
+        raise ConfigError("a pipeline runs whole steps (train_step); forward alone is its evaluation")
+
+    def update(self) -> None:
+        if self.optimizer is not None:
+            with self.ctx.tracer.span("optimizer"):
+                self.optimizer.step()
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else self.ctx.cfg.lr
+
+    def rows(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        dt = row.pop("step_s")
+        st = self.pipe.last_stats
+        assert st is not None
+        sent = self.pipe.transport.stats.bytes_sent
+        row.update(compute_s=st.compute_s, comm_s=None, wait_s=st.wait_s, idle_s=max(0.0, dt - st.compute_s),
+                   bubble=max(0.0, dt - st.compute_s) / dt if dt > 0 else 0.0, bytes_sent=sent - self._sent,
+                   stage=self.pipe.stage)  # fmt: skip
+        self._sent = sent
+        return [row]
+
+    def synchronize(self) -> list[dict[str, Any]]:
+        """2bw: finish the deferred backwards and apply that batch; then gather the stages on rank 0."""
+        if self.o.schedule == "2bw":
+            if self.pipe.flush() and self.optimizer is not None:
+                self._flushes += 1
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        full = self.pipe.full_state_dict(dst=0)
+        if full is not None:
+            self.model.load_state_dict(full)
+        self._gather_s = time.perf_counter() - t0
+        return []
+
+    def save(self, ckpt: RunCheckpointer, step: int, epoch: int, batch: int) -> None:
+        raise ConfigError("checkpoints of a pipeline run are not supported yet")
+
+    def finish(self) -> dict[str, Any]:
+        """Result keys: bytes sent, the cut and per stage its peak micro-batches in flight; the batch's
+        samples are counted once (rank 0): every stage sees the same batch."""
+        st = self.pipe.stats()
+        common = {"cut": self.pipe.sizes, "schedule": self.o.schedule, "microbatches": self.o.microbatches,
+                  "flush_updates": self._flushes}  # fmt: skip
+        mine = {"rank": self.ctx.rank, "peak_in_flight": st["peak_in_flight"], "bytes_sent": int(st["bytes_sent"])}
+        out: dict[str, Any] = {"bytes_sent": int(st["bytes_sent"]),
+                               "summary_extra": {"pipeline": common, f"stage{self.pipe.stage}": mine}}  # fmt: skip
+        if self.ctx.rank != 0:
+            out["samples"] = 0
+        return out
+
+
+def _run(ctx: TrainContext) -> dict[str, Any]:
+    return run_loop(ctx, PipelineEngine(ctx))
+
+
+PIPELINE = register(Strategy(
+    name="pipeline", options=PipelineOptions, run=_run, check=_check, check_checkpointing=_check_checkpointing,
+    help="pipeline parallel: one stage per worker, micro-batches through gpipe, 1f1b, interleaved or 2bw",
+    predict=pipeline_model.predict, memory=pipeline_model.memory, candidates=pipeline_model.candidates,
+))
