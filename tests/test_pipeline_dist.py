@@ -7,7 +7,8 @@ its stage's parameters and the reference's parameters of the same names.
 
 Models: ``gpt-tiny`` (5 children: embed, 2 blocks, ln_f, head; for the interleaved schedule,
 which needs ``stages * chunks`` children, gpt-tiny's shape with 6 layers) and an MLP whose
-layers differ in size. Micro-batches 1, 3 and 8 (the interleaved schedule needs M a multiple
+layers differ in size. Activation recomputation (``checkpoint="always"`` / ``"except_last"``) on three
+of the scenarios. Micro-batches 1, 3 and 8 (the interleaved schedule needs M a multiple
 of the stages, so it runs the M of those that are).
 
 PipeDream-2BW is checked against its own rule: ``W(t+1) = W(t) - lr * grad(W(t-1))`` with the
@@ -90,22 +91,22 @@ def _reference(name: str, layers: int, twobw: bool) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _scenarios(world: int) -> list[tuple[str, str, int, int]]:
-    out = []
+def _scenarios(world: int) -> list[tuple[str, str, int, int, str]]:
+    out = [("gpt", "1f1b", 3, 0, "always"), ("mlp", "gpipe", 8, 0, "except_last"), ("gpt", "2bw", 3, 0, "always")]
     for name in ("gpt", "mlp"):
         for sched in ("gpipe", "1f1b", "interleaved", "2bw"):
             for m in (1, 3, 8):
                 if sched == "interleaved" and m % world:
                     continue
                 layers = 6 if (name == "gpt" and sched == "interleaved") else 0
-                out.append((name, sched, m, layers))
+                out.append((name, sched, m, layers, "never"))
     return out
 
 
-def _run_scenario(name: str, sched: str, m: int, layers: int) -> float:
+def _run_scenario(name: str, sched: str, m: int, layers: int, ckpt: str) -> float:
     from dtrain.pipeline import Pipeline
 
-    pipe = Pipeline(_model(name, layers), microbatches=m, schedule=sched, chunks=2, timeout=60)
+    pipe = Pipeline(_model(name, layers), microbatches=m, schedule=sched, chunks=2, checkpoint=ckpt, timeout=60)
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     losses = []
     for x, y in _batches(name):

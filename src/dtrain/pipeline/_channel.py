@@ -71,7 +71,7 @@ class Channel:
         self.stages = stages
         self.out_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its output's shape
         self.in_meta: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its input's shape
-        self._sends: list[tuple[Work, int, int, str]] = []  # (work, stage, mb, what)
+        self._sends: list[tuple[Work, int, int, int, str]] = []  # (work, kind, stage, mb, what)
         self._posted: dict[tuple[int, int, int], _Pending] = {}  # (kind, stage, mb) -> receive
         # a micro-batch's id on the wire (2bw: its batch's parity and its index in the batch, so that a
         # gradient sent in one call and received, as a deferred micro-batch, in the next still matches)
@@ -98,7 +98,7 @@ class Channel:
             w = self.t.isend(t, dst, tag(kind, stage, self.wire(mb)))
         except CommError as e:
             raise self.fail(stage, mb, what, e) from e
-        self._sends.append((w, stage, mb, what))
+        self._sends.append((w, kind, stage, mb, what))
 
     def send_act(self, stage: int, mb: int, out: torch.Tensor) -> None:
         """Stage ``stage``'s output for micro-batch ``mb`` to stage ``stage + 1`` (a header first, once)."""
@@ -136,13 +136,18 @@ class Channel:
             w = self.t.isend(t.contiguous(), rank, tag(kind, stage, mb))
         except CommError as e:
             raise self.fail(stage, mb, f"sending {_KIND_NAMES[kind]} to rank {rank}", e) from e
-        self._sends.append((w, stage, mb, f"sending {_KIND_NAMES[kind]} to rank {rank}"))
+        self._sends.append((w, kind, stage, mb, f"sending {_KIND_NAMES[kind]} to rank {rank}"))
 
-    def wait_sends(self) -> None:
-        """Wait for every send started so far (the tensors may change after this)."""
+    def wait_sends(self, carried: frozenset[tuple[int, int]] = frozenset()) -> None:
+        """Wait for every send started so far (the tensors may change after this), except the gradients
+        of ``carried`` (stage, micro-batch) pairs: 2bw's receiver takes those in its next call, and gloo
+        completes a send only once its receive is posted. They are waited at the next call's end."""
         sends, self._sends = self._sends, []
-        for w, stage, mb, what in sends:
-            self._wait(w, stage, mb, what)
+        for w, kind, stage, mb, what in sends:
+            if kind == GRAD and (stage, mb) in carried:
+                self._sends.append((w, kind, stage, mb, what))
+            else:
+                self._wait(w, stage, mb, what)
 
     # ------------------------------------------------------------------ receives
 

@@ -100,6 +100,7 @@ class Executor:
         self.checkpoint = checkpoint
         self.twobw = schedule.name == "2bw"
         self._flush = self._lower_flush(schedule) if self.twobw else ()
+        self.carried = self._carried() if self.twobw else frozenset()
         self._records: dict[tuple[int, int], _Record] = {}
         self._live: dict[int, int] = dict.fromkeys(parts, 0)  # micro-batches in flight per stage
         self.peak_in_flight: dict[int, int] = dict.fromkeys(parts, 0)
@@ -114,6 +115,17 @@ class Executor:
         """2bw: micro-batch ``mb`` of this call (``mb < 0``: of the previous call's batch) on the wire."""
         batch = self._call - (1 if mb < 0 else 0)
         return (batch % 2) * self.M + mb % self.M
+
+    def _carried(self) -> frozenset[tuple[int, int]]:
+        """2bw: (stage, micro-batch) of this rank's gradient sends whose receiver backs that micro-batch up
+        in its next call (under the id ``mb - M``), not in this one."""
+        out = set()
+        for a in self.actions:
+            if a.op == "SB" and a.mb is not None and a.mb >= 0:
+                receiver = self.schedule.actions[self.schedule.stage_rank(a.stage - 1)]
+                if Action(a.stage - 1, "RB", a.mb) not in receiver:
+                    out.add((a.stage, a.mb))
+        return frozenset(out)
 
     def _lower_flush(self, schedule: Schedule) -> tuple[Action, ...]:
         flush = Schedule("2bw-flush", schedule.ranks, schedule.microbatches, schedule.chunks,

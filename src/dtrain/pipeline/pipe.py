@@ -103,12 +103,15 @@ class Pipeline:
             raise PipelineError(f"schedule: {e}") from None
         self.microbatches = microbatches
         self.stages = self.schedule.stages
+        self.predicted_s: list[float] | None = None  # rank 0, balance="time": each stage's profiled time
         try:
-            sizes = _partition.balance(model, self.stages, balance, sample=sample)
+            sizes = self._cut(model, balance, sample)
         except _partition.PartitionError as e:
             raise PipelineError(f"partition: {e}") from None
         self.sizes = self._agree(sizes)
-        children = list(model.named_children())
+        if self.predicted_s is not None and self.predicted_s:
+            self.predicted_s = _partition.stage_costs(self.predicted_s, self.sizes)
+        children = self._children = list(model.named_children())
         offsets = [sum(self.sizes[:s]) for s in range(self.stages + 1)]
         blocks = [nn.Sequential(OrderedDict(children[offsets[s] : offsets[s + 1]])) for s in range(self.stages)]
         self._local = self.schedule.rank_stages(self.rank)
@@ -125,6 +128,38 @@ class Pipeline:
                                  checkpoint)  # fmt: skip
         self.last_stats: StepStats | None = None
         self.steps = 0
+
+    def _cut(self, model: nn.Sequential, spec: str | Sequence[int], sample: torch.Tensor | None) -> list[int]:
+        """The cut (children per virtual stage); profiled on rank 0 only (the others take rank 0's)."""
+        if spec in ("time", "memory") and self.rank != 0:
+            if len(model) < self.stages:
+                raise _partition.PartitionError(f"model has {len(model)} layers, fewer than {self.stages} stages")
+            return [1] * self.stages  # replaced by rank 0's
+        if spec == "time" and sample is not None:
+            costs = _partition.profile_children(model, sample)
+            self.predicted_s = [c.time_s for c in costs]  # per layer until the cut is agreed
+            return _partition.balance(model, self.stages, spec, costs=costs)
+        return _partition.balance(model, self.stages, spec, sample=sample)
+
+    def cut_table(self, measured: Sequence[float] | None = None) -> str:
+        """The cut as a table: each stage's layers, its profiled time per micro-batch (balance="time", rank 0)
+        and ``measured`` times if given."""
+        names = [n for n, _ in self._children]
+        predicted = self.predicted_s if self.predicted_s is not None else [float("nan")] * self.stages
+        return _partition.describe(names, self.sizes, predicted, measured)
+
+    def gather_floats(self, values: Sequence[float], dst: int = 0) -> list[list[float]] | None:
+        """Every rank's ``values`` (the same length on every rank) on rank ``dst``, by rank; None elsewhere."""
+        mine = torch.tensor(list(values), dtype=torch.float64)
+        if self.rank != dst:
+            self.channel.send_to(mine, dst, STATE, 1, 0)
+            self.channel.wait_sends()
+            return None
+        out = []
+        for r in range(self.transport.world_size):
+            got = mine if r == dst else self.channel.recv_from(r, STATE, 1, 0, tuple(mine.shape), torch.float64)
+            out.append([float(v) for v in got])
+        return out
 
     def _agree(self, sizes: list[int]) -> list[int]:
         """Rank 0's cut on every rank (a measured balance differs from rank to rank by noise)."""
@@ -193,7 +228,7 @@ class Pipeline:
         t0 = time.perf_counter()
         stats = self.executor.run(xs, ys, self.steps)
         loss = self._share_loss(stats.loss_sum / self.microbatches if self.is_last else 0.0)
-        self.channel.wait_sends()
+        self.channel.wait_sends(self.executor.carried)
         stats.step_s = time.perf_counter() - t0
         stats.loss = loss
         self.last_stats = stats

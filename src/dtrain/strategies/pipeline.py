@@ -150,6 +150,7 @@ class PipelineEngine:
         self.total_steps = ctx.total_steps(1)
         self._sent = 0
         self._flushes = 0
+        self._compute: list[float] = []  # this rank's compute seconds per step
 
     def start(self) -> Position:
         return Position()
@@ -186,6 +187,8 @@ class PipelineEngine:
                    bubble=max(0.0, dt - st.compute_s) / dt if dt > 0 else 0.0, bytes_sent=sent - self._sent,
                    stage=self.pipe.stage)  # fmt: skip
         self._sent = sent
+        if row["step"] > 0:  # the first step exchanges shapes and warms up
+            self._compute.append(st.compute_s)
         return [row]
 
     def synchronize(self) -> list[dict[str, Any]]:
@@ -209,8 +212,17 @@ class PipelineEngine:
         """Result keys: bytes sent, the cut and per stage its peak micro-batches in flight; the batch's
         samples are counted once (rank 0): every stage sees the same batch."""
         st = self.pipe.stats()
-        common = {"cut": self.pipe.sizes, "schedule": self.o.schedule, "microbatches": self.o.microbatches,
-                  "flush_updates": self._flushes}  # fmt: skip
+        common: dict[str, Any] = {"cut": self.pipe.sizes, "schedule": self.o.schedule,
+                                  "microbatches": self.o.microbatches, "flush_updates": self._flushes}  # fmt: skip
+        per_mb = sum(self._compute) / max(1, len(self._compute)) / self.o.microbatches
+        measured = self.pipe.gather_floats([per_mb])  # collective: each rank's busy time per micro-batch
+        if measured is not None:
+            common["measured_stage_s"] = [m[0] for m in measured]
+            if self.pipe.predicted_s is not None:
+                common["predicted_stage_s"] = self.pipe.predicted_s
+            if self.o.virtual == 1 and self.ctx.cfg.progress:
+                print(f"pipeline cut ({self.o.balance}); times per micro-batch, forward + backward:\n"
+                      + self.pipe.cut_table(common["measured_stage_s"]), flush=True)  # fmt: skip
         mine = {"rank": self.ctx.rank, "peak_in_flight": st["peak_in_flight"], "bytes_sent": int(st["bytes_sent"])}
         out: dict[str, Any] = {"bytes_sent": int(st["bytes_sent"]),
                                "summary_extra": {"pipeline": common, f"stage{self.pipe.stage}": mine}}  # fmt: skip
