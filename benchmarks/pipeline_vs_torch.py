@@ -11,10 +11,9 @@ same ``--microbatches`` micro-batches:
 * ``1f1b``        dtrain ``schedule="1f1b"``        vs torch ``Schedule1F1B``
 * ``interleaved`` dtrain ``schedule="interleaved"`` vs torch ``ScheduleInterleaved1F1B`` (2 virtual
   stages per rank; virtual stage ``s`` on rank ``s % P`` on both sides)
-* ``2bw``         dtrain ``schedule="2bw"``         vs dtrain ``schedule="1f1b"`` (torch has no 2BW); each
-  2bw round ends with ``Pipeline.flush()`` and an optimizer step on the flushed gradient, because
-  the last stage's ``step()`` does not return until the first stage's next ``step()`` posts the
-  receive of its deferred gradient (gloo), which a barrier or the other system would never do
+* ``2bw``         dtrain ``schedule="2bw"``         vs dtrain ``schedule="1f1b"`` (torch has no 2BW); 2bw
+  runs without a flush from its first to its last step (the rounds of the other system in between
+  do not disturb it: each pipeline has its own tag space), and is flushed once after the pair
 
 torch's side is built by hand so that both cut identically: this rank's children of the same
 ``nn.Sequential`` become one ``PipelineStage(submodule, stage_index, num_stages, cpu)`` per local
@@ -241,15 +240,13 @@ class _System:
         self.opt.zero_grad()
         return loss
 
-    def end_round(self) -> None:
-        """2bw: flush, and step on the last batch's gradient. Without it the last stage's ``step()`` waits in
-        its final gradient send until the first stage's next ``step()`` posts the receive (gloo), so the
-        barrier that ends a round, or the other system's first message, would deadlock."""
+    def finish(self) -> None:
+        """2bw: the last batch's deferred backwards and its update (every rank, once, after the pair)."""
         if self.schedule == "2bw":
             assert self.pipe is not None
-            self.pipe.flush()
-            self.opt.step()
-            self.opt.zero_grad()
+            if self.pipe.flush():
+                self.opt.step()
+                self.opt.zero_grad()
 
 
 def _grad_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float | None:
@@ -279,7 +276,6 @@ def _run_pair(workload: str, pair: str, args: dict[str, Any]) -> dict[str, Any]:
             loss = s.step(x, y, grads[i] if k == 0 else None)
             if k == 0:
                 first_loss[i] = loss
-        s.end_round()
     rounds = [args["steps"] // args["rounds"] + (k < args["steps"] % args["rounds"]) for k in range(args["rounds"])]
     seconds = [[0.0] * len(rounds) for _ in systems]
     bubbles: list[list[float]] = [[], []]
@@ -296,7 +292,6 @@ def _run_pair(workload: str, pair: str, args: dict[str, Any]) -> dict[str, Any]:
                 if s.pipe is not None:
                     st = s.pipe.last_stats
                     bubbles[i].append(max(0.0, 1.0 - st.compute_s / st.step_s) if st.step_s > 0 else 0.0)
-            s.end_round()
             dist.barrier()
             seconds[i][r] = time.perf_counter() - t0
         step += n
@@ -311,7 +306,7 @@ def _run_pair(workload: str, pair: str, args: dict[str, Any]) -> dict[str, Any]:
                 x, y = data[(step + k) % len(data)]
                 s.step(x, y)
         in_flight = dict(s.pipe.last_stats.in_flight) if s.pipe is not None else None
-        s.end_round()
+        s.finish()
         out["dtrain" if i == 0 else "peer"] = {
             "system": s.kind, "schedule": s.schedule, "round_s": seconds[i],
             "bubble": sum(bubbles[i]) / len(bubbles[i]) if bubbles[i] else None,

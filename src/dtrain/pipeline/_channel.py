@@ -24,7 +24,7 @@ import torch
 from dtrain.comm.transport import Transport, Work
 from dtrain.errors import CommError, DTrainError
 
-__all__ = ["PipelineError", "Channel", "ACT", "GRAD", "LOSS", "STATE", "EVAL"]
+__all__ = ["PipelineError", "Channel", "next_space", "ACT", "GRAD", "LOSS", "STATE", "EVAL"]
 
 ACT, GRAD, META, LOSS, STATE, EVAL, EVAL_META = 1, 2, 3, 4, 5, 6, 7
 _KIND_NAMES = {ACT: "the activation", GRAD: "the gradient", META: "the activation's shape",
@@ -40,9 +40,26 @@ class PipelineError(DTrainError):
     """A pipeline failed: the message names the rank, the stage, the micro-batch and the cause."""
 
 
-def tag(kind: int, stage: int, mb: int) -> int:
-    """The message tag of ``kind`` for ``stage`` and micro-batch ``mb`` (unique within a step)."""
-    return (kind * 1024 + stage) * 4096 + mb + _MB_OFFSET
+_SPACE = 1 << 25  # tags of one pipeline: below this; pipelines on one group get spaces 0..31
+
+
+def tag(kind: int, stage: int, mb: int, space: int = 0) -> int:
+    """The message tag of ``kind`` for ``stage`` and micro-batch ``mb`` (unique within a step) in the
+    tag space of pipeline number ``space`` on its group."""
+    return (space % 32) * _SPACE + (kind * 1024 + stage) * 4096 + mb + _MB_OFFSET
+
+
+_SPACES: dict[int, int] = {}
+
+
+def next_space(transport: Transport) -> int:
+    """A tag space for a new pipeline on ``transport``'s group: pipelines built in the same order on every
+    rank get the same number, and two of them (two models, or dtrain beside another pipeline) never
+    take each other's messages."""
+    key = id(getattr(transport, "_pg", transport))
+    n = _SPACES.get(key, 0)
+    _SPACES[key] = n + 1
+    return n
 
 
 def _same(mb: int) -> int:
@@ -64,8 +81,9 @@ class Channel:
         stages: number of virtual stages.
     """
 
-    def __init__(self, transport: Transport, stage_rank: Callable[[int], int], stages: int) -> None:
+    def __init__(self, transport: Transport, stage_rank: Callable[[int], int], stages: int, space: int = 0) -> None:
         self.t = transport
+        self.space = space
         self.rank = transport.rank
         self.stage_rank = stage_rank
         self.stages = stages
@@ -76,6 +94,9 @@ class Channel:
         # a micro-batch's id on the wire (2bw: its batch's parity and its index in the batch, so that a
         # gradient sent in one call and received, as a deferred micro-batch, in the next still matches)
         self.wire: Callable[[int], int] = _same
+
+    def _tag(self, kind: int, stage: int, mb: int) -> int:
+        return tag(kind, stage, mb, self.space)
 
     # ------------------------------------------------------------------ errors
 
@@ -95,7 +116,7 @@ class Channel:
     def _isend(self, t: torch.Tensor, dst_stage: int, kind: int, stage: int, mb: int, what: str) -> None:
         dst = self.stage_rank(dst_stage)
         try:
-            w = self.t.isend(t, dst, tag(kind, stage, self.wire(mb)))
+            w = self.t.isend(t, dst, self._tag(kind, stage, self.wire(mb)))
         except CommError as e:
             raise self.fail(stage, mb, what, e) from e
         self._sends.append((w, kind, stage, mb, what))
@@ -133,7 +154,7 @@ class Channel:
     def send_to(self, t: torch.Tensor, rank: int, kind: int, stage: int, mb: int) -> None:
         """A message of ``kind`` to ``rank`` (the loss, parameters, evaluation activations)."""
         try:
-            w = self.t.isend(t.contiguous(), rank, tag(kind, stage, mb))
+            w = self.t.isend(t.contiguous(), rank, self._tag(kind, stage, mb))
         except CommError as e:
             raise self.fail(stage, mb, f"sending {_KIND_NAMES[kind]} to rank {rank}", e) from e
         self._sends.append((w, kind, stage, mb, f"sending {_KIND_NAMES[kind]} to rank {rank}"))
@@ -155,14 +176,14 @@ class Channel:
               dtype: torch.dtype) -> _Pending:  # fmt: skip
         buf = torch.empty(shape, dtype=dtype)
         try:
-            w = self.t.irecv(buf, self.stage_rank(src_stage), tag(kind, stage, self.wire(mb)))
+            w = self.t.irecv(buf, self.stage_rank(src_stage), self._tag(kind, stage, self.wire(mb)))
         except CommError as e:
             raise self.fail(stage, mb, f"receiving {_KIND_NAMES[kind]}", e) from e
         return _Pending(w, buf)
 
     def _recv_meta(self, stage: int, mb: int, kind: int = META) -> tuple[tuple[int, ...], torch.dtype]:
         meta = torch.zeros(_META_LEN, dtype=torch.int64)
-        p = _Pending(self.t.irecv(meta, self.stage_rank(stage - 1), tag(kind, stage - 1, self.wire(mb))), meta)
+        p = _Pending(self.t.irecv(meta, self.stage_rank(stage - 1), self._tag(kind, stage - 1, self.wire(mb))), meta)
         self._wait(p.work, stage, mb, f"receiving {_KIND_NAMES[kind]} from stage {stage - 1} "
                                       f"(rank {self.stage_rank(stage - 1)})")  # fmt: skip
         code, ndim = int(meta[0]), int(meta[1])
@@ -212,7 +233,7 @@ class Channel:
         """A message of ``kind`` from ``rank`` into a new tensor."""
         buf = torch.empty(shape, dtype=dtype)
         try:
-            w = self.t.irecv(buf, rank, tag(kind, stage, mb))
+            w = self.t.irecv(buf, rank, self._tag(kind, stage, mb))
         except CommError as e:
             raise self.fail(stage, mb, f"receiving {_KIND_NAMES[kind]} from rank {rank}", e) from e
         self._wait(w, stage, mb, f"receiving {_KIND_NAMES[kind]} from rank {rank}")

@@ -37,7 +37,7 @@ from torch import nn
 
 from dtrain.comm.transport import DEFAULT_TIMEOUT_S, TorchTransport, Transport
 from dtrain.pipeline import partition as _partition
-from dtrain.pipeline._channel import LOSS, STATE, Channel, PipelineError, tag
+from dtrain.pipeline._channel import LOSS, STATE, Channel, PipelineError, next_space, tag
 from dtrain.pipeline.executor import Executor, StepStats
 from dtrain.pipeline.schedules import Schedule, ScheduleError, generate, validate, with_comms
 
@@ -96,6 +96,7 @@ class Pipeline:
             raise PipelineError(f"checkpoint {checkpoint!r} is not known; choose one of: {', '.join(CHECKPOINTS)}")
         self.transport = transport if transport is not None else TorchTransport(group, timeout)
         self.rank, ranks = self.transport.rank, self.transport.world_size
+        self._space = next_space(self.transport)
         try:
             self.schedule = self._schedule(schedule, ranks, microbatches, chunks)
             validate(self.schedule)
@@ -121,7 +122,7 @@ class Pipeline:
         self._layout = [[(n, tuple(t.shape), t.dtype) for s in self.schedule.rank_stages(r)
                          for n, t in blocks[s].state_dict().items()] for r in range(ranks)]  # fmt: skip
         self._names = list(model.state_dict())
-        self.channel = Channel(self.transport, self.schedule.stage_rank, self.stages)
+        self.channel = Channel(self.transport, self.schedule.stage_rank, self.stages, self._space)
         self.loss_fn = loss_fn if loss_fn is not None else _default_loss
         self.checkpoint = checkpoint
         self.executor = Executor(self.channel, parts, with_comms(self.schedule), self.rank, self.loss_fn,
@@ -168,12 +169,12 @@ class Pipeline:
             return sizes
         if self.rank == 0:
             msg = torch.tensor(sizes, dtype=torch.int64)
-            works = [t.isend(msg, r, tag(STATE, 0, -1)) for r in range(1, t.world_size)]
+            works = [t.isend(msg, r, tag(STATE, 0, -1, self._space)) for r in range(1, t.world_size)]
             for w in works:
                 w.wait()
             return sizes
         got = torch.empty(n, dtype=torch.int64)
-        t.irecv(got, 0, tag(STATE, 0, -1)).wait()
+        t.irecv(got, 0, tag(STATE, 0, -1, self._space)).wait()
         return [int(v) for v in got]
 
     @staticmethod
