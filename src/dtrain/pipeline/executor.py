@@ -14,15 +14,18 @@ over without a message.
 Receives whose shapes are known (every step after the first) are posted when the
 step starts, so a message never waits for its receiver to reach the action.
 
-For PipeDream-2BW the executor keeps two weight versions: each call snapshots the
-live parameters as the version its forwards use (``torch.func.functional_call``),
-and the backward passes deferred to the next call (micro-batch ids below zero)
-still reach the version their forward used; when a version's batch is complete
-its gradient goes into the live parameters' ``.grad``.
+For PipeDream-2BW the executor keeps two weight versions (double-buffered weights):
+two shadow copies of each stage that defers backwards, used in turn. Each call copies
+the live parameters into one shadow and runs its forwards on it; the backward passes
+deferred to the next call (micro-batch ids below zero) run on the graph of the other,
+which still holds the weights their forward used. When a version's batch is complete,
+its gradient goes into the live parameters' ``.grad``. The shadows share the live
+stage's buffers; the last stage defers nothing and runs on its live parameters.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,10 +83,16 @@ class _Record:
     out: torch.Tensor | None = None
     loss: torch.Tensor | None = None
     gout: torch.Tensor | None = None
-    version: dict[str, torch.Tensor] | None = None  # 2bw: the weights its forward used
+    module: nn.Module | None = None  # the module its forward ran (2bw: a shadow holding that weight version)
 
 
-Version = dict[int, dict[str, torch.Tensor]]  # stage -> parameter name -> leaf tensor
+def _shadow(part: nn.Sequential) -> nn.Sequential:
+    """A copy of ``part`` with its own parameters and the live buffers (running statistics stay one)."""
+    twin = copy.deepcopy(part)
+    for live, mod in zip(part.modules(), twin.modules()):
+        for b in list(mod._buffers):
+            mod._buffers[b] = live._buffers[b]
+    return twin
 
 
 class Executor:
@@ -104,8 +113,14 @@ class Executor:
         self._records: dict[tuple[int, int], _Record] = {}
         self._live: dict[int, int] = dict.fromkeys(parts, 0)  # micro-batches in flight per stage
         self.peak_in_flight: dict[int, int] = dict.fromkeys(parts, 0)
-        self._cur: Version | None = None
-        self._prev: Version | None = None  # 2bw: the version whose batch's last backwards are pending
+        deferring = {a.stage for a in self.actions if a.mb is not None and a.mb < 0} if self.twobw else set()
+        self._shadows = [{s: _shadow(self.parts[s]) for s in deferring} for _ in range(2)]
+        # 2bw, stages that defer nothing (the last): they run on the live weights, but their gradient, too,
+        # must reach .grad one call late -- held here meanwhile
+        self._direct = [s for s in self.parts if s not in deferring] if self.twobw else []
+        self._held: dict[int, list[torch.Tensor | None]] = {}
+        self._cur: int | None = None  # 2bw: the shadow this call's forwards use
+        self._prev: int | None = None  # 2bw: the shadow whose batch's last backwards are pending
         self._stats = StepStats(0)
         self._call = 0  # calls so far (2bw: the parity of a micro-batch's batch is part of its message tags)
         if self.twobw:
@@ -141,8 +156,11 @@ class Executor:
         """Play the list once over micro-batches ``xs`` / ``ys`` (None where this rank does not read them)."""
         self._stats = StepStats(step)
         if self.twobw:
-            self._cur = {s: {n: p.detach().clone().requires_grad_(p.requires_grad)
-                             for n, p in part.named_parameters()} for s, part in self.parts.items()}  # fmt: skip
+            self._cur = self._call % 2
+            with torch.no_grad():
+                for s, twin in self._shadows[self._cur].items():
+                    for t, p in zip(twin.parameters(), self.parts[s].parameters()):
+                        t.copy_(p)
         self._prefetch(self.actions)
         for a in self.actions:
             self._do(a, xs, ys)
@@ -164,6 +182,10 @@ class Executor:
         for a in self._flush:
             self._do(a, None, None)
         self._give_grads(self._prev)
+        for s, grads in self._held.items():
+            for p, g in zip(self.parts[s].parameters(), grads):
+                p.grad = g
+        self._held = {}
         self._prev = None
         self._records.clear()
         self._call += 1
@@ -172,16 +194,25 @@ class Executor:
     def _rotate(self) -> None:
         """2bw, end of a call: the previous batch is complete (its gradient goes to ``.grad``); this batch's
         unfinished micro-batches are renumbered ``mb - M`` for the next call."""
+        held = {s: [p.grad for p in self.parts[s].parameters()] for s in self._direct}  # this batch's
+        for s in self._direct:
+            for p, g in zip(self.parts[s].parameters(), self._held.get(s, [])):
+                p.grad = g  # the previous batch's (None after the first call: no update)
+            if s not in self._held:
+                for p in self.parts[s].parameters():
+                    p.grad = None
+        self._held = held
         if self._prev is not None:
             self._give_grads(self._prev)
         pending = {(s, m - self.M): r for (s, m), r in self._records.items() if m >= 0 and r.out is not None}
         self._records = pending
         self._prev, self._cur = self._cur, None
 
-    def _give_grads(self, version: Version) -> None:
-        for s, part in self.parts.items():
-            for n, p in part.named_parameters():
-                g = version[s][n].grad
+    def _give_grads(self, version: int) -> None:
+        """A complete batch's gradient, accumulated in shadow ``version``, into the live ``.grad``."""
+        for s, twin in self._shadows[version].items():
+            for t, p in zip(twin.parameters(), self.parts[s].parameters()):
+                g, t.grad = t.grad, None
                 if g is None:
                     continue
                 if p.grad is None:
@@ -275,17 +306,13 @@ class Executor:
         self.peak_in_flight[stage] = max(self.peak_in_flight[stage], self._live[stage])
 
     def _stage_fn(self, stage: int, rec: _Record) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The stage as a function of its input: the module, or (2bw) the module on this call's weight version."""
-        part = self.parts[stage]
-        if self._cur is None:
-            return part
-        params = rec.version = self._cur[stage]
-
-        def on_version(i: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = torch.func.functional_call(part, params, (i,))
-            return out
-
-        return on_version
+        """The stage as a function of its input: the module, or (2bw, a stage that defers backwards) this
+        call's shadow of it."""
+        module: nn.Module = self.parts[stage]
+        if self._cur is not None and stage in self._shadows[self._cur]:
+            module = self._shadows[self._cur][stage]
+        rec.module = module
+        return module
 
     def _backward(self, stage: int, mb: int, op: str) -> None:
         rec = self._records.get((stage, mb))
@@ -304,8 +331,8 @@ class Executor:
         if target.requires_grad:
             inputs: list[torch.Tensor] | None = None
             if op == "W":
-                version = rec.version if rec.version is not None else dict(self.parts[stage].named_parameters())
-                inputs = [t for t in version.values() if t.requires_grad]
+                module = rec.module if rec.module is not None else self.parts[stage]
+                inputs = [t for t in module.parameters() if t.requires_grad]
             torch.autograd.backward(target, grad, inputs=inputs)
         rec.out = rec.loss = rec.gout = None
         self._live[stage] -= 1
