@@ -117,6 +117,10 @@ def _run_scenario(name: str, sched: str, m: int, layers: int, ckpt: str) -> floa
     ref = _reference(name, layers, sched == "2bw")
     mine = pipe.state_dict()
     assert mine, "no parameters on this stage"
+    peak = pipe.stats()["peak_in_flight"][pipe.stage]
+    bound = {"gpipe": m, "1f1b": min(m, pipe.stages - pipe.stage), "2bw": min(m + 1, pipe.stages - pipe.stage)}
+    if sched in bound:  # the micro-batches whose activations the stage holds at most
+        assert peak == bound[sched], f"stage {pipe.stage}: peak {peak} micro-batches in flight, expected {bound[sched]}"
     return max(float((v - ref[k]).abs().max()) for k, v in mine.items())
 
 

@@ -46,6 +46,25 @@ def test_2bw_flushes_the_last_batch_and_holds_p_minus_s_micro_batches(tmp_path):
         assert s[f"stage{stage}"]["peak_in_flight"] == {str(stage): 3 - stage}
 
 
+def test_the_trace_has_a_span_per_action_and_each_send_its_receive(tmp_path):
+    import json
+
+    out = tmp_path / "t"
+    flags = [a for a in COMMON if a != "--no-trace"]
+    p = dtrain_cli("run", *flags, "--max-steps", "2", "--strategy", "pipeline", "--workers", "2", "--microbatches",
+                   "4", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    events = json.loads((out / "trace.json").read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    acts = [e for e in events if e.get("tid") == 1 and e.get("args", {}).get("op")]
+    names = {(e["pid"], e["name"]) for e in acts}
+    for m in range(4):
+        assert (0, f"0F{m}") in names and (0, f"0B{m}") in names and (1, f"1F{m}") in names
+    ops = [e["args"]["op"] for e in acts]
+    assert ops.count("SF") == ops.count("RF") == 2 * 4  # 2 steps x 4 micro-batches, stage 0 -> 1
+    assert ops.count("SB") == ops.count("RB") == 2 * 4
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--microbatches", "5"], "5 micro-batches do not divide the batch of 24"),
     (["--workers", "10"], "fewer than the 10 stages"),

@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from dtrain.pipeline._channel import ACT, GRAD, Channel, PipelineError
 from dtrain.pipeline.schedules import Action, Schedule, flush_actions, with_comms
+from dtrain.trace import Tracer
 
 __all__ = ["Executor", "StepStats"]
 
@@ -122,6 +123,7 @@ class Executor:
         self._cur: int | None = None  # 2bw: the shadow this call's forwards use
         self._prev: int | None = None  # 2bw: the shadow whose batch's last backwards are pending
         self._stats = StepStats(0)
+        self.tracer: Tracer | None = None  # set by the Pipeline: a span per action
         self._call = 0  # calls so far (2bw: the parity of a micro-batch's batch is part of its message tags)
         if self.twobw:
             channel.wire = self._wire
@@ -260,6 +262,8 @@ class Executor:
             raise PipelineError(f"rank {self.rank}, stage {a.stage}, micro-batch {a.mb}: {a} failed: "
                                 f"{type(e).__name__}: {e}") from e  # fmt: skip
         dt = time.perf_counter() - t0
+        if self.tracer is not None:  # one span per action, on its own track (tid 1), e.g. "1F3", "2SB0"
+            self.tracer.add(str(a), t0, dt, 1, stage=a.stage, mb=a.mb, op=a.op)
         if a.op in _COMPUTE:
             self._stats.compute_s += dt
         elif a.op in _RECV:

@@ -40,6 +40,7 @@ from dtrain.pipeline import partition as _partition
 from dtrain.pipeline._channel import LOSS, STATE, Channel, PipelineError, next_space, tag
 from dtrain.pipeline.executor import Executor, StepStats
 from dtrain.pipeline.schedules import Schedule, ScheduleError, generate, validate, with_comms
+from dtrain.trace import Tracer
 
 __all__ = ["Pipeline", "PipelineError", "CHECKPOINTS", "SCHEDULES"]
 
@@ -73,6 +74,8 @@ class Pipeline:
         sample: one micro-batch of input for ``balance="time"`` / ``"memory"``.
         timeout: seconds any send or receive may block.
         transport: a :class:`~dtrain.comm.transport.Transport` to use instead of ``group``.
+        tracer: a :class:`~dtrain.trace.Tracer` that gets a span per action (``"1F3"``, ``"2SB0"``: stage, op,
+            micro-batch) on track 1.
 
     Attributes:
         module: this rank's stages, their children under the original names.
@@ -86,7 +89,7 @@ class Pipeline:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  balance: str | Sequence[int] = "equal", checkpoint: str = "never", chunks: int = 2,
                  group: Any = None, sample: torch.Tensor | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-                 transport: Transport | None = None) -> None:  # fmt: skip
+                 transport: Transport | None = None, tracer: Tracer | None = None) -> None:  # fmt: skip
         if not isinstance(model, nn.Sequential):
             raise PipelineError(f"a pipeline cuts an nn.Sequential between its children; got a {type(model).__name__}"
                                 f" (wrap its blocks in one nn.Sequential)")  # fmt: skip
@@ -127,6 +130,7 @@ class Pipeline:
         self.checkpoint = checkpoint
         self.executor = Executor(self.channel, parts, with_comms(self.schedule), self.rank, self.loss_fn,
                                  checkpoint)  # fmt: skip
+        self.executor.tracer = tracer if tracer is not None and tracer.enabled else None
         self.last_stats: StepStats | None = None
         self.steps = 0
 

@@ -142,7 +142,7 @@ class PipelineEngine:
         x0 = ctx.data.train.tensors[0][: max(1, ctx.cfg.batch_size // o.microbatches)]
         self.pipe: Pipeline = Pipeline(self.model, o.microbatches, o.schedule, loss_fn=ctx.loss,
                                        balance=parse_balance(o.balance), checkpoint=o.checkpoint, chunks=o.chunks,
-                                       sample=x0, timeout=ctx.cfg.timeout_s)  # fmt: skip
+                                       sample=x0, timeout=ctx.cfg.timeout_s, tracer=ctx.tracer)  # fmt: skip
         params = list(self.pipe.parameters())  # a stage of parameter-free layers (pooling, flatten) has none
         self.optimizer = ctx.make_optimizer(params) if params else None
         self.evaluator = ctx.rank == 0
