@@ -22,6 +22,7 @@ rest; their line says what they trade (compression error, staleness), and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -224,8 +225,11 @@ class _Ranker:
         pred = predict(self.profiles[b], spec.with_devices(s.processes) if s.processes < spec.devices else spec, s,
                        comp, overhead_s=spec.device.overhead)  # fmt: skip
         if not pred.fits:
-            self.rejected.append((s, f"needs {format_bytes(pred.memory.total)} per device, "
-                                     f"has {format_bytes(spec.device.memory)}"))  # fmt: skip
+            if math.isfinite(pred.memory.total):
+                why = f"needs {format_bytes(pred.memory.total)} per device, has {format_bytes(spec.device.memory)}"
+            else:  # a choice the model cannot run at all (a pipeline of more stages than layers): the hook says why
+                why = pred.why
+            self.rejected.append((s, why))
             return
         note = s.opts.approximation()
         self.ranked.append(replace(pred, why=f"{pred.why}; {note}" if note else pred.why))
