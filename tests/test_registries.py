@@ -78,7 +78,7 @@ def test_strategy_reachable(name):
     if name != "auto":
         assert run_info(cfg)["strategy"] == name
     if entry.candidates is not None:
-        assert any(c.strategy == name for c in candidates(_cluster(), 8, averaging=True))
+        assert any(c.strategy == name for c in candidates(_cluster(), 8, averaging=True, pipeline=True))
         assert entry.predict is not None and entry.memory is not None
 
 
