@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _loopback import launch_loopback
 from torch import nn
 
 CUTS = ("equal", "time", "params")
@@ -260,8 +261,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps, --rounds and --profile-repeats must be >= 1, --warmup >= 0")
     a.rounds = min(a.rounds, a.steps)
 
-    from dtrain.launch import NodeSpec, free_port, launch
-
     args = dict(vars(a), factors=factors, cuts=cuts)
     del args["json"], args["quick"]
     print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
@@ -270,9 +269,7 @@ def main(argv: list[str] | None = None) -> int:
           f"head; batch {a.batch}, M = {a.microbatches}, 1f1b; {a.warmup} warm-up + {a.steps} timed steps per cut "
           f"in {a.rounds} alternating rounds")  # fmt: skip
     t0 = time.perf_counter()
-    loopback = NodeSpec(rdzv_endpoint=f"127.0.0.1:{free_port()}", local_addr="127.0.0.1",  # MASTER_ADDR
-                        env={"GLOO_SOCKET_IFNAME": "lo"})  # fmt: skip
-    ranks = launch(_worker, (args,), nprocs=a.nprocs, threads=1, node=loopback)
+    ranks = launch_loopback(_worker, (args,), a.nprocs)
     results = _summarize(ranks[0], args)
     _print(results, args)
     wall = time.perf_counter() - t0

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _loopback import launch_loopback
 from torch import nn
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
@@ -112,16 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     for m in ms:
         if a.batch % m or ("interleaved" in scheds and m % a.nprocs):
             ap.error(f"M={m} must divide --batch and (interleaved) be a multiple of --nprocs")
-    from dtrain.launch import NodeSpec, free_port, launch
-
     args = dict(width=a.width, blocks=a.blocks, batch=a.batch, microbatches=ms, schedules=scheds, steps=a.steps,
                 warmup=a.warmup)  # fmt: skip
     print(f"torch {torch.__version__}, python {platform.python_version()}, {a.nprocs} processes x 1 thread, gloo "
           f"on loopback; MLP 64->{a.width}, {a.blocks} x Linear({a.width}, {a.width}), head; batch {a.batch}; "
           f"{a.warmup} warm-up + {a.steps} timed steps")  # fmt: skip
     t0 = time.perf_counter()
-    node = NodeSpec(rdzv_endpoint=f"127.0.0.1:{free_port()}", local_addr="127.0.0.1", env={"GLOO_SOCKET_IFNAME": "lo"})
-    ranks = launch(_worker, (args,), nprocs=a.nprocs, threads=1, node=node)
+    ranks = launch_loopback(_worker, (args,), a.nprocs)
     rows = []
     print(f"{'schedule':<12} {'M':>3} {'step ms':>9} {'bubble':>7} {'closed':>7} {'rel err':>8}  per rank")
     for m in ms:

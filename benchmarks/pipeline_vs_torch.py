@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _loopback import launch_loopback
 from torch import nn
 
 PAIRS = ("gpipe", "1f1b", "interleaved", "2bw")
@@ -456,8 +457,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps, --rounds and --warmup must be >= 1 (the first warm-up step checks the gradients)")
     a.rounds = min(a.rounds, a.steps)
 
-    from dtrain.launch import NodeSpec, free_port, launch
-
     args = dict(vars(a), workloads=workloads, pairs=pairs)
     print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
           f"{a.nprocs} processes x 1 intra-op thread, gloo on loopback, CPU")  # fmt: skip
@@ -465,9 +464,7 @@ def main(argv: list[str] | None = None) -> int:
           f"gpt: {a.gpt_model} seq_len {a.seq_len} (interleaved: {a.interleaved_layers or 'preset'} layers); "
           f"mlp: {a.mlp_depth} x {a.mlp_width}; cut by {a.balance}")  # fmt: skip
     t0 = time.perf_counter()
-    loopback = NodeSpec(rdzv_endpoint=f"127.0.0.1:{free_port()}", local_addr="127.0.0.1",  # MASTER_ADDR
-                        env={"GLOO_SOCKET_IFNAME": "lo"})  # fmt: skip
-    ranks = launch(_worker, (args,), nprocs=a.nprocs, threads=1, node=loopback)
+    ranks = launch_loopback(_worker, (args,), a.nprocs)
     results = _summarize(ranks, args)
     _print(results, args)
     wall = time.perf_counter() - t0
