@@ -194,7 +194,7 @@ def main() -> int:
             preds = _predictions(spec, model, sample, todo, base)
             for name, kw in todo.items():
                 out = root / bw / name.replace(":", "_").replace("+", "_")
-                cfg = base.replace(**kw, out=str(out), cluster=cname)
+                cfg = base.replace(**kw, out=str(out), cluster=cname, overwrite=True)  # its own folder, rerun
                 s, _ = run(cfg, quiet=True)
                 results[name] = {"summary": s, "figures": step_figures(cfg, out, ns.warmup)}
                 t = s.get("time_to_target_s")

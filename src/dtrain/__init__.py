@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "CommError": "dtrain.errors",
     "CommTimeoutError": "dtrain.errors",
     "ModelMismatchError": "dtrain.errors",
+    "NonFiniteError": "dtrain.errors",
 }
 _SUBPACKAGES = ("comm", "compress", "perfmodel", "planning", "strategies", "cluster", "param_server", "data_parallel",
                 "checkpoint", "decentralized", "pipeline")

@@ -34,7 +34,10 @@ _HELP = {
                  "usual time (median of its last 50 steps); communication is not slowed",
     "strategy": "how to distribute: one of the registered strategies (default: dp)",
     "cluster": "run on an emulated cluster made by `dtrain cluster up --name NAME`",
-    "out": "run folder (default: runs/<timestamp>-<strategy>)",
+    "out": "run folder (default: runs/<timestamp>-<strategy>); one that holds files is refused unless --overwrite",
+    "overwrite": "replace the earlier run in --out: everything in that folder is deleted first (default: off)",
+    "skip_nonfinite": "skip up to N steps whose loss or gradients are not finite, on every rank that shares the "
+                      "step (no optimizer step); the next one stops the run (default: 0, stop at the first)",
     "max_steps": "stop after this many steps (0: no limit)",
     "checkpoint_every": "save a checkpoint to RUN/checkpoints every N steps and at the end (default: 0, never)",
     "resume": "continue from a checkpoint folder, or a run folder's latest complete checkpoint",
@@ -124,10 +127,19 @@ def _delegate(module: str, argv: list[str]) -> int:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
+    from dtrain.launch import LaunchInterrupted
     from dtrain.train import run
 
     cfg = config_from_args(ns)
-    summary, out = run(cfg)
+    try:
+        summary, out = run(cfg)
+    except LaunchInterrupted as e:  # Ctrl-C / SIGTERM: the workers are stopped; where to resume from
+        lead = "\n" if cfg.progress else ""  # a stopped worker's progress bar ends without a newline
+        print(f"{lead}dtrain: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C while no worker was running
+        print("dtrain: interrupted", file=sys.stderr)
+        return 130
     print(f"strategy {summary['strategy']}, {summary['workers']} workers, {summary['steps']} steps, "
           f"{summary['samples_per_s']:.0f} samples/s, {summary['wall_s']:.1f}s")
     if "applied_samples_per_s" in summary:

@@ -154,11 +154,13 @@ class RunConfig:
     backend: str = ""  # gloo | nccl | mpi (default: nccl with CUDA, else gloo)
     # --- the run itself
     out: str = ""  # run folder (default: runs/<timestamp>-<strategy>)
+    overwrite: bool = False  # replace an earlier run in --out (without it: refused)
     timeout_s: float = 300.0
     trace: bool = True  # trace.json (Chrome trace); --no-trace to skip
     progress: bool = True
     checkpoint_every: int = 0  # save a checkpoint every N steps and at the end (0: never)
     resume: str = ""  # a checkpoint folder, or a run folder (its latest complete checkpoint)
+    skip_nonfinite: int = 0  # skip up to N steps whose loss or gradients are not finite (0: stop at the first)
     extra: dict[str, Any] = field(default_factory=dict)
     options: StrategyOptions | None = None  # the strategy's (default: its defaults)
 
@@ -325,7 +327,7 @@ class RunConfig:
             raise ConfigError(f"max_steps must be >= 0, got {self.max_steps}")
         if self.samples < 16:
             raise ConfigError(f"samples must be >= 16, got {self.samples}")
-        for k in ("eval_every", "eval_samples", "layers", "d_model", "heads"):
+        for k in ("eval_every", "eval_samples", "layers", "d_model", "heads", "skip_nonfinite"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"{k} must be >= 0, got {getattr(self, k)}")
         if self.seq_len < 2:

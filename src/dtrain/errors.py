@@ -7,7 +7,9 @@ into one line that says where to look.
 
 from __future__ import annotations
 
-__all__ = ["DTrainError", "ConfigError", "CommError", "CommTimeoutError", "ModelMismatchError"]
+__all__ = [
+    "DTrainError", "ConfigError", "CommError", "CommTimeoutError", "ModelMismatchError", "NonFiniteError",
+]
 
 
 class DTrainError(RuntimeError):
@@ -51,3 +53,21 @@ class CommTimeoutError(CommError):
 
 class ModelMismatchError(DTrainError):
     """Ranks wrapped models that differ (names, shapes or dtypes)."""
+
+
+class NonFiniteError(DTrainError):
+    """A training step's loss or gradients are not finite (inf or nan).
+
+    Args:
+        rank: the rank that raises.
+        step: the step (as in ``metrics.jsonl``).
+        detail: what was not finite, e.g. ``"gradient (inf) of parameter '0.weight'; loss 3e+17"``.
+        parameter: the first parameter (model order) whose gradient is not finite; None when every
+            gradient of this rank is finite (a non-finite loss alone, or another rank's step).
+    """
+
+    def __init__(self, rank: int, step: int, detail: str, *, parameter: str | None = None) -> None:
+        self.rank = rank
+        self.step = step
+        self.parameter = parameter
+        super().__init__(f"rank {rank} at step {step}: non-finite {detail}")

@@ -4,25 +4,56 @@ dtrain writes no process spawner of its own: :func:`launch` hands a picklable
 function to ``torch.distributed.launcher.api.elastic_launch``, which starts the
 processes, runs the c10d rendezvous and collects return values and failures.
 This is the one place that sets up the children's environment (intra-op threads).
+
+How a launch ends: with every return value; with :class:`LaunchError` naming each
+failed rank; or, when this process gets SIGINT (Ctrl-C), SIGTERM, SIGHUP or
+SIGQUIT, with :class:`LaunchInterrupted` once the agent has stopped every worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from dtrain.errors import DTrainError
 
-__all__ = ["LaunchError", "NodeSpec", "launch", "free_port", "threads_per_worker"]
+__all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "launch", "free_port", "threads_per_worker"]
+
+# the signals torch's elastic agent turns into a shutdown of the workers (its default set)
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# loggers whose lines ("Received 2 death signal", "Terminating process ... via signal SIGTERM")
+# repeat what LaunchError / LaunchInterrupted say
+_TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
 
 class LaunchError(DTrainError):
     """One or more worker processes failed; the message names each rank and its error."""
+
+
+class LaunchInterrupted(DTrainError):
+    """A signal stopped the launch; every worker has been stopped.
+
+    Args:
+        signum: the signal this process got (``signal.SIGINT`` for Ctrl-C).
+        message: what to tell the user (default: the signal's name).
+    """
+
+    def __init__(self, signum: int, message: str = "") -> None:
+        self.signum = int(signum)
+        super().__init__(message or f"interrupted by {signal.Signals(self.signum).name}")
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's status for a death by this signal: 128 + its number (130 for SIGINT)."""
+        return 128 + self.signum
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,18 +90,51 @@ class NodeSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+class _Interrupt:
+    """This worker's SIGINT handler: one KeyboardInterrupt, then nothing.
+
+    Ctrl-C reaches a worker twice: from the terminal (the whole process group) and from the agent,
+    which passes the signal on while it stops the workers. A second KeyboardInterrupt would land
+    wherever the worker is winding down and print a traceback; the first one is enough.
+    """
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not self.seen:
+            self.seen = True
+            raise KeyboardInterrupt
+
+
 def _child(
     fn: Callable[..., Any], threads: int, env: dict[str, str], backend: str | None, args: tuple[Any, ...]
 ) -> Any:
     import torch
+    from tqdm import tqdm
 
+    interrupt = _Interrupt()
+    signal.signal(signal.SIGINT, interrupt)
     os.environ.update(env)
     torch.set_num_threads(threads)
+    # tqdm's default lock holds a multiprocessing RLock: a named semaphore registered with the
+    # launcher's resource tracker, which this (spawned) process shares. A worker killed by a signal
+    # (SIGKILL; SIGTERM from the launcher when another rank fails) never unregisters it, and the
+    # tracker then prints "leaked semaphore objects" warnings after the run's error. A worker's bars
+    # live in one process, so a thread lock is all they need.
+    tqdm.set_lock(threading.RLock())
     from dtrain import runtime
 
     runtime.init(backend=backend)
     try:
         return fn(*args)
+    except BaseException:
+        # torch's spawn wrapper ends a worker quietly on KeyboardInterrupt; others it prints. Ctrl-C
+        # can come back as another exception: torch's checkpoint collectives turn it into a
+        # CheckpointException (a BaseException) naming every rank's KeyboardInterrupt.
+        if interrupt.seen:
+            raise KeyboardInterrupt from None
+        raise
     finally:
         runtime.shutdown()
 
@@ -105,7 +169,10 @@ def launch(
 
     Raises:
         LaunchError: naming each failed rank and the first line of its error.
+        LaunchInterrupted: this process got SIGINT, SIGTERM, SIGHUP or SIGQUIT; the
+            workers were stopped (the agent sends them the same signal, then SIGKILL).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -129,20 +196,47 @@ def launch(
         local_addr=node.local_addr,
     )
     t = threads or threads_per_worker(nprocs)
-    if quiet:
-        for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+    if quiet:  # each of torch's loggers has its own level: set every one under the prefixes
+        for name in [*_TORCH_LOGGERS, *logging.root.manager.loggerDict]:
+            if name.startswith(_TORCH_LOGGERS):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        return dict(elastic_launch(config, entrypoint=_child)(fn, t, dict(node.env), backend, args))
+        with _signal_handlers_kept():
+            return dict(elastic_launch(config, entrypoint=_child)(fn, t, dict(node.env), backend, args))
+    except SignalException as e:
+        raise LaunchInterrupted(e.sigval) from None
+    except KeyboardInterrupt:  # Ctrl-C before the agent set its handlers (rendezvous): no worker started yet
+        raise LaunchInterrupted(signal.SIGINT) from None
     except ChildFailedError as e:
-        lines = []
-        for rank, failure in sorted(e.failures.items()):
-            msg = failure.message
-            if isinstance(msg, dict):
-                msg = msg.get("message", str(msg))
-            first = str(msg).strip().splitlines()
-            detail = first[-1] if first else f"exit code {failure.exitcode}"
-            if failure.exitcode and failure.exitcode < 0:
-                detail = f"killed by signal {-failure.exitcode}; {detail}"
-            lines.append(f"rank {rank}: {detail}")
-        raise LaunchError("worker processes failed:\n  " + "\n  ".join(lines)) from None
+        raise _failed(e.failures) from None
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """Put this process's handlers of the stop signals back afterwards: torch's agent replaces them
+    (with one that raises SignalException, even after the launch) and leaves them so."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        yield
+        return
+    saved = {getattr(signal, n): signal.getsignal(getattr(signal, n)) for n in _STOP_SIGNALS if hasattr(signal, n)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(s, handler)
+
+
+def _failed(failures: dict[int, Any]) -> LaunchError:
+    """The error naming each failed rank (torch's ``ProcessFailure`` by global rank) and its error's last line."""
+    lines = []
+    for rank, failure in sorted(failures.items()):
+        msg = failure.message
+        if isinstance(msg, dict):
+            msg = msg.get("message", str(msg))
+        first = str(msg).strip().splitlines()
+        detail = first[-1] if first else f"exit code {failure.exitcode}"
+        if failure.exitcode and failure.exitcode < 0:
+            detail = f"killed by signal {-failure.exitcode}; {detail}"
+        lines.append(f"rank {rank}: {detail}")
+    return LaunchError("worker processes failed:\n  " + "\n  ".join(lines))

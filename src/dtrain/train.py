@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 import traceback
 from collections.abc import Iterator
@@ -36,14 +37,70 @@ from dtrain.strategies.base import get
 from dtrain.trace import MetricsWriter, Tracer, merge_rank_files
 from dtrain.training.context import TrainContext, lr_factor, schedule_updates
 
-__all__ = ["TrainContext", "run", "worker_main", "default_out_dir", "summarize", "lr_factor", "iter_metrics"]
+__all__ = ["TrainContext", "run", "worker_main", "default_out_dir", "open_run_folder", "summarize", "lr_factor",
+           "iter_metrics"]
 
 _schedule_updates = schedule_updates  # the name tests and older scripts import
 
 
 def default_out_dir(cfg: RunConfig) -> Path:
+    """``runs/<timestamp>-<strategy>``, with ``-2``, ``-3``, ... when a run started in the same second."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{cfg.strategy}"
+    base = Path("runs") / f"{stamp}-{cfg.strategy}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
+
+
+def _writable(out: Path, what: str) -> ConfigError:
+    return ConfigError(f"cannot write the run folder {out}: {what}; choose another --out")
+
+
+def open_run_folder(cfg: RunConfig) -> Path:
+    """Create (or, with ``--overwrite``, empty) the run folder ``cfg.out`` before any process starts.
+
+    A folder that holds files is refused, naming it: an earlier run's metrics, summary and
+    curves would be overwritten. ``--overwrite`` deletes its contents first -- only where it
+    holds a run (``config.toml``), and never one that ``--resume`` reads from. A path that
+    cannot be created or written is a one-line :class:`ConfigError` naming it.
+    """
+    out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
+    try:
+        if out.exists() and not out.is_dir():
+            raise _writable(out, "it is a file")
+        held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+        if held:
+            _clear(out, held, cfg)
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".dtrain-write-check"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise _writable(out, e.strerror or str(e)) from None
+    return out
+
+
+def _clear(out: Path, held: list[str], cfg: RunConfig) -> None:
+    """Empty ``out`` for ``--overwrite``, or refuse (ConfigError saying what to do)."""
+    shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+    if not cfg.overwrite:
+        what = "an earlier run" if "config.toml" in held else "files"
+        raise ConfigError(f"the run folder {out} holds {what} ({shown}); choose a new --out, or --overwrite "
+                          "to replace it")  # fmt: skip
+    if "config.toml" not in held:
+        raise ConfigError(f"--overwrite replaces a run folder, and {out} holds no run (no config.toml; it holds "
+                          f"{shown}); choose an empty or new --out")  # fmt: skip
+    if cfg.resume and out.resolve() in (src := Path(cfg.resume).resolve(), *src.parents):
+        raise ConfigError(f"--overwrite would delete {out}, which holds the checkpoint --resume {cfg.resume} "
+                          "reads; write the resumed run to a new --out")  # fmt: skip
+    for name in held:
+        p = out / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
@@ -62,6 +119,8 @@ def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
         raise ConfigError(f"strategy {cfg.strategy!r} has no process body; it must resolve to one that has")
     try:
         result = body(ctx)
+    except KeyboardInterrupt:  # Ctrl-C: the launcher reports it, no error to keep
+        raise
     except BaseException:
         (out / f"error.rank{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -122,22 +181,23 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
 def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
     """Run a whole training job from the parent process; returns (summary, run folder).
 
+    The run folder (``cfg.out``) must be new or empty, or replaced with ``overwrite``
+    (:func:`open_run_folder`); every check happens before any process starts.
+
     The strategy's ``resolve`` hook runs first (``auto`` asks the planner and runs
     its first choice); ``cluster="NAME"`` spreads the processes over the hosts
     of an emulated cluster (``dtrain cluster up``) instead of this machine.
     """
     cfg = get(cfg.validate().strategy).resolve(cfg)
-    out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob("metrics*.jsonl")) + list(out.glob("trace*.json")) + list(out.glob("error.rank*.txt")):
-        stale.unlink()
+    out = open_run_folder(cfg)
     cfg = cfg.replace(out=str(out))
     if cfg.resume:  # the concrete checkpoint, so every process (and config.toml) names the same one
         from dtrain.checkpoint import find_checkpoint
 
         cfg = cfg.replace(resume=str(find_checkpoint(cfg.resume).resolve()))
-    (out / "config.toml").write_text(dump_toml(cfg))
-    from dtrain.launch import launch
+    # recorded without --overwrite: `dtrain run RUN/config.toml` must not delete the run it comes from
+    (out / "config.toml").write_text(dump_toml(cfg.replace(overwrite=False)))
+    from dtrain.launch import LaunchInterrupted, launch
 
     t0 = time.perf_counter()
     try:
@@ -149,6 +209,9 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
         else:
             results = launch(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes,
                              backend=cfg.backend or None)
+    except LaunchInterrupted as e:  # the workers are gone: say where the run stopped and how to go on
+        merge_rank_files(out)
+        raise LaunchInterrupted(e.signum, _interrupted_message(cfg, out, e.signum)) from None
     finally:
         merge_rank_files(out)
     summary = summarize(cfg, results, time.perf_counter() - t0)
@@ -158,6 +221,40 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
 
         plot_run(out)
     return summary, out
+
+
+def _interrupted_message(cfg: RunConfig, out: Path, signum: int) -> str:
+    """One line for a run a signal stopped: the step it got to, the newest complete checkpoint (of this
+    run folder, else the one this run resumed from) and the command that resumes from it (the run's own
+    config.toml; a new run folder, as :func:`open_run_folder` wants for a resumed run).
+
+    The step counts steps completed, as checkpoints do: one more than the last step index any worker
+    wrote to its metrics, or the checkpoint's step where that is later (a row may lag its step).
+    """
+    import shlex
+    import signal
+
+    from dtrain.checkpoint import CheckpointError, find_checkpoint, read_info
+
+    rows = iter_metrics(out) if (out / "metrics.jsonl").is_file() else iter(())
+    done = max((int(r["step"]) + 1 for r in rows if "step" in r), default=0)
+    try:
+        ckpt: Path | None = find_checkpoint(out)
+    except CheckpointError:
+        ckpt = Path(cfg.resume) if cfg.resume else None
+    saved = int(read_info(ckpt)["step"]) if ckpt is not None else 0
+    done = max(done, saved)
+    name = signal.Signals(signum).name
+    head = f"interrupted ({name}) at step {done}" if done else f"interrupted ({name}) before the first step"
+    if ckpt is None:
+        return f"{head}; no checkpoint to resume from (--checkpoint-every N saves some)"
+    base = out if out.name else out.resolve()  # --out .
+    to, n = base.with_name(f"{base.name}-resumed"), 1
+    while to.exists():
+        n += 1
+        to = base.with_name(f"{base.name}-resumed-{n}")
+    command = ["dtrain", "run", str(out / "config.toml"), "--resume", str(ckpt), "--out", str(to)]
+    return f"{head}; last complete checkpoint: step {saved}; resume with: {shlex.join(command)}"
 
 
 def iter_metrics(out_dir: str | Path) -> Iterator[dict[str, Any]]:

@@ -233,6 +233,20 @@ class ReplicaEngine:
         self._comm_s = time.perf_counter() - t0
         self._done += 1
 
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.replica.named_parameters())
+
+    def agree(self, bad: bool) -> list[int]:
+        return [self.ctx.rank] if bad else []  # this replica's own optimizer step: its own check decides
+
+    def skip(self) -> None:
+        """No optimizer step; the averaging still runs (the other replicas wait for it at this step)."""
+        t0 = time.perf_counter()
+        with self.ctx.tracer.span("average"):
+            self.wrapper.step()
+        self._comm_s = time.perf_counter() - t0
+        self._done += 1
+
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 

@@ -32,10 +32,12 @@ from dtrain.perfmodel.simulator import simulate_sync
 from dtrain.strategies._common import CompressedOptions, choose
 from dtrain.strategies.base import Choice, PlanSpace, Strategy, StrategyOptions, register
 from dtrain.training.context import TrainContext
+from dtrain.training.guard import flagged_ranks
 from dtrain.training.loop import Position, run_loop
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.config import RunConfig
     from dtrain.perfmodel.collectives import CompressionModel
     from dtrain.perfmodel.profile import ModelProfile
     from dtrain.perfmodel.spec import ClusterSpec
@@ -174,6 +176,16 @@ class DataParallelEngine:
             with self.ctx.tracer.span("optimizer"):
                 self.optimizer.step()
 
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.model.named_parameters())
+
+    def agree(self, bad: bool) -> list[int]:
+        # every rank holds the same averaged gradients, but its loss is its own shard's: one tiny all-reduce
+        return flagged_ranks(bad)
+
+    def skip(self) -> None:
+        return None  # nothing applied; before_step zeroes the gradients
+
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
@@ -231,6 +243,18 @@ def _run_ddp(ctx: TrainContext) -> dict[str, Any]:
     return _run(ctx, torch_ddp=True)
 
 
+def _check(o: DPOptions, cfg: RunConfig) -> None:
+    if not cfg.skip_nonfinite:
+        return
+    if o.overlap == "forward":
+        raise ConfigError("--skip-nonfinite cannot skip a step under --overlap forward: the engine applies each "
+                          "bucket as soon as it is averaged, before the step can be checked; use --overlap backward")
+    if o.compressor_spec() != "none":
+        raise ConfigError(f"--skip-nonfinite cannot skip a step under --compression {o.compression}: the "
+                          "compressor's state (error feedback, PowerSGD's Q) takes the gradient in during backward, "
+                          "before the check, and a non-finite value would stay in it; run without one of them")
+
+
 # ---------------------------------------------------------------------- performance model hooks
 
 
@@ -276,7 +300,7 @@ def _ddp_candidates(space: PlanSpace) -> list[Choice]:
 
 
 DP = register(Strategy(
-    name="dp", options=DPOptions, run=_run_dp,
+    name="dp", options=DPOptions, run=_run_dp, check=_check,
     help="data parallel: dtrain.DataParallel (allreduce algorithm, buckets, overlap, compression)",
     predict=_predict, memory=_memory, simulate=_simulate, candidates=_dp_candidates,
 ))

@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.perfmodel import pipeline as pipeline_model
 from dtrain.strategies._common import choose
 from dtrain.strategies.base import Strategy, StrategyOptions, register
 from dtrain.training.context import TrainContext
+from dtrain.training.guard import flagged_ranks
 from dtrain.training.loop import Position, run_loop
 
 if TYPE_CHECKING:
@@ -166,6 +168,16 @@ class PipelineEngine:
     def train_step(self, x: Any, y: Any) -> float:
         with self.ctx.tracer.span("pipeline"):
             return self.pipe.step(x, y)
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.pipe.named_parameters())  # this stage's, named as in the whole model
+
+    def agree(self, bad: bool) -> list[int]:
+        # every stage has the same loss, but its own stage's gradients: one tiny all-reduce over the stages
+        return flagged_ranks(bad)
+
+    def skip(self) -> None:
+        return None  # nothing applied; before_step drops the gradients
 
     def forward(self, x: Any) -> torch.Tensor:
         raise ConfigError("a pipeline runs whole steps (train_step); forward alone is its evaluation")

@@ -153,6 +153,18 @@ class PSWorkerEngine:
         with self.ctx.tracer.span("ps.step"):
             self.ps.step()
 
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.model.named_parameters())
+
+    def agree(self, bad: bool) -> list[int]:
+        return [self.ctx.rank] if bad else []  # this worker's gradients alone: its own check decides
+
+    def skip(self) -> None:
+        """No push (the servers wait for this worker's next gradient instead; nothing changed meanwhile under
+        bsp, so the parameters it holds are current), and the gradients dropped as ``ps.step()`` would."""
+        for p in self.model.parameters():
+            p.grad = None
+
     def lr(self) -> float:
         return self._lr
 
@@ -228,6 +240,10 @@ def _check(o: PSOptions, cfg: RunConfig) -> None:
         parse_consistency(o.consistency, staleness_lr=o.staleness_lr).check_workers(cfg.workers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.skip_nonfinite and cfg.checkpoint_every:
+        raise ConfigError("--skip-nonfinite with --checkpoint-every is not supported by the parameter server: a "
+                          "worker's skipped step is no push, so its steps and the servers' updates would no longer "
+                          "meet at the same checkpoint; use one of them")
     if cfg.resume and cfg.lr_schedule != "constant":
         raise ConfigError(
             f"resume under the parameter server supports lr_schedule 'constant' only (the servers do not "

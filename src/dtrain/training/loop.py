@@ -14,8 +14,16 @@ Roughly, per step::
     loss = ctx.loss(engine.forward(x), y)  # span "forward"
     loss.backward()                        # span "backward" (overlapped exchange runs here)
     straggler.stretch(own work)            # --straggler: this rank's own work takes FACTOR x
+    guard.check(step, loss)                # non-finite loss or gradient: stop, or skip (--skip-nonfinite)
     engine.update()                        # the engine's span: optimizer step, push/pull, ...
     metrics rows <- engine.rows(row)       # the engine adds compute/comm/wait/bytes
+
+The numerics guard (:mod:`dtrain.training.guard`) costs one fused 2-norm per gradient and
+one host sync per step: on the CNN (8 parameters, CPU, 2 shared cores) about 35 us, 4% of a
+bare one-process step of 32 samples (0.9 ms) and under 1% of a 2-worker dp step (about 8 ms
+there); ``--skip-nonfinite`` adds, where ranks share a step (dp, ddp, pipeline), a flag
+all-reduce of about 0.24 ms among 2 gloo processes. ``benchmarks/nonfinite_guard.py``
+measures both.
 """
 
 from __future__ import annotations
@@ -33,11 +41,12 @@ from torch import nn
 from dtrain.cluster.slowdown import Straggler
 from dtrain.errors import ConfigError, DTrainError
 from dtrain.training.context import TrainContext
+from dtrain.training.guard import NonFiniteGuard
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
 
-__all__ = ["Engine", "WholeStep", "Position", "run_loop"]
+__all__ = ["Engine", "WholeStep", "SkipsSteps", "Position", "run_loop", "guard_for"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,33 @@ class WholeStep(Protocol):
         """Forward and backward of the batch, gradients left in ``.grad``; the batch's mean loss."""
 
 
+@runtime_checkable
+class SkipsSteps(Protocol):
+    """An engine that can leave a step out (``--skip-nonfinite``; :mod:`dtrain.training.guard`)."""
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters whose gradients this rank applies, named as in the model."""
+
+    def agree(self, bad: bool) -> list[int]:
+        """The ranks sharing this step whose check found it bad (a collective where ranks share a
+        step; this rank's own verdict where it applies its gradients alone)."""
+
+    def skip(self) -> None:
+        """Instead of :meth:`Engine.update`: apply nothing, drop the gradients; keep what must stay in
+        step with other ranks (e.g. a decentralized replica's averaging)."""
+
+
+def guard_for(ctx: TrainContext, engine: Engine) -> NonFiniteGuard:
+    """The numerics guard of ``engine`` (``--skip-nonfinite`` needs a :class:`SkipsSteps` engine)."""
+    budget = ctx.cfg.skip_nonfinite
+    if isinstance(engine, SkipsSteps):
+        return NonFiniteGuard(engine.named_parameters(), rank=ctx.rank, budget=budget, agree=engine.agree)
+    if budget:
+        raise ConfigError(f"--skip-nonfinite: strategy {ctx.cfg.strategy}'s engine cannot leave a step out; "
+                          "run without it (a non-finite step then stops the run)")  # fmt: skip
+    return NonFiniteGuard(engine.model.named_parameters(), rank=ctx.rank)
+
+
 def _write(ctx: TrainContext, rows: list[dict[str, Any]]) -> None:
     for r in rows:
         ctx.metrics.write(**r)
@@ -124,9 +160,10 @@ def _write(ctx: TrainContext, rows: list[dict[str, Any]]) -> None:
 
 @dataclass
 class _Progress:
-    """The loop's running tallies."""
+    """The loop's running tallies, and its numerics guard (which counts the skipped steps)."""
 
     step: int
+    guard: NonFiniteGuard
     samples: int = 0
     eval_s: float = 0.0
     stopped: bool = False  # --target reached: every rank stops at the same evaluation
@@ -136,6 +173,17 @@ class _Progress:
     def __post_init__(self) -> None:
         self.losses: list[float] = []
         self.history: list[dict[str, Any]] = []  # {"train_s", "step", "epoch", "value"} per evaluation
+
+
+def _gradients(ctx: TrainContext, engine: Engine, x: Any, y: Any) -> float:
+    """Forward and backward of a batch, the gradients left in ``.grad``; the batch's mean loss."""
+    if isinstance(engine, WholeStep):  # a pipeline interleaves forwards and backwards of micro-batches
+        return engine.train_step(x, y)
+    with ctx.tracer.span("forward"):
+        loss = ctx.loss(engine.forward(x), y)
+    with ctx.tracer.span("backward"):
+        loss.backward()
+    return float(loss.detach())
 
 
 def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos: Position, epoch: int,
@@ -154,22 +202,23 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
         t0 = time.perf_counter()
         with ctx.tracer.span("step", step=tally.step):
             engine.before_step(tally.step)
-            if isinstance(engine, WholeStep):  # a pipeline interleaves forwards and backwards of micro-batches
-                loss_v = engine.train_step(x, y)
-            else:
-                with ctx.tracer.span("forward"):
-                    loss = ctx.loss(engine.forward(x), y)
-                with ctx.tracer.span("backward"):
-                    loss.backward()
-                loss_v = float(loss.detach())
+            loss_v = _gradients(ctx, engine, x, y)
             slow.stretch(time.perf_counter() - t_free)  # backward includes the exchange it overlaps
-            engine.update()
+            applied = tally.guard.check(tally.step, loss_v)  # NonFiniteError unless it may skip the step
+            if applied:
+                engine.update()
+            else:
+                assert isinstance(engine, SkipsSteps)
+                engine.skip()
         t_free = time.perf_counter()
         dt = t_free - t0
         row = dict(step=tally.step, epoch=epoch, loss=loss_v, lr=engine.lr(),
                    samples_per_s=len(y) * engine.samples_scale / dt, step_s=dt)  # fmt: skip
+        if not applied:
+            row["skipped"] = True
         _write(ctx, engine.rows(row))
-        tally.losses.append(loss_v)
+        if applied:
+            tally.losses.append(loss_v)
         tally.samples += len(y)
         tally.step += 1
         bar.update(1)
@@ -261,7 +310,7 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
     """
     pos = engine.start()
     slow = ctx.straggler()
-    tally = _Progress(step=pos.step)
+    tally = _Progress(step=pos.step, guard=guard_for(ctx, engine))
     bar = ctx.progress(engine.total_steps - pos.step, engine.evaluator)
     t_start = time.perf_counter()
     epoch, first_batch = pos.epoch, pos.batch
