@@ -63,8 +63,8 @@ def test_rejections_give_the_reason():
     assert all("per device" in reason for _, reason in p.rejected if "batch" not in reason)
     with pytest.raises(Exception, match="no strategy fits"):
         _ = p.best
-    q = plan(model, sample, spec("1gbit", 1e-4), measure=False)
-    assert any("does not split over 3 workers" in r for s, r in q.rejected if s.workers == 3)
+    q = plan(model, sample, spec("1gbit", 1e-4), measure=False, batch=2)  # 64 over 3 is fine: test_uneven_batch
+    assert any("global batch 2 is smaller than 3 workers" in r for s, r in q.rejected if s.workers == 3)
     assert "rejected:" in q.table()
 
 

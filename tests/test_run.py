@@ -59,7 +59,7 @@ def test_ddp_peer_and_toml_rerun(tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["--algorithm", "fancy"], "invalid choice"),
-    (["--batch-size", "30"], "not divisible"),
+    (["--batch-size", "2", "--workers", "3"], "at least workers"),
     (["--compression", "zip:3"], "compress"),
     (["--straggler", "12:2"], "outside"),
     (["--dataset", "synthetic", "--samples", "32", "--batch-size", "64"], "larger than the training set"),

@@ -40,7 +40,8 @@ _HELP = {
                       "step (no optimizer step); the next one stops the run (default: 0, stop at the first)",
     "max_steps": "stop after this many steps (0: no limit)",
     "checkpoint_every": "save a checkpoint to RUN/checkpoints every N steps and at the end (default: 0, never)",
-    "resume": "continue from a checkpoint folder, or a run folder's latest complete checkpoint",
+    "resume": "continue from a checkpoint folder, or a run folder's newest intact checkpoint (its files "
+              "checked against the checkpoint's manifest)",
     "model": "cnn | mlp (classifiers) | gpt-tiny | gpt-small | gpt-medium | gpt (gpt-small's shape, resized by "
              "--layers --d-model --heads) (default: cnn)",
     "dataset": "digits (scikit-learn's 1,797 8x8 digits) | synthetic (a random teacher's labels, --samples) | "

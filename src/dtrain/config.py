@@ -258,6 +258,13 @@ class RunConfig:
         """Processes one run starts (the strategy's, e.g. workers plus servers for the parameter server)."""
         return self.opts.processes(self.workers)
 
+    @property
+    def global_batch(self) -> int:
+        """Samples a step trains on: ``batch_size // shards`` per shard, times the shards (:mod:`dtrain._batch`)."""
+        from dtrain._batch import split_batch
+
+        return split_batch(self.batch_size, self.opts.batch_shards(self.workers))[1]
+
     def _check_names(self) -> None:
         from dtrain.data import DATASETS
         from dtrain.models import MODELS
@@ -312,11 +319,7 @@ class RunConfig:
             raise ConfigError(
                 f"batch_size is global ({self.batch_size}) and must be at least workers ({self.workers})"
             )
-        if self.batch_size % shards:
-            raise ConfigError(
-                f"batch_size {self.batch_size} is not divisible by workers {self.workers}; "
-                f"use a multiple, e.g. {self.workers * max(1, self.batch_size // self.workers)}"
-            )
+        # a batch that does not divide is trained as batch // shards per shard (global_batch)
         if not self.lr > 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dtrain._batch import batch_note
 from dtrain.config import RunConfig, dump_toml
 from dtrain.errors import ConfigError
 from dtrain.strategies.base import get
@@ -134,6 +136,8 @@ def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
 def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float) -> dict[str, Any]:
     """Combine the processes' results into ``summary.json``'s contents.
 
+    ``global_batch`` is the samples a step trains on (:attr:`RunConfig.global_batch`:
+    ``--batch-size`` rounded down to a multiple of the workers).
     ``samples_per_s`` counts every sample a worker computed a gradient of. A
     parameter-server run also gets ``computed_samples_per_s`` (the same) and
     ``applied_samples_per_s``: samples whose gradients went into an update, per
@@ -152,6 +156,7 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
         "world_size": len(results),
         "workers": len(workers),
         "steps": steps,
+        "global_batch": cfg.global_batch,
         "wall_s": round(wall_s, 3),
         "train_s": round(train_s, 3),
         "samples_per_s": samples / train_s if train_s > 0 else math.nan,
@@ -189,12 +194,19 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
     of an emulated cluster (``dtrain cluster up``) instead of this machine.
     """
     cfg = get(cfg.validate().strategy).resolve(cfg)
+    note = batch_note(cfg.batch_size, cfg.opts.batch_shards(cfg.workers))
+    if note and not quiet:  # the effective batch, when --batch-size does not divide over the workers
+        print(f"dtrain: {note}", file=sys.stderr, flush=True)
     out = open_run_folder(cfg)
     cfg = cfg.replace(out=str(out))
     if cfg.resume:  # the concrete checkpoint, so every process (and config.toml) names the same one
         from dtrain.checkpoint import find_checkpoint
 
-        cfg = cfg.replace(resume=str(find_checkpoint(cfg.resume).resolve()))
+        def say(line: str) -> None:  # which checkpoint, how far verified, why a newer one was skipped
+            if not quiet:
+                print(f"dtrain: {line}", file=sys.stderr, flush=True)
+
+        cfg = cfg.replace(resume=str(find_checkpoint(cfg.resume, checksums=True, report=say).resolve()))
     # recorded without --overwrite: `dtrain run RUN/config.toml` must not delete the run it comes from
     (out / "config.toml").write_text(dump_toml(cfg.replace(overwrite=False)))
     from dtrain.launch import LaunchInterrupted, launch

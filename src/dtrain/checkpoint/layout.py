@@ -11,7 +11,8 @@ A save is atomic (the classic write-then-rename commit):
 
 1. rank 0 empties ``RUN/checkpoints/.tmp-step_000120`` (left over by a crash) and
    every rank writes its part into it;
-2. once every rank is done, rank 0 writes the marker ``checkpoint.json`` into the
+2. once every rank is done, rank 0 hashes every file into a manifest (size and
+   SHA-256 per file, :mod:`.manifest`), writes it with the marker ``checkpoint.json`` into the
    temporary folder (to a temporary name, fsynced, then renamed), fsyncs the
    folder, and renames the folder to ``step_000120`` -- one ``rename(2)``, atomic
    on a POSIX file system -- then fsyncs ``checkpoints/``.
@@ -20,9 +21,12 @@ So a folder named ``step_*`` that holds the marker is complete; anything else (a
 ``.tmp-*`` folder, a ``step_*`` folder without the marker) is the remains of an
 interrupted save and is never resumed from. :func:`find_checkpoint` resolves a
 ``--resume`` path: a checkpoint folder, a ``checkpoints/`` folder or a run folder
-(the latter two mean their latest complete checkpoint, by step).
+(the latter two mean their latest complete checkpoint, by step, whose files match
+its manifest: a newer one with a truncated or corrupted file is skipped, with a
+line saying why).
 
-Cost: two ``fsync`` of small files and three of folders per save, on rank 0.
+Cost: SHA-256 of every file (about 0.5 ms per MB), two ``fsync`` of small files and
+three of folders per save, on rank 0.
 Processes on several machines need a shared file system, as torch's own
 distributed checkpoint does.
 """
@@ -34,9 +38,11 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dtrain.checkpoint.manifest import build_manifest, check_files, describe
 from dtrain.errors import ConfigError
 
 __all__ = [
@@ -115,7 +121,8 @@ def temporary_folder(root: str | Path, step: int) -> Path:
 
 
 def commit_folder(tmp: Path, info: dict[str, Any]) -> Path:
-    """Step 2 (rank 0, after every rank wrote its part): write the marker and rename; returns the final folder.
+    """Step 2 (rank 0, after every rank wrote its part): write the marker with the files' manifest and
+    rename; returns the final folder.
 
     An existing checkpoint of the same step (a resumed run saving into the folder it
     resumed from) is replaced: it is renamed aside first and deleted after the
@@ -124,6 +131,7 @@ def commit_folder(tmp: Path, info: dict[str, Any]) -> Path:
     """
     step = int(info["step"])
     final = tmp.parent / step_name(step)
+    info = {**info, "manifest": build_manifest(tmp, exclude=(MARKER, MARKER + ".part"))}
     _write_durable(tmp / MARKER, json.dumps(info, indent=2, sort_keys=True) + "\n")
     _fsync_dir(tmp)
     old = None
@@ -170,17 +178,29 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path, bool]]:
     return sorted(out)
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """Resolve a ``--resume`` path to a complete checkpoint folder.
+def _damaged(p: Path, bad: str) -> CheckpointError:
+    hint = "resume from an earlier checkpoint"
+    if p.parent.name == CHECKPOINTS_DIR:
+        hint += f", or from the run folder {p.parent.parent} (its newest intact checkpoint)"
+    return CheckpointError(f"resume: {bad}; {hint}")
+
+
+def find_checkpoint(path: str | Path, *, checksums: bool = False,
+                    report: Callable[[str], None] | None = None) -> Path:
+    """Resolve a ``--resume`` path to a complete checkpoint folder whose files match its manifest.
 
     Args:
         path: a checkpoint folder (``.../step_000120``), a ``checkpoints/``
-            folder, or a run folder; the latter two mean their latest complete
-            checkpoint.
+            folder, or a run folder; the latter two mean their newest complete
+            checkpoint that passes the check (newer damaged ones are skipped).
+        checksums: also compare every file's SHA-256 with the manifest (reads
+            every byte); without it only the sizes are compared (a ``stat`` each).
+        report: called with one line per skipped checkpoint (why) and one for
+            the checkpoint taken (how far it was verified), if given.
 
     Raises:
-        CheckpointError: the path does not exist, names an incomplete checkpoint,
-            or holds no complete checkpoint; the message says which and what to do.
+        CheckpointError: the path does not exist, names an incomplete or damaged
+            checkpoint (the message names the file), or holds no intact one.
     """
     p = Path(path)
     if not p.exists():
@@ -188,16 +208,34 @@ def find_checkpoint(path: str | Path) -> Path:
     if not p.is_dir():
         raise CheckpointError(f"resume: {str(p)!r} is a file; give a checkpoint folder or a run folder")
     if (p / MARKER).is_file():
-        read_info(p)
+        info = read_info(p)
+        bad = check_files(p, info, checksums=checksums)
+        if bad is not None:
+            raise _damaged(p, bad)
+        if report is not None:
+            report(f"resume: {describe(p, info, checksums=checksums)}")
         return p
     if _STEP.match(p.name) or p.name.startswith(_TMP_PREFIX):
         read_info(p)  # raises: an interrupted save
     for root in (p / CHECKPOINTS_DIR, p):
         found = list_checkpoints(root)
         complete = [d for _, d, ok in found if ok]
-        if complete:
-            read_info(complete[-1])
-            return complete[-1]
+        skipped: list[str] = []
+        for d in reversed(complete):
+            try:
+                info = read_info(d)
+                bad = check_files(d, info, checksums=checksums)
+            except CheckpointError as e:
+                bad = str(e)
+            if bad is None:
+                if report is not None:
+                    for line in skipped:
+                        report(f"resume: skipped {line}")
+                    report(f"resume: {describe(d, info, checksums=checksums)}")
+                return d
+            skipped.append(f"{d.name}: {bad}")
+        if skipped:
+            raise CheckpointError(f"resume: no intact checkpoint in {root}: " + "; ".join(skipped))
         if found:
             names = ", ".join(d.name for _, d, _ in found)
             raise CheckpointError(

@@ -25,7 +25,9 @@ continues with the new rate; the optimizer's *state* (momentum buffers, Adam's
 moments and step counts) comes from the checkpoint.
 
 :func:`check_resume` runs in the parent before any process starts: it refuses a
-checkpoint that is missing or incomplete, saved by a different number of
+checkpoint that is missing, incomplete or damaged (a file whose size or SHA-256
+differs from the checkpoint's manifest; a run folder falls back to its newest intact
+checkpoint), saved by a different number of
 processes, or with a different strategy, compression, model, data order or
 consistency model, and one that leaves nothing to train.
 """
@@ -88,7 +90,7 @@ def check_resume(cfg: RunConfig) -> None:
         cfg.entry.check_checkpointing(cfg.opts, cfg)
     if not cfg.resume:
         return
-    ckpt = find_checkpoint(cfg.resume)
+    ckpt = find_checkpoint(cfg.resume, checksums=True)  # a damaged file fails here, naming it, not in a worker
     info = read_info(ckpt)
     saved = info.get("run")
     if not isinstance(saved, dict):

@@ -2,8 +2,10 @@
 
 :func:`plan` profiles the model at every per-worker batch the candidates need,
 predicts every candidate on the cluster (:func:`~dtrain.perfmodel.predict.predict`),
-drops those that do not fit a device's memory or cannot split the global batch
-(listed as rejected, with the reason) and ranks the rest by samples per second.
+drops those that do not fit a device's memory or have more workers than the global
+batch has samples (listed as rejected, with the reason) and ranks the rest by samples
+per second. A batch that does not divide over the workers is predicted as a run trains
+it: ``batch // workers`` per worker (:func:`dtrain._batch.split_batch`).
 Candidates, for ``W`` devices:
 
 * one process (the baseline every distributed strategy must beat);
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtrain._batch import split_batch
 from dtrain.errors import ConfigError
 from dtrain.perfmodel._units import format_bytes
 from dtrain.perfmodel.collectives import ALGORITHMS, CompressionModel
@@ -204,13 +207,13 @@ class _Ranker:
 
     def add(self, s: Choice, gbatch: int) -> None:
         spec = self.spec
-        if gbatch % s.workers:
-            self.rejected.append((s, f"global batch {gbatch} does not split over {s.workers} workers"))
+        if gbatch < s.workers:
+            self.rejected.append((s, f"global batch {gbatch} is smaller than {s.workers} workers"))
             return
         if s.processes > spec.devices:
             self.rejected.append((s, f"needs {s.processes} processes; the cluster has {spec.devices} devices"))
             return
-        b = gbatch // s.workers
+        b = split_batch(gbatch, s.workers)[0]  # as a run does: 64 over 3 workers is 21 each, 63 a step
         if b not in self.profiles:
             self.profiles[b] = profile_model(self.model, _batch_of(self.sample, b), name=self.name,
                                              measure=self.measure, optimizer=self.optimizer)  # fmt: skip

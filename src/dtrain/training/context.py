@@ -149,7 +149,8 @@ class TrainContext:
         """This shard's training batches for ``epoch`` (a DistributedSampler slice).
 
         The per-shard batch is ``batch_size // num_shards``, so the global batch is
-        ``batch_size`` whatever the number of workers. ``start_batch`` skips the
+        ``batch_size`` rounded down to a multiple of the shards (``RunConfig.global_batch``:
+        64 over 3 workers trains on 63 samples a step). ``start_batch`` skips the
         epoch's first batches without reading them (a resumed run starts mid-epoch
         on exactly the batches the uninterrupted run saw next).
         """
