@@ -201,7 +201,7 @@ def launch(
             if name.startswith(_TORCH_LOGGERS):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        with _signal_handlers_kept():
+        with _signal_handlers_kept(), _stopped_workers_woken():
             return dict(elastic_launch(config, entrypoint=_child)(fn, t, dict(node.env), backend, args))
     except SignalException as e:
         raise LaunchInterrupted(e.sigval) from None
@@ -209,6 +209,57 @@ def launch(
         raise LaunchInterrupted(signal.SIGINT) from None
     except ChildFailedError as e:
         raise _failed(e.failures) from None
+
+
+def _children() -> dict[int, str]:
+    """This process's child processes and their state letters (``/proc``; empty where there is none)."""
+    me, out = os.getpid(), {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return {}
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            out[int(e)] = fields[0]
+    return out
+
+
+@contextlib.contextmanager
+def _stopped_workers_woken(period_s: float = 0.25) -> Iterator[None]:
+    """Once a worker has exited while another is stopped (SIGSTOP, a debugger), send the stopped one SIGCONT.
+
+    torch's agent ends the other workers with SIGTERM and then waits a fixed 30 s before SIGKILL
+    (``torch.multiprocessing`` ``ProcessContext.join`` without a grace period); a stopped process
+    takes no SIGTERM, so without this the launch outlived the failure by those 30 s.
+    """
+    done = threading.Event()
+
+    def watch() -> None:
+        seen: set[int] = set()
+        while not done.wait(period_s):
+            now = _children()
+            gone = any(pid not in now or now[pid] == "Z" for pid in seen)  # exited since the last look
+            seen = {pid for pid, state in now.items() if state != "Z"}
+            if gone:
+                for pid, state in now.items():
+                    if state == "T":
+                        with contextlib.suppress(OSError):
+                            os.kill(pid, signal.SIGCONT)
+
+    th = threading.Thread(target=watch, name="dtrain-wake-stopped", daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        done.set()
+        th.join(timeout=2 * period_s + 1)
 
 
 @contextlib.contextmanager
