@@ -8,7 +8,6 @@ message from every stage at each evaluation).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -210,11 +209,9 @@ class PipelineEngine:
                 self._flushes += 1
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
         full = self.pipe.full_state_dict(dst=0)
         if full is not None:
             self.model.load_state_dict(full)
-        self._gather_s = time.perf_counter() - t0
         return []
 
     def save(self, ckpt: RunCheckpointer, step: int, epoch: int, batch: int) -> None:
