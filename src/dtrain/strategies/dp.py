@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dtrain.data_parallel.config import ALGORITHMS, OVERLAPS
+from dtrain.data_parallel.config import ALGORITHMS, OVERLAPS, SHARD_ALGORITHMS, SHARDS
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.predict import (
     Memory,
@@ -59,13 +59,28 @@ class DPOptions(CompressedOptions):
     bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket size in MiB (default: 25.0)"})
     overlap: str = field(default="backward", metadata={
         "choices": OVERLAPS, "help": "overlap communication with backward, or with the next forward (priority)"})
+    shard: str = field(default="none", metadata={
+        "choices": SHARDS, "help": "ZeRO sharding: optimizer (stage 1), gradients (2), parameters (3) (default: none)"})
 
     def __post_init__(self) -> None:
         choose("algorithm", self.algorithm, ALGORITHMS)
         choose("overlap", self.overlap, OVERLAPS)
+        choose("shard", self.shard, SHARDS)
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         super().__post_init__()
+        if self.shard != "none":
+            if self.algorithm not in SHARD_ALGORITHMS:
+                raise ConfigError(
+                    f"--shard {self.shard} reduce-scatters and allgathers with {' or '.join(SHARD_ALGORITHMS)}; "
+                    f"--algorithm {self.algorithm} has no sharded form (use --algorithm ring)")
+            if self.compressor_spec() != "none":
+                raise ConfigError(f"--shard {self.shard} does not take --compression {self.compression}: "
+                                  "a sharded engine reduce-scatters exact gradients; drop one of the two")
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard != "none"
 
     def checkpoint_keys(self) -> dict[str, Any]:
         keys = super().checkpoint_keys()
@@ -75,11 +90,13 @@ class DPOptions(CompressedOptions):
 
     def label(self, workers: int) -> str:
         ov = "" if self.overlap == "backward" else " fwd-overlap"
-        return f"dp {self.algorithm} {self.bucket_mb:g}MiB{ov}{self._comp_label()}"
+        zero = f" zero-{SHARDS.index(self.shard)}" if self.sharded else ""
+        return f"dp {self.algorithm} {self.bucket_mb:g}MiB{ov}{zero}{self._comp_label()}"
 
     def plan_identity(self, prof: ModelProfile) -> Hashable:
         # a bucket size that cuts the model into the same buckets as another is the same strategy
-        return ("dp", self.algorithm, self.overlap, self.compressor_spec(), tuple(buckets_of(prof, self.bucket_mb)))
+        return ("dp", self.algorithm, self.overlap, self.shard, self.compressor_spec(),
+                tuple(buckets_of(prof, self.bucket_mb)))
 
 
 @dataclass(frozen=True)
