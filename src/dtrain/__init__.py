@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "shutdown": "dtrain.runtime",
     # strategies
     "DataParallel": "dtrain.data_parallel",
+    "ShardedDataParallel": "dtrain.sharded",
     "ParameterServer": "dtrain.param_server",
     "LocalSGD": "dtrain.decentralized",
     "EASGD": "dtrain.decentralized",
@@ -43,7 +44,7 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteError": "dtrain.errors",
 }
 _SUBPACKAGES = ("comm", "compress", "perfmodel", "planning", "strategies", "cluster", "param_server", "data_parallel",
-                "checkpoint", "decentralized", "pipeline")
+                "checkpoint", "decentralized", "pipeline", "sharded")
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])
 

@@ -99,6 +99,8 @@ class DataParallel(nn.Module):
         broadcast_buffers: copy rank 0's buffers to every rank before each
             forward, like DDP (default: True).
         first_bucket_mb: size of the first bucket (default: 1, as DDP).
+        shard: "none", or a ZeRO level -- "optimizer", "gradients", "parameters" -- which
+            returns a :class:`dtrain.ShardedDataParallel` instead (default: "none").
 
     ``overlap="forward"`` -- priority scheduling (ByteScheduler, P3); the engine owns
     the optimizer step::
@@ -142,10 +144,23 @@ class DataParallel(nn.Module):
             first differing parameter and the ranks.
     """
 
+    def __new__(cls, module: nn.Module, *args: Any, shard: str = "none", **kwargs: Any) -> Any:
+        """``shard`` other than "none" builds a :class:`dtrain.ShardedDataParallel` (ZeRO) instead."""
+        if shard == "none":
+            return super().__new__(cls)
+        from dtrain.sharded import ShardedDataParallel
+
+        unknown = sorted(set(kwargs) - {"algorithm", "overlap", "group", "timeout_s", "broadcast_buffers"})
+        if args or unknown:
+            raise ConfigError(f"DataParallel(shard={shard!r}) takes algorithm, overlap, group, timeout_s and "
+                              f"broadcast_buffers; not {', '.join(unknown) or 'positional options'}")
+        return ShardedDataParallel(module, shard=shard, **kwargs)
+
     def __init__(
         self,
         module: nn.Module,
         *,
+        shard: str = "none",
         algorithm: str = "ring",
         bucket_mb: float = 25.0,
         overlap: str = "backward",

@@ -1,0 +1,150 @@
+"""Units: the groups of parameters that a sharded engine flattens, shards, gathers and reduces together.
+
+A unit is a submodule (a block of ``gpt``, a child of a Sequential, or one the user
+names) with every parameter it holds that no earlier unit took; what no unit takes
+(parameters of the root or of modules left out) forms the root unit, unit 0. Each unit
+owns one flat buffer of ``P * s`` elements (its ``L`` parameter elements, padded to
+a multiple of the world size ``P``) whose views are the module's parameters, so a
+whole unit travels as one message per ring step; rank ``r`` owns segment ``r`` of
+it (``s = ceil(L / P)`` elements, the last ones padding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.errors import ConfigError
+
+__all__ = ["Unit", "plan_units"]
+
+
+@dataclass
+class Unit:
+    """One flattened group of parameters.
+
+    Attributes:
+        index: position in module order.
+        name: the submodule's qualified name ("" for the root unit).
+        module: the submodule whose forward uses the parameters (the root module for the root unit).
+        names: qualified names of the parameters (as in the unwrapped model's ``named_parameters``).
+        params: the parameters, in that order.
+        offsets: where each starts in the flat buffer.
+        numel: elements of the parameters together (``L``).
+        seg: elements of each rank's segment (``s``).
+        world: ranks (``P``).
+    """
+
+    index: int
+    name: str
+    module: nn.Module
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    seg: int = 0
+    world: int = 1
+    # run-time state, owned by the engine
+    full: torch.Tensor | None = None  # the gathered flat parameters (stage 3: storage freed between uses)
+    shard: nn.Parameter | None = None  # this rank's segment: what the optimizer steps
+    gbuf: torch.Tensor | None = None  # the unsharded flat gradient of the current accumulation window
+    gviews: list[torch.Tensor] = field(default_factory=list)
+    reduced: torch.Tensor | None = None  # stages 2-3: this rank's reduced segment, until handed to shard.grad
+    stash: torch.Tensor | None = None  # stage 1: a shard gradient the user kept across a step (accumulated)
+    gjob: Any = None  # the allgather in flight
+    gathered: bool = True
+    fresh: bool = True  # the next gradient starts a new accumulation window
+    arrived: int = 0
+    ready: bool = False
+    bw_prepared: bool = False
+
+    def layout(self, world: int) -> None:
+        self.world = world
+        off = 0
+        self.offsets = []
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        self.seg = -(-off // world)
+
+    @property
+    def padded(self) -> int:
+        return self.seg * self.world
+
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's view into a flat buffer of this unit."""
+        return [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
+
+    def own_range(self, rank: int) -> tuple[int, int]:
+        """The unpadded part of ``rank``'s segment: ``[start, end)`` within the ``L`` real elements."""
+        a = min(rank * self.seg, self.numel)
+        return a, min((rank + 1) * self.seg, self.numel)
+
+
+def _default_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Top-level children that hold parameters; a root with one such child and none of its own is descended."""
+    prefix, m = "", module
+    while True:
+        kids = [(n, c) for n, c in m.named_children() if any(True for _ in c.parameters())]
+        own = any(True for _ in m.parameters(recurse=False))
+        if len(kids) == 1 and not own:
+            prefix = f"{prefix}{kids[0][0]}."
+            m = kids[0][1]
+            continue
+        return [(prefix + n, c) for n, c in kids]
+
+
+def plan_units(module: nn.Module, units: Sequence[str] | None, world: int) -> list[Unit]:
+    """Cut ``module``'s trainable parameters into units (see the module docstring).
+
+    Args:
+        module: the model.
+        units: qualified submodule names, or None for the default (top-level children holding parameters).
+        world: ranks the units are sharded over.
+
+    Raises:
+        ConfigError: a named unit does not exist, or a unit mixes dtypes or devices.
+    """
+    mods = dict(module.named_modules())
+    if units is None:
+        chosen = _default_units(module)
+    else:
+        missing = [u for u in units if u not in mods]
+        if missing:
+            raise ConfigError(f"units name module(s) that the model does not have: {', '.join(map(repr, missing))} "
+                              f"(some it has: {', '.join(repr(n) for n in list(mods)[1:6])})")
+        chosen = [(u, mods[u]) for u in units]
+    names_of = {id(p): n for n, p in module.named_parameters()}
+    taken: set[int] = set()
+    out: list[Unit] = []
+    for qual, m in chosen:
+        ps = [p for p in m.parameters() if p.requires_grad and id(p) not in taken]
+        if not ps:
+            continue
+        taken.update(id(p) for p in ps)
+        out.append(Unit(len(out), qual, m, [names_of[id(p)] for p in ps], ps))
+    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in taken]
+    if rest:  # first: parameters of the root are mostly used first (an embedding), so their gradients come last
+        out.insert(0, Unit(0, "", module, [names_of[id(p)] for p in rest], rest))
+        for i, u in enumerate(out):
+            u.index = i
+    if not out:
+        raise ConfigError("the module has no trainable parameters (requires_grad=True); nothing to train")
+    for u in out:
+        kinds = {(p.dtype, p.device) for p in u.params}
+        if len(kinds) > 1:
+            raise ConfigError(f"unit {u.name or '<root>'!r} mixes parameter dtypes/devices {sorted(map(str, kinds))}; "
+                              "a sharded unit is one flat buffer: cast the model to one dtype first")
+        u.layout(world)
+    return out

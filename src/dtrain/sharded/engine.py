@@ -1,0 +1,628 @@
+"""``dtrain.ShardedDataParallel``: ZeRO stages 1, 2 and 3 on dtrain's reduce-scatter and allgather.
+
+Usage is FSDP2's: wrap, then build the optimizer over the wrapper's parameters,
+which are this rank's shards::
+
+    dp = dtrain.ShardedDataParallel(net, shard="gradients")     # or dtrain.DataParallel(net, shard=...)
+    opt = torch.optim.AdamW(dp.parameters(), lr=1e-3)           # 1/P of the optimizer state per rank
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(dp(x), y).backward()   # gradients reduce-scattered: each rank's shard .grad is the average
+        dp.clip_grad_norm_(1.0)        # optional: the global norm, over every shard
+        opt.step()                     # each rank updates its shard; the next forward gathers the rest
+    dp.full_state_dict()               # the unsharded state dict, on every rank (a collective)
+
+What each level keeps per rank for ``Psi`` float32 parameters and Adam, ``P`` ranks
+(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020, sec. 5):
+
+============  ==========================  ==================================================
+shard         model state                 traffic per step (ring)
+============  ==========================  ==================================================
+optimizer     4Psi + 4Psi + 8Psi/P        reduce-scatter + allgather = one allreduce
+gradients     4Psi + 12Psi/P              the same
+parameters    16Psi/P + units in flight   allgather (forward) + allgather (backward) +
+                                          reduce-scatter: 1.5x an allreduce
+============  ==========================  ==================================================
+
+How (units and flat buffers: :mod:`dtrain.sharded._units`):
+
+1. Wrap: ranks check they hold the same model and options, take rank 0's weights,
+   and flatten each unit's parameters into one buffer padded to ``P`` equal
+   segments; the module's parameters become views of it (``p.data``), so the model
+   stays an ordinary module. This rank's segment becomes the shard parameter
+   (stages 1-2: a view of the same storage; stage 3: the only copy, the flat
+   buffer's storage is freed).
+2. Backward: each parameter's gradient is added into its unit's flat gradient
+   buffer and dropped; when a unit's last gradient lands, its reduce-scatter
+   (average) is queued on a communication thread, in a fixed unit order on every
+   rank, overlapping the backward of earlier units. At the end of backward the
+   reduced segment becomes (or is added to) the shard's ``.grad``; stage 2-3 free the
+   unsharded buffer as soon as it is reduced, stage 1 keeps it.
+3. Forward: stages 1-2 allgather the updated segments before the next forward
+   (every unit at once with ``overlap="backward"``; with ``overlap="forward"`` each
+   unit's forward waits only for its own). Stage 3 gathers a unit just before its
+   forward, prefetching the next unit's gather meanwhile, frees it after, gathers it
+   again before its backward (prefetching the one before) and frees it once its
+   gradients are in.
+
+``no_sync()`` accumulates unsharded gradients locally (as FSDP does) and the next
+synchronised backward reduces the sum.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.comm.shard import allgather as _native_allgather
+from dtrain.comm.shard import allgather_over, reduce_scatter_over, segment
+from dtrain.comm.shard import reduce_scatter as _native_reduce_scatter
+from dtrain.data_parallel._model_sync import broadcast_tensors, check_same_everywhere, describe_module, wait_work
+from dtrain.data_parallel._stats import StepStats
+from dtrain.data_parallel.config import OVERLAPS, SHARD_ALGORITHMS, SHARDS
+from dtrain.errors import ConfigError, DTrainError
+from dtrain.sharded._streams import Job, Stream
+from dtrain.sharded._units import Unit, plan_units
+
+__all__ = ["ShardedDataParallel"]
+
+
+def _queue_callback(fn: Any) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+class ShardedDataParallel(nn.Module):
+    """Data parallelism with ZeRO sharding of optimizer state, gradients and parameters.
+
+    Args:
+        module: the model (every rank builds the same one).
+        shard: ``"optimizer"`` (stage 1), ``"gradients"`` (stage 2) or ``"parameters"`` (stage 3)
+            (default: "gradients").
+        algorithm: ``"ring"`` (dtrain's reduce-scatter and allgather, bytes counted) or ``"native"``
+            (the backend's ``reduce_scatter_tensor`` / ``all_gather_into_tensor``) (default: "ring").
+        overlap: stages 1-2: ``"backward"`` gathers every unit before the forward starts,
+            ``"forward"`` lets each unit's forward wait only for its own gather (default: "backward").
+            Stage 3 always gathers unit by unit with prefetch.
+        units: qualified names of the submodules that are units (default: the top-level
+            children holding parameters, e.g. ``embed``, ``block0``.. of ``gpt``).
+        group: the data-parallel process group (default: the default group).
+        timeout_s: seconds any wait may block before CommTimeoutError naming rank, operation
+            and step (default: 300).
+        broadcast_buffers: copy rank 0's buffers before each forward, as DDP (default: True).
+
+    Raises:
+        ConfigError: a bad option, a unit that does not exist, a model that differs between
+            ranks (named), or ranks passing different options.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        shard: str = "gradients",
+        algorithm: str = "ring",
+        overlap: str = "backward",
+        units: Sequence[str] | None = None,
+        group: Any = None,
+        timeout_s: float = 300.0,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"ShardedDataParallel wraps a torch.nn.Module, got {type(module).__name__}")
+        if shard not in SHARDS[1:]:
+            raise ConfigError(f"shard {shard!r} is not a ZeRO level; choose one of {', '.join(SHARDS[1:])} "
+                              "(or use DataParallel for none)")
+        if algorithm not in SHARD_ALGORITHMS:
+            raise ConfigError(f"algorithm {algorithm!r} has no sharded form; choose one of "
+                              f"{', '.join(SHARD_ALGORITHMS)}")
+        if overlap not in OVERLAPS:
+            raise ConfigError(f"overlap {overlap!r}; choose one of {', '.join(OVERLAPS)}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.module = module
+        self.shard, self.stage = shard, SHARDS.index(shard)
+        self.algorithm, self.overlap, self.timeout_s = algorithm, overlap, float(timeout_s)
+        self.broadcast_buffers = broadcast_buffers
+        if group is not None and not dist.is_initialized():
+            raise ConfigError("a process group was given but torch.distributed is not initialized; call dtrain.init()")
+        init = dist.is_initialized()
+        self._group = group
+        self._world = dist.get_world_size(group) if init else 1
+        self._rank = dist.get_rank() if init else 0
+        self._grank = dist.get_rank(group) if init else 0
+        if init and self._grank < 0:
+            raise ConfigError(f"rank {self._rank} is not a member of the group it passed to ShardedDataParallel")
+        self._ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if init else [0]
+        self._buffer_list = [b for _, b in module.named_buffers()]
+        self._units = plan_units(module, units, self._world)
+        if self._world > 1:
+            self._agree_at_wrap(units)
+        self._rs = Stream(self._ranks, self.timeout_s, self._rank, "dtrain-zero-rs")
+        self._ag = Stream(self._ranks, self.timeout_s, self._rank, "dtrain-zero-ag")
+        self._ctl = Stream(self._ranks, self.timeout_s, self._rank, "dtrain-zero-ctl").group
+        with torch.no_grad():
+            for u in self._units:
+                self._flatten(u)
+        self._shards = [u.shard for u in self._units]
+        # step state
+        self.step = 0
+        self.require_sync = True
+        self._fwd_sync: bool | None = None
+        self._bw_started = False
+        self._bw_sync = True
+        self._next = 0
+        self._order = list(reversed(self._units))  # reduce-scatter launch order, the same on every rank
+        self._rs_jobs: list[Job] = []
+        self._dirty = False  # stages 1-2: shards stepped since the last gather
+        self._summoned = False  # stage 3: every unit held gathered (evaluation, state dicts)
+        self._stats = StepStats(step=0)
+        self.last_stats = StepStats()
+        self._t_fwd: float | None = None
+        self._peak_gathered = 0
+        self.closed = False
+        self._hooks: list[Any] = []
+        for u in self._units:
+            for j, p in enumerate(u.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(u, j)))
+            if self.stage == 3 or overlap == "forward":
+                self._hooks.append(u.module.register_forward_pre_hook(self._pre_forward_hook(u)))
+            if self.stage == 3:
+                self._hooks.append(u.module.register_forward_hook(self._post_forward_hook(u)))
+
+    # ------------------------------------------------------------------ set-up
+
+    def _agree_at_wrap(self, units: Sequence[str] | None) -> None:
+        params = [p for u in self._units for p in u.params]
+        devs = {p.device.type for p in params}
+        backend = str(dist.get_backend(self._group)).lower()
+        if backend == "gloo" and devs != {"cpu"}:
+            raise ConfigError(f"a gloo group reduces CPU tensors; the module has parameters on {sorted(devs)}")
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        opts = f"shard={self.shard!r}, algorithm={self.algorithm!r}, overlap={self.overlap!r}, units={units!r}"
+        check_same_everywhere(describe_module(self.module), opts, group=self._group, device=device,
+                              ranks=self._ranks, timeout_s=self.timeout_s)  # fmt: skip
+        broadcast_tensors([*[p.detach() for p in self.module.parameters()], *self._buffer_list], src=self._ranks[0],
+                          group=self._group, rank=self._rank, cap_bytes=25 << 20, timeout_s=self.timeout_s,
+                          op="ShardedDataParallel broadcast of rank 0's parameters")  # fmt: skip
+
+    def _flatten(self, u: Unit) -> None:
+        full = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
+        views = u.views(full)
+        for v, p in zip(views, u.params):
+            v.copy_(p.detach())
+            p.data = v
+        u.full = full
+        own = segment(full, self._grank, self._world)
+        if self.stage < 3:
+            u.shard = nn.Parameter(own)  # the same storage: the optimizer's step writes the gathered buffer
+        else:
+            u.shard = nn.Parameter(own.clone())
+            self._free(u)
+        if self.stage == 1:
+            u.gbuf = torch.zeros_like(full)
+            u.gviews = u.views(u.gbuf)
+
+    # ------------------------------------------------------------------ gather / free
+
+    def _free(self, u: Unit) -> None:
+        assert u.full is not None
+        u.full.untyped_storage().resize_(0)
+        u.gathered = False
+
+    def _gathered_bytes(self) -> int:
+        return sum(u.full.untyped_storage().nbytes() for u in self._units if u.full is not None)
+
+    def _gather(self, u: Unit) -> None:
+        """Queue ``u``'s allgather (stage 3: into freshly allocated storage) unless it is gathered or queued."""
+        if u.gathered or u.gjob is not None:
+            return
+        full = u.full
+        assert full is not None and u.shard is not None
+        if self.stage == 3:
+            st = full.untyped_storage()
+            if st.nbytes() == 0:
+                st.resize_(u.padded * full.element_size())
+            with torch.no_grad():
+                segment(full, self._grank, self._world).copy_(u.shard)
+            self._peak_gathered = max(self._peak_gathered, self._gathered_bytes())
+        u.gjob = self._ag.submit(f"allgather({self.algorithm}) of unit {u.name or '<root>'}", self.step,
+                                 lambda: self._allgather(full))  # fmt: skip
+
+    def _wait_gather(self, u: Unit) -> None:
+        job = u.gjob
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            job.wait()
+        finally:
+            u.gjob = None
+        self._stats.wait_s += time.perf_counter() - t0
+        self._stats.add_comm(job.t0, job.t1, job.nbytes)
+        u.gathered = True
+
+    def _allgather(self, flat: torch.Tensor) -> int:
+        if self.algorithm == "native":
+            _native_allgather(flat, group=self._ag.group, algorithm="native", timeout=self.timeout_s)
+            return (self._world - 1) * flat.numel() // self._world * flat.element_size()
+        from dtrain.comm.allreduce import get_transport
+
+        t = get_transport(self._ag.group, self.timeout_s)
+        before = t.stats.bytes_sent
+        allgather_over(t, flat)
+        return int(t.stats.bytes_sent - before)
+
+    def _reduce_scatter(self, u: Unit, gbuf: torch.Tensor) -> int:
+        if self.algorithm == "native":
+            _native_reduce_scatter(gbuf, op="avg", group=self._rs.group, algorithm="native", timeout=self.timeout_s)
+            nbytes = (self._world - 1) * gbuf.numel() // self._world * gbuf.element_size()
+        else:
+            from dtrain.comm.allreduce import get_transport
+
+            t = get_transport(self._rs.group, self.timeout_s)
+            before = t.stats.bytes_sent
+            reduce_scatter_over(t, gbuf, "avg")
+            nbytes = int(t.stats.bytes_sent - before)
+        if self.stage > 1:  # keep only the reduced segment; the unsharded buffer goes now
+            u.reduced = segment(gbuf, self._grank, self._world).clone()
+            u.gbuf, u.gviews = None, []
+        return nbytes
+
+    def _ensure_gathered(self) -> None:
+        """Stages 1-2: allgather the shards stepped since the last gather, and wait."""
+        if self._dirty:
+            self._dirty = False
+            for u in self._units:
+                u.gathered = False
+                self._gather(u)
+        for u in self._units:
+            self._wait_gather(u)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.closed:
+            raise DTrainError("this ShardedDataParallel was closed; wrap the module again")
+        self._fwd_sync = self.require_sync
+        self._t_fwd = time.perf_counter()
+        self._wait_at_fwd = self._stats.wait_s
+        if self._summoned:
+            self._release()
+        if self.stage < 3:
+            if self._dirty:
+                self._dirty = False
+                for u in self._units:
+                    u.gathered = False
+                    self._gather(u)
+            if self.overlap == "backward":
+                for u in self._units:
+                    self._wait_gather(u)
+        if self.broadcast_buffers and self._buffer_list and self._world > 1:
+            broadcast_tensors(self._buffer_list, src=self._ranks[0], group=self._ctl, rank=self._rank,
+                              cap_bytes=25 << 20, timeout_s=self.timeout_s,
+                              op=f"ShardedDataParallel broadcast of buffers at step {self.step}")  # fmt: skip
+        return self.module(*args, **kwargs)
+
+    def _pre_forward_hook(self, u: Unit) -> Any:
+        def hook(module: nn.Module, inputs: Any) -> None:
+            if self._summoned:
+                return
+            if self.stage == 3:
+                for v in (u, self._neighbour(u, +1)):
+                    if v is not None:
+                        self._gather(v)
+            self._wait_gather(u)
+
+        return hook
+
+    def _post_forward_hook(self, u: Unit) -> Any:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if self._summoned:
+                return
+            if torch.is_grad_enabled():
+                u.bw_prepared = False
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(self._pre_backward_hook(u))
+                if u.name == "":  # the root unit serves the whole forward and backward: freed at backward's end
+                    return
+            self._free(u)
+
+        return hook
+
+    def _neighbour(self, u: Unit, d: int) -> Unit | None:
+        i = u.index + d
+        return self._units[i] if 0 <= i < len(self._units) else None
+
+    # ------------------------------------------------------------------ backward
+
+    def _pre_backward_hook(self, u: Unit) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if not self._bw_started:
+                self._start_backward()
+            if u.bw_prepared:
+                return
+            u.bw_prepared = True
+            for v in (u, self._neighbour(u, -1)):
+                if v is not None:
+                    self._gather(v)
+            self._wait_gather(u)
+
+        return hook
+
+    def _start_backward(self) -> None:
+        self._bw_started = True
+        self._bw_sync = self.require_sync if self._fwd_sync is None else self._fwd_sync
+        _queue_callback(self._on_backward_end)
+
+    def _grad_hook(self, u: Unit, j: int) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            if not self._bw_started:
+                self._start_backward()
+            if u.gbuf is None:
+                u.gbuf = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
+                u.gviews = u.views(u.gbuf)
+            elif u.fresh and self.stage == 1:
+                self._open_window(u)
+            u.fresh = False
+            u.gviews[j].add_(p.grad)  # type: ignore[arg-type]
+            p.grad = None
+            u.arrived += 1
+            if u.arrived == len(u.params):
+                self._unit_done(u)
+
+        return hook
+
+    def _open_window(self, u: Unit) -> None:
+        """Stage 1: a new accumulation window in the kept buffer; a shard gradient the user kept is stashed."""
+        assert u.gbuf is not None and u.shard is not None
+        own = segment(u.gbuf, self._grank, self._world)
+        if u.shard.grad is not None and u.shard.grad.data_ptr() == own.data_ptr():
+            u.stash = own.clone()
+        u.gbuf.zero_()
+
+    def _unit_done(self, u: Unit) -> None:
+        if self.stage == 3 and u.name != "" and not self._summoned:
+            self._free(u)
+        if not self._bw_sync:
+            return
+        u.ready = True
+        order = self._order
+        while self._next < len(order) and order[self._next].ready:
+            self._launch(order[self._next])
+            self._next += 1
+
+    def _launch(self, v: Unit) -> None:
+        gbuf = v.gbuf
+        assert gbuf is not None
+        self._rs_jobs.append(self._rs.submit(
+            f"reduce_scatter({self.algorithm}) of unit {v.name or '<root>'}", self.step,
+            lambda: self._reduce_scatter(v, gbuf)))  # fmt: skip
+
+    def _on_backward_end(self) -> None:
+        self._bw_started = False
+        st = self._stats
+        if self._t_fwd is not None:
+            st.compute_s += time.perf_counter() - self._t_fwd - (st.wait_s - self._wait_at_fwd)
+            self._t_fwd = None
+        self._fwd_sync = None
+        if self.stage == 3 and not self._summoned:
+            for u in self._units:
+                if u.gathered or u.gjob is not None:
+                    self._wait_gather(u)
+                    self._free(u)
+        for u in self._units:
+            u.arrived = 0
+        if not self._bw_sync:
+            return
+        # parameters that got no gradient count as zero gradients (as FSDP): launch what is left, in order
+        for u in self._order[self._next:]:
+            if u.gbuf is None:
+                u.gbuf = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
+                u.gviews = u.views(u.gbuf)
+            elif u.fresh and self.stage == 1:
+                self._open_window(u)
+            u.ready = True
+        while self._next < len(self._order):
+            self._launch(self._order[self._next])
+            self._next += 1
+        jobs, self._rs_jobs = self._rs_jobs, []
+        t0 = time.perf_counter()
+        for job in jobs:
+            job.wait()
+            st.add_comm(job.t0, job.t1, job.nbytes)
+        st.wait_s += time.perf_counter() - t0
+        self._next = 0
+        for u in self._units:
+            self._hand_over(u)
+            u.ready, u.fresh = False, True
+        self._dirty = True
+        self.step += 1
+        self.last_stats = st.close()
+        self._stats = StepStats(step=self.step)
+
+    def _hand_over(self, u: Unit) -> None:
+        """The reduced segment becomes the shard's ``.grad``, or is added to the one the user kept."""
+        shard = u.shard
+        assert shard is not None
+        if self.stage == 1:
+            assert u.gbuf is not None
+            own = segment(u.gbuf, self._grank, self._world)
+            if u.stash is not None:
+                own.add_(u.stash)
+                u.stash = None
+            if shard.grad is None:
+                shard.grad = own
+            elif shard.grad.data_ptr() != own.data_ptr():
+                shard.grad.add_(own)
+            return
+        red, u.reduced = u.reduced, None
+        assert red is not None
+        if shard.grad is None:
+            shard.grad = red
+        else:
+            shard.grad.add_(red)
+
+    # ------------------------------------------------------------------ the user's API
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """This rank's shards, one flat parameter per unit: build the optimizer over these."""
+        for p in self._shards:
+            assert p is not None
+            yield p
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        for u in self._units:
+            assert u.shard is not None
+            yield f"{prefix}{u.name or '<root>'}.flat_shard", u.shard
+
+    @property
+    def units(self) -> list[Unit]:
+        return self._units
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate unsharded gradients locally; the next backward outside the context reduces the sum."""
+        old = self.require_sync
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = old
+
+    def synchronize(self) -> None:
+        """Make ``self.module`` whole on this rank: stages 1-2 gather the stepped shards; stage 3 gathers
+        every unit and keeps them until the next forward (as FSDP's ``summon_full_params``). A collective."""
+        if self.stage < 3:
+            self._ensure_gathered()
+            return
+        if not self._summoned:
+            for u in self._units:
+                self._gather(u)
+            for u in self._units:
+                self._wait_gather(u)
+            self._peak_gathered = max(self._peak_gathered, self._gathered_bytes())
+            self._summoned = True
+
+    def _release(self) -> None:
+        self._summoned = False
+        for u in self._units:
+            self._free(u)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the shards' gradients so that the global norm (over every rank's shard) is at most ``max_norm``.
+
+        The same rule as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: one scalar
+        allreduce of the local sums of squares (or maxima, for ``norm_type=inf``). Returns the
+        total norm. A collective: every rank calls it.
+        """
+        grads = [p.grad for p in self._shards if p is not None and p.grad is not None]
+        inf = math.isinf(norm_type)
+        if inf:
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
+        else:
+            local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        total = local.double().reshape(1)
+        if self._world > 1:
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            wait_work(dist.all_reduce(total, op=op, group=self._ctl, async_op=True), self.timeout_s, self._rank,
+                      "ShardedDataParallel clip_grad_norm_ allreduce", self.step)  # fmt: skip
+        norm = total[0] if inf else total[0].pow(1.0 / norm_type)
+        norm32 = norm.float()
+        coef = torch.clamp(max_norm / (norm32 + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return norm32
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unwrapped model's state dict with every parameter whole, on every rank (a collective)."""
+        from dtrain.sharded.state import full_state_dict
+
+        return full_state_dict(self)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load an unsharded state dict (the same on every rank); each rank keeps its segments."""
+        from dtrain.sharded.state import load_full_state_dict
+
+        load_full_state_dict(self, state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state as an unsharded run over ``module.parameters()`` would hold it (a collective)."""
+        from dtrain.sharded.state import full_optimizer_state_dict
+
+        return full_optimizer_state_dict(self, optimizer)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """``module.``-prefixed :meth:`full_state_dict`, as DataParallel's (a collective)."""
+        return {f"module.{k}": v for k, v in self.full_state_dict().items()}
+
+    def step_stats(self) -> dict[str, Any]:
+        """Figures of the last synchronised step: compute_s, comm_s, wait_s, bytes_sent, buckets (collectives)."""
+        return self.last_stats.as_dict()
+
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds now, by kind, counting each storage once.
+
+        ``params`` (gathered flat buffers and shards), ``grads`` (flat gradient buffers and shard
+        gradients), ``optimizer`` (the state of ``optimizer``), ``gathered_peak`` (stage 3: the most
+        unit bytes held gathered at once so far).
+        """
+        seen: set[int] = set()
+
+        def size(ts: Any) -> int:
+            n = 0
+            for t in ts:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                st = t.untyped_storage()
+                if st.data_ptr() in seen or st.nbytes() == 0:
+                    continue
+                seen.add(st.data_ptr())
+                n += st.nbytes()
+            return n
+
+        params = size([*(u.full for u in self._units), *self._shards])
+        grads = size([*(u.gbuf for u in self._units), *(p.grad for p in self._shards if p is not None)])
+        opt = 0
+        if optimizer is not None:
+            opt = size([v for s in optimizer.state.values() for v in s.values()])
+        return {"params": params, "grads": grads, "optimizer": opt, "gathered_peak": self._peak_gathered}
+
+    def close(self) -> None:
+        """Remove the hooks and free the private groups (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        for h in self._hooks:
+            h.remove()
+        self._rs.close()
+        self._ag.close()
+        if self._ctl is not None:
+            try:
+                dist.destroy_process_group(self._ctl)
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+
+    def __repr__(self) -> str:
+        return (f"ShardedDataParallel(shard={self.shard!r}, algorithm={self.algorithm!r}, world={self._world}, "
+                f"units={len(self._units)}, module={self.module!r})")
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []

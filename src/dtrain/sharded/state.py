@@ -1,0 +1,218 @@
+"""State of a sharded model and its optimizer: whole (by the unwrapped model's names) or per rank (for DCP).
+
+* :func:`full_state_dict` / :func:`load_full_state_dict` -- the unsharded model state dict, under
+  the names and shapes of the unwrapped model; loading one splits it again.
+* :func:`full_optimizer_state_dict` -- what ``optimizer.state_dict()`` of an unsharded run over
+  ``model.parameters()`` would hold: per-parameter state tensors gathered and cut back into the
+  parameters' shapes, parameters numbered in the model's order.
+* :func:`sharded_state` / :func:`load_sharded_state` -- for a distributed checkpoint: each unit's
+  flat parameters and each optimizer-state tensor as a DTensor of the unit's ``L`` real elements,
+  ``Shard(0)`` over the data-parallel ranks. A unit's segments are ``ceil(L / P)`` elements, the
+  chunks that ``Shard(0)`` gives, so every rank writes only its own segment, and a checkpoint
+  loads onto any number of ranks: DCP reshards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dtrain.comm.shard import segment
+from dtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtrain.sharded._units import Unit
+    from dtrain.sharded.engine import ShardedDataParallel
+
+__all__ = [
+    "full_state_dict",
+    "load_full_state_dict",
+    "full_optimizer_state_dict",
+    "sharded_state",
+    "load_sharded_state",
+    "init_optimizer_state",
+]
+
+
+def _flat_of(dp: ShardedDataParallel, u: Unit) -> torch.Tensor:
+    """``u``'s whole flat parameters (a gathered copy)."""
+    tmp = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
+    assert u.shard is not None
+    segment(tmp, dp._grank, dp._world).copy_(u.shard.detach())
+    dp._allgather(tmp)
+    return tmp
+
+
+def full_state_dict(dp: ShardedDataParallel) -> dict[str, torch.Tensor]:
+    """The unwrapped model's state dict, every parameter whole (a collective: every rank calls it)."""
+    with torch.no_grad():
+        whole: dict[str, torch.Tensor] = {}
+        for u in dp.units:
+            for name, v in zip(u.names, u.views(_flat_of(dp, u))):
+                whole[name] = v.clone()
+        out: dict[str, torch.Tensor] = {}
+        by_id = {id(p): n for u in dp.units for n, p in zip(u.names, u.params)}
+        for key, t in dp.module.state_dict(keep_vars=True).items():
+            pname = by_id.get(id(t))
+            out[key] = whole[pname] if pname is not None else t.detach().clone()
+        return out
+
+
+def load_full_state_dict(dp: ShardedDataParallel, state: dict[str, torch.Tensor]) -> None:
+    """Load an unsharded state dict (the same on every rank): each rank keeps its segments."""
+    by_id = {id(p): n for u in dp.units for n, p in zip(u.names, u.params)}
+    keys = dp.module.state_dict(keep_vars=True)
+    missing = [k for k in keys if k not in state]
+    extra = [k for k in state if k not in keys]
+    if missing or extra:
+        raise ConfigError(f"the state dict does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+    name_to_key = {by_id[id(t)]: k for k, t in keys.items() if id(t) in by_id}
+    with torch.no_grad():
+        for u in dp.units:
+            flat = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
+            for name, v in zip(u.names, u.views(flat)):
+                src = state[name_to_key[name]]
+                if tuple(src.shape) != tuple(v.shape):
+                    raise ConfigError(f"{name_to_key[name]!r} has shape {tuple(src.shape)} in the state dict, "
+                                      f"{tuple(v.shape)} in the model")
+                v.copy_(src)
+            assert u.shard is not None
+            u.shard.copy_(segment(flat, dp._grank, dp._world))
+            if dp.stage < 3:
+                assert u.full is not None
+                u.full.copy_(flat)
+        for key, t in keys.items():
+            if id(t) not in by_id:
+                t.copy_(state[key])
+
+
+def _shard_index(dp: ShardedDataParallel, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """Unit index -> the shard's position in the optimizer's state dict numbering."""
+    pos: dict[int, int] = {}
+    i = 0
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            pos[id(p)] = i
+            i += 1
+    out = {}
+    for u in dp.units:
+        if id(u.shard) not in pos:
+            raise ConfigError(f"the optimizer does not hold unit {u.name or '<root>'!r}'s shard: build it over "
+                              "dp.parameters()")
+        out[u.index] = pos[id(u.shard)]
+    return out
+
+
+def full_optimizer_state_dict(dp: ShardedDataParallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state an unsharded run would have (one param group), gathered (a collective)."""
+    if len(optimizer.param_groups) != 1:
+        raise ConfigError("full_optimizer_state_dict supports one param group over dp.parameters(); "
+                          f"this optimizer has {len(optimizer.param_groups)}")
+    osd = optimizer.state_dict()
+    idx = _shard_index(dp, optimizer)
+    order = [n for n, p in dp.module.named_parameters() if p.requires_grad]
+    number = {n: i for i, n in enumerate(order)}
+    state: dict[int, dict[str, Any]] = {}
+    for u in dp.units:
+        st = osd["state"].get(idx[u.index], {})
+        per: list[dict[str, Any]] = [{} for _ in u.names]
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == u.seg:
+                flat = torch.zeros(u.padded, dtype=v.dtype, device=v.device)
+                segment(flat, dp._grank, dp._world).copy_(v)
+                dp._allgather(flat)
+                for d, view in zip(per, u.views(flat)):
+                    d[k] = view.clone()
+            else:
+                for d in per:
+                    d[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        for name, d in zip(u.names, per):
+            if d:
+                state[number[name]] = d
+    group = {k: v for k, v in osd["param_groups"][0].items() if k != "params"}
+    group["params"] = list(range(len(order)))
+    return {"state": dict(sorted(state.items())), "param_groups": [group]}
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create an optimizer's lazily built state (a step with zero gradients and zero learning rate)."""
+    if optimizer.state:
+        return
+    kept = []
+    for g in optimizer.param_groups:
+        kept.append(g["lr"])
+        g["lr"] = 0.0
+        for p in g["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, kept):
+        g["lr"] = lr
+        for p in g["params"]:
+            p.grad = None
+
+
+def _mesh(dp: ShardedDataParallel) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device = "cuda" if dp.units[0].device().type == "cuda" else "cpu"
+    return DeviceMesh(device, torch.tensor(dp._ranks))
+
+
+def _dtensor(mesh: Any, u: Unit, local: torch.Tensor, rank: int) -> Any:
+    from torch.distributed.tensor import DTensor, Shard
+
+    a, b = u.own_range(rank)
+    return DTensor.from_local(local[: b - a], mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size((u.numel,)), stride=(1,))
+
+
+def sharded_state(dp: ShardedDataParallel, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """This rank's part of a checkpoint, as DTensors DCP can reshard: ``{"model": ..., "optim": ...}``."""
+    mesh = _mesh(dp)
+    model = {f"{u.name or '<root>'}.flat": _dtensor(mesh, u, u.shard.detach(), dp._grank)  # type: ignore[union-attr]
+             for u in dp.units}  # fmt: skip
+    out: dict[str, Any] = {"model": model}
+    if optimizer is not None:
+        init_optimizer_state(optimizer)
+        idx = _shard_index(dp, optimizer)
+        optim: dict[str, Any] = {}
+        for u in dp.units:
+            assert u.shard is not None
+            for k, v in optimizer.state[u.shard].items():
+                key = f"{u.name or '<root>'}.{k}"
+                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == u.seg:
+                    optim[key] = _dtensor(mesh, u, v, dp._grank)
+                else:
+                    optim[key] = v.clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+        del idx
+        out["optim"] = optim
+    return out
+
+
+def load_sharded_state(
+    dp: ShardedDataParallel, optimizer: torch.optim.Optimizer | None, loaded: dict[str, Any]
+) -> None:
+    """Copy what DCP loaded into :func:`sharded_state`'s DTensors back into the shards and optimizer state."""
+    with torch.no_grad():
+        for u in dp.units:
+            assert u.shard is not None
+            local = loaded["model"][f"{u.name or '<root>'}.flat"].to_local()
+            u.shard.zero_()
+            u.shard[: local.numel()].copy_(local)
+            if optimizer is None:
+                continue
+            for k, v in optimizer.state[u.shard].items():
+                got = loaded["optim"][f"{u.name or '<root>'}.{k}"]
+                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == u.seg:
+                    part = got.to_local()
+                    v.zero_()
+                    v[: part.numel()].copy_(part)
+                elif isinstance(v, torch.Tensor):
+                    v.copy_(got)
+                else:
+                    optimizer.state[u.shard][k] = type(v)(got.item())
+        if dp.stage < 3:
+            dp._dirty = True
+            dp._ensure_gathered()
