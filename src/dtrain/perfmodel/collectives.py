@@ -32,7 +32,7 @@ does two allreduces of its factors; quantizers a direct compressed reduce-scatte
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dtrain.comm import cost
 from dtrain.errors import ConfigError
@@ -45,6 +45,8 @@ __all__ = [
     "allreduce_time",
     "allreduce_bytes",
     "allgather_time",
+    "ring_reduce_scatter_time",
+    "ring_allgather_time",
     "CompressionModel",
     "compressed_allreduce_time",
     "compressed_allreduce_bytes",
@@ -231,6 +233,33 @@ def allgather_time(c: ClusterSpec, nbytes_each: float, p: int) -> float:
     link = c.intra if nodes == 1 else c.inter
     flows = d if nodes > 1 else 1  # every device of a node sends off-node at once
     return (p - 1) * (link.alpha + nbytes_each * link.duplex_beta * flows)
+
+
+def _halves(c: ClusterSpec, algorithm: str, nbytes: float, p: int) -> tuple[float, float]:
+    """(reduce-scatter, allgather) seconds of the two halves of a ring allreduce of ``nbytes``."""
+    if algorithm not in ("ring", "native"):
+        raise ConfigError(f"a reduce-scatter or allgather of its own runs on the ring (ring or native), "
+                          f"not {algorithm!r}")  # fmt: skip
+    full = allreduce_time(c, algorithm, nbytes, p)
+    moved = allreduce_time(replace(c, device=replace(c.device, gamma=0.0)), algorithm, nbytes, p)
+    return moved / 2 + (full - moved), moved / 2
+
+
+def ring_reduce_scatter_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int) -> float:
+    """Seconds for ``p`` ranks to reduce-scatter ``nbytes`` on the ring (``ring`` or ``native``).
+
+    The first half of the ring allreduce: ``(P-1)·alpha + (P-1)/P·n·beta + (P-1)/P·n·gamma``
+    (alpha per piece as dtrain's ring sends them, each level charged as
+    :func:`allreduce_time` charges it). With :func:`ring_allgather_time` it adds up
+    to :func:`allreduce_time` exactly.
+    """
+    return _halves(c, algorithm, nbytes, p)[0]
+
+
+def ring_allgather_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int) -> float:
+    """Seconds for ``p`` ranks to allgather ``nbytes`` (``n/P`` each) on the ring: the second half of the ring
+    allreduce, ``(P-1)·alpha + (P-1)/P·n·beta`` (nothing to reduce)."""
+    return _halves(c, algorithm, nbytes, p)[1]
 
 
 # ---------------------------------------------------------------------- compression

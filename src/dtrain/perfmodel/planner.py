@@ -2,8 +2,8 @@
 
 :func:`plan` profiles the model at every per-worker batch the candidates need,
 predicts every candidate on the cluster (:func:`~dtrain.perfmodel.predict.predict`),
-drops those that do not fit a device's memory or have more workers than the global
-batch has samples (listed as rejected, with the reason) and ranks the rest by samples
+drops those that do not fit a device's memory (the cluster's, or ``memory_limit``) or have
+more workers than the global batch has samples (listed as rejected, with the reason) and ranks the rest by samples
 per second. A batch that does not divide over the workers is predicted as a run trains
 it: ``batch // workers`` per worker (:func:`dtrain._batch.split_batch`).
 Candidates, for ``W`` devices:
@@ -11,7 +11,8 @@ Candidates, for ``W`` devices:
 * one process (the baseline every distributed strategy must beat);
 * data parallel on ``W`` workers with each allreduce algorithm (hierarchical only
   on a cluster with several devices per node), bucket sizes, priority overlap,
-  and each compressor of ``compressions``; torch DDP (the peer);
+  and each compressor of ``compressions``; ZeRO stages 1-3 (``--shard``, ring, the largest
+  bucket), which trade communication for memory; torch DDP (the peer);
 * the parameter server with ``S`` servers and ``W - S`` workers, each consistency
   policy of ``consistencies``;
 * with ``averaging=True``: local SGD, EASGD and gossip (model averaging);
@@ -35,7 +36,7 @@ from torch import nn
 
 from dtrain._batch import split_batch
 from dtrain.errors import ConfigError
-from dtrain.perfmodel._units import format_bytes
+from dtrain.perfmodel._units import format_bytes, parse_bytes
 from dtrain.perfmodel.collectives import ALGORITHMS, CompressionModel
 from dtrain.perfmodel.compression import compression_model
 from dtrain.perfmodel.predict import Prediction, predict
@@ -43,11 +44,28 @@ from dtrain.perfmodel.profile import ModelProfile, profile_model
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
 from dtrain.strategies.base import Choice, PlanSpace, registered
 
-__all__ = ["Plan", "candidates", "plan", "DEFAULT_COMPRESSIONS", "DEFAULT_CONSISTENCIES", "DEFAULT_BUCKETS"]
+__all__ = ["Plan", "candidates", "plan", "parse_memory_limit", "DEFAULT_COMPRESSIONS", "DEFAULT_CONSISTENCIES",
+           "DEFAULT_BUCKETS"]
 
 DEFAULT_COMPRESSIONS = ("fp16", "powersgd:2", "qsgd", "onebit", "topk:0.01")
 DEFAULT_CONSISTENCIES = ("bsp", "asp", "ssp:3")
 DEFAULT_BUCKETS = (25.0, 1.0)
+
+
+def parse_memory_limit(value: str | float | int) -> float:
+    """A per-device memory limit ("2GB", "512MB", "1.5GiB", or bytes) -> bytes (> 0).
+
+    Raises:
+        ConfigError: naming the value when it is unreadable or not positive.
+    """
+    try:
+        n = parse_bytes(value)
+    except ConfigError:
+        raise ConfigError(f"cannot read the memory limit {value!r}; write it like 2GB, 512MB, 1.5GiB "
+                          "or a number of bytes") from None  # fmt: skip
+    if not (math.isfinite(n) and n > 0):
+        raise ConfigError(f"the memory limit must be a positive size, got {value!r}")
+    return n
 
 
 @dataclass
@@ -60,6 +78,7 @@ class Plan:
         ranked: predictions of the strategies that fit, fastest first.
         rejected: (strategy, reason) of those that do not.
         profiles: per-worker batch -> the model profile used.
+        memory_limit: the per-device memory planned for when it was given (it replaced the cluster's).
     """
 
     cluster: ClusterSpec
@@ -67,6 +86,7 @@ class Plan:
     ranked: list[Prediction]
     rejected: list[tuple[Choice, str]] = field(default_factory=list)
     profiles: dict[int, ModelProfile] = field(default_factory=dict)
+    memory_limit: float | None = None
 
     @property
     def best(self) -> Prediction:
@@ -79,7 +99,8 @@ class Plan:
 
     def table(self, top: int | None = None) -> str:
         """The ranked table (and the rejected strategies) as text."""
-        rows = [f"plan for {self.cluster.describe()}; global batch {self.batch}",
+        limit = f"; memory limit {format_bytes(self.memory_limit)}" if self.memory_limit is not None else ""
+        rows = [f"plan for {self.cluster.describe()}; global batch {self.batch}{limit}",
                 f"{'#':>3}  {'strategy':<34}{'step ms':>9}{'samples/s':>11}{'mem/dev':>10}{'sent/step':>11}  why"]
         for i, p in enumerate(self.ranked[:top] if top else self.ranked, 1):
             rows.append(f"{i:>3}  {p.strategy.label():<34}{p.step_s * 1e3:>9.3g}{p.samples_per_s:>11.4g}"
@@ -155,6 +176,7 @@ def plan(
     measure: bool = True,
     averaging: bool = False,
     pipeline: bool = False,
+    memory_limit: str | float | None = None,
 ) -> Plan:
     """Rank the strategies for training ``model`` on ``cluster``.
 
@@ -175,29 +197,37 @@ def plan(
         averaging: also rank the model-averaging strategies (local SGD, EASGD, gossip), which
             change the optimisation itself: their steps are cheaper, not their progress per step.
         pipeline: also rank pipelines (gpipe, 1f1b, interleaved; 2bw unless ``exact_only``).
+        memory_limit: bytes per device ("2GB", "1.5GiB", a number) instead of the cluster's
+            device memory: choices predicted to need more are rejected, so under a tight
+            limit a ZeRO stage (``dp --shard``) comes first.
 
     Returns:
         A :class:`Plan`; ``print(plan)`` shows the table.
     """
     spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
+    limit = parse_memory_limit(memory_limit) if memory_limit is not None else None
+    if limit is not None:
+        spec = replace(spec, device=replace(spec.device, memory=limit))
     gbatch = batch or _global_batch(sample_batch)
     name = name or type(model).__name__.lower()
     cands = list(strategies) if strategies is not None else candidates(
         spec, workers, compressions=compressions, consistencies=consistencies, exact_only=exact_only,
         averaging=averaging, pipeline=pipeline)  # fmt: skip
-    ranker = _Ranker(model, sample_batch, spec, name, optimizer, measure)
+    ranker = _Ranker(model, sample_batch, spec, name, optimizer, measure, limited=limit is not None)
     for s in cands:
         ranker.add(s, gbatch)
     ranker.ranked.sort(key=lambda p: -p.samples_per_s)
-    return Plan(cluster=spec, batch=gbatch, ranked=ranker.ranked, rejected=ranker.rejected, profiles=ranker.profiles)
+    return Plan(cluster=spec, batch=gbatch, ranked=ranker.ranked, rejected=ranker.rejected, profiles=ranker.profiles,
+                memory_limit=limit)
 
 
 class _Ranker:
     """Predicts candidates one by one, profiling the model once per per-worker batch."""
 
     def __init__(self, model: nn.Module, sample: Any, spec: ClusterSpec, name: str, optimizer: str,
-                 measure: bool) -> None:  # fmt: skip
+                 measure: bool, limited: bool = False) -> None:  # fmt: skip
         self.model, self.sample, self.spec, self.name = model, sample, spec, name
+        self.has = "over the memory limit of" if limited else "has"
         self.optimizer, self.measure = optimizer, measure
         self.profiles: dict[int, ModelProfile] = {}
         self.comps: dict[str, CompressionModel] = {}
@@ -229,7 +259,8 @@ class _Ranker:
                        comp, overhead_s=spec.device.overhead)  # fmt: skip
         if not pred.fits:
             if math.isfinite(pred.memory.total):
-                why = f"needs {format_bytes(pred.memory.total)} per device, has {format_bytes(spec.device.memory)}"
+                need, has = format_bytes(pred.memory.total), format_bytes(spec.device.memory)
+                why = f"needs {need} per device, {self.has} {has}"
             else:  # a choice the model cannot run at all (a pipeline of more stages than layers): the hook says why
                 why = pred.why
             self.rejected.append((s, why))

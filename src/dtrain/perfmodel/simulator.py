@@ -16,6 +16,9 @@ Synchronous data parallel (``dp``/``ddp``), per step ``k``:
 3. worker ``i`` finishes at ``max(s_i + m_ik (fwd + bwd), end_last) + m_ik opt``
    and starts the next step there.
 
+With priority overlap (``overlap="forward"``) and ZeRO (``--shard``) a step is the
+closed form's period with its compute stretched by the step's slowest worker.
+
 Parameter server (the ``S`` servers act as one, each holding ``1/S`` of every
 push, pull and apply; costs from :func:`~dtrain.perfmodel.predict.ps_costs`):
 
@@ -222,15 +225,16 @@ def simulate_sync(
         comm, coding = bucket_collective(c, algorithm, nbytes, n, comp)
         wake = bucket_latency(c, s, comp, j)
         buckets.append((float(ready[first_layer]), comm + wake + coding + 2 * nbytes * c.device.gamma))
-    if o.overlap == "forward" and n > 1:
-        # priority scheduling: the closed form's period, compute stretched by the step's slowest worker
+    if (o.overlap == "forward" or getattr(o, "shard", "none") != "none") and n > 1:
+        # priority scheduling and ZeRO: the closed form's period, compute stretched by the step's slowest worker
         base = predict(prof, c, s, comp if comp.kind != "dense" else None, overhead_s=overhead)
-        comm_part = base.step_s - (f + b_total + opt + overhead)
+        work = base.compute_s  # f + b + opt (ZeRO: the optimizer of a 1/P shard)
+        comm_part = base.step_s - (work + overhead)
         t_total = busy = 0.0
         for _ in range(steps):
             m = strag.sample(rng, n)
-            t_total += float(m.max()) * (f + b_total + opt) + comm_part + overhead
-            busy += float(np.mean(m)) * (f + b_total + opt)
+            t_total += float(m.max()) * work + comm_part + overhead
+            busy += float(np.mean(m)) * work
         return _sync_result(s, prof, n, steps, t_total, busy, alone)
     start = np.zeros(n)
     busy = 0.0

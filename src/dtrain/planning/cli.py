@@ -5,6 +5,7 @@ Examples::
     dtrain plan --model cnn --batch 64 --cluster cluster.toml
     dtrain plan --model cnn --emulated emu            # an emulated cluster's calibration
     dtrain plan --model cnn                           # this machine (quick calibration, cached)
+    dtrain plan --model gpt-small --memory-limit 2GB  # devices of 2 GB: ZeRO (dp --shard) where dp does not fit
     dtrain plan --simulate --workers 8,16,32,64,128 --model my_models.py:vgg16 \\
         --cluster benchmarks/clusters/horovod_tcp.toml --device-batch 64 \\
         --strategies dp:ring,ps:asp:1/8 --stragglers lognormal:0.1 --png scaling.png
@@ -23,7 +24,7 @@ from dataclasses import replace
 
 from dtrain._cli import run_command
 from dtrain.errors import ConfigError
-from dtrain.perfmodel.planner import DEFAULT_COMPRESSIONS
+from dtrain.perfmodel.planner import DEFAULT_COMPRESSIONS, parse_memory_limit
 from dtrain.perfmodel.profile import profile_model
 from dtrain.perfmodel.simulator import SimResult, Stragglers, simulate
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
@@ -155,6 +156,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="also rank pipelines (gpipe, 1f1b, interleaved, 2bw) of one stage per device")
     ap.add_argument("--compressions", default=",".join(DEFAULT_COMPRESSIONS), help="compressors to try")
     ap.add_argument("--no-measure", action="store_true", help="do not time the model here (FLOPs only)")
+    ap.add_argument("--memory-limit", default="", help="memory per device to plan for (2GB, 512MB, 1.5GiB or bytes; "
+                    "default: the cluster's): strategies that need more are rejected")
     sim = ap.add_argument_group("simulation")
     sim.add_argument("--simulate", action="store_true", help="replay the strategies for each worker count")
     sim.add_argument("--strategies", default="dp:ring", help="comma list: dp:ALG[:MB], ddp, ps:POLICY:SERVERS[+COMP]")
@@ -170,13 +173,14 @@ def _plan(ns: argparse.Namespace) -> int:
         if not ns.workers:
             raise ConfigError("--simulate needs --workers, e.g. 8,16,32,64")
         return _simulate(ns)
+    limit = parse_memory_limit(ns.memory_limit) if ns.memory_limit else None  # before anything is loaded
     spec = _cluster(ns)
     workers = int(ns.workers) if ns.workers else None
     model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len)
     comps = tuple(c for c in ns.compressions.split(",") if c)
     p = plan(model, sample, spec, batch=ns.batch, workers=workers, name=name, compressions=comps,
              exact_only=ns.exact, measure=not ns.no_measure, averaging=ns.averaging,
-             pipeline=ns.pipeline)  # fmt: skip
+             pipeline=ns.pipeline, memory_limit=limit)  # fmt: skip
     print(p.table(top=ns.top or None))
     return 0
 

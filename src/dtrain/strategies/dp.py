@@ -27,6 +27,8 @@ from dtrain.perfmodel.predict import (
     buckets_of,
     data_parallel_memory,
     predict_data_parallel,
+    predict_sharded,
+    sharded_memory,
 )
 from dtrain.perfmodel.simulator import simulate_sync
 from dtrain.strategies._common import CompressedOptions, choose
@@ -280,12 +282,21 @@ def _dp_options(s: Choice) -> DPOptions | DDPOptions:
     return s.options
 
 
+def _zero_stage(o: DPOptions | DDPOptions) -> int:
+    """0 (plain data parallel) to 3 (parameters sharded): the ZeRO stage of ``--shard``."""
+    return SHARDS.index(o.shard) if isinstance(o, DPOptions) else 0
+
+
 def _predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel, inputs: StepInputs) -> Prediction:
-    return predict_data_parallel(prof, c, s, _dp_options(s), comp, inputs)
+    o = _dp_options(s)
+    if _zero_stage(o):
+        return predict_sharded(prof, c, s, o, _zero_stage(o), inputs)
+    return predict_data_parallel(prof, c, s, o, comp, inputs)
 
 
 def _memory(prof: ModelProfile, s: Choice, comp: CompressionModel | None) -> Memory:
-    return data_parallel_memory(prof, comp)
+    stage = _zero_stage(_dp_options(s))
+    return sharded_memory(prof, stage, s.workers) if stage else data_parallel_memory(prof, comp)
 
 
 def _simulate(prof: ModelProfile, c: ClusterSpec, s: Choice, *args: Any) -> Any:
@@ -304,6 +315,8 @@ def _dp_candidates(space: PlanSpace) -> list[Choice]:
             continue
         out += [Choice("dp", w, DPOptions(algorithm=alg, bucket_mb=b)) for b in space.buckets]
     out.append(Choice("dp", w, DPOptions(bucket_mb=max(space.buckets), overlap="forward")))
+    # ZeRO stages 1-3: what fits when plain data parallelism's model states do not
+    out += [Choice("dp", w, DPOptions(bucket_mb=max(space.buckets), shard=shard)) for shard in SHARDS[1:]]
     if not space.exact_only:
         out += [Choice("dp", w, DPOptions(bucket_mb=max(space.buckets), compression=comp))
                 for comp in space.compressions]  # fmt: skip
