@@ -177,6 +177,9 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
     for r in results.values():  # strategy-specific extras (e.g. staleness) from any process
         for k, v in r.get("summary_extra", {}).items():
             s.setdefault(k, v)
+    memory = {str(r): res["memory"] for r, res in sorted(results.items()) if "memory" in res}
+    if memory:  # bytes held per rank by kind (a sharded engine's)
+        s["memory_per_rank"] = memory
     if s.get("samples_applied") is not None and train_s > 0:  # parameter server: work done vs work used
         s["computed_samples_per_s"] = s["samples_per_s"]
         s["applied_samples_per_s"] = s["samples_applied"] / train_s

@@ -188,6 +188,7 @@ def save_checkpoint(
     rank_state: Any = None,
     info: dict[str, Any] | None = None,
     group: Any = None,
+    sharded: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of ``step`` under ``root`` (e.g. ``RUN/checkpoints``); every rank of ``group`` calls it.
 
@@ -205,6 +206,10 @@ def save_checkpoint(
             loading); rank 0's is used.
         group: the ranks that save together (default: the default group; without
             torch.distributed, a world of one). A gloo group for CPU state.
+        sharded: a state dict whose DTensors each rank holds a part of (a sharded
+            engine's segments, :func:`dtrain.sharded.state.sharded_state`); each rank
+            writes its own part, and :func:`load_checkpoint` reshards it onto any
+            number of ranks (default: None).
 
     Returns:
         The complete checkpoint folder.
@@ -225,6 +230,8 @@ def save_checkpoint(
     state = _model_optimizer_state(model, optimizer)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
+    if sharded is not None:
+        state["sharded"] = sharded
     state["rank_state"] = {f"rank{rank}": _pack(rank_state)}
     try:
         with _single_process_quiet():
@@ -249,6 +256,8 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     group: Any = None,
+    sharded: dict[str, Any] | None = None,
+    reshard: bool = False,
 ) -> tuple[dict[str, Any], Any]:
     """Restore what :func:`save_checkpoint` wrote; every rank of ``group`` calls it.
 
@@ -260,6 +269,11 @@ def load_checkpoint(
         path: a checkpoint folder, or a run/``checkpoints`` folder (its latest
             complete checkpoint; see :func:`dtrain.checkpoint.find_checkpoint`).
         model / optimizer / scheduler: what to restore (None: skip).
+        sharded: :func:`save_checkpoint`'s ``sharded``, laid out for this job's ranks;
+            loaded in place (DCP reshards) (default: None).
+        reshard: the job may have another number of ranks than the checkpoint; each
+            rank then takes the per-rank blob of rank ``rank % saved ranks``
+            (default: False).
         group: as for :func:`save_checkpoint`; must have the checkpoint's size.
 
     Returns:
@@ -274,21 +288,25 @@ def load_checkpoint(
     ckpt = find_checkpoint(path)
     info = read_info(ckpt)
     rank, world, distributed = _ranks(group)
-    if int(info["world_size"]) != world:
+    saved_world = int(info["world_size"])
+    blob_rank = rank % saved_world if reshard else rank
+    if saved_world != world and not reshard:
         raise CheckpointError(
             f"{ckpt} was saved by {info['world_size']} processes; this job has {world}. Per-rank state (compressor "
             f"residuals, a worker's clock, a server's shard) belongs to one rank each: resume with the same numbers "
             f"of workers and servers"
         )
     has = set(info.get("has", ()))
-    for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
+    for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("sharded", sharded)):
         if obj is not None and has and name not in has:
             has_text = ", ".join(sorted(has)) or "per-rank state only"
             raise CheckpointError(f"{ckpt} holds no {name} state (it has: {has_text})")
     state = _model_optimizer_state(model, optimizer)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
-    state["rank_state"] = {f"rank{rank}": _rank_slots(ckpt, rank)}
+    if sharded is not None:
+        state["sharded"] = sharded
+    state["rank_state"] = {f"rank{blob_rank}": _rank_slots(ckpt, blob_rank)}
     try:
         with _single_process_quiet():
             dcp_load(state, checkpoint_id=ckpt, process_group=group, no_dist=not distributed)
@@ -301,7 +319,7 @@ def load_checkpoint(
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
-    return info, _unpack(state["rank_state"][f"rank{rank}"])
+    return info, _unpack(state["rank_state"][f"rank{blob_rank}"])
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -96,6 +96,10 @@ def check_resume(cfg: RunConfig) -> None:
     if not isinstance(saved, dict):
         raise CheckpointError(f"{ckpt} was not written by `dtrain run` (its marker has no run options)")
     mine = run_info(cfg)
+    reshard = cfg.opts.reshards()
+    if reshard:  # the segments are resharded onto this run's workers
+        saved = {k: v for k, v in saved.items() if k != "workers"}
+        mine = {k: v for k, v in mine.items() if k != "workers"}
     keys = sorted(set(saved) | set(mine), key=lambda k: list(mine).index(k) if k in mine else 99)
     diff = [k for k in keys if saved.get(k) != mine.get(k)]
     if diff:
@@ -106,7 +110,7 @@ def check_resume(cfg: RunConfig) -> None:
             f"cannot resume from {ckpt}: it was saved with {was}; this run has {now}. Resume with the "
             f"checkpoint's values ({fix}): compressor state, data order and optimizer state belong to them"
         )
-    if int(info["world_size"]) != cfg.num_processes:
+    if int(info["world_size"]) != cfg.num_processes and not reshard:
         raise CheckpointError(
             f"cannot resume from {ckpt}: it was saved by {info['world_size']} processes, this run starts "
             f"{cfg.num_processes}"
@@ -153,18 +157,20 @@ class RunCheckpointer:
         return self.every > 0 and step > 0 and step not in self._saved and (step % self.every == 0 or final)
 
     def save(self, step: int, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-             rank_state: dict[str, Any] | None = None, **facts: Any) -> Path:
-        """Collective: save the state after ``step`` steps (``facts`` go into the marker, e.g. epoch and batch)."""
+             rank_state: dict[str, Any] | None = None, sharded: dict[str, Any] | None = None,
+             **facts: Any) -> Path:
+        """Collective: save the state after ``step`` steps (``facts`` go into the marker, e.g. epoch and batch).
+        ``sharded``: DTensors each rank holds a part of (see :func:`~dtrain.checkpoint.save_checkpoint`)."""
         blob = dict(rank_state or {})
         blob["rng"] = rng_state()
         info = {"run": run_info(self.cfg), **facts}
         path = save_checkpoint(self.root, step, model=model, optimizer=optimizer, rank_state=blob, info=info,
-                               group=self.group)
+                               group=self.group, sharded=sharded)
         self._saved.add(step)
         return path
 
-    def restore(self, *, model: nn.Module | None = None,
-                optimizer: torch.optim.Optimizer | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def restore(self, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                sharded: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Collective: load ``--resume``'s checkpoint; returns ``(info, this rank's state)``.
 
         The optimizer keeps the hyperparameters it was built with (the run's
@@ -175,7 +181,8 @@ class RunCheckpointer:
         """
         assert self.resume_from is not None
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
-        info, blob = load_checkpoint(self.resume_from, model=model, optimizer=optimizer, group=self.group)
+        info, blob = load_checkpoint(self.resume_from, model=model, optimizer=optimizer, group=self.group,
+                                     sharded=sharded, reshard=self.cfg.opts.reshards())
         if optimizer is not None:
             for g, h in zip(optimizer.param_groups, hyper):
                 g.update(h)

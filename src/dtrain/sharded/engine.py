@@ -237,7 +237,7 @@ class ShardedDataParallel(nn.Module):
         u.gjob = self._ag.submit(f"allgather({self.algorithm}) of unit {u.name or '<root>'}", self.step,
                                  lambda: self._allgather(full))  # fmt: skip
 
-    def _wait_gather(self, u: Unit) -> None:
+    def _wait_gather(self, u: Unit, count: bool = True) -> None:
         job = u.gjob
         if job is None:
             return
@@ -246,9 +246,10 @@ class ShardedDataParallel(nn.Module):
             job.wait()
         finally:
             u.gjob = None
-        self._stats.wait_s += time.perf_counter() - t0
-        self._stats.add_comm(job.t0, job.t1, job.nbytes)
         u.gathered = True
+        if count:  # not an evaluation's gathers: those are not a training step's traffic
+            self._stats.wait_s += time.perf_counter() - t0
+            self._stats.add_comm(job.t0, job.t1, job.nbytes)
 
     def _allgather(self, flat: torch.Tensor) -> int:
         if self.algorithm == "native":
@@ -510,9 +511,8 @@ class ShardedDataParallel(nn.Module):
             for u in self._units:
                 self._gather(u)
             for u in self._units:
-                self._wait_gather(u)
-            self._peak_gathered = max(self._peak_gathered, self._gathered_bytes())
-            self._summoned = True
+                self._wait_gather(u, count=False)
+            self._summoned = True  # not counted in gathered_peak: that is training's units in flight
 
     def _release(self) -> None:
         self._summoned = False

@@ -198,7 +198,8 @@ def load_sharded_state(
     with torch.no_grad():
         for u in dp.units:
             assert u.shard is not None
-            local = loaded["model"][f"{u.name or '<root>'}.flat"].to_local()
+            # the template's local tensors may be views of the shard itself (DCP loads in place): copy first
+            local = loaded["model"][f"{u.name or '<root>'}.flat"].to_local().clone()
             u.shard.zero_()
             u.shard[: local.numel()].copy_(local)
             if optimizer is None:
@@ -206,7 +207,7 @@ def load_sharded_state(
             for k, v in optimizer.state[u.shard].items():
                 got = loaded["optim"][f"{u.name or '<root>'}.{k}"]
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == u.seg:
-                    part = got.to_local()
+                    part = got.to_local().clone()
                     v.zero_()
                     v[: part.numel()].copy_(part)
                 elif isinstance(v, torch.Tensor):

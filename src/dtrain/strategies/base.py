@@ -82,6 +82,10 @@ class StrategyOptions:
         """Options a checkpoint depends on: a resumed run must match them (default: none)."""
         return {}
 
+    def reshards(self) -> bool:
+        """Whether a checkpoint of this strategy resumes on another number of workers (default: no)."""
+        return False
+
     def approximation(self) -> str:
         """What the strategy trades against single-process training ("" when it is exact)."""
         return ""

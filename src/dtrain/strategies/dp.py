@@ -88,7 +88,12 @@ class DPOptions(CompressedOptions):
         keys = super().checkpoint_keys()
         if keys:
             keys["bucket_mb"] = self.bucket_mb  # the bucket layout keys the compressor state
+        if self.sharded:
+            keys["shard"] = self.shard  # a sharded checkpoint holds segments, not a model state dict
         return keys
+
+    def reshards(self) -> bool:
+        return self.sharded  # DCP reshards the segments onto another number of workers
 
     def label(self, workers: int) -> str:
         ov = "" if self.overlap == "backward" else " fwd-overlap"
@@ -251,6 +256,11 @@ def _run(ctx: TrainContext, *, torch_ddp: bool) -> dict[str, Any]:
     from dtrain.checkpoint.training import RunCheckpointer
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # its group first: every rank creates groups in one order
+    o = ctx.cfg.options
+    if isinstance(o, DPOptions) and o.sharded:
+        from dtrain.strategies.sharded_dp import ShardedEngine
+
+        return run_loop(ctx, ShardedEngine(ctx, ckpt), ckpt)
     return run_loop(ctx, DataParallelEngine(ctx, ckpt, torch_ddp=torch_ddp), ckpt)
 
 
