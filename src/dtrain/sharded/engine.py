@@ -52,7 +52,6 @@ synchronised backward reduces the sum.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -65,11 +64,11 @@ from torch import nn
 from dtrain.comm.shard import allgather as _native_allgather
 from dtrain.comm.shard import allgather_over, reduce_scatter_over, segment
 from dtrain.comm.shard import reduce_scatter as _native_reduce_scatter
-from dtrain.data_parallel._model_sync import broadcast_tensors, check_same_everywhere, describe_module, wait_work
+from dtrain.data_parallel._model_sync import broadcast_tensors, check_same_everywhere, describe_module
 from dtrain.data_parallel._stats import StepStats
 from dtrain.data_parallel.config import OVERLAPS, SHARD_ALGORITHMS, SHARDS
 from dtrain.errors import ConfigError, DTrainError
-from dtrain.sharded._streams import Job, Stream
+from dtrain.sharded._streams import Job, Stream, private_group
 from dtrain.sharded._units import Unit, plan_units
 
 __all__ = ["ShardedDataParallel"]
@@ -148,7 +147,7 @@ class ShardedDataParallel(nn.Module):
             self._agree_at_wrap(units)
         self._rs = Stream(self._ranks, self.timeout_s, self._rank, "dtrain-zero-rs")
         self._ag = Stream(self._ranks, self.timeout_s, self._rank, "dtrain-zero-ag")
-        self._ctl = Stream(self._ranks, self.timeout_s, self._rank, "dtrain-zero-ctl").group
+        self._ctl = private_group(self._ranks, self.timeout_s)  # small control collectives on the main thread
         with torch.no_grad():
             for u in self._units:
                 self._flatten(u)
@@ -526,23 +525,9 @@ class ShardedDataParallel(nn.Module):
         allreduce of the local sums of squares (or maxima, for ``norm_type=inf``). Returns the
         total norm. A collective: every rank calls it.
         """
-        grads = [p.grad for p in self._shards if p is not None and p.grad is not None]
-        inf = math.isinf(norm_type)
-        if inf:
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
-        else:
-            local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
-        total = local.double().reshape(1)
-        if self._world > 1:
-            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-            wait_work(dist.all_reduce(total, op=op, group=self._ctl, async_op=True), self.timeout_s, self._rank,
-                      "ShardedDataParallel clip_grad_norm_ allreduce", self.step)  # fmt: skip
-        norm = total[0] if inf else total[0].pow(1.0 / norm_type)
-        norm32 = norm.float()
-        coef = torch.clamp(max_norm / (norm32 + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return norm32
+        from dtrain.sharded.state import clip_grad_norm
+
+        return clip_grad_norm(self, max_norm, norm_type)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unwrapped model's state dict with every parameter whole, on every rank (a collective)."""
@@ -575,28 +560,11 @@ class ShardedDataParallel(nn.Module):
 
         ``params`` (gathered flat buffers and shards), ``grads`` (flat gradient buffers and shard
         gradients), ``optimizer`` (the state of ``optimizer``), ``gathered_peak`` (stage 3: the most
-        unit bytes held gathered at once so far).
+        unit bytes held gathered at once in training so far).
         """
-        seen: set[int] = set()
+        from dtrain.sharded.state import memory_stats
 
-        def size(ts: Any) -> int:
-            n = 0
-            for t in ts:
-                if not isinstance(t, torch.Tensor):
-                    continue
-                st = t.untyped_storage()
-                if st.data_ptr() in seen or st.nbytes() == 0:
-                    continue
-                seen.add(st.data_ptr())
-                n += st.nbytes()
-            return n
-
-        params = size([*(u.full for u in self._units), *self._shards])
-        grads = size([*(u.gbuf for u in self._units), *(p.grad for p in self._shards if p is not None)])
-        opt = 0
-        if optimizer is not None:
-            opt = size([v for s in optimizer.state.values() for v in s.values()])
-        return {"params": params, "grads": grads, "optimizer": opt, "gathered_peak": self._peak_gathered}
+        return memory_stats(self, optimizer)
 
     def close(self) -> None:
         """Remove the hooks and free the private groups (idempotent)."""

@@ -14,11 +14,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from dtrain.comm.shard import segment
+from dtrain.data_parallel._model_sync import wait_work
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -32,6 +35,8 @@ __all__ = [
     "sharded_state",
     "load_sharded_state",
     "init_optimizer_state",
+    "clip_grad_norm",
+    "memory_stats",
 ]
 
 
@@ -217,3 +222,48 @@ def load_sharded_state(
         if dp.stage < 3:
             dp._dirty = True
             dp._ensure_gathered()
+
+
+def clip_grad_norm(dp: ShardedDataParallel, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """:meth:`ShardedDataParallel.clip_grad_norm_`: torch's rule on the global norm of every rank's shards."""
+    grads = [p.grad for p in dp._shards if p is not None and p.grad is not None]
+    inf = math.isinf(norm_type)
+    if inf:
+        local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
+    else:
+        local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+    total = local.double().reshape(1)
+    if dp._world > 1:
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        wait_work(dist.all_reduce(total, op=op, group=dp._ctl, async_op=True), dp.timeout_s, dp._rank,
+                  "ShardedDataParallel clip_grad_norm_ allreduce", dp.step)  # fmt: skip
+    norm = total[0] if inf else total[0].pow(1.0 / norm_type)
+    norm32 = norm.float()
+    coef = torch.clamp(max_norm / (norm32 + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm32
+
+
+def memory_stats(dp: ShardedDataParallel, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """:meth:`ShardedDataParallel.memory_stats`: bytes held now by kind, each storage counted once."""
+    seen: set[int] = set()
+
+    def size(ts: Any) -> int:
+        n = 0
+        for t in ts:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() in seen or st.nbytes() == 0:
+                continue
+            seen.add(st.data_ptr())
+            n += st.nbytes()
+        return n
+
+    params = size([*(u.full for u in dp._units), *dp._shards])
+    grads = size([*(u.gbuf for u in dp._units), *(p.grad for p in dp._shards if p is not None)])
+    opt = 0
+    if optimizer is not None:
+        opt = size([v for s in optimizer.state.values() for v in s.values()])
+    return {"params": params, "grads": grads, "optimizer": opt, "gathered_peak": dp._peak_gathered}

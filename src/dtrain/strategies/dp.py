@@ -10,6 +10,7 @@ on the same loop, the peer every figure is compared with.
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -27,9 +28,8 @@ from dtrain.perfmodel.predict import (
     buckets_of,
     data_parallel_memory,
     predict_data_parallel,
-    predict_sharded,
-    sharded_memory,
 )
+from dtrain.perfmodel.sharded import predict_sharded, sharded_memory
 from dtrain.perfmodel.simulator import simulate_sync
 from dtrain.strategies._common import CompressedOptions, choose
 from dtrain.strategies.base import Choice, PlanSpace, Strategy, StrategyOptions, register
@@ -257,10 +257,9 @@ def _run(ctx: TrainContext, *, torch_ddp: bool) -> dict[str, Any]:
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # its group first: every rank creates groups in one order
     o = ctx.cfg.options
-    if isinstance(o, DPOptions) and o.sharded:
-        from dtrain.strategies.sharded_dp import ShardedEngine
-
-        return run_loop(ctx, ShardedEngine(ctx, ckpt), ckpt)
+    if isinstance(o, DPOptions) and o.sharded:  # its engine derives from this module's (a run-time import)
+        sharded = importlib.import_module("dtrain.strategies.sharded_dp").ShardedEngine
+        return run_loop(ctx, sharded(ctx, ckpt), ckpt)
     return run_loop(ctx, DataParallelEngine(ctx, ckpt, torch_ddp=torch_ddp), ckpt)
 
 
