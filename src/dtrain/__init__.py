@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "Topology": "dtrain.decentralized",
     "Pipeline": "dtrain.pipeline",
     "PipelineError": "dtrain.pipeline",
+    "Mesh": "dtrain.mesh",
     # planning
     "plan": "dtrain.planning",
     # checkpoints
