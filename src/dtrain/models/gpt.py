@@ -176,12 +176,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Attend over ``x`` of shape ``(batch, seq, d_model)``; returns the same shape."""
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        # (b, t, d) -> (b, heads, t, head_dim)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        qkv = self.qkv(x)
+        # the width, heads and positions held here: all of them, or under tensor parallelism this rank's heads
+        # (and with sequence parallelism the whole sequence, gathered by qkv, from this rank's chunk)
+        b, t, w = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = qkv.split(w, dim=2)
+        # (b, t, w) -> (b, heads, t, head_dim)
+        q, k, v = (z.view(b, t, self.heads, w // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(b, t, d)
+        y = y.transpose(1, 2).contiguous().view(b, t, w)
         return F.dropout(self.proj(y), self.dropout, self.training)
 
 
