@@ -29,6 +29,8 @@ _EXPORTS: dict[str, str] = {
     "Gossip": "dtrain.decentralized",
     "Topology": "dtrain.decentralized",
     "Pipeline": "dtrain.pipeline",
+    "hybrid": "dtrain.hybrid_parallel",
+    "Hybrid": "dtrain.hybrid_parallel",
     "PipelineError": "dtrain.pipeline",
     "Mesh": "dtrain.mesh",
     # planning
@@ -45,7 +47,7 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteError": "dtrain.errors",
 }
 _SUBPACKAGES = ("comm", "compress", "perfmodel", "planning", "strategies", "cluster", "param_server", "data_parallel",
-                "checkpoint", "decentralized", "pipeline", "sharded")
+                "checkpoint", "decentralized", "pipeline", "sharded", "tensor_parallel")
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])
 

@@ -1,0 +1,172 @@
+"""``dtrain.hybrid(model, mesh)``: data, pipeline and tensor parallelism on one set of processes (module
+``hybrid_parallel``, so that ``dtrain.hybrid`` stays the function).
+
+The three compose in a fixed order over one :class:`dtrain.Mesh` (torchtitan's recipe,
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters"):
+
+1. **Tensor** (``tp``, innermost: ranks that share a node): every rank builds the whole model
+   and :func:`dtrain.tensor_parallel.parallelize` splits its layers over the tp group (for
+   ``gpt``: :data:`dtrain.tensor_parallel.plans.gpt`).
+2. **Pipeline** (``pp``): :class:`dtrain.Pipeline` cuts the split model between its children
+   over the pp group (the ranks with the same dp and tp index), so each tp rank of a stage
+   sends its activations to the same tp rank of the next stage.
+3. **Data** (``dp``, across pipelines): after the step's micro-batches -- gradient
+   accumulation deferred over them, no allreduce per micro-batch -- each rank averages its
+   gradients over its dp group with one of dtrain's allreduce algorithms (one fused buffer).
+
+``step(x, y)`` trains on a dp shard of the batch (every tp rank and stage of a pipeline
+reads the same shard); ``.grad`` then holds the global batch's mean-loss gradient of this
+rank's slice of its stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.errors import ConfigError
+from dtrain.mesh import Mesh
+
+__all__ = ["Hybrid", "hybrid"]
+
+
+class Hybrid:
+    """A model trained by DP x PP x TP over ``mesh``; see the module docstring.
+
+    Args:
+        model: the whole model, the same on every rank (an ``nn.Sequential`` when ``pp > 1``).
+        mesh: the :class:`dtrain.Mesh`.
+        plan: the tensor-parallel plan (default: ``plans.gpt``; ignored when ``tp == 1``).
+        microbatches: per step, through the pipeline (default: 1).
+        schedule: ``gpipe`` or ``1f1b`` (default: 1f1b).
+        balance: the pipeline's cut: ``equal``, ``params`` or layer counts (default: equal).
+        loss_fn: ``loss(output, target)`` without a vocabulary-split head (default: cross entropy
+            over every position).
+        sequence_parallel: tensor parallelism with sequence-sharded norms (default: False).
+        algorithm: the dp allreduce algorithm (default: ring).
+        timeout_s: seconds any wait may block (default: 300).
+        tracer: a :class:`dtrain.trace.Tracer` for the pipeline's spans (default: None).
+    """
+
+    def __init__(self, model: nn.Module, mesh: Mesh, *, plan: Any = None, microbatches: int = 1,
+                 schedule: str = "1f1b", balance: Any = "equal",
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 sequence_parallel: bool = False, algorithm: str = "ring", timeout_s: float = 300.0,
+                 tracer: Any = None) -> None:  # fmt: skip
+        import dtrain.tensor_parallel as tp
+        from dtrain.comm.allreduce import ALGORITHMS
+        from dtrain.models import task_loss
+
+        if algorithm not in ALGORITHMS:
+            raise ConfigError(f"dp algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        if sequence_parallel and mesh.size("tp") == 1:
+            raise ConfigError("sequence_parallel needs tensor parallelism (tp > 1)")
+        self.mesh, self.model, self.algorithm, self.timeout_s = mesh, model, algorithm, timeout_s
+        self.tp_group: tp.TPGroup | None = None
+        if mesh.size("tp") > 1:
+            chosen = plan if plan is not None else (tp.plans.gpt_sequence_parallel() if sequence_parallel
+                                                    else tp.plans.gpt)  # fmt: skip
+            tp.parallelize(model, chosen, mesh.group("tp"), sequence_parallel=sequence_parallel, timeout_s=timeout_s)
+            self.tp_group = tp.tp_group_of(model)
+        heads = [m for m in model.modules() if isinstance(m, tp.VocabParallelHead)]
+        head = heads[-1] if heads else None
+        if head is not None:
+            self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+                lambda out, y: tp.vocab_parallel_cross_entropy(out, y, head))
+        else:
+            self.loss_fn = loss_fn or task_loss
+        self.pipe: Any = None
+        if mesh.size("pp") > 1:
+            from dtrain.pipeline.pipe import Pipeline
+
+            if schedule not in ("gpipe", "1f1b"):
+                raise ConfigError(f"hybrid pipelines run gpipe or 1f1b, not {schedule!r}")
+            self.pipe = Pipeline(model, microbatches, schedule, loss_fn=self.loss_fn, balance=balance,
+                                 group=mesh.group("pp"), timeout=timeout_s, tracer=tracer)  # fmt: skip
+        self._partial = [p for p in self.parameters() if getattr(p, "tp_partial_grad", False)]
+        self._dp_bytes = 0
+
+    # ------------------------------------------------------------------ training
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters: its slice of its stage."""
+        return iter(self.pipe.parameters()) if self.pipe is not None else self.model.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self.pipe.named_parameters()) if self.pipe is not None else self.model.named_parameters()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward and backward of this rank's dp shard of the batch; gradients averaged over dp."""
+        if self.pipe is not None:
+            loss = float(self.pipe.step(x, y))
+        else:
+            out = self.loss_fn(self.model(x), y)
+            out.backward()
+            loss = float(out.detach())
+        if self._partial and self.tp_group is not None:  # sequence-parallel norms saw one chunk each
+            self._allreduce([p.grad for p in self._partial if p.grad is not None], self.tp_group.allreduce, None)
+        if self.mesh.size("dp") > 1:
+            self._average_over_dp()
+        return loss
+
+    def _allreduce(self, grads: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor],
+                   scale: float | None) -> None:  # fmt: skip
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if scale is not None:
+            flat.mul_(scale)
+        fn(flat)
+        off = 0
+        for g in grads:
+            g.copy_(flat[off : off + g.numel()].view_as(g))
+            off += g.numel()
+
+    def _average_over_dp(self) -> None:
+        from dtrain.comm.allreduce import allreduce, get_transport
+
+        group = self.mesh.group("dp")
+        t = get_transport(group, self.timeout_s)
+        before = t.stats.bytes_sent
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self._allreduce(grads, lambda f: allreduce(f, "sum", self.algorithm, group=group, timeout=self.timeout_s),
+                        1.0 / self.mesh.size("dp"))  # fmt: skip
+        self._dp_bytes += int(t.stats.bytes_sent - before)
+
+    # ------------------------------------------------------------------ figures and state
+
+    def bytes_by_dim(self) -> dict[str, int]:
+        """Bytes this rank has sent so far on each mesh dimension: tp collectives, pp transfers, dp allreduces."""
+        return {"tp": self.tp_group.bytes_sent() if self.tp_group is not None else 0,
+                "pp": int(self.pipe.transport.stats.bytes_sent) if self.pipe is not None else 0,
+                "dp": self._dp_bytes}  # fmt: skip
+
+    def full_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """The whole unsplit model's state dict on global rank ``dst`` (None elsewhere); every rank calls it."""
+        import torch.distributed as dist
+
+        import dtrain.tensor_parallel as tp
+
+        whole = tp.full_state_dict(self.model) if self.tp_group is not None else {
+            k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        mine = list(self.pipe.state_dict()) if self.pipe is not None else list(whole)
+        first = self.mesh.index("dp") == 0 and self.mesh.index("tp") == 0
+        part = {k: whole[k] for k in mine} if first else None
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return part
+        got: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+        dist.gather_object(part, got, dst=dst)
+        if got is None:
+            return None
+        out: dict[str, torch.Tensor] = {}
+        for p in got:
+            out.update(p or {})
+        return out
+
+
+def hybrid(model: nn.Module, mesh: Mesh, **kwargs: Any) -> Hybrid:
+    """:class:`Hybrid` (the DESIGN's ``dtrain.hybrid(model, mesh, ...)``)."""
+    return Hybrid(model, mesh, **kwargs)
