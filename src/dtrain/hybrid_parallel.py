@@ -21,6 +21,7 @@ rank's slice of its stage.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,6 +89,8 @@ class Hybrid:
                                  group=mesh.group("pp"), timeout=timeout_s, tracer=tracer)  # fmt: skip
         self._partial = [p for p in self.parameters() if getattr(p, "tp_partial_grad", False)]
         self._dp_bytes = 0
+        self._dp_s = 0.0
+        self._seen = {"tp": 0.0, "dp": 0.0}
 
     # ------------------------------------------------------------------ training
 
@@ -130,11 +133,12 @@ class Hybrid:
 
         group = self.mesh.group("dp")
         t = get_transport(group, self.timeout_s)
-        before = t.stats.bytes_sent
+        before, t0 = t.stats.bytes_sent, time.perf_counter()
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         self._allreduce(grads, lambda f: allreduce(f, "sum", self.algorithm, group=group, timeout=self.timeout_s),
                         1.0 / self.mesh.size("dp"))  # fmt: skip
         self._dp_bytes += int(t.stats.bytes_sent - before)
+        self._dp_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ figures and state
 
@@ -143,6 +147,13 @@ class Hybrid:
         return {"tp": self.tp_group.bytes_sent() if self.tp_group is not None else 0,
                 "pp": int(self.pipe.transport.stats.bytes_sent) if self.pipe is not None else 0,
                 "dp": self._dp_bytes}  # fmt: skip
+
+    def seconds_by_dim(self) -> dict[str, float]:
+        """Seconds in tp collectives and the dp allreduce since the last call (both on the critical path)."""
+        now = {"tp": self.tp_group.seconds if self.tp_group is not None else 0.0, "dp": self._dp_s}
+        out = {k: now[k] - self._seen[k] for k in now}
+        self._seen = now
+        return out
 
     def full_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The whole unsplit model's state dict on global rank ``dst`` (None elsewhere); every rank calls it."""

@@ -1,5 +1,5 @@
 """The built-in strategies: importing this module registers them (in this order)."""
 
-from dtrain.strategies import dp, ps, decentralized, pipeline, auto  # noqa: I001 - registration order: dp, ddp, ps, then local_sgd, easgd, gossip, pipeline, auto
+from dtrain.strategies import dp, ps, decentralized, pipeline, hybrid, auto  # noqa: I001 - registration order: dp, ddp, ps, then local_sgd, easgd, gossip, pipeline, tensor, hybrid, auto
 
-__all__ = ["dp", "ps", "decentralized", "pipeline", "auto"]
+__all__ = ["dp", "ps", "decentralized", "pipeline", "hybrid", "auto"]

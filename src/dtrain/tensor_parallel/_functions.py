@@ -24,6 +24,7 @@ transport, so its bytes are counted, traced and costed like data parallelism's.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -53,11 +54,14 @@ class TPGroup:
         self.size = dist.get_world_size(group) if init else 1
         self.rank = dist.get_rank(group) if init else 0
         self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if init else [0]
+        self.seconds = 0.0  # spent in this group's collectives so far (they are on the critical path)
 
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         t = t.contiguous()
         if self.size > 1:
+            t0 = time.perf_counter()
             allreduce(t, op=op, algorithm=self.algorithm, group=self.group, timeout=self.timeout_s)
+            self.seconds += time.perf_counter() - t0
         return t
 
     def bytes_sent(self) -> int:
@@ -75,7 +79,9 @@ class TPGroup:
         moved = x.movedim(dim, 0).contiguous()
         flat = torch.zeros(self.size * moved.numel(), dtype=x.dtype, device=x.device)
         segment(flat, self.rank, self.size).copy_(moved.reshape(-1))
+        t0 = time.perf_counter()
         allgather(flat, group=self.group, timeout=self.timeout_s)
+        self.seconds += time.perf_counter() - t0
         out = flat.view(self.size * moved.shape[0], *moved.shape[1:])
         return out.movedim(0, dim)
 
@@ -85,7 +91,9 @@ class TPGroup:
             return x
         moved = x.movedim(dim, 0).contiguous()
         flat = moved.reshape(-1).clone()
+        t0 = time.perf_counter()
         reduce_scatter(flat, op="sum", group=self.group, timeout=self.timeout_s)
+        self.seconds += time.perf_counter() - t0
         mine = segment(flat, self.rank, self.size)
         return mine.view(moved.shape[0] // self.size, *moved.shape[1:]).movedim(0, dim)
 

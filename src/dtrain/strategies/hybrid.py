@@ -1,0 +1,256 @@
+"""``tensor`` and ``hybrid``: Megatron-style tensor parallelism, and DP x PP x TP on one set of processes.
+
+``--strategy tensor --workers 4`` splits every block of a ``gpt`` model over the four
+workers (:mod:`dtrain.tensor_parallel`, the plan ``plans.gpt``); ``--strategy hybrid --dp 2
+--pp 2 --tp 2`` composes tensor parallelism inside each pipeline stage, the pipeline over
+stages and data parallelism across pipelines (:func:`dtrain.hybrid` over a :class:`dtrain.Mesh`).
+Both run as one ``WholeStep`` engine; the evaluated model is the whole unsplit model gathered
+on rank 0. Metrics rows carry bytes and seconds per mesh dimension (``tp_bytes``, ``pp_bytes``,
+``dp_bytes``, ``tp_s``, ``dp_s``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from dtrain.comm.allreduce import ALGORITHMS
+from dtrain.errors import ConfigError
+from dtrain.strategies._common import choose
+from dtrain.strategies.base import Strategy, StrategyOptions, register
+from dtrain.training.context import TrainContext
+from dtrain.training.guard import flagged_ranks
+from dtrain.training.loop import Position, run_loop
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.config import RunConfig
+
+__all__ = ["TensorOptions", "HybridOptions", "HybridEngine", "TENSOR", "HYBRID"]
+
+_SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class TensorOptions(StrategyOptions):
+    """Options of ``--strategy tensor`` (every worker a tensor-parallel rank of one model).
+
+    Attributes:
+        sequence_parallel: layer norms and residuals on sequence shards (Korthikanti et al. 2022).
+    """
+
+    sequence_parallel: bool = field(default=False, metadata={
+        "help": "tensor/hybrid: norms and residuals sharded along the sequence (default: off)"})
+
+    def batch_shards(self, workers: int) -> int:
+        return 1  # every tensor-parallel rank reads the whole batch
+
+    def mesh_shape(self, workers: int) -> tuple[int, int, int]:
+        return 1, 1, workers
+
+    def pipeline(self) -> tuple[int, str, str]:
+        return 1, "1f1b", "equal"
+
+    @property
+    def dp_algorithm(self) -> str:
+        return "ring"
+
+    def label(self, workers: int) -> str:
+        return f"tensor tp{workers}{' sp' if self.sequence_parallel else ''}"
+
+
+@dataclass(frozen=True)
+class HybridOptions(StrategyOptions):
+    """Options of ``--strategy hybrid`` (:func:`dtrain.hybrid` over ``Mesh(dp, pp, tp)``; workers = dp x pp x tp).
+
+    Attributes:
+        dp / pp / tp: the mesh's sizes.
+        microbatches: per step through the pipeline.
+        schedule: gpipe or 1f1b.
+        balance: the pipeline's cut: equal, params, or layer counts "2,3".
+        sequence_parallel: tensor parallelism with sequence-sharded norms.
+        algorithm: the dp allreduce algorithm.
+    """
+
+    dp: int = field(default=1, metadata={"help": "hybrid: data-parallel size (default: 1)"})
+    pp: int = field(default=1, metadata={"help": "hybrid: pipeline stages (default: 1)"})
+    tp: int = field(default=1, metadata={"help": "hybrid: tensor-parallel size (default: 1)"})
+    microbatches: int = field(default=4, metadata={"help": "micro-batches per step (default: 4)"})
+    schedule: str = field(default="1f1b", metadata={"choices": _SCHEDULES, "help": "pipeline schedule"})
+    balance: str = field(default="equal", metadata={"help": "the pipeline's cut: equal, params or counts 2,3"})
+    sequence_parallel: bool = field(default=False, metadata={
+        "help": "tensor/hybrid: norms and residuals sharded along the sequence (default: off)"})
+    algorithm: str = field(default="ring", metadata={"choices": tuple(ALGORITHMS), "help": "allreduce algorithm"})
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp", "microbatches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        choose("schedule", self.schedule, _SCHEDULES)
+        choose("algorithm", self.algorithm, tuple(ALGORITHMS))
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("--sequence-parallel needs tensor parallelism: --tp 2 or more")
+
+    def processes(self, workers: int) -> int:
+        return workers
+
+    def batch_shards(self, workers: int) -> int:
+        return self.dp
+
+    def mesh_shape(self, workers: int) -> tuple[int, int, int]:
+        return self.dp, self.pp, self.tp
+
+    def pipeline(self) -> tuple[int, str, str]:
+        return self.microbatches, self.schedule, self.balance
+
+    @property
+    def dp_algorithm(self) -> str:
+        return self.algorithm
+
+    def label(self, workers: int) -> str:
+        sp = " sp" if self.sequence_parallel else ""
+        return f"hybrid dp{self.dp} pp{self.pp} tp{self.tp} M{self.microbatches} {self.schedule}{sp}"
+
+
+MeshOptions = TensorOptions | HybridOptions
+
+
+def _check(o: MeshOptions, cfg: RunConfig) -> None:
+    """Everything about the mesh and the model that would fail in a worker, before any process starts."""
+    from dtrain.models import is_language_model
+    from dtrain.models.gpt import resolve_gpt_config
+
+    dp, pp, tp = o.mesh_shape(cfg.workers)
+    if dp * pp * tp != cfg.workers:
+        raise ConfigError(f"--dp {dp} x --pp {pp} x --tp {tp} = {dp * pp * tp} processes, but --workers is "
+                          f"{cfg.workers}; make them match")  # fmt: skip
+    micro, _, _ = o.pipeline()
+    if cfg.batch_size % (dp * micro):
+        raise ConfigError(f"the batch of {cfg.batch_size} does not divide into {dp} data-parallel shards of "
+                          f"{micro} micro-batches; use --batch-size a multiple of {dp * micro}")  # fmt: skip
+    if tp > 1 or pp > 1:
+        if not is_language_model(cfg.model):
+            if tp > 1:
+                raise ConfigError(f"tensor parallelism splits the gpt models' blocks (plans.gpt); --model {cfg.model} "
+                                  "has no plan: use --model gpt-tiny/gpt-small/... or --tp 1")  # fmt: skip
+            return
+        g = resolve_gpt_config(cfg.model, **cfg.gpt_overrides(), seq_len=cfg.seq_len)
+        for what, n in (("attention heads", g.heads), ("d_model", g.d_model), ("MLP width", g.mlp_hidden)):
+            if n % tp:
+                raise ConfigError(f"{cfg.model}: {n} {what} do not divide over tensor-parallel size {tp}")
+        if o.sequence_parallel and cfg.seq_len % tp:
+            raise ConfigError(f"sequence parallel: --seq-len {cfg.seq_len} does not divide over --tp {tp}")
+        if pp > g.layers + 3:
+            raise ConfigError(f"{cfg.model} has {g.layers + 3} layers (children), fewer than the {pp} stages")
+
+
+def _check_checkpointing(o: MeshOptions, cfg: RunConfig) -> None:
+    raise ConfigError("checkpoints of tensor/hybrid runs are not supported yet: each rank holds a slice of a stage, "
+                      "which dtrain's run checkpoints do not describe")  # fmt: skip
+
+
+class HybridEngine:
+    """One rank of a DP x PP x TP mesh for :func:`~dtrain.training.loop.run_loop` (a ``WholeStep`` engine)."""
+
+    eval_note = " (the whole model gathered on rank 0)"
+
+    def __init__(self, ctx: TrainContext) -> None:
+        from dtrain.hybrid_parallel import Hybrid
+        from dtrain.mesh import Mesh
+        from dtrain.strategies.pipeline import parse_balance
+
+        o = ctx.cfg.options
+        assert isinstance(o, (TensorOptions, HybridOptions))
+        self.ctx = ctx
+        dp, pp, tp = o.mesh_shape(ctx.cfg.workers)
+        self.mesh = Mesh(dp=dp, pp=pp, tp=tp)
+        micro, schedule, balance = o.pipeline()
+        self._train_model = ctx.make_model()
+        self.h = Hybrid(self._train_model, self.mesh, microbatches=micro, schedule=schedule,
+                        balance=parse_balance(balance), loss_fn=ctx.loss, sequence_parallel=o.sequence_parallel,
+                        algorithm=o.dp_algorithm, timeout_s=ctx.cfg.timeout_s, tracer=ctx.tracer)  # fmt: skip
+        self.optimizer = ctx.make_optimizer(list(self.h.parameters()))
+        self.evaluator = ctx.rank == 0
+        self.model: nn.Module = ctx.make_model() if self.evaluator else self._train_model  # unsplit, for evaluation
+        self.shard, self.num_shards, self.samples_scale = self.mesh.index("dp"), dp, dp
+        self.total_steps = ctx.total_steps(dp)
+        self._counts = self.mesh.index("pp") == 0 and self.mesh.index("tp") == 0  # one rank per dp shard
+        self._last = {"tp": 0, "pp": 0, "dp": 0}
+
+    def start(self) -> Position:
+        return Position()
+
+    def done(self, step: int) -> bool:
+        return step >= self.total_steps
+
+    def before_step(self, step: int) -> None:
+        self.ctx.schedule_lr(self.optimizer, step, self.total_steps)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self, x: Any, y: Any) -> float:
+        with self.ctx.tracer.span("hybrid"):
+            return self.h.step(x, y)
+
+    def forward(self, x: Any) -> torch.Tensor:
+        raise ConfigError("a tensor/hybrid engine runs whole steps (train_step)")
+
+    def update(self) -> None:
+        with self.ctx.tracer.span("optimizer"):
+            self.optimizer.step()
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.h.named_parameters())
+
+    def agree(self, bad: bool) -> list[int]:
+        return flagged_ranks(bad)  # every rank's slice: one tiny all-reduce over the world
+
+    def skip(self) -> None:
+        return None
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def rows(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        dt = row.pop("step_s")
+        now = self.h.bytes_by_dim()
+        sent = {k: now[k] - self._last[k] for k in now}
+        self._last = now
+        secs = self.h.seconds_by_dim()
+        row.update(compute_s=max(0.0, dt - secs["tp"] - secs["dp"]), comm_s=secs["tp"] + secs["dp"], wait_s=None,
+                   bytes_sent=sum(sent.values()), tp_bytes=sent["tp"], pp_bytes=sent["pp"], dp_bytes=sent["dp"],
+                   tp_s=secs["tp"], dp_s=secs["dp"], mesh=self.mesh.coords(self.ctx.rank))  # fmt: skip
+        return [row]
+
+    def synchronize(self) -> list[dict[str, Any]]:
+        full = self.h.full_state_dict(dst=0)
+        if full is not None:
+            self.model.load_state_dict(full)
+        return []
+
+    def save(self, ckpt: RunCheckpointer, step: int, epoch: int, batch: int) -> None:
+        raise ConfigError("checkpoints of tensor/hybrid runs are not supported yet")
+
+    def finish(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"bytes_sent": sum(self.h.bytes_by_dim().values()),
+                               "summary_extra": {"mesh": self.mesh.describe()}}  # fmt: skip
+        if not self._counts:
+            out["samples"] = 0  # a dp shard's batch is counted once, by its first stage's first tp rank
+        return out
+
+
+def _run(ctx: TrainContext) -> dict[str, Any]:
+    return run_loop(ctx, HybridEngine(ctx))
+
+
+TENSOR = register(Strategy(
+    name="tensor", options=TensorOptions, run=_run, check=_check, check_checkpointing=_check_checkpointing,
+    help="tensor parallel (Megatron): every block of a gpt split over the workers",
+))
+HYBRID = register(Strategy(
+    name="hybrid", options=HybridOptions, run=_run, check=_check, check_checkpointing=_check_checkpointing,
+    help="DP x PP x TP on one mesh (--dp --pp --tp; workers = their product)",
+))
