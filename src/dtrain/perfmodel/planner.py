@@ -17,6 +17,7 @@ Candidates, for ``W`` devices:
   policy of ``consistencies``;
 * with ``averaging=True``: local SGD, EASGD and gossip (model averaging);
 * with ``pipeline=True``: pipelines of one stage per device (gpipe, 1f1b, interleaved, 2bw).
+* with ``mesh=True``: tensor parallelism and the DP x PP x TP factorizations of the workers (gpt models).
 
 Approximate strategies (compressed, asynchronous) are ranked on speed like the
 rest; their line says what they trade (compression error, staleness), and
@@ -128,11 +129,12 @@ def candidates(
     ddp: bool = True,
     averaging: bool = False,
     pipeline: bool = False,
+    mesh: bool = False,
 ) -> list[Choice]:
     """Every choice the planner considers on ``workers`` devices (default: all of the cluster's):
     each registered strategy's ``candidates`` hook over the same :class:`PlanSpace`."""
     space = PlanSpace(cluster, workers or cluster.devices, tuple(compressions), tuple(consistencies), tuple(buckets),
-                      tuple(algorithms), exact_only, single, ddp, averaging, pipeline)  # fmt: skip
+                      tuple(algorithms), exact_only, single, ddp, averaging, pipeline, mesh)  # fmt: skip
     out: list[Choice] = []
     for entry in registered().values():
         if entry.candidates is not None:
@@ -177,6 +179,7 @@ def plan(
     averaging: bool = False,
     pipeline: bool = False,
     memory_limit: str | float | None = None,
+    mesh: bool = False,
 ) -> Plan:
     """Rank the strategies for training ``model`` on ``cluster``.
 
@@ -197,6 +200,8 @@ def plan(
         averaging: also rank the model-averaging strategies (local SGD, EASGD, gossip), which
             change the optimisation itself: their steps are cheaper, not their progress per step.
         pipeline: also rank pipelines (gpipe, 1f1b, interleaved; 2bw unless ``exact_only``).
+        mesh: also rank tensor parallelism and every DP x PP x TP factorization of the workers
+            (``tensor`` / ``hybrid``; gpt models).
         memory_limit: bytes per device ("2GB", "1.5GiB", a number) instead of the cluster's
             device memory: choices predicted to need more are rejected, so under a tight
             limit a ZeRO stage (``dp --shard``) comes first.
@@ -212,7 +217,7 @@ def plan(
     name = name or type(model).__name__.lower()
     cands = list(strategies) if strategies is not None else candidates(
         spec, workers, compressions=compressions, consistencies=consistencies, exact_only=exact_only,
-        averaging=averaging, pipeline=pipeline)  # fmt: skip
+        averaging=averaging, pipeline=pipeline, mesh=mesh)  # fmt: skip
     ranker = _Ranker(model, sample_batch, spec, name, optimizer, measure, limited=limit is not None)
     for s in cands:
         ranker.add(s, gbatch)

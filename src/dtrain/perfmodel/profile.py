@@ -198,8 +198,13 @@ def profile_model(
     layers = _layers(model)
     batch = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() > 0 else 1
     profiles = _count_layers(model, x, target, loss_fn, layers)
+    extra: dict[str, Any] = {}
+    gcfg = getattr(model, "gpt_config", None)
+    if gcfg is not None and isinstance(x, torch.Tensor) and x.dim() == 2:  # the shape tensor parallelism splits
+        extra["gpt"] = {"layers": gcfg.layers, "hidden": gcfg.d_model, "heads": gcfg.heads,
+                        "vocab": gcfg.vocab_size, "seq": int(x.shape[1])}  # fmt: skip
     prof = ModelProfile(name=name, batch=batch, layers=profiles, input_bytes=float(_nbytes(x)),
-                        optimizer=optimizer)  # fmt: skip
+                        optimizer=optimizer, extra=extra)  # fmt: skip
     if not measure:
         return prof
     old_threads = torch.get_num_threads()

@@ -152,6 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--exact", action="store_true", help="only strategies equivalent to one-process training")
     ap.add_argument("--averaging", action="store_true",
                     help="also rank model averaging (local_sgd, easgd, gossip): cheaper steps, different optimisation")
+    ap.add_argument("--mesh", action="store_true",
+                    help="also rank tensor parallelism and every DP x PP x TP factorization (gpt models)")
     ap.add_argument("--pipeline", action="store_true",
                     help="also rank pipelines (gpipe, 1f1b, interleaved, 2bw) of one stage per device")
     ap.add_argument("--compressions", default=",".join(DEFAULT_COMPRESSIONS), help="compressors to try")
@@ -180,7 +182,7 @@ def _plan(ns: argparse.Namespace) -> int:
     comps = tuple(c for c in ns.compressions.split(",") if c)
     p = plan(model, sample, spec, batch=ns.batch, workers=workers, name=name, compressions=comps,
              exact_only=ns.exact, measure=not ns.no_measure, averaging=ns.averaging,
-             pipeline=ns.pipeline, memory_limit=limit)  # fmt: skip
+             pipeline=ns.pipeline, memory_limit=limit, mesh=ns.mesh)  # fmt: skip
     print(p.table(top=ns.top or None))
     return 0
 

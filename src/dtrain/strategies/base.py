@@ -119,6 +119,7 @@ class PlanSpace:
     ddp: bool = True
     averaging: bool = False  # model-averaging strategies (local SGD, EASGD, gossip): they change the optimisation
     pipeline: bool = False  # pipelines (one stage per device): opt-in while their model is uncalibrated here
+    mesh: bool = False  # tensor-parallel and DP x PP x TP meshes (every factorization of the workers): opt-in too
 
 
 PredictHook = Callable[["ModelProfile", "ClusterSpec", "Choice", "CompressionModel", "StepInputs"], "Prediction"]

@@ -20,7 +20,7 @@ from torch import nn
 from dtrain.comm.allreduce import ALGORITHMS
 from dtrain.errors import ConfigError
 from dtrain.strategies._common import choose
-from dtrain.strategies.base import Strategy, StrategyOptions, register
+from dtrain.strategies.base import Choice, PlanSpace, Strategy, StrategyOptions, register
 from dtrain.training.context import TrainContext
 from dtrain.training.guard import flagged_ranks
 from dtrain.training.loop import Position, run_loop
@@ -28,6 +28,10 @@ from dtrain.training.loop import Position, run_loop
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
     from dtrain.config import RunConfig
+    from dtrain.perfmodel.collectives import CompressionModel
+    from dtrain.perfmodel.predict import Memory, Prediction, StepInputs
+    from dtrain.perfmodel.profile import ModelProfile
+    from dtrain.perfmodel.spec import ClusterSpec
 
 __all__ = ["TensorOptions", "HybridOptions", "HybridEngine", "TENSOR", "HYBRID"]
 
@@ -246,11 +250,86 @@ def _run(ctx: TrainContext) -> dict[str, Any]:
     return run_loop(ctx, HybridEngine(ctx))
 
 
+# ---------------------------------------------------------------------- performance model hooks
+
+
+def _mesh_of(s: Choice) -> tuple[MeshOptions, tuple[int, int, int], tuple[int, str, str]]:
+    o = s.options
+    assert isinstance(o, (TensorOptions, HybridOptions))
+    return o, o.mesh_shape(s.workers), o.pipeline()
+
+
+def _predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel, inputs: StepInputs) -> Prediction:
+    """:func:`dtrain.perfmodel.tensor.predict_hybrid` on the gpt shape the profile recorded; the global batch is
+    ``prof.batch * workers`` (every hook's profile is at the per-worker batch)."""
+    import math
+
+    from dtrain.perfmodel.predict import Prediction
+    from dtrain.perfmodel.tensor import predict_hybrid
+
+    o, (dp, pp, tp), (micro, schedule, balance) = _mesh_of(s)
+    g = prof.extra.get("gpt")
+    if g is None:
+        return Prediction(s, math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, inputs.memory, False,
+                          "infeasible: the mesh model covers gpt models (tensor parallelism splits their blocks)")
+    try:
+        return predict_hybrid(prof, c, dp=dp, pp=pp, tp=tp, microbatches=micro if pp > 1 else 1, schedule=schedule,
+                              sequence_parallel=o.sequence_parallel, batch=prof.batch * s.workers, seq=g["seq"],
+                              hidden=g["hidden"], layers=g["layers"], heads=g["heads"], vocab=g["vocab"],
+                              algorithm=o.dp_algorithm, overhead_s=inputs.overhead,
+                              balance=balance if balance in ("equal", "params", "time") else "equal",
+                              strategy=s)  # fmt: skip
+    except ConfigError as e:  # a mesh this model cannot take: the planner lists it as rejected, saying why
+        return Prediction(s, math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, inputs.memory, False, f"infeasible: {e}")
+
+
+def _memory(prof: ModelProfile, s: Choice, comp: CompressionModel | None) -> Memory:
+    """Per rank: :func:`~dtrain.perfmodel.tensor.tensor_memory` of the tp split, the model states over ``pp``
+    stages, and the activations of the micro-batches a first stage holds at once (gpipe: all ``M``; 1f1b:
+    ``min(M, pp)``), each ``1/pp`` of the model's."""
+    import math
+
+    from dtrain.perfmodel.predict import Memory
+    from dtrain.perfmodel.tensor import TransformerShape, mesh_reason, tensor_memory
+
+    o, (dp, pp, tp), (micro, schedule, _) = _mesh_of(s)
+    g = prof.extra.get("gpt")
+    m = micro if pp > 1 else 1
+    batch = prof.batch * s.workers // max(1, dp * m)
+    if g is None or batch < 1 or mesh_reason(dp, pp, tp, heads=g["heads"], hidden=g["hidden"], layers=g["layers"],
+                                             batch=prof.batch * s.workers, microbatches=m):  # fmt: skip
+        return Memory(buffers=math.inf)  # a mesh no run could use: the planner shows predict's reason
+    shape = TransformerShape(batch=batch, seq=g["seq"], hidden=g["hidden"], layers=g["layers"], heads=g["heads"],
+                             vocab=g["vocab"])  # fmt: skip
+    whole = tensor_memory(prof, tp, o.sequence_parallel, shape=shape)
+    held = m if schedule == "gpipe" else min(m, pp)
+    return Memory(params=whole.params / pp, grads=whole.grads / pp, optimizer=whole.optimizer / pp,
+                  activations=whole.activations * held / pp, buffers=whole.buffers)  # fmt: skip
+
+
+def _tensor_candidates(space: PlanSpace) -> list[Choice]:
+    w = space.workers
+    return [Choice("tensor", w, TensorOptions())] if space.mesh and w > 1 else []
+
+
+def _hybrid_candidates(space: PlanSpace) -> list[Choice]:
+    """Every factorization of the workers but plain dp (``dp``'s own) and pure tp (``tensor``'s)."""
+    from dtrain.perfmodel.tensor import factorizations
+
+    w = space.workers
+    if not space.mesh or w < 2:
+        return []
+    return [Choice("hybrid", w, HybridOptions(dp=d, pp=p, tp=t, microbatches=4 if p > 1 else 1))
+            for d, p, t in factorizations(w) if (d, p, t) not in ((w, 1, 1), (1, 1, w))]  # fmt: skip
+
+
 TENSOR = register(Strategy(
     name="tensor", options=TensorOptions, run=_run, check=_check, check_checkpointing=_check_checkpointing,
     help="tensor parallel (Megatron): every block of a gpt split over the workers",
+    predict=_predict, memory=_memory, candidates=_tensor_candidates,
 ))
 HYBRID = register(Strategy(
     name="hybrid", options=HybridOptions, run=_run, check=_check, check_checkpointing=_check_checkpointing,
     help="DP x PP x TP on one mesh (--dp --pp --tp; workers = their product)",
+    predict=_predict, memory=_memory, candidates=_hybrid_candidates,
 ))
