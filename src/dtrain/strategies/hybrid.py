@@ -79,7 +79,7 @@ class HybridOptions(StrategyOptions):
         algorithm: the dp allreduce algorithm.
     """
 
-    dp: int = field(default=1, metadata={"help": "hybrid: data-parallel size (default: 1)"})
+    dp: int = field(default=0, metadata={"help": "hybrid: data-parallel size (default: 0, workers / (pp x tp))"})
     pp: int = field(default=1, metadata={"help": "hybrid: pipeline stages (default: 1)"})
     tp: int = field(default=1, metadata={"help": "hybrid: tensor-parallel size (default: 1)"})
     microbatches: int = field(default=4, metadata={"help": "micro-batches per step (default: 4)"})
@@ -92,8 +92,9 @@ class HybridOptions(StrategyOptions):
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "microbatches"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "dp" else 1):
+                raise ConfigError(f"{name} must be a positive integer{' (or 0: the rest)' if name == 'dp' else ''}, "
+                                  f"got {v!r}")  # fmt: skip
         choose("schedule", self.schedule, _SCHEDULES)
         choose("algorithm", self.algorithm, tuple(ALGORITHMS))
         if self.sequence_parallel and self.tp == 1:
@@ -103,10 +104,11 @@ class HybridOptions(StrategyOptions):
         return workers
 
     def batch_shards(self, workers: int) -> int:
-        return self.dp
+        return self.mesh_shape(workers)[0]
 
     def mesh_shape(self, workers: int) -> tuple[int, int, int]:
-        return self.dp, self.pp, self.tp
+        """(dp, pp, tp); ``dp`` 0 takes the workers left: ``workers // (pp * tp)`` (at least 1)."""
+        return self.dp or max(1, workers // (self.pp * self.tp)), self.pp, self.tp
 
     def pipeline(self) -> tuple[int, str, str]:
         return self.microbatches, self.schedule, self.balance
@@ -117,7 +119,8 @@ class HybridOptions(StrategyOptions):
 
     def label(self, workers: int) -> str:
         sp = " sp" if self.sequence_parallel else ""
-        return f"hybrid dp{self.dp} pp{self.pp} tp{self.tp} M{self.microbatches} {self.schedule}{sp}"
+        dp, pp, tp = self.mesh_shape(workers)
+        return f"hybrid dp{dp} pp{pp} tp{tp} M{self.microbatches} {self.schedule}{sp}"
 
 
 MeshOptions = TensorOptions | HybridOptions
