@@ -40,8 +40,9 @@ batch, s sequence, h width, L layers, fp32:
 * plain: ``(4L + 2)`` allreduces of ``b s h`` (forward: attn.proj and fc2 per block, the vocab
   embedding; backward: the qkv and fc1 inputs per block, the head's input) + 3 of ``b s`` (cross
   entropy's max, sum of exponentials, target logit);
-* sequence parallel: ``8L + 5`` allgathers / reduce-scatters of ``b s h`` (per block 4 in each
-  direction; the head's allgather and its reduce-scatter; the embedding's allreduce as two; block0's
+* sequence parallel: ``10L + 6`` allgathers / reduce-scatters of ``b s h`` (per block 4 in each
+  direction, and qkv's and fc1's inputs gathered again in backward instead of kept; the head's
+  allgather, its backward re-gather and reduce-scatter; the embedding's allreduce as two; block0's
   split, allgathered in backward) + the 3 cross-entropy allreduces + one allreduce of the replicated
   gradients summed over the sequence shards (``6h`` per block: ln1, ln2, proj and fc2 biases; ``2h``
   for ln_f).
@@ -299,7 +300,7 @@ def closed_bytes(*, b: int, s: int, h: int, layers: int, p: int, sequence_parall
     if not sequence_parallel:
         return allreduce * ((4 * layers + 2) * act + 3 * ce)
     replicated = 4 * (6 * h * layers + 2 * h)
-    return half * (8 * layers + 5) * act + allreduce * (3 * ce + replicated)
+    return half * (10 * layers + 6) * act + allreduce * (3 * ce + replicated)
 
 
 def _summarize(ranks: dict[int, dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:

@@ -76,14 +76,16 @@ def test_sequence_parallel_moves_the_same_bytes_in_the_same_time_plus_the_split_
         view = tm.group_cluster(c, [list(range(tp))])
         # each block's allreduce is an allgather + a reduce-scatter (the ring's halves add up to it exactly);
         # as dtrain's plan runs it, the embedding keeps its allreduce and block0's input is split, its backward
-        # an allgather; the norms' and row biases' gradients are summed (as tests/test_tensor_parallel_dist.py)
+        # an allgather; the column layers (qkv, fc1, the head) gather their input again in backward instead of
+        # keeping it; the norms' and row biases' gradients are summed (as tests/test_tensor_parallel_dist.py)
         replicated = 4.0 * (L * (4 * H + 2 * H) + 2 * H)
-        assert sp.bytes == pytest.approx(plain.bytes + (tp - 1) / tp * n + ring(tp, replicated))
-        assert sp.fwd_s + sp.bwd_s == pytest.approx(plain.fwd_s + plain.bwd_s + ring_allgather_time(view, "ring", n,
-                                                                                                    tp))
+        regathers = 1 + 2 * L + 1
+        assert sp.bytes == pytest.approx(plain.bytes + regathers * (tp - 1) / tp * n + ring(tp, replicated))
+        assert sp.fwd_s + sp.bwd_s == pytest.approx(
+            plain.fwd_s + plain.bwd_s + regathers * ring_allgather_time(view, "ring", n, tp))
         assert sp.grads_s == pytest.approx(allreduce_time(view, "ring", replicated, tp))
         assert plain.calls == 4 * L + 1 + 1 + 3
-        assert sp.calls == 8 * L + 2 + 2 + 3 + 1  # 8 halves a block, 2 each for embedding and head, the gradients
+        assert sp.calls == 10 * L + 2 + 3 + 3 + 1  # 10 halves a block, 2 for the embedding, 3 the head, gradients
     with pytest.raises(ConfigError, match="ring"):
         tm.tensor_parallel_comm(c, B, S, H, L, 2, sequence_parallel=True, algorithm="tree")
 

@@ -276,11 +276,12 @@ def tensor_memory(model: ModelProfile | TransformerShape, tp: int, sequence_para
 # the collectives of one micro-batch per layer kind (phase:op; "loss" is an allreduce of b s floats)
 _OPS: dict[tuple[str, bool], tuple[str, ...]] = {
     ("block", False): ("f:ar", "f:ar", "b:ar", "b:ar"),
-    ("block", True): ("f:ag", "f:rs", "f:ag", "f:rs", "b:rs", "b:ag", "b:rs", "b:ag"),
+    # sequence parallel: qkv's and fc1's inputs gathered again in backward (b:ag), not kept (Korthikanti 4.2.2)
+    ("block", True): ("f:ag", "f:rs", "f:ag", "f:rs", "b:rs", "b:ag", "b:ag", "b:rs", "b:ag", "b:ag"),
     ("embed", False): ("f:ar",),
     ("embed", True): ("f:ar", "b:ag"),  # dtrain's plan: the allreduce, then block0's input split
     ("head", False): ("b:ar", "f:loss", "f:loss", "f:loss"),
-    ("head", True): ("f:ag", "b:rs", "f:loss", "f:loss", "f:loss"),
+    ("head", True): ("f:ag", "b:ag", "b:rs", "f:loss", "f:loss", "f:loss"),
 }
 
 
@@ -347,7 +348,8 @@ def tensor_parallel_comm(c: ClusterSpec, batch: int, seq: int, hidden: int, laye
 
     Ring bytes per rank: ``M [(4L + E + H) 2(t-1)/t n + 3H 2(t-1)/t 4 b s]`` with ``n = b s h e``
     of a micro-batch of ``b = batch / M``, ``E``, ``H`` 1 with the embedding, the head; with
-    sequence parallelism plus ``M E (t-1)/t n`` and the allreduce of ``4 (6 h L + 2 h H)`` gradient bytes.
+    sequence parallelism plus ``M (E + 2L + H) (t-1)/t n`` (block0's split, the column layers' inputs
+    gathered again in backward) and the allreduce of ``4 (6 h L + 2 h H)`` gradient bytes.
 
     ``batch`` is a replica's samples per step, ``layers`` the blocks on this rank's stage, each of the
     ``M = microbatches`` pays its own latencies and floors; ``embedding``: the stage holds the embedding;

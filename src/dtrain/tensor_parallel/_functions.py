@@ -32,7 +32,8 @@ import torch
 from dtrain.comm.allreduce import allreduce
 from dtrain.comm.shard import allgather, reduce_scatter, segment
 
-__all__ = ["TPGroup", "copy_to_tp", "reduce_from_tp", "gather_sequence", "reduce_scatter_sequence", "split_sequence"]
+__all__ = ["TPGroup", "copy_to_tp", "reduce_from_tp", "gather_sequence", "gather_linear", "reduce_scatter_sequence",
+           "split_sequence"]
 
 
 class TPGroup:
@@ -154,6 +155,36 @@ class _SplitSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return ctx.g.gather_seq(grad, ctx.dim), None, None
+
+
+class _GatherLinear(torch.autograd.Function):
+    """``linear(allgather_seq(x), w, b)`` that keeps only the local chunk ``x`` for backward and gathers it
+    again there (Korthikanti et al. 2022, section 4.2.2): the gathered input is never held across the step."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g: TPGroup,
+                dim: int) -> torch.Tensor:  # fmt: skip
+        ctx.g, ctx.dim, ctx.has_bias = g, dim, bias is not None
+        ctx.save_for_backward(x, weight)
+        return torch.nn.functional.linear(g.gather_seq(x, dim), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        g: TPGroup = ctx.g
+        full = g.gather_seq(x, ctx.dim)
+        grad_in = grad.matmul(weight)
+        grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        return g.reduce_scatter_seq(grad_in, ctx.dim), grad_w, grad_b, None, None
+
+
+def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g: TPGroup,
+                  dim: int = 1) -> torch.Tensor:  # fmt: skip
+    """Sequence parallel's column-parallel linear: allgather the sequence chunks, multiply; backward gathers the
+    input again instead of keeping it, then reduce-scatters the input gradient."""
+    out: torch.Tensor = _GatherLinear.apply(x, weight, bias, g, dim)  # type: ignore[no-untyped-call]
+    return out
 
 
 def copy_to_tp(x: torch.Tensor, g: TPGroup) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dtrain.errors import ConfigError
 from dtrain.tensor_parallel._functions import (
     TPGroup,
     copy_to_tp,
-    gather_sequence,
+    gather_linear,
     reduce_from_tp,
     reduce_scatter_sequence,
 )
@@ -40,7 +40,8 @@ class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with the rows of ``A`` (output features) split over the group.
 
     The input enters through Megatron's ``f`` (its gradient allreduced), or with
-    ``sequence_parallel`` is allgathered from sequence shards; the output stays split
+    ``sequence_parallel`` is allgathered from sequence shards (and gathered again in backward
+    rather than kept: :func:`~dtrain.tensor_parallel._functions.gather_linear`); the output stays split
     along the feature dim. ``chunks`` > 1 splits each of that many equal output blocks on
     its own (a fused q/k/v projection: every rank gets its heads of q, of k and of v).
 
@@ -71,8 +72,9 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.cat([b.chunk(p, 0)[group.rank] for b in bb], 0).clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_sequence(x, self.g) if self.sequence_parallel else copy_to_tp(x, self.g)
-        return F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel:  # keeps this rank's chunk for backward, not the gathered sequence
+            return gather_linear(x, self.weight, self.bias, self.g)
+        return F.linear(copy_to_tp(x, self.g), self.weight, self.bias)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The unsplit ``weight`` and ``bias`` (a collective over the group)."""
