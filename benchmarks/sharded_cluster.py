@@ -18,8 +18,9 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
+
+from _cluster import measure
 
 from dtrain.strategies import Choice, choice
 
@@ -31,24 +32,6 @@ SYSTEMS: list[tuple[str, Choice]] = [
     ("zero-2, overlap forward", choice("dp", 4, "ring", shard="gradients", overlap="forward")),
     ("zero-3 (parameters)", choice("dp", 4, "ring", shard="parameters")),
 ]
-
-
-def measure(cfg, cluster: str, warmup: int) -> tuple[list[float], float]:
-    """Step times (seconds, after warm-up, every worker) and mean bytes per step of one run on the cluster."""
-    from dtrain.cluster import launch_on_cluster
-    from dtrain.trace import merge_rank_files
-    from dtrain.train import worker_main
-
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d)
-        cfg = cfg.replace(out=str(out))
-        launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes, cluster=cluster,
-                          stream_first=False, timeout_s=900)  # fmt: skip
-        merge_rank_files(out)
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if r["step"] >= warmup and r.get("samples_per_s")]
-    times = [cfg.batch_size / r["samples_per_s"] for r in rows]
-    return times, statistics.mean(float(r["bytes_sent"]) for r in rows)
 
 
 def main() -> int:
