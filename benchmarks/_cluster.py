@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 
-def measure(cfg: Any, cluster: str, warmup: int) -> tuple[list[float], float]:
-    """Step times (seconds, after warm-up, every worker) and mean bytes per step of one run on the cluster."""
+def run_rows(cfg: Any, cluster: str) -> list[dict[str, Any]]:
+    """The ``metrics.jsonl`` rows (every rank) of one ``dtrain run`` of ``cfg`` on the emulated ``cluster``."""
     from dtrain.cluster import launch_on_cluster
     from dtrain.trace import merge_rank_files
     from dtrain.train import worker_main
@@ -21,7 +21,12 @@ def measure(cfg: Any, cluster: str, warmup: int) -> tuple[list[float], float]:
         launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes, cluster=cluster,
                           stream_first=False, timeout_s=900)  # fmt: skip
         merge_rank_files(out)
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if r["step"] >= warmup and r.get("samples_per_s")]
+        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def measure(cfg: Any, cluster: str, warmup: int) -> tuple[list[float], float]:
+    """Step times (seconds, after warm-up, every worker) and mean bytes per step of one run on the cluster
+    (rows of strategies whose rows speak for the global batch: dp, tensor, hybrid)."""
+    rows = [r for r in run_rows(cfg, cluster) if r["step"] >= warmup and r.get("samples_per_s")]
     times = [cfg.batch_size / r["samples_per_s"] for r in rows]
     return times, statistics.mean(float(r["bytes_sent"]) for r in rows)

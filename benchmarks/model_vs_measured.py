@@ -23,12 +23,11 @@ calibration runs right before the measurements to see the same conditions.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 from dataclasses import replace
-from pathlib import Path
+
+from _cluster import run_rows
 
 from dtrain.strategies import Choice, choice
 
@@ -45,17 +44,7 @@ DEFAULT_STRATEGIES = [
 
 def measure(cfg, cluster: str, warmup: int) -> list[float]:
     """Step times (seconds, after warm-up, every worker) of one ``dtrain run`` on the emulated cluster."""
-    from dtrain.cluster import launch_on_cluster
-    from dtrain.trace import merge_rank_files
-    from dtrain.train import worker_main
-
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d)
-        cfg = cfg.replace(out=str(out))
-        launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes, cluster=cluster,
-                          stream_first=False, timeout_s=900)  # fmt: skip
-        merge_rank_files(out)
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = run_rows(cfg, cluster)
     # dp rows report the global batch per step, ps rows their worker's own batch
     per_step = cfg.batch_size if cfg.strategy != "ps" else cfg.batch_size // cfg.workers
     return [per_step / r["samples_per_s"] for r in rows if r["step"] >= warmup and r.get("samples_per_s")]
