@@ -10,6 +10,8 @@ a tp group are consecutive, so on this cluster of one process per host every gro
 Run (root; ~10 minutes)::
 
     python benchmarks/mesh_cluster.py --bandwidth 1gbit --hosts 4 --steps 20 --rounds 2
+
+The calibration is kept beside the JSON (``mesh_cluster.toml``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def main() -> int:
     from dtrain.bench.calibrate import calibrate_cluster, summary
     from dtrain.config import RunConfig
     from dtrain.perfmodel.planner import plan
+    from dtrain.perfmodel.spec import dump_cluster
     from dtrain.workload import load_model
 
     print(f"torch {torch.__version__}; {ns.model} on pytext, global batch {ns.batch} x {ns.seq_len} tokens, SGD, "
@@ -72,6 +75,7 @@ def main() -> int:
     try:
         spec = calibrate_cluster(cname, model=ns.model, dataset="pytext", batch=ns.batch, quick=True)
         print(summary(spec))
+        Path(ns.json).with_suffix(".toml").write_text(dump_cluster(spec, "mesh_cluster.py's calibration"))
         model, sample, name = load_model(ns.model, "pytext", batch=ns.batch, seq_len=ns.seq_len)
         pr = plan(model, sample, spec, workers=ns.hosts, name=name, strategies=[s for _, s in todo], mesh=True)
         print(pr.table())
