@@ -65,3 +65,17 @@ def test_bad_meshes_are_refused_before_any_process_starts(tmp_path, flags, messa
     assert p.returncode != 0
     assert message in p.stderr, p.stderr[-2000:]
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_hybrid_run_compresses_its_dp_allreduce(tmp_path):
+    exact, half = tmp_path / "exact", tmp_path / "fp16"
+    mesh = ["--strategy", "hybrid", "--workers", "4", "--dp", "2", "--tp", "2"]
+    for out, comp in ((exact, "none"), (half, "fp16")):
+        p = dtrain_cli("run", *COMMON, *mesh, "--compression", comp, "--out", str(out))
+        assert p.returncode == 0, p.stderr[-3000:]
+    a, b = _mean_losses(exact), _mean_losses(half)
+    assert b[5] < b[0] and b[5] == pytest.approx(a[5], rel=1e-2)  # learns, as the exact run does
+    dp = {name: [r["dp_bytes"] for r in read_metrics(out) if r["step"] == 5]
+          for name, out in (("a", exact), ("b", half))}
+    assert all(x == pytest.approx(y / 2, rel=0.01) for x, y in zip(dp["b"], dp["a"])), dp  # 16-bit gradients
+    assert read_summary(half)["strategy"] == "hybrid"

@@ -50,13 +50,15 @@ class Hybrid:
         algorithm: the dp allreduce algorithm (default: ring).
         timeout_s: seconds any wait may block (default: 300).
         tracer: a :class:`dtrain.trace.Tracer` for the pipeline's spans (default: None).
+        compressor: a :mod:`dtrain.compress` compressor (or spec) of the dp allreduce, as DataParallel's
+            (error feedback and all); None: exact (default: None).
     """
 
     def __init__(self, model: nn.Module, mesh: Mesh, *, plan: Any = None, microbatches: int = 1,
                  schedule: str = "1f1b", balance: Any = "equal",
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  sequence_parallel: bool = False, algorithm: str = "ring", timeout_s: float = 300.0,
-                 tracer: Any = None) -> None:  # fmt: skip
+                 tracer: Any = None, compressor: Any = None) -> None:  # fmt: skip
         import dtrain.tensor_parallel as tp
         from dtrain.comm.allreduce import ALGORITHMS
         from dtrain.models import task_loss
@@ -88,6 +90,14 @@ class Hybrid:
             self.pipe = Pipeline(model, microbatches, schedule, loss_fn=self.loss_fn, balance=balance,
                                  group=mesh.group("pp"), timeout=timeout_s, tracer=tracer)  # fmt: skip
         self._partial = [p for p in self.parameters() if getattr(p, "tp_partial_grad", False)]
+        self._reducer: Any = None
+        if mesh.size("dp") > 1:  # averages one flat buffer over dp: an algorithm, or a compressor's collective
+            from dtrain.data_parallel._comm import BucketReducer
+            from dtrain.data_parallel.engine import _resolve_compression
+
+            self._reducer = BucketReducer(algorithm, mesh.group("dp"), mesh.size("dp"), timeout_s,
+                                          _resolve_compression(compressor))  # fmt: skip
+            self._shapes = tuple(tuple(p.shape) for p in self.parameters())
         self._dp_bytes = 0
         self._dp_s = 0.0
         self._seen = {"tp": 0.0, "dp": 0.0}
@@ -129,15 +139,18 @@ class Hybrid:
             off += g.numel()
 
     def _average_over_dp(self) -> None:
-        from dtrain.comm.allreduce import allreduce, get_transport
-
-        group = self.mesh.group("dp")
-        t = get_transport(group, self.timeout_s)
-        before, t0 = t.stats.bytes_sent, time.perf_counter()
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        self._allreduce(grads, lambda f: allreduce(f, "sum", self.algorithm, group=group, timeout=self.timeout_s),
-                        1.0 / self.mesh.size("dp"))  # fmt: skip
-        self._dp_bytes += int(t.stats.bytes_sent - before)
+        """One flat buffer of every gradient, averaged over dp (pre-divided, as DataParallel's buckets)."""
+        t0 = time.perf_counter()
+        params = list(self.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._dp_bytes += self._reducer(flat, "hybrid.dp", self._shapes)
+        off = 0
+        for p, g in zip(params, grads):
+            g.copy_(flat[off : off + g.numel()].view_as(g))
+            if p.grad is None:
+                p.grad = g
+            off += g.numel()
         self._dp_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ figures and state

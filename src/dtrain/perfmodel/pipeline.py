@@ -59,7 +59,7 @@ from dtrain.errors import ConfigError
 from dtrain.perfmodel.predict import Memory, Prediction, StepInputs, _opt_state, compute_times
 from dtrain.pipeline.partition import SPECS, block_partition
 from dtrain.pipeline.pipe import CHECKPOINTS, SCHEDULES
-from dtrain.pipeline.schedules import generate, simulate
+from dtrain.pipeline.schedules import bubble_closed_form, generate, simulate
 from dtrain.strategies.base import choice
 
 if TYPE_CHECKING:
@@ -426,6 +426,23 @@ def memory(prof: ModelProfile, s: Choice, comp: CompressionModel | None) -> Memo
     return pipeline_memory(whole, s.workers, o.microbatches, o.schedule, o.virtual, sizes, o.checkpoint)
 
 
+def idle_aware(c: ClusterSpec, schedule: str, stages: int, microbatches: int, chunks: int = 1) -> ClusterSpec:
+    """The cluster as a pipeline's workers see it when they share cores (an emulated cluster on one machine).
+
+    A calibrated ``compute_scale`` ``s`` is the slowdown when every device computes at once;
+    a pipeline's workers idle the bubble ``b`` of the step, so on average ``P (1 - b)`` of the
+    ``P`` compute together and each runs ``max(1, s (1 - b))`` slower, not ``s``. On a real
+    cluster (``s = 1``) nothing changes.
+    """
+    scale = c.device.compute_scale
+    if scale <= 1.0 or stages <= 1:
+        return c
+    from dataclasses import replace
+
+    busy = 1.0 - bubble_closed_form(schedule, stages, microbatches, chunks)
+    return replace(c, device=replace(c.device, compute_scale=max(1.0, scale * busy)))
+
+
 def predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel, inputs: StepInputs) -> Prediction:
     """The registry's ``predict`` hook: :func:`pipeline_cost` as a :class:`Prediction`.
 
@@ -445,6 +462,7 @@ def predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionMode
     if reason:
         return Prediction(s, math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, inputs.memory, False,
                           f"infeasible: {reason}")  # fmt: skip
+    c = idle_aware(c, o.schedule, s.workers, o.microbatches, o.virtual)
     sizes = stage_cut(whole, s.workers * o.virtual, o.balance, o.microbatches)
     pc = pipeline_cost(whole, c, s.workers, o.microbatches, o.schedule, o.virtual, sizes, o.checkpoint)
     m, w = o.microbatches, pc.slowest

@@ -44,7 +44,7 @@ from typing import Any
 from dtrain.errors import ConfigError
 from dtrain.perfmodel._units import format_bytes
 from dtrain.perfmodel.collectives import CompressionModel, allreduce_bytes
-from dtrain.perfmodel.pipeline import PipelineCost, _spans, in_flight, pipeline_cost, stage_cut
+from dtrain.perfmodel.pipeline import PipelineCost, _spans, idle_aware, in_flight, pipeline_cost, stage_cut
 from dtrain.perfmodel.predict import Memory, Prediction, _opt_state, bucket_collective, compute_times
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile
 from dtrain.perfmodel.sharded import shard_collective
@@ -497,7 +497,8 @@ def predict_hybrid(prof: ModelProfile, c: ClusterSpec, *, dp: int, pp: int, tp: 
     comm = [_layer_comm(r.kind, tp_view, tp_algorithm, tp, sequence_parallel, n, loss_n) for r in ranked]
     stages = group_cluster(c, mesh_groups("pp", dp, pp, tp))  # the stages placed as the mesh places them
     stages = replace(stages, models={}, device=replace(c.device, host=_HOST, compute_scale=1.0))
-    fwd, bwd, opt = compute_times(replica, c)
+    # workers sharing cores compute less at once in a pipeline (its bubble): pipeline.idle_aware
+    fwd, bwd, opt = compute_times(replica, idle_aware(c, sched[0], pp, m, sched[1]) if pp > 1 else c)
     stage_prof = _stage_profile(replica, (fwd, bwd), ranked, comm, tp, m)
     pc = pipeline_cost(stage_prof, stages, pp, m, *sched, sizes=stage_cut(stage_prof, pp * sched[1], balance, m))
     owned = [[i for k, span in enumerate(_spans(pc.sizes)) if k % pp == w for i in span] for w in range(pp)]

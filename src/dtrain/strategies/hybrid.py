@@ -19,7 +19,7 @@ from torch import nn
 
 from dtrain.comm.allreduce import ALGORITHMS
 from dtrain.errors import ConfigError
-from dtrain.strategies._common import choose
+from dtrain.strategies._common import CompressedOptions, choose
 from dtrain.strategies.base import Choice, PlanSpace, Strategy, StrategyOptions, register
 from dtrain.training.context import TrainContext
 from dtrain.training.guard import flagged_ranks
@@ -67,7 +67,7 @@ class TensorOptions(StrategyOptions):
 
 
 @dataclass(frozen=True)
-class HybridOptions(StrategyOptions):
+class HybridOptions(CompressedOptions):
     """Options of ``--strategy hybrid`` (:func:`dtrain.hybrid` over ``Mesh(dp, pp, tp)``; workers = dp x pp x tp).
 
     Attributes:
@@ -77,6 +77,7 @@ class HybridOptions(StrategyOptions):
         balance: the pipeline's cut: equal, params, or layer counts "2,3".
         sequence_parallel: tensor parallelism with sequence-sharded norms.
         algorithm: the dp allreduce algorithm.
+        compression / error_feedback: a compressor of the dp allreduce (``--compression``), as dp's.
     """
 
     dp: int = field(default=0, metadata={"help": "hybrid: data-parallel size (default: 0, workers / (pp x tp))"})
@@ -99,6 +100,7 @@ class HybridOptions(StrategyOptions):
         choose("algorithm", self.algorithm, tuple(ALGORITHMS))
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("--sequence-parallel needs tensor parallelism: --tp 2 or more")
+        super().__post_init__()
 
     def processes(self, workers: int) -> int:
         return workers
@@ -120,7 +122,7 @@ class HybridOptions(StrategyOptions):
     def label(self, workers: int) -> str:
         sp = " sp" if self.sequence_parallel else ""
         dp, pp, tp = self.mesh_shape(workers)
-        return f"hybrid dp{dp} pp{pp} tp{tp} M{self.microbatches} {self.schedule}{sp}"
+        return f"hybrid dp{dp} pp{pp} tp{tp} M{self.microbatches} {self.schedule}{sp}{self._comp_label()}"
 
 
 MeshOptions = TensorOptions | HybridOptions
@@ -179,7 +181,8 @@ class HybridEngine:
         self._train_model = ctx.make_model()
         self.h = Hybrid(self._train_model, self.mesh, microbatches=micro, schedule=schedule,
                         balance=parse_balance(balance), loss_fn=ctx.loss, sequence_parallel=o.sequence_parallel,
-                        algorithm=o.dp_algorithm, timeout_s=ctx.cfg.timeout_s, tracer=ctx.tracer)  # fmt: skip
+                        algorithm=o.dp_algorithm, timeout_s=ctx.cfg.timeout_s, tracer=ctx.tracer,
+                        compressor=ctx.make_compressor())  # fmt: skip
         self.optimizer = ctx.make_optimizer(list(self.h.parameters()))
         self.evaluator = ctx.rank == 0
         self.model: nn.Module = ctx.make_model() if self.evaluator else self._train_model  # unsplit, for evaluation
