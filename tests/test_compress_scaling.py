@@ -297,7 +297,7 @@ def test_dtrain_run_moves_momentum_from_the_optimizer_into_the_compressor(tmp_pa
     c = ctx(compression="sign", error_feedback=False)
     assert c.make_compressor().momentum == 0.0 and c.make_optimizer(w).param_groups[0]["momentum"] == 0.9
     assert ctx(strategy="ddp").make_optimizer(w).param_groups[0]["momentum"] == 0.9
-    with pytest.raises(ConfigError, match="belongs to strategy dp / ps"):  # torch DDP compresses nothing
+    with pytest.raises(ConfigError, match="belongs to strategy dp / hybrid / ps"):  # torch DDP compresses nothing
         ctx(compression="sign", strategy="ddp")
 
 
