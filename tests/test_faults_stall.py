@@ -33,6 +33,11 @@ def _workers(pid: int) -> list[int]:
     return sorted(out)
 
 
+def _steps_done(out: Path, steps: int) -> bool:
+    files = list(out.glob("metrics.rank*.jsonl"))
+    return len(files) == 4 and all(len(f.read_text().splitlines()) >= steps for f in files)
+
+
 def test_a_stopped_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> None:
     out = tmp_path / "r"
     cmd = [sys.executable, "-m", "dtrain.cli", "run", "--workers", "4", "--epochs", "200", "--timeout-s",
@@ -41,9 +46,9 @@ def test_a_stopped_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> Non
     victim = None
     try:
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not list(out.glob("metrics.rank*.jsonl")):
+        # a few steps in: every rank has written rows (the files exist before the model is wrapped)
+        while time.monotonic() < deadline and not _steps_done(out, 3):
             time.sleep(0.2)
-        time.sleep(2)  # a few steps in
         workers = _workers(p.pid)
         assert len(workers) == 4, workers
         victim = workers[-1]

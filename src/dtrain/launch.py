@@ -12,18 +12,20 @@ SIGQUIT, with :class:`LaunchInterrupted` once the agent has stopped every worker
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtrain.errors import DTrainError
+from dtrain.errors import CommTimeoutError, DTrainError
 
 __all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "launch", "free_port", "threads_per_worker"]
 
@@ -126,17 +128,42 @@ def _child(
     from dtrain import runtime
 
     runtime.init(backend=backend)
+    failed = False
     try:
         return fn(*args)
-    except BaseException:
+    except BaseException as e:
         # torch's spawn wrapper ends a worker quietly on KeyboardInterrupt; others it prints. Ctrl-C
         # can come back as another exception: torch's checkpoint collectives turn it into a
         # CheckpointException (a BaseException) naming every rank's KeyboardInterrupt.
         if interrupt.seen:
             raise KeyboardInterrupt from None
+        failed = isinstance(e, CommTimeoutError)  # a silent peer: tearing the groups down would wait on it
         raise
     finally:
-        runtime.shutdown()
+        if failed:
+            _exit_without_teardown()
+        else:
+            runtime.shutdown()
+
+
+def _exit_without_teardown() -> None:
+    """After a timeout, leave the process groups alone and end the process without destroying them.
+
+    The silent peer may be stopped (SIGSTOP) or hung: destroying a gloo group (``destroy_process_group``,
+    or the garbage collector at exit) joins its threads, which wait on that peer forever, so the worker
+    would never exit and never let the launcher report the error. torch's wrapper writes the error
+    file and calls ``sys.exit(1)``; an exit handler then ends the process at once with that status.
+    A peer that died (its connections closed) is no such case: the orderly teardown returns, and its
+    own error, the cause, is reported first.
+    """
+
+    def hard_exit() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+
+    atexit.register(hard_exit)
 
 
 def launch(
