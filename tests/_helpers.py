@@ -96,3 +96,12 @@ def read_metrics(out: Path) -> list[dict[str, Any]]:
 def read_summary(out: Path) -> dict[str, Any]:
     """A run folder's ``summary.json``."""
     return dict(json.loads((out / "summary.json").read_text()))
+
+
+def mean_losses(out: Path) -> dict[int, float]:
+    """Per step, the mean of every rank's row loss: the global batch's loss when the ranks' shards are equal
+    (each shard counted as often as ranks share it)."""
+    rows: dict[int, list[float]] = {}
+    for r in read_metrics(out):
+        rows.setdefault(r["step"], []).append(r["loss"])
+    return {k: sum(v) / len(v) for k, v in rows.items()}

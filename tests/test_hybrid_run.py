@@ -5,18 +5,10 @@ library's oracles are in tests/test_tensor_parallel_dist.py and tests/test_hybri
 from __future__ import annotations
 
 import pytest
-from _helpers import dtrain_cli, read_metrics, read_summary
+from _helpers import dtrain_cli, mean_losses, read_metrics, read_summary
 
 COMMON = ["--model", "gpt-tiny", "--dataset", "pytext", "--epochs", "1", "--max-steps", "6", "--batch-size", "8",
           "--eval-samples", "16", "--no-progress", "--no-trace", "--seq-len", "16"]
-
-
-def _mean_losses(out) -> dict[int, float]:
-    """Per step, the mean over ranks: every dp shard appears once per (pp, tp) rank, so this is the batch's loss."""
-    rows: dict[int, list[float]] = {}
-    for r in read_metrics(out):
-        rows.setdefault(r["step"], []).append(r["loss"])
-    return {k: sum(v) / len(v) for k, v in rows.items()}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +30,7 @@ def test_tensor_and_hybrid_runs_train_like_one_process(tmp_path, single, flags, 
     out = tmp_path / "r"
     p = dtrain_cli("run", *COMMON, *flags, "--out", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
-    a, b = _mean_losses(single), _mean_losses(out)
+    a, b = mean_losses(single), mean_losses(out)
     assert sorted(a) == sorted(b) == list(range(6))
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
@@ -73,7 +65,7 @@ def test_a_hybrid_run_compresses_its_dp_allreduce(tmp_path):
     for out, comp in ((exact, "none"), (half, "fp16")):
         p = dtrain_cli("run", *COMMON, *mesh, "--compression", comp, "--out", str(out))
         assert p.returncode == 0, p.stderr[-3000:]
-    a, b = _mean_losses(exact), _mean_losses(half)
+    a, b = mean_losses(exact), mean_losses(half)
     assert b[5] < b[0] and b[5] == pytest.approx(a[5], rel=1e-2)  # learns, as the exact run does
     dp = {name: [r["dp_bytes"] for r in read_metrics(out) if r["step"] == 5]
           for name, out in (("a", exact), ("b", half))}

@@ -5,7 +5,7 @@ step equal to the closed form, memory per rank in the summary, a stage-3 checkpo
 from __future__ import annotations
 
 import pytest
-from _helpers import dtrain_cli, read_metrics, read_summary
+from _helpers import dtrain_cli, mean_losses, read_metrics, read_summary
 
 # a batch of 48 divides over 2, 3 and 4 workers: the global batch, and so the loss curve, is the same on each
 COMMON = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", "48", "--max-steps", "8"]
@@ -13,14 +13,6 @@ COMMON = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", "48", 
 
 def _losses(out) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(out) if r["rank"] == 0}
-
-
-def _mean_losses(out) -> dict[int, float]:
-    """The global batch's loss per step: the mean of the ranks' (equal-sized) shard losses."""
-    rows: dict[int, list[float]] = {}
-    for r in read_metrics(out):
-        rows.setdefault(r["step"], []).append(r["loss"])
-    return {k: sum(v) / len(v) for k, v in rows.items()}
 
 
 def _cnn_padded(world: int) -> int:
@@ -66,14 +58,14 @@ def test_a_stage3_checkpoint_of_4_workers_resumes_on_2_and_3(tmp_path):
     flags = [*COMMON, "--shard", "parameters", "--optimizer", "adam", "--lr", "0.002"]
     p = dtrain_cli("run", *flags, "--workers", "4", "--checkpoint-every", "4", "--out", str(full))
     assert p.returncode == 0, p.stderr[-3000:]
-    want = _mean_losses(full)
+    want = mean_losses(full)
     ckpt = full / "checkpoints" / "step_000004"
     assert (ckpt / "checkpoint.json").exists()
     for workers in ("2", "3"):
         out = tmp_path / f"on{workers}"
         p = dtrain_cli("run", *flags, "--workers", workers, "--resume", str(ckpt), "--out", str(out))
         assert p.returncode == 0, p.stderr[-3000:]
-        got = _mean_losses(out)
+        got = mean_losses(out)
         assert sorted(got) == [4, 5, 6, 7]
         for step, loss in got.items():
             assert loss == pytest.approx(want[step], rel=1e-5), (workers, step)

@@ -9,6 +9,7 @@ order, which is what keeps the ranks' collectives matched.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import queue
 import threading
@@ -111,8 +112,6 @@ class Stream:
             self._thread.join(timeout=5)
             self._thread = None
         if self.group is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort at teardown: a peer may be gone
                 dist.destroy_process_group(self.group)
-            except Exception:  # noqa: BLE001 - best effort at teardown: a peer may be gone
-                pass
             self.group = None

@@ -52,6 +52,7 @@ synchronised backward reduces the sum.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -576,10 +577,8 @@ class ShardedDataParallel(nn.Module):
         self._rs.close()
         self._ag.close()
         if self._ctl is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort at teardown
                 dist.destroy_process_group(self._ctl)
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
 
     def __repr__(self) -> str:
         return (f"ShardedDataParallel(shard={self.shard!r}, algorithm={self.algorithm!r}, world={self._world}, "
