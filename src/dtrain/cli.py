@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from dtrain._cli import run_command
-from dtrain.config import LR_SCHEDULES, OPTIMIZERS, RunConfig, load_toml, option_fields
+from dtrain.config import LR_SCHEDULES, OPTIMIZERS, PRECISIONS, RunConfig, load_toml, option_fields
 from dtrain.errors import DTrainError
+from dtrain.schedule import LR_SCALINGS
 from dtrain.strategies.base import registered
 
 __all__ = ["main", "build_parser", "config_from_args"]
@@ -24,12 +25,29 @@ __all__ = ["main", "build_parser", "config_from_args"]
 _CHOICES: dict[str, Sequence[str]] = {
     "optimizer": OPTIMIZERS,
     "lr_schedule": LR_SCHEDULES,
+    "precision": PRECISIONS,
+    "lr_scaling": LR_SCALINGS,
 }
 _HELP = {
     "workers": "worker processes (default: 4)",
     "lr_schedule": "learning rate over the run: constant, or cosine from --lr down to 0 at the last step "
                    "(default: constant)",
     "batch_size": "global batch size, summed over workers",
+    "optimizer": "sgd | adam | adamw | lars (You et al. 2017) | lamb (You et al. 2019) (default: sgd)",
+    "precision": "compute precision: fp32, or bf16 / fp16 under torch autocast with float32 master weights; fp16 "
+    "scales the loss (dynamic, the overflow skip agreed by every rank of a step); gradients travel in "
+    "16 bits (default: fp32)",
+    "lr_scaling": "scale --lr with the global batch: linear (lr x B / base batch, Goyal et al. 2017), sqrt, or "
+    "none (default: none)",
+    "base_batch": "the global batch --lr was tuned for (default: 0, the run's first global batch)",
+    "warmup_steps": "gradual warmup over N steps: from --lr to the scaled rate (Goyal et al.), or from near 0 "
+    "without scaling (default: 0)",
+    "warmup_epochs": "the warmup in epochs instead (default: 0)",
+    "batch_schedule": 'grow the global batch: "0:256,5:512" (from epoch: batch), or auto (double it while the '
+    "measured gradient noise scale exceeds it; dp) (default: none)",
+    "max_batch": "the largest batch --batch-schedule auto grows to (default: 0, a quarter of the training set)",
+    "noise_scale": "log the gradient noise scale B_simple every step (McCandlish et al. 2018; dp, 2+ workers; "
+    "one extra scalar all-reduce) (default: off)",
     "straggler": "RANK:FACTOR: that rank's own work per step (data, forward, backward) takes FACTOR times its "
                  "usual time (median of its last 50 steps); communication is not slowed",
     "strategy": "how to distribute: one of the registered strategies (default: dp)",

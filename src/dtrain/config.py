@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RunConfig",
     "OPTIMIZERS",
+    "PRECISIONS",
     "LR_SCHEDULES",
     "BACKENDS",
     "load_toml",
@@ -51,7 +52,8 @@ __all__ = [
     "build_options",
 ]
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
+PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine")
 BACKENDS = ("gloo", "nccl", "mpi")
 _GPT_SHAPE = ("layers", "d_model", "heads", "dropout")  # RunConfig fields that resize a gpt model
@@ -138,8 +140,16 @@ class RunConfig:
     batch_size: int = 64  # global: summed over workers
     lr: float = 0.05
     momentum: float = 0.9
-    optimizer: str = "sgd"  # sgd | adam
+    optimizer: str = "sgd"  # sgd | adam | adamw | lars | lamb
     lr_schedule: str = "constant"  # constant | cosine (decay to 0 over the run's steps)
+    lr_scaling: str = "none"  # none | linear | sqrt: lr x (global batch / base_batch), or its square root
+    base_batch: int = 0  # the global batch --lr was tuned for (0: the run's first global batch)
+    warmup_steps: int = 0  # gradual warmup to the scaled rate over N steps (Goyal et al.)
+    warmup_epochs: float = 0.0  # the same in epochs (of the first epoch's steps)
+    batch_schedule: str = ""  # "0:256,5:512" (epoch: global batch), or auto (grow toward the noise scale)
+    max_batch: int = 0  # auto batch schedule: the largest global batch (0: a quarter of the training set)
+    noise_scale: bool = False  # log the gradient noise scale B_simple every step (dp; McCandlish et al.)
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast compute, fp32 master weights, fp16: loss scaling)
     weight_decay: float = 0.0
     seed: int = 0
     max_steps: int = 0  # stop after this many steps (0: no limit)
@@ -166,6 +176,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", options_for(self.strategy, self.options))
+        if self.batch_schedule and self.batch_schedule != "auto":  # its epoch-0 batch is the run's first
+            from dtrain.schedule import parse_batch_schedule
+
+            object.__setattr__(self, "batch_size", parse_batch_schedule(self.batch_schedule)[0][1])
 
     # ------------------------------------------------------------------ building
 
@@ -278,6 +292,10 @@ class RunConfig:
         self._check_task()
         choose("optimizer", self.optimizer, OPTIMIZERS)
         choose("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        choose("precision", self.precision, PRECISIONS)
+        from dtrain.schedule import LR_SCALINGS
+
+        choose("lr_scaling", self.lr_scaling, LR_SCALINGS)
         if self.backend and self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r} is not known; choose gloo, nccl or mpi")
 
@@ -330,7 +348,8 @@ class RunConfig:
             raise ConfigError(f"max_steps must be >= 0, got {self.max_steps}")
         if self.samples < 16:
             raise ConfigError(f"samples must be >= 16, got {self.samples}")
-        for k in ("eval_every", "eval_samples", "layers", "d_model", "heads", "skip_nonfinite"):
+        for k in ("eval_every", "eval_samples", "layers", "d_model", "heads", "skip_nonfinite", "base_batch",
+                  "warmup_steps", "warmup_epochs", "max_batch"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"{k} must be >= 0, got {getattr(self, k)}")
         if self.seq_len < 2:
@@ -347,6 +366,40 @@ class RunConfig:
         size = len(self.load_data().train)
         if self.batch_size > size:
             raise ConfigError(f"batch_size {self.batch_size} is larger than the training set ({size} samples)")
+        self._check_large_batch(size)
+
+    def _check_large_batch(self, size: int) -> None:
+        """Warmup, the batch schedule and the noise scale (:mod:`dtrain.schedule`)."""
+        if self.warmup_steps and self.warmup_epochs:
+            raise ConfigError(f"give warmup_steps ({self.warmup_steps}) or warmup_epochs ({self.warmup_epochs:g}), "
+                              "not both")  # fmt: skip
+        shards = self.opts.batch_shards(self.workers)
+        if self.batch_schedule == "auto":
+            if not self.opts.measures_noise_scale(self.workers):
+                raise ConfigError(
+                    "batch_schedule auto grows the batch toward the gradient noise scale that plain "
+                    "data parallelism measures: use --strategy dp (no --shard) with 2 or more workers"
+                )
+            if self.max_batch and (self.max_batch > size or self.max_batch % shards):
+                raise ConfigError(f"max_batch {self.max_batch} must be a multiple of the {shards} workers and at "
+                                  f"most the training set ({size} samples)")  # fmt: skip
+            if self.batch_size % shards:
+                raise ConfigError(f"batch_schedule auto doubles the batch: batch_size {self.batch_size} must be a "
+                                  f"multiple of the {shards} workers")  # fmt: skip
+        elif self.batch_schedule:
+            from dtrain.schedule import parse_batch_schedule
+
+            for epoch, batch in parse_batch_schedule(self.batch_schedule):
+                if batch % shards:
+                    raise ConfigError(f"batch_schedule: the batch {batch} (from epoch {epoch}) does not divide "
+                                      f"into the {shards} workers' shards; use a multiple of {shards}")  # fmt: skip
+                if batch > size:
+                    raise ConfigError(f"batch_schedule: the batch {batch} (from epoch {epoch}) is larger than "
+                                      f"the training set ({size} samples)")  # fmt: skip
+                self.entry.check(self.opts, dataclasses.replace(self, batch_schedule="", batch_size=batch))
+        if self.noise_scale and not self.opts.measures_noise_scale(self.workers):
+            raise ConfigError("noise_scale compares each worker's gradient with their average: use --strategy dp "
+                              "(no --shard) with 2 or more workers")  # fmt: skip
 
     def validate(self) -> RunConfig:
         """Check every option; raise :class:`ConfigError` saying what to change."""

@@ -52,13 +52,16 @@ class Hybrid:
         tracer: a :class:`dtrain.trace.Tracer` for the pipeline's spans (default: None).
         compressor: a :mod:`dtrain.compress` compressor (or spec) of the dp allreduce, as DataParallel's
             (error feedback and all); None: exact (default: None).
+        loss_scale: fp16 loss scaling: a function giving the current scale; the backward starts from the
+            loss times it and :meth:`step` returns the unscaled loss (default: None, no scaling).
     """
 
     def __init__(self, model: nn.Module, mesh: Mesh, *, plan: Any = None, microbatches: int = 1,
                  schedule: str = "1f1b", balance: Any = "equal",
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  sequence_parallel: bool = False, algorithm: str = "ring", timeout_s: float = 300.0,
-                 tracer: Any = None, compressor: Any = None) -> None:  # fmt: skip
+                 tracer: Any = None, compressor: Any = None,
+                 loss_scale: Callable[[], float] | None = None) -> None:  # fmt: skip
         import dtrain.tensor_parallel as tp
         from dtrain.comm.allreduce import ALGORITHMS
         from dtrain.models import task_loss
@@ -81,6 +84,10 @@ class Hybrid:
                 lambda out, y: tp.vocab_parallel_cross_entropy(out, y, head))
         else:
             self.loss_fn = loss_fn or task_loss
+        self._scale = loss_scale or (lambda: 1.0)
+        if loss_scale is not None:
+            unscaled = self.loss_fn
+            self.loss_fn = lambda out, y: unscaled(out, y) * self._scale()
         self.pipe: Any = None
         if mesh.size("pp") > 1:
             from dtrain.pipeline.pipe import Pipeline
@@ -119,6 +126,7 @@ class Hybrid:
             out = self.loss_fn(self.model(x), y)
             out.backward()
             loss = float(out.detach())
+        loss /= self._scale()
         if self._partial and self.tp_group is not None:  # sequence-parallel norms saw one chunk each
             self._allreduce([p.grad for p in self._partial if p.grad is not None], self.tp_group.allreduce, None)
         if self.mesh.size("dp") > 1:

@@ -171,6 +171,10 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
     for k in ("val_loss", "perplexity", "target", "time_to_target_s", "target_step"):
         if k in evaluator:
             s[k] = evaluator[k]
+    if cfg.precision != "fp32":
+        s["precision"] = cfg.precision
+        if cfg.precision == "fp16":  # steps skipped for overflow (the most any rank skipped; agreed ranks skip alike)
+            s["overflow_steps"] = max(int(w.get("overflow_steps", 0)) for w in workers)
     if cfg.resume:
         s["resumed_from"] = cfg.resume
         s["start_step"] = max(int(w.get("start_step", 0)) for w in workers)

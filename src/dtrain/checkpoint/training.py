@@ -61,6 +61,8 @@ def run_info(cfg: RunConfig) -> dict[str, Any]:
         "compression": cfg.opts.compressor_spec(),
     }
     d.update(cfg.opts.checkpoint_keys())
+    if cfg.batch_schedule:  # where a step falls in the data
+        d["batch_schedule"] = cfg.batch_schedule
     if cfg.dataset == "synthetic":
         d["samples"] = cfg.samples
     if cfg.dataset == "pytext":  # the windows and the model's shape
@@ -70,9 +72,10 @@ def run_info(cfg: RunConfig) -> dict[str, Any]:
 
 def train_steps(cfg: RunConfig) -> int:
     """Steps of ``cfg``'s run (per worker), as :meth:`dtrain.training.TrainContext.total_steps` counts them."""
-    size = len(cfg.load_data().train)
-    per_shard = size // cfg.workers
-    n = per_shard // (cfg.batch_size // cfg.workers) * cfg.epochs
+    from dtrain.schedule import BatchPlan
+
+    plan = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, len(cfg.load_data().train), cfg.epochs)
+    n = plan.total(cfg.workers)
     return int(min(n, cfg.max_steps) if cfg.max_steps else n)
 
 

@@ -10,8 +10,9 @@ from dtrain.strategies.base import StrategyOptions
 
 if TYPE_CHECKING:
     from dtrain.compress.base import Compressor
+    from dtrain.config import RunConfig
 
-__all__ = ["CompressedOptions", "choose"]
+__all__ = ["CompressedOptions", "choose", "check_fp16_exchange"]
 
 
 def choose(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -65,3 +66,17 @@ class CompressedOptions(StrategyOptions):
     def _comp_label(self) -> str:
         comp = self.compressor_spec()
         return "" if comp == "none" else f" {comp}"
+
+
+def check_fp16_exchange(o: CompressedOptions, cfg: RunConfig) -> None:
+    """fp16 skips overflowing steps after the exchange: refuse what takes a gradient in before the check
+    (a stateful compressor's error feedback, an engine applying buckets as they arrive)."""
+    if getattr(o, "overlap", "backward") == "forward":
+        raise ConfigError(
+            "--precision fp16 cannot skip an overflowing step under --overlap forward (each bucket "
+            "is applied as soon as it is averaged); use --overlap backward or --precision bf16"
+        )
+    if o.compressor_spec() not in ("none", "fp16", "bf16"):
+        raise ConfigError(f"--precision fp16 with --compression {o.compression}: an overflowing step (inf/nan "
+                          "gradients, skipped) would stay in the compressor's state; use --precision bf16 (no "
+                          "overflow, no loss scaling) or no compressor")  # fmt: skip

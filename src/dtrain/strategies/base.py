@@ -82,6 +82,11 @@ class StrategyOptions:
         """Options a checkpoint depends on: a resumed run must match them (default: none)."""
         return {}
 
+    def measures_noise_scale(self, workers: int) -> bool:
+        """Whether the strategy measures the gradient noise scale (``--noise-scale``, ``--batch-schedule auto``):
+        each worker's gradient beside their average (default: no)."""
+        return False
+
     def reshards(self) -> bool:
         """Whether a checkpoint of this strategy resumes on another number of workers (default: no)."""
         return False

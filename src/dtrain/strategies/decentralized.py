@@ -68,13 +68,14 @@ class LocalSGDOptions(StrategyOptions):
 
     Attributes:
         period: average the replicas every this many steps (default: 8).
-        warmup_steps: average gradients (plain DP) for the first steps: post-local SGD (default: 0).
+        local_warmup_steps: average gradients (plain DP) for the first steps: post-local SGD (default: 0;
+            ``--warmup-steps`` is the learning-rate warmup every strategy has).
         hierarchy: ``GROUP_SIZE:PERIOD,...`` levels (hierarchical local SGD) instead of ``period``.
         algorithm: dtrain allreduce algorithm of the averaging (default: ring).
     """
 
     period: int = field(default=8, metadata={"help": "average the models every PERIOD steps (default: 8)"})
-    warmup_steps: int = field(default=0, metadata={
+    local_warmup_steps: int = field(default=0, metadata={
         "help": "local_sgd: average gradients for the first steps (post-local SGD) (default: 0)"})
     hierarchy: str = field(default="", metadata={
         "help": "local_sgd: GROUP_SIZE:PERIOD,... averaging within groups often, across rarely (default: none)"})
@@ -82,22 +83,22 @@ class LocalSGDOptions(StrategyOptions):
 
     def __post_init__(self) -> None:
         _positive("period", self.period)
-        if self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.local_warmup_steps < 0:
+            raise ConfigError(f"local_warmup_steps must be >= 0, got {self.local_warmup_steps}")
         choose("algorithm", self.algorithm, ALGORITHMS)
         for size, period in hierarchy_levels(self.hierarchy):
             _positive(f"hierarchy group size (in {self.hierarchy!r})", size)
             _positive(f"hierarchy period (in {self.hierarchy!r})", period)
 
     def checkpoint_keys(self) -> dict[str, Any]:
-        return {"period": self.period, "warmup_steps": self.warmup_steps, "hierarchy": self.hierarchy}
+        return {"period": self.period, "local_warmup_steps": self.local_warmup_steps, "hierarchy": self.hierarchy}
 
     def approximation(self) -> str:
         return f"approximate: models averaged every {self.period} steps" if self.period > 1 or self.hierarchy else ""
 
     def label(self, workers: int) -> str:
         h = f" hierarchy {self.hierarchy}" if self.hierarchy else ""
-        w = f" warmup {self.warmup_steps}" if self.warmup_steps else ""
+        w = f" warmup {self.local_warmup_steps}" if self.local_warmup_steps else ""
         return f"local_sgd period {self.period} {self.algorithm}{h}{w}"
 
 
@@ -197,7 +198,6 @@ class ReplicaEngine:
         self.evaluator = worker == 0
         self.shard, self.num_shards, self.samples_scale = worker, workers, workers
         self.total_steps = ctx.total_steps(workers)
-        self._spe = ctx.steps_per_epoch(workers)
         self._comm_s = 0.0
         self._sent = 0
         self._done = 0  # steps finished (this run and before a resume)
@@ -211,7 +211,7 @@ class ReplicaEngine:
         self.optimizer.load_state_dict(blob["optimizer"])
         self.wrapper.load_wrapper_state(blob["wrapper"])
         step = self._done = int(info["step"])
-        return Position(step, step // self._spe, step % self._spe, rng=blob)
+        return Position(step, *self.ctx.locate(step, self.num_shards), rng=blob)
 
     def done(self, step: int) -> bool:
         return step >= self.total_steps
@@ -286,7 +286,7 @@ def _run_local_sgd(ctx: TrainContext) -> dict[str, Any]:
     assert isinstance(o, LocalSGDOptions)
 
     def build(model: nn.Module) -> ReplicaWrapper:
-        return LocalSGD(model, period=o.period, warmup_steps=o.warmup_steps,
+        return LocalSGD(model, period=o.period, warmup_steps=o.local_warmup_steps,
                         hierarchy=hierarchy_levels(o.hierarchy) or None, algorithm=o.algorithm,
                         timeout=ctx.cfg.timeout_s)  # fmt: skip
 

@@ -31,7 +31,7 @@ from dtrain.perfmodel.predict import (
 )
 from dtrain.perfmodel.sharded import predict_sharded, sharded_memory
 from dtrain.perfmodel.simulator import simulate_sync
-from dtrain.strategies._common import CompressedOptions, choose
+from dtrain.strategies._common import CompressedOptions, check_fp16_exchange, choose
 from dtrain.strategies.base import Choice, PlanSpace, Strategy, StrategyOptions, register
 from dtrain.training.context import TrainContext
 from dtrain.training.guard import flagged_ranks
@@ -91,6 +91,9 @@ class DPOptions(CompressedOptions):
         if self.sharded:
             keys["shard"] = self.shard  # a sharded checkpoint holds segments, not a model state dict
         return keys
+
+    def measures_noise_scale(self, workers: int) -> bool:
+        return not self.sharded and workers >= 2  # the reducer sees each worker's gradient before averaging
 
     def reshards(self) -> bool:
         return self.sharded  # DCP reshards the segments onto another number of workers
@@ -154,7 +157,6 @@ class DataParallelEngine:
         self.evaluator = ctx.rank == 0
         self.shard, self.num_shards, self.samples_scale = ctx.rank, world, world
         self.total_steps = ctx.total_steps(world)
-        self._spe = ctx.steps_per_epoch(world)
         self._pending: dict[str, Any] | None = None
         self._engine: Any = None  # dtrain.DataParallel (None under torch DDP)
         self.wrapped: nn.Module = self.model
@@ -162,7 +164,13 @@ class DataParallelEngine:
         if torch_ddp:
             if world > 1:
                 assert isinstance(ctx.cfg.options, DDPOptions)
-                self.wrapped = nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=ctx.cfg.options.bucket_mb)
+                ddp = nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=ctx.cfg.options.bucket_mb)
+                if ctx.precision.dtype is not None:  # 16-bit compute: DDP's own 16-bit gradient hooks
+                    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as hooks
+
+                    ddp.register_comm_hook(None, hooks.fp16_compress_hook if ctx.precision.scales_loss
+                                           else hooks.bf16_compress_hook)  # fmt: skip
+                self.wrapped = ddp
             return
         from dtrain.data_parallel import DataParallel
 
@@ -181,7 +189,7 @@ class DataParallelEngine:
         if self._engine is not None:
             self._engine.load_compressor_state_dict(blob["engine"])
         start = int(info["step"])
-        return Position(start, start // self._spe, start % self._spe, rng=blob)
+        return Position(start, *self.ctx.locate(start, self.num_shards), rng=blob)
 
     def done(self, step: int) -> bool:
         return step >= self.total_steps
@@ -244,8 +252,9 @@ class DataParallelEngine:
         if self._engine is not None:
             self._engine.synchronize()
         state = self._engine.compressor_state_dict() if self._engine is not None else None
+        epoch, batch = self.ctx.locate(step, self.num_shards)  # the next batch to train on
         ckpt.save(step, model=self.model, optimizer=self.optimizer, rank_state={"engine": state},
-                  epoch=step // self._spe, batch=step % self._spe)  # fmt: skip
+                  epoch=epoch, batch=batch)  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
         rows = (json.loads(line) for line in self.ctx.metrics.path.read_text().splitlines())
@@ -272,6 +281,8 @@ def _run_ddp(ctx: TrainContext) -> dict[str, Any]:
 
 
 def _check(o: DPOptions, cfg: RunConfig) -> None:
+    if cfg.precision == "fp16":
+        check_fp16_exchange(o, cfg)
     if not cfg.skip_nonfinite:
         return
     if o.overlap == "forward":

@@ -19,7 +19,7 @@ from torch import nn
 
 from dtrain.comm.allreduce import ALGORITHMS
 from dtrain.errors import ConfigError
-from dtrain.strategies._common import CompressedOptions, choose
+from dtrain.strategies._common import CompressedOptions, check_fp16_exchange, choose
 from dtrain.strategies.base import Choice, PlanSpace, Strategy, StrategyOptions, register
 from dtrain.training.context import TrainContext
 from dtrain.training.guard import flagged_ranks
@@ -134,6 +134,8 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
     from dtrain.models.gpt import resolve_gpt_config
 
     dp, pp, tp = o.mesh_shape(cfg.workers)
+    if cfg.precision == "fp16" and isinstance(o, HybridOptions):
+        check_fp16_exchange(o, cfg)
     if dp * pp * tp != cfg.workers:
         raise ConfigError(f"--dp {dp} x --pp {pp} x --tp {tp} = {dp * pp * tp} processes, but --workers is "
                           f"{cfg.workers}; make them match")  # fmt: skip
@@ -182,7 +184,8 @@ class HybridEngine:
         self.h = Hybrid(self._train_model, self.mesh, microbatches=micro, schedule=schedule,
                         balance=parse_balance(balance), loss_fn=ctx.loss, sequence_parallel=o.sequence_parallel,
                         algorithm=o.dp_algorithm, timeout_s=ctx.cfg.timeout_s, tracer=ctx.tracer,
-                        compressor=ctx.make_compressor())  # fmt: skip
+                        compressor=ctx.make_compressor(),
+                        loss_scale=(lambda: ctx.loss_scale) if ctx.precision.scales_loss else None)  # fmt: skip
         self.optimizer = ctx.make_optimizer(list(self.h.parameters()))
         self.evaluator = ctx.rank == 0
         self.model: nn.Module = ctx.make_model() if self.evaluator else self._train_model  # unsplit, for evaluation

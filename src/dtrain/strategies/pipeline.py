@@ -105,6 +105,11 @@ def _model_children(cfg: RunConfig) -> int:
 def _check(o: PipelineOptions, cfg: RunConfig) -> None:
     from dtrain.pipeline.schedules import ScheduleError, generate
 
+    if cfg.precision == "fp16" and o.schedule == "2bw":
+        raise ConfigError(
+            "--precision fp16 with --schedule 2bw: 2bw applies a batch's gradients a step later, "
+            "under another step's loss scale; use --precision bf16 or another schedule"
+        )
     if cfg.batch_size % o.microbatches:
         raise ConfigError(f"pipeline: {o.microbatches} micro-batches do not divide the batch of {cfg.batch_size}; "
                           f"use --batch-size a multiple of {o.microbatches}")  # fmt: skip
@@ -141,7 +146,7 @@ class PipelineEngine:
         self.ctx, self.o = ctx, o
         self.model = ctx.make_model()
         x0 = ctx.data.train.tensors[0][: max(1, ctx.cfg.batch_size // o.microbatches)]
-        self.pipe: Pipeline = Pipeline(self.model, o.microbatches, o.schedule, loss_fn=ctx.loss,
+        self.pipe: Pipeline = Pipeline(self.model, o.microbatches, o.schedule, loss_fn=ctx.scaled_loss,
                                        balance=parse_balance(o.balance), checkpoint=o.checkpoint, chunks=o.chunks,
                                        sample=x0, timeout=ctx.cfg.timeout_s, tracer=ctx.tracer)  # fmt: skip
         params = list(self.pipe.parameters())  # a stage of parameter-free layers (pooling, flatten) has none
@@ -166,7 +171,7 @@ class PipelineEngine:
 
     def train_step(self, x: Any, y: Any) -> float:
         with self.ctx.tracer.span("pipeline"):
-            return self.pipe.step(x, y)
+            return self.pipe.step(x, y) / self.ctx.loss_scale  # fp16: the loss was scaled for backward
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.pipe.named_parameters())  # this stage's, named as in the whole model

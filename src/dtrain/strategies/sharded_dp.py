@@ -61,7 +61,6 @@ class ShardedEngine(DataParallelEngine):
         self.evaluator = ctx.rank == 0
         self.shard, self.num_shards, self.samples_scale = ctx.rank, world, world
         self.total_steps = ctx.total_steps(world)
-        self._spe = ctx.steps_per_epoch(world)
         self._pending: dict[str, Any] | None = None
         self.steps_in_optimizer = False
         self.sdp = ShardedDataParallel(self.model, shard=o.shard, algorithm=o.algorithm, overlap=o.overlap,
@@ -81,7 +80,7 @@ class ShardedEngine(DataParallelEngine):
         info, blob = self.ckpt.restore(sharded=template)
         load_sharded_state(self.sdp, self.optimizer, template)
         start = int(info["step"])
-        return Position(start, start // self._spe, start % self._spe, rng=blob)
+        return Position(start, *self.ctx.locate(start, self.num_shards), rng=blob)
 
     def before_step(self, step: int) -> None:
         self.ctx.schedule_lr(self.optimizer, step, self.total_steps)
@@ -107,8 +106,9 @@ class ShardedEngine(DataParallelEngine):
         from dtrain.sharded.state import sharded_state
 
         self.sdp.synchronize()
+        epoch, batch = self.ctx.locate(step, self.num_shards)  # the next batch to train on
         ckpt.save(step, rank_state={"engine": None}, sharded=sharded_state(self.sdp, self.optimizer),
-                  epoch=step // self._spe, batch=step % self._spe)  # fmt: skip
+                  epoch=epoch, batch=batch)  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
         out = super().finish()

@@ -26,7 +26,9 @@ from dtrain.compress.base import Compressor
 from dtrain.config import RunConfig, parse_straggler
 from dtrain.data import DatasetSplit
 from dtrain.models import build_model, task_loss
+from dtrain.schedule import BatchPlan, scaling_factor, warmup_factor
 from dtrain.trace import MetricsWriter, Tracer
+from dtrain.training.precision import Precision
 
 __all__ = ["TrainContext", "lr_factor", "schedule_updates"]
 
@@ -99,6 +101,12 @@ class TrainContext:
     metrics: MetricsWriter
     tracer: Tracer
     started: float = field(default_factory=time.perf_counter)
+    loss_scale: float = 1.0  # fp16: the loss scale of the step in progress (the loop sets it)
+
+    def __post_init__(self) -> None:
+        c = self.cfg
+        self.plan = BatchPlan.of(c.batch_size, c.batch_schedule, len(self.data.train), c.epochs)
+        self.precision = Precision(c.precision, "cuda" if c.backend == "nccl" else "cpu")
 
     # ---------------------------------------------------------------- factories
 
@@ -113,6 +121,14 @@ class TrainContext:
         c = self.cfg
         if c.optimizer == "adam":
             return torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay)
+        if c.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
+        if c.optimizer in ("lars", "lamb"):
+            from dtrain.optim import LAMB, LARS
+
+            if c.optimizer == "lars":
+                return LARS(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+            return LAMB(params, lr=c.lr, weight_decay=c.weight_decay)
         comp = self.make_compressor()
         momentum = 0.0 if comp is not None and comp.momentum else c.momentum
         return torch.optim.SGD(params, lr=c.lr, momentum=momentum, weight_decay=c.weight_decay)
@@ -124,19 +140,53 @@ class TrainContext:
         get it in their error feedback, and :meth:`make_optimizer` then builds SGD
         without momentum (``dtrain.compress.from_spec``'s ``momentum``).
         """
-        return self.cfg.opts.build_compressor(self.sgd_momentum)
+        opts = self.cfg.opts
+        wire = self.precision.wire(opts.compressor_spec())
+        if wire != opts.compressor_spec():  # 16-bit compute: the gradients travel in 16 bits
+            from dtrain.compress import from_spec
+
+            return from_spec(wire)
+        return opts.build_compressor(self.sgd_momentum)
 
     @property
     def sgd_momentum(self) -> float:
         """SGD's momentum (0 for other optimizers): what a sign/onebit compressor takes over."""
         return self.cfg.momentum if self.cfg.optimizer == "sgd" else 0.0
 
+    def lr_multiplier(self, step: int, total: int, batch: int | None = None) -> float:
+        """The factor on ``--lr`` at optimizer step ``step`` of ``total`` (:mod:`dtrain.schedule`):
+        batch scaling (``batch``: the global batch in force, default that of ``step``'s epoch) x warmup x
+        schedule."""
+        c = self.cfg
+        if batch is None:
+            batch = self.plan.batch(self.plan.locate(step, self.batch_shards)[0])
+        k = scaling_factor(c.lr_scaling, batch, c.base_batch or self.plan.batch(0))
+        return k * warmup_factor(step, self.warmup_steps, k) * lr_factor(c.lr_schedule, step, total)
+
+    @property
+    def batch_shards(self) -> int:
+        return self.cfg.opts.batch_shards(self.cfg.workers)
+
+    @property
+    def warmup_steps(self) -> int:
+        """``--warmup-steps``, or ``--warmup-epochs`` in steps of the first epoch."""
+        c = self.cfg
+        if c.warmup_epochs:
+            return max(1, round(c.warmup_epochs * self.plan.steps_in(0, self.batch_shards)))
+        return c.warmup_steps
+
+    @property
+    def lr_rules(self) -> bool:
+        """Whether the rate changes during the run (a schedule, scaling or warmup)."""
+        c = self.cfg
+        return c.lr_schedule != "constant" or c.lr_scaling != "none" or bool(c.warmup_steps or c.warmup_epochs)
+
     def schedule_lr(self, optimizer: torch.optim.Optimizer, step: int, total: int) -> None:
         """Set each group's ``lr`` for ``step`` of ``total``: its initial rate times
-        :func:`lr_factor` (nothing to do for a constant schedule)."""
-        if self.cfg.lr_schedule == "constant":
+        :meth:`lr_multiplier` (nothing to do for a constant rate)."""
+        if not self.lr_rules:
             return
-        f = lr_factor(self.cfg.lr_schedule, step, total)
+        f = self.lr_multiplier(step, total)
         for g in optimizer.param_groups:
             g.setdefault("initial_lr", g["lr"])
             g["lr"] = g["initial_lr"] * f
@@ -144,6 +194,10 @@ class TrainContext:
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The training loss: cross entropy over classes (over every position for a language model)."""
         return task_loss(output, target)
+
+    def scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """:meth:`loss` times the step's fp16 loss scale (1 otherwise): what a whole-step engine backpropagates."""
+        return self.loss(output, target) * self.loss_scale
 
     def loader(self, shard: int, num_shards: int, epoch: int, start_batch: int = 0) -> DataLoader[Any]:
         """This shard's training batches for ``epoch`` (a DistributedSampler slice).
@@ -158,19 +212,24 @@ class TrainContext:
             self.data.train, num_replicas=num_shards, rank=shard, shuffle=True, seed=self.cfg.seed, drop_last=True
         )
         sampler.set_epoch(epoch)
-        bs = self.cfg.batch_size // num_shards
+        bs = self.plan.batch(epoch) // num_shards
         if start_batch:
             order = list(sampler)[start_batch * bs :]
             return DataLoader(self.data.train, batch_size=bs, sampler=order, drop_last=True)
         return DataLoader(self.data.train, batch_size=bs, sampler=sampler, drop_last=True)
 
-    def steps_per_epoch(self, num_shards: int) -> int:
-        per_shard = len(self.data.train) // num_shards
-        return per_shard // (self.cfg.batch_size // num_shards)
+    def steps_per_epoch(self, num_shards: int, epoch: int = 0) -> int:
+        """Steps of ``epoch`` (its global batch: :attr:`plan`)."""
+        return self.plan.steps_in(epoch, num_shards)
 
     def total_steps(self, num_shards: int) -> int:
-        n = self.steps_per_epoch(num_shards) * self.cfg.epochs
+        """Steps of the run: every epoch's, at most ``--max-steps`` (``auto``: as planned so far)."""
+        n = self.plan.total(num_shards)
         return min(n, self.cfg.max_steps) if self.cfg.max_steps else n
+
+    def locate(self, step: int, num_shards: int) -> tuple[int, int]:
+        """``(epoch, batch)`` after ``step`` steps: where a resumed run starts."""
+        return self.plan.locate(step, num_shards)
 
     @property
     def language_model(self) -> bool:

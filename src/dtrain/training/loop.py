@@ -42,6 +42,7 @@ from dtrain.cluster.slowdown import Straggler
 from dtrain.errors import ConfigError, DTrainError
 from dtrain.training.context import TrainContext
 from dtrain.training.guard import NonFiniteGuard
+from dtrain.training.precision import LossScaler
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
@@ -153,6 +154,16 @@ def guard_for(ctx: TrainContext, engine: Engine) -> NonFiniteGuard:
     return NonFiniteGuard(engine.model.named_parameters(), rank=ctx.rank)
 
 
+def _scaler(ctx: TrainContext, engine: Engine) -> LossScaler | None:
+    """fp16's loss scaler over the parameters this rank applies (None for fp32 and bf16)."""
+    if not ctx.precision.scales_loss:
+        return None
+    if not isinstance(engine, SkipsSteps):
+        raise ConfigError(f"--precision fp16: strategy {ctx.cfg.strategy}'s engine cannot skip an overflowing step")
+    params = [p for _, p in engine.named_parameters()]
+    return LossScaler(params, engine.agree, rank=ctx.rank, device=ctx.precision.device_type)
+
+
 def _write(ctx: TrainContext, rows: list[dict[str, Any]]) -> None:
     for r in rows:
         ctx.metrics.write(**r)
@@ -169,21 +180,61 @@ class _Progress:
     stopped: bool = False  # --target reached: every rank stops at the same evaluation
     target_s: float | None = None
     target_step: int | None = None
+    scaler: LossScaler | None = None  # fp16: the loss scale, agreed over the ranks that share a step
+    overflows: int = 0  # fp16: steps skipped because their gradients overflowed
 
     def __post_init__(self) -> None:
         self.losses: list[float] = []
         self.history: list[dict[str, Any]] = []  # {"train_s", "step", "epoch", "value"} per evaluation
 
 
-def _gradients(ctx: TrainContext, engine: Engine, x: Any, y: Any) -> float:
-    """Forward and backward of a batch, the gradients left in ``.grad``; the batch's mean loss."""
+def _gradients(ctx: TrainContext, engine: Engine, x: Any, y: Any, scaler: LossScaler | None) -> float:
+    """Forward (in the compute precision) and backward of a batch, the gradients left in ``.grad``
+    (times the loss scale under fp16); the batch's mean loss."""
     if isinstance(engine, WholeStep):  # a pipeline interleaves forwards and backwards of micro-batches
-        return engine.train_step(x, y)
-    with ctx.tracer.span("forward"):
+        ctx.loss_scale = scaler.loss_scale if scaler is not None else 1.0
+        with ctx.precision.autocast():
+            return engine.train_step(x, y)  # its loss function is ctx.scaled_loss; it returns the unscaled
+    with ctx.tracer.span("forward"), ctx.precision.autocast():
         loss = ctx.loss(engine.forward(x), y)
     with ctx.tracer.span("backward"):
-        loss.backward()
+        (scaler.scale_loss(loss) if scaler is not None else loss).backward()
     return float(loss.detach())
+
+
+def _inject_overflow(ctx: TrainContext, engine: Engine, step: int) -> None:
+    """Fault injection (``extra.inject_overflow = "RANK:STEP"``): an inf in this rank's first gradient at
+    ``step``, after the exchange -- an overflow only this rank sees (tests of the agreement)."""
+    spec = ctx.cfg.extra.get("inject_overflow")
+    if not spec:
+        return
+    r, s = (int(v) for v in str(spec).split(":"))
+    if r == ctx.rank and s == step and isinstance(engine, SkipsSteps):
+        grads = [p.grad for _, p in engine.named_parameters() if p.grad is not None]
+        if grads:
+            grads[0].view(-1)[0] = math.inf
+
+
+def _apply(ctx: TrainContext, engine: Engine, tally: _Progress, loss_v: float, row: dict[str, Any]) -> bool:
+    """Check the step (fp16: unscale and agree on overflow; then the numerics guard), then the engine's
+    update or skip; whether it was applied. Adds the loss scale and an overflow to ``row``."""
+    _inject_overflow(ctx, engine, tally.step)
+    overflow: list[int] = []
+    if tally.scaler is not None:
+        row["loss_scale"] = tally.scaler.loss_scale
+        overflow = tally.scaler.unscale(tally.step)  # LossScaleCollapsed when it cannot back off further
+    applied = not overflow and tally.guard.check(tally.step, loss_v)  # NonFiniteError unless it may skip
+    if applied:
+        engine.update()
+    else:
+        assert isinstance(engine, SkipsSteps)
+        engine.skip()
+    if tally.scaler is not None:
+        tally.scaler.advance()
+    if overflow:
+        row["overflow"] = overflow
+        tally.overflows += 1
+    return applied
 
 
 def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos: Position, epoch: int,
@@ -200,20 +251,16 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
             break
         batches += 1
         t0 = time.perf_counter()
+        extra: dict[str, Any] = {}
         with ctx.tracer.span("step", step=tally.step):
             engine.before_step(tally.step)
-            loss_v = _gradients(ctx, engine, x, y)
+            loss_v = _gradients(ctx, engine, x, y, tally.scaler)
             slow.stretch(time.perf_counter() - t_free)  # backward includes the exchange it overlaps
-            applied = tally.guard.check(tally.step, loss_v)  # NonFiniteError unless it may skip the step
-            if applied:
-                engine.update()
-            else:
-                assert isinstance(engine, SkipsSteps)
-                engine.skip()
+            applied = _apply(ctx, engine, tally, loss_v, extra)
         t_free = time.perf_counter()
         dt = t_free - t0
         row = dict(step=tally.step, epoch=epoch, loss=loss_v, lr=engine.lr(),
-                   samples_per_s=len(y) * engine.samples_scale / dt, step_s=dt)  # fmt: skip
+                   samples_per_s=len(y) * engine.samples_scale / dt, step_s=dt, **extra)  # fmt: skip
         if not applied:
             row["skipped"] = True
         _write(ctx, engine.rows(row))
@@ -310,7 +357,7 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
     """
     pos = engine.start()
     slow = ctx.straggler()
-    tally = _Progress(step=pos.step, guard=guard_for(ctx, engine))
+    tally = _Progress(step=pos.step, guard=guard_for(ctx, engine), scaler=_scaler(ctx, engine))
     bar = ctx.progress(engine.total_steps - pos.step, engine.evaluator)
     t_start = time.perf_counter()
     epoch, first_batch = pos.epoch, pos.batch
@@ -334,6 +381,8 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
     out.update(extra)
     if engine.evaluator:
         out.update(_metric_keys(ctx, engine, tally))
+    if tally.scaler is not None:
+        out.update(overflow_steps=tally.overflows, loss_scale=tally.scaler.loss_scale)
     if slow.active:
         out.setdefault("straggler", {"factor": slow.factor, "reference_s": slow.reference_s})
     return out

@@ -1,0 +1,135 @@
+"""Large-batch rules: the learning rate of a step and the global batch of an epoch.
+
+The learning rate of optimizer step ``t`` is ``--lr`` times three factors::
+
+    lr(t) = lr x scaling(B(t) / base_batch) x warmup(t) x schedule(t / total)
+
+- ``scaling`` (``--lr-scaling``): ``linear`` multiplies the rate by ``k = B / base_batch`` (Goyal et al.
+  2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", arXiv:1706.02677, section 2.1:
+  "when the minibatch size is multiplied by k, multiply the learning rate by k"); ``sqrt`` by ``sqrt(k)``
+  (Krizhevsky 2014, "One weird trick for parallelizing convolutional neural networks", arXiv:1404.5997;
+  the rule Hoffer et al. 2017 argue keeps the gradient noise's covariance); ``none``: 1. ``B`` is the
+  global batch in force (a batch schedule changes it), ``base_batch`` the batch ``--lr`` was tuned for
+  (``--base-batch``; 0: the run's first global batch).
+- ``warmup`` (``--warmup-steps`` / ``--warmup-epochs``, W steps): Goyal et al.'s gradual warmup, section
+  2.2: the rate starts at the unscaled ``lr`` and rises by a constant amount each step to the scaled
+  ``k x lr`` at step W; ``warmup(t) = (1 + (k - 1) t / W) / k``. Without scaling (k = 1) that would be
+  no warmup at all, so there the ramp starts near zero instead: ``warmup(t) = (t + 1) / W`` (the usual
+  linear warmup of transformer training).
+- ``schedule`` (``--lr-schedule``): :func:`dtrain.training.context.lr_factor` (constant or cosine).
+
+A batch schedule (``--batch-schedule "0:256,5:512,10:1024"``: from epoch 0 a global batch of 256, from
+epoch 5 of 512, ...) grows the batch instead of decaying the rate (Smith, Kindermans, Ying, Le 2018,
+"Don't Decay the Learning Rate, Increase the Batch Size", ICLR): the batch changes only at epoch
+boundaries, so each epoch is one ``DistributedSampler`` permutation (the same on every rank and after a
+resume) cut into that epoch's batches. ``auto`` lets the measured gradient noise scale choose
+(:mod:`dtrain.training.noise_scale`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dtrain.errors import ConfigError
+
+__all__ = ["LR_SCALINGS", "parse_batch_schedule", "BatchPlan", "scaling_factor", "warmup_factor"]
+
+LR_SCALINGS = ("none", "linear", "sqrt")
+
+
+def parse_batch_schedule(spec: str) -> list[tuple[int, int]]:
+    """``"0:256,5:512"`` -> ``[(0, 256), (5, 512)]`` (epoch, global batch), checked: the first entry at
+    epoch 0, epochs and batches strictly increasing. ConfigError naming the offending value."""
+    out: list[tuple[int, int]] = []
+    for part in spec.split(","):
+        try:
+            e, b = part.split(":")
+            epoch, batch = int(e), int(b)
+        except ValueError:
+            raise ConfigError(f"batch_schedule entry {part.strip()!r} is not EPOCH:BATCH (e.g. \"0:256,5:512\"), "
+                              f"in {spec!r}") from None  # fmt: skip
+        if epoch < 0 or batch < 1:
+            raise ConfigError(f"batch_schedule entry {part.strip()!r}: the epoch must be >= 0 and the batch >= 1")
+        if out and epoch <= out[-1][0]:
+            raise ConfigError(f"batch_schedule {spec!r}: epochs must increase ({epoch} follows {out[-1][0]})")
+        if out and batch <= out[-1][1]:
+            raise ConfigError(f"batch_schedule {spec!r} is not increasing: the batch {batch} at epoch {epoch} "
+                              f"follows {out[-1][1]} (a batch schedule grows the batch)")  # fmt: skip
+        out.append((epoch, batch))
+    if out[0][0] != 0:
+        raise ConfigError(f'batch_schedule {spec!r} must start at epoch 0 (e.g. "0:{out[0][1]},...")')
+    return out
+
+
+@dataclass
+class BatchPlan:
+    """The global batch of every epoch: fixed, scheduled, or (``auto``) decided as training goes.
+
+    ``batches[e]`` is epoch ``e``'s global batch for the epochs decided so far; later epochs repeat the last
+    one until :meth:`set_from` changes them (``auto``). Steps are counted per shard: an epoch of ``n``
+    training samples over ``s`` shards at global batch ``B`` has ``(n // s) // (B // s)`` steps.
+    """
+
+    samples: int
+    epochs: int
+    batches: list[int]
+    auto: bool = False
+
+    @classmethod
+    def of(cls, batch_size: int, schedule: str, samples: int, epochs: int) -> BatchPlan:
+        if not schedule:
+            return cls(samples, epochs, [batch_size] * epochs)
+        if schedule == "auto":
+            return cls(samples, epochs, [batch_size] * epochs, auto=True)
+        entries = parse_batch_schedule(schedule)
+        out = []
+        for e in range(epochs):
+            out.append([b for start, b in entries if start <= e][-1])
+        return cls(samples, epochs, out)
+
+    def batch(self, epoch: int) -> int:
+        """The global batch of ``epoch`` (past the last planned epoch: the last one's)."""
+        return self.batches[min(epoch, len(self.batches) - 1)]
+
+    def set_from(self, epoch: int, batch: int) -> None:
+        """``auto``: epochs from ``epoch`` on train at ``batch``."""
+        for e in range(epoch, len(self.batches)):
+            self.batches[e] = batch
+
+    def steps_in(self, epoch: int, shards: int) -> int:
+        return (self.samples // shards) // max(1, self.batch(epoch) // shards)
+
+    def total(self, shards: int) -> int:
+        return sum(self.steps_in(e, shards) for e in range(self.epochs))
+
+    def locate(self, step: int, shards: int) -> tuple[int, int]:
+        """``(epoch, batch index)`` of the ``step``-th step (from 0): where a run resumed after ``step``
+        steps starts."""
+        e = 0
+        while step >= self.steps_in(e, shards) > 0:
+            step -= self.steps_in(e, shards)
+            e += 1
+        return e, step
+
+
+def scaling_factor(rule: str, batch: int, base_batch: int) -> float:
+    """``k`` (``linear``), ``sqrt(k)`` (``sqrt``) or 1 (``none``), with ``k = batch / base_batch``."""
+    if rule == "none":
+        return 1.0
+    k = batch / base_batch
+    if rule == "linear":
+        return k
+    if rule == "sqrt":
+        return math.sqrt(k)
+    raise ValueError(f"lr scaling {rule!r} is not known; choose one of: {', '.join(LR_SCALINGS)}")
+
+
+def warmup_factor(step: int, warmup_steps: int, k: float) -> float:
+    """Goyal et al.'s gradual warmup over ``warmup_steps`` toward the scaled rate (``k`` its factor):
+    ``(1 + (k - 1) t / W) / k`` while ``t < W``; with ``k <= 1``, ``(t + 1) / W``; 1 from step W on."""
+    if warmup_steps <= 0 or step >= warmup_steps:
+        return 1.0
+    if k > 1.0:
+        return (1.0 + (k - 1.0) * step / warmup_steps) / k
+    return (step + 1) / warmup_steps
