@@ -112,6 +112,9 @@ class Reducer:
         self._t_fwd: float | None = None
         self._wait_at_fwd = 0.0
         self.closed = False
+        self.measure_local_norm = False  # the noise scale: sum of squares of this rank's own gradients
+        self._local_sq: torch.Tensor | None = None
+        self.last_local_sq: float | None = None
         self._install_buckets(list(reversed(range(len(self._params)))))
 
         reducer = BucketReducer(cfg.algorithm, self._comm_group, world, cfg.timeout_s, compressor)
@@ -296,6 +299,9 @@ class Reducer:
 
     def _bucket_ready(self, b: Bucket, inline: bool) -> None:
         b.ready = True
+        if self.measure_local_norm:  # before the bucket is reduced in place
+            sq = torch.dot(b.flat, b.flat)
+            self._local_sq = sq if self._local_sq is None else self._local_sq + sq
         if self.forward_mode:
             self._sched.mark_ready(b)
             return
@@ -331,6 +337,8 @@ class Reducer:
         finally:
             self._reset_backward()
         self.step += 1
+        if self._local_sq is not None:
+            self.last_local_sq, self._local_sq = float(self._local_sq), None
         self._stats = StepStats(step=self.step)
         if not self.forward_mode:
             self._publish(st)

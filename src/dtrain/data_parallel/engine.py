@@ -373,6 +373,15 @@ class DataParallel(nn.Module):
         """
         return self._reducer.last_stats.as_dict()
 
+    def measure_local_norms(self, on: bool = True) -> None:
+        """Record the squared 2-norm of this rank's own gradients each step, before they are averaged
+        (:meth:`local_grad_sq`; the gradient noise scale of :mod:`dtrain.training.noise_scale`)."""
+        self._reducer.measure_local_norm = on
+
+    def local_grad_sq(self) -> float | None:
+        """This rank's ``sum |g|^2`` of the last synced backward, before averaging (None: not measured)."""
+        return self._reducer.last_local_sq
+
     def close(self) -> None:
         """Stop the communication thread, remove the hooks, free the private groups (idempotent)."""
         self._reducer.close()

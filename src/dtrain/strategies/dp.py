@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -139,6 +140,25 @@ class DDPOptions(StrategyOptions):
         return ("ddp", tuple(buckets_of(prof, self.bucket_mb)))
 
 
+def measure_noise(ctx: TrainContext, engine: Any, model: nn.Module, batch: int, world: int) -> dict[str, Any]:
+    """The step's gradient noise scale (:mod:`dtrain.training.noise_scale`): this rank's squared gradient
+    norm before averaging (the reducer's), all-reduced to the workers' mean (one scalar), and the averaged
+    gradient's; both unscaled (fp16). Updates ``ctx.noise``; the metrics row's keys."""
+    import torch.distributed as dist
+
+    assert ctx.noise is not None
+    local = engine.local_grad_sq()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    big = float(sum(torch.stack(torch._foreach_norm(grads)).double().pow(2))) if grads else 0.0
+    t = torch.tensor([local if local is not None else math.nan], dtype=torch.float64)
+    dist.all_reduce(t)  # gloo: every rank gets the same sum, so every rank the same estimate
+    small = float(t) / world / ctx.loss_scale**2  # the reducer saw the scaled gradients
+    if not (math.isfinite(small) and math.isfinite(big)):
+        return {"b_simple": ctx.noise.b_simple}
+    ctx.noise.update(small, big, b_small=batch // world, b_big=batch // world * world)
+    return {"b_simple": ctx.noise.b_simple, "noise_g2": ctx.noise.g2, "noise_trace": ctx.noise.trace_sigma}
+
+
 def _ring_bytes(model: nn.Module, world: int) -> int:
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     return int(2 * (world - 1) / world * n) if world > 1 else 0
@@ -158,6 +178,8 @@ class DataParallelEngine:
         self.shard, self.num_shards, self.samples_scale = ctx.rank, world, world
         self.total_steps = ctx.total_steps(world)
         self._pending: dict[str, Any] | None = None
+        self._batch = ctx.cfg.batch_size  # the step's global batch
+        self._noise: dict[str, Any] = {}  # the step's noise-scale figures
         self._engine: Any = None  # dtrain.DataParallel (None under torch DDP)
         self.wrapped: nn.Module = self.model
         self.steps_in_optimizer = False
@@ -181,6 +203,8 @@ class DataParallelEngine:
                                     timeout_s=ctx.cfg.timeout_s, compression=ctx.make_compressor(),
                                     optimizer=self.optimizer if self.steps_in_optimizer else None)  # fmt: skip
         self.wrapped = self._engine
+        if ctx.noise is not None:
+            self._engine.measure_local_norms()
 
     def start(self) -> Position:
         if self.ckpt is None or self.ckpt.resume_from is None:
@@ -192,10 +216,13 @@ class DataParallelEngine:
         return Position(start, *self.ctx.locate(start, self.num_shards), rng=blob)
 
     def done(self, step: int) -> bool:
+        if self.ctx.plan.auto:  # the batch grows as training goes: so does the epochs' step count
+            self.total_steps = self.ctx.total_steps(self.num_shards)
         return step >= self.total_steps
 
     def before_step(self, step: int) -> None:
         self.ctx.schedule_lr(self.optimizer, step, self.total_steps)
+        self._batch = self.ctx.plan.batch(self.ctx.locate(step, self.num_shards)[0])
         if not self.steps_in_optimizer:
             self.optimizer.zero_grad(set_to_none=False)
 
@@ -204,6 +231,8 @@ class DataParallelEngine:
         return out
 
     def update(self) -> None:
+        if self.ctx.noise is not None:
+            self._noise = measure_noise(self.ctx, self._engine, self.model, self._batch, self.num_shards)
         if not self.steps_in_optimizer:
             with self.ctx.tracer.span("optimizer"):
                 self.optimizer.step()
@@ -234,6 +263,8 @@ class DataParallelEngine:
         return row
 
     def rows(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.ctx.noise is not None:
+            row.update(batch=self._batch, **self._noise)
         if not self.steps_in_optimizer:
             return [self._complete(row)]
         # this step's buckets finish during the next forward: its figures come one step later
@@ -283,6 +314,13 @@ def _run_ddp(ctx: TrainContext) -> dict[str, Any]:
 def _check(o: DPOptions, cfg: RunConfig) -> None:
     if cfg.precision == "fp16":
         check_fp16_exchange(o, cfg)
+    if (cfg.noise_scale or cfg.batch_schedule == "auto") and o.overlap == "forward":
+        raise ConfigError("the noise scale reads the averaged gradient after backward; --overlap forward applies "
+                          "buckets as they arrive: use --overlap backward")  # fmt: skip
+    if cfg.batch_schedule == "auto" and (cfg.checkpoint_every or cfg.resume):
+        raise ConfigError("--batch-schedule auto decides each epoch's batch from the run's noise scale, which "
+                          "checkpoints do not hold yet: run it without --checkpoint-every / --resume, or give "
+                          "the schedule it chose (summary.json batch_decisions) as --batch-schedule")
     if not cfg.skip_nonfinite:
         return
     if o.overlap == "forward":

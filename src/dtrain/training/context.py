@@ -28,6 +28,7 @@ from dtrain.data import DatasetSplit
 from dtrain.models import build_model, task_loss
 from dtrain.schedule import BatchPlan, scaling_factor, warmup_factor
 from dtrain.trace import MetricsWriter, Tracer
+from dtrain.training.noise_scale import NoiseScale, next_batch
 from dtrain.training.precision import Precision
 
 __all__ = ["TrainContext", "lr_factor", "schedule_updates"]
@@ -107,6 +108,22 @@ class TrainContext:
         c = self.cfg
         self.plan = BatchPlan.of(c.batch_size, c.batch_schedule, len(self.data.train), c.epochs)
         self.precision = Precision(c.precision, "cuda" if c.backend == "nccl" else "cpu")
+        # the gradient noise scale (--noise-scale, --batch-schedule auto): the engine feeds it every step
+        self.noise = NoiseScale() if c.noise_scale or self.plan.auto else None
+        self.batch_decisions: list[dict[str, Any]] = []  # auto: {"epoch", "batch", "b_simple"} per epoch
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Before ``epoch``'s data: ``--batch-schedule auto`` doubles the batch while the smoothed noise scale
+        exceeds it by the margin (:func:`dtrain.training.noise_scale.next_batch`). Every rank computes the
+        same noise scale (from all-reduced norms), so every rank makes the same decision."""
+        if not self.plan.auto or self.noise is None:
+            return
+        b, shards = self.plan.batch(epoch), self.batch_shards
+        if epoch > 0:
+            cap = self.cfg.max_batch or max(shards, len(self.data.train) // 4 // shards * shards)
+            b = next_batch(b, self.noise.b_simple, maximum=max(b, cap), multiple=shards)
+            self.plan.set_from(epoch, b)
+        self.batch_decisions.append({"epoch": epoch, "batch": b, "b_simple": self.noise.b_simple})
 
     # ---------------------------------------------------------------- factories
 

@@ -191,8 +191,8 @@ class _Progress:
 def _gradients(ctx: TrainContext, engine: Engine, x: Any, y: Any, scaler: LossScaler | None) -> float:
     """Forward (in the compute precision) and backward of a batch, the gradients left in ``.grad``
     (times the loss scale under fp16); the batch's mean loss."""
+    ctx.loss_scale = scaler.loss_scale if scaler is not None else 1.0
     if isinstance(engine, WholeStep):  # a pipeline interleaves forwards and backwards of micro-batches
-        ctx.loss_scale = scaler.loss_scale if scaler is not None else 1.0
         with ctx.precision.autocast():
             return engine.train_step(x, y)  # its loss function is ctx.scaled_loss; it returns the unscaled
     with ctx.tracer.span("forward"), ctx.precision.autocast():
@@ -241,6 +241,7 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
            first_batch: int, tally: _Progress, bar: Any, slow: Straggler, t_start: float) -> int:  # fmt: skip
     """One pass over this shard's batches of ``epoch`` from ``first_batch``; returns batches consumed (total)."""
     batches = first_batch
+    ctx.begin_epoch(epoch)  # --batch-schedule auto: this epoch's batch
     data = iter(ctx.loader(engine.shard, engine.num_shards, epoch, start_batch=first_batch))
     if pos.rng is not None and tally.step == pos.step:  # after building the iterator, which draws from the RNG
         assert ckpt is not None
@@ -383,6 +384,9 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
         out.update(_metric_keys(ctx, engine, tally))
     if tally.scaler is not None:
         out.update(overflow_steps=tally.overflows, loss_scale=tally.scaler.loss_scale)
+    if ctx.noise is not None and engine.evaluator:
+        out["summary_extra"] = {**out.get("summary_extra", {}), "noise_scale": ctx.noise.b_simple,
+                                "batch_decisions": ctx.batch_decisions}  # fmt: skip
     if slow.active:
         out.setdefault("straggler", {"factor": slow.factor, "reference_s": slow.reference_s})
     return out
