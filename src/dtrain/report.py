@@ -34,7 +34,9 @@ def _plot(run_dir: Path, rows: list[dict[str, Any]], summary: dict[str, Any]) ->
     for r in rows:
         by_step[int(r["step"])].append(float(r["loss"]))
     steps = sorted(by_step)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    noise = [(int(r["step"]), r["b_simple"], r["batch"]) for r in rows
+             if r.get("rank", 0) == 0 and r.get("b_simple") is not None and "batch" in r]  # fmt: skip
+    fig, axes = plt.subplots(1, 3 if noise else 2, figsize=(15 if noise else 10, 3.6))
     axes[0].plot(steps, [sum(by_step[s]) / len(by_step[s]) for s in steps])
     axes[0].set(xlabel="step", ylabel="training loss (mean over ranks)", yscale="log", title="loss")
     hist = summary.get("metric_history") or [{"train_s": h[0], "value": h[2]} for h in
@@ -44,6 +46,11 @@ def _plot(run_dir: Path, rows: list[dict[str, Any]], summary: dict[str, Any]) ->
         axes[1].plot([h["train_s"] for h in hist], [h["value"] for h in hist], marker="o")
         label = "validation loss (nats/token)" if name == "val_loss" else "test accuracy"
         axes[1].set(xlabel="training time (s)", ylabel=label, title=label.split(" (")[0])
+    if noise:  # the gradient noise scale beside the batch in use (--noise-scale, --batch-schedule auto)
+        axes[2].plot([n[0] for n in noise], [n[1] for n in noise], label="noise scale B_simple")
+        axes[2].step([n[0] for n in noise], [n[2] for n in noise], where="post", label="global batch")
+        axes[2].set(xlabel="step", ylabel="samples", yscale="log", title="gradient noise scale vs batch")
+        axes[2].legend()
     fig.suptitle(f"{summary.get('strategy')} x {summary.get('workers')} workers")
     fig.tight_layout()
     path = run_dir / "curves.png"
@@ -80,6 +87,10 @@ def report(run_dir: str | Path) -> str:
             lines.append(f"{k:<15} {v:.4g}" if isinstance(v, float) else f"{k:<15} {v}")
     for k, v in step_table(rows).items():
         lines.append(f"mean {k:<10} {v:.4g}")
+    if summary.get("noise_scale") is not None:
+        lines.append(f"noise scale     B_simple {summary['noise_scale']:.4g} (smoothed, last step)")
+    for d_ in summary.get("batch_decisions") or []:
+        lines.append(f"batch epoch {d_['epoch']:<3} {d_['batch']}")
     if "staleness" in summary:
         s = summary["staleness"]
         lines.append(f"staleness       max {s.get('max')} mean {s.get('mean', 0):.3g}")

@@ -128,6 +128,7 @@ class PSWorkerEngine:
         self.evaluator = ps.worker_index == 0
         self.total_steps = steps
         self._lr = ctx.cfg.lr * lr_scale(_options(ctx.cfg).consistency, workers)
+        self._step = 0
         self._sent = 0
 
     def start(self) -> Position:
@@ -143,7 +144,7 @@ class PSWorkerEngine:
         return self.ps.should_stop
 
     def before_step(self, step: int) -> None:
-        return None  # ps.step() zeroes the gradients; the servers' optimizer has the schedule
+        self._step = step  # ps.step() zeroes the gradients; the servers' optimizer has the schedule
 
     def forward(self, x: Any) -> torch.Tensor:
         out: torch.Tensor = self.model(x)
@@ -166,7 +167,10 @@ class PSWorkerEngine:
             p.grad = None
 
     def lr(self) -> float:
-        return self._lr
+        """The rate of this step's update under bsp (the servers count updates: one per step there)."""
+        if not self.ctx.lr_rules:
+            return self._lr
+        return self._lr * self.ctx.lr_multiplier(self._step, self.total_steps, batch=self.ctx.cfg.batch_size)
 
     def rows(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         dt = row.pop("step_s")
@@ -210,8 +214,10 @@ def run_process(ctx: TrainContext) -> dict[str, Any]:
         opt = ctx.make_optimizer(params)
         for group in opt.param_groups:
             group["lr"] = group["lr"] * scale
-        if c.lr_schedule != "constant":  # the servers step the optimizer: each update follows the schedule
-            schedule_updates(opt, c.lr_schedule, server_updates(c, steps))
+        if ctx.lr_rules:  # the servers step the optimizer: each update follows the schedule, scaling, warmup
+            updates = server_updates(c, steps)
+            schedule_updates(opt, c.lr_schedule, updates,
+                             factor=lambda u: ctx.lr_multiplier(u, updates, batch=c.batch_size))  # fmt: skip
         return opt
 
     holder: list[ParameterServer] = []
@@ -240,6 +246,13 @@ def _check(o: PSOptions, cfg: RunConfig) -> None:
         parse_consistency(o.consistency, staleness_lr=o.staleness_lr).check_workers(cfg.workers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.batch_schedule:
+        raise ConfigError(f"--batch-schedule {cfg.batch_schedule!r} is not supported by the parameter server: its "
+                          "servers count updates, not the workers' epochs; use a fixed --batch-size")  # fmt: skip
+    if cfg.precision == "fp16" and cfg.checkpoint_every:
+        raise ConfigError("--precision fp16 with --checkpoint-every is not supported by the parameter server: a "
+                          "worker's overflowing step is no push, so its steps and the servers' updates would no "
+                          "longer meet at the same checkpoint; use --precision bf16")
     if cfg.skip_nonfinite and cfg.checkpoint_every:
         raise ConfigError("--skip-nonfinite with --checkpoint-every is not supported by the parameter server: a "
                           "worker's skipped step is no push, so its steps and the servers' updates would no longer "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,8 @@ def lr_factor(schedule: str, step: int, total: int) -> float:
     raise ValueError(f"lr schedule {schedule!r} is not known; choose constant or cosine")
 
 
-def schedule_updates(optimizer: torch.optim.Optimizer, schedule: str, total: int) -> None:
+def schedule_updates(optimizer: torch.optim.Optimizer, schedule: str, total: int,
+                     factor: Callable[[int], float] | None = None) -> None:  # fmt: skip
     """Scale every update of ``optimizer`` by :func:`lr_factor` of its own step count.
 
     For optimizers stepped where the loop cannot set the rate (the parameter
@@ -67,7 +68,7 @@ def schedule_updates(optimizer: torch.optim.Optimizer, schedule: str, total: int
     count = [0]
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        f = lr_factor(schedule, count[0], total)
+        f = factor(count[0]) if factor is not None else lr_factor(schedule, count[0], total)
         for g in opt.param_groups:
             g["unscheduled_lr"] = g["lr"]
             g["lr"] = g["lr"] * f
