@@ -203,13 +203,14 @@ def _gradients(ctx: TrainContext, engine: Engine, x: Any, y: Any, scaler: LossSc
 
 
 def _inject_overflow(ctx: TrainContext, engine: Engine, step: int) -> None:
-    """Fault injection (``extra.inject_overflow = "RANK:STEP"``): an inf in this rank's first gradient at
-    ``step``, after the exchange -- an overflow only this rank sees (tests of the agreement)."""
+    """Fault injection (``extra.inject_overflow = "RANK:STEP"``, or ``"RANK:*"`` for every step): an inf in
+    this rank's first gradient at ``step``, after the exchange -- an overflow only this rank sees (tests of
+    the agreement and of a collapsing loss scale)."""
     spec = ctx.cfg.extra.get("inject_overflow")
     if not spec:
         return
-    r, s = (int(v) for v in str(spec).split(":"))
-    if r == ctx.rank and s == step and isinstance(engine, SkipsSteps):
+    r, s = str(spec).split(":")
+    if int(r) == ctx.rank and s in ("*", str(step)) and isinstance(engine, SkipsSteps):
         grads = [p.grad for _, p in engine.named_parameters() if p.grad is not None]
         if grads:
             grads[0].view(-1)[0] = math.inf
