@@ -1,0 +1,84 @@
+"""``dtrain run --noise-scale`` and ``--batch-schedule auto`` (dp): the logged estimates against the same
+quantities computed in this process from the same shards, and the auto schedule's decisions against the
+rule applied to the logged noise scale. The estimator itself is checked in tests/test_noise_scale.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import dtrain_cli, read_metrics, read_summary
+from torch.utils.data import DataLoader, DistributedSampler
+
+from dtrain.data import load_dataset
+from dtrain.models import build_model, task_loss
+from dtrain.training.noise_scale import estimate, next_batch
+
+COMMON = ["--no-progress", "--no-trace", "--workers", "2", "--noise-scale"]
+
+
+def _shard_gradients(batch: int, world: int) -> list[torch.Tensor]:
+    """Each worker's flattened gradient of the first step, as ``dtrain run`` (seed 0) computes it."""
+    ds = load_dataset("digits", seed=0)
+    out = []
+    for rank in range(world):
+        torch.manual_seed(0)
+        model = build_model("cnn", tuple(ds.input_shape), ds.num_classes)
+        sampler: DistributedSampler = DistributedSampler(ds.train, num_replicas=world, rank=rank, shuffle=True,
+                                                         seed=0, drop_last=True)  # fmt: skip
+        sampler.set_epoch(0)
+        x, y = next(iter(DataLoader(ds.train, batch_size=batch // world, sampler=sampler, drop_last=True)))
+        task_loss(model(x), y).backward()
+        out.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double())
+    return out
+
+
+def test_the_first_step_logs_the_estimators_of_its_own_shards(tmp_path):
+    out = tmp_path / "run"
+    p = dtrain_cli("run", *COMMON, "--batch-size", "32", "--max-steps", "1", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [r for r in read_metrics(out) if r["step"] == 0]
+    assert len(rows) == 2
+    g = _shard_gradients(32, 2)
+    small = float(sum(x.pow(2).sum() for x in g)) / 2
+    big = float(((g[0] + g[1]) / 2).pow(2).sum())
+    g2, s = estimate(small, big, 16, 32)
+    for r in rows:  # one step of a bias-corrected average is the step's own estimate, on every rank alike
+        assert r["batch"] == 32
+        assert r["noise_g2"] == pytest.approx(g2, rel=1e-4)
+        assert r["noise_trace"] == pytest.approx(s, rel=1e-4)
+        assert r["b_simple"] == pytest.approx(s / g2, rel=1e-4)
+
+
+def test_auto_doubles_the_batch_where_the_noise_scale_exceeds_twice_it(tmp_path):
+    out = tmp_path / "auto"
+    p = dtrain_cli("run", *COMMON, "--batch-size", "8", "--epochs", "4", "--batch-schedule", "auto",
+                   "--lr-scaling", "linear", "--out", str(out))  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = read_summary(out)
+    decisions = s["batch_decisions"]
+    assert [d["epoch"] for d in decisions] == [0, 1, 2, 3]
+    rows = sorted((r for r in read_metrics(out) if r["rank"] == 0), key=lambda r: r["step"])
+    for d in decisions[1:]:
+        last = [r for r in rows if r["epoch"] == d["epoch"] - 1][-1]  # the noise scale at the epoch's end
+        assert d["b_simple"] == pytest.approx(last["b_simple"], rel=1e-9)
+        assert d["batch"] == next_batch(last["batch"], last["b_simple"], maximum=1437 // 4 // 2 * 2, multiple=2)
+        epoch_rows = [r for r in rows if r["epoch"] == d["epoch"]]
+        assert {r["batch"] for r in epoch_rows} == {d["batch"]}
+        assert len(epoch_rows) == (1437 // 2) // (d["batch"] // 2)  # the epoch's steps at its batch
+        assert all(r["lr"] == pytest.approx(0.05 * d["batch"] / 8) for r in epoch_rows)  # linear scaling follows
+    assert decisions[-1]["batch"] > 8, decisions  # the CNN's noise scale is far above 8 samples: it grew
+    assert s["steps"] == len(rows)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--strategy", "ps", "--servers", "1", "--batch-schedule", "auto"], "batch_schedule auto"),
+    (["--workers", "1", "--batch-schedule", "auto"], "batch_schedule auto"),
+    (["--shard", "optimizer", "--noise-scale"], "noise_scale"),
+    (["--overlap", "forward", "--noise-scale"], "--overlap forward"),
+    (["--batch-schedule", "auto", "--checkpoint-every", "5"], "--checkpoint-every"),
+])  # fmt: skip
+def test_bad_noise_scale_input_is_refused_before_any_process_starts(tmp_path, flags, needle):
+    p = dtrain_cli("run", "--no-progress", "--workers", "2", *flags, "--out", str(tmp_path / "x"))
+    assert p.returncode != 0
+    assert needle in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
