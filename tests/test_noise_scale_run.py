@@ -75,10 +75,27 @@ def test_auto_doubles_the_batch_where_the_noise_scale_exceeds_twice_it(tmp_path)
     (["--workers", "1", "--batch-schedule", "auto"], "batch_schedule auto"),
     (["--shard", "optimizer", "--noise-scale"], "noise_scale"),
     (["--overlap", "forward", "--noise-scale"], "--overlap forward"),
-    (["--batch-schedule", "auto", "--checkpoint-every", "5"], "--checkpoint-every"),
 ])  # fmt: skip
 def test_bad_noise_scale_input_is_refused_before_any_process_starts(tmp_path, flags, needle):
     p = dtrain_cli("run", "--no-progress", "--workers", "2", *flags, "--out", str(tmp_path / "x"))
     assert p.returncode != 0
     assert needle in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_an_auto_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(tmp_path):
+    """The checkpoint holds the batch plan, the decisions and the noise scale's averages: a run stopped inside
+    the grown epoch and resumed makes the same decisions and ends on the same model."""
+    flags = [*COMMON, "--batch-size", "8", "--epochs", "3", "--batch-schedule", "auto"]
+    full, part, resumed = tmp_path / "full", tmp_path / "part", tmp_path / "resumed"
+    assert dtrain_cli("run", *flags, "--out", str(full)).returncode == 0
+    p = dtrain_cli("run", *flags, "--max-steps", "200", "--checkpoint-every", "100", "--out", str(part))
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = dtrain_cli("run", *flags, "--resume", str(part), "--out", str(resumed))
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = read_summary(full), read_summary(resumed)
+    assert b["start_step"] == 200 and a["steps"] == 200 + b["steps"]
+    assert [d["batch"] for d in a["batch_decisions"]] == [d["batch"] for d in b["batch_decisions"]]
+    assert a["batch_decisions"][1]["batch"] > 8  # step 200 is inside an epoch whose batch grew
+    assert b["metric"] == pytest.approx(a["metric"], abs=1e-12)
+    assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-6)

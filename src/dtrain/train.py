@@ -171,6 +171,10 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
     for k in ("val_loss", "perplexity", "target", "time_to_target_s", "target_step"):
         if k in evaluator:
             s[k] = evaluator[k]
+    if cfg.batch_schedule and cfg.batch_schedule != "auto":  # global_batch is the first epoch's
+        from dtrain.schedule import BatchPlan
+
+        s["batch_per_epoch"] = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, 1, cfg.epochs).batches
     if cfg.precision != "fp32":
         s["precision"] = cfg.precision
         if cfg.precision == "fp16":  # steps skipped for overflow (the most any rank skipped; agreed ranks skip alike)

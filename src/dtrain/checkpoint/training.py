@@ -35,6 +35,7 @@ consistency model, and one that leaves nothing to train.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +76,7 @@ def train_steps(cfg: RunConfig) -> int:
     from dtrain.schedule import BatchPlan
 
     plan = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, len(cfg.load_data().train), cfg.epochs)
-    n = plan.total(cfg.workers)
+    n = plan.total(cfg.opts.batch_shards(cfg.workers))
     return int(min(n, cfg.max_steps) if cfg.max_steps else n)
 
 
@@ -147,6 +148,10 @@ class RunCheckpointer:
         if dist.is_available() and dist.is_initialized():
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
         self._saved: set[int] = set()
+        # the training loop's own state (the loss scale, the noise scale, the batch plan): saved with each
+        # rank's state under "loop"; ``on_restore`` gets it back before the engine works out its position
+        self.loop_state: dict[str, Any] = {}
+        self.on_restore: Callable[[dict[str, Any]], None] | None = None
 
     @classmethod
     def create(cls, cfg: RunConfig, out_dir: str | Path) -> RunCheckpointer | None:
@@ -166,6 +171,8 @@ class RunCheckpointer:
         ``sharded``: DTensors each rank holds a part of (see :func:`~dtrain.checkpoint.save_checkpoint`)."""
         blob = dict(rank_state or {})
         blob["rng"] = rng_state()
+        if self.loop_state:
+            blob["loop"] = self.loop_state
         info = {"run": run_info(self.cfg), **facts}
         path = save_checkpoint(self.root, step, model=model, optimizer=optimizer, rank_state=blob, info=info,
                                group=self.group, sharded=sharded)
@@ -189,6 +196,8 @@ class RunCheckpointer:
         if optimizer is not None:
             for g, h in zip(optimizer.param_groups, hyper):
                 g.update(h)
+        if self.on_restore is not None and "loop" in blob:
+            self.on_restore(blob["loop"])
         return info, blob
 
     @staticmethod

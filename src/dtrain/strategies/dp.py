@@ -317,10 +317,7 @@ def _check(o: DPOptions, cfg: RunConfig) -> None:
     if (cfg.noise_scale or cfg.batch_schedule == "auto") and o.overlap == "forward":
         raise ConfigError("the noise scale reads the averaged gradient after backward; --overlap forward applies "
                           "buckets as they arrive: use --overlap backward")  # fmt: skip
-    if cfg.batch_schedule == "auto" and (cfg.checkpoint_every or cfg.resume):
-        raise ConfigError("--batch-schedule auto decides each epoch's batch from the run's noise scale, which "
-                          "checkpoints do not hold yet: run it without --checkpoint-every / --resume, or give "
-                          "the schedule it chose (summary.json batch_decisions) as --batch-schedule")
+
     if not cfg.skip_nonfinite:
         return
     if o.overlap == "forward":

@@ -112,13 +112,32 @@ class TrainContext:
         # the gradient noise scale (--noise-scale, --batch-schedule auto): the engine feeds it every step
         self.noise = NoiseScale() if c.noise_scale or self.plan.auto else None
         self.batch_decisions: list[dict[str, Any]] = []  # auto: {"epoch", "batch", "b_simple"} per epoch
+        self.resumed_scaler: dict[str, Any] | None = None  # fp16: the checkpoint's loss-scaler state
+
+    def loop_state(self, scaler: Any) -> dict[str, Any]:
+        """What a checkpoint keeps of the loop's own state: the batch plan (``auto``'s decisions), the noise
+        scale's averages, the fp16 loss scaler's state."""
+        out: dict[str, Any] = {"plan": list(self.plan.batches), "decisions": list(self.batch_decisions)}
+        if self.noise is not None:
+            out["noise"] = self.noise.state_dict()
+        if scaler is not None:
+            out["scaler"] = dict(scaler.state_dict())
+        return out
+
+    def restore_loop_state(self, state: dict[str, Any]) -> None:
+        """:meth:`loop_state` back (a resumed run), before the engine locates its position in the data."""
+        self.plan.batches[: len(state["plan"])] = state["plan"]
+        self.batch_decisions = list(state["decisions"])
+        if self.noise is not None and "noise" in state:
+            self.noise.load_state_dict(state["noise"])
+        self.resumed_scaler = state.get("scaler")
 
     def begin_epoch(self, epoch: int) -> None:
         """Before ``epoch``'s data: ``--batch-schedule auto`` doubles the batch while the smoothed noise scale
         exceeds it by the margin (:func:`dtrain.training.noise_scale.next_batch`). Every rank computes the
         same noise scale (from all-reduced norms), so every rank makes the same decision."""
-        if not self.plan.auto or self.noise is None:
-            return
+        if not self.plan.auto or self.noise is None or any(d["epoch"] == epoch for d in self.batch_decisions):
+            return  # decided already (a run resumed mid-epoch keeps the decision made at its start)
         b, shards = self.plan.batch(epoch), self.batch_shards
         if epoch > 0:
             cap = self.cfg.max_batch or max(shards, len(self.data.train) // 4 // shards * shards)

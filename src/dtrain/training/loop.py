@@ -277,6 +277,7 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
             _evaluate(ctx, engine, tally, epoch, t_start, bar)  # may stop the run (--target)
             t_free = time.perf_counter()
         if ckpt is not None and ckpt.due(tally.step, final=engine.done(tally.step) or tally.stopped):
+            ckpt.loop_state = ctx.loop_state(tally.scaler)
             with ctx.tracer.span("checkpoint", step=tally.step):
                 engine.save(ckpt, tally.step, epoch, batches)
             t_free = time.perf_counter()
@@ -357,9 +358,13 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
     evaluation that met it; None if none did) and ``target_step``; plus the
     engine's :meth:`Engine.finish` keys.
     """
+    if ckpt is not None:
+        ckpt.on_restore = ctx.restore_loop_state  # the batch plan before the engine locates its position
     pos = engine.start()
     slow = ctx.straggler()
     tally = _Progress(step=pos.step, guard=guard_for(ctx, engine), scaler=_scaler(ctx, engine))
+    if tally.scaler is not None and ctx.resumed_scaler is not None:
+        tally.scaler.load_state_dict(ctx.resumed_scaler)
     bar = ctx.progress(engine.total_steps - pos.step, engine.evaluator)
     t_start = time.perf_counter()
     epoch, first_batch = pos.epoch, pos.batch
@@ -371,6 +376,7 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
         if not ctx.cfg.eval_every and not tally.stopped:
             _evaluate(ctx, engine, tally, epoch, t_start, bar)
             if tally.stopped and ckpt is not None and ckpt.due(tally.step, final=True):
+                ckpt.loop_state = ctx.loop_state(tally.scaler)
                 engine.save(ckpt, tally.step, epoch, batches)  # the run ends here: its last checkpoint
         epoch += 1
     _write(ctx, engine.synchronize())

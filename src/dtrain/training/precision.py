@@ -108,6 +108,9 @@ class LossScaler(torch.amp.GradScaler):
                  device: str = "cpu", init_scale: float = 2.0**16, growth_interval: int = 2000,
                  min_scale: float = 1.0) -> None:  # fmt: skip
         super().__init__(device, init_scale=init_scale, growth_interval=growth_interval)
+        # GradScaler creates its scale tensor in the first scale(); a whole-step engine (pipeline, tensor,
+        # hybrid) never calls it -- it multiplies its loss by loss_scale itself -- and unscale_ would then fail
+        self.scale(torch.zeros((), device=device))
         # a rank without gradients (a parameter-free pipeline stage, 2bw's first step) still takes part in
         # the agreement: a parameter whose gradient is always zero keeps GradScaler's bookkeeping non-empty
         self._anchor = torch.nn.Parameter(torch.zeros(1, device=device))
