@@ -9,6 +9,7 @@ nothing strategy-specific; a strategy's options are ``cfg.options``.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -105,14 +106,25 @@ class TrainContext:
     started: float = field(default_factory=time.perf_counter)
     loss_scale: float = 1.0  # fp16: the loss scale of the step in progress (the loop sets it)
 
-    def __post_init__(self) -> None:
+    batch_decisions: list[dict[str, Any]] = field(default_factory=list, init=False)  # auto: one per epoch
+    resumed_scaler: dict[str, Any] | None = field(default=None, init=False)  # fp16: the checkpoint's scaler
+
+    @functools.cached_property
+    def plan(self) -> BatchPlan:
+        """Every epoch's global batch (``--batch-size``, ``--batch-schedule``; ``auto`` decides as it goes)."""
         c = self.cfg
-        self.plan = BatchPlan.of(c.batch_size, c.batch_schedule, len(self.data.train), c.epochs)
-        self.precision = Precision(c.precision, "cuda" if c.backend == "nccl" else "cpu")
-        # the gradient noise scale (--noise-scale, --batch-schedule auto): the engine feeds it every step
-        self.noise = NoiseScale() if c.noise_scale or self.plan.auto else None
-        self.batch_decisions: list[dict[str, Any]] = []  # auto: {"epoch", "batch", "b_simple"} per epoch
-        self.resumed_scaler: dict[str, Any] | None = None  # fp16: the checkpoint's loss-scaler state
+        return BatchPlan.of(c.batch_size, c.batch_schedule, len(self.data.train), c.epochs)
+
+    @functools.cached_property
+    def precision(self) -> Precision:
+        """The compute precision (``--precision``)."""
+        return Precision(self.cfg.precision, "cuda" if self.cfg.backend == "nccl" else "cpu")
+
+    @functools.cached_property
+    def noise(self) -> NoiseScale | None:
+        """The gradient noise scale (``--noise-scale``, ``--batch-schedule auto``; the engine feeds it every
+        step), else None."""
+        return NoiseScale() if self.cfg.noise_scale or self.plan.auto else None
 
     def loop_state(self, scaler: Any) -> dict[str, Any]:
         """What a checkpoint keeps of the loop's own state: the batch plan (``auto``'s decisions), the noise
