@@ -227,6 +227,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, hea
         head: the layer that produced the logits (its group, range and vocabulary size).
     """
     g = head.g
+    # in float32 whatever the logits' dtype, as autocast runs cross_entropy (and Megatron its vocab-parallel
+    # one): under fp16 the sum of exponentials loses precision, and a loss-scaled loss (loss x 2**16) overflows
+    logits = logits.float()
     per = logits.shape[-1]
     start = head.vocab_start
     cols = torch.arange(start, start + per, device=logits.device)
