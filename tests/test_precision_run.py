@@ -1,4 +1,4 @@
-"""``dtrain run --precision bf16 | fp16`` end to end, and :class:`dtrain.training.precision.LossScaler` alone.
+"""``dtrain run --precision bf16 | fp16`` end to end, and :class:`dtrain.precision.LossScaler` alone.
 
 - LossScaler in one process (growth after ``growth_interval`` clean steps, backoff, another rank's verdict
   obeyed, the collapse naming the step and the scale) and in two gloo processes where one rank always
@@ -8,8 +8,8 @@
   identical: the trajectory is the same whichever rank overflowed.
 - A run whose every step overflows (``--lr 1e30``: after the first update the weights are inf in fp16) stops
   with LossScaleCollapsed on both ranks, at the step and scale the backoff schedule gives.
-- dp's gradients travel in 16 bits: the ring's closed form at 2 bytes an element, half of fp32's. ddp's reported
-  bytes ignore its 16-bit comm hook (a strict xfail until strategies/dp.py counts them).
+- dp's gradients travel in 16 bits: the ring's closed form at 2 bytes an element, half of fp32's. ddp reports the
+  16-bit bytes its comm hook sends.
 - Every strategy trains in bf16 / fp16 (the loss falls; no overflow after the first steps); hybrid (4 processes)
   is marked slow.
 - What fp16 cannot do is refused before any process starts, naming the option.
@@ -29,7 +29,7 @@ from _dist import spawn
 from _helpers import dtrain_cli, mean_losses, read_metrics, read_summary
 
 from dtrain.errors import ConfigError
-from dtrain.training.precision import LossScaleCollapsed, LossScaler, Precision
+from dtrain.precision import LossScaleCollapsed, LossScaler, Precision
 
 BASE = ["--epochs", "1", "--no-progress", "--no-trace", "--timeout-s", "60", "--optimizer", "adam", "--lr", "0.003"]
 CNN = [*BASE, "--batch-size", "32", "--max-steps", "30"]  # the default model and data: cnn on digits
@@ -276,8 +276,6 @@ def test_dp_gradients_travel_in_16_bits(runs):
         assert {r["bytes_sent"] for r in read_metrics(runs(name))} == {int(fp32 / 2)}, name
 
 
-@pytest.mark.xfail(strict=True, reason="ddp reports the ring bytes of the float32 parameters (strategies/dp.py "
-                   "_ring_bytes uses p.element_size()), not the 16-bit buckets its fp16/bf16 comm hook sends")
 def test_ddp_reports_the_16_bit_bytes_its_comm_hook_sends(runs):
     rows = read_metrics(runs("ddp fp16"))
     assert {r["bytes_sent"] for r in rows} == {int(2 * (2 - 1) / 2 * _cnn_parameters() * 2)}

@@ -47,7 +47,8 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteError": "dtrain.errors",
 }
 _SUBPACKAGES = ("comm", "compress", "perfmodel", "planning", "strategies", "cluster", "param_server", "data_parallel",
-                "checkpoint", "decentralized", "pipeline", "sharded", "tensor_parallel")
+                "checkpoint", "decentralized", "pipeline", "sharded", "tensor_parallel", "precision", "optim",
+                "schedule")
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])
 

@@ -82,6 +82,11 @@ class StrategyOptions:
         """Options a checkpoint depends on: a resumed run must match them (default: none)."""
         return {}
 
+    def exchanges_unscaled(self) -> bool:
+        """Whether gradients leave the worker after the step's fp16 check, already unscaled (a parameter
+        server's push), rather than during backward (default: no)."""
+        return False
+
     def measures_noise_scale(self, workers: int) -> bool:
         """Whether the strategy measures the gradient noise scale (``--noise-scale``, ``--batch-schedule auto``):
         each worker's gradient beside their average (default: no)."""

@@ -159,8 +159,10 @@ def measure_noise(ctx: TrainContext, engine: Any, model: nn.Module, batch: int, 
     return {"b_simple": ctx.noise.b_simple, "noise_g2": ctx.noise.g2, "noise_trace": ctx.noise.trace_sigma}
 
 
-def _ring_bytes(model: nn.Module, world: int) -> int:
-    n = sum(p.numel() * p.element_size() for p in model.parameters())
+def _ring_bytes(model: nn.Module, world: int, wire: torch.dtype | None = None) -> int:
+    """What a ring all-reduce of the gradients sends per rank (``wire``: the dtype they travel in)."""
+    n = sum(p.numel() * (torch.tensor([], dtype=wire).element_size() if wire else p.element_size())
+            for p in model.parameters())  # fmt: skip
     return int(2 * (world - 1) / world * n) if world > 1 else 0
 
 
@@ -254,7 +256,8 @@ class DataParallelEngine:
         """A step's row with the engine's figures (DDP reports none: ring bytes, nulls)."""
         dt = row.pop("step_s")
         if self._engine is None:
-            row.update(compute_s=dt, comm_s=None, wait_s=None, bytes_sent=_ring_bytes(self.model, self.num_shards))
+            sent = _ring_bytes(self.model, self.num_shards, self.ctx.precision.dtype)  # DDP's hook: 16-bit under it
+            row.update(compute_s=dt, comm_s=None, wait_s=None, bytes_sent=sent)
             return row
         st = self._engine.step_stats()
         wait_s = float(st.get("wait_s", 0.0))

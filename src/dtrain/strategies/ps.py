@@ -73,6 +73,9 @@ class PSOptions(CompressedOptions):
     staleness_lr: bool = field(default=False, metadata={
         "help": "staleness-aware learning rate: each gradient's rate divided by its staleness (default: off)"})
 
+    def exchanges_unscaled(self) -> bool:
+        return True  # a worker pushes after its step's check
+
     def __post_init__(self) -> None:
         if self.servers < 1:
             raise ConfigError(f"the parameter server needs servers >= 1, got {self.servers}")

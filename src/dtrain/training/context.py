@@ -27,10 +27,10 @@ from dtrain.compress.base import Compressor
 from dtrain.config import RunConfig, parse_straggler
 from dtrain.data import DatasetSplit
 from dtrain.models import build_model, task_loss
+from dtrain.precision import Precision
 from dtrain.schedule import BatchPlan, scaling_factor, warmup_factor
 from dtrain.trace import MetricsWriter, Tracer
 from dtrain.training.noise_scale import NoiseScale, next_batch
-from dtrain.training.precision import Precision
 
 __all__ = ["TrainContext", "lr_factor", "schedule_updates"]
 
@@ -190,7 +190,7 @@ class TrainContext:
         without momentum (``dtrain.compress.from_spec``'s ``momentum``).
         """
         opts = self.cfg.opts
-        wire = self.precision.wire(opts.compressor_spec())
+        wire = self.precision.wire(opts.compressor_spec(), unscaled=opts.exchanges_unscaled())
         if wire != opts.compressor_spec():  # 16-bit compute: the gradients travel in 16 bits
             from dtrain.compress import from_spec
 

@@ -40,9 +40,9 @@ from torch import nn
 
 from dtrain.cluster.slowdown import Straggler
 from dtrain.errors import ConfigError, DTrainError
+from dtrain.precision import LossScaler
 from dtrain.training.context import TrainContext
 from dtrain.training.guard import NonFiniteGuard
-from dtrain.training.precision import LossScaler
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer

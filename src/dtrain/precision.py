@@ -20,13 +20,28 @@ of skipping steps forever.
 
 Gradients travel in the compute precision: the strategies' gradient exchange gets the 16-bit cast
 compressor (:mod:`dtrain.compress.quantize`) unless ``--compression`` names another
-(:meth:`Precision.wire`); pipeline activations and tensor-parallel partial sums are autocast's outputs,
-16-bit already.
+(:meth:`Precision.wire`); torch DDP gets its own fp16/bf16 comm hook; pipeline activations and
+tensor-parallel partial sums are autocast's outputs, 16-bit already. Two exceptions: a parameter-server
+worker pushes after its step's check, so its gradients are already unscaled and fp16 would flush the
+small ones to zero -- under fp16 they travel as bf16 (fp32's range); and ZeRO's reduce-scatter
+(``--shard``) moves float32 segments (its segments are the optimizer's float32 shards).
+
+From Python::
+
+    prec = dtrain.precision.Precision("fp16")
+    scaler = dtrain.precision.LossScaler(list(model.parameters()), rank=dtrain.rank())  # agreed over the world
+    with prec.autocast():
+        loss = loss_fn(ddp_model(x), y)
+    scaler.scale_loss(loss).backward()
+    if not scaler.unscale(step):  # no rank overflowed
+        opt.step()
+    scaler.advance()
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -85,26 +100,40 @@ class Precision:
         with torch.autocast(self.device_type, dtype=self.dtype):
             yield
 
-    def wire(self, compression: str) -> str:
+    def wire(self, compression: str, unscaled: bool = False) -> str:
         """The compressor spec gradients travel with: ``compression`` if one is named, else the compute
-        precision's 16-bit cast (``fp16`` / ``bf16``), else ``none``."""
+        precision's 16-bit cast (``fp16`` / ``bf16``; ``bf16`` for fp16 gradients already ``unscaled``,
+        which fp16's range would flush to zero), else ``none``."""
         if compression not in ("", "none") or self.dtype is None:
             return compression or "none"
-        return self.name
+        return "bf16" if unscaled else self.name
+
+
+def _world_verdict(bad: bool) -> list[int]:
+    """The ranks of the default group that found their step bad (this rank's verdict without a group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # the guard's flag all-reduce (run time: no import cycle)
+        ranks: list[int] = importlib.import_module("dtrain.training.guard").flagged_ranks(bad)
+        return ranks
+    return [0] if bad else []
 
 
 class LossScaler(torch.amp.GradScaler):
     """fp16 dynamic loss scaling whose overflow verdict the ranks sharing a step agree on.
 
     ``params``: the parameters whose gradients this rank applies (a sharded engine: its shards);
-    ``agree(bad) -> ranks``: the engine's agreement (:class:`dtrain.training.loop.SkipsSteps`).
+    ``agree(bad) -> ranks``: the engine's agreement (:class:`dtrain.training.loop.SkipsSteps`); default:
+    one flag all-reduce over the default group (:func:`dtrain.training.guard.flagged_ranks`), or this
+    rank's own verdict without a process group.
 
     Per step: ``scale_loss(loss).backward()``; after the exchange :meth:`unscale` (gradients / scale,
     then the agreed verdict: the ranks that overflowed, [] for none); the engine steps or skips; then
     :meth:`advance` moves the scale.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], agree: Callable[[bool], list[int]], *, rank: int,
+    def __init__(self, params: list[torch.nn.Parameter], agree: Callable[[bool], list[int]] | None = None, *,
+                 rank: int = 0,
                  device: str = "cpu", init_scale: float = 2.0**16, growth_interval: int = 2000,
                  min_scale: float = 1.0) -> None:  # fmt: skip
         super().__init__(device, init_scale=init_scale, growth_interval=growth_interval)
@@ -115,7 +144,7 @@ class LossScaler(torch.amp.GradScaler):
         # the agreement: a parameter whose gradient is always zero keeps GradScaler's bookkeeping non-empty
         self._anchor = torch.nn.Parameter(torch.zeros(1, device=device))
         self._holder = torch.optim.SGD([*params, self._anchor], lr=0.0)  # never stepped: unscale_'s list
-        self._agree, self.rank, self.min_scale = agree, rank, min_scale
+        self._agree, self.rank, self.min_scale = agree or _world_verdict, rank, min_scale
         self.overflowed: list[int] = []
 
     @property
