@@ -1,0 +1,158 @@
+"""Mixed precision (issue 20): fp32 against bf16 and fp16 on the same runs -- metric, bytes per step, overflows.
+
+Every row is one ``dtrain run`` (``dtrain.train.run``; data parallel, ring allreduce, ``--workers``
+processes on loopback) from the same seed for the same steps; only ``--precision`` changes:
+
+* ``fp32``  the reference
+* ``bf16``  torch autocast to bfloat16 on CPU, float32 master weights, gradients on the wire in 16 bits
+* ``fp16``  the same in float16 with dynamic loss scaling (torch's GradScaler; a step whose gradients
+            overflow is skipped on every rank that shares it: ``overflow_steps``)
+
+Workloads:
+
+* ``cnn``  the CNN on digits, ``--cnn-epochs`` epochs, global batch ``--cnn-batch``, SGD ``--cnn-lr``
+           momentum 0.9: test accuracy on the 360 test samples (one sample = 0.28 points)
+* ``gpt``  ``--gpt-model`` (gpt-small) on pytext, ``--seq-len`` tokens, global batch ``--gpt-batch``,
+           Adam ``--gpt-lr``, ``--gpt-steps`` steps: validation loss (nats/token) over ``--eval-samples``
+           validation windows (0: all 717 at seq 64)
+
+For each precision: the metric (mean over ``--seeds``, and per seed), its difference from fp32 (points
+of accuracy; relative for the loss; acceptance: within 1%), the seed-to-seed spread of fp32 beside it
+(what a difference has to beat to mean anything), bytes sent per step and worker and their ratio to
+fp32 (16-bit gradients: ~0.5), ``overflow_steps`` (fp16) and training seconds (CPU autocast; indicative
+on a shared machine).
+
+Run::
+
+    python benchmarks/precision.py                        # both workloads, ~10 minutes on 2 cores
+    python benchmarks/precision.py --part cnn --seeds 0,1,2
+    python benchmarks/precision.py --table                # print the stored results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "precision.json"
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _one(cfg: Any) -> dict[str, Any]:
+    from dtrain.train import run
+
+    with tempfile.TemporaryDirectory() as d:
+        s, _ = run(cfg.replace(out=str(Path(d) / "run"), overwrite=True), quiet=True)
+    return {k: s.get(k) for k in ("metric", "metric_name", "steps", "train_s", "final_loss", "bytes_sent_per_step",
+                                  "overflow_steps", "precision")}  # fmt: skip
+
+
+def table(db: dict[str, Any], part: str) -> list[str]:
+    by: dict[str, dict[int, dict[str, Any]]] = {}
+    for key, r in db["runs"].items():
+        p, prec, seed = key.split("|")
+        if p == part:
+            by.setdefault(prec, {})[int(seed)] = r
+    if "fp32" not in by:
+        return []
+    lm = by["fp32"][min(by["fp32"])]["metric_name"] != "test_accuracy"
+
+    def mean(prec: str, k: str) -> float:
+        return statistics.mean(float(r[k] or 0) for r in by[prec].values())
+
+    ref, ref_bytes = mean("fp32", "metric"), mean("fp32", "bytes_sent_per_step")
+    vals = [r["metric"] for r in by["fp32"].values()]
+    spread = (max(vals) - min(vals)) / (ref if lm else 1)
+    unit = "val loss" if lm else "test acc %"
+    lines = [
+        f"\n{part}: {'precision':<10}{unit:>11}{'vs fp32':>10}{'per seed':>24}{'bytes/step':>12}{'vs fp32':>9}"
+        f"{'overflow steps':>16}{'steps':>7}{'train s':>9}",
+        f"{'':<{len(part) + 2}}"
+        + (
+            f"(fp32 seed spread: {spread * 100:.2f}{'%' if lm else ' points'}, {len(vals)} seeds)"
+            if len(vals) > 1
+            else "(one seed: no spread measured)"
+        ),
+    ]
+    for prec in PRECISIONS:
+        if prec not in by:
+            continue
+        m = mean(prec, "metric")
+        seeds = [by[prec][s]["metric"] for s in sorted(by[prec])]
+        if lm:
+            shown, diff, each = f"{m:.4f}", f"{m / ref - 1:+.2%}", " ".join(f"{v:.3f}" for v in seeds)
+        else:
+            shown, diff, each = f"{m * 100:.2f}", f"{(m - ref) * 100:+.2f}", " ".join(f"{v * 100:.1f}" for v in seeds)
+        ov = [by[prec][s].get("overflow_steps") for s in sorted(by[prec])]
+        ovs = " ".join(str(o) for o in ov) if prec == "fp16" else "-"
+        b = mean(prec, "bytes_sent_per_step")
+        lines.append(f"{'':<{len(part) + 2}}{prec:<10}{shown:>11}{diff:>10}{each:>24}{b:>12.0f}{b / ref_bytes:>9.3f}"
+                     f"{ovs:>16}{mean(prec, 'steps'):>7.0f}{mean(prec, 'train_s'):>9.1f}")  # fmt: skip
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("cnn", "gpt", "both"), default="both")
+    ap.add_argument("--precisions", default=",".join(PRECISIONS))
+    ap.add_argument("--seeds", default="0,1,2", help="CNN seeds (default: 0,1,2)")
+    ap.add_argument("--gpt-seeds", default="0")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--cnn-epochs", type=int, default=20)
+    ap.add_argument("--cnn-batch", type=int, default=64)
+    ap.add_argument("--cnn-lr", type=float, default=0.05)
+    ap.add_argument("--gpt-model", default="gpt-small")
+    ap.add_argument("--gpt-batch", type=int, default=16)
+    ap.add_argument("--gpt-lr", type=float, default=0.002)
+    ap.add_argument("--gpt-steps", type=int, default=150)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--eval-samples", type=int, default=0)
+    ap.add_argument("--json", default=str(DEFAULT_JSON))
+    ap.add_argument("--table", action="store_true", help="only print the stored results")
+    ns = ap.parse_args()
+    path = Path(ns.json)
+    db: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"runs": {}}
+    parts = ("cnn", "gpt") if ns.part == "both" else (ns.part,)
+    if not ns.table:
+        import torch
+
+        from dtrain.config import RunConfig
+
+        common = dict(trace=False, progress=False, workers=ns.workers, timeout_s=900.0)
+        bases = {
+            "cnn": RunConfig.make(model="cnn", dataset="digits", optimizer="sgd", momentum=0.9, lr=ns.cnn_lr,
+                                  batch_size=ns.cnn_batch, epochs=ns.cnn_epochs, **common),
+            "gpt": RunConfig.make(model=ns.gpt_model, dataset="pytext", seq_len=ns.seq_len, optimizer="adam",
+                                  lr=ns.gpt_lr, batch_size=ns.gpt_batch, epochs=1, max_steps=ns.gpt_steps,
+                                  eval_samples=ns.eval_samples, **common),
+        }  # fmt: skip
+        print(f"torch {torch.__version__}; {ns.workers} workers, dp ring; cnn: digits, {ns.cnn_epochs} epochs, "
+              f"batch {ns.cnn_batch}, SGD {ns.cnn_lr}; gpt: {ns.gpt_model} on pytext, seq {ns.seq_len}, "
+              f"batch {ns.gpt_batch}, Adam {ns.gpt_lr}, {ns.gpt_steps} steps, "
+              f"eval windows {ns.eval_samples or 'all'}")  # fmt: skip
+        for part in parts:
+            for seed in (int(s) for s in (ns.seeds if part == "cnn" else ns.gpt_seeds).split(",")):
+                for prec in ns.precisions.split(","):
+                    try:
+                        r = _one(bases[part].replace(precision=prec, seed=seed))
+                    except Exception as exc:  # noqa: BLE001 - a failed run is reported, the others go on
+                        print(f"  {part} seed {seed} {prec}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                        continue
+                    db["runs"][f"{part}|{prec}|{seed}"] = r
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(json.dumps(db, indent=1))
+                    print(f"  {part} seed {seed} {prec}: {r['metric_name']} {r['metric']:.4f}, "
+                          f"{r['bytes_sent_per_step']:.0f} B/step, overflow {r.get('overflow_steps')}, "
+                          f"train {r['train_s']:.1f}s", flush=True)  # fmt: skip
+    for part in parts:
+        print("\n".join(table(db, part)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
