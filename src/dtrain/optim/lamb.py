@@ -15,14 +15,14 @@ Cost: two moment buffers per parameter, two norms per parameter per step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, overload
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import Optimizer, ParamsT
+from torch.optim.optimizer import ParamsT
 
-from dtrain.optim.lars import Exclude, check_exclude, is_excluded, trust_ratio
+from dtrain.optim._layerwise import Exclude, LayerwiseOptimizer, check_exclude, is_excluded, trust_ratio
 
 __all__ = ["LAMB"]
 
@@ -43,7 +43,7 @@ def _check_group(group: Mapping[str, Any]) -> None:
     check_exclude(group["exclude"])
 
 
-class LAMB(Optimizer):
+class LAMB(LayerwiseOptimizer):
     """Layer-wise adaptive moments (LAMB): Adam whose step is rescaled per tensor.
 
     Implements Algorithm 2 of You et al., "Large Batch Optimization for Deep
@@ -111,39 +111,9 @@ class LAMB(Optimizer):
             "weight_decay": weight_decay,
             "exclude": exclude,
         }
-        _check_group(defaults)
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group, checking its hyperparameters like the constructor's."""
-        _check_group({**self.defaults, **param_group})
-        super().add_param_group(param_group)
-
-    @overload
-    def step(self, closure: None = None) -> None: ...
-
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Perform one LAMB step on every parameter that has a gradient.
-
-        Args:
-            closure: recomputes the loss (with gradients) and returns it (default: None).
-
-        Returns:
-            The closure's loss, or None without a closure.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, p.grad, group)
-        return loss
+    _check_group = staticmethod(_check_group)
 
     def _update(self, p: Tensor, grad: Tensor, group: Mapping[str, Any]) -> None:
         if grad.is_sparse:
