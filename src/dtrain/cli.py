@@ -54,6 +54,9 @@ _HELP = {
     "cluster": "run on an emulated cluster made by `dtrain cluster up --name NAME`",
     "out": "run folder (default: runs/<timestamp>-<strategy>); one that holds files is refused unless --overwrite",
     "overwrite": "replace the earlier run in --out: everything in that folder is deleted first (default: off)",
+    "tensorboard": "write the evaluating rank's per-step loss, lr, samples/s (loss scale, noise scale when present) "
+                   "and each evaluation's metric as TensorBoard event files in RUN/tensorboard (needs the tensorboard "
+                   "package) (default: off)",
     "skip_nonfinite": "skip up to N steps whose loss or gradients are not finite, on every rank that shares the "
                       "step (no optimizer step); the next one stops the run (default: 0, stop at the first)",
     "max_steps": "stop after this many steps (0: no limit)",
@@ -172,6 +175,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         t = summary.get("time_to_target_s")
         print(f"target {summary['target']:g}: " + (f"reached at step {summary['target_step']} after {t:.1f}s"
                                                    if t is not None else "not reached"))
+    if summary.get("attribution"):  # who the others waited for, what bounds the step (dtrain.attribution)
+        print(summary["attribution"]["line"])
     if (out / "model.pt").is_file():
         from dtrain.sample import sample_run
 

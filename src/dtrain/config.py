@@ -167,6 +167,7 @@ class RunConfig:
     overwrite: bool = False  # replace an earlier run in --out (without it: refused)
     timeout_s: float = 300.0
     trace: bool = True  # trace.json (Chrome trace); --no-trace to skip
+    tensorboard: bool = False  # the evaluating rank's scalars as TensorBoard events in RUN/tensorboard
     progress: bool = True
     checkpoint_every: int = 0  # save a checkpoint every N steps and at the end (0: never)
     resume: str = ""  # a checkpoint folder, or a run folder (its latest complete checkpoint)

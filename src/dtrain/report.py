@@ -59,6 +59,15 @@ def _plot(run_dir: Path, rows: list[dict[str, Any]], summary: dict[str, Any]) ->
     return [path]
 
 
+def _attribution(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The attribution of a run whose summary.json has none (older runs), from its rows."""
+    if not rows:
+        return None
+    from dtrain.attribution import attribute
+
+    return attribute(rows).to_dict()
+
+
 def _load(d: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     summary = json.loads((d / "summary.json").read_text())
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()] \
@@ -94,6 +103,9 @@ def report(run_dir: str | Path) -> str:
     if "staleness" in summary:
         s = summary["staleness"]
         lines.append(f"staleness       max {s.get('max')} mean {s.get('mean', 0):.3g}")
+    attribution = summary.get("attribution") or _attribution(rows)
+    if attribution:  # who the others waited for, what bounds the step
+        lines.append(f"attribution     {attribution['line']}")
     for p in _plot(d, rows, summary):
         lines.append(f"plot            {p}")
     return "\n".join(lines)

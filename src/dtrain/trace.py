@@ -3,6 +3,10 @@
 * :class:`MetricsWriter` appends one JSON object per step to
   ``metrics.rank<R>.jsonl``; the launcher merges the ranks' files into the run
   folder's ``metrics.jsonl`` when the run ends (no two processes write one file).
+  With ``--tensorboard`` the evaluating rank's writer also writes the rows' scalars
+  (:data:`TENSORBOARD_SCALARS`, as ``train/<key>``) and each evaluation's metric
+  (``eval/<metric>``) as TensorBoard event files in ``RUN/tensorboard``, through
+  torch's ``SummaryWriter`` (the ``tensorboard`` package, imported only then).
 * :class:`Tracer` records named spans (Chrome trace "complete" events, one track
   per rank) and writes ``trace.rank<R>.json``; merged into ``trace.json``.
 """
@@ -16,28 +20,64 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "Tracer", "merge_rank_files", "METRIC_FIELDS"]
+from dtrain.errors import ConfigError
+
+__all__ = ["MetricsWriter", "Tracer", "merge_rank_files", "METRIC_FIELDS", "TENSORBOARD_SCALARS",
+           "require_tensorboard"]
 
 METRIC_FIELDS = (
     "step", "rank", "loss", "lr", "samples_per_s", "compute_s", "comm_s", "wait_s", "bytes_sent",
 )
+# a row's keys written as TensorBoard scalars under --tensorboard (those a row holds: loss_scale under fp16,
+# b_simple under --noise-scale)
+TENSORBOARD_SCALARS = ("loss", "lr", "samples_per_s", "loss_scale", "b_simple")
+
+
+def require_tensorboard() -> None:
+    """Refuse ``--tensorboard`` (a :class:`ConfigError`, before any process starts) where the
+    ``tensorboard`` package that torch's ``SummaryWriter`` needs is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard needs the tensorboard package, which is not installed: "
+                          "pip install tensorboard (it comes with dtrain's test extra), or run without it")
 
 
 class MetricsWriter:
-    """Writes this rank's per-step metrics as JSON lines (flushed each step)."""
+    """Writes this rank's per-step metrics as JSON lines (flushed each step), and after
+    :meth:`open_tensorboard` their scalars as TensorBoard events too."""
 
     def __init__(self, out_dir: str | Path, rank: int) -> None:
         self.path = Path(out_dir) / f"metrics.rank{rank}.jsonl"
         self.rank = rank
         self._f = self.path.open("a")
+        self._tb: Any = None  # torch.utils.tensorboard.SummaryWriter, once opened
+
+    def open_tensorboard(self, log_dir: str | Path) -> None:
+        """Also write each row's :data:`TENSORBOARD_SCALARS` (and :meth:`scalar`'s) to event files in ``log_dir``."""
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package: imported only here
+
+        self._tb = SummaryWriter(log_dir=str(log_dir), flush_secs=10)
 
     def write(self, **row: Any) -> None:
         row.setdefault("rank", self.rank)
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
+        if self._tb is not None and "step" in row:
+            for key in TENSORBOARD_SCALARS:
+                v = row.get(key)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"train/{key}", v, int(row["step"]))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        """One more TensorBoard scalar (an evaluation's metric); nothing without :meth:`open_tensorboard`."""
+        if self._tb is not None:
+            self._tb.add_scalar(tag, value, step)
 
     def close(self) -> None:
         self._f.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 class Tracer:

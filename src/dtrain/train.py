@@ -205,6 +205,10 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
     of an emulated cluster (``dtrain cluster up``) instead of this machine.
     """
     cfg = get(cfg.validate().strategy).resolve(cfg)
+    if cfg.tensorboard:  # refused before any process starts where the tensorboard package is missing
+        from dtrain.trace import require_tensorboard
+
+        require_tensorboard()
     note = batch_note(cfg.batch_size, cfg.opts.batch_shards(cfg.workers))
     if note and not quiet:  # the effective batch, when --batch-size does not divide over the workers
         print(f"dtrain: {note}", file=sys.stderr, flush=True)
@@ -238,6 +242,12 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
     finally:
         merge_rank_files(out)
     summary = summarize(cfg, results, time.perf_counter() - t0)
+    # --- straggler and bottleneck attribution over every rank's rows (dtrain.attribution)
+    if (out / "metrics.jsonl").is_file():
+        from dtrain.attribution import attribute
+
+        summary["attribution"] = attribute(iter_metrics(out)).to_dict()
+    # --- end of attribution
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if (out / "metrics.jsonl").is_file():
         from dtrain.report import plot_run

@@ -2,7 +2,8 @@
 
 :func:`run_loop` does what every training process does: epochs of its data
 shard, a tracer span per step (forward, backward, the engine's update), the
-straggler emulation after backward, one metrics row per step, checkpoints every
+straggler emulation after backward, one metrics row per step (also written as TensorBoard
+scalars by the evaluating rank under ``--tensorboard``), checkpoints every
 ``checkpoint_every`` steps, the evaluation after each epoch on the evaluating
 rank, and the result dict that :func:`dtrain.train.summarize` merges. What
 differs between strategies -- how a step's gradients are exchanged and applied,
@@ -16,7 +17,7 @@ Roughly, per step::
     straggler.stretch(own work)            # --straggler: this rank's own work takes FACTOR x
     guard.check(step, loss)                # non-finite loss or gradient: stop, or skip (--skip-nonfinite)
     engine.update()                        # the engine's span: optimizer step, push/pull, ...
-    metrics rows <- engine.rows(row)       # the engine adds compute/comm/wait/bytes
+    metrics rows <- engine.rows(row)       # the engine adds compute/comm/wait/bytes, the loop step_s
 
 The numerics guard (:mod:`dtrain.training.guard`) costs one fused 2-norm per gradient and
 one host sync per step: on the CNN (8 parameters, CPU, 2 shared cores) about 35 us, 4% of a
@@ -164,8 +165,10 @@ def _scaler(ctx: TrainContext, engine: Engine) -> LossScaler | None:
     return LossScaler(params, engine.agree, rank=ctx.rank, device=ctx.precision.device_type)
 
 
-def _write(ctx: TrainContext, rows: list[dict[str, Any]]) -> None:
-    for r in rows:
+def _write(ctx: TrainContext, rows: list[dict[str, Any]], tally: _Progress) -> None:
+    for r in rows:  # the step's time as the loop measured it (the engines pop the step_s they are handed)
+        if r.get("step") in tally.step_times:
+            r.setdefault("step_s", tally.step_times.pop(r["step"]))
         ctx.metrics.write(**r)
 
 
@@ -186,6 +189,7 @@ class _Progress:
     def __post_init__(self) -> None:
         self.losses: list[float] = []
         self.history: list[dict[str, Any]] = []  # {"train_s", "step", "epoch", "value"} per evaluation
+        self.step_times: dict[int, float] = {}  # step -> seconds, until its row is written
 
 
 def _gradients(ctx: TrainContext, engine: Engine, x: Any, y: Any, scaler: LossScaler | None) -> float:
@@ -265,7 +269,8 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
                    samples_per_s=len(y) * engine.samples_scale / dt, step_s=dt, **extra)  # fmt: skip
         if not applied:
             row["skipped"] = True
-        _write(ctx, engine.rows(row))
+        tally.step_times[tally.step] = dt
+        _write(ctx, engine.rows(row), tally)
         if applied:
             tally.losses.append(loss_v)
         tally.samples += len(y)
@@ -314,9 +319,10 @@ def _evaluate(ctx: TrainContext, engine: Engine, tally: _Progress, epoch: int, t
     """Evaluate on the evaluating rank; with ``--target``, every rank learns whether to stop."""
     te = time.perf_counter()
     stop = False
-    _write(ctx, engine.synchronize())  # every rank: the evaluated model may need them all (a replicas' average)
+    _write(ctx, engine.synchronize(), tally)  # every rank: the evaluated model may need them all (a replicas' average)
     if engine.evaluator:
         value = ctx.evaluate(engine.model)
+        ctx.metrics.scalar(f"eval/{ctx.metric_name}", value, tally.step)  # --tensorboard
         t = round(te - t_start - tally.eval_s, 4)
         tally.history.append({"train_s": t, "step": tally.step, "epoch": epoch, "value": value})
         stop = ctx.reached(value)
@@ -366,6 +372,8 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
     if tally.scaler is not None and ctx.resumed_scaler is not None:
         tally.scaler.load_state_dict(ctx.resumed_scaler)
     bar = ctx.progress(engine.total_steps - pos.step, engine.evaluator)
+    if ctx.cfg.tensorboard and engine.evaluator:  # the evaluating rank's scalars as TensorBoard events
+        ctx.metrics.open_tensorboard(ctx.out_dir / "tensorboard")
     t_start = time.perf_counter()
     epoch, first_batch = pos.epoch, pos.batch
     while not engine.done(tally.step) and not tally.stopped:
@@ -379,7 +387,7 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
                 ckpt.loop_state = ctx.loop_state(tally.scaler)
                 engine.save(ckpt, tally.step, epoch, batches)  # the run ends here: its last checkpoint
         epoch += 1
-    _write(ctx, engine.synchronize())
+    _write(ctx, engine.synchronize(), tally)
     train_s = time.perf_counter() - t_start - tally.eval_s
     extra = engine.finish()
     bar.close()
