@@ -93,3 +93,16 @@ def test_bad_sharding_input_is_refused_before_any_process_starts(tmp_path, flags
     assert p.returncode != 0
     assert message in p.stderr, p.stderr[-2000:]
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_16_bit_compute_reduce_scatters_16_bit_gradients(tmp_path, baseline):
+    """--precision bf16: the gradients' reduce-scatter moves 2 bytes an element, the stepped float32 shards'
+    allgather still 4 (they are the master weights); the loss stays that of fp32 dp within bf16's error."""
+    out = tmp_path / "bf16"
+    p = dtrain_cli("run", *COMMON, "--workers", "4", "--shard", "gradients", "--precision", "bf16", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    closed = 3 * _cnn_padded(4) // 4 * (2 + 4)  # ring: (P-1)/P of the padded buffer, per collective
+    rows = [r for r in read_metrics(out) if 1 <= r["step"] <= 6]
+    assert {r["bytes_sent"] for r in rows} == {closed}, (closed, {r["bytes_sent"] for r in rows})
+    a, b = _losses(baseline), _losses(out)
+    assert all(b[s] == pytest.approx(a[s], rel=0.02) for s in a), (a, b)

@@ -23,8 +23,8 @@ compressor (:mod:`dtrain.compress.quantize`) unless ``--compression`` names anot
 (:meth:`Precision.wire`); torch DDP gets its own fp16/bf16 comm hook; pipeline activations and
 tensor-parallel partial sums are autocast's outputs, 16-bit already. Two exceptions: a parameter-server
 worker pushes after its step's check, so its gradients are already unscaled and fp16 would flush the
-small ones to zero -- under fp16 they travel as bf16 (fp32's range); and ZeRO's reduce-scatter
-(``--shard``) moves float32 segments (its segments are the optimizer's float32 shards).
+small ones to zero -- under fp16 they travel as bf16 (fp32's range); and ZeRO (``--shard``)
+reduce-scatters 16-bit gradients but allgathers its float32 parameter shards (the master weights).
 
 From Python::
 

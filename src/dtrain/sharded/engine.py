@@ -97,6 +97,9 @@ class ShardedDataParallel(nn.Module):
         timeout_s: seconds any wait may block before CommTimeoutError naming rank, operation
             and step (default: 300).
         broadcast_buffers: copy rank 0's buffers before each forward, as DDP (default: True).
+        grad_dtype: the dtype gradients are reduce-scattered in, e.g. ``torch.bfloat16`` under 16-bit
+            compute (half the bytes); the reduced segment is copied back into the float32 shard
+            (default: None, the parameters' dtype).
 
     Raises:
         ConfigError: a bad option, a unit that does not exist, a model that differs between
@@ -114,6 +117,7 @@ class ShardedDataParallel(nn.Module):
         group: Any = None,
         timeout_s: float = 300.0,
         broadcast_buffers: bool = True,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -132,6 +136,7 @@ class ShardedDataParallel(nn.Module):
         self.shard, self.stage = shard, SHARDS.index(shard)
         self.algorithm, self.overlap, self.timeout_s = algorithm, overlap, float(timeout_s)
         self.broadcast_buffers = broadcast_buffers
+        self.grad_dtype = grad_dtype
         if group is not None and not dist.is_initialized():
             raise ConfigError("a process group was given but torch.distributed is not initialized; call dtrain.init()")
         init = dist.is_initialized()
@@ -263,16 +268,19 @@ class ShardedDataParallel(nn.Module):
         return int(t.stats.bytes_sent - before)
 
     def _reduce_scatter(self, u: Unit, gbuf: torch.Tensor) -> int:
+        wire = gbuf if self.grad_dtype in (None, gbuf.dtype) else gbuf.to(self.grad_dtype)
         if self.algorithm == "native":
-            _native_reduce_scatter(gbuf, op="avg", group=self._rs.group, algorithm="native", timeout=self.timeout_s)
-            nbytes = (self._world - 1) * gbuf.numel() // self._world * gbuf.element_size()
+            _native_reduce_scatter(wire, op="avg", group=self._rs.group, algorithm="native", timeout=self.timeout_s)
+            nbytes = (self._world - 1) * wire.numel() // self._world * wire.element_size()
         else:
             from dtrain.comm.allreduce import get_transport
 
             t = get_transport(self._rs.group, self.timeout_s)
             before = t.stats.bytes_sent
-            reduce_scatter_over(t, gbuf, "avg")
+            reduce_scatter_over(t, wire, "avg")
             nbytes = int(t.stats.bytes_sent - before)
+        if wire is not gbuf:  # this rank's reduced segment back into the float32 buffer
+            segment(gbuf, self._grank, self._world).copy_(segment(wire, self._grank, self._world))
         if self.stage > 1:  # keep only the reduced segment; the unsharded buffer goes now
             u.reduced = segment(gbuf, self._grank, self._world).clone()
             u.gbuf, u.gviews = None, []

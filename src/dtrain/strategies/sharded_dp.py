@@ -64,7 +64,7 @@ class ShardedEngine(DataParallelEngine):
         self._pending: dict[str, Any] | None = None
         self.steps_in_optimizer = False
         self.sdp = ShardedDataParallel(self.model, shard=o.shard, algorithm=o.algorithm, overlap=o.overlap,
-                                       timeout_s=ctx.cfg.timeout_s)  # fmt: skip
+                                       timeout_s=ctx.cfg.timeout_s, grad_dtype=ctx.precision.dtype)  # fmt: skip
         self._engine: Any = self.sdp
         self.wrapped: nn.Module = self.sdp
         self.optimizer = ctx.make_optimizer(self.sdp.parameters())
