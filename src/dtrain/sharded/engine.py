@@ -97,9 +97,7 @@ class ShardedDataParallel(nn.Module):
         timeout_s: seconds any wait may block before CommTimeoutError naming rank, operation
             and step (default: 300).
         broadcast_buffers: copy rank 0's buffers before each forward, as DDP (default: True).
-        grad_dtype: the dtype gradients are reduce-scattered in, e.g. ``torch.bfloat16`` under 16-bit
-            compute (half the bytes); the reduced segment is copied back into the float32 shard
-            (default: None, the parameters' dtype).
+        grad_dtype: the dtype gradients are reduce-scattered in, e.g. bf16 (default: None, the parameters').
 
     Raises:
         ConfigError: a bad option, a unit that does not exist, a model that differs between
@@ -135,8 +133,7 @@ class ShardedDataParallel(nn.Module):
         self.module = module
         self.shard, self.stage = shard, SHARDS.index(shard)
         self.algorithm, self.overlap, self.timeout_s = algorithm, overlap, float(timeout_s)
-        self.broadcast_buffers = broadcast_buffers
-        self.grad_dtype = grad_dtype
+        self.broadcast_buffers, self.grad_dtype = broadcast_buffers, grad_dtype
         if group is not None and not dist.is_initialized():
             raise ConfigError("a process group was given but torch.distributed is not initialized; call dtrain.init()")
         init = dist.is_initialized()
