@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtrain._toml import read_toml
 from dtrain.errors import ConfigError
+from dtrain.precision import PRECISIONS
 from dtrain.strategies.base import Strategy, StrategyOptions, get, options_for, registered
 
 if TYPE_CHECKING:
@@ -53,7 +54,6 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
-PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine")
 BACKENDS = ("gloo", "nccl", "mpi")
 _GPT_SHAPE = ("layers", "d_model", "heads", "dropout")  # RunConfig fields that resize a gpt model

@@ -3,6 +3,7 @@ checks on every param group, the closure, one ``_update`` per tensor with a grad
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any, overload
 
@@ -54,7 +55,7 @@ def trust_ratio(numerator: Tensor, denominator: Tensor, w_norm: Tensor, u_norm: 
     return torch.where((w_norm > 0) & (u_norm > 0), numerator / denominator, torch.ones_like(w_norm))
 
 
-class LayerwiseOptimizer(Optimizer):
+class LayerwiseOptimizer(Optimizer, ABC):
     """A torch optimizer that updates each parameter tensor on its own (a "layer"): subclasses give
     ``_check_group`` (ValueError naming a bad hyperparameter) and ``_update(p, grad, group)``."""
 
@@ -63,11 +64,13 @@ class LayerwiseOptimizer(Optimizer):
         super().__init__(params, defaults)
 
     @staticmethod
+    @abstractmethod
     def _check_group(group: Mapping[str, Any]) -> None:
-        raise NotImplementedError
+        """ValueError naming the first bad hyperparameter of ``group``."""
 
+    @abstractmethod
     def _update(self, p: Tensor, grad: Tensor, group: Mapping[str, Any]) -> None:
-        raise NotImplementedError
+        """Apply one step to ``p`` from ``grad`` with ``group``'s hyperparameters (under no_grad)."""
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, checking its hyperparameters like the constructor's."""
