@@ -167,6 +167,7 @@ class RunConfig:
     overwrite: bool = False  # replace an earlier run in --out (without it: refused)
     timeout_s: float = 300.0
     trace: bool = True  # trace.json (Chrome trace); --no-trace to skip
+    trace_steps: str = ""  # trace only steps FIRST-LAST (e.g. 20-40; default: all, up to 100k events a rank)
     tensorboard: bool = False  # the evaluating rank's scalars as TensorBoard events in RUN/tensorboard
     progress: bool = True
     checkpoint_every: int = 0  # save a checkpoint every N steps and at the end (0: never)
@@ -406,6 +407,13 @@ class RunConfig:
         """Check every option; raise :class:`ConfigError` saying what to change."""
         self._check_names()
         self._check_numbers()
+        if self.trace_steps:
+            from dtrain.trace import parse_trace_steps
+
+            parse_trace_steps(self.trace_steps)
+            if not self.trace:
+                raise ConfigError("--trace-steps chooses the steps of the trace, and --no-trace turns it off: "
+                                  "drop one of them")
         if self.straggler:
             rank, _ = parse_straggler(self.straggler)
             if rank >= self.num_processes:

@@ -36,7 +36,7 @@ from dtrain._batch import batch_note
 from dtrain.config import RunConfig, dump_toml
 from dtrain.errors import ConfigError
 from dtrain.strategies.base import get
-from dtrain.trace import MetricsWriter, Tracer, merge_rank_files
+from dtrain.trace import MetricsWriter, Tracer, activate, align_clock, merge_rank_files, parse_trace_steps
 from dtrain.training.context import TrainContext, lr_factor, schedule_updates
 
 __all__ = ["TrainContext", "run", "worker_main", "default_out_dir", "open_run_folder", "summarize", "lr_factor",
@@ -114,8 +114,11 @@ def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
     ctx = TrainContext(
         cfg=cfg, rank=rank, world_size=world, out_dir=out,
         data=cfg.load_data(),
-        metrics=MetricsWriter(out, rank), tracer=Tracer(rank, enabled=cfg.trace),
+        metrics=MetricsWriter(out, rank),
+        tracer=Tracer(rank, enabled=cfg.trace, steps=parse_trace_steps(cfg.trace_steps)),
     )
+    activate(ctx.tracer)  # transports and collectives record into it
+    align_clock(ctx.tracer, cfg.timeout_s)  # every process, before training: the trace's clock offsets
     body = cfg.entry.run
     if body is None:
         raise ConfigError(f"strategy {cfg.strategy!r} has no process body; it must resolve to one that has")
@@ -128,6 +131,7 @@ def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
         raise
     finally:
         ctx.metrics.close()
+        activate(None)
         ctx.tracer.dump(out)
     result["rank"] = rank
     return result

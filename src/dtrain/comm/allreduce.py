@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from dtrain import trace as _trace
 from dtrain.comm import cost as _cost
 from dtrain.comm._butterfly import rabenseifner, recursive_doubling
 from dtrain.comm._hierarchical import hierarchical
@@ -117,7 +118,8 @@ def allreduce_over(
     fn = _check_algorithm(algorithm)
     check_op(op)
     check_tensor(tensor)
-    return fn(transport, tensor, op, options)
+    with _trace.span(f"allreduce({algorithm})", bytes=tensor.numel() * tensor.element_size()):
+        return fn(transport, tensor, op, options)
 
 
 _TRANSPORTS: dict[tuple[int, float], tuple[Any, TorchTransport]] = {}

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from dtrain import trace as _trace
 from dtrain.comm._reduce import BUFFERS, average, check_op, check_tensor, combine, post_recv, post_send
 from dtrain.comm.transport import Transport
 from dtrain.errors import CommError, ConfigError
@@ -93,7 +94,7 @@ def reduce_scatter_over(t: Transport, tensor: torch.Tensor, op: str = "sum") -> 
     s = flat.numel() // P
     scratch = BUFFERS.take(s, flat.dtype, flat.device)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _trace.span("reduce_scatter(ring)", bytes=flat.numel() * flat.element_size()):
             for k in range(P - 1):
                 rv = post_recv(t, scratch, left, _TAG_RS + k)
                 sd = post_send(t, segment(flat, (r - k - 1) % P, P), right, _TAG_RS + k)
@@ -124,7 +125,7 @@ def allgather_over(t: Transport, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     right, left = (r + 1) % P, (r - 1) % P
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _trace.span("allgather(ring)", bytes=flat.numel() * flat.element_size()):
             for k in range(P - 1):
                 rv = post_recv(t, segment(flat, (r - k - 1) % P, P), left, _TAG_AG + k)
                 sd = post_send(t, segment(flat, (r - k) % P, P), right, _TAG_AG + k)

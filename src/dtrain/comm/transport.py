@@ -21,12 +21,14 @@ import abc
 import datetime
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
 
+from dtrain import trace as _trace
 from dtrain.errors import CommError, CommTimeoutError
 
 __all__ = [
@@ -117,12 +119,17 @@ class Transport(abc.ABC):
 # ----------------------------------------------------------------------------- torch
 
 
+_Traced = tuple[_trace.Tracer, str, float, int]  # (tracer, flow key, posted at, bytes) of a traced message
+
+
 class _TorchWork:
-    def __init__(self, work: Any, transport: TorchTransport, op: str, peer: int) -> None:
+    def __init__(self, work: Any, transport: TorchTransport, op: str, peer: int,
+                 traced: _Traced | None = None) -> None:  # fmt: skip
         self._work = work
         self._t = transport
         self._op = op
         self._peer = peer
+        self._traced = traced  # (tracer, flow key, posted at, bytes): recorded once complete
 
     def wait(self) -> None:
         try:
@@ -135,6 +142,10 @@ class _TorchWork:
             raise CommTimeoutError(
                 self._t.rank, self._op, f"not completed within {self._t.timeout:.0f}s", peer=self._peer
             )
+        if self._traced is not None:
+            tracer, key, start, nbytes = self._traced
+            self._traced = None
+            tracer.message(self._op, self._t.global_ranks[self._peer], key, start, nbytes)
 
 
 class TorchTransport(Transport):
@@ -161,17 +172,30 @@ class TorchTransport(Transport):
         pg = group if group is not None else dist.group.WORLD
         assert pg is not None  # torch.distributed is initialized (checked above)
         self._pg = pg
+        # for the trace's message arrows: the group's name and its ranks' global ranks
+        self.group_name = str(getattr(pg, "group_name", "0"))
+        self.global_ranks = [dist.get_global_rank(pg, r) if group is not None else r for r in range(self.world_size)]
+
+    def _traced(self, tensor: torch.Tensor, src: int, dst: int, tag: int) -> _Traced | None:
+        tracer = _trace.current()
+        if tracer is None:
+            return None
+        g = self.global_ranks
+        return tracer, tracer.channel(self.group_name, g[src], g[dst], tag), time.perf_counter(), \
+            tensor.numel() * tensor.element_size()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         _check_tensor(tensor, self.rank, "isend")
         self._count(tensor)
+        traced = self._traced(tensor, self.rank, dst, tag)
         w = self._pg.send([tensor], dst, tag)
-        return _TorchWork(w, self, "send", dst)
+        return _TorchWork(w, self, "send", dst, traced)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         _check_tensor(tensor, self.rank, "irecv")
+        traced = self._traced(tensor, src, self.rank, tag)
         w = self._pg.recv([tensor], src, tag)
-        return _TorchWork(w, self, "recv", src)
+        return _TorchWork(w, self, "recv", src, traced)
 
 
 # ----------------------------------------------------------------------------- threads

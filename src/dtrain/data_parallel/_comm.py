@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import trace as _trace
 from dtrain.data_parallel._buckets import Bucket
 from dtrain.data_parallel._model_sync import wait_work
 from dtrain.data_parallel._stats import StepStats
@@ -40,6 +41,7 @@ __all__ = ["BucketReducer", "StreamSync", "NativeScheduler", "ThreadScheduler", 
 #: extra seconds a waiter gives the communication thread beyond the collective's
 #: own timeout, so that the thread's more precise error (naming the peer) wins.
 GRACE_S = 2.0
+NATIVE_TID = 3  # the trace track of native allreduces (they run on the backend's own thread)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -202,7 +204,11 @@ class NativeScheduler:
             op = f"allreduce(native) of gradient bucket {b.index}"
             wait_work(work, deadline - time.monotonic(), self.rank, op, step)
             nbytes = native_bytes(self.world, self.group_rank, b.flat.numel(), b.flat.element_size())
-            stats.add_comm(t0, time.perf_counter(), nbytes)
+            t1 = time.perf_counter()
+            stats.add_comm(t0, t1, nbytes)
+            tracer = _trace.current()
+            if tracer is not None:  # launch to seen complete, on a track of its own (the backend's thread)
+                tracer.add(f"allreduce(native) bucket {b.index}", t0, t1 - t0, NATIVE_TID, bytes=nbytes)
 
     def abort(self, error: BaseException) -> None:
         """Forget the step's handles (the backend completes them on its own)."""
@@ -245,7 +251,7 @@ class ThreadScheduler:
 
     def _reduce(self, b: Bucket, event: Any) -> tuple[float, float, int, Any]:
         sync = self._streams(b)
-        with sync.on_comm_stream(event):
+        with sync.on_comm_stream(event), _trace.span(f"bucket {b.index}", numel=b.flat.numel()):
             t0 = time.perf_counter()
             nbytes = self.reducer(b.flat, b.key, b.shapes)
             return t0, time.perf_counter(), nbytes, sync.finished()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain import trace as _trace
 from dtrain.data_parallel._buckets import Bucket, build_buckets
 from dtrain.data_parallel._comm import BucketReducer, NativeScheduler, StreamSync, ThreadScheduler
 from dtrain.data_parallel._model_sync import wait_work
@@ -325,7 +326,8 @@ class Reducer:
                 self._handle_unused()
             if not self.forward_mode:
                 t0 = time.perf_counter()
-                self._sched.wait_all(self.step, st)
+                with _trace.span("wait for buckets"):
+                    self._sched.wait_all(self.step, st)
                 st.wait_s += time.perf_counter() - t0
             if self._record_order is not None:
                 self._agree_order(self._record_order)

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from dtrain import trace as _trace
 from dtrain.comm.transport import Transport, Work
 from dtrain.compress.base import Compressor
 from dtrain.errors import CommError, CommTimeoutError, DTrainError
@@ -321,6 +322,9 @@ class ShardServer:
             if ev is not None:
                 t0 = time.perf_counter()
                 version = self.policy.version
+                tracer = _trace.current()
+                if tracer is not None:  # --trace-steps on a server: the slowest worker's step
+                    tracer.at_step(min(self.policy.clock.values(), default=0))
                 self._handle(ev)
                 self._flush_sends()
                 self.stats.busy_s += time.perf_counter() - t0
@@ -458,7 +462,9 @@ class ShardServer:
             for group in self.optimizer.param_groups:
                 group["lr"] = group["lr"] * act.lr_scale
         try:
-            self.optimizer.step()
+            with _trace.span("ps apply", version=self.policy.version, staleness=max(act.staleness, default=0),
+                             workers=len(grads)):
+                self.optimizer.step()
         finally:
             for group, lr in zip(self.optimizer.param_groups, saved):
                 group["lr"] = lr

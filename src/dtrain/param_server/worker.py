@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from dtrain import trace as _trace
 from dtrain.comm.transport import Transport, Work
 from dtrain.compress.base import Compressor
 from dtrain.errors import CommError, CommTimeoutError, DTrainError
@@ -171,6 +172,11 @@ class ShardClient:
         st.pull_s += pull_s
         self.last_step = dict(compute_s=compute, push_s=push_s, wait_s=wait_s, pull_s=pull_s)
         self._t_last = t1
+        tracer = _trace.current()
+        if tracer is not None:  # the exchange's three phases; the reply's staleness on the wait
+            tracer.add("ps push", t0, push_s, clock=self.clock)
+            tracer.add("ps wait for servers", t0 + push_s, wait_s, staleness=self.last_lag, clock=self.clock)
+            tracer.add("ps pull", t0 + push_s + wait_s, pull_s)
 
     def finish(self) -> None:
         """Tell every server this worker is done; wait for the final parameters (sent once all workers are done)."""

@@ -258,6 +258,7 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
         batches += 1
         t0 = time.perf_counter()
         extra: dict[str, Any] = {}
+        ctx.tracer.at_step(tally.step)  # --trace-steps: whether this step is recorded
         with ctx.tracer.span("step", step=tally.step):
             engine.before_step(tally.step)
             loss_v = _gradients(ctx, engine, x, y, tally.scaler)
