@@ -176,3 +176,26 @@ def test_no_trace_with_trace_steps_is_refused_before_any_process_starts(tmp_path
     p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", "--no-trace", "--trace-steps", "2-3", "--out",
                         str(tmp_path / "x")], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert p.returncode == 2 and "--trace-steps" in p.stderr and not (tmp_path / "x").exists()
+
+
+def test_the_progress_bar_names_the_rank_with_the_most_own_work():
+    import datetime
+
+    import torch.distributed as dist
+
+    from dtrain.training.live import LiveRanks
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    ranks = [LiveRanks(r, 4, store=store) for r in range(4)]  # rank 3 never posts (a server)
+    own = {0: 0.010, 1: 0.012, 2: 0.050}
+    for r, s in own.items():  # own work: the step less its exchange (here: all waiting)
+        for step in range(12):
+            ranks[r].observe({"step": step, "rank": r, "step_s": 0.08, "compute_s": s, "wait_s": 0.08 - s})
+        ranks[r].observe({"step": 0, "rank": (r + 1) % 3, "step_s": 9.0, "compute_s": 9.0})  # another rank's row
+    assert ranks[0].slowest() is None  # nobody has posted yet
+    for r in own:
+        ranks[r].post()
+    assert ranks[0].read() == pytest.approx(own)
+    assert ranks[0].slowest() == "r2 4.5x"  # 0.050 over the median of 0.010 and 0.012
+    assert LiveRanks(0, 1).slowest() is None  # one process: nothing to compare

@@ -44,6 +44,7 @@ from dtrain.errors import ConfigError, DTrainError
 from dtrain.precision import LossScaler
 from dtrain.training.context import TrainContext
 from dtrain.training.guard import NonFiniteGuard
+from dtrain.training.live import EVERY, LiveRanks
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
@@ -170,6 +171,8 @@ def _write(ctx: TrainContext, rows: list[dict[str, Any]], tally: _Progress) -> N
         if r.get("step") in tally.step_times:
             r.setdefault("step_s", tally.step_times.pop(r["step"]))
         ctx.metrics.write(**r)
+        if tally.live is not None:
+            tally.live.observe(r)
 
 
 @dataclass
@@ -185,6 +188,7 @@ class _Progress:
     target_step: int | None = None
     scaler: LossScaler | None = None  # fp16: the loss scale, agreed over the ranks that share a step
     overflows: int = 0  # fp16: steps skipped because their gradients overflowed
+    live: LiveRanks | None = None  # the progress bar's slowest rank (with the bar on)
 
     def __post_init__(self) -> None:
         self.losses: list[float] = []
@@ -277,8 +281,8 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
         tally.samples += len(y)
         tally.step += 1
         bar.update(1)
-        if tally.step % 10 == 0:
-            bar.set_postfix(loss=f"{loss_v:.3f}", refresh=False)
+        if tally.step % EVERY == 0:
+            _postfix(engine, tally, bar, loss_v)
         if ctx.cfg.eval_every and tally.step % ctx.cfg.eval_every == 0:
             _evaluate(ctx, engine, tally, epoch, t_start, bar)  # may stop the run (--target)
             t_free = time.perf_counter()
@@ -290,6 +294,17 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
         if engine.done(tally.step) or tally.stopped:
             break
     return batches
+
+
+def _postfix(engine: Engine, tally: _Progress, bar: Any, loss: float) -> None:
+    """The bar's loss, and the slowest rank (every rank posts its own work, the evaluating rank shows it)."""
+    shown = {"loss": f"{loss:.3f}"}
+    if tally.live is not None:
+        tally.live.post()
+        slowest = tally.live.slowest() if engine.evaluator else None
+        if slowest is not None:
+            shown["slowest"] = slowest
+    bar.set_postfix(shown, refresh=False)
 
 
 def _verdict(ctx: TrainContext, engine: Engine, step: int, stop: bool) -> bool:
@@ -369,7 +384,8 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
         ckpt.on_restore = ctx.restore_loop_state  # the batch plan before the engine locates its position
     pos = engine.start()
     slow = ctx.straggler()
-    tally = _Progress(step=pos.step, guard=guard_for(ctx, engine), scaler=_scaler(ctx, engine))
+    tally = _Progress(step=pos.step, guard=guard_for(ctx, engine), scaler=_scaler(ctx, engine),
+                      live=LiveRanks(ctx.rank, ctx.world_size) if ctx.cfg.progress else None)
     if tally.scaler is not None and ctx.resumed_scaler is not None:
         tally.scaler.load_state_dict(ctx.resumed_scaler)
     bar = ctx.progress(engine.total_steps - pos.step, engine.evaluator)
