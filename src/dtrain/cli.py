@@ -127,8 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("args", nargs=argparse.REMAINDER)
     cl = sub.add_parser("cluster", help="emulated cluster: up | down | status", add_help=False)
     cl.add_argument("args", nargs=argparse.REMAINDER)
-    rp = sub.add_parser("report", help="summary and plots of a finished run")
-    rp.add_argument("run_dir")
+    rp = sub.add_parser("report", help="summary of finished runs and report.html (several: compared with the first)")
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rp.add_argument("--out", help="where report.html goes: a file or a folder (default: the first run folder)")
+    rp.add_argument("--predict", action="store_true", help="add the performance model's predicted step for each "
+                    "run's strategy (calibrates this machine once per process count, then a few seconds)")
     sm = sub.add_parser("sample", help="text from a finished language-model run", add_help=False)
     sm.add_argument("args", nargs=argparse.REMAINDER)
     return ap
@@ -185,6 +188,13 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(ns: argparse.Namespace) -> int:
+    from dtrain.report_html import report_runs
+
+    print(report_runs(ns.run_dirs, ns.out, predict=ns.predict))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
@@ -212,10 +222,7 @@ def _dispatch(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         if ns.command == "cluster":
             return _delegate("dtrain.cluster.cli", ns.args)
         if ns.command == "report":
-            from dtrain.report import report
-
-            print(report(ns.run_dir))
-            return 0
+            return _cmd_report(ns)
     except ModuleNotFoundError as e:
         if e.name and e.name.startswith("dtrain."):
             raise DTrainError(f"{ns.command} needs {e.name}, which this build does not have") from None

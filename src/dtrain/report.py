@@ -1,4 +1,7 @@
-"""``dtrain report RUN_DIR``: a text summary of a finished run, and plots when matplotlib is there."""
+"""``dtrain report RUN_DIR``: a text summary of a finished run, and plots when matplotlib is there.
+
+``report.html`` and the comparison of several runs are :mod:`dtrain.report_html`'s (this module
+stays free of the planner's imports: ``dtrain run`` imports it to draw curves.png)."""
 
 from __future__ import annotations
 
