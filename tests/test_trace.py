@@ -116,6 +116,8 @@ RUNS = {  # name: flags (cnn on digits)
     "ps": ["--workers", "3", "--strategy", "ps", "--servers", "1", "--straggler", "1:3", "--max-steps", "6"],
     "pipeline": ["--workers", "4", "--strategy", "pipeline", "--schedule", "1f1b", "--max-steps", "4"],
     "window": ["--workers", "2", "--max-steps", "12", "--trace-steps", "4-6"],
+    "tensor": ["--workers", "2", "--strategy", "tensor", "--model", "gpt-tiny", "--dataset", "pytext", "--max-steps",
+               "2", "--eval-samples", "8"],
 }
 
 
@@ -132,7 +134,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("name", ["dp", "ps", "pipeline"])
+@pytest.mark.parametrize("name", ["dp", "ps", "pipeline", "tensor"])
 def test_every_send_has_its_receive_and_the_clock_error_is_stated(runs, name):
     events, meta = _events(runs[name])
     sends = [e for e in events if e.get("flow_out")]
@@ -155,6 +157,7 @@ def test_the_tracks_hold_each_strategys_phases(runs):
     assert any(n.startswith("bucket ") for n in names["dp"])
     assert {"ps push", "ps wait for servers", "ps pull", "ps apply"} <= names["ps"]
     assert {"0F0", "0B0", "3F0", "3B0", "pipeline"} <= names["pipeline"]
+    assert {"allreduce(ring)", "optimizer"} <= names["tensor"]  # the f/g operators' collectives
     ps_events, _ = _events(runs["ps"])
     waits = [e for e in ps_events if e["name"] == "ps wait for servers"]
     assert waits and all("staleness" in e["args"] for e in waits)

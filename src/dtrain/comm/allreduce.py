@@ -232,4 +232,5 @@ def allreduce(
         raise ConfigError(f"rank {dist.get_rank()} is not a member of the group it asked to allreduce over")
     _check_device(tensor, group)
     transport = get_transport(group, timeout)
-    return ALGORITHMS[algorithm](transport, tensor, op, opts)
+    with _trace.span(f"allreduce({algorithm})", bytes=tensor.numel() * tensor.element_size()):
+        return ALGORITHMS[algorithm](transport, tensor, op, opts)

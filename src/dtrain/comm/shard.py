@@ -144,8 +144,9 @@ def _native(group: Any, timeout: float | None, what: str, fn: Any) -> None:
 
     rank = dist.get_rank()
     try:
-        work = fn()
-        ok = work.wait(datetime.timedelta(seconds=timeout)) if timeout is not None else work.wait()
+        with _trace.span(what):
+            work = fn()
+            ok = work.wait(datetime.timedelta(seconds=timeout)) if timeout is not None else work.wait()
         if ok is False:
             raise CommError(rank, what, f"timed out after {timeout} s")
     except RuntimeError as e:
