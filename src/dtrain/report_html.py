@@ -375,16 +375,18 @@ def build_html(runs: Sequence[RunData]) -> str:
 
 def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None, *,
                  with_prediction: bool = False) -> Path:  # fmt: skip
-    """Write ``report.html`` for ``run_dirs`` into ``out`` (a file, or a folder to put report.html in;
-    default: the first run folder); ``with_prediction`` runs :func:`predict` for runs without one."""
+    """Write ``report.html`` for ``run_dirs`` into ``out`` (a file, or a folder -- one that exists or a
+    name without a suffix -- to put report.html in; default: the first run folder); ``with_prediction``
+    runs :func:`~dtrain.report_data.predict` for runs without one."""
     runs = [load_run(d) for d in run_dirs]
     if with_prediction:
         for r in runs:
             if r.prediction is None and r.config:
                 r.prediction = predict(r)
     path = Path(out) if out is not None else runs[0].path / "report.html"
-    if path.is_dir():
+    if path.is_dir() or (out is not None and not path.suffix):  # a folder, made if need be
         path = path / "report.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(build_html(runs))
     return path
 
