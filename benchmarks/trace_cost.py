@@ -60,10 +60,11 @@ def main(argv: list[str] | None = None) -> None:
             ratio = got["on"]["samples_per_s"] / got["off"]["samples_per_s"]
             ratios.append(ratio)
             rows.append(got["on"])
+            on = got["on"]
             print(f"round {i}: untraced {got['off']['samples_per_s']:.0f} samples/s, traced "
-                  f"{got['on']['samples_per_s']:.0f} (ratio {ratio:.3f}); trace {got['on']['trace_mb']:.2f} MB, "
-                  f"{got['on']['events']} events, {got['on']['messages']} messages matched, "
-                  f"{got['on']['unmatched']} unmatched, clock error <= {got['on']['clock_error_us']:.0f} us")  # fmt: skip
+                  f"{on['samples_per_s']:.0f} (ratio {ratio:.3f}); trace {on['trace_mb']:.2f} MB, "
+                  f"{on['events']} events, {on['messages']} messages matched, "
+                  f"{on['unmatched']} unmatched, clock error <= {on['clock_error_us']:.0f} us")  # fmt: skip
         w = _run(Path(tmp) / "window", base + ["--trace-steps", a.window])
     print(f"median over {a.rounds} rounds: traced/untraced samples/s {statistics.median(ratios):.3f}; "
           f"trace {statistics.median(r['trace_mb'] for r in rows):.2f} MB for {a.steps} steps x {a.workers} ranks")
