@@ -202,3 +202,13 @@ def test_the_progress_bar_names_the_rank_with_the_most_own_work():
     assert ranks[0].read() == pytest.approx(own)
     assert ranks[0].slowest() == "r2 4.5x"  # 0.050 over the median of 0.010 and 0.012
     assert LiveRanks(0, 1).slowest() is None  # one process: nothing to compare
+
+
+def test_the_four_stage_pipelines_bubble_from_its_spans_is_within_10_percent_of_its_rows(runs):
+    from dtrain.report_data import load_run, pipeline_bubbles
+
+    rows = [r for r in read_metrics(runs["pipeline"]) if r["step"] > 0]
+    measured = sum(r["bubble"] for r in rows) / len(rows)
+    b = pipeline_bubbles(load_run(runs["pipeline"]))
+    assert b["spans"] == pytest.approx(measured, rel=0.10) and 0.0 < measured < 1.0
+    assert b["closed_form"] == pytest.approx(3 / 7)  # 1f1b, P=4, M=4
