@@ -1,10 +1,13 @@
-"""A stopped worker (SIGSTOP) ends the run within --timeout-s and a few seconds (issue 21, row F7, in part).
+"""A stopped worker (SIGSTOP) ends the run within --timeout-s and a few seconds, and the message
+names it (issue 21, row F7 and item 2).
 
 The surviving ranks' collectives time out after --timeout-s; torch's agent then SIGTERMs the
 others and waits a fixed 30 s before SIGKILL, which a stopped process never outlives on its own:
 the launcher now wakes stopped workers (SIGCONT) once one has failed. Which surviving rank's
-message comes first is still a race (only the stopped rank's ring neighbour waits on it directly),
-so the test checks the operation and the step, not the rank.
+message comes first is a race (only the stopped rank's ring neighbour waits on it directly), but
+every survivor's message carries the watchdog's verdict from the heartbeats
+(dtrain.training.watchdog): the stopped rank, how long it has been silent and its last step.
+Also unit tests of that verdict.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dtrain.training.watchdog import Heartbeat, diagnose, explain
 
 TIMEOUT_S = 10
 
@@ -31,6 +36,18 @@ def _workers(pid: int) -> list[int]:
         if int(fields[1]) == pid and "spawn_main" in cmd:
             out.append(int(stat.parent.name))
     return sorted(out)
+
+
+def _rank_of(pid: int) -> int:
+    """A worker's rank: the metrics.rank<R>.jsonl it holds open."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            name = Path(os.readlink(fd)).name
+        except OSError:
+            continue
+        if name.startswith("metrics.rank") and name.endswith(".jsonl"):
+            return int(name[len("metrics.rank"):-len(".jsonl")])
+    raise AssertionError(f"worker {pid} holds no metrics file open")
 
 
 def _steps_done(out: Path, steps: int) -> bool:
@@ -52,6 +69,7 @@ def test_a_stopped_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> Non
         workers = _workers(p.pid)
         assert len(workers) == 4, workers
         victim = workers[-1]
+        victim_rank = _rank_of(victim)
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
         _, err = p.communicate(timeout=TIMEOUT_S + 40)
@@ -70,3 +88,42 @@ def test_a_stopped_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> Non
     assert elapsed < TIMEOUT_S + 8, f"{elapsed:.1f} s after SIGSTOP (timeout {TIMEOUT_S} s)\n{err[-2000:]}"
     last = err.strip().splitlines()[-1]
     assert "CommTimeoutError" in last and "at step" in last, err[-2000:]
+    assert f"did not arrive: rank {victim_rank} (no heartbeat for " in last, err[-2000:]
+    silent = float(last.split(f"rank {victim_rank} (no heartbeat for ")[1].split(" s")[0])
+    assert TIMEOUT_S - 2 <= silent <= TIMEOUT_S + 8, last  # stopped when the survivors began to wait
+
+
+def test_the_verdict_names_silent_ranks_else_those_behind():
+    beats = {0: (40, 0.2), 1: (40, 0.9), 2: (39, 10.4), 3: (40, 0.1)}
+    assert diagnose(beats, me=0) == ("watchdog: it did not arrive: rank 2 (no heartbeat for 10.4 s, last at step 39) "
+                                     "stopped responding")  # fmt: skip
+    two = diagnose({**beats, 3: (38, 12.0)}, me=1)
+    assert "they did not arrive: rank 2 (" in two and "rank 3 (no heartbeat for 12.0 s, last at step 38)" in two
+    assert diagnose({0: (5, 0.1), 1: (4, 0.3), 2: (5, 0.2)}, me=0) == \
+        "watchdog: every rank is alive; behind the others (step 5): rank 1 at step 4"
+    assert "every rank is alive and at step 5" in diagnose({0: (5, 0.1), 1: (5, 0.3)}, me=1)
+    assert diagnose({0: (5, 30.0)}, me=0) == "watchdog: every rank is alive and at step 5 (a lost message, " \
+        "or a rank waiting on another group)"  # its own age is not judged
+    assert diagnose({}, me=0) == "watchdog: no rank has posted a heartbeat"
+
+
+def test_heartbeats_go_through_the_store_and_explain_keeps_the_error():
+    import datetime
+
+    import torch.distributed as dist
+
+    from dtrain.errors import CommTimeoutError
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    beats = [Heartbeat(r, 3, store=store, period_s=0.05).start() for r in range(3)]
+    beats[2].stop()  # rank 2 goes silent at step 0
+    beats[0].step = beats[1].step = 7
+    time.sleep(0.6)
+    e = explain(CommTimeoutError(0, "allreduce(ring) recv", "not completed within 10s", peer=1, step=7), beats[0])
+    for b in beats:
+        b.stop()
+    assert isinstance(e, CommTimeoutError) and e.rank == 0 and e.peer == 1 and e.step == 7
+    assert str(e).startswith("rank 0: allreduce(ring) recv with rank 1 at step 7: not completed within 10s; "
+                             "watchdog: it did not arrive: rank 2 (no heartbeat for ")  # fmt: skip
+    assert "last at step 0) stopped responding" in str(e)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -40,11 +40,12 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.cluster.slowdown import Straggler
-from dtrain.errors import ConfigError, DTrainError
+from dtrain.errors import CommTimeoutError, ConfigError, DTrainError
 from dtrain.precision import LossScaler
 from dtrain.training.context import TrainContext
 from dtrain.training.guard import NonFiniteGuard
 from dtrain.training.live import EVERY, LiveRanks
+from dtrain.training.watchdog import Heartbeat, explain
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
@@ -189,6 +190,7 @@ class _Progress:
     scaler: LossScaler | None = None  # fp16: the loss scale, agreed over the ranks that share a step
     overflows: int = 0  # fp16: steps skipped because their gradients overflowed
     live: LiveRanks | None = None  # the progress bar's slowest rank (with the bar on)
+    beat: Heartbeat = field(default_factory=lambda: Heartbeat(0, 1))  # the watchdog's heartbeat (run_loop's)
 
     def __post_init__(self) -> None:
         self.losses: list[float] = []
@@ -263,6 +265,7 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
         t0 = time.perf_counter()
         extra: dict[str, Any] = {}
         ctx.tracer.at_step(tally.step)  # --trace-steps: whether this step is recorded
+        tally.beat.step = tally.step
         with ctx.tracer.span("step", step=tally.step):
             engine.before_step(tally.step)
             loss_v = _gradients(ctx, engine, x, y, tally.scaler)
@@ -366,6 +369,23 @@ def _metric_keys(ctx: TrainContext, engine: Engine, tally: _Progress) -> dict[st
     return out
 
 
+def _train(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos: Position, tally: _Progress, bar: Any,
+           slow: Straggler, t_start: float) -> None:  # fmt: skip
+    """The epochs, each followed by its evaluation (without --eval-every), until the engine is done."""
+    epoch, first_batch = pos.epoch, pos.batch
+    while not engine.done(tally.step) and not tally.stopped:
+        batches = _epoch(ctx, engine, ckpt, pos, epoch, first_batch, tally, bar, slow, t_start)
+        if batches == 0:
+            raise ConfigError(f"rank {ctx.rank}'s data shard yields no batch; use a smaller batch size")
+        first_batch = 0
+        if not ctx.cfg.eval_every and not tally.stopped:
+            _evaluate(ctx, engine, tally, epoch, t_start, bar)
+            if tally.stopped and ckpt is not None and ckpt.due(tally.step, final=True):
+                ckpt.loop_state = ctx.loop_state(tally.scaler)
+                engine.save(ckpt, tally.step, epoch, batches)  # the run ends here: its last checkpoint
+        epoch += 1
+
+
 def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = None) -> dict[str, Any]:
     """Train with ``engine`` until it is done; returns this process's result.
 
@@ -385,26 +405,21 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
     pos = engine.start()
     slow = ctx.straggler()
     tally = _Progress(step=pos.step, guard=guard_for(ctx, engine), scaler=_scaler(ctx, engine),
-                      live=LiveRanks(ctx.rank, ctx.world_size) if ctx.cfg.progress else None)
+                      live=LiveRanks(ctx.rank, ctx.world_size) if ctx.cfg.progress else None,
+                      beat=Heartbeat(ctx.rank, ctx.world_size).start())
     if tally.scaler is not None and ctx.resumed_scaler is not None:
         tally.scaler.load_state_dict(ctx.resumed_scaler)
     bar = ctx.progress(engine.total_steps - pos.step, engine.evaluator)
     if ctx.cfg.tensorboard and engine.evaluator:  # the evaluating rank's scalars as TensorBoard events
         ctx.metrics.open_tensorboard(ctx.out_dir / "tensorboard")
     t_start = time.perf_counter()
-    epoch, first_batch = pos.epoch, pos.batch
-    while not engine.done(tally.step) and not tally.stopped:
-        batches = _epoch(ctx, engine, ckpt, pos, epoch, first_batch, tally, bar, slow, t_start)
-        if batches == 0:
-            raise ConfigError(f"rank {ctx.rank}'s data shard yields no batch; use a smaller batch size")
-        first_batch = 0
-        if not ctx.cfg.eval_every and not tally.stopped:
-            _evaluate(ctx, engine, tally, epoch, t_start, bar)
-            if tally.stopped and ckpt is not None and ckpt.due(tally.step, final=True):
-                ckpt.loop_state = ctx.loop_state(tally.scaler)
-                engine.save(ckpt, tally.step, epoch, batches)  # the run ends here: its last checkpoint
-        epoch += 1
-    _write(ctx, engine.synchronize(), tally)
+    try:  # a wait that times out names who did not arrive (the heartbeats of every rank)
+        _train(ctx, engine, ckpt, pos, tally, bar, slow, t_start)
+        _write(ctx, engine.synchronize(), tally)
+    except CommTimeoutError as e:
+        raise explain(e, tally.beat) from e
+    finally:
+        tally.beat.stop()
     train_s = time.perf_counter() - t_start - tally.eval_s
     extra = engine.finish()
     bar.close()
