@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from dtrain.training.watchdog import Heartbeat, diagnose, explain
 
 TIMEOUT_S = 10
@@ -50,26 +52,36 @@ def _rank_of(pid: int) -> int:
     raise AssertionError(f"worker {pid} holds no metrics file open")
 
 
-def _steps_done(out: Path, steps: int) -> bool:
-    files = list(out.glob("metrics.rank*.jsonl"))
-    return len(files) == 4 and all(len(f.read_text().splitlines()) >= steps for f in files)
+def _steps_done(out: Path, ranks: range, steps: int) -> bool:
+    files = [out / f"metrics.rank{r}.jsonl" for r in ranks]
+    return all(f.is_file() and len(f.read_text().splitlines()) >= steps for f in files)
 
 
-def test_a_stopped_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> None:
+STALLS = {  # name: (flags, the training ranks, the rank to stop, words of the last line)
+    "dp": (["--workers", "4"], range(4), 3, "CommTimeoutError"),
+    # a parameter server's worker: the server's liveness monitor names it (no heartbeat) as a timeout
+    "ps": (["--workers", "3", "--strategy", "ps", "--servers", "1"], range(1, 4), 2, "rank 2 "),
+    # a middle stage: both neighbours wait on it; whichever reports first, the watchdog names it
+    "pipeline": (["--workers", "4", "--strategy", "pipeline"], range(4), 2, "PipelineError"),
+}
+
+
+@pytest.mark.parametrize("name", list(STALLS))
+def test_a_stopped_worker_ends_the_run_within_the_timeout_naming_it(tmp_path: Path, name: str) -> None:
+    flags, ranks, victim_rank, words = STALLS[name]
     out = tmp_path / "r"
-    cmd = [sys.executable, "-m", "dtrain.cli", "run", "--workers", "4", "--epochs", "200", "--timeout-s",
-           str(TIMEOUT_S), "--no-progress", "--no-trace", "--out", str(out)]
+    cmd = [sys.executable, "-m", "dtrain.cli", "run", *flags, "--epochs", "200", "--timeout-s", str(TIMEOUT_S),
+           "--no-progress", "--no-trace", "--out", str(out)]  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     victim = None
     try:
         deadline = time.monotonic() + 90
         # a few steps in: every rank has written rows (the files exist before the model is wrapped)
-        while time.monotonic() < deadline and not _steps_done(out, 3):
+        while time.monotonic() < deadline and not _steps_done(out, ranks, 3):
             time.sleep(0.2)
         workers = _workers(p.pid)
         assert len(workers) == 4, workers
-        victim = workers[-1]
-        victim_rank = _rank_of(victim)
+        victim = next(w for w in workers if _rank_of(w) == victim_rank)
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
         _, err = p.communicate(timeout=TIMEOUT_S + 40)
@@ -87,9 +99,13 @@ def test_a_stopped_worker_ends_the_run_within_the_timeout(tmp_path: Path) -> Non
     assert p.returncode != 0
     assert elapsed < TIMEOUT_S + 8, f"{elapsed:.1f} s after SIGSTOP (timeout {TIMEOUT_S} s)\n{err[-2000:]}"
     last = err.strip().splitlines()[-1]
-    assert "CommTimeoutError" in last and "at step" in last, err[-2000:]
-    assert f"did not arrive: rank {victim_rank} (no heartbeat for " in last, err[-2000:]
-    silent = float(last.split(f"rank {victim_rank} (no heartbeat for ")[1].split(" s")[0])
+    assert words in last and "at step" in last, err[-2000:]
+    if name == "ps" and "serve (bsp)" in last:  # the server: "worker rank 2 was lost (no heartbeat for 10.0s"
+        assert f"worker rank {victim_rank} was lost (no heartbeat for " in last, err[-2000:]
+        silent = float(last.split("no heartbeat for ")[1].split("s")[0])
+    else:
+        assert f"did not arrive: rank {victim_rank} (no heartbeat for " in last, err[-2000:]
+        silent = float(last.split(f"rank {victim_rank} (no heartbeat for ")[1].split(" s")[0])
     assert TIMEOUT_S - 2 <= silent <= TIMEOUT_S + 8, last  # stopped when the survivors began to wait
 
 

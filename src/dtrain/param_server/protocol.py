@@ -44,10 +44,12 @@ from dataclasses import dataclass
 import torch
 
 from dtrain.comm.transport import Transport, Work
-from dtrain.errors import CommError
+from dtrain.errors import CommError, CommTimeoutError
 
 __all__ = [
     "HEADER_LEN",
+    "PeerStalledError",
+    "lost_error",
     "MAGIC",
     "OP_PULL",
     "OP_PUSH",
@@ -99,6 +101,21 @@ class ProtocolError(CommError):
 
 class PeerLostError(CommError):
     """A worker or server process is gone (its connection closed or its heartbeat stopped)."""
+
+
+class PeerStalledError(PeerLostError, CommTimeoutError):
+    """A peer stopped answering without closing its connection (its heartbeat stopped: SIGSTOP, a hang).
+
+    A timeout too: the process that raises it leaves its process groups alone as it ends (destroying
+    them would wait on the silent peer; see ``dtrain.launch``)."""
+
+
+def lost_error(rank: int, op: str, cause: str, why: str, *, peer: int | None = None,
+               step: int | None = None) -> PeerLostError:  # fmt: skip
+    """:class:`PeerStalledError` where the liveness monitor's ``why`` is a stopped heartbeat, else
+    :class:`PeerLostError` (a closed connection)."""
+    cls = PeerStalledError if why.startswith("no heartbeat") else PeerLostError
+    return cls(rank, op, cause, peer=peer, step=step)
 
 
 class RunAbortedError(CommError):

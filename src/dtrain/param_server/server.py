@@ -64,6 +64,7 @@ from dtrain.param_server.protocol import (
     ProtocolError,
     RunAbortedError,
     brief,
+    lost_error,
     recv_header,
     recv_payload,
     send_message,
@@ -132,6 +133,59 @@ def hist_summary(h: Counter[int]) -> dict[str, Any]:
     }
 
 
+_POLL_S = 0.05  # how often a server blocked on its sends asks whether the receiver is lost
+
+
+class _Sends:
+    """One flush's sends, waited in order by a :class:`_SendWaiter`."""
+
+    def __init__(self, works: list[tuple[int, Work]]) -> None:
+        self.works = works
+        self.index = 0
+        self.current: int | None = None  # the worker whose send is being waited
+        self.errors: list[tuple[int, CommError]] = []
+        self.done = threading.Event()
+        self._abandoned = False
+
+    def run(self) -> None:
+        for i, (w, work) in enumerate(self.works):
+            if self._abandoned:
+                return
+            self.index, self.current = i, w
+            try:
+                work.wait()
+            except CommError as e:
+                self.errors.append((w, e))
+        self.current = None
+        self.done.set()
+
+    def abandon(self) -> list[tuple[int, Work]]:
+        """Stop after the send in progress; the sends not yet waited."""
+        self._abandoned = True
+        return self.works[self.index + 1:]
+
+
+class _SendWaiter:
+    """A thread that waits sends handed to it (:meth:`start`), one flush after another."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[_Sends | None] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="ps-send-wait", daemon=True).start()
+
+    def _loop(self) -> None:
+        while (batch := self._q.get()) is not None:
+            batch.run()
+
+    def close(self) -> None:
+        """End the thread once it has waited what it was given."""
+        self._q.put(None)
+
+    def start(self, works: list[tuple[int, Work]]) -> _Sends:
+        batch = _Sends(works)
+        self._q.put(batch)
+        return batch
+
+
 class ShardServer:
     """Serve one shard to all workers under a consistency policy.
 
@@ -195,6 +249,7 @@ class ShardServer:
         self._finished: set[int] = set()
         self._lost: set[int] = set()
         self._works: list[tuple[int, Work]] = []
+        self._waiter = _SendWaiter()
         #: called on the main thread as ``on_update(version, budget_spent)`` after an event that applied an
         #: update, once its replies are sent (a checkpoint's hook: under bsp no worker is waiting then)
         self.on_update: Callable[[int, bool], None] | None = None
@@ -270,6 +325,7 @@ class ShardServer:
             raise
         finally:
             self._stop.set()
+            self._waiter.close()
             self.stats.wall_s = time.perf_counter() - t0
             self.stats.bytes_out = self.t.stats.bytes_sent
         for th in threads:
@@ -417,11 +473,9 @@ class ShardServer:
         if reason:
             raise RunAbortedError(self.rank, "serve", f"run aborted: {reason}", step=self.policy.version)
         if not self.policy.tolerates_loss:
-            raise PeerLostError(
-                self.rank, f"serve ({self.policy.spec()})",
-                f"worker rank {w} was lost ({why}); {self.policy.spec()} cannot go on without it",
-                peer=w, step=self.policy.version,
-            )
+            raise lost_error(self.rank, f"serve ({self.policy.spec()})",
+                             f"worker rank {w} was lost ({why}); {self.policy.spec()} cannot go on without it",
+                             why, peer=w, step=self.policy.version)  # fmt: skip
         log.warning("rank %d: dropping worker rank %d (%s); %s goes on with %d workers",
                     self.rank, w, why, self.policy.spec(), len(self._remaining()) - 1)
         self._lost.add(w)
@@ -505,11 +559,26 @@ class ShardServer:
             pass  # it is gone for good
 
     def _flush_sends(self) -> None:
+        """Wait for this event's sends (their buffers are reused next), watching the workers meanwhile.
+
+        The waits run on :class:`_SendWaiter`'s thread while this one asks the liveness monitor: a
+        stopped worker (SIGSTOP) never takes a reply that does not fit the socket's buffers, and the
+        data path's waits never time out (that would close gloo's connections), so without this the
+        loop would block on it for good instead of handling it after ``timeout_s``."""
         works, self._works = self._works, []
-        for w, work in works:
-            try:
-                work.wait()
-            except CommError as e:
+        while works:
+            batch = self._waiter.start(works)
+            while not batch.done.wait(_POLL_S):
+                w = batch.current
+                lost = self.live.lost()
+                if w is not None and w in lost and w in self._remaining():
+                    works = batch.abandon()  # its thread stays blocked on w's send; a new one takes the rest
+                    self._waiter = _SendWaiter()
+                    self._worker_lost(w, lost[w])  # raises where the policy cannot go on without w
+                    break
+            else:
+                works = []
+            for w, e in batch.errors:
                 self._inbox.put(("lost", w, f"send failed ({brief(e)})"))
 
     def _goodbye(self) -> None:

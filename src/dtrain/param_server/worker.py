@@ -53,6 +53,7 @@ from dtrain.param_server.protocol import (
     ProtocolError,
     RunAbortedError,
     brief,
+    lost_error,
     recv_header,
     recv_payload,
     send_message,
@@ -300,7 +301,7 @@ class ShardClient:
                 raise RunAbortedError(self.rank, what, f"run aborted: {reason}", step=clock)
             for s, why in self.live.lost().items():
                 if s not in got:
-                    raise PeerLostError(self.rank, what, f"server rank {s} is gone: {why}", peer=s, step=clock)
+                    raise lost_error(self.rank, what, f"server rank {s} is gone: {why}", why, peer=s, step=clock)
             waited = time.monotonic() - start
             if limit_s is not None and waited > limit_s:
                 missing = sorted(set(self.servers) - set(got))

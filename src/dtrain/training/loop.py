@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.cluster.slowdown import Straggler
-from dtrain.errors import CommTimeoutError, ConfigError, DTrainError
+from dtrain.errors import ConfigError, DTrainError
 from dtrain.precision import LossScaler
 from dtrain.training.context import TrainContext
 from dtrain.training.guard import NonFiniteGuard
@@ -416,8 +416,11 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
     try:  # a wait that times out names who did not arrive (the heartbeats of every rank)
         _train(ctx, engine, ckpt, pos, tally, bar, slow, t_start)
         _write(ctx, engine.synchronize(), tally)
-    except CommTimeoutError as e:
-        raise explain(e, tally.beat) from e
+    except DTrainError as e:
+        told = explain(e, tally.beat)
+        if told is e:
+            raise
+        raise told from e
     finally:
         tally.beat.stop()
     train_s = time.perf_counter() - t_start - tally.eval_s

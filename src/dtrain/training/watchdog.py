@@ -20,7 +20,7 @@ from typing import Any
 
 from dtrain.errors import CommTimeoutError
 
-__all__ = ["Heartbeat", "explain", "PERIOD_S", "STALE_S"]
+__all__ = ["Heartbeat", "explain", "diagnose", "timed_out", "PERIOD_S", "STALE_S"]
 
 PERIOD_S = 1.0  # between heartbeats
 STALE_BEATS = 3.5  # a rank whose last heartbeat is older than this many periods has stopped
@@ -113,14 +113,34 @@ def diagnose(beats: dict[int, tuple[int, float]], me: int, stale_s: float = STAL
     return f"watchdog: every rank is alive and at step {ahead} (a lost message, or a rank waiting on another group)"
 
 
-def explain(e: CommTimeoutError, beat: Heartbeat) -> CommTimeoutError:
-    """``e`` with the watchdog's verdict on who did not arrive appended (``e`` itself without a store)."""
-    if beat.store is None:
+def timed_out(e: BaseException) -> bool:
+    """Whether ``e`` or an exception it was raised from (or during) is a :class:`CommTimeoutError`."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, CommTimeoutError):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def explain(e: BaseException, beat: Heartbeat) -> BaseException:
+    """``e`` with the watchdog's verdict on who did not arrive appended, where ``e`` comes from a timed-out
+    wait (a :class:`CommTimeoutError`, or an error raised from one, as a pipeline's); otherwise ``e`` itself."""
+    if beat.store is None or not timed_out(e):
         return e
     try:
         note = diagnose(read(beat.store, beat.world), beat.rank, stale_s=STALE_BEATS * beat.period_s)
     except Exception as err:  # noqa: BLE001 - the store may be gone too: the original error stands
         note = f"watchdog: heartbeats unreadable ({type(err).__name__})"
-    out = CommTimeoutError(e.rank, e.op, f"{e.cause}; {note}", peer=e.peer, step=e.step)
+    out: BaseException
+    if isinstance(e, CommTimeoutError):
+        out = CommTimeoutError(e.rank, e.op, f"{e.cause}; {note}", peer=e.peer, step=e.step)
+    else:
+        try:  # dtrain's other errors take their message alone
+            out = type(e)(f"{e}; {note}")
+        except Exception:  # noqa: BLE001 - a constructor that wants more: keep the error as it is
+            return e
     out.__cause__ = e
     return out
