@@ -20,6 +20,7 @@ against ``dcp``.
 Run::
 
     python benchmarks/checkpoint.py [--workers 4] [--hidden 1024] [--reps 5] [--dir /tmp/ckpt_bench]
+    python benchmarks/checkpoint.py --hidden -1        # gpt-small
 """
 
 from __future__ import annotations
@@ -58,9 +59,14 @@ def _bench(root: str, hidden: int, reps: int) -> dict[str, Any]:
 
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = build_model("mlp", hidden=(hidden, hidden, hidden)) if hidden else build_model("cnn")
+    if hidden < 0:  # gpt-small (its vocabulary at the default 10 classes; the blocks are what weigh)
+        model = build_model("gpt-small")
+        x = torch.randint(0, 10, (4, 16))
+    else:
+        model = build_model("mlp", hidden=(hidden, hidden, hidden)) if hidden else build_model("cnn")
+        x = torch.randn(4, 1, 8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(4, 1, 8, 8)).sum().backward()
+    model(x).sum().backward()
     opt.step()
     residual = {n: torch.randn_like(p) for n, p in model.named_parameters()}
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--hidden", type=int, nargs="+", default=[0, 1024],
-                    help="MLP hidden width(s); 0 means the default CNN (default: 0 1024)")
+                    help="MLP hidden width(s); 0 means the default CNN, -1 gpt-small (default: 0 1024)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/dtrain_ckpt_bench")
     ns = ap.parse_args(argv)
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     for h in ns.hidden:
         shutil.rmtree(ns.dir, ignore_errors=True)
         res = launch(_bench, (ns.dir, h, ns.reps), nprocs=ns.workers)[0]
-        name = f"mlp{h}x3" if h else "cnn"
+        name = "gpt-small" if h < 0 else f"mlp{h}x3" if h else "cnn"
         print(f"{name:>10}{res['model_mb']:>8.1f}{res['dtrain']:>10.3f}{res['dcp']:>9.3f}{res['torch.save@0']:>16.3f}"
               f"{res['dtrain'] / res['dcp']:>12.2f}{res['load dtrain']:>15.3f}{res['load dcp']:>12.3f}"
               f"{res['load dtrain'] / res['load dcp']:>7.2f}")
