@@ -308,3 +308,34 @@ def test_dtrain_run_resume_equals_straight_run(tmp_path, extra):
     assert sorted(rb) == sorted((r, s) for r in workers for s in range(3, 8))
     assert all(abs(ra[k]["loss"] - rb[k]["loss"]) < TOL and ra[k]["epoch"] == rb[k]["epoch"] for k in rb)
     assert {rb[(workers[0], s)]["epoch"] for s in range(3, 8)} == {0, 1}
+
+
+@pytest.mark.timeout(300)
+def test_a_plain_dp_checkpoint_resumes_on_fewer_workers_as_if_nothing_changed(tmp_path):
+    """4 workers save, 2 resume (issue 21, F6): every rank held the same model and optimizer state, and the
+    global batch (256) is the same, so the resumed steps average the gradients of the same samples: the
+    per-step loss (mean over ranks, each rank a quarter or half of the batch) and the final model are the
+    4-worker run's. 3 workers would train on 255 samples a step: refused before any process starts."""
+    a, b = tmp_path / "four", tmp_path / "two"
+    run = ["--batch-size", "256", "--epochs", "2", "--max-steps", "8", "--checkpoint-every", "3"]
+    p = _dtrain(*run, "--workers", "4", "--out", str(a))
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _dtrain(*run, "--workers", "2", "--out", str(b), "--resume", str(a / "checkpoints" / "step_000003"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert read_summary(b)["start_step"] == 3 and read_summary(b)["world_size"] == 2
+
+    def mean_loss(out):
+        by = {}
+        for r in read_metrics(out):
+            by.setdefault(r["step"], []).append(r["loss"])
+        return {s: sum(v) / len(v) for s, v in by.items()}
+
+    la, lb = mean_loss(a), mean_loss(b)
+    assert sorted(lb) == list(range(3, 8))
+    assert all(abs(la[s] - lb[s]) < 1e-5 for s in lb), (la, lb)
+    ca, cb = read_checkpoint(a / "checkpoints" / "step_000008"), read_checkpoint(b)
+    assert max((ca["model"][k] - cb["model"][k]).abs().max().item() for k in ca["model"]) < 1e-5
+    p = dtrain_cli("run", *run, "--workers", "3", "--resume", str(a), "--out", str(tmp_path / "three"),
+                   "--no-progress", timeout=120)  # fmt: skip
+    assert p.returncode == 2 and "global batch of 256, 3 workers would take 255" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "three").exists()

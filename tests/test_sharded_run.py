@@ -73,11 +73,13 @@ def test_a_stage3_checkpoint_of_4_workers_resumes_on_2_and_3(tmp_path):
         assert read_summary(out)["metric"] == pytest.approx(read_summary(full)["metric"], abs=1e-9)
 
 
-def test_plain_dp_still_refuses_another_worker_count(tmp_path):
+def test_plain_dp_with_per_rank_compressor_state_still_refuses_another_worker_count(tmp_path):
+    # (plain dp without such state resumes on any count that keeps the global batch: test_checkpoint.py)
     run = tmp_path / "a"
-    p = dtrain_cli("run", *COMMON, "--workers", "2", "--checkpoint-every", "4", "--out", str(run))
+    topk = ["--compression", "topk:0.01"]  # error feedback: each rank's residuals
+    p = dtrain_cli("run", *COMMON, *topk, "--workers", "2", "--checkpoint-every", "4", "--out", str(run))
     assert p.returncode == 0, p.stderr[-3000:]
-    p = dtrain_cli("run", *COMMON, "--workers", "3", "--resume", str(run), "--out", str(tmp_path / "b"))
+    p = dtrain_cli("run", *COMMON, *topk, "--workers", "3", "--resume", str(run), "--out", str(tmp_path / "b"))
     assert p.returncode != 0 and "workers=2" in p.stderr, p.stderr[-2000:]
 
 

@@ -119,11 +119,27 @@ def check_resume(cfg: RunConfig) -> None:
             f"cannot resume from {ckpt}: it was saved by {info['world_size']} processes, this run starts "
             f"{cfg.num_processes}"
         )
+    if reshard and int(info["world_size"]) != cfg.num_processes:
+        _check_same_global_batch(cfg, ckpt, saved_workers=int(info["run"]["workers"]))
     total = train_steps(cfg)
     if int(info["step"]) >= total:
         raise CheckpointError(
             f"{ckpt} is at step {info['step']} and this run ends at step {total} (epochs {cfg.epochs}, max_steps "
             f"{cfg.max_steps}); nothing is left to train: raise --epochs or --max-steps"
+        )
+
+
+def _check_same_global_batch(cfg: RunConfig, ckpt: Path, saved_workers: int) -> None:
+    """A checkpoint resumed on another number of workers finds its place in the data by (epoch, batch):
+    only a run whose steps take the same samples (the same global batch) continues it."""
+    from dtrain._batch import split_batch
+
+    saved = split_batch(cfg.batch_size, cfg.opts.batch_shards(saved_workers))[1]
+    if saved != cfg.global_batch:
+        raise CheckpointError(
+            f"cannot resume {ckpt} on {cfg.workers} workers: its {saved_workers} workers trained on a global "
+            f"batch of {saved}, {cfg.workers} workers would take {cfg.global_batch} (--batch-size "
+            f"{cfg.batch_size} does not divide over them); choose a number of workers that divides {saved}"
         )
 
 

@@ -38,6 +38,9 @@ from dtrain.training.context import TrainContext
 from dtrain.training.guard import flagged_ranks
 from dtrain.training.loop import Position, run_loop
 
+# compressors without per-rank state: a plain dp checkpoint with them resumes on any number of workers
+STATELESS_WIRE = ("none", "fp16", "bf16")
+
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
     from dtrain.config import RunConfig
@@ -97,7 +100,9 @@ class DPOptions(CompressedOptions):
         return not self.sharded and workers >= 2  # the reducer sees each worker's gradient before averaging
 
     def reshards(self) -> bool:
-        return self.sharded  # DCP reshards the segments onto another number of workers
+        # ZeRO: DCP reshards the segments. Plain dp: every rank holds the same model and optimizer state,
+        # so any number of workers can take them, unless a compressor keeps per-rank state (residuals)
+        return self.sharded or self.compression in STATELESS_WIRE
 
     def label(self, workers: int) -> str:
         ov = "" if self.overlap == "backward" else " fwd-overlap"
