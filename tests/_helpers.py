@@ -4,7 +4,7 @@ this folder on the path). Spawning processes lives in ``_dist.py``.
 - :func:`max_diff`: the largest elementwise difference of two lists of tensors (or arrays).
 - :func:`train_steps`: the plain single-process reference: one cross-entropy step per batch.
 - :func:`dtrain_cli`, :func:`read_metrics`, :func:`read_summary`: ``python -m dtrain.cli`` in a
-  subprocess and the run folder it writes.
+  subprocess and the run folder it writes; :func:`dtrain_runs`: several runs, two at a time.
 - :class:`FakeClock`: time that moves only when the test says, for code that takes a clock or a sleep.
 """
 
@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FakeClock", "max_diff", "train_steps", "two_phase_residuals", "dtrain_cli", "read_metrics", "read_summary"]
+__all__ = ["FakeClock", "max_diff", "train_steps", "two_phase_residuals", "dtrain_cli", "dtrain_runs",
+           "read_metrics", "read_summary"]
 
 
 class FakeClock:
@@ -86,6 +87,32 @@ def dtrain_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = No
     """``python -m dtrain.cli ARGS`` in a subprocess with a hard timeout; stdout and stderr captured as text."""
     return subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)  # fmt: skip
+
+
+def dtrain_runs(root: Path, common: list[str], runs: dict[str, list[str]], timeout: float = 240,
+                at_once: int = 2) -> dict[str, tuple[Path, str]]:  # fmt: skip
+    """``dtrain run COMMON FLAGS --out ROOT/NAME`` for each ``NAME: FLAGS`` of ``runs``, ``at_once`` at a
+    time, each within ``timeout`` seconds and exiting 0: name -> (run folder, stdout and stderr)."""
+    import time
+
+    todo, running, out = list(runs), {}, {}
+    try:
+        while todo or running:
+            while todo and len(running) < at_once:
+                name = todo.pop(0)
+                running[name] = (subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", *common, *runs[name],
+                                                   "--out", str(root / name)], stdout=subprocess.PIPE,
+                                                  stderr=subprocess.STDOUT, text=True), time.monotonic())  # fmt: skip
+            name = next(iter(running))
+            p, t0 = running.pop(name)
+            text, _ = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+            assert p.returncode == 0, f"{name}: {text[-3000:]}"
+            out[name] = (root / name, text)
+    finally:
+        for p, _ in running.values():
+            p.kill()
+            p.wait()
+    return out
 
 
 def read_metrics(out: Path) -> list[dict[str, Any]]:

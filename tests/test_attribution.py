@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _helpers import read_metrics, read_summary
+from _helpers import dtrain_runs, read_metrics, read_summary
 
 from dtrain.attribution import arrivals, attribute, own_s, step_time
 from dtrain.config import RunConfig
@@ -162,25 +159,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]
     """The four runs, two at a time (more at once on a small machine and a pipeline stage that waits
     through a neighbour's stall stops sleeping: the emulation counts its waits as its own work):
     name -> (run folder, stdout)."""
-    root = tmp_path_factory.mktemp("attribution")
-    todo, running, out = list(RUNS), {}, {}
-    try:
-        while todo or running:
-            while todo and len(running) < 2:
-                name = todo.pop(0)
-                running[name] = (subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", *RUN, *RUNS[name],
-                                                   "--out", str(root / name)], stdout=subprocess.PIPE,
-                                                  stderr=subprocess.STDOUT, text=True), time.monotonic())  # fmt: skip
-            name = next(iter(running))
-            p, t0 = running.pop(name)
-            text, _ = p.communicate(timeout=max(1.0, 240 - (time.monotonic() - t0)))
-            assert p.returncode == 0, f"{name}: {text[-3000:]}"
-            out[name] = (root / name, text)
-    finally:
-        for p, _ in running.values():
-            p.kill()
-            p.wait()
-    return out
+    return dtrain_runs(tmp_path_factory.mktemp("attribution"), RUN, RUNS)
 
 
 @pytest.mark.parametrize("name", ["dp", "ps", "pipeline"])

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _browser import MISSING, chromium, load
-from _helpers import dtrain_cli, read_metrics
+from _helpers import dtrain_cli, dtrain_runs, read_metrics
 
 from dtrain._svg import downsample, fmt, ticks
 from dtrain.cli import build_parser
@@ -175,25 +172,8 @@ RUNS = {"dp": [], "ps": ["--strategy", "ps", "--servers", "1"], "pipeline": ["--
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The three runs, two at a time: name -> run folder."""
-    root = tmp_path_factory.mktemp("report")
-    todo, running, out = list(RUNS), {}, {}
-    try:
-        while todo or running:
-            while todo and len(running) < 2:
-                name = todo.pop(0)
-                running[name] = (subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", *RUN, *RUNS[name],
-                                                   "--out", str(root / name)], stdout=subprocess.PIPE,
-                                                  stderr=subprocess.STDOUT, text=True), time.monotonic())  # fmt: skip
-            name = next(iter(running))
-            p, t0 = running.pop(name)
-            text, _ = p.communicate(timeout=max(1.0, 180 - (time.monotonic() - t0)))
-            assert p.returncode == 0, f"{name}: {text[-3000:]}"
-            out[name] = root / name
-    finally:
-        for p, _ in running.values():
-            p.kill()
-            p.wait()
-    return out
+    return {name: path for name, (path, _) in dtrain_runs(tmp_path_factory.mktemp("report"), RUN, RUNS,
+                                                           timeout=180).items()}
 
 
 def test_dtrain_report_compares_two_runs_and_prints_where_the_page_is(runs, tmp_path):
