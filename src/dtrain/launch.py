@@ -6,7 +6,8 @@ processes, runs the c10d rendezvous and collects return values and failures.
 This is the one place that sets up the children's environment (intra-op threads).
 
 How a launch ends: with every return value; with :class:`LaunchError` naming each
-failed rank; or, when this process gets SIGINT (Ctrl-C), SIGTERM, SIGHUP or
+failed rank (with ``max_restarts``, once the agent has restarted the workers that many
+times: see :class:`Restart`); or, when this process gets SIGINT (Ctrl-C), SIGTERM, SIGHUP or
 SIGQUIT, with :class:`LaunchInterrupted` once the agent has stopped every worker.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -27,7 +29,7 @@ from typing import Any
 
 from dtrain.errors import CommTimeoutError, DTrainError
 
-__all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "launch", "free_port", "threads_per_worker"]
+__all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "Restart", "launch", "free_port", "threads_per_worker"]
 
 # the signals torch's elastic agent turns into a shutdown of the workers (its default set)
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -109,6 +111,120 @@ class _Interrupt:
             raise KeyboardInterrupt
 
 
+@dataclass(frozen=True)
+class Restart:
+    """A failure the elastic agent restarts the workers after (``launch``'s ``on_restart`` gets one).
+
+    Attributes:
+        attempt: which restart this is (1 for the first).
+        max_restarts: how many the launch allows.
+        exitcodes: each failed rank's exit code, by global rank (negative: killed by that signal).
+        rank: the rank that failed first: one a signal ended before one that exited with an error
+            (a peer's death makes the others fail), else the earliest (torch's timestamps), else the lowest.
+    """
+
+    attempt: int
+    max_restarts: int
+    exitcodes: dict[int, int]
+    rank: int
+
+    def cause(self, rank: int | None = None) -> str:
+        """What ended ``rank`` (default: :attr:`rank`): ``"SIGKILL"``, or ``"exit code 1"``."""
+        code = self.exitcodes[self.rank if rank is None else rank]
+        if code < 0:
+            try:
+                return signal.Signals(-code).name
+            except ValueError:
+                return f"signal {-code}"
+        return f"exit code {code}"
+
+
+def _restart(attempt: int, max_restarts: int, failures: dict[int, Any]) -> Restart:
+    """A :class:`Restart` from torch's ``ProcessFailure`` by global rank."""
+    codes = {int(r): int(f.exitcode if f.exitcode is not None else 1) for r, f in failures.items()}
+    first = min(failures, key=lambda r: (codes[r] >= 0, failures[r].timestamp or 0, r))
+    return Restart(attempt=attempt, max_restarts=max_restarts, exitcodes=dict(sorted(codes.items())), rank=first)
+
+
+@functools.cache
+def _restarting_agent(base: type) -> type:
+    """torch's ``LocalElasticAgent`` that tells the launch's ``on_restart`` what failed before each restart.
+
+    The agent keeps the failure to itself when it restarts: ``_invoke_run`` polls
+    ``_monitor_workers`` and, on a failure with restarts left, calls ``_restart_workers`` (stop every
+    worker, rendezvous again, start them); the failures reach the caller only when no restart is left.
+    This subclass keeps the last poll's result, and reports it once the failed attempt's workers
+    have all stopped (so the run folder holds their last writes) and before the new ones start.
+    The callback is the one :func:`launch` set for its thread (``elastic_launch`` builds and runs the
+    agent on the calling thread); without one the agent is torch's.
+    """
+
+    class _Agent(base):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._dtrain_on_restart = getattr(_HOOK, "on_restart", None)
+            self._dtrain_seen: Any = None  # the last _monitor_workers result
+            self._dtrain_pending: Any = None  # the failed result a restart is under way for
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            self._dtrain_seen = result
+            return result
+
+        def _restart_workers(self, worker_group: Any) -> None:  # also for new nodes: then nothing failed
+            seen = self._dtrain_seen
+            self._dtrain_pending = seen if seen is not None and seen.failures else None
+            super()._restart_workers(worker_group)
+
+        def _initialize_workers(self, worker_group: Any) -> None:  # the failed workers are stopped by now
+            pending, self._dtrain_pending = self._dtrain_pending, None
+            if pending is not None and self._dtrain_on_restart is not None:
+                spec = worker_group.spec
+                attempt = spec.max_restarts - self._remaining_restarts
+                try:
+                    self._dtrain_on_restart(_restart(attempt, spec.max_restarts, pending.failures))
+                except Exception as e:  # noqa: BLE001 - a report that fails must not stop the restart
+                    print(f"dtrain: could not report the restart: {e!r}", file=sys.stderr, flush=True)
+            super()._initialize_workers(worker_group)
+
+    return _Agent
+
+
+_HOOK = threading.local()  # .on_restart: the callback of the launch running on this thread
+_SWAP_LOCK = threading.Lock()
+_SWAP_USERS = [0]  # launches with an on_restart under way (the last one puts torch's agent back)
+
+
+@contextlib.contextmanager
+def _agent_reports_restarts(on_restart: Callable[[Restart], None] | None) -> Iterator[None]:
+    """While launching, have ``torch.distributed.launcher.api`` build :func:`_restarting_agent`'s agent.
+
+    ``elastic_launch`` builds its ``LocalElasticAgent`` by that module-level name and takes no agent
+    class, so the name is swapped while a launch with ``on_restart`` runs, and put back when the
+    last such launch ends; a launch on another thread meanwhile builds the subclass without a callback,
+    which behaves as torch's agent.
+    """
+    if on_restart is None:
+        yield
+        return
+    import importlib
+
+    api: Any = importlib.import_module("torch.distributed.launcher.api")
+    with _SWAP_LOCK:
+        if _SWAP_USERS[0] == 0:
+            api.LocalElasticAgent = _restarting_agent(api.LocalElasticAgent)
+        _SWAP_USERS[0] += 1
+    _HOOK.on_restart = on_restart
+    try:
+        yield
+    finally:
+        _HOOK.on_restart = None
+        with _SWAP_LOCK:
+            _SWAP_USERS[0] -= 1
+            if _SWAP_USERS[0] == 0:
+                api.LocalElasticAgent = api.LocalElasticAgent.__mro__[1]  # torch's, which it subclasses
+
+
 def _child(
     fn: Callable[..., Any], threads: int, env: dict[str, str], backend: str | None, args: tuple[Any, ...]
 ) -> Any:
@@ -127,7 +243,8 @@ def _child(
     tqdm.set_lock(threading.RLock())
     from dtrain import runtime
 
-    runtime.init(backend=backend)
+    _init_restarted(backend)
+    runtime.init(backend=backend)  # (a no-op after a restart: the group is up)
     failed = False
     try:
         return fn(*args)
@@ -144,6 +261,38 @@ def _child(
             _exit_without_teardown()
         else:
             runtime.shutdown()
+
+
+def _init_restarted(backend: str | None, timeout_s: float = 300.0) -> None:
+    """After an elastic restart, start the default process group on keys of this attempt only.
+
+    torch's agent keeps one TCPStore for the whole launch (its rendezvous store, shared with the workers
+    since torch 2.5) and the workers of every attempt write and read the same keys there: a restarted
+    worker can read an address the failed attempt posted (gloo: "connectFullMesh failed ... Connection
+    refused"; pytorch/pytorch#135712). The workers of attempt N use the store under ``dtrain/attempt_N/``
+    instead (one agent: every worker has the same count; ``--cluster`` runs do not restart). Everything
+    on the default store -- the heartbeats, the stall verdicts -- is then the attempt's own. Otherwise
+    as :func:`dtrain.runtime.init` (its default timeout); the first attempt is left to it.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import PrefixStore
+    from torch.distributed.rendezvous import rendezvous
+
+    from dtrain import runtime
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or "RANK" not in os.environ or dist.is_initialized():
+        return
+    backend = backend or runtime.default_backend()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    if backend == "nccl":
+        torch.cuda.set_device(runtime.local_rank())
+    dist.init_process_group(backend=backend, store=PrefixStore(f"dtrain/attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)  # fmt: skip
 
 
 def _exit_without_teardown() -> None:
@@ -177,6 +326,8 @@ def launch(
     run_id: str | None = None,
     monitor_interval: float = 0.1,
     quiet: bool = True,
+    max_restarts: int = 0,
+    on_restart: Callable[[Restart], None] | None = None,
 ) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nprocs`` processes of this node; return values by global rank.
 
@@ -193,6 +344,11 @@ def launch(
         run_id: rendezvous id, equal on every node (default: random, single node only).
         quiet: silence torch elastic's own log lines (failures still raise
             :class:`LaunchError`; workers' tracebacks stay on their stderr).
+        max_restarts: when a worker fails, stop the others and start them all again, up to
+            this many times (torch elastic's ``max_restarts``; the workers see
+            ``TORCHELASTIC_RESTART_COUNT``); a failure after the last raises :class:`LaunchError`.
+        on_restart: called in this process with a :class:`Restart` before each restart, once
+            the failed attempt's workers have stopped.
 
     Raises:
         LaunchError: naming each failed rank and the first line of its error.
@@ -205,6 +361,8 @@ def launch(
 
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     node = node or NodeSpec(rdzv_endpoint=f"127.0.0.1:{free_port()}", env={"GLOO_SOCKET_IFNAME": "lo"})
     if node.nnodes > 1 and run_id is None:
         raise ValueError("a multi-node launch needs the same run_id on every node")
@@ -217,7 +375,7 @@ def launch(
         rdzv_backend="c10d",
         rdzv_endpoint=node.rdzv_endpoint,
         rdzv_configs=rdzv_conf,
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         start_method="spawn",
         local_addr=node.local_addr,
@@ -228,7 +386,7 @@ def launch(
             if name.startswith(_TORCH_LOGGERS):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        with _signal_handlers_kept(), _stopped_workers_woken():
+        with _signal_handlers_kept(), _stopped_workers_woken(), _agent_reports_restarts(on_restart):
             return dict(elastic_launch(config, entrypoint=_child)(fn, t, dict(node.env), backend, args))
     except SignalException as e:
         raise LaunchInterrupted(e.sigval) from None
