@@ -107,10 +107,13 @@ def _clear(out: Path, held: list[str], cfg: RunConfig) -> None:
 
 def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
     """Entry point of every process of a run (called by the elastic launcher)."""
+    from dtrain.checkpoint.restart import resume_after_restart
+
     cfg = RunConfig.from_mapping(cfg_dict)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     out = Path(out_dir)
+    cfg = resume_after_restart(cfg, out, rank)  # after an elastic restart: from the newest checkpoint
     ctx = TrainContext(
         cfg=cfg, rank=rank, world_size=world, out_dir=out,
         data=cfg.load_data(),
@@ -228,8 +231,10 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
         cfg = cfg.replace(resume=str(find_checkpoint(cfg.resume, checksums=True, report=say).resolve()))
     # recorded without --overwrite: `dtrain run RUN/config.toml` must not delete the run it comes from
     (out / "config.toml").write_text(dump_toml(cfg.replace(overwrite=False)))
+    from dtrain.checkpoint.restart import RestartLog
     from dtrain.launch import LaunchInterrupted, launch
 
+    restarts = RestartLog(cfg, out, say=(lambda line: None) if quiet else None)
     t0 = time.perf_counter()
     try:
         if cfg.cluster:
@@ -239,13 +244,15 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
                                         cluster=cfg.cluster, stream_first=not quiet)
         else:
             results = launch(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes,
-                             backend=cfg.backend or None)
+                             backend=cfg.backend or None, max_restarts=cfg.max_restarts,
+                             on_restart=restarts if cfg.max_restarts else None)
     except LaunchInterrupted as e:  # the workers are gone: say where the run stopped and how to go on
         merge_rank_files(out)
         raise LaunchInterrupted(e.signum, _interrupted_message(cfg, out, e.signum)) from None
     finally:
         merge_rank_files(out)
     summary = summarize(cfg, results, time.perf_counter() - t0)
+    restarts.add_to(summary, results)  # --max-restarts: each restart, and steps over every attempt
     # --- straggler and bottleneck attribution over every rank's rows (dtrain.attribution)
     if (out / "metrics.jsonl").is_file():
         from dtrain.attribution import attribute

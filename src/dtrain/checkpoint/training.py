@@ -90,6 +90,7 @@ def check_resume(cfg: RunConfig) -> None:
     """Refuse bad checkpoint options before any process starts (:class:`ConfigError` saying what to change)."""
     if cfg.checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every must be >= 0 (0: no checkpoints), got {cfg.checkpoint_every}")
+    _check_restarts(cfg)
     if cfg.checkpoint_every > 0 or cfg.resume:
         cfg.entry.check_checkpointing(cfg.opts, cfg)
     if not cfg.resume:
@@ -127,6 +128,24 @@ def check_resume(cfg: RunConfig) -> None:
             f"{ckpt} is at step {info['step']} and this run ends at step {total} (epochs {cfg.epochs}, max_steps "
             f"{cfg.max_steps}); nothing is left to train: raise --epochs or --max-steps"
         )
+
+
+def _check_restarts(cfg: RunConfig) -> None:
+    """``--max-restarts N`` restarts from the run's own checkpoints (:mod:`.restart`): it needs
+    ``--checkpoint-every``, a strategy that checkpoints, and a launch on this machine."""
+    n = cfg.max_restarts
+    if n <= 0:
+        return
+    try:
+        cfg.entry.check_checkpointing(cfg.opts, cfg)
+    except ConfigError as e:
+        raise ConfigError(f"--max-restarts {n} restarts from the run's checkpoints, and {e}") from None
+    if cfg.checkpoint_every <= 0:
+        raise ConfigError(f"--max-restarts {n} restarts the processes from the run's newest checkpoint: add "
+                          "--checkpoint-every N (e.g. 100), else every restart would begin again at step 0")
+    if cfg.cluster:
+        raise ConfigError(f"--max-restarts {n} restarts the processes of this machine; a --cluster run's hosts "
+                          "do not restart yet: drop one of them")
 
 
 def _check_same_global_batch(cfg: RunConfig, ckpt: Path, saved_workers: int) -> None:

@@ -1,0 +1,291 @@
+"""Elastic restarts (issue 21 item 1): ``dtrain run --max-restarts N`` after a worker dies.
+
+Real runs in their own session with hard timeouts, a worker found by the metrics file it holds open
+(``metrics.rankN.jsonl``) and killed with SIGKILL:
+
+- with ``--max-restarts 1`` after the step-20 checkpoint: exit 0, one line naming the rank, the step
+  and the checkpoint resumed from, and the run ends as the uninterrupted one with the same seed:
+  every (step, rank)'s loss, the final loss and the last checkpoint's tensors equal;
+- with ``--max-restarts 0`` the run ends as before (exit 2 within seconds naming the rank and signal),
+  and a death after the last restart too;
+- ``--max-restarts`` out of range or without checkpoints: one line before any process starts.
+
+The pieces (which rank failed first, the line and summary entry, the rows a restart drops) are
+also tested in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _helpers import dtrain_cli, read_summary
+
+from dtrain.checkpoint import MARKER, read_checkpoint
+from dtrain.checkpoint.restart import RestartLog, resume_after_restart
+from dtrain.config import RunConfig
+from dtrain.errors import ConfigError
+from dtrain.launch import _restart
+
+RUN = ("run", "--workers", "4", "--epochs", "2", "--max-steps", "40", "--checkpoint-every", "10", "--no-progress",
+       "--timeout-s", "60")  # fmt: skip
+LINE = re.compile(r"^dtrain: rank (\d+) died \(SIGKILL\) at step (\d+); restarting \(1 of 1\) from the checkpoint "
+                  r"at step (\d+)$")  # fmt: skip
+
+
+class _Run:
+    """``dtrain ARGS`` in a new session; its stderr lines with the time each arrived."""
+
+    def __init__(self, *args: str) -> None:
+        self.p = subprocess.Popen([sys.executable, "-m", "dtrain.cli", *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+        self.lines: list[tuple[float, str]] = []
+        self.stdout = ""
+        self._err = threading.Thread(target=self._read_err, daemon=True)
+        self._err.start()
+
+    def _read_err(self) -> None:
+        assert self.p.stderr is not None
+        for line in self.p.stderr:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait_for(self, what: str, ready: object, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready():  # type: ignore[operator]
+                return
+            if self.p.poll() is not None:
+                self._err.join(5)
+                pytest.fail(f"the run ended (exit {self.p.returncode}) before {what}: {self.stderr[-3000:]}")
+            time.sleep(0.05)
+        self.kill()
+        pytest.fail(f"no {what} within {timeout} s: {self.stderr[-3000:]}")
+
+    def finish(self, timeout: float = 180) -> None:
+        try:
+            self.stdout = self.p.communicate(timeout=timeout)[0]
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the run did not end within {timeout} s: {self.stderr[-3000:]}")
+        self._err.join(30)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.p.communicate(timeout=30)
+
+
+def _holder(path: Path) -> int | None:
+    """The process that holds ``path`` open (a worker's metrics file: which rank it is), or None."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) == str(path) for fd in (d / "fd").iterdir()):
+                return int(d.name)
+        except OSError:
+            continue
+    return None
+
+
+def _kill_rank(out: Path, rank: int, run: _Run, after: int | None = None) -> float:
+    """SIGKILL the worker of ``rank`` (one that is not ``after``, the pid killed before); the time sent."""
+    path = (out / f"metrics.rank{rank}.jsonl").resolve()
+    found: list[int] = []
+
+    def ready() -> bool:
+        pid = _holder(path)
+        if pid is not None and pid != after:
+            found.append(pid)
+        return bool(found)
+
+    run.wait_for(f"a worker of rank {rank}", ready)
+    sent = time.monotonic()
+    os.kill(found[0], signal.SIGKILL)
+    return sent
+
+
+def _losses(out: Path) -> dict[tuple[int, int], float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    keyed = {(int(r["step"]), int(r["rank"])): float(r["loss"]) for r in rows}
+    assert len(keyed) == len(rows), "a (step, rank) has more than one row"
+    return keyed
+
+
+@pytest.mark.timeout(600)
+def test_a_sigkilled_worker_restarts_from_the_checkpoint_and_ends_as_the_uninterrupted_run(tmp_path):
+    plain = tmp_path / "plain"
+    t0 = time.monotonic()
+    p = dtrain_cli(*RUN, "--out", str(plain), timeout=300)
+    plain_s = time.monotonic() - t0
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    out = tmp_path / "restarted"
+    run = _Run(*RUN, "--max-restarts", "1", "--out", str(out))
+    run.wait_for("the step-20 checkpoint", lambda: (out / "checkpoints" / "step_000020" / MARKER).is_file())
+    sent = _kill_rank(out, 2, run)
+    run.finish()
+    took = time.monotonic() - sent
+    assert run.p.returncode == 0, run.stderr[-3000:]
+    restart = [(t, m) for t, line in run.lines if (m := LINE.match(line))]
+    assert len(restart) == 1, run.stderr[-3000:]
+    said_at, m = restart[0]
+    rank, step, frm = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    assert rank == 2 and frm in (20, 30) and frm <= step < 40, m.group(0)
+    assert said_at - sent < 15, f"the restart line came {said_at - sent:.1f} s after the SIGKILL"
+    assert took < plain_s + 60, f"ended {took:.1f} s after the SIGKILL (the whole uninterrupted run: {plain_s:.1f} s)"
+
+    summary, want = read_summary(out), read_summary(plain)
+    entry = summary["restarts"][0]
+    assert len(summary["restarts"]) == 1
+    assert {k: entry[k] for k in ("attempt", "rank", "signal", "step", "resumed_from")} == dict(
+        attempt=1, rank=2, signal="SIGKILL", step=step, resumed_from=frm)
+    assert summary["steps"] == want["steps"] == 40
+    assert summary["final_loss"] == pytest.approx(want["final_loss"], abs=1e-6)
+
+    got, ref = _losses(out), _losses(plain)
+    assert set(got) == set(ref) and len(ref) == 40 * 4  # one row per step and rank: no step twice, none missing
+    after = [k for k in ref if k[0] >= frm]
+    assert max(abs(got[k] - ref[k]) for k in after) <= 1e-6
+    assert max(abs(got[k] - ref[k]) for k in ref) <= 1e-6  # before the checkpoint: the first attempt's rows
+
+    a, b = read_checkpoint(out / "checkpoints" / "step_000040"), read_checkpoint(plain / "checkpoints" / "step_000040")
+    assert set(a["model"]) == set(b["model"])
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert not list(out.glob("error.rank?.txt")), "the failed attempt's error files are kept by attempt"
+    print(f"\nrestart line {said_at - sent:.1f} s after the SIGKILL (rank {rank} at step {step}, resumed from {frm}); "
+          f"exit {took:.1f} s after it; uninterrupted run {plain_s:.1f} s")
+
+
+@pytest.mark.timeout(300)
+def test_without_restarts_a_sigkill_ends_the_run_naming_the_rank(tmp_path):
+    out = tmp_path / "run"
+    run = _Run(*RUN, "--max-restarts", "0", "--out", str(out))
+    sent = _kill_rank(out, 2, run)
+    run.finish(timeout=60)
+    took = time.monotonic() - sent
+    assert run.p.returncode == 2, run.stderr[-3000:]
+    assert took < 5, f"exit {took:.1f} s after the SIGKILL"
+    lines = run.stderr.strip().splitlines()
+    assert lines[-2:] == ["dtrain: error: worker processes failed:", lines[-1]], run.stderr[-3000:]
+    assert lines[-1].startswith("  rank 2: killed by signal 9"), run.stderr[-3000:]
+    assert "restarting" not in run.stderr
+
+
+@pytest.mark.timeout(600)
+def test_a_death_after_the_last_restart_ends_the_run_naming_the_rank(tmp_path):
+    out = tmp_path / "run"
+    run = _Run(*RUN, "--max-restarts", "1", "--out", str(out))
+    run.wait_for("the step-10 checkpoint", lambda: (out / "checkpoints" / "step_000010" / MARKER).is_file())
+    first = _holder((out / "metrics.rank1.jsonl").resolve())
+    _kill_rank(out, 1, run)
+    run.wait_for("the restart line", lambda: "restarting (1 of 1)" in run.stderr)
+    sent = _kill_rank(out, 1, run, after=first)
+    run.finish(timeout=120)
+    took = time.monotonic() - sent
+    assert run.p.returncode == 2, run.stderr[-3000:]
+    assert took < 5, f"exit {took:.1f} s after the second SIGKILL"
+    lines = run.stderr.strip().splitlines()
+    assert sum("restarting" in line for line in lines) == 1, run.stderr[-3000:]
+    assert re.match(r"^dtrain: rank 1 died \(SIGKILL\) at step \d+; restarting \(1 of 1\) from the checkpoint at "
+                    r"step \d+$", next(x for x in lines if "restarting" in x))  # fmt: skip
+    assert lines[-2:] == ["dtrain: error: worker processes failed:", lines[-1]], run.stderr[-3000:]
+    assert lines[-1].startswith("  rank 1: killed by signal 9"), run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--max-restarts", "-1"], "max_restarts must be >= 0, got -1"),
+    (["--max-restarts", "2"], "--max-restarts 2 restarts the processes from the run's newest checkpoint: add "
+                              "--checkpoint-every N"),
+])  # fmt: skip
+def test_bad_max_restarts_is_one_line_before_any_process(tmp_path, flags, words):
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    p = dtrain_cli("run", "--workers", "2", "--max-steps", "2", *flags, "--out", str(out), timeout=60)
+    assert p.returncode == 2 and time.monotonic() - t0 < 30, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dtrain: error: ") and words in lines[0], p.stderr
+    assert not out.exists(), "a process started (the run folder was made)"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (dict(strategy="pipeline"), "--max-restarts 1 restarts from the run's checkpoints, and checkpoints of a "
+                                "pipeline run are not supported yet"),
+    (dict(cluster="lab"), "--max-restarts 1 restarts the processes of this machine; a --cluster run's hosts do "
+                          "not restart yet"),
+    (dict(strategy="ps"), None),  # the parameter server checkpoints under bsp (its default)
+    (dict(), None),
+])  # fmt: skip
+def test_max_restarts_needs_a_strategy_that_checkpoints_on_this_machine(flags, words):
+    cfg = RunConfig(workers=2, max_restarts=1, checkpoint_every=5, **flags)
+    if words is None:
+        assert cfg.validate() is cfg
+        return
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        cfg.validate()
+
+
+def test_the_first_to_fail_is_the_one_a_signal_ended():
+    def failure(code: int, ts: int) -> SimpleNamespace:
+        return SimpleNamespace(exitcode=code, timestamp=ts)
+
+    r = _restart(1, 3, {0: failure(1, 100), 2: failure(-9, 101), 3: failure(1, 99)})
+    assert (r.rank, r.cause(), r.cause(0), r.exitcodes) == (2, "SIGKILL", "exit code 1", {0: 1, 2: -9, 3: 1})
+    assert _restart(1, 3, {1: failure(1, 7), 3: failure(1, 5)}).rank == 3  # the earliest error
+    assert _restart(2, 3, {1: failure(-15, 5), 0: failure(-15, 5)}).rank == 0
+
+
+def _rows(out: Path, rank: int, steps: range) -> None:
+    with (out / f"metrics.rank{rank}.jsonl").open("w") as f:
+        for s in steps:
+            f.write(json.dumps({"step": s, "rank": rank, "loss": float(s)}) + "\n")
+        f.write('{"step": 99, "ra')  # cut short by the kill
+
+
+def test_restart_log_names_the_rank_step_and_checkpoint_and_the_worker_drops_redone_rows(tmp_path, monkeypatch):
+    from dtrain.checkpoint import save_checkpoint
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = RunConfig(workers=2, checkpoint_every=10, max_restarts=3, out=str(out))
+    _rows(out, 0, range(25))
+    _rows(out, 1, range(23))
+    said: list[str] = []
+    log = RestartLog(cfg, out, say=said.append)
+    log(_restart(1, 3, {1: SimpleNamespace(exitcode=-9, timestamp=1)}))  # no checkpoint yet: step 0
+    save_checkpoint(out / "checkpoints", 20, model=torch.nn.Linear(2, 2), info={"step": 20})
+    log(_restart(2, 3, {1: SimpleNamespace(exitcode=-9, timestamp=1), 0: SimpleNamespace(exitcode=1, timestamp=2)}))
+    assert said == ["rank 1 died (SIGKILL) at step 23; restarting (1 of 3) from step 0 (no complete checkpoint yet)",
+                    "rank 1 died (SIGKILL) at step 23; restarting (2 of 3) from the checkpoint at step 20"]
+    summary: dict[str, object] = {"steps": 5}
+    log.add_to(summary, {0: {"role": "worker", "steps": 20, "start_step": 20}})
+    assert summary["steps"] == 40 and summary["restarts"] == [
+        {"attempt": 1, "rank": 1, "signal": "SIGKILL", "step": 23, "resumed_from": 0},
+        {"attempt": 2, "rank": 1, "signal": "SIGKILL", "step": 23, "resumed_from": 20,
+         "also_failed": {"0": "exit code 1"}}]  # fmt: skip
+
+    (out / "error.rank0.txt").write_text("PeerLostError")
+    assert resume_after_restart(cfg, out, 0) is cfg  # the first start: nothing changes
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    again = resume_after_restart(cfg, out, 0)
+    assert again.resume == str(out / "checkpoints" / "step_000020")
+    rows = [json.loads(x) for x in (out / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(20))  # steps 20.. are trained again
+    assert (out / "error.rank0.attempt1.txt").read_text() == "PeerLostError" and not (out / "error.rank0.txt").exists()
