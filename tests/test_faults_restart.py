@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import IO
 
 import pytest
 import torch
@@ -44,20 +45,26 @@ LINE = re.compile(r"^dtrain: rank (\d+) died \(SIGKILL\) at step (\d+); restarti
 
 
 class _Run:
-    """``dtrain ARGS`` in a new session; its stderr lines with the time each arrived."""
+    """``dtrain ARGS`` in a new session; its stderr lines with the time each arrived (read on a thread of
+    their own, so that the time is when the launcher wrote the line)."""
 
     def __init__(self, *args: str) -> None:
         self.p = subprocess.Popen([sys.executable, "-m", "dtrain.cli", *args], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
         self.lines: list[tuple[float, str]] = []
-        self.stdout = ""
-        self._err = threading.Thread(target=self._read_err, daemon=True)
-        self._err.start()
+        self.out: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(self.p.stderr, True), daemon=True),
+                         threading.Thread(target=self._read, args=(self.p.stdout, False), daemon=True)]
+        for t in self._readers:
+            t.start()
 
-    def _read_err(self) -> None:
-        assert self.p.stderr is not None
-        for line in self.p.stderr:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
+    def _read(self, stream: IO[str] | None, timed: bool) -> None:
+        assert stream is not None
+        for line in stream:
+            if timed:
+                self.lines.append((time.monotonic(), line.rstrip("\n")))
+            else:
+                self.out.append(line)
 
     @property
     def stderr(self) -> str:
@@ -69,7 +76,7 @@ class _Run:
             if ready():  # type: ignore[operator]
                 return
             if self.p.poll() is not None:
-                self._err.join(5)
+                self._join()
                 pytest.fail(f"the run ended (exit {self.p.returncode}) before {what}: {self.stderr[-3000:]}")
             time.sleep(0.05)
         self.kill()
@@ -77,18 +84,22 @@ class _Run:
 
     def finish(self, timeout: float = 180) -> None:
         try:
-            self.stdout = self.p.communicate(timeout=timeout)[0]
+            self.p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             pytest.fail(f"the run did not end within {timeout} s: {self.stderr[-3000:]}")
-        self._err.join(30)
+        self._join()
+
+    def _join(self) -> None:
+        for t in self._readers:  # the pipes close once every process holding them is gone
+            t.join(30)
 
     def kill(self) -> None:
         try:
             os.killpg(self.p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.p.communicate(timeout=30)
+        self.p.wait(timeout=30)
 
 
 def _holder(path: Path) -> int | None:
