@@ -60,6 +60,9 @@ _HELP = {
     "skip_nonfinite": "skip up to N steps whose loss or gradients are not finite, on every rank that shares the "
                       "step (no optimizer step); the next one stops the run (default: 0, stop at the first)",
     "max_steps": "stop after this many steps (0: no limit)",
+    "max_restarts": "when a process dies, restart every process from the run folder's newest complete checkpoint, "
+                    "up to N times (torch's elastic agent; needs --checkpoint-every) (default: 0, the run fails)",
+    "trace_steps": "trace only steps FIRST-LAST, e.g. 20-40 (default: all steps, up to 100,000 events a rank)",
     "checkpoint_every": "save a checkpoint to RUN/checkpoints every N steps and at the end (default: 0, never)",
     "resume": "continue from a checkpoint folder, or a run folder's newest intact checkpoint (its files "
               "checked against the checkpoint's manifest)",
