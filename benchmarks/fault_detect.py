@@ -18,6 +18,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
@@ -67,10 +68,8 @@ def _once(sig: int, rank: int, ranks: range, flags: list[str], timeout_s: float,
         finally:
             if victim is not None:
                 for s in (signal.SIGCONT, signal.SIGKILL):
-                    try:
+                    with contextlib.suppress(OSError):  # already gone
                         os.kill(victim, s)
-                    except OSError:
-                        pass
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(10)

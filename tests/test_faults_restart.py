@@ -16,6 +16,7 @@ also tested in this process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -95,10 +96,8 @@ class _Run:
             t.join(30)
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # already gone
             os.killpg(self.p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.p.wait(timeout=30)
 
 

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -285,11 +286,9 @@ def pipeline_bubbles(run: RunData) -> dict[str, float | None]:
     out.update(closed_form=None, plan=None, tf_ms=tf, tb_ms=tb)
     shape = schedule_shape(run)
     if shape is not None:
-        try:
+        with contextlib.suppress(ScheduleError):  # a shape the generators refuse: no closed form or plan drawn
             out["closed_form"] = bubble_closed_form(*shape)
             out["plan"] = simulate(generate(*shape), tf, tb).bubble
-        except ScheduleError:
-            pass
     return out
 
 

@@ -20,6 +20,7 @@ one fails and starts them all again; the new workers see ``TORCHELASTIC_RESTART_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -51,10 +52,8 @@ def restart_checkpoint(cfg: RunConfig, out_dir: str | Path) -> Path | None:
     ``--resume``'s (the run's own start), else None (step 0)."""
     root = Path(out_dir) / CHECKPOINTS_DIR
     if root.is_dir():
-        try:
+        with contextlib.suppress(CheckpointError):  # none complete (or only damaged ones) yet: --resume's or none
             return find_checkpoint(root, checksums=True)
-        except CheckpointError:  # none complete (or only damaged ones) yet
-            pass
     return Path(cfg.resume) if cfg.resume else None
 
 
