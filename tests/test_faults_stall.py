@@ -58,11 +58,13 @@ def _steps_done(out: Path, ranks: range, steps: int) -> bool:
 
 
 STALLS = {  # name: (flags, the training ranks, the rank to stop, words of the last line)
-    "dp": (["--workers", "4"], range(4), 3, "CommTimeoutError"),
+    # whichever survivor reports first (a timeout, or a connection its neighbour closed on exiting),
+    # the watchdog's verdict names the stopped rank
+    "dp": (["--workers", "4"], range(4), 3, "it did not arrive: rank 3 "),
     # a parameter server's worker: the server's liveness monitor names it (no heartbeat) as a timeout
     "ps": (["--workers", "3", "--strategy", "ps", "--servers", "1"], range(1, 4), 2, "rank 2 "),
     # a middle stage: both neighbours wait on it; whichever reports first, the watchdog names it
-    "pipeline": (["--workers", "4", "--strategy", "pipeline"], range(4), 2, "PipelineError"),
+    "pipeline": (["--workers", "4", "--strategy", "pipeline"], range(4), 2, "it did not arrive: rank 2 "),
 }
 
 
@@ -143,3 +145,33 @@ def test_heartbeats_go_through_the_store_and_explain_keeps_the_error():
     assert str(e).startswith("rank 0: allreduce(ring) recv with rank 1 at step 7: not completed within 10s; "
                              "watchdog: it did not arrive: rank 2 (no heartbeat for ")  # fmt: skip
     assert "last at step 0) stopped responding" in str(e)
+
+
+def test_explain_names_a_stopped_rank_behind_a_closed_connection_and_leaves_other_errors_alone():
+    """A survivor whose neighbour timed out first and exited sees a closed connection, not a timeout:
+    the verdict still names the stopped rank. With every rank beating, such an error stays as it was."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dtrain.pipeline._channel import PipelineError
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    beats = [Heartbeat(r, 3, store=store, period_s=0.05).start() for r in range(3)]
+    try:
+        time.sleep(0.3)
+        closed = PipelineError("rank 0, stage 0, micro-batch 1: receiving the gradient from stage 1 failed: "
+                               "Connection closed by peer")  # fmt: skip
+        assert explain(closed, beats[0]) is closed  # everyone alive: nothing to add
+        beats[2].step = 39
+        time.sleep(0.1)
+        beats[2].stop()  # rank 2 goes silent at step 39
+        time.sleep(0.6)
+        told = explain(closed, beats[0])
+    finally:
+        for b in beats:
+            b.stop()
+    assert isinstance(told, PipelineError) and told is not closed
+    assert str(told).startswith(str(closed) + "; watchdog: it did not arrive: rank 2 (no heartbeat for ")
+    assert "last at step 39) stopped responding" in str(told)

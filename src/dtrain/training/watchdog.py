@@ -9,7 +9,8 @@ is merely slow keeps beating at an older step. When a wait times out, :func:`exp
 heartbeat and adds to the error which ranks stopped beating (and since when, at which step), or,
 when all beat, which are behind -- so the message that ends the run names the culprit whichever
 survivor reports first. A rank that never posted (a parameter server, a rank that died before
-training) is not judged.
+training) is not judged. Errors other than timeouts (a connection closed by a survivor that timed out
+first and exited) get the verdict too when some rank has stopped beating.
 """
 
 from __future__ import annotations
@@ -127,13 +128,19 @@ def timed_out(e: BaseException) -> bool:
 
 def explain(e: BaseException, beat: Heartbeat) -> BaseException:
     """``e`` with the watchdog's verdict on who did not arrive appended, where ``e`` comes from a timed-out
-    wait (a :class:`CommTimeoutError`, or an error raised from one, as a pipeline's); otherwise ``e`` itself."""
-    if beat.store is None or not timed_out(e):
+    wait (a :class:`CommTimeoutError`, or an error raised from one, as a pipeline's), or where another rank
+    has stopped beating: a survivor whose neighbour timed out first and exited sees only a closed
+    connection, and the stopped rank behind it is still the culprit. Otherwise ``e`` itself."""
+    if beat.store is None:
         return e
+    stale_s = STALE_BEATS * beat.period_s
     try:
-        note = diagnose(read(beat.store, beat.world), beat.rank, stale_s=STALE_BEATS * beat.period_s)
+        beats = read(beat.store, beat.world)
+        note = diagnose(beats, beat.rank, stale_s=stale_s)
     except Exception as err:  # noqa: BLE001 - the store may be gone too: the original error stands
-        note = f"watchdog: heartbeats unreadable ({type(err).__name__})"
+        beats, note = {}, f"watchdog: heartbeats unreadable ({type(err).__name__})"
+    if not timed_out(e) and not any(age > stale_s for r, (_, age) in beats.items() if r != beat.rank):
+        return e
     out: BaseException
     if isinstance(e, CommTimeoutError):
         out = CommTimeoutError(e.rank, e.op, f"{e.cause}; {note}", peer=e.peer, step=e.step)
