@@ -31,7 +31,7 @@ from typing import IO
 
 import pytest
 import torch
-from _helpers import dtrain_cli, read_summary
+from _helpers import dtrain_cli, mean_losses, read_summary
 
 from dtrain.checkpoint import MARKER, read_checkpoint
 from dtrain.checkpoint.restart import RestartLog, resume_after_restart
@@ -287,9 +287,10 @@ def test_restart_log_names_the_rank_step_and_checkpoint_and_the_worker_drops_red
     summary: dict[str, object] = {"steps": 5}
     log.add_to(summary, {0: {"role": "worker", "steps": 20, "start_step": 20}})
     assert summary["steps"] == 40 and summary["restarts"] == [
-        {"attempt": 1, "rank": 1, "signal": "SIGKILL", "step": 23, "resumed_from": 0},
+        {"attempt": 1, "rank": 1, "signal": "SIGKILL", "step": 23, "resumed_from": 0, "workers": 2},
         {"attempt": 2, "rank": 1, "signal": "SIGKILL", "step": 23, "resumed_from": 20,
-         "also_failed": {"0": "exit code 1"}}]  # fmt: skip
+         "also_failed": {"0": "exit code 1"}, "workers": 2}]  # fmt: skip
+    assert "world_sizes" not in summary  # without --min-workers every restart keeps the workers
 
     (out / "error.rank0.txt").write_text("PeerLostError")
     assert resume_after_restart(cfg, out, 0) is cfg  # the first start: nothing changes
@@ -299,3 +300,95 @@ def test_restart_log_names_the_rank_step_and_checkpoint_and_the_worker_drops_red
     rows = [json.loads(x) for x in (out / "metrics.rank0.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(20))  # steps 20.. are trained again
     assert (out / "error.rank0.attempt1.txt").read_text() == "PeerLostError" and not (out / "error.rank0.txt").exists()
+
+
+SCALE = ("run", "--workers", "4", "--batch-size", "48", "--epochs", "4", "--checkpoint-every", "10", "--no-progress",
+         "--timeout-s", "60")  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_with_min_workers_a_lost_worker_leaves_the_run_on_three_that_ends_as_the_run_on_four(tmp_path):
+    """Scale-down (issue 21 item 1): 4 dp workers, one SIGKILLed after the step-20 checkpoint, ``--min-workers 3``:
+    the run goes on on 3 from the checkpoint resharded, with the same global batch (48 = 4 x 12 = 3 x 16), so each
+    step's batch holds the same samples and its mean loss follows the 4-worker run's (float summation order
+    aside); it reaches the uninterrupted run's accuracy and the summary records the world sizes."""
+    plain = tmp_path / "plain"
+    p = dtrain_cli(*SCALE, "--out", str(plain), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    out = tmp_path / "scaled"
+    run = _Run(*SCALE, "--max-restarts", "1", "--min-workers", "3", "--out", str(out))
+    run.wait_for("the step-20 checkpoint", lambda: (out / "checkpoints" / "step_000020" / MARKER).is_file())
+    _kill_rank(out, 2, run)
+    run.finish(timeout=300)
+    assert run.p.returncode == 0, run.stderr[-3000:]
+    said = [line for _, line in run.lines if "restarting" in line]
+    m = re.match(r"^dtrain: rank 2 died \(SIGKILL\) at step (\d+); restarting \(1 of 1\) from the checkpoint at "
+                 r"step (\d+) on 3 workers \(was 4; --min-workers 3\)$", said[0] if said else "")  # fmt: skip
+    assert len(said) == 1 and m, run.stderr[-3000:]
+    frm = int(m.group(2))
+
+    summary, want = read_summary(out), read_summary(plain)
+    assert summary["workers"] == 3 and summary["global_batch"] == want["global_batch"] == 48
+    assert summary["world_sizes"] == [{"from_step": 0, "workers": 4}, {"from_step": frm, "workers": 3}]
+    assert summary["restarts"][0]["workers"] == 3
+    assert summary["steps"] == want["steps"]
+    ranks: dict[int, set[int]] = {}
+    for row in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()):
+        ranks.setdefault(row["step"], set()).add(row["rank"])
+    assert all(ranks[s] == ({0, 1, 2, 3} if s < frm else {0, 1, 2}) for s in ranks), "a step with other ranks' rows"
+    assert sorted(ranks) == list(range(want["steps"]))
+
+    got, ref = mean_losses(out), mean_losses(plain)
+    assert max(abs(got[s] - ref[s]) for s in ref if s < frm) <= 1e-6  # the first attempt: the same run
+    drift = [abs(got[s] - ref[s]) / ref[s] for s in ref if s >= frm]
+    assert drift[0] <= 1e-4, f"the first step on 3 workers: {drift[0]:.2e} from the 4-worker run's loss"
+    assert max(drift) <= 0.02, f"loss {max(drift):.2%} from the 4-worker run's"
+    assert summary["metric"] >= want["metric"] - 0.01 and summary["metric"] >= 0.9, (summary["metric"], want["metric"])
+    print(f"\nscale-down 4 -> 3 at step {frm}: first step's loss {drift[0]:.1e} from the 4-worker run's, largest "
+          f"{max(drift):.1e}; accuracy {summary['metric']:.4f} vs {want['metric']:.4f}")
+
+
+@pytest.mark.parametrize("flags, words", [
+    (dict(min_workers=3), "--min-workers 3 lets a restart go on with fewer workers: add --max-restarts N"),
+    (dict(min_workers=5, max_restarts=1), "--min-workers 5 is more than the run's 4 workers"),
+    (dict(min_workers=3, max_restarts=1, batch_size=64),
+     "--min-workers 3: on 3 workers the run would not train the steps of its 4 (global batch 64, 22 steps an epoch; "
+     "on 3: batch 63, 22 steps), so a scale-down could not resume its checkpoint; choose a --batch-size that every "
+     "count from 3 to 4 divides, e.g. 60 or 72"),
+    (dict(min_workers=2, max_restarts=1, batch_size=48, compression="topk:0.01"),
+     "--min-workers 2: a checkpoint of dp ring 25MiB topk:0.01 does not resume on another number of workers"),
+    (dict(min_workers=2, max_restarts=1, batch_size=48, batch_schedule="auto"), "with --batch-schedule auto"),
+    (dict(min_workers=2, max_restarts=1, batch_size=48), None),
+    (dict(min_workers=2, max_restarts=1, batch_size=48, shard="gradients"), None),  # ZeRO: DCP reshards the segments
+])  # fmt: skip
+def test_min_workers_is_checked_before_any_process(flags, words):
+    cfg = RunConfig.make(workers=4, checkpoint_every=5, **{"max_restarts": 0, **flags})
+    if words is None:
+        assert cfg.validate() is cfg
+        return
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        cfg.validate()
+
+
+def test_the_restart_log_drops_a_worker_only_while_min_workers_remain_and_never_a_server(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = RunConfig.make(strategy="ps", servers=1, workers=3, checkpoint_every=10, max_restarts=5, min_workers=2,
+                         batch_size=48, out=str(out))  # fmt: skip
+    for r in range(4):
+        _rows(out, r, range(12))
+    (out / "error.rank3.txt").write_text("PeerLostError")
+    said: list[str] = []
+    log = RestartLog(cfg, out, say=said.append)
+    sigkill = SimpleNamespace(exitcode=-9, timestamp=1)
+    assert log(_restart(1, 5, {0: sigkill})) == 4  # the server: restarted, never left out
+    assert log(_restart(2, 5, {2: sigkill})) == 3  # a worker: 3 -> 2 (1 server + 2 workers)
+    assert log(_restart(3, 5, {1: sigkill})) == 3  # at --min-workers 2: restarted on as many
+    assert [line.endswith("on 2 workers (was 3; --min-workers 2)") for line in said] == [False, True, False]
+    assert not (out / "metrics.rank3.jsonl").read_text().strip()  # rank 3 is gone: its rows from step 0 dropped
+    assert (out / "error.rank3.attempt1.txt").is_file() and not (out / "error.rank3.txt").exists()
+    summary: dict[str, object] = {"steps": 12}
+    log.add_to(summary, {1: {"role": "worker", "steps": 12, "start_step": 0}})
+    assert summary["world_sizes"] == [{"from_step": 0, "workers": 3}, {"from_step": 0, "workers": 2}]
+    assert [e["workers"] for e in summary["restarts"]] == [3, 2, 2]  # type: ignore[attr-defined]

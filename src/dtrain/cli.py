@@ -62,6 +62,10 @@ _HELP = {
     "max_steps": "stop after this many steps (0: no limit)",
     "max_restarts": "when a process dies, restart every process from the run folder's newest complete checkpoint, "
                     "up to N times (torch's elastic agent; needs --checkpoint-every) (default: 0, the run fails)",
+    "min_workers": "with --max-restarts: a restart leaves out the worker that failed (its host taken as lost, as "
+                   "Horovod's elastic mode blacklists it) while at least N workers remain, and the run goes on with "
+                   "fewer from the newest checkpoint, resharded; the global batch stays (it must divide over every "
+                   "count from N up) (default: 0, restart on every worker)",
     "trace_steps": "trace only steps FIRST-LAST, e.g. 20-40 (default: all steps, up to 100,000 events a rank)",
     "checkpoint_every": "save a checkpoint to RUN/checkpoints every N steps and at the end (default: 0, never)",
     "resume": "continue from a checkpoint folder, or a run folder's newest intact checkpoint (its files "

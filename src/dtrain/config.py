@@ -174,6 +174,7 @@ class RunConfig:
     resume: str = ""  # a checkpoint folder, or a run folder (its latest complete checkpoint)
     skip_nonfinite: int = 0  # skip up to N steps whose loss or gradients are not finite (0: stop at the first)
     max_restarts: int = 0  # when a process dies, restart all from the newest checkpoint, up to N times
+    min_workers: int = 0  # with max_restarts: a restart drops the failed worker while this many remain (0: never)
     extra: dict[str, Any] = field(default_factory=dict)
     options: StrategyOptions | None = None  # the strategy's (default: its defaults)
 
@@ -352,7 +353,8 @@ class RunConfig:
         if self.samples < 16:
             raise ConfigError(f"samples must be >= 16, got {self.samples}")
         for k in ("eval_every", "eval_samples", "layers", "d_model", "heads", "skip_nonfinite", "base_batch",
-                  "warmup_steps", "warmup_epochs", "max_batch", "max_restarts"):
+                  "warmup_steps", "warmup_epochs", "max_batch", "max_restarts",
+                  "min_workers"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"{k} must be >= 0, got {getattr(self, k)}")
         if self.seq_len < 2:

@@ -155,6 +155,8 @@ def _restarting_agent(base: type) -> type:
     worker, rendezvous again, start them); the failures reach the caller only when no restart is left.
     This subclass keeps the last poll's result, and reports it once the failed attempt's workers
     have all stopped (so the run folder holds their last writes) and before the new ones start.
+    Where the callback returns a number of processes, the new attempt starts that many (the spec's
+    ``local_world_size``, which the rendezvous reads to assign ranks): a scale-down.
     The callback is the one :func:`launch` set for its thread (``elastic_launch`` builds and runs the
     agent on the calling thread); without one the agent is torch's.
     """
@@ -181,10 +183,13 @@ def _restarting_agent(base: type) -> type:
             if pending is not None and self._dtrain_on_restart is not None:
                 spec = worker_group.spec
                 attempt = spec.max_restarts - self._remaining_restarts
+                n = None
                 try:
-                    self._dtrain_on_restart(_restart(attempt, spec.max_restarts, pending.failures))
+                    n = self._dtrain_on_restart(_restart(attempt, spec.max_restarts, pending.failures))
                 except Exception as e:  # noqa: BLE001 - a report that fails must not stop the restart
                     print(f"dtrain: could not report the restart: {e!r}", file=sys.stderr, flush=True)
+                if isinstance(n, int) and 0 < n != spec.local_world_size:  # scale down (or up): the
+                    spec.local_world_size = n  # rendezvous below assigns the ranks of n workers
             super()._initialize_workers(worker_group)
 
     return _Agent
@@ -196,7 +201,7 @@ _SWAP_USERS = [0]  # launches with an on_restart under way (the last one puts to
 
 
 @contextlib.contextmanager
-def _agent_reports_restarts(on_restart: Callable[[Restart], None] | None) -> Iterator[None]:
+def _agent_reports_restarts(on_restart: Callable[[Restart], int | None] | None) -> Iterator[None]:
     """While launching, have ``torch.distributed.launcher.api`` build :func:`_restarting_agent`'s agent.
 
     ``elastic_launch`` builds its ``LocalElasticAgent`` by that module-level name and takes no agent
@@ -327,7 +332,7 @@ def launch(
     monitor_interval: float = 0.1,
     quiet: bool = True,
     max_restarts: int = 0,
-    on_restart: Callable[[Restart], None] | None = None,
+    on_restart: Callable[[Restart], int | None] | None = None,
 ) -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nprocs`` processes of this node; return values by global rank.
 
@@ -348,7 +353,8 @@ def launch(
             this many times (torch elastic's ``max_restarts``; the workers see
             ``TORCHELASTIC_RESTART_COUNT``); a failure after the last raises :class:`LaunchError`.
         on_restart: called in this process with a :class:`Restart` before each restart, once
-            the failed attempt's workers have stopped.
+            the failed attempt's workers have stopped; where it returns a number, the restarted
+            attempt runs that many processes (ranks 0..n-1; the return values then come from them).
 
     Raises:
         LaunchError: naming each failed rank and the first line of its error.

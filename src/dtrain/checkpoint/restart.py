@@ -70,10 +70,19 @@ def resume_after_restart(cfg: RunConfig, out_dir: str | Path, rank: int) -> RunC
     out = Path(out_dir)
     ckpt = restart_checkpoint(cfg, out)
     _drop_rows(out / f"metrics.rank{rank}.jsonl", _step_of(ckpt))
+    _keep_error(out, rank, attempt - 1)
+    changes: dict[str, Any] = {"resume": str(ckpt) if ckpt is not None else ""}
+    world = int(os.environ.get("WORLD_SIZE", cfg.num_processes))
+    if world != cfg.num_processes:  # --min-workers: this attempt runs on fewer workers (the servers stay)
+        changes["workers"] = world - (cfg.num_processes - cfg.workers)
+    return cfg.replace(**changes)
+
+
+def _keep_error(out: Path, rank: int, attempt: int) -> None:
+    """The failed attempt's error file, kept under its attempt's number (not taken for the next one's)."""
     error = out / f"error.rank{rank}.txt"
-    if error.is_file():  # the failed attempt's: kept under its attempt's number, not taken for this one's
-        error.replace(out / f"error.rank{rank}.attempt{attempt - 1}.txt")
-    return cfg.replace(resume=str(ckpt) if ckpt is not None else "")
+    if error.is_file():
+        error.replace(out / f"error.rank{rank}.attempt{attempt}.txt")
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -122,8 +131,12 @@ class RestartLog:
         self.out = Path(out_dir)
         self.say = say or (lambda line: print(f"dtrain: {line}", file=sys.stderr, flush=True))
         self.entries: list[dict[str, Any]] = []
+        self.workers = cfg.workers  # the training workers of the attempt under way
+        start = _step_of(Path(cfg.resume)) if cfg.resume else 0
+        self.world_sizes: list[dict[str, int]] = [{"from_step": start, "workers": cfg.workers}]
 
-    def __call__(self, restart: Restart) -> None:
+    def __call__(self, restart: Restart) -> int:
+        """Say what failed and where the run goes on; return the processes the next attempt starts."""
         step = _last_step(self.out, restart.rank)
         ckpt = restart_checkpoint(self.cfg, self.out)
         frm = _step_of(ckpt)
@@ -135,11 +148,29 @@ class RestartLog:
         others = {str(r): restart.cause(r) for r in restart.exitcodes if r != restart.rank}
         if others:  # failed after it (a peer's death makes the others' collectives fail)
             entry["also_failed"] = others
+        on = self._scale_down(restart.rank, frm)
+        entry["workers"] = self.workers
         self.entries.append(entry)
         verb = "died" if code < 0 else "failed"
         where = f"the checkpoint at step {frm}" if ckpt is not None else "step 0 (no complete checkpoint yet)"
         self.say(f"rank {restart.rank} {verb} ({cause}) at step {step}; restarting ({restart.attempt} of "
-                 f"{restart.max_restarts}) from {where}")  # fmt: skip
+                 f"{restart.max_restarts}) from {where}{on}")  # fmt: skip
+        return self.cfg.opts.processes(self.workers)
+
+    def _scale_down(self, failed: int, frm: int) -> str:
+        """``--min-workers``: leave the failed worker out while that many remain (its host is taken as lost);
+        the words for the restart line ("" when the count stays). The ranks of the strategy's other processes
+        (a parameter server's servers) come first and are always restarted."""
+        others = self.cfg.num_processes - self.cfg.workers
+        if not self.cfg.min_workers or failed < others or self.workers - 1 < self.cfg.min_workers:
+            return ""
+        was, self.workers = self.workers, self.workers - 1
+        for r in range(self.cfg.opts.processes(self.workers), self.cfg.opts.processes(was)):
+            # no process of the next attempt has rank r: its rows of the steps trained again go here
+            _drop_rows(self.out / f"metrics.rank{r}.jsonl", frm)
+            _keep_error(self.out, r, len(self.entries))
+        self.world_sizes.append({"from_step": frm, "workers": self.workers})
+        return f" on {self.workers} workers (was {was}; --min-workers {self.cfg.min_workers})"
 
     def add_to(self, summary: dict[str, Any], results: dict[int, dict[str, Any]]) -> None:
         """Add ``restarts`` to a finished run's summary; its ``steps`` then count the whole run (from the
@@ -147,6 +178,8 @@ class RestartLog:
         if not self.entries:
             return
         summary["restarts"] = self.entries
+        if len(self.world_sizes) > 1:  # --min-workers: the workers from each step on
+            summary["world_sizes"] = self.world_sizes
         workers = [r for r in results.values() if r.get("role") == "worker"]
         start = _step_of(Path(self.cfg.resume)) if self.cfg.resume else 0
         summary["steps"] = max(int(w.get("start_step", 0)) + int(w["steps"]) for w in workers) - start

@@ -35,6 +35,7 @@ consistency model, and one that leaves nothing to train.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain._batch import split_batch
 from dtrain.checkpoint._rng import rng_state, set_rng_state
 from dtrain.checkpoint.dcp import load_checkpoint, save_checkpoint
 from dtrain.checkpoint.layout import CHECKPOINTS_DIR, CheckpointError, find_checkpoint, read_info
@@ -134,6 +136,9 @@ def _check_restarts(cfg: RunConfig) -> None:
     """``--max-restarts N`` restarts from the run's own checkpoints (:mod:`.restart`): it needs
     ``--checkpoint-every``, a strategy that checkpoints, and a launch on this machine."""
     n = cfg.max_restarts
+    if cfg.min_workers and n <= 0:
+        raise ConfigError(f"--min-workers {cfg.min_workers} lets a restart go on with fewer workers: add "
+                          "--max-restarts N")
     if n <= 0:
         return
     try:
@@ -146,19 +151,67 @@ def _check_restarts(cfg: RunConfig) -> None:
     if cfg.cluster:
         raise ConfigError(f"--max-restarts {n} restarts the processes of this machine; a --cluster run's hosts "
                           "do not restart yet: drop one of them")
+    if cfg.min_workers:
+        _check_min_workers(cfg)
+
+
+def _check_min_workers(cfg: RunConfig) -> None:
+    """``--min-workers M``: a restart may go on with any count of workers from M to ``--workers``, resuming
+    the checkpoint resharded; so the strategy must reshard, and every count must train the same steps
+    (the global batch and the steps of each epoch) as the run's own workers."""
+    m = cfg.min_workers
+    if m > cfg.workers:
+        raise ConfigError(f"--min-workers {m} is more than the run's {cfg.workers} workers")
+    if not cfg.opts.reshards():
+        raise ConfigError(f"--min-workers {m}: a checkpoint of {cfg.opts.label(cfg.workers)} does not resume on "
+                          "another number of workers (dp, dp --shard and the parameter server under bsp do, "
+                          "without a compressor that keeps per-worker state)")  # fmt: skip
+    if cfg.batch_schedule == "auto":
+        raise ConfigError(f"--min-workers {m} with --batch-schedule auto: the batch it chooses need not divide "
+                          "over fewer workers; give a fixed batch or a batch schedule")
+    mine = _data_steps(cfg, cfg.workers)
+    bad = [w for w in range(m, cfg.workers) if _data_steps(cfg, w) != mine]
+    if bad:
+        shards = [cfg.opts.batch_shards(w) for w in range(m, cfg.workers + 1)]
+        unit = math.lcm(*shards)
+        near = sorted({max(unit, cfg.batch_size // unit * unit), -(-cfg.batch_size // unit) * unit})
+        raise ConfigError(
+            f"--min-workers {m}: on {bad[0]} workers the run would not train the steps of its {cfg.workers} "
+            f"(global batch {cfg.global_batch}, {_data_steps(cfg, cfg.workers)[0]} steps an epoch; on {bad[0]}: "
+            f"batch {split_batch(cfg.batch_size, cfg.opts.batch_shards(bad[0]))[1]}, "
+            f"{_data_steps(cfg, bad[0])[0]} steps), so a scale-down could not resume its checkpoint; choose a "
+            f"--batch-size that every count from {m} to {cfg.workers} divides, e.g. "
+            f"{' or '.join(map(str, near))}"
+        )
+
+
+def _data_steps(cfg: RunConfig, workers: int) -> tuple[int, ...]:
+    """Each epoch's global batch and steps on ``workers`` workers: where each step falls in the data."""
+    from dtrain.schedule import BatchPlan
+
+    plan = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, len(cfg.load_data().train), cfg.epochs)
+    shards = cfg.opts.batch_shards(workers)
+    return tuple(x for e in range(cfg.epochs)
+                 for x in (plan.steps_in(e, shards), split_batch(plan.batch(e), shards)[1]))
 
 
 def _check_same_global_batch(cfg: RunConfig, ckpt: Path, saved_workers: int) -> None:
     """A checkpoint resumed on another number of workers finds its place in the data by (epoch, batch):
     only a run whose steps take the same samples (the same global batch) continues it."""
-    from dtrain._batch import split_batch
-
     saved = split_batch(cfg.batch_size, cfg.opts.batch_shards(saved_workers))[1]
     if saved != cfg.global_batch:
         raise CheckpointError(
             f"cannot resume {ckpt} on {cfg.workers} workers: its {saved_workers} workers trained on a global "
             f"batch of {saved}, {cfg.workers} workers would take {cfg.global_batch} (--batch-size "
             f"{cfg.batch_size} does not divide over them); choose a number of workers that divides {saved}"
+        )
+    was, now = _data_steps(cfg, saved_workers), _data_steps(cfg, cfg.workers)
+    if was != now:  # each shard drops its last partial batch: the steps of an epoch can differ by one
+        e = next(i for i in range(0, len(was), 2) if was[i] != now[i]) // 2
+        raise CheckpointError(
+            f"cannot resume {ckpt} on {cfg.workers} workers: epoch {e} has {was[2 * e]} steps on its "
+            f"{saved_workers} workers and {now[2 * e]} on {cfg.workers} (each worker drops its shard's last "
+            "partial batch), so the steps would not fall on the same data; choose another number of workers"
         )
 
 
