@@ -236,15 +236,19 @@ def test_bad_max_restarts_is_one_line_before_any_process(tmp_path, flags, words)
 
 
 @pytest.mark.parametrize("flags, words", [
-    (dict(strategy="pipeline"), "--max-restarts 1 restarts from the run's checkpoints, and checkpoints of a "
-                                "pipeline run are not supported yet"),
+    (dict(strategy="tensor", model="gpt-tiny", dataset="pytext"), "--max-restarts 1 restarts from the run's "
+                                                                  "checkpoints, and checkpoints of tensor/hybrid runs "
+                                                                  "are not supported yet"),
+    (dict(strategy="pipeline", schedule="2bw"), "--max-restarts 1 restarts from the run's checkpoints, and "
+                                                "checkpoints of a pipeline run with --schedule 2bw are not supported"),
+    (dict(strategy="pipeline"), None),  # gpipe, 1f1b, interleaved: each stage saves its own layers
     (dict(cluster="lab"), "--max-restarts 1 restarts the processes of this machine; a --cluster run's hosts do "
                           "not restart yet"),
     (dict(strategy="ps"), None),  # the parameter server checkpoints under bsp (its default)
     (dict(), None),
 ])  # fmt: skip
 def test_max_restarts_needs_a_strategy_that_checkpoints_on_this_machine(flags, words):
-    cfg = RunConfig(workers=2, max_restarts=1, checkpoint_every=5, **flags)
+    cfg = RunConfig.make(workers=2, max_restarts=1, checkpoint_every=5, **flags)
     if words is None:
         assert cfg.validate() is cfg
         return
@@ -392,3 +396,31 @@ def test_the_restart_log_drops_a_worker_only_while_min_workers_remain_and_never_
     log.add_to(summary, {1: {"role": "worker", "steps": 12, "start_step": 0}})
     assert summary["world_sizes"] == [{"from_step": 0, "workers": 3}, {"from_step": 0, "workers": 2}]
     assert [e["workers"] for e in summary["restarts"]] == [3, 2, 2]  # type: ignore[attr-defined]
+
+
+PIPE = ("run", "--strategy", "pipeline", "--workers", "3", "--epochs", "2", "--max-steps", "40", "--batch-size", "24",
+        "--checkpoint-every", "10", "--no-progress", "--no-trace", "--timeout-s", "60")  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_a_pipeline_restarts_from_its_stages_checkpoint_and_ends_as_the_uninterrupted_run(tmp_path):
+    """A pipeline's middle stage SIGKILLed after the step-20 checkpoint: every stage restarts from its own
+    layers' state and the run's losses and final parameters equal the uninterrupted run's."""
+    plain = tmp_path / "plain"
+    p = dtrain_cli(*PIPE, "--out", str(plain), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = tmp_path / "restarted"
+    run = _Run(*PIPE, "--max-restarts", "1", "--out", str(out))
+    run.wait_for("the step-20 checkpoint", lambda: (out / "checkpoints" / "step_000020" / MARKER).is_file())
+    _kill_rank(out, 1, run)
+    run.finish(timeout=300)
+    assert run.p.returncode == 0, run.stderr[-3000:]
+    said = [m for _, line in run.lines if (m := LINE.match(line))]
+    assert len(said) == 1 and int(said[0].group(1)) == 1, run.stderr[-3000:]
+    got, ref = _losses(out), _losses(plain)
+    assert set(got) == set(ref) and len(ref) == 40 * 3
+    assert max(abs(got[k] - ref[k]) for k in ref) <= 1e-6
+    a, b = read_checkpoint(out / "checkpoints" / "step_000040"), read_checkpoint(plain / "checkpoints" / "step_000040")
+    assert set(a["model"]) == set(b["model"])
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name

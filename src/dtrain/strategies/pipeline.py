@@ -4,6 +4,12 @@ Every worker builds the whole model, keeps its stage (:class:`dtrain.Pipeline`) 
 reads the whole batch (only the first stage uses the inputs and the last the
 targets). The evaluated model is the stages' parameters gathered on rank 0 (a
 message from every stage at each evaluation).
+
+Checkpoints (``--checkpoint-every``, ``--resume``, and so ``--max-restarts``): each stage saves its own
+layers' parameters and optimizer state under the whole model's names (DCP writes every rank's keys into
+one checkpoint), with its RNGs and the cut; a resume cuts the model where the checkpoint did. Same number
+of workers, schedule and chunks only; 2bw is refused (between steps it holds deferred backwards and two
+weight versions).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dtrain.checkpoint.layout import read_info
 from dtrain.errors import ConfigError
 from dtrain.perfmodel import pipeline as pipeline_model
 from dtrain.strategies._common import choose
@@ -82,7 +89,7 @@ class PipelineOptions(StrategyOptions):
         return 1  # every stage sees the whole batch (the micro-batches split it)
 
     def checkpoint_keys(self) -> dict[str, Any]:
-        return {"schedule": self.schedule, "balance": self.balance}
+        return {"schedule": self.schedule, "balance": self.balance, "chunks": self.virtual}
 
     def approximation(self) -> str:
         return "approximate: gradients one weight version old (PipeDream-2BW)" if self.schedule == "2bw" else ""
@@ -129,8 +136,10 @@ def _check(o: PipelineOptions, cfg: RunConfig) -> None:
 
 
 def _check_checkpointing(o: PipelineOptions, cfg: RunConfig) -> None:
-    raise ConfigError("checkpoints of a pipeline run are not supported yet: each stage would save its own "
-                      "parameters and optimizer state, which dtrain's run checkpoints do not hold")  # fmt: skip
+    if o.schedule == "2bw":
+        raise ConfigError("checkpoints of a pipeline run with --schedule 2bw are not supported: between steps it "
+                          "holds a batch's deferred backwards and two versions of each stage's weights; use "
+                          "gpipe, 1f1b or interleaved")  # fmt: skip
 
 
 class PipelineEngine:
@@ -138,16 +147,16 @@ class PipelineEngine:
 
     eval_note = " (the stages gathered on rank 0)"
 
-    def __init__(self, ctx: TrainContext) -> None:
+    def __init__(self, ctx: TrainContext, ckpt: RunCheckpointer | None = None) -> None:
         from dtrain.pipeline.pipe import Pipeline
 
         o = ctx.cfg.options
         assert isinstance(o, PipelineOptions)
-        self.ctx, self.o = ctx, o
+        self.ctx, self.o, self.ckpt = ctx, o, ckpt
         self.model = ctx.make_model()
         x0 = ctx.data.train.tensors[0][: max(1, ctx.cfg.batch_size // o.microbatches)]
         self.pipe: Pipeline = Pipeline(self.model, o.microbatches, o.schedule, loss_fn=ctx.scaled_loss,
-                                       balance=parse_balance(o.balance), checkpoint=o.checkpoint, chunks=o.chunks,
+                                       balance=self._balance(), checkpoint=o.checkpoint, chunks=o.chunks,
                                        sample=x0, timeout=ctx.cfg.timeout_s, tracer=ctx.tracer)  # fmt: skip
         params = list(self.pipe.parameters())  # a stage of parameter-free layers (pooling, flatten) has none
         self.optimizer = ctx.make_optimizer(params) if params else None
@@ -158,8 +167,26 @@ class PipelineEngine:
         self._flushes = 0
         self._compute: list[float] = []  # this rank's compute seconds per step
 
+    def _balance(self) -> str | list[int]:
+        """The cut: ``--balance``'s, or a resumed checkpoint's own (``time`` would profile anew and may cut
+        elsewhere, and each stage's checkpoint holds the layers of its cut)."""
+        if self.ckpt is not None and self.ckpt.resume_from is not None:
+            cut = read_info(self.ckpt.resume_from).get("cut")
+            if isinstance(cut, list):
+                return [int(n) for n in cut]
+        return parse_balance(self.o.balance)
+
+    def _stateful(self) -> nn.Module | None:
+        """This rank's stage module, or None where its layers hold no state (pooling, activations)."""
+        return self.pipe.module if self.pipe.module.state_dict() else None
+
     def start(self) -> Position:
-        return Position()
+        if self.ckpt is None or self.ckpt.resume_from is None:
+            return Position()
+        # each stage loads its own layers' parameters and optimizer state (keys are the whole model's names)
+        info, blob = self.ckpt.restore(model=self._stateful(), optimizer=self.optimizer)
+        start = int(info["step"])
+        return Position(start, *self.ctx.locate(start, 1), rng=blob)
 
     def done(self, step: int) -> bool:
         return step >= self.total_steps
@@ -220,7 +247,11 @@ class PipelineEngine:
         return []
 
     def save(self, ckpt: RunCheckpointer, step: int, epoch: int, batch: int) -> None:
-        raise ConfigError("checkpoints of a pipeline run are not supported yet")
+        """Each stage's parameters and optimizer state under the whole model's names (DCP writes every rank's
+        own keys), RNGs per rank, and the cut, so that a resume cuts the model where this run did."""
+        epoch, batch = self.ctx.locate(step, 1)  # the next batch to train on
+        ckpt.save(step, model=self._stateful(), optimizer=self.optimizer, rank_state={}, epoch=epoch, batch=batch,
+                  cut=list(self.pipe.sizes))  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
         """Result keys: bytes sent, the cut and per stage its peak micro-batches in flight; the batch's
@@ -246,7 +277,10 @@ class PipelineEngine:
 
 
 def _run(ctx: TrainContext) -> dict[str, Any]:
-    return run_loop(ctx, PipelineEngine(ctx))
+    from dtrain.checkpoint.training import RunCheckpointer
+
+    ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # (its group before the pipeline's, on every rank)
+    return run_loop(ctx, PipelineEngine(ctx, ckpt), ckpt)
 
 
 PIPELINE = register(Strategy(

@@ -1,0 +1,93 @@
+"""Checkpoints of pipeline runs (issue 21: restarts and resume for every strategy that can hold them).
+
+Each stage saves its own layers' parameters and optimizer state under the whole model's names (DCP writes
+every rank's keys), its RNGs, and the cut. Real runs (``python -m dtrain.cli``, gloo on loopback):
+
+- a run resumed from its step-10 checkpoint ends as the uninterrupted run: every (step, rank)'s loss from
+  step 10 on and every tensor of the last checkpoint equal (1f1b, and interleaved with two chunks a rank);
+- the resumed run cuts the model where the checkpoint did (``--balance time`` profiles anew otherwise);
+- 2bw (deferred backwards and two weight versions between steps) and another ``--chunks`` are refused
+  before any process starts, naming why.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _helpers import dtrain_cli, read_summary
+
+from dtrain.checkpoint import read_checkpoint, save_checkpoint
+from dtrain.config import RunConfig
+from dtrain.errors import DTrainError
+from dtrain.strategies.pipeline import PipelineEngine, PipelineOptions
+
+RUN = ["run", "--strategy", "pipeline", "--workers", "2", "--epochs", "2", "--max-steps", "30", "--batch-size", "24",
+       "--microbatches", "4", "--checkpoint-every", "10", "--no-progress", "--no-trace"]  # fmt: skip
+
+
+def _losses(out: Path) -> dict[tuple[int, int], float]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {(int(r["step"]), int(r["rank"])): float(r["loss"]) for r in rows}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [["--schedule", "1f1b"], ["--schedule", "interleaved", "--chunks", "2"]],
+                         ids=["1f1b", "interleaved"])  # fmt: skip
+def test_a_resumed_pipeline_run_ends_as_the_uninterrupted_one(tmp_path, flags):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    p = dtrain_cli(*RUN, *flags, "--out", str(whole), timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ckpt = whole / "checkpoints" / "step_000010"
+    p = dtrain_cli(*RUN, *flags, "--resume", str(ckpt), "--out", str(resumed), timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    a, b = _losses(whole), _losses(resumed)
+    assert sorted(b) == [(s, r) for s in range(10, 30) for r in range(2)]
+    assert max(abs(a[k] - b[k]) for k in b) <= 1e-6
+    got, want = read_checkpoint(resumed / "checkpoints" / "step_000030"), read_checkpoint(ckpt.parent / "step_000030")
+    assert set(got["model"]) == set(want["model"]) and len(want["model"]) > 4  # every stage's layers in one
+    for name, t in want["model"].items():
+        assert torch.equal(got["model"][name], t), name
+    assert read_summary(resumed)["metric"] == pytest.approx(read_summary(whole)["metric"], abs=1e-9)
+
+
+def test_a_resumed_pipeline_cuts_the_model_where_its_checkpoint_did(tmp_path):
+    root = tmp_path / "checkpoints"
+    ckpt = save_checkpoint(root, 10, model=torch.nn.Linear(2, 2), info={"step": 10, "cut": [6, 3]})
+
+    def engine(resume: Path | None, balance: str) -> PipelineEngine:
+        me = SimpleNamespace(ckpt=SimpleNamespace(resume_from=resume), o=PipelineOptions(balance=balance))
+        return me  # type: ignore[return-value]
+
+    assert PipelineEngine._balance(engine(ckpt, "time")) == [6, 3]  # not profiled anew
+    assert PipelineEngine._balance(engine(None, "time")) == "time"
+    assert PipelineEngine._balance(engine(None, "4,5")) == [4, 5]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--schedule", "2bw", "--checkpoint-every", "10"],
+     "checkpoints of a pipeline run with --schedule 2bw are not supported: between steps it holds a batch's "
+     "deferred backwards"),
+])  # fmt: skip
+def test_a_pipeline_checkpoint_that_cannot_hold_is_refused_before_any_process(tmp_path, extra, words):
+    out = tmp_path / "r"
+    p = dtrain_cli("run", "--strategy", "pipeline", "--workers", "2", "--max-steps", "4", *extra, "--out", str(out),
+                   timeout=60)  # fmt: skip
+    assert p.returncode == 2 and words in p.stderr, p.stderr[-2000:]
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(300)
+def test_resuming_a_pipeline_checkpoint_with_other_chunks_is_refused_naming_them(tmp_path):
+    first = tmp_path / "first"
+    p = dtrain_cli(*RUN, "--max-steps", "10", "--out", str(first), timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfg = RunConfig.make(strategy="pipeline", workers=2, epochs=2, max_steps=30, batch_size=24, microbatches=4,
+                         schedule="interleaved", chunks=2, resume=str(first / "checkpoints" / "step_000010"))
+    with pytest.raises(DTrainError, match="it was saved with schedule='1f1b', chunks=1; this run has "
+                                          "schedule='interleaved', chunks=2"):  # fmt: skip
+        cfg.validate()
