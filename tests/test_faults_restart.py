@@ -236,9 +236,10 @@ def test_bad_max_restarts_is_one_line_before_any_process(tmp_path, flags, words)
 
 
 @pytest.mark.parametrize("flags, words", [
-    (dict(strategy="tensor", model="gpt-tiny", dataset="pytext"), "--max-restarts 1 restarts from the run's "
-                                                                  "checkpoints, and checkpoints of tensor/hybrid runs "
-                                                                  "are not supported yet"),
+    (dict(strategy="hybrid", dp=2, compression="topk:0.1", model="gpt-tiny", dataset="pytext"),
+     "--max-restarts 1 restarts from the run's checkpoints, and checkpoints of a hybrid run with --compression "
+     "topk:0.1 are not supported"),
+    (dict(strategy="tensor", model="gpt-tiny", dataset="pytext"), None),  # each rank saves its own slices
     (dict(strategy="pipeline", schedule="2bw"), "--max-restarts 1 restarts from the run's checkpoints, and "
                                                 "checkpoints of a pipeline run with --schedule 2bw are not supported"),
     (dict(strategy="pipeline"), None),  # gpipe, 1f1b, interleaved: each stage saves its own layers
@@ -295,6 +296,7 @@ def test_restart_log_names_the_rank_step_and_checkpoint_and_the_worker_drops_red
         {"attempt": 2, "rank": 1, "signal": "SIGKILL", "step": 23, "resumed_from": 20,
          "also_failed": {"0": "exit code 1"}, "workers": 2}]  # fmt: skip
     assert "world_sizes" not in summary  # without --min-workers every restart keeps the workers
+    assert summary["last_attempt"] == {"from_step": 20, "steps": 20}  # what train_s and samples_per_s cover
 
     (out / "error.rank0.txt").write_text("PeerLostError")
     assert resume_after_restart(cfg, out, 0) is cfg  # the first start: nothing changes

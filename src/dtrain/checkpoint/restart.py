@@ -174,7 +174,9 @@ class RestartLog:
 
     def add_to(self, summary: dict[str, Any], results: dict[int, dict[str, Any]]) -> None:
         """Add ``restarts`` to a finished run's summary; its ``steps`` then count the whole run (from the
-        run's own start to the end, as an uninterrupted run's), not only the last attempt's."""
+        run's own start to the end, as an uninterrupted run's), not only the last attempt's. ``wall_s``
+        covers every attempt; ``train_s``, ``samples_per_s`` and the metric history are the last attempt's,
+        whose first step and step count ``last_attempt`` states."""
         if not self.entries:
             return
         summary["restarts"] = self.entries
@@ -183,5 +185,7 @@ class RestartLog:
         workers = [r for r in results.values() if r.get("role") == "worker"]
         start = _step_of(Path(self.cfg.resume)) if self.cfg.resume else 0
         summary["steps"] = max(int(w.get("start_step", 0)) + int(w["steps"]) for w in workers) - start
+        first = min(int(w.get("start_step", 0)) for w in workers)
+        summary["last_attempt"] = {"from_step": first, "steps": max(int(w["steps"]) for w in workers)}
         if self.cfg.resume:
             summary["start_step"] = start
