@@ -48,7 +48,8 @@ def test_tensor_and_hybrid_runs_train_like_one_process(tmp_path, single, flags, 
     (["--strategy", "tensor", "--workers", "3"], "4 attention heads do not divide over tensor-parallel size 3"),
     (["--strategy", "tensor", "--workers", "2", "--model", "cnn", "--dataset", "digits"], "has no plan"),
     (["--strategy", "hybrid", "--workers", "2", "--dp", "2", "--sequence-parallel"], "needs tensor parallelism"),
-    (["--strategy", "tensor", "--workers", "2", "--checkpoint-every", "2"], "not supported yet"),
+    (["--strategy", "hybrid", "--workers", "2", "--dp", "2", "--compression", "topk:0.1", "--checkpoint-every", "2"],
+     "checkpoints of a hybrid run with --compression topk:0.1 are not supported"),
     (["--strategy", "hybrid", "--workers", "4", "--dp", "4", "--microbatches", "4"], "does not divide into 4"),
 ])
 def test_bad_meshes_are_refused_before_any_process_starts(tmp_path, flags, message):

@@ -1,13 +1,17 @@
-"""Checkpoints of pipeline runs (issue 21: restarts and resume for every strategy that can hold them).
+"""Checkpoints of model-parallel runs: pipeline, tensor and hybrid (issue 21: resume and restarts for every
+strategy).
 
-Each stage saves its own layers' parameters and optimizer state under the whole model's names (DCP writes
-every rank's keys), its RNGs, and the cut. Real runs (``python -m dtrain.cli``, gloo on loopback):
+A pipeline stage saves its own layers' parameters and optimizer state under the whole model's names (DCP writes
+every rank's keys), its RNGs, and the cut. A tensor/hybrid rank saves its slices and its optimizer's state as its
+own (one set per rank, as Megatron-LM's per-rank checkpoint files). Real runs (``python -m dtrain.cli``, gloo on
+loopback):
 
 - a run resumed from its step-10 checkpoint ends as the uninterrupted run: every (step, rank)'s loss from
-  step 10 on and every tensor of the last checkpoint equal (1f1b, and interleaved with two chunks a rank);
-- the resumed run cuts the model where the checkpoint did (``--balance time`` profiles anew otherwise);
-- 2bw (deferred backwards and two weight versions between steps) and another ``--chunks`` are refused
-  before any process starts, naming why.
+  step 10 on equal (pipeline 1f1b and interleaved with two chunks a rank, tensor tp2, hybrid dp2 x pp2), and
+  for pipelines every tensor of the last checkpoint;
+- the resumed pipeline cuts the model where the checkpoint did (``--balance time`` profiles anew otherwise);
+- 2bw (deferred backwards and two weight versions between steps), another ``--chunks`` or another mesh are
+  refused before any process starts, naming why.
 """
 
 from __future__ import annotations
@@ -90,4 +94,37 @@ def test_resuming_a_pipeline_checkpoint_with_other_chunks_is_refused_naming_them
                          schedule="interleaved", chunks=2, resume=str(first / "checkpoints" / "step_000010"))
     with pytest.raises(DTrainError, match="it was saved with schedule='1f1b', chunks=1; this run has "
                                           "schedule='interleaved', chunks=2"):  # fmt: skip
+        cfg.validate()
+
+
+GPT = ["run", "--model", "gpt-tiny", "--dataset", "pytext", "--epochs", "1", "--max-steps", "20", "--checkpoint-every",
+       "10", "--no-progress", "--no-trace"]  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh", [["--strategy", "tensor", "--workers", "2"],
+                                  ["--strategy", "hybrid", "--workers", "4", "--dp", "2", "--pp", "2"]],
+                         ids=["tp2", "dp2xpp2"])  # fmt: skip
+def test_a_resumed_tensor_or_hybrid_run_ends_as_the_uninterrupted_one(tmp_path, mesh):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    p = dtrain_cli(*GPT, *mesh, "--out", str(whole), timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = dtrain_cli(*GPT, *mesh, "--resume", str(whole / "checkpoints" / "step_000010"), "--out", str(resumed),
+                   timeout=240)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = _losses(whole), _losses(resumed)
+    ranks = int(mesh[3])
+    assert sorted(b) == [(s, r) for s in range(10, 20) for r in range(ranks)]
+    assert max(abs(a[k] - b[k]) for k in b) <= 1e-6
+    assert read_summary(resumed)["metric"] == pytest.approx(read_summary(whole)["metric"], rel=1e-6)
+
+
+def test_a_hybrid_checkpoint_resumes_only_on_its_own_mesh(tmp_path):
+    root = tmp_path / "run"
+    p = dtrain_cli(*GPT, "--strategy", "hybrid", "--workers", "2", "--dp", "2", "--max-steps", "10", "--out",
+                   str(root), timeout=240)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfg = RunConfig.make(strategy="hybrid", workers=2, dp=1, tp=2, model="gpt-tiny", dataset="pytext", epochs=1,
+                         max_steps=20, resume=str(root / "checkpoints" / "step_000010"))  # fmt: skip
+    with pytest.raises(DTrainError, match="it was saved with dp=2, tp=1; this run has dp=1, tp=2"):
         cfg.validate()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dtrain.checkpoint.layout import CheckpointError
 from dtrain.comm.allreduce import ALGORITHMS
 from dtrain.errors import ConfigError
 from dtrain.strategies._common import CompressedOptions, check_fp16_exchange, choose
@@ -64,6 +65,9 @@ class TensorOptions(StrategyOptions):
 
     def label(self, workers: int) -> str:
         return f"tensor tp{workers}{' sp' if self.sequence_parallel else ''}"
+
+    def checkpoint_keys(self) -> dict[str, Any]:
+        return {"sequence_parallel": self.sequence_parallel}
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,10 @@ class HybridOptions(CompressedOptions):
     def dp_algorithm(self) -> str:
         return self.algorithm
 
+    def checkpoint_keys(self) -> dict[str, Any]:
+        keys = ("dp", "pp", "tp", "microbatches", "schedule", "balance", "sequence_parallel")
+        return {**super().checkpoint_keys(), **{k: getattr(self, k) for k in keys}}
+
     def label(self, workers: int) -> str:
         sp = " sp" if self.sequence_parallel else ""
         dp, pp, tp = self.mesh_shape(workers)
@@ -160,8 +168,12 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
 
 
 def _check_checkpointing(o: MeshOptions, cfg: RunConfig) -> None:
-    raise ConfigError("checkpoints of tensor/hybrid runs are not supported yet: each rank holds a slice of a stage, "
-                      "which dtrain's run checkpoints do not describe")  # fmt: skip
+    from dtrain.strategies.dp import STATELESS_WIRE
+
+    comp = o.compressor_spec()
+    if comp not in STATELESS_WIRE:
+        raise ConfigError(f"checkpoints of a hybrid run with --compression {comp} are not supported: its "
+                          "per-rank residuals are not saved; use none, fp16 or bf16")  # fmt: skip
 
 
 class HybridEngine:
@@ -169,14 +181,14 @@ class HybridEngine:
 
     eval_note = " (the whole model gathered on rank 0)"
 
-    def __init__(self, ctx: TrainContext) -> None:
+    def __init__(self, ctx: TrainContext, ckpt: RunCheckpointer | None = None) -> None:
         from dtrain.hybrid_parallel import Hybrid
         from dtrain.mesh import Mesh
         from dtrain.strategies.pipeline import parse_balance
 
         o = ctx.cfg.options
         assert isinstance(o, (TensorOptions, HybridOptions))
-        self.ctx = ctx
+        self.ctx, self.ckpt = ctx, ckpt
         dp, pp, tp = o.mesh_shape(ctx.cfg.workers)
         self.mesh = Mesh(dp=dp, pp=pp, tp=tp)
         micro, schedule, balance = o.pipeline()
@@ -195,7 +207,20 @@ class HybridEngine:
         self._last = {"tp": 0, "pp": 0, "dp": 0}
 
     def start(self) -> Position:
-        return Position()
+        if self.ckpt is None or self.ckpt.resume_from is None:
+            return Position()
+        info, blob = self.ckpt.restore()  # this rank's own slices (the same mesh: check_resume saw to it)
+        mine = dict(self.h.named_parameters())
+        saved = blob["params"]
+        if set(saved) != set(mine):
+            raise CheckpointError(f"rank {self.ctx.rank}: {self.ckpt.resume_from} holds parameters "
+                                  f"{sorted(set(saved) ^ set(mine))[:4]} that this rank's slice does not match")
+        with torch.no_grad():
+            for name, p in mine.items():
+                p.copy_(saved[name])
+        self.optimizer.load_state_dict(blob["optimizer"])
+        start = int(info["step"])
+        return Position(start, *self.ctx.locate(start, self.num_shards), rng=blob)
 
     def done(self, step: int) -> bool:
         return step >= self.total_steps
@@ -245,7 +270,13 @@ class HybridEngine:
         return []
 
     def save(self, ckpt: RunCheckpointer, step: int, epoch: int, batch: int) -> None:
-        raise ConfigError("checkpoints of tensor/hybrid runs are not supported yet")
+        """Per rank, as Megatron-LM's checkpoints keep one file per tensor/pipeline rank: this rank's slices of
+        its stage's parameters and its optimizer's state (DCP stores the tensors, one set per rank), and RNGs.
+        So a resume needs the same mesh (the options are compared before any process starts)."""
+        epoch, batch = self.ctx.locate(step, self.num_shards)  # the next batch to train on
+        params = {n: p.detach() for n, p in self.h.named_parameters()}
+        ckpt.save(step, rank_state={"params": params, "optimizer": self.optimizer.state_dict()}, epoch=epoch,
+                  batch=batch)  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
         out: dict[str, Any] = {"bytes_sent": sum(self.h.bytes_by_dim().values()),
@@ -256,7 +287,10 @@ class HybridEngine:
 
 
 def _run(ctx: TrainContext) -> dict[str, Any]:
-    return run_loop(ctx, HybridEngine(ctx))
+    from dtrain.checkpoint.training import RunCheckpointer
+
+    ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # (its group before the mesh's, on every rank)
+    return run_loop(ctx, HybridEngine(ctx, ckpt), ckpt)
 
 
 # ---------------------------------------------------------------------- performance model hooks
