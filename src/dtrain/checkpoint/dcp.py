@@ -258,6 +258,7 @@ def load_checkpoint(
     group: Any = None,
     sharded: dict[str, Any] | None = None,
     reshard: bool = False,
+    blob_rank: int | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Restore what :func:`save_checkpoint` wrote; every rank of ``group`` calls it.
 
@@ -274,6 +275,9 @@ def load_checkpoint(
         reshard: the job may have another number of ranks than the checkpoint; each
             rank then takes the per-rank blob of rank ``rank % saved ranks``
             (default: False).
+        blob_rank: under ``reshard``, the saved rank whose blob this rank takes instead, where
+            ranks have roles (a parameter server's servers keep their own, its workers cycle
+            over the saved workers) (default: None: the rule above).
         group: as for :func:`save_checkpoint`; must have the checkpoint's size.
 
     Returns:
@@ -289,7 +293,11 @@ def load_checkpoint(
     info = read_info(ckpt)
     rank, world, distributed = _ranks(group)
     saved_world = int(info["world_size"])
-    blob_rank = rank % saved_world if reshard else rank
+    if blob_rank is None or not reshard:
+        blob_rank = rank % saved_world if reshard else rank
+    if not 0 <= blob_rank < saved_world:
+        raise CheckpointError(f"rank {rank}: {ckpt} has no per-rank state of rank {blob_rank} (saved by "
+                              f"{saved_world} processes)")
     if saved_world != world and not reshard:
         raise CheckpointError(
             f"{ckpt} was saved by {info['world_size']} processes; this job has {world}. Per-rank state (compressor "
