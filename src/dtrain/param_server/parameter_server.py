@@ -24,7 +24,7 @@ default group's backend; liveness goes through the c10d store (:mod:`._liveness`
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from dtrain.param_server.server import ShardServer
 from dtrain.param_server.sharding import Shard, shard_model
 from dtrain.param_server.worker import ShardClient
 
-__all__ = ["ParameterServer", "DATA_TIMEOUT_S"]
+__all__ = ["ParameterServer", "DATA_TIMEOUT_S", "reshard_server_state"]
 
 #: how long the data path's receives may block: they must never time out (that
 #: closes gloo's connections); lost peers are found by heartbeats and closed sockets.
@@ -58,6 +58,33 @@ def _compressor(c: Compressor | str | None, what: str) -> Compressor:
 
         return from_spec(c)
     raise ConfigError(f"{what} must be a dtrain.compress.Compressor, a spec string or None, got {type(c).__name__}")
+
+
+def reshard_server_state(state: dict[str, Any], workers: Sequence[int], spec: ConsistencySpec | None = None
+                         ) -> dict[str, Any]:  # fmt: skip
+    """A server's saved :meth:`ParameterServer.state_dict` for another set of worker ranks (bsp).
+
+    Under bsp a checkpoint is taken right after an update, when every worker has
+    pushed the same number of gradients: the saved clock table holds one clock
+    ``c``. The shard, optimizer state, version and update count do not depend on
+    the workers; the new clock table puts every new worker at ``c``, and the
+    gradients received become ``c`` per new worker -- what a run on the new workers
+    would have counted after ``c`` steps (the budget ``workers x steps`` is the new
+    run's own).
+
+    Raises:
+        ConfigError: ``spec`` (the run's consistency model, if given) is not bsp, or the saved
+            clocks differ (not a bsp checkpoint).
+    """
+    if spec is not None and spec.kind != "bsp":
+        raise ConfigError(f"a server's state resumes on another set of workers under bsp only, not {spec}")
+    saved = {int(w): int(c) for w, c in state["clock"].items()}
+    clocks = set(saved.values())
+    if len(clocks) != 1:
+        raise ConfigError(f"the saved workers are at different clocks {saved}: only a checkpoint where every worker "
+                          "is at one clock (bsp) resumes on another number of workers")
+    (clock,) = clocks
+    return {**state, "clock": {int(w): clock for w in workers}, "received": clock * len(workers)}
 
 
 class ParameterServer:
@@ -91,6 +118,9 @@ class ParameterServer:
             serving thread after each update's replies are sent -- under bsp every
             worker has just been released, the moment to call :meth:`state_dict`
             for a checkpoint (default: None).
+        reshard: ``state`` may come from a run with another number of workers (bsp
+            only, as :func:`reshard_server_state` says); a worker then takes any saved
+            worker's state (default: False: the same workers, or a ConfigError).
     """
 
     def __init__(
@@ -111,6 +141,7 @@ class ParameterServer:
         store: Any = None,
         state: dict[str, Any] | None = None,
         on_update: Callable[[int, bool], None] | None = None,
+        reshard: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -160,6 +191,8 @@ class ParameterServer:
             )
             self._server.on_update = on_update
             if state is not None:
+                if reshard and sorted(int(w) for w in state["clock"]) != workers:
+                    state = reshard_server_state(state, workers, self.spec)
                 self._server.load_state_dict(state)
             self._live.start(watch=workers)
         else:

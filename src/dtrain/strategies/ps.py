@@ -23,6 +23,15 @@ worker saves its clock, compressor state, data position and RNGs after its step
 ``k * N``; one collective save (:class:`dtrain.checkpoint.training.RunCheckpointer`)
 holds them all. ``--resume`` hands each rank its own state back.
 
+Such a checkpoint resumes on another number of workers (the same servers; issue 21,
+F6) when no compressor keeps per-worker state: the servers hold the whole model and
+optimizer state, and under bsp every worker was at one clock, so each server
+rebuilds its clock table with every new worker at that clock
+(:func:`~dtrain.param_server.parameter_server.reshard_server_state`) and worker
+``i`` takes saved worker ``i mod W_saved``'s clock, data position and RNG states, as
+data parallelism hands out its ranks' states. With the same global batch (checked
+before launch) the resumed steps average the gradients of the same samples.
+
 The end-of-run statistics (staleness, clock lag, the per-rank table) are
 :mod:`dtrain.param_server.runner`'s.
 """
@@ -36,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dtrain.checkpoint.layout import CheckpointError
 from dtrain.errors import ConfigError
 from dtrain.param_server.consistency import parse_consistency
 from dtrain.param_server.parameter_server import ParameterServer
@@ -87,6 +97,13 @@ class PSOptions(CompressedOptions):
 
     def processes(self, workers: int) -> int:
         return workers + self.servers
+
+    def reshards(self) -> bool:
+        # bsp: the servers hold the model and optimizer state and every worker is at one clock at a
+        # checkpoint, so any number of workers can take it up, unless a compressor keeps per-worker state
+        from dtrain.strategies.dp import STATELESS_WIRE
+
+        return self.consistency.strip().lower() == "bsp" and self.compressor_spec() in STATELESS_WIRE
 
     def checkpoint_keys(self) -> dict[str, Any]:
         return {**super().checkpoint_keys(), "servers": self.servers, "consistency": self.consistency}
@@ -209,7 +226,7 @@ def run_process(ctx: TrainContext) -> dict[str, Any]:
     from dtrain.checkpoint.training import RunCheckpointer
 
     ckpt = RunCheckpointer.create(c, ctx.out_dir)  # its group before the parameter server's, on every rank
-    blob = ckpt.restore()[1] if ckpt is not None and ckpt.resume_from is not None else None
+    blob = _restore(ctx, ckpt, o.servers, workers) if ckpt is not None and ckpt.resume_from is not None else None
     model = ctx.make_model()
     scale = lr_scale(o.consistency, workers)
 
@@ -233,12 +250,38 @@ def run_process(ctx: TrainContext) -> dict[str, Any]:
         model, optimizer_factory, servers=o.servers, consistency=o.consistency, staleness_lr=o.staleness_lr,
         compression=comp, timeout_s=c.timeout_s, max_gradients=workers * steps,
         state=blob["ps"] if blob is not None else None, on_update=on_update if ckpt is not None else None,
+        reshard=o.reshards(),
     )
     holder.append(ps)
     if ps.is_server:
         return serve(ps, ctx.out_dir, batch_size=c.batch_size, timeout_s=c.timeout_s,
                      table=bool(c.extra.get("ps_table", True)))  # fmt: skip
     return run_loop(ctx, PSWorkerEngine(ctx, ps, model, workers, steps, ckpt, blob), ckpt)
+
+
+def _restore(ctx: TrainContext, ckpt: RunCheckpointer, servers: int, workers: int) -> dict[str, Any]:
+    """Collective: this rank's saved state. On another number of workers each server takes its own and
+    worker ``i`` saved worker ``i mod W_saved``'s, whose clock and data position must be the checkpoint's
+    step (all workers' are under bsp)."""
+    from dtrain.checkpoint.dcp import load_checkpoint
+    from dtrain.checkpoint.layout import read_info
+
+    assert ckpt.resume_from is not None
+    saved = int(read_info(ckpt.resume_from)["world_size"]) - servers
+    if saved == workers:
+        return ckpt.restore()[1]
+    r = ctx.rank
+    own = r if r < servers else servers + (r - servers) % saved
+    info, blob = load_checkpoint(ckpt.resume_from, group=ckpt.group, reshard=True, blob_rank=own)
+    if r >= servers:
+        step, where = int(blob["ps"]["clock"]), (int(blob["epoch"]), int(blob["batch"]))
+        if where[1] >= ctx.steps_per_epoch(workers, where[0]):
+            where = (where[0] + 1, 0)
+        if step != int(info["step"]) or where != ctx.locate(step, workers):
+            raise CheckpointError(f"{ckpt.resume_from}: saved worker rank {own} is at clock {step}, epoch/batch "
+                                  f"{where}; the checkpoint's step {info['step']} on {workers} workers starts at "
+                                  f"{ctx.locate(int(info['step']), workers)}: it cannot resume on other workers")
+    return dict(blob)
 
 
 # ---------------------------------------------------------------------- checks and performance model hooks
@@ -272,6 +315,28 @@ def _check_checkpointing(o: PSOptions, cfg: RunConfig) -> None:
         raise ConfigError(
             f"checkpoints of the parameter server need consistency bsp (got {o.consistency!r}): under "
             "asynchronous policies the workers and servers never share a step to save at"
+        )
+    if cfg.resume and not o.reshards():
+        _check_same_workers(o, cfg)
+
+
+def _check_same_workers(o: PSOptions, cfg: RunConfig) -> None:
+    """A checkpoint of a run whose compressor keeps per-worker state resumes on its own workers only: say so
+    (a different compressor or --servers is the run-options check's to name)."""
+    from dtrain.checkpoint.layout import find_checkpoint, read_info
+
+    try:
+        ckpt = find_checkpoint(cfg.resume)
+        saved = read_info(ckpt).get("run", {})
+    except CheckpointError:
+        return  # check_resume names what is wrong with it
+    if saved.get("compression") != o.compressor_spec() or saved.get("servers") != o.servers:
+        return
+    if saved.get("workers") != cfg.workers:
+        raise CheckpointError(
+            f"cannot resume {ckpt} on {cfg.workers} workers: it was saved by {saved.get('workers')} workers with "
+            f"--compression {o.compressor_spec()}, whose state (error-feedback residuals, warm starts) belongs "
+            f"to each worker and would not move to other workers; resume with --workers {saved.get('workers')}"
         )
 
 
