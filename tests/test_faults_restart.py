@@ -16,21 +16,15 @@ also tested in this process.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import IO
 
 import pytest
 import torch
+from _faults import Run, holder, kill_rank
 from _helpers import dtrain_cli, mean_losses, read_summary
 
 from dtrain.checkpoint import MARKER, read_checkpoint
@@ -43,92 +37,6 @@ RUN = ("run", "--workers", "4", "--epochs", "2", "--max-steps", "40", "--checkpo
        "--timeout-s", "60")  # fmt: skip
 LINE = re.compile(r"^dtrain: rank (\d+) died \(SIGKILL\) at step (\d+); restarting \(1 of 1\) from the checkpoint "
                   r"at step (\d+)$")  # fmt: skip
-
-
-class _Run:
-    """``dtrain ARGS`` in a new session; its stderr lines with the time each arrived (read on a thread of
-    their own, so that the time is when the launcher wrote the line)."""
-
-    def __init__(self, *args: str) -> None:
-        self.p = subprocess.Popen([sys.executable, "-m", "dtrain.cli", *args], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-        self.lines: list[tuple[float, str]] = []
-        self.out: list[str] = []
-        self._readers = [threading.Thread(target=self._read, args=(self.p.stderr, True), daemon=True),
-                         threading.Thread(target=self._read, args=(self.p.stdout, False), daemon=True)]
-        for t in self._readers:
-            t.start()
-
-    def _read(self, stream: IO[str] | None, timed: bool) -> None:
-        assert stream is not None
-        for line in stream:
-            if timed:
-                self.lines.append((time.monotonic(), line.rstrip("\n")))
-            else:
-                self.out.append(line)
-
-    @property
-    def stderr(self) -> str:
-        return "\n".join(line for _, line in self.lines)
-
-    def wait_for(self, what: str, ready: object, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if ready():  # type: ignore[operator]
-                return
-            if self.p.poll() is not None:
-                self._join()
-                pytest.fail(f"the run ended (exit {self.p.returncode}) before {what}: {self.stderr[-3000:]}")
-            time.sleep(0.05)
-        self.kill()
-        pytest.fail(f"no {what} within {timeout} s: {self.stderr[-3000:]}")
-
-    def finish(self, timeout: float = 180) -> None:
-        try:
-            self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"the run did not end within {timeout} s: {self.stderr[-3000:]}")
-        self._join()
-
-    def _join(self) -> None:
-        for t in self._readers:  # the pipes close once every process holding them is gone
-            t.join(30)
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):  # already gone
-            os.killpg(self.p.pid, signal.SIGKILL)
-        self.p.wait(timeout=30)
-
-
-def _holder(path: Path) -> int | None:
-    """The process that holds ``path`` open (a worker's metrics file: which rank it is), or None."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if any(os.readlink(fd) == str(path) for fd in (d / "fd").iterdir()):
-                return int(d.name)
-        except OSError:
-            continue
-    return None
-
-
-def _kill_rank(out: Path, rank: int, run: _Run, after: int | None = None) -> float:
-    """SIGKILL the worker of ``rank`` (one that is not ``after``, the pid killed before); the time sent."""
-    path = (out / f"metrics.rank{rank}.jsonl").resolve()
-    found: list[int] = []
-
-    def ready() -> bool:
-        pid = _holder(path)
-        if pid is not None and pid != after:
-            found.append(pid)
-        return bool(found)
-
-    run.wait_for(f"a worker of rank {rank}", ready)
-    sent = time.monotonic()
-    os.kill(found[0], signal.SIGKILL)
-    return sent
 
 
 def _losses(out: Path) -> dict[tuple[int, int], float]:
@@ -147,9 +55,9 @@ def test_a_sigkilled_worker_restarts_from_the_checkpoint_and_ends_as_the_uninter
     assert p.returncode == 0, p.stderr[-3000:]
 
     out = tmp_path / "restarted"
-    run = _Run(*RUN, "--max-restarts", "1", "--out", str(out))
+    run = Run(*RUN, "--max-restarts", "1", "--out", str(out))
     run.wait_for("the step-20 checkpoint", lambda: (out / "checkpoints" / "step_000020" / MARKER).is_file())
-    sent = _kill_rank(out, 2, run)
+    sent = kill_rank(out, 2, run)
     run.finish()
     took = time.monotonic() - sent
     assert run.p.returncode == 0, run.stderr[-3000:]
@@ -187,8 +95,8 @@ def test_a_sigkilled_worker_restarts_from_the_checkpoint_and_ends_as_the_uninter
 @pytest.mark.timeout(300)
 def test_without_restarts_a_sigkill_ends_the_run_naming_the_rank(tmp_path):
     out = tmp_path / "run"
-    run = _Run(*RUN, "--max-restarts", "0", "--out", str(out))
-    sent = _kill_rank(out, 2, run)
+    run = Run(*RUN, "--max-restarts", "0", "--out", str(out))
+    sent = kill_rank(out, 2, run)
     run.finish(timeout=60)
     took = time.monotonic() - sent
     assert run.p.returncode == 2, run.stderr[-3000:]
@@ -202,12 +110,12 @@ def test_without_restarts_a_sigkill_ends_the_run_naming_the_rank(tmp_path):
 @pytest.mark.timeout(600)
 def test_a_death_after_the_last_restart_ends_the_run_naming_the_rank(tmp_path):
     out = tmp_path / "run"
-    run = _Run(*RUN, "--max-restarts", "1", "--out", str(out))
+    run = Run(*RUN, "--max-restarts", "1", "--out", str(out))
     run.wait_for("the step-10 checkpoint", lambda: (out / "checkpoints" / "step_000010" / MARKER).is_file())
-    first = _holder((out / "metrics.rank1.jsonl").resolve())
-    _kill_rank(out, 1, run)
+    first = holder((out / "metrics.rank1.jsonl").resolve())
+    kill_rank(out, 1, run)
     run.wait_for("the restart line", lambda: "restarting (1 of 1)" in run.stderr)
-    sent = _kill_rank(out, 1, run, after=first)
+    sent = kill_rank(out, 1, run, after=first)
     run.finish(timeout=120)
     took = time.monotonic() - sent
     assert run.p.returncode == 2, run.stderr[-3000:]
@@ -323,9 +231,9 @@ def test_with_min_workers_a_lost_worker_leaves_the_run_on_three_that_ends_as_the
     assert p.returncode == 0, p.stderr[-3000:]
 
     out = tmp_path / "scaled"
-    run = _Run(*SCALE, "--max-restarts", "1", "--min-workers", "3", "--out", str(out))
+    run = Run(*SCALE, "--max-restarts", "1", "--min-workers", "3", "--out", str(out))
     run.wait_for("the step-20 checkpoint", lambda: (out / "checkpoints" / "step_000020" / MARKER).is_file())
-    _kill_rank(out, 2, run)
+    kill_rank(out, 2, run)
     run.finish(timeout=300)
     assert run.p.returncode == 0, run.stderr[-3000:]
     said = [line for _, line in run.lines if "restarting" in line]
@@ -412,9 +320,9 @@ def test_a_pipeline_restarts_from_its_stages_checkpoint_and_ends_as_the_uninterr
     p = dtrain_cli(*PIPE, "--out", str(plain), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = tmp_path / "restarted"
-    run = _Run(*PIPE, "--max-restarts", "1", "--out", str(out))
+    run = Run(*PIPE, "--max-restarts", "1", "--out", str(out))
     run.wait_for("the step-20 checkpoint", lambda: (out / "checkpoints" / "step_000020" / MARKER).is_file())
-    _kill_rank(out, 1, run)
+    kill_rank(out, 1, run)
     run.finish(timeout=300)
     assert run.p.returncode == 0, run.stderr[-3000:]
     said = [m for _, line in run.lines if (m := LINE.match(line))]

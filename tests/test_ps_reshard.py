@@ -11,6 +11,7 @@ different ``--servers`` and a global batch that does not divide are refused befo
 
 import pytest
 import torch
+from _faults import Run, kill_rank
 from _helpers import dtrain_cli, max_diff, mean_losses, read_summary
 
 from dtrain.checkpoint import read_checkpoint, save_checkpoint
@@ -149,7 +150,6 @@ def test_with_min_workers_a_ps_run_that_loses_a_worker_goes_on_on_three_as_the_r
     """Scale-down (``--max-restarts 1 --min-workers 3``): a worker SIGKILLed after the step-10 checkpoint, the
     run restarts on 1 server and 3 workers from it (global batch 48 = 4 x 12 = 3 x 16) and follows the
     uninterrupted 4-worker run step by step (measured: 3e-7 on the loss)."""
-    from test_faults_restart import _kill_rank, _Run
 
     from dtrain.checkpoint import MARKER
 
@@ -158,9 +158,9 @@ def test_with_min_workers_a_ps_run_that_loses_a_worker_goes_on_on_three_as_the_r
     plain, out = tmp_path / "plain", tmp_path / "scaled"
     p = dtrain_cli(*scale, "--out", str(plain), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    run = _Run(*scale, "--max-restarts", "1", "--min-workers", "3", "--out", str(out))
+    run = Run(*scale, "--max-restarts", "1", "--min-workers", "3", "--out", str(out))
     run.wait_for("the step-10 checkpoint", lambda: (out / "checkpoints" / "step_000010" / MARKER).is_file())
-    _kill_rank(out, 2, run)
+    kill_rank(out, 2, run)
     run.finish(timeout=300)
     assert run.p.returncode == 0, run.stderr[-3000:]
     summary = read_summary(out)
