@@ -12,7 +12,15 @@ built-in ones:
   (:meth:`dtrain.DataParallel.compressor_state_dict`) and the RNG states;
 * ``ps`` under bsp: per server its shard, its optimizer state, its clock table
   and gradient count; per worker its clock, its compressor state, its data
-  position and RNG states (:meth:`dtrain.ParameterServer.state_dict`).
+  position and RNG states (:meth:`dtrain.ParameterServer.state_dict`);
+* ``pipeline`` (not 2bw): each stage's layers and optimizer state under the whole
+  model's names, and the cut; ``tensor`` / ``hybrid``: each rank's slices and
+  optimizer state as its own (the same mesh resumes them).
+
+dp (plain with a stateless wire, or ZeRO) and ps under bsp without a stateful
+compressor also resume on another number of workers (``reshards``), when every
+step would take the same samples (:func:`_check_same_global_batch`): what
+``--min-workers`` restarts on.
 
 The data position is ``(epoch, batch)``: the sampler's epoch (its shuffle seed)
 and how many of that epoch's batches were consumed. A resumed run rebuilds the
@@ -28,7 +36,7 @@ moments and step counts) comes from the checkpoint.
 checkpoint that is missing, incomplete or damaged (a file whose size or SHA-256
 differs from the checkpoint's manifest; a run folder falls back to its newest intact
 checkpoint), saved by a different number of
-processes, or with a different strategy, compression, model, data order or
+processes (where the strategy does not reshard), or with a different strategy, compression, model, data order or
 consistency model, and one that leaves nothing to train.
 """
 
