@@ -221,17 +221,19 @@ SCALE = ("run", "--workers", "4", "--batch-size", "48", "--epochs", "4", "--chec
 
 
 @pytest.mark.timeout(600)
-def test_with_min_workers_a_lost_worker_leaves_the_run_on_three_that_ends_as_the_run_on_four(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--shard", "gradients"]], ids=["dp", "zero2"])
+def test_with_min_workers_a_lost_worker_leaves_the_run_on_three_that_ends_as_the_run_on_four(tmp_path, flags):
     """Scale-down (issue 21 item 1): 4 dp workers, one SIGKILLed after the step-20 checkpoint, ``--min-workers 3``:
-    the run goes on on 3 from the checkpoint resharded, with the same global batch (48 = 4 x 12 = 3 x 16), so each
-    step's batch holds the same samples and its mean loss follows the 4-worker run's (float summation order
-    aside); it reaches the uninterrupted run's accuracy and the summary records the world sizes."""
+    the run goes on on 3 from the checkpoint resharded (ZeRO: DCP reshards the segments of parameters and
+    optimizer state), with the same global batch (48 = 4 x 12 = 3 x 16), so each step's batch holds the same
+    samples and its mean loss follows the 4-worker run's (float summation order aside); it reaches the
+    uninterrupted run's accuracy and the summary records the world sizes."""
     plain = tmp_path / "plain"
-    p = dtrain_cli(*SCALE, "--out", str(plain), timeout=300)
+    p = dtrain_cli(*SCALE, *flags, "--out", str(plain), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
 
     out = tmp_path / "scaled"
-    run = Run(*SCALE, "--max-restarts", "1", "--min-workers", "3", "--out", str(out))
+    run = Run(*SCALE, *flags, "--max-restarts", "1", "--min-workers", "3", "--out", str(out))
     run.wait_for("the step-20 checkpoint", lambda: (out / "checkpoints" / "step_000020" / MARKER).is_file())
     kill_rank(out, 2, run)
     run.finish(timeout=300)
