@@ -1,105 +1,44 @@
-"""Helpers of the fault tests (imported as ``from _faults import ...``): a ``dtrain`` command in its own
-session whose stderr lines keep the time they arrived, and SIGKILL of the worker of a given rank (found by
-the metrics file it holds open)."""
+"""Fault injection for tests/test_faults.py, loaded in every process of a run through
+``DTRAIN_STRATEGY_MODULES=_faults`` (the plugin hook; it registers no strategy).
+
+``DTRAIN_TEST_INF="RANK:STEPS:PARAM"``: on global rank RANK, the gradient of parameter PARAM
+(its name in the model) becomes inf in the backward passes numbered STEPS (``3`` or ``3+5``;
+from 0, one backward per step for data parallelism and the parameter server) while the loss
+stays finite -- an overflow in backward, the case a loss check alone misses.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
-from typing import IO
+from typing import Any
 
-import pytest
+import torch
+from torch import nn
 
-__all__ = ["Run", "holder", "kill_rank"]
+from dtrain.training.context import TrainContext
+
+SPEC = os.environ.get("DTRAIN_TEST_INF", "")
 
 
-class Run:
-    """``dtrain ARGS`` in a new session; its stderr lines with the time each arrived (read on a thread of
-    their own, so that the time is when the launcher wrote the line)."""
+def _poison(model: nn.Module, steps: set[int], name: str) -> None:
+    param = dict(model.named_parameters())[name]
+    calls = [0]
 
-    def __init__(self, *args: str) -> None:
-        self.p = subprocess.Popen([sys.executable, "-m", "dtrain.cli", *args], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-        self.lines: list[tuple[float, str]] = []
-        self.out: list[str] = []
-        self._readers = [threading.Thread(target=self._read, args=(self.p.stderr, True), daemon=True),
-                         threading.Thread(target=self._read, args=(self.p.stdout, False), daemon=True)]
-        for t in self._readers:
-            t.start()
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return torch.full_like(grad, float("inf")) if calls[0] - 1 in steps else grad
 
-    def _read(self, stream: IO[str] | None, timed: bool) -> None:
-        assert stream is not None
-        for line in stream:
-            if timed:
-                self.lines.append((time.monotonic(), line.rstrip("\n")))
-            else:
-                self.out.append(line)
-
-    @property
-    def stderr(self) -> str:
-        return "\n".join(line for _, line in self.lines)
-
-    def wait_for(self, what: str, ready: object, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if ready():  # type: ignore[operator]
-                return
-            if self.p.poll() is not None:
-                self._join()
-                pytest.fail(f"the run ended (exit {self.p.returncode}) before {what}: {self.stderr[-3000:]}")
-            time.sleep(0.05)
-        self.kill()
-        pytest.fail(f"no {what} within {timeout} s: {self.stderr[-3000:]}")
-
-    def finish(self, timeout: float = 180) -> None:
-        try:
-            self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"the run did not end within {timeout} s: {self.stderr[-3000:]}")
-        self._join()
-
-    def _join(self) -> None:
-        for t in self._readers:  # the pipes close once every process holding them is gone
-            t.join(30)
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):  # already gone
-            os.killpg(self.p.pid, signal.SIGKILL)
-        self.p.wait(timeout=30)
+    param.register_hook(hook)
 
 
-def holder(path: Path) -> int | None:
-    """The process that holds ``path`` open (a worker's metrics file: which rank it is), or None."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if any(os.readlink(fd) == str(path) for fd in (d / "fd").iterdir()):
-                return int(d.name)
-        except OSError:
-            continue
-    return None
+if SPEC:
+    _rank, _step, _name = SPEC.split(":")
+    _make_model = TrainContext.make_model
 
+    def make_model(self: TrainContext) -> Any:
+        model = _make_model(self)
+        if self.rank == int(_rank):
+            _poison(model, {int(k) for k in _step.split("+")}, _name)
+        return model
 
-def kill_rank(out: Path, rank: int, run: Run, after: int | None = None) -> float:
-    """SIGKILL the worker of ``rank`` (one that is not ``after``, the pid killed before); the time sent."""
-    path = (out / f"metrics.rank{rank}.jsonl").resolve()
-    found: list[int] = []
-
-    def ready() -> bool:
-        pid = holder(path)
-        if pid is not None and pid != after:
-            found.append(pid)
-        return bool(found)
-
-    run.wait_for(f"a worker of rank {rank}", ready)
-    sent = time.monotonic()
-    os.kill(found[0], signal.SIGKILL)
-    return sent
+    TrainContext.make_model = make_model  # type: ignore[method-assign]

@@ -24,8 +24,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _faults import Run, holder, kill_rank
 from _helpers import dtrain_cli, mean_losses, read_summary
+from _procs import Run, holder, kill_rank
 
 from dtrain.checkpoint import MARKER, read_checkpoint
 from dtrain.checkpoint.restart import RestartLog, resume_after_restart

@@ -11,8 +11,8 @@ different ``--servers`` and a global batch that does not divide are refused befo
 
 import pytest
 import torch
-from _faults import Run, kill_rank
 from _helpers import dtrain_cli, max_diff, mean_losses, read_summary
+from _procs import Run, kill_rank
 
 from dtrain.checkpoint import read_checkpoint, save_checkpoint
 from dtrain.checkpoint.training import run_info
