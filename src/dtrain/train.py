@@ -189,7 +189,7 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
     if cfg.resume:
         s["resumed_from"] = cfg.resume
         s["start_step"] = max(int(w.get("start_step", 0)) for w in workers)
-    for r in results.values():  # strategy-specific extras (e.g. staleness) from any process
+    for _, r in sorted(results.items()):  # strategy-specific extras (e.g. staleness), the lowest rank's first
         for k, v in r.get("summary_extra", {}).items():
             s.setdefault(k, v)
     memory = {str(r): res["memory"] for r, res in sorted(results.items()) if "memory" in res}
