@@ -177,27 +177,29 @@ def _check_min_workers(cfg: RunConfig) -> None:
     if cfg.batch_schedule == "auto":
         raise ConfigError(f"--min-workers {m} with --batch-schedule auto: the batch it chooses need not divide "
                           "over fewer workers; give a fixed batch or a batch schedule")
-    mine = _data_steps(cfg, cfg.workers)
-    bad = [w for w in range(m, cfg.workers) if _data_steps(cfg, w) != mine]
+    n = len(cfg.load_data().train)
+    steps = {w: _data_steps(cfg, w, n) for w in range(m, cfg.workers + 1)}
+    bad = [w for w in range(m, cfg.workers) if steps[w] != steps[cfg.workers]]
     if bad:
         shards = [cfg.opts.batch_shards(w) for w in range(m, cfg.workers + 1)]
         unit = math.lcm(*shards)
         near = sorted({max(unit, cfg.batch_size // unit * unit), -(-cfg.batch_size // unit) * unit})
         raise ConfigError(
             f"--min-workers {m}: on {bad[0]} workers the run would not train the steps of its {cfg.workers} "
-            f"(global batch {cfg.global_batch}, {_data_steps(cfg, cfg.workers)[0]} steps an epoch; on {bad[0]}: "
+            f"(global batch {cfg.global_batch}, {steps[cfg.workers][0]} steps an epoch; on {bad[0]}: "
             f"batch {split_batch(cfg.batch_size, cfg.opts.batch_shards(bad[0]))[1]}, "
-            f"{_data_steps(cfg, bad[0])[0]} steps), so a scale-down could not resume its checkpoint; choose a "
+            f"{steps[bad[0]][0]} steps), so a scale-down could not resume its checkpoint; choose a "
             f"--batch-size that every count from {m} to {cfg.workers} divides, e.g. "
             f"{' or '.join(map(str, near))}"
         )
 
 
-def _data_steps(cfg: RunConfig, workers: int) -> tuple[int, ...]:
-    """Each epoch's global batch and steps on ``workers`` workers: where each step falls in the data."""
+def _data_steps(cfg: RunConfig, workers: int, samples: int) -> tuple[int, ...]:
+    """Each epoch's steps and global batch on ``workers`` workers (of ``samples`` training samples): where
+    each step falls in the data."""
     from dtrain.schedule import BatchPlan
 
-    plan = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, len(cfg.load_data().train), cfg.epochs)
+    plan = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, samples, cfg.epochs)
     shards = cfg.opts.batch_shards(workers)
     return tuple(x for e in range(cfg.epochs)
                  for x in (plan.steps_in(e, shards), split_batch(plan.batch(e), shards)[1]))
@@ -213,7 +215,8 @@ def _check_same_global_batch(cfg: RunConfig, ckpt: Path, saved_workers: int) -> 
             f"batch of {saved}, {cfg.workers} workers would take {cfg.global_batch} (--batch-size "
             f"{cfg.batch_size} does not divide over them); choose a number of workers that divides {saved}"
         )
-    was, now = _data_steps(cfg, saved_workers), _data_steps(cfg, cfg.workers)
+    n = len(cfg.load_data().train)
+    was, now = _data_steps(cfg, saved_workers, n), _data_steps(cfg, cfg.workers, n)
     if was != now:  # each shard drops its last partial batch: the steps of an epoch can differ by one
         e = next(i for i in range(0, len(was), 2) if was[i] != now[i]) // 2
         raise CheckpointError(
