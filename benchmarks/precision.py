@@ -112,6 +112,7 @@ def main() -> int:
     ap.add_argument("--gpt-steps", type=int, default=150)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--eval-samples", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=900.0, help="each run's timeout for one blocking call")
     ap.add_argument("--json", default=str(DEFAULT_JSON))
     ap.add_argument("--table", action="store_true", help="only print the stored results")
     ns = ap.parse_args()
@@ -123,7 +124,7 @@ def main() -> int:
 
         from dtrain.config import RunConfig
 
-        common = dict(trace=False, progress=False, workers=ns.workers, timeout_s=900.0)
+        common = dict(trace=False, progress=False, workers=ns.workers, timeout_s=ns.timeout_s)
         bases = {
             "cnn": RunConfig.make(model="cnn", dataset="digits", optimizer="sgd", momentum=0.9, lr=ns.cnn_lr,
                                   batch_size=ns.cnn_batch, epochs=ns.cnn_epochs, **common),
