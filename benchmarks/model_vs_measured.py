@@ -6,7 +6,7 @@ gamma, compute under contention, loop overhead), then run ``dtrain run`` (one
 torchrun node per host, c10d rendezvous on host 0) for each strategy and compare
 the median step time of the training loop (``metrics.jsonl``, after warm-up) with
 the performance model's prediction: per round, the load-dependent terms are
-re-measured (``refresh_load``: latency, wake, compute scale; ~10 s), every
+re-measured (``refresh_load``: wake, floor, compute scale, duplex rate; ~10 s), every
 strategy is predicted and then run once. A strategy's error is the median over
 ``--rounds`` rounds (default 3) of each round's error (prediction / measured mean
 step time - 1), so that one round disturbed by the shared machine's load does not

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
 
 from dtrain.bench.calibrate import main as calibrate_main
+from dtrain.bench.calibrate import refresh_load
 from dtrain.perfmodel import load_cluster
 
 needs_root = pytest.mark.skipif(
@@ -26,9 +28,13 @@ def test_calibrate_an_emulated_cluster_writes_a_usable_toml(tmp_path, monkeypatc
     try:
         out = tmp_path / "c.toml"
         assert calibrate_main(["--cluster", name, "--quick", "--batch", "32", "--out", str(out)]) == 0
+        spec = load_cluster(out)
+        # a refresh re-measures what the load moves, the duplex rate among it (a stale 10% of the one-way rate
+        # must not survive), and keeps the links' latency and one-way rate
+        stale = replace(spec, inter=replace(spec.inter, duplex_bandwidth=0.1 * spec.inter.bandwidth))
+        fresh = refresh_load(stale, name, batch=32)
     finally:
         dc.down(name)
-    spec = load_cluster(out)
     assert spec.nodes == 2 and spec.devices_per_node == 1
     # the inter-host level is the tbf-shaped link: 20 Mbit/s less headers, within what a loaded machine gives
     assert 0.6 * 20e6 / 8 < spec.inter.bandwidth < 1.1 * 20e6 / 8
@@ -36,4 +42,8 @@ def test_calibrate_an_emulated_cluster_writes_a_usable_toml(tmp_path, monkeypatc
     assert spec.inter.latency >= 0 and spec.device.gamma > 0 and spec.device.flops > 0
     assert spec.device.compute_scale >= 1.0 and spec.device.overhead >= 0.0
     assert spec.compressors["fp16"].ratio == 0.5
+    assert (fresh.inter.bandwidth, fresh.inter.latency) == (spec.inter.bandwidth, spec.inter.latency)
+    assert fresh.inter.duplex_bandwidth is not None
+    assert 0.5 * spec.inter.bandwidth < fresh.inter.duplex_bandwidth <= spec.inter.bandwidth
+    assert fresh.device.compute_scale >= 1.0 and fresh.device.flops == spec.device.flops
     assert f"wrote {out}" in capsys.readouterr().out

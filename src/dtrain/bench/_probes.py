@@ -178,8 +178,8 @@ def calibration_worker(pairs: list[tuple[int, int]], model_name: str, dataset: s
                        load_only: bool = False) -> dict[str, Any]:  # fmt: skip
     """One process of a calibration job: ping-pong in its pair, duplex exchanges, gamma, compute, floor.
 
-    ``load_only`` skips the link measurements (ping-pong, duplex exchange) and
-    keeps what the load moves, for :func:`dtrain.bench.calibrate.refresh_load`.
+    ``load_only`` skips the ping-pong and keeps what the load moves (the duplex
+    exchange among them), for :func:`dtrain.bench.calibrate.refresh_load`.
     """
     import torch.distributed as dist
 
@@ -198,7 +198,7 @@ def calibration_worker(pairs: list[tuple[int, int]], model_name: str, dataset: s
                 peer = b if rank == a else a
                 out["pingpong"] = pingpong(peer, rank, 0.3 if quick else 0.6, reps)
             dist.barrier()
-        out["duplex"] = duplex(reps)
+    out["duplex"] = duplex(reps)
     dist.barrier()
     out["sync"] = sync_steps(model_name, dataset, batch, 50 * reps)
     dist.barrier()
