@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -18,8 +19,14 @@ def run_rows(cfg: Any, cluster: str) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         cfg = cfg.replace(out=str(out))
-        launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes, cluster=cluster,
-                          stream_first=False, timeout_s=900)  # fmt: skip
+        try:
+            launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes, cluster=cluster,
+                              stream_first=False, timeout_s=900)  # fmt: skip
+        except Exception:  # keep the failed run's folder (error files, metrics) for a look
+            kept = Path(tempfile.mkdtemp(prefix="dtrain-failed-run-"))
+            shutil.copytree(out, kept, dirs_exist_ok=True)
+            print(f"the failed run's folder is kept in {kept}", flush=True)
+            raise
         merge_rank_files(out)
         return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
