@@ -95,7 +95,6 @@ def train_one(name: str, keys: dict[str, Any], ns: argparse.Namespace) -> dict[s
         scaler = LossScaler(list(model.parameters()), device=dev.type) if prec.scales_loss else None
         overflows = 0
         total = ctx.total_steps(1)
-        xv, yv = (t.to(dev) for t in ctx.data.test.tensors)
         losses: list[list[float]] = []
         history: list[float] = []
         step, t0 = 0, time.perf_counter()
@@ -117,7 +116,7 @@ def train_one(name: str, keys: dict[str, Any], ns: argparse.Namespace) -> dict[s
                 if step % ns.log_every == 0 or step == total - 1:
                     losses.append([step, float(loss.detach())])
                 step += 1
-            history.append(_evaluate(ctx, model, xv, yv))
+            history.append(ctx.evaluate(model))  # every validation window, on the device
             if step >= total:
                 break
         if dev.type == "cuda":
@@ -132,27 +131,14 @@ def train_one(name: str, keys: dict[str, Any], ns: argparse.Namespace) -> dict[s
     }  # fmt: skip
 
 
-def _evaluate(ctx: Any, model: Any, xv: Any, yv: Any) -> float:
-    """Mean cross entropy per token over every validation window (as ``TrainContext.evaluate``, on the device)."""
-    import torch
-
-    was = model.training
-    model.eval()
-    total = 0.0
-    with torch.no_grad():
-        for i in range(0, len(yv), 64):
-            total += float(ctx.loss(model(xv[i : i + 64]), yv[i : i + 64])) * yv[i : i + 64].numel()
-    model.train(was)
-    return total / max(1, yv.numel())
-
-
 def table(db: dict[str, Any], prefix: str) -> list[str]:
-    """Every variant under ``prefix`` (model, epochs, max steps, seed), against the best base-batch run: the
-    best 1x variant by the last epoch's loss, and the best 1x variant by its best epoch's loss."""
+    """Every variant under ``prefix`` (model, epochs, max steps, seed), against the best base-batch fp32 run:
+    the best 1x variant by the last epoch's loss, and the best 1x variant by its best epoch's loss."""
     rows = {k[len(prefix) :]: v for k, v in db.items() if k.startswith(prefix)}
     if not rows:
         return [f"(no results for {prefix!r})"]
-    base = [r for n, r in rows.items() if n.startswith("1x") and math.isfinite(r["val_loss"])]
+    base = [r for n, r in rows.items()  # the fp32 runs at the base batch
+            if n.startswith("1x") and r["keys"].get("precision", "fp32") == "fp32" and math.isfinite(r["val_loss"])]
     last = min((r["val_loss"] for r in base), default=math.nan)
     best = min((r["best_val_loss"] for r in base), default=math.nan)
     r0 = next(iter(rows.values()))
@@ -193,7 +179,8 @@ def main() -> int:
     if ns.variant:
         print("RESULT " + json.dumps(train_one(ns.variant, every[ns.variant], ns)), flush=True)
         return 0
-    prefix = f"{ns.model}|{ns.epochs}e|{ns.max_steps}|seed{ns.seed}|"
+    run = f"{ns.model}|{ns.epochs}e|{ns.max_steps}|"  # then seedS|variant
+    prefix = f"{run}seed{ns.seed}|"
     path = Path(ns.json)
     db: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     if not ns.table:
@@ -219,8 +206,8 @@ def main() -> int:
             path.write_text(json.dumps(db, indent=1))
             print(f"  {name}: val loss {r['val_loss']:.4f} (best {r['best_val_loss']:.4f}), {r['steps']} steps, "
                   f"{r['train_s']} s on {r['device']}", flush=True)  # fmt: skip
-    for seed_prefix in sorted({k.rsplit("|", 1)[0] + "|" for k in db if k.startswith(prefix.rsplit("|", 2)[0])}):
-        print("\n".join(table(db, seed_prefix)) + "\n")
+    for seed in sorted({k[len(run) :].split("|")[0] for k in db if k.startswith(run)}):
+        print("\n".join(table(db, f"{run}{seed}|")) + "\n")
     return 0
 
 

@@ -307,7 +307,8 @@ class TrainContext:
         """The run's metric of ``model`` (:attr:`metric_name`) on the test / validation set.
 
         A classifier's accuracy, or a language model's mean cross entropy per token
-        (nats); over the first ``--eval-samples`` samples or windows (default: all).
+        (nats); over the first ``--eval-samples`` samples or windows (default: all), on
+        the model's device.
         """
         was_training = model.training
         model.eval()
@@ -315,8 +316,9 @@ class TrainContext:
         if self.cfg.eval_samples:
             x, y = x[: self.cfg.eval_samples], y[: self.cfg.eval_samples]
         total, chunk = 0.0, 64 if self.language_model else 1024
+        dev = next(model.parameters()).device  # the data stays on the CPU; a chunk goes where the model is
         for i in range(0, len(y), chunk):
-            out, target = model(x[i : i + chunk]), y[i : i + chunk]
+            out, target = model(x[i : i + chunk].to(dev)), y[i : i + chunk].to(dev)
             if self.language_model:
                 total += float(self.loss(out, target)) * target.numel()
             else:
