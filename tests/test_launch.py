@@ -1,6 +1,8 @@
 """The launcher goes through torch's elastic agent: real processes, return values, clear failures."""
 
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -28,6 +30,18 @@ def _die_on_zero():
     return 0
 
 
+def _leave_a_busy_thread():
+    a = torch.randn(128, 128)
+
+    def spin():
+        while True:
+            torch.mm(a, a)  # releases the GIL and takes it back, again and again
+
+    threading.Thread(target=spin, name="dtrain-test-spin", daemon=True).start()
+    time.sleep(0.1)
+    return dtrain.rank()
+
+
 def test_launch_returns_values_by_rank():
     out = launch(_sum_ranks, ("a",), nprocs=3)
     assert sorted(out) == [0, 1, 2]
@@ -44,6 +58,13 @@ def test_failure_names_rank_and_error():
 def test_dead_process_is_reported():
     with pytest.raises(LaunchError, match="rank 0"):
         launch(_die_on_zero, nprocs=2)
+
+
+def test_a_thread_inside_torch_at_exit_does_not_kill_the_worker():
+    # a daemon thread that comes back from torch while the interpreter finalizes cannot take the GIL:
+    # the process dies of SIGABRT after its work (seen: a ps server on the emulated cluster); the
+    # launcher ends a worker with dtrain's threads still alive before finalization instead
+    assert launch(_leave_a_busy_thread, nprocs=2) == {0: 0, 1: 1}
 
 
 def test_threads_share_cores():

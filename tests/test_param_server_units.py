@@ -1,9 +1,11 @@
 """Parameter-server pieces that need no peers: sharding, the wire header, heartbeats, the server's average,
 the run's stats table."""
 
+import gc
 import math
 import random
 import time
+import weakref
 from collections import Counter
 
 import pytest
@@ -26,7 +28,7 @@ from dtrain.param_server.protocol import (
     Header,
 )
 from dtrain.param_server.runner import format_table, lr_scale, merge_stats
-from dtrain.param_server.server import hist_summary
+from dtrain.param_server.server import _SendWaiter, hist_summary
 from dtrain.param_server.sharding import plan_shards, shard_model
 
 # ---------------------------------------------------------------------- sharding
@@ -251,3 +253,26 @@ def test_the_server_average_spells_out_the_tree_order():
     assert sum(v) / 5 == 2.0  # dividing the sum: another again
     with pytest.raises(ValueError, match="at least one"):
         ordered_mean([])
+
+
+class _Sent:
+    def __init__(self):
+        self.waited = 0
+
+    def wait(self):
+        self.waited += 1
+
+
+def test_the_send_waiter_is_gone_with_its_last_batch_when_closed():
+    # the waits' works lead to the process group: the waiter's thread must not be the one that drops the
+    # last reference while the interpreter finalizes (a SIGABRT at exit), so close() waits for the thread
+    waiter = _SendWaiter()
+    work = _Sent()
+    batch = waiter.start([(3, work)])
+    assert batch.done.wait(5.0) and work.waited == 1 and batch.errors == []
+    ref = weakref.ref(work)
+    del batch, work
+    waiter.close()
+    assert not waiter._thread.is_alive()
+    gc.collect()
+    assert ref() is None

@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -266,6 +267,7 @@ def _child(
             _exit_without_teardown()
         else:
             runtime.shutdown()
+            _exit_past_stray_threads()
 
 
 def _init_restarted(backend: str | None, timeout_s: float = 300.0) -> None:
@@ -311,13 +313,37 @@ def _exit_without_teardown() -> None:
     own error, the cause, is reported first.
     """
 
-    def hard_exit() -> None:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(1)
+    atexit.register(_hard_exit, 1)
 
-    atexit.register(hard_exit)
+
+def _hard_exit(status: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+def _exit_past_stray_threads(grace_s: float = 2.0) -> None:
+    """After a successful run, end the process at exit without finalizing under dtrain's threads still alive.
+
+    A daemon thread that returns from a call that released the GIL (a gloo wait, a store request, a
+    process group's destructor) while the interpreter finalizes cannot take the GIL back: Python ends the
+    thread inside C++ code that may not be unwound, and the process dies of SIGABRT ("terminate called
+    without an active exception") after its work is done. Threads are given ``grace_s`` to end; if any of
+    dtrain's ("dtrain-*", "ps-*") is still alive, an exit handler ends the process with status 0 before
+    finalization (torch's wrapper has returned the result by then).
+    """
+    deadline = time.monotonic() + grace_s
+    stray = []
+    for th in threading.enumerate():
+        if th is threading.current_thread() or not th.name.startswith(("dtrain-", "ps-")):
+            continue
+        th.join(timeout=max(0.0, deadline - time.monotonic()))
+        if th.is_alive():
+            stray.append(th.name)
+    if stray:
+        logging.getLogger(__name__).debug("threads alive at exit: %s", ", ".join(stray))
+        atexit.register(_hard_exit, 0)
 
 
 def launch(

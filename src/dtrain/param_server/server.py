@@ -170,15 +170,25 @@ class _SendWaiter:
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[_Sends | None] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="ps-send-wait", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name="ps-send-wait", daemon=True)
+        self._thread.start()
 
     def _loop(self) -> None:
-        while (batch := self._q.get()) is not None:
+        while True:
+            batch = self._q.get()
+            if batch is None:
+                return
             batch.run()
+            # drop the batch here, not at the next get: its works reach the transport and so the process
+            # group, and the last reference to that must not go away on this thread while the interpreter
+            # finalizes (the group's destructor releases the GIL and cannot take it back: SIGABRT)
+            del batch
 
-    def close(self) -> None:
-        """End the thread once it has waited what it was given."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the thread once it has waited what it was given, and wait for that (``timeout_s`` at most:
+        a thread blocked on a peer that stopped stays behind)."""
         self._q.put(None)
+        self._thread.join(timeout=timeout_s)
 
     def start(self, works: list[tuple[int, Work]]) -> _Sends:
         batch = _Sends(works)
