@@ -253,7 +253,7 @@ def _child(
     runtime.init(backend=backend)  # (a no-op after a restart: the group is up)
     failed = False
     try:
-        return fn(*args)
+        result = fn(*args)
     except BaseException as e:
         # torch's spawn wrapper ends a worker quietly on KeyboardInterrupt; others it prints. Ctrl-C
         # can come back as another exception: torch's checkpoint collectives turn it into a
@@ -267,7 +267,8 @@ def _child(
             _exit_without_teardown()
         else:
             runtime.shutdown()
-            _exit_past_stray_threads()
+    _exit_past_stray_threads()  # after a success only: a failure's status and error stay torch's wrapper's
+    return result
 
 
 def _init_restarted(backend: str | None, timeout_s: float = 300.0) -> None:
