@@ -51,6 +51,7 @@ into the description's terms is :mod:`dtrain.perfmodel.fit` (pure).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -116,15 +117,20 @@ def _flops_rate() -> float:
         torch.set_num_threads(old)
 
 
-def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, runs: int = 3) -> float:
+@functools.cache
+def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, runs: int = 5) -> float:
     """Mean step of the training loop (one worker, this process, one thread) minus the mean bare pass;
-    the median over ``runs`` such measurements.
+    the median over ``runs`` such measurements, measured once per process.
 
     The loop runs here rather than through the launcher so that it gets one
     intra-op thread, as each worker of a job does; both are means, measured one
     right after the other, so a busy machine inflates both alike. The median of
-    three: one lone measurement came out at 1.26 ms against 0.2-0.5 ms in the
+    several: one lone measurement came out at 1.26 ms against 0.2-0.5 ms in the
     calibrations before and after it, and moved every prediction of that cluster.
+    Once per process: it is the loop's and the machine's, not the links', yet two
+    calibrations minutes apart (the 1 Gbit and 50 Mbit clusters of one
+    ``model_vs_measured`` run) measured 0.23 and 0.49 ms, and every prediction of
+    the second carried the difference (times the compute scale, ~0.8 ms a step).
     """
     import json
 
