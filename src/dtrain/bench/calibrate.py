@@ -51,7 +51,6 @@ into the description's terms is :mod:`dtrain.perfmodel.fit` (pure).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -117,20 +116,15 @@ def _flops_rate() -> float:
         torch.set_num_threads(old)
 
 
-@functools.cache
-def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, runs: int = 5) -> float:
+def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, runs: int = 3) -> float:
     """Mean step of the training loop (one worker, this process, one thread) minus the mean bare pass;
-    the median over ``runs`` such measurements, measured once per process.
+    the median over ``runs`` such measurements.
 
     The loop runs here rather than through the launcher so that it gets one
     intra-op thread, as each worker of a job does; both are means, measured one
     right after the other, so a busy machine inflates both alike. The median of
-    several: one lone measurement came out at 1.26 ms against 0.2-0.5 ms in the
+    three: one lone measurement came out at 1.26 ms against 0.2-0.5 ms in the
     calibrations before and after it, and moved every prediction of that cluster.
-    Once per process: it is the loop's and the machine's, not the links', yet two
-    calibrations minutes apart (the 1 Gbit and 50 Mbit clusters of one
-    ``model_vs_measured`` run) measured 0.23 and 0.49 ms, and every prediction of
-    the second carried the difference (times the compute scale, ~0.8 ms a step).
     """
     import json
 
