@@ -174,19 +174,14 @@ class _SendWaiter:
         self._thread.start()
 
     def _loop(self) -> None:
-        while True:
-            batch = self._q.get()
-            if batch is None:
-                return
+        while (batch := self._q.get()) is not None:
             batch.run()
-            # drop the batch here, not at the next get: its works reach the transport and so the process
-            # group, and the last reference to that must not go away on this thread while the interpreter
-            # finalizes (the group's destructor releases the GIL and cannot take it back: SIGABRT)
-            del batch
 
     def close(self, timeout_s: float = 5.0) -> None:
         """End the thread once it has waited what it was given, and wait for that (``timeout_s`` at most:
-        a thread blocked on a peer that stopped stays behind)."""
+        a thread blocked on a peer that stopped stays behind). The thread holds its last batch, whose works
+        reach the transport and so the process group: that reference must go now, not on this thread while
+        the interpreter finalizes (the group's destructor releases the GIL and cannot take it back: SIGABRT)."""
         self._q.put(None)
         self._thread.join(timeout=timeout_s)
 
