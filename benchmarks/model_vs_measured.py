@@ -6,15 +6,16 @@ gamma, compute under contention, loop overhead), then run ``dtrain run`` (one
 torchrun node per host, c10d rendezvous on host 0) for each strategy and compare
 the median step time of the training loop (``metrics.jsonl``, after warm-up) with
 the performance model's prediction: per round, the load-dependent terms are
-re-measured (``refresh_load``: wake, floor, compute scale, duplex rate; ~10 s), every
-strategy is predicted and then run once. A strategy's error is the median over
+re-measured (``refresh_load``: wake, floor, compute scale, duplex rate; ~25 s), every
+strategy is predicted with the medians of the phase's readings so far (``pool_load``: the
+calibration's and every round's refresh) and then run once. A strategy's error is the median over
 ``--rounds`` rounds (default 3) of each round's error (prediction / measured mean
 step time - 1), so that one round disturbed by the shared machine's load does not
 decide; the error of the means over the rounds is printed beside it. The
 planner ranks every strategy that runs on the cluster's processes; its first three
 are measured too, and the script reports whether its first choice is the measured fastest or within 10% of it.
 
-Run (root; ~18 minutes)::
+Run (root; ~22 minutes)::
 
     python benchmarks/model_vs_measured.py --bandwidths 1gbit,50mbit --hosts 4 --steps 60
 
@@ -66,7 +67,7 @@ def main() -> int:
     import torch
 
     import dtrain.cluster as dc
-    from dtrain.bench.calibrate import calibrate_cluster, refresh_load, summary
+    from dtrain.bench.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.config import RunConfig
     from dtrain.perfmodel.planner import candidates, plan
     from dtrain.workload import load_model
@@ -86,8 +87,10 @@ def main() -> int:
             print(f"\n=== {bw}: calibration\n{summary(spec)}")
             runnable = [s for s in candidates(spec, ns.hosts, single=False) if s.processes == ns.hosts]
             # the load of a shared machine moves latency and compute from minute to minute: each round
-            # re-measures them (refresh_load, ~10 s) and predicts with what it found, before running
-            spec_r = refresh_load(spec, cname, batch=ns.batch)
+            # re-measures them (refresh_load, ~25 s) and predicts with the medians of every reading of the
+            # phase so far (pool_load), before running
+            readings = [spec, refresh_load(spec, cname, batch=ns.batch)]
+            spec_r = pool_load(readings)
             p = plan(model, sample, spec_r, workers=ns.hosts, name=name, strategies=runnable)
             print(p.table(top=8))
             todo = list(DEFAULT_STRATEGIES)
@@ -98,10 +101,12 @@ def main() -> int:
             preds: dict[Choice, list[float]] = {s: [] for s in todo}
             for r in range(ns.rounds):
                 if r:
-                    spec_r = refresh_load(spec, cname, batch=ns.batch)
+                    readings.append(refresh_load(spec, cname, batch=ns.batch))
+                    spec_r = pool_load(readings)
                 pr = plan(model, sample, spec_r, workers=ns.hosts, name=name, strategies=todo)
-                lines = summary(spec_r).splitlines()
-                print(f"round {r}: {lines[1].strip()}; {lines[3].strip()}")
+                lines, d = summary(readings[-1]).splitlines(), spec_r.device
+                print(f"round {r}: {lines[1].strip()}; {lines[3].strip()}; pooled over {len(readings)} readings: "
+                      f"x{d.compute_scale:.2f}, loop overhead {d.overhead * 1e3:.3g} ms")  # fmt: skip
                 for s in todo:
                     run_cfg = base.replace(strategy=s.strategy, workers=s.workers, options=s.options)
                     cfg = replace(run_cfg, cluster=cname)

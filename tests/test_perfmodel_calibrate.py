@@ -47,3 +47,28 @@ def test_calibrate_an_emulated_cluster_writes_a_usable_toml(tmp_path, monkeypatc
     assert 0.5 * spec.inter.bandwidth < fresh.inter.duplex_bandwidth <= spec.inter.bandwidth
     assert fresh.device.compute_scale >= 1.0 and fresh.device.flops == spec.device.flops
     assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_pooled_load_terms_are_the_medians_of_every_reading_and_the_rest_is_the_last_readings():
+    from dtrain.bench.calibrate import pool_load
+    from dtrain.perfmodel.spec import ClusterSpec, Device, Link
+
+    def reading(scale: float, wake: float, duplex: float | None, p2p: float | None) -> ClusterSpec:
+        device = Device(compute_scale=scale, wake=wake, floor=2 * wake, p2p_floor=p2p, imbalance=3 * wake,
+                        overhead=scale * 1e-4, flops=7e10)  # fmt: skip
+        return ClusterSpec(name="c", nodes=4, devices_per_node=1, device=device,
+                           inter=Link(bandwidth=6e6, latency=8e-5, duplex_bandwidth=duplex))  # fmt: skip
+
+    calibrated = reading(2.9, 6e-4, 5.4e6, None)
+    refreshes = [reading(3.8, 9e-4, 5.0e6, 8e-4), reading(2.7, 5e-4, None, 7e-4)]
+    pooled = pool_load([calibrated, *refreshes])
+    d = pooled.device
+    assert d.compute_scale == pytest.approx(2.9) and d.wake == pytest.approx(6e-4)  # not the last one's 2.7
+    assert d.floor == pytest.approx(1.2e-3) and d.imbalance == pytest.approx(1.8e-3)
+    assert d.overhead == pytest.approx(2.9e-4)
+    assert d.p2p_floor == pytest.approx(7.5e-4)  # the readings that have one
+    assert pooled.inter.duplex_bandwidth == pytest.approx(5.2e6)
+    assert (pooled.inter.bandwidth, pooled.inter.latency, d.flops) == (6e6, 8e-5, 7e10)
+    assert pool_load([refreshes[0]]) == refreshes[0]
+    with pytest.raises(ValueError, match="at least one"):
+        pool_load([])
