@@ -105,8 +105,12 @@ def main() -> int:
                     spec_r = pool_load(readings)
                 pr = plan(model, sample, spec_r, workers=ns.hosts, name=name, strategies=todo)
                 lines, d = summary(readings[-1]).splitlines(), spec_r.device
+                coding = [f"{s.label().split()[-1]} {f.detail['coding_s'] * 1e3:.2f} ms" for s in todo
+                          if getattr(s.options, "compression", "none") not in ("", "none")
+                          and (f := pr.find(s.label())) and "coding_s" in f.detail]  # fmt: skip
                 print(f"round {r}: {lines[1].strip()}; {lines[3].strip()}; pooled over {len(readings)} readings: "
-                      f"x{d.compute_scale:.2f}, loop overhead {d.overhead * 1e3:.3g} ms")  # fmt: skip
+                      f"x{d.compute_scale:.2f}, loop overhead {d.overhead * 1e3:.3g} ms; encode/decode (scaled) "
+                      f"{', '.join(coding)}")  # fmt: skip
                 for s in todo:
                     run_cfg = base.replace(strategy=s.strategy, workers=s.workers, options=s.options)
                     cfg = replace(run_cfg, cluster=cname)

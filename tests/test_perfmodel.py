@@ -189,6 +189,30 @@ def test_bytes_per_rank_match_the_traffic_counts():
     assert allreduce_bytes("ring", 4000, 128) == pytest.approx(2 * 127 / 128 * 4000)  # closed form beyond 64
 
 
+def test_a_recount_adds_a_count_and_the_cpu_time_is_the_median_of_every_count(monkeypatch):
+    from dtrain.perfmodel import _traffic
+
+    readings = iter([(6, 900, 1.0e-3), (6, 900, 5.0e-3), (6, 900, 2.0e-3)])
+    calls = []
+
+    def fake_count(spec, world, numel):
+        calls.append((spec, world, numel))
+        return next(readings)
+
+    monkeypatch.setattr(_traffic, "_count", fake_count)
+    monkeypatch.setattr(_traffic, "_counts", {})
+    monkeypatch.setattr(_traffic, "_current", set())
+    assert _traffic.compressed_traffic("topk:0.01", 4, 1000) == (6, 900, 1.0e-3)
+    assert _traffic.compressed_traffic("topk:0.01", 4, 1000) == (6, 900, 1.0e-3)  # no new count
+    assert len(calls) == 1
+    _traffic.recount_traffic()
+    assert _traffic.compressed_traffic("topk:0.01", 4, 1000)[2] == pytest.approx(3.0e-3)  # median of 1 and 5
+    _traffic.recount_traffic()
+    assert _traffic.compressed_traffic("topk:0.01", 4, 1000)[2] == pytest.approx(2.0e-3)  # not the last alone
+    assert calls == [("topk:0.01", 4, 1000)] * 3
+    assert _traffic.compressed_traffic("topk:0.01", 1, 1000) == (0, 0, 0.0)  # one rank: nothing to count
+
+
 def test_compressed_collectives():
     c = flat(4, 0.0, B, 0.0)
     half = CompressionModel("fp16", "summable", 0.5, 1e-9, 1e-9)

@@ -219,16 +219,18 @@ def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: s
 
     On an emulated cluster whose cores are shared with other work, scheduling
     delays and compute change from minute to minute while the shaped links do
-    not; this takes ~10 s instead of a full calibration. The device's ``wake``,
+    not; this takes ~25 s instead of a full calibration. The device's ``wake``,
     ``floor``, ``imbalance`` and ``compute_scale`` are replaced; ``overhead`` is
     rescaled; the inter link's ``duplex_bandwidth`` (ring exchanges, every host
     sending and receiving at once) is measured again: whether four processes on
     two cores keep both directions busy moves with the load (one calibration of
     the emulated 50 Mbit links gave 37.7 Mbit/s against 42.4-45.0 in others, and
-    every ring-based prediction of that run was 12-21% high); the compressed collectives' counted CPU time
-    (:func:`dtrain.perfmodel.compression.compressed_traffic`) is forgotten, to be
-    counted again when next predicted (kept, one count at the 1 Gbit phase's
-    start put topk:0.01 at 2.5 ms of CPU through the 50 Mbit phase, +25.6%).
+    every ring-based prediction of that run was 12-21% high); the compressed collectives' CPU time
+    (:func:`dtrain.perfmodel.compression.compressed_traffic`) is counted once more when next
+    predicted and the median of every count so far is used (one count at the 1 Gbit phase's
+    start, kept alone, put topk:0.01 at 2.5 ms of CPU through the 50 Mbit phase, +25.6%; one
+    count a refresh, the last alone, moved predictions as much as the load did:
+    :func:`dtrain.perfmodel._traffic.recount_traffic`).
 
     The ping-pong alpha is kept: re-measured alone it came out at either ~0.13 ms
     or ~1.85 ms on the emulated 1 Gbit cluster (medians of every pair's small
@@ -236,9 +238,9 @@ def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: s
     prediction with it.
     """
     from dtrain.cluster import load, run_on_cluster
-    from dtrain.perfmodel.compression import compressed_traffic
+    from dtrain.perfmodel._traffic import recount_traffic
 
-    compressed_traffic.cache_clear()  # the compressed collectives' CPU time is counted again when next asked
+    recount_traffic()  # the compressed collectives' CPU time is counted once more when next asked
     c = load(name)
     per_worker = max(1, batch // c.hosts)
     res = run_on_cluster(calibration_worker, (_pairs(c.hosts), model, dataset, per_worker, True, True), cluster=c,
