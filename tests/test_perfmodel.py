@@ -365,8 +365,11 @@ def test_imbalance_is_waited_for_by_synchronous_strategies_only():
         assert slow.wait_s == pytest.approx(base.wait_s + 0.05), s
         assert slow.exposed_s == pytest.approx(base.exposed_s), s
     for cons in ("asp", "ssp:2", "softsync:2"):
+        # no barrier: what the varied passes cost an asynchronous worker is its queueing at the server, not 0.05
         s = choice("ps", 3, servers=1, consistency=cons)
-        assert predict(prof, skew, s).step_s == pytest.approx(predict(prof, c, s).step_s), cons
+        base, slow = predict(prof, c, s), predict(prof, skew, s)
+        assert base.detail["queue_s"] == 0.0 and 0.0 < slow.detail["queue_s"] < 0.05, cons
+        assert slow.step_s == pytest.approx(base.step_s + slow.detail["queue_s"]), cons
     assert predict(prof, skew, choice("single", 1)).step_s == pytest.approx(0.46)
 
 
@@ -408,7 +411,27 @@ def test_parameter_server_bsp_by_hand():
     two = predict(prof, c, choice("ps", 2, servers=2, consistency="bsp"))
     assert two.detail["push_s"] == pytest.approx(2 * n / 2 * 1e-8 + 4e-3)  # each server link takes N n / S
     asp = predict(prof, c, choice("ps", 3, servers=1, consistency="asp"))
-    assert asp.step_s == pytest.approx(0.45 + 2 * (n * 1e-8 + 2e-3) + n * 1e-10 + 0.01)
+    alone = 0.45 + 2 * (n * 1e-8 + 2e-3) + n * 1e-10 + 0.01  # compute + push + apply + pull, nobody ahead
+    assert asp.step_s == pytest.approx(alone)  # identical workers: a round robin, nobody queues
+    # workers whose passes vary (imbalance > 0) do not wait for each other and queue at the server's link in,
+    # CPU and link out: each waits rho / (2 (1 - rho)) of a service there (M/D/1), rho = 3 service / cycle
+    varied = replace(c, device=replace(c.device, imbalance=1e-3))
+    asp = predict(prof, varied, choice("ps", 3, servers=1, consistency="asp"))
+    services = (n * 1e-8, n * 1e-10 + 0.01, n * 1e-8)
+    waits = sum(3 * sv / asp.step_s / (2 * (1 - 3 * sv / asp.step_s)) * sv for sv in services)
+    assert asp.step_s == pytest.approx(alone + waits, rel=1e-9)
+    assert asp.step_s - alone == pytest.approx(asp.detail["queue_s"]) and 0.005 < asp.detail["queue_s"] < 0.01
+
+
+def test_an_asynchronous_cycle_queues_at_the_server_as_m_d_1_and_never_behind_more_than_the_others():
+    from dtrain.perfmodel.predict import async_cycle
+
+    # c = 1 + rho / (2 (1 - rho)) 0.1 with rho = 0.2 / c: c^2 - 1.2 c + 0.19 = 0
+    assert async_cycle(0.8, 0.2, 0.0, 2, (0.1,)) == pytest.approx((1.2 + math.sqrt(1.44 - 0.76)) / 2, rel=1e-9)
+    assert async_cycle(0.8, 0.2, 0.0, 1, (0.1,)) == pytest.approx(1.0)  # alone: nobody to queue behind
+    assert async_cycle(0.8, 0.2, 1.5, 2, (0.1,)) == pytest.approx(2.3)  # the wait hides under the floor
+    # a saturated server: each of the 4 can wait for the 3 others' 0.5 s at most, not forever
+    assert async_cycle(0.1, 0.1, 0.0, 4, (0.5,)) == pytest.approx(0.2 + 3 * 0.5)
 
 
 def test_memory_per_device_by_hand():
