@@ -499,10 +499,9 @@ def predict_parameter_server(prof: ModelProfile, c: ClusterSpec, s: Choice, o: S
         # workers whose passes vary in length (shared cores: imbalance > 0) reach the servers at random times
         # and queue there; identical ones settle into a round robin and do not (the simulator shows it)
         queues = (pc.in_per_push, pc.apply_one, pc.out_per_pull) if c.device.imbalance > 0 else ()
-        cycle = async_cycle(compute + pc.coding + overhead, pc.push_one + pc.apply_one + pc.pull_one, pc.floor, N,
-                            queues)  # fmt: skip
-        detail["queue_s"] = cycle - (compute + pc.coding + overhead
-                                     + max(pc.floor, pc.push_one + pc.apply_one + pc.pull_one))  # fmt: skip
+        work, exchange = compute + pc.coding + overhead, pc.push_one + pc.apply_one + pc.pull_one
+        cycle = async_cycle(work, exchange, pc.floor, N, queues)
+        detail["queue_s"] = cycle - (work + max(pc.floor, exchange))
         # the servers serve one push at a time per resource: link in, CPU, link out
         per_update = max(pc.in_per_push, pc.out_per_pull, pc.apply_one)
         step = max(cycle, N * per_update)
@@ -542,7 +541,7 @@ def async_cycle(work: float, exchange: float, floor: float, n: int, services: tu
         return work + max(floor, exchange + wait)
 
     lo = work + max(floor, exchange)
-    if n <= 1 or lo <= 0:
+    if n <= 1 or lo <= 0 or not services:
         return lo
     hi = queued(lo)  # queued() falls as the cycle grows: the root lies in [lo, queued(lo)]
     for _ in range(60):
