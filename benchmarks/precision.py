@@ -22,20 +22,31 @@ of accuracy; relative for the loss; acceptance: within 1%), the seed-to-seed spr
 fp32 (16-bit gradients: ~0.5), ``overflow_steps`` (fp16) and training seconds (CPU autocast; indicative
 on a shared machine).
 
+With ``--device cuda`` the runs train on the GPU (``dtrain run --device cuda``: with one GPU the
+``--workers`` processes share it over gloo, whose collectives carry the CUDA gradients through host
+memory). ``--jobs J`` runs J of them at once, each ``dtrain run`` its own set of processes; a run that
+outlasts ``--deadline-s`` is stopped and kept with the evaluations it had printed (``partial``). A run
+that evaluates more than once (``--gpt-epochs``) also has its best evaluation (``best``).
+
 Run::
 
     python benchmarks/precision.py                        # both workloads, ~10 minutes on 2 cores
     python benchmarks/precision.py --part cnn --seeds 0,1,2
     python benchmarks/precision.py --table                # print the stored results
+    python benchmarks/precision.py --part gpt --device cuda --gpt-seeds 0,1 --gpt-batch 64 --gpt-lr 0.001 \
+        --gpt-epochs 12 --gpt-steps 0 --gpt-schedule cosine --jobs 6   # on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +54,76 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "precision.json"
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+KEYS = ("metric", "metric_name", "steps", "train_s", "final_loss", "bytes_sent_per_step", "overflow_steps",
+        "precision", "device", "backend")  # fmt: skip
+_EVAL_LINE = re.compile(r"^step (\d+) \(epoch (\d+)\): (?:validation loss|test accuracy) ([0-9.]+)", re.M)
+
+
+def _record(s: dict[str, Any]) -> dict[str, Any]:
+    r = {k: s.get(k) for k in KEYS}
+    history = [float(h["value"]) for h in s.get("metric_history", [])]
+    if len(history) > 1:
+        r["history"] = history
+        r["best"] = min(history) if s.get("metric_name") != "test_accuracy" else max(history)
+    return r
+
+
 def _one(cfg: Any) -> dict[str, Any]:
     from dtrain.train import run
 
     with tempfile.TemporaryDirectory() as d:
         s, _ = run(cfg.replace(out=str(Path(d) / "run"), overwrite=True), quiet=True)
-    return {k: s.get(k) for k in ("metric", "metric_name", "steps", "train_s", "final_loss", "bytes_sent_per_step",
-                                  "overflow_steps", "precision")}  # fmt: skip
+    return _record(s)
+
+
+def _many(cfgs: dict[str, Any], jobs: int, deadline_s: float,
+          logs: Path | None = None) -> dict[str, dict[str, Any] | str]:  # fmt: skip
+    """Each ``key: RunConfig`` as its own ``dtrain run`` process tree, ``jobs`` at a time: key -> its record,
+    or why it failed. Runs still going at ``deadline_s`` are stopped and recorded from the evaluations they
+    printed (``partial``). ``logs``: every run's output is appended there."""
+    from dtrain.config import dump_toml
+
+    out: dict[str, dict[str, Any] | str] = {}
+    todo, running = list(cfgs), {}
+    t_end = time.monotonic() + deadline_s
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        while todo or running:
+            while todo and len(running) < jobs:
+                key = todo.pop(0)
+                folder = root / key.replace("|", "_")
+                folder.mkdir()
+                cfg = cfgs[key].replace(out=str(folder / "run"), progress=True)  # progress: each evaluation printed
+                (folder / "run.toml").write_text(dump_toml(cfg))
+                log = (folder / "log.txt").open("w")
+                cmd = [sys.executable, "-m", "dtrain.cli", "run", str(folder / "run.toml")]
+                running[key] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), folder, log)
+            time.sleep(1.0)
+            late = time.monotonic() > t_end
+            for key in [k for k, (p, _, _) in running.items() if late or p.poll() is not None]:
+                p, folder, log = running.pop(key)
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait(timeout=60)
+                log.close()
+                text = (folder / "log.txt").read_text(errors="replace")
+                if logs is not None:
+                    with logs.open("a") as f:
+                        f.write(f"===== {key} (exit {p.returncode})\n{text}\n")
+                summary = folder / "run" / "summary.json"
+                if summary.exists():  # written at the end (a run stopped at the deadline may have got there)
+                    out[key] = _record(json.loads(summary.read_text()))
+                    continue
+                evals = [(int(s), int(e), float(v)) for s, e, v in _EVAL_LINE.findall(text)]
+                if late and evals:  # stopped at the deadline: what it had evaluated
+                    hist = [v for _, _, v in evals]
+                    out[key] = {"metric": hist[-1], "metric_name": "val_loss", "steps": evals[-1][0], "history": hist,
+                                "best": min(hist), "partial": True, "precision": cfgs[key].precision}  # fmt: skip
+                else:
+                    out[key] = f"exit {p.returncode}: {text[-600:]}"
+            if late:
+                todo.clear()
+    return out
 
 
 def table(db: dict[str, Any], part: str) -> list[str]:
@@ -63,7 +137,7 @@ def table(db: dict[str, Any], part: str) -> list[str]:
     lm = by["fp32"][min(by["fp32"])]["metric_name"] != "test_accuracy"
 
     def mean(prec: str, k: str) -> float:
-        return statistics.mean(float(r[k] or 0) for r in by[prec].values())
+        return statistics.mean(float(r.get(k) or 0) for r in by[prec].values())
 
     ref, ref_bytes = mean("fp32", "metric"), mean("fp32", "bytes_sent_per_step")
     vals = [r["metric"] for r in by["fp32"].values()]
@@ -91,8 +165,20 @@ def table(db: dict[str, Any], part: str) -> list[str]:
         ov = [by[prec][s].get("overflow_steps") for s in sorted(by[prec])]
         ovs = " ".join(str(o) for o in ov) if prec == "fp16" else "-"
         b = mean(prec, "bytes_sent_per_step")
-        lines.append(f"{'':<{len(part) + 2}}{prec:<10}{shown:>11}{diff:>10}{each:>24}{b:>12.0f}{b / ref_bytes:>9.3f}"
-                     f"{ovs:>16}{mean(prec, 'steps'):>7.0f}{mean(prec, 'train_s'):>9.1f}")  # fmt: skip
+        lines.append(f"{'':<{len(part) + 2}}{prec:<10}{shown:>11}{diff:>10}{each:>24}{b:>12.0f}"
+                     f"{b / ref_bytes if ref_bytes else 0:>9.3f}{ovs:>16}{mean(prec, 'steps'):>7.0f}"
+                     f"{mean(prec, 'train_s'):>9.1f}")  # fmt: skip
+    if all("best" in r for runs in by.values() for r in runs.values()):  # evaluated every epoch: the best too
+        ref_best = mean("fp32", "best")
+        for prec in by:
+            m = mean(prec, "best")
+            seeds = " ".join(f"{by[prec][s]['best']:.3f}" for s in sorted(by[prec]))
+            diff = f"{m / ref_best - 1:+.2%}" if lm else f"{(m - ref_best) * 100:+.2f}"
+            lines.append(f"{'':<{len(part) + 2}}{prec + ' best':<10}{m:>11.4f}{diff:>10}{seeds:>24}")
+    partial = sorted(f"{p}/{s}" for p, runs in by.items() for s, r in runs.items() if r.get("partial"))
+    if partial:
+        lines.append(f"{'':<{len(part) + 2}}stopped at the deadline (their last evaluation counted): "
+                     + ", ".join(partial))
     return lines
 
 
@@ -109,7 +195,13 @@ def main() -> int:
     ap.add_argument("--gpt-model", default="gpt-small")
     ap.add_argument("--gpt-batch", type=int, default=16)
     ap.add_argument("--gpt-lr", type=float, default=0.002)
-    ap.add_argument("--gpt-steps", type=int, default=150)
+    ap.add_argument("--gpt-steps", type=int, default=150, help="stop after N steps (0: train every epoch)")
+    ap.add_argument("--gpt-epochs", type=int, default=1)
+    ap.add_argument("--gpt-schedule", choices=("constant", "cosine"), default="constant")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, each its own dtrain run (default: 1)")
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="with --jobs: stop the runs still going then")
+    ap.add_argument("--logs", default="", help="with --jobs: append every run's output to this file")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--eval-samples", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=900.0, help="each run's timeout for one blocking call")
@@ -124,19 +216,38 @@ def main() -> int:
 
         from dtrain.config import RunConfig
 
-        common = dict(trace=False, progress=False, workers=ns.workers, timeout_s=ns.timeout_s)
+        common = dict(trace=False, progress=False, workers=ns.workers, timeout_s=ns.timeout_s, device=ns.device)
         bases = {
             "cnn": RunConfig.make(model="cnn", dataset="digits", optimizer="sgd", momentum=0.9, lr=ns.cnn_lr,
                                   batch_size=ns.cnn_batch, epochs=ns.cnn_epochs, **common),
             "gpt": RunConfig.make(model=ns.gpt_model, dataset="pytext", seq_len=ns.seq_len, optimizer="adam",
-                                  lr=ns.gpt_lr, batch_size=ns.gpt_batch, epochs=1, max_steps=ns.gpt_steps,
-                                  eval_samples=ns.eval_samples, **common),
+                                  lr=ns.gpt_lr, batch_size=ns.gpt_batch, epochs=ns.gpt_epochs, max_steps=ns.gpt_steps,
+                                  lr_schedule=ns.gpt_schedule, eval_samples=ns.eval_samples, **common),
         }  # fmt: skip
-        print(f"torch {torch.__version__}; {ns.workers} workers, dp ring; cnn: digits, {ns.cnn_epochs} epochs, "
-              f"batch {ns.cnn_batch}, SGD {ns.cnn_lr}; gpt: {ns.gpt_model} on pytext, seq {ns.seq_len}, "
-              f"batch {ns.gpt_batch}, Adam {ns.gpt_lr}, {ns.gpt_steps} steps, "
-              f"eval windows {ns.eval_samples or 'all'}")  # fmt: skip
-        for part in parts:
+        print(f"torch {torch.__version__}; {ns.workers} workers on {ns.device}, dp ring; cnn: digits, "
+              f"{ns.cnn_epochs} epochs, batch {ns.cnn_batch}, SGD {ns.cnn_lr}; gpt: {ns.gpt_model} on pytext, seq "
+              f"{ns.seq_len}, batch {ns.gpt_batch}, Adam {ns.gpt_lr} {ns.gpt_schedule}, {ns.gpt_epochs} epoch(s), "
+              f"{ns.gpt_steps or 'all'} steps, eval windows {ns.eval_samples or 'all'}")  # fmt: skip
+        if ns.device == "cuda":
+            print(f"GPU: {torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} device(s)")
+        if ns.jobs > 1:
+            seeds = {"cnn": ns.seeds, "gpt": ns.gpt_seeds}
+            cfgs = {f"{part}|{prec}|{seed}": bases[part].replace(precision=prec, seed=seed)
+                    for part in parts for seed in (int(s) for s in seeds[part].split(","))
+                    for prec in ns.precisions.split(",")}  # fmt: skip
+            t0 = time.monotonic()
+            for key, r in _many(cfgs, ns.jobs, ns.deadline_s, Path(ns.logs) if ns.logs else None).items():
+                if isinstance(r, str):
+                    print(f"  {key}: FAILED {r}", flush=True)
+                    continue
+                db["runs"][key] = r
+                print(f"  {key}: {r['metric']:.4f} best {r.get('best')}, overflow {r.get('overflow_steps')}, "
+                      f"train {r.get('train_s')}s{' PARTIAL' if r.get('partial') else ''}", flush=True)  # fmt: skip
+            print(f"{len(cfgs)} runs, {ns.jobs} at once: {time.monotonic() - t0:.0f} s")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(db, indent=1))
+            parts = tuple(p for p in parts if any(k.startswith(p + "|") for k in db["runs"]))
+        for part in parts if ns.jobs <= 1 else ():
             for seed in (int(s) for s in (ns.seeds if part == "cnn" else ns.gpt_seeds).split(",")):
                 for prec in ns.precisions.split(","):
                     try:

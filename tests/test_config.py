@@ -107,3 +107,54 @@ def test_parse_straggler():
     assert parse_straggler("3:4") == (3, 4.0)
     with pytest.raises(ConfigError):
         parse_straggler("3:0.5")
+
+
+def test_device_cuda_without_a_gpu_is_refused_before_any_process_starts(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError) as e:
+        RunConfig.from_mapping({"device": "cuda"}).validate()
+    assert "device cuda" in str(e.value) and "no CUDA device" in str(e.value) and "--device cpu" in str(e.value)
+
+
+# the checks --device cuda makes on a machine with GPUS GPUs (torch's answers replaced: the check is of the
+# configuration, made before any process starts; the CUDA runs themselves are tests/test_allreduce_dist.py's
+# and tests/test_run.py's device cases, on a machine with a GPU)
+@pytest.mark.parametrize(
+    "changes, gpus, words",
+    [
+        ({"device": "tpu"}, 0, ["device 'tpu'", "cpu, cuda"]),
+        ({"backend": "nccl"}, 1, ["nccl reduces CUDA tensors", "--device cuda"]),
+        ({"device": "cuda", "strategy": "ps"}, 1, ["strategy ps trains on the CPU", "dp or ddp"]),
+        ({"device": "cuda", "backend": "nccl", "workers": 4}, 1,
+         ["one GPU per process", "4 processes on 1 GPU(s)", "--backend gloo"]),
+        ({"device": "cuda", "backend": "mpi"}, 1, ["mpi backend carries CPU tensors"]),
+        ({"device": "cuda", "compression": "topk:0.01"}, 1, ["without --shard", "topk:0.01"]),
+        ({"device": "cuda", "shard": "optimizer"}, 1, ["without --shard", "zero-1"]),
+        ({"device": "cuda", "noise_scale": True}, 1, ["noise scale", "--device cpu"]),
+    ],
+)
+def test_device_settings_that_cannot_run_name_the_fix(monkeypatch, changes, gpus, words):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(ConfigError) as e:
+        RunConfig.from_mapping(changes).validate()
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_the_backend_follows_the_device(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert RunConfig().process_backend() == "gloo"  # CPU training, whatever the machine has
+    shared = RunConfig.from_mapping({"device": "cuda", "workers": 4, "precision": "fp16"}).validate()
+    assert shared.process_backend() == "gloo"  # 4 processes, 1 GPU: gloo through host memory
+    own = RunConfig.from_mapping({"device": "cuda", "workers": 1, "strategy": "ddp"}).validate()
+    assert own.process_backend() == ("nccl" if dist.is_nccl_available() else "gloo")
+    assert RunConfig.from_mapping({"device": "cuda", "backend": "gloo", "workers": 1}).process_backend() == "gloo"

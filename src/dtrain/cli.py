@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dtrain._cli import run_command
-from dtrain.config import LR_SCHEDULES, OPTIMIZERS, PRECISIONS, RunConfig, load_toml, option_fields
+from dtrain.config import DEVICES, LR_SCHEDULES, OPTIMIZERS, PRECISIONS, RunConfig, load_toml, option_fields
 from dtrain.errors import DTrainError
 from dtrain.schedule import LR_SCALINGS
 from dtrain.strategies.base import registered
@@ -26,10 +26,14 @@ _CHOICES: dict[str, Sequence[str]] = {
     "optimizer": OPTIMIZERS,
     "lr_schedule": LR_SCHEDULES,
     "precision": PRECISIONS,
+    "device": DEVICES,
     "lr_scaling": LR_SCALINGS,
 }
 _HELP = {
     "workers": "worker processes (default: 4)",
+    "device": "cpu, or cuda: each worker on GPU (local rank mod the GPUs); dp and ddp. NCCL where every worker has "
+              "a GPU of its own, else gloo, whose collectives carry CUDA tensors through host memory (so 4 workers "
+              "can share one GPU) (default: cpu)",
     "lr_schedule": "learning rate over the run: constant, or cosine from --lr down to 0 at the last step "
                    "(default: constant)",
     "batch_size": "global batch size, summed over workers",

@@ -46,6 +46,7 @@ __all__ = [
     "PRECISIONS",
     "LR_SCHEDULES",
     "BACKENDS",
+    "DEVICES",
     "load_toml",
     "dump_toml",
     "parse_straggler",
@@ -56,6 +57,8 @@ __all__ = [
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
 LR_SCHEDULES = ("constant", "cosine")
 BACKENDS = ("gloo", "nccl", "mpi")
+DEVICES = ("cpu", "cuda")
+CUDA_STRATEGIES = ("dp", "ddp")  # the strategies that train on --device cuda
 _GPT_SHAPE = ("layers", "d_model", "heads", "dropout")  # RunConfig fields that resize a gpt model
 
 
@@ -161,7 +164,8 @@ class RunConfig:
     workers: int = 4
     straggler: str = ""  # RANK:FACTOR
     cluster: str = ""  # emulated cluster name (dtrain cluster up)
-    backend: str = ""  # gloo | nccl | mpi (default: nccl with CUDA, else gloo)
+    backend: str = ""  # gloo | nccl | mpi (default: nccl for --device cuda with a GPU per process, else gloo)
+    device: str = "cpu"  # cpu | cuda (dp, ddp: each process on GPU local_rank mod the GPUs)
     # --- the run itself
     out: str = ""  # run folder (default: runs/<timestamp>-<strategy>)
     overwrite: bool = False  # replace an earlier run in --out (without it: refused)
@@ -302,6 +306,54 @@ class RunConfig:
         choose("lr_scaling", self.lr_scaling, LR_SCALINGS)
         if self.backend and self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r} is not known; choose gloo, nccl or mpi")
+        choose("device", self.device, DEVICES)
+
+    def process_backend(self) -> str:
+        """The process group's backend: ``--backend``, else NCCL where every process has a GPU of its own
+        (``--device cuda``, no more processes than GPUs), else gloo (which carries CUDA tensors through host
+        memory, so several processes can share one GPU)."""
+        if self.backend:
+            return self.backend
+        if self.device == "cuda":
+            import torch
+            import torch.distributed as dist
+
+            if dist.is_nccl_available() and self.num_processes <= torch.cuda.device_count():
+                return "nccl"
+        return "gloo"
+
+    def _check_device(self) -> None:
+        """``--device cuda``: a GPU here, a strategy that trains on it, a backend that can carry it."""
+        backend = self.process_backend()
+        if self.device == "cpu":
+            if backend == "nccl":
+                raise ConfigError("backend nccl reduces CUDA tensors, and this run trains on the CPU: add "
+                                  "--device cuda, or use --backend gloo")  # fmt: skip
+            return
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device cuda: torch sees no CUDA device here "
+                              f"(torch {torch.__version__}); use --device cpu")  # fmt: skip
+        if self.strategy not in CUDA_STRATEGIES:
+            raise ConfigError(f"device cuda: strategy {self.strategy} trains on the CPU; --device cuda takes "
+                              f"{' or '.join(CUDA_STRATEGIES)}")  # fmt: skip
+        if self.cluster:
+            raise ConfigError("device cuda: an emulated cluster (--cluster) runs CPU workers; drop one of the two")
+        if backend == "mpi":
+            raise ConfigError("device cuda: the mpi backend carries CPU tensors; use --backend gloo or nccl")
+        gpus = torch.cuda.device_count()
+        if backend == "nccl" and self.num_processes > gpus:
+            raise ConfigError(f"backend nccl takes one GPU per process: {self.num_processes} processes on {gpus} "
+                              f"GPU(s); use --backend gloo (CUDA tensors through host memory) or fewer workers")
+        o = self.opts
+        spec = o.compressor_spec() if hasattr(o, "compressor_spec") else "none"
+        if getattr(o, "shard", "none") != "none" or spec not in ("none", "fp16", "bf16"):
+            raise ConfigError(f"device cuda: dp trains there without --shard, with no compression or a 16-bit cast "
+                              f"(fp16, bf16); got {o.label(self.workers)}")
+        if self.noise_scale or self.batch_schedule == "auto":
+            raise ConfigError("device cuda: the noise scale (--noise-scale, --batch-schedule auto) is measured on "
+                              "CPU runs only; drop it or use --device cpu")
 
     def _check_task(self) -> None:
         """A language model trains on text, a classifier on images; gpt flags need a gpt model."""
@@ -410,6 +462,7 @@ class RunConfig:
         """Check every option; raise :class:`ConfigError` saying what to change."""
         self._check_names()
         self._check_numbers()
+        self._check_device()
         if self.trace_steps:
             from dtrain.trace import parse_trace_steps
 

@@ -114,6 +114,12 @@ def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     out = Path(out_dir)
     cfg = resume_after_restart(cfg, out, rank)  # after an elastic restart: from the newest checkpoint
+    if cfg.device == "cuda":  # several processes may share a GPU (gloo stages their collectives on the host)
+        import torch
+
+        from dtrain import runtime
+
+        torch.cuda.set_device(runtime.local_rank() % torch.cuda.device_count())
     ctx = TrainContext(
         cfg=cfg, rank=rank, world_size=world, out_dir=out,
         data=cfg.load_data(),
@@ -162,6 +168,8 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
         "strategy": cfg.strategy,
         "world_size": len(results),
         "workers": len(workers),
+        "device": cfg.device,
+        "backend": cfg.process_backend(),
         "steps": steps,
         "global_batch": cfg.global_batch,
         "wall_s": round(wall_s, 3),
@@ -244,7 +252,7 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
                                         cluster=cfg.cluster, stream_first=not quiet)
         else:
             results = launch(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes,
-                             backend=cfg.backend or None, max_restarts=cfg.max_restarts,
+                             backend=cfg.process_backend(), max_restarts=cfg.max_restarts,
                              on_restart=restarts if cfg.max_restarts else None)
     except LaunchInterrupted as e:  # the workers are gone: say where the run stopped and how to go on
         merge_rank_files(out)

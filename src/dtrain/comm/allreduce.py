@@ -163,10 +163,10 @@ def _check_device(tensor: torch.Tensor, group: Any) -> None:
 
     backend = str(dist.get_backend(group)).lower()
     dev = tensor.device.type
-    if backend == "gloo" and dev != "cpu":
+    if backend == "gloo" and dev not in ("cpu", "cuda"):
         raise ConfigError(
-            f"allreduce on a gloo group needs a CPU tensor, got one on {tensor.device}; "
-            "move it with .cpu() or use an NCCL group for CUDA tensors"
+            f"allreduce on a gloo group needs a CPU or CUDA tensor (CUDA goes through host memory), got one on "
+            f"{tensor.device}"
         )
     if backend == "nccl" and dev != "cuda":
         raise ConfigError(f"allreduce on an NCCL group needs a CUDA tensor, got one on {tensor.device}")
@@ -191,7 +191,8 @@ def allreduce(
     the world is one rank and the tensor is returned unchanged.
 
     Args:
-        tensor: a contiguous tensor on the backend's device (CPU for gloo), the
+        tensor: a contiguous tensor on the backend's device (CPU for gloo, or CUDA
+            through host memory), the
             same shape and dtype on every rank; float32/64, float16, bfloat16,
             int32 or int64.
         op: ``sum``, ``avg``, ``max`` or ``min`` (default: sum). ``avg`` of an

@@ -6,7 +6,8 @@ tag, a timeout on every wait, and counters of messages and bytes sent. Two
 implementations:
 
 * :class:`TorchTransport` -- ``torch.distributed`` point-to-point on a process group
-  (gloo on CPU, NCCL on GPU). Used in production and in the spawned tests.
+  (gloo on CPU, NCCL on GPU; CUDA tensors over gloo go through host memory). Used in
+  production and in the spawned tests.
 * :class:`ThreadTransport` -- ranks are threads of one process exchanging tensors
   through queues. Used by unit tests to run any algorithm for any world size in
   one process; :func:`run_threads` drives it.
@@ -123,13 +124,15 @@ _Traced = tuple[_trace.Tracer, str, float, int]  # (tracer, flow key, posted at,
 
 
 class _TorchWork:
-    def __init__(self, work: Any, transport: TorchTransport, op: str, peer: int,
-                 traced: _Traced | None = None) -> None:  # fmt: skip
+    def __init__(self, work: Any, transport: TorchTransport, op: str, peer: int, traced: _Traced | None = None,
+                 staged: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:  # fmt: skip
         self._work = work
         self._t = transport
         self._op = op
         self._peer = peer
         self._traced = traced  # (tracer, flow key, posted at, bytes): recorded once complete
+        # (host copy, device tensor to fill from it once received, or None for a send): CUDA over gloo
+        self._staged = staged
 
     def wait(self) -> None:
         try:
@@ -142,6 +145,11 @@ class _TorchWork:
             raise CommTimeoutError(
                 self._t.rank, self._op, f"not completed within {self._t.timeout:.0f}s", peer=self._peer
             )
+        if self._staged is not None:
+            host, device = self._staged
+            self._staged = None
+            if device is not None:
+                device.copy_(host)
         if self._traced is not None:
             tracer, key, start, nbytes = self._traced
             self._traced = None
@@ -150,6 +158,12 @@ class _TorchWork:
 
 class TorchTransport(Transport):
     """``torch.distributed`` point-to-point over a process group.
+
+    gloo's point-to-point carries CPU tensors only. A CUDA tensor on a gloo group is
+    staged through host memory (as Horovod's gloo path does for GPU tensors): a send
+    copies it to the host first (on the caller's current stream, so after whatever
+    wrote it), a receive lands in a host buffer that :meth:`Work.wait` copies into it.
+    That is how several processes share one GPU, where NCCL refuses two ranks on a device.
 
     Args:
         group: the process group (default: the default group). Ranks of this
@@ -175,6 +189,7 @@ class TorchTransport(Transport):
         # for the trace's message arrows: the group's name and its ranks' global ranks
         self.group_name = str(getattr(pg, "group_name", "0"))
         self.global_ranks = [dist.get_global_rank(pg, r) if group is not None else r for r in range(self.world_size)]
+        self._host_only = str(dist.get_backend(pg)).lower() == "gloo"  # device tensors are staged on the host
 
     def _traced(self, tensor: torch.Tensor, src: int, dst: int, tag: int) -> _Traced | None:
         tracer = _trace.current()
@@ -188,12 +203,18 @@ class TorchTransport(Transport):
         _check_tensor(tensor, self.rank, "isend")
         self._count(tensor)
         traced = self._traced(tensor, self.rank, dst, tag)
+        if self._host_only and tensor.device.type != "cpu":
+            host = tensor.cpu()  # kept alive by the work until the send completes
+            return _TorchWork(self._pg.send([host], dst, tag), self, "send", dst, traced, staged=(host, None))
         w = self._pg.send([tensor], dst, tag)
         return _TorchWork(w, self, "send", dst, traced)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         _check_tensor(tensor, self.rank, "irecv")
         traced = self._traced(tensor, src, self.rank, tag)
+        if self._host_only and tensor.device.type != "cpu":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype)
+            return _TorchWork(self._pg.recv([host], src, tag), self, "recv", src, traced, staged=(host, tensor))
         w = self._pg.recv([tensor], src, tag)
         return _TorchWork(w, self, "recv", src, traced)
 

@@ -235,9 +235,9 @@ class DataParallel(nn.Module):
         cfg, group = self.config, self._group
         devs = {p.device.type for _, p in named}
         backend = str(dist.get_backend(group)).lower()
-        if backend == "gloo" and devs != {"cpu"}:
-            raise ConfigError(f"a gloo group reduces CPU tensors; the module has parameters on {sorted(devs)}; "
-                              "use NCCL for CUDA (dtrain.init() picks it when CUDA is available)")
+        if backend == "gloo" and devs not in ({"cpu"}, {"cuda"}):
+            raise ConfigError(f"a gloo group reduces CPU tensors, or CUDA tensors through host memory; the module "
+                              f"has parameters on {sorted(devs)}: put all of them on one device")
         if backend == "nccl" and devs != {"cuda"}:
             raise ConfigError(
                 f"an NCCL group reduces CUDA tensors; move the module to CUDA first (found {sorted(devs)})"

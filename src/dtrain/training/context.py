@@ -118,7 +118,14 @@ class TrainContext:
     @functools.cached_property
     def precision(self) -> Precision:
         """The compute precision (``--precision``)."""
-        return Precision(self.cfg.precision, "cuda" if self.cfg.backend == "nccl" else "cpu")
+        return Precision(self.cfg.precision, self.device.type)
+
+    @functools.cached_property
+    def device(self) -> torch.device:
+        """Where this process trains (``--device``): the CPU, or its GPU (set by the worker at start)."""
+        if self.cfg.device == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     @functools.cached_property
     def noise(self) -> NoiseScale | None:
@@ -160,9 +167,10 @@ class TrainContext:
     # ---------------------------------------------------------------- factories
 
     def make_model(self) -> nn.Module:
-        """The configured model, initialised identically on every rank (seeded)."""
+        """The configured model, initialised identically on every rank (seeded), on :attr:`device`."""
         torch.manual_seed(self.cfg.seed)
-        return build_model(self.cfg.model, self.data.input_shape, self.data.num_classes, **self.cfg.gpt_overrides())
+        model = build_model(self.cfg.model, self.data.input_shape, self.data.num_classes, **self.cfg.gpt_overrides())
+        return model.to(self.device)  # initialised on the CPU: the same weights on any device
 
     def make_optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:
         """The configured optimizer. SGD gets no momentum where the compressor applies it

@@ -258,7 +258,10 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
         assert ckpt is not None
         ckpt.restore_rng(pos.rng)
     t_free = time.perf_counter()  # this rank's own work of a step starts (the straggler's measure)
+    gpu = ctx.device if ctx.device.type != "cpu" else None  # --device cuda: each batch goes to the GPU
     for x, y in data:
+        if gpu is not None:
+            x, y = x.to(gpu, non_blocking=True), y.to(gpu, non_blocking=True)
         if engine.done(tally.step):
             break
         batches += 1
