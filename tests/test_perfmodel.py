@@ -195,7 +195,7 @@ def test_a_recount_adds_a_count_and_the_cpu_time_is_the_median_of_every_count(mo
     readings = iter([(6, 900, 1.0e-3), (6, 900, 5.0e-3), (6, 900, 2.0e-3)])
     calls = []
 
-    def fake_count(spec, world, numel):
+    def fake_count(spec, world, numel, shapes=()):
         calls.append((spec, world, numel))
         return next(readings)
 
@@ -231,6 +231,34 @@ def test_compressed_collectives():
     assert compressed_allreduce_time(c16, "ring", N, 16, q)[0] == pytest.approx(2 * 15 * (N / 32 / 16) * B)
     dense = compressed_allreduce_time(c, "ring", N, 4, CompressionModel())
     assert dense == (allreduce_time(c, "ring", N, 4), 0.0)
+
+
+def test_the_count_takes_the_buckets_layout_as_the_reducer_passes_it():
+    from dtrain.perfmodel.predict import bucket_shapes
+    from dtrain.workload import load_model
+
+    model, sample, _ = load_model("cnn", "digits", batch=16)
+    prof = profile_model(model, sample, measure=False)
+    params = [p for p in model.parameters()]
+    numel = sum(p.numel() for p in params)
+    # one bucket holds the CNN; the reducer packs its parameters last to first (registration order reversed)
+    (layout,) = bucket_shapes(prof, 25.0)
+    assert layout == tuple(tuple(p.shape) for p in reversed(params))
+    assert prof.at_batch(32).layers[0].shapes == prof.layers[0].shapes
+    # PowerSGD factors each weight matrix and sends the vectors dense: more bytes than the bucket as one matrix
+    _, flat_sent, _ = compressed_traffic("powersgd:2", 4, numel)
+    msgs, sent, _ = compressed_traffic("powersgd:2", 4, numel, layout)
+    assert msgs == 12 and sent > 2 * flat_sent, (sent, flat_sent)
+    # shapes that do not add up to the bucket: counted flat
+    assert compressed_traffic("powersgd:2", 4, numel, ((3, 3),))[1] == flat_sent
+    # and the prediction charges the layout's bytes
+    c = flat(4, 0.0, 1e-6, 0.0)
+    s = choice("dp", 4, "ring", bucket_mb=25.0, compression="powersgd:2")
+    lowrank = CompressionModel("powersgd:2", "lowrank", 0.01)
+    shaped = predict(prof, c, s, lowrank)
+    unshaped = predict(replace(prof, layers=tuple(replace(ly, shapes=()) for ly in prof.layers)), c, s, lowrank)
+    wire = [x.step_s - x.detail["coding_s"] for x in (shaped, unshaped)]  # the counted CPU differs too
+    assert wire[0] - wire[1] == pytest.approx((sent - flat_sent) * 1e-6, rel=0.05)
 
 
 def test_compressors_come_from_the_registry():

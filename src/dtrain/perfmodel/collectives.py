@@ -286,9 +286,11 @@ class CompressionModel:
 
 
 def compressed_allreduce_time(
-    c: ClusterSpec, algorithm: str, nbytes: float, p: int, comp: CompressionModel
+    c: ClusterSpec, algorithm: str, nbytes: float, p: int, comp: CompressionModel,
+    shapes: tuple[tuple[int, ...], ...] = (),
 ) -> tuple[float, float]:
-    """(communication seconds, encode+decode seconds) of one bucket of ``nbytes``."""
+    """(communication seconds, encode+decode seconds) of one bucket of ``nbytes`` (``shapes``: its
+    parameters' shapes, the layout a compressor gets; counted worlds only)."""
     if p <= 1 or nbytes <= 0:
         return 0.0, 0.0
     if comp.kind == "dense":
@@ -300,7 +302,7 @@ def compressed_allreduce_time(
     flows = d if nodes > 1 else 1
     if p <= _COUNTED_WORLD and comp.spec not in ("", "none"):
         # small worlds: the implementation's own messages, bytes and CPU time (encode, merge, decode)
-        msgs, sent, cpu = compressed_traffic(comp.spec, p, max(1, int(nbytes // 4)))
+        msgs, sent, cpu = compressed_traffic(comp.spec, p, max(1, int(nbytes // 4)), shapes)
         return msgs * link.alpha + sent * link.duplex_beta * flows, cpu * c.device.compute_scale
     if comp.kind == "summable":
         return allreduce_time(c, algorithm, payload, p), coding

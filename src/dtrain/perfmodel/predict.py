@@ -95,7 +95,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Memory", "Prediction", "StepInputs", "DataParallelLike", "ServerLike", "compute_times", "predict",
            "memory_per_device", "data_parallel_memory", "server_memory", "predict_data_parallel",
-           "predict_parameter_server", "async_cycle", "bucket_latency", "buckets_of", "bucket_collective", "ps_costs",
+           "predict_parameter_server", "async_cycle", "bucket_latency", "buckets_of", "bucket_shapes",
+           "bucket_collective", "ps_costs",
            "WAKES_FIRST_BUCKET", "WAKES_PER_BUCKET"]  # fmt: skip
 
 _FIRST_BUCKET_MB = 1.0
@@ -297,15 +298,26 @@ def predict(
     return hook(prof, c, s, comp, StepInputs(fwd, bwd, opt, overhead_s, mem, fits))
 
 
-def buckets_of(prof: ModelProfile, bucket_mb: float) -> list[tuple[float, int]]:
-    """(bytes, index of the earliest layer in it) of each bucket, in the order backward fills them."""
+def _bucket_groups(prof: ModelProfile, bucket_mb: float) -> list[list[int]]:
+    """The layers (indices, in the order backward fills them) of each bucket."""
     order = [i for i in reversed(range(len(prof.layers))) if prof.layers[i].param_bytes > 0]
     sizes = [prof.layers[i].param_bytes for i in order]
     if not sizes:
         return []
     groups = assign_buckets(sizes, cap_bytes=max(1, int(bucket_mb * MB)),
                             first_cap_bytes=max(1, int(min(_FIRST_BUCKET_MB, bucket_mb) * MB)))  # fmt: skip
-    return [(float(sum(sizes[k] for k in g)), order[g[-1]]) for g in groups]
+    return [[order[k] for k in g] for g in groups]
+
+
+def buckets_of(prof: ModelProfile, bucket_mb: float) -> list[tuple[float, int]]:
+    """(bytes, index of the earliest layer in it) of each bucket, in the order backward fills them."""
+    return [(float(sum(prof.layers[i].param_bytes for i in g)), g[-1]) for g in _bucket_groups(prof, bucket_mb)]
+
+
+def bucket_shapes(prof: ModelProfile, bucket_mb: float) -> list[tuple[tuple[int, ...], ...]]:
+    """Each bucket's parameter shapes (:func:`buckets_of`'s buckets; empty where the profile has none): the
+    layout the data-parallel reducer hands a compressor, whose buckets take the parameters last to first."""
+    return [tuple(sh for i in g for sh in reversed(prof.layers[i].shapes)) for g in _bucket_groups(prof, bucket_mb)]
 
 
 def predict_data_parallel(prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallelLike, comp: CompressionModel,
@@ -323,8 +335,9 @@ def predict_data_parallel(prof: ModelProfile, c: ClusterSpec, s: Choice, o: Data
     bwd_total = t
     end, comm_total, coding_total, sent = 0.0, 0.0, 0.0, 0.0
     bucket_end: dict[int, float] = {}
+    layouts = bucket_shapes(prof, o.bucket_mb)
     for j, (nbytes, first_layer) in enumerate(buckets_of(prof, o.bucket_mb)):
-        comm, coding = bucket_collective(c, algorithm, nbytes, p, comp)
+        comm, coding = bucket_collective(c, algorithm, nbytes, p, comp, layouts[j])
         comm += bucket_latency(c, s, comp, j)
         copy = 2 * nbytes * c.device.gamma  # flatten into and out of the bucket
         dur = comm + coding + copy
@@ -353,9 +366,10 @@ def predict_data_parallel(prof: ModelProfile, c: ClusterSpec, s: Choice, o: Data
                       why, {"fwd_s": f_total, "bwd_s": bwd_total, "opt_s": opt, "coding_s": coding_total})
 
 
-def bucket_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, comp: CompressionModel
-                      ) -> tuple[float, float]:  # fmt: skip
-    """(communication, encode+decode) seconds of one bucket's collective on ``p`` ranks: every one of
+def bucket_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, comp: CompressionModel,
+                      shapes: tuple[tuple[int, ...], ...] = ()) -> tuple[float, float]:  # fmt: skip
+    """(communication, encode+decode) seconds of one bucket's collective on ``p`` ranks (``shapes``: its
+    parameters' shapes, :func:`bucket_shapes`): every one of
     its steps (:func:`~dtrain.perfmodel.collectives.collective_steps`) takes at least the device's
     ``floor`` (the backend's own allreduce; dtrain's collectives the ``p2p_floor``).
 
@@ -368,7 +382,7 @@ def bucket_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, com
     peer at once (the count overstates their sequential steps), and their coding stays counted against
     the floors: top-k alone took 5.5-6.2 ms against 5.8 modelled, fp16 20.2-20.4 against 21.7.
     """
-    comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp)
+    comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp, shapes)
     if p > 1:
         native = algorithm == "native" and comp.kind == "dense"
         floor = c.device.floor if native else c.device.own_floor

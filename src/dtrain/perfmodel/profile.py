@@ -45,6 +45,7 @@ class LayerProfile:
     activation_bytes: float
     fwd_s: float = 0.0
     bwd_s: float = 0.0
+    shapes: tuple[tuple[int, ...], ...] = ()  # its trainable parameters' shapes (a compressor's layout)
 
 
 @dataclass(frozen=True)
@@ -256,7 +257,7 @@ def _count_layers(
             param_bytes=sum(p.numel() * p.element_size() for p in params),
             fwd_flops=flops(fwd_counts, lname),
             bwd_flops=max(0.0, flops(all_counts, lname) - flops(fwd_counts, lname)),
-            activation_bytes=float(acts.get(lname, 0)),
+            activation_bytes=float(acts.get(lname, 0)), shapes=tuple(tuple(p.shape) for p in params),
         ))  # fmt: skip
     return tuple(profiles)
 

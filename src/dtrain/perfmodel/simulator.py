@@ -57,6 +57,7 @@ from dtrain.perfmodel.predict import (
     ServerLike,
     bucket_collective,
     bucket_latency,
+    bucket_shapes,
     buckets_of,
     compute_times,
     predict,
@@ -221,8 +222,9 @@ def simulate_sync(
     b_total = float(sum(bwd))
     algorithm = o.algorithm
     buckets = []
+    layouts = bucket_shapes(prof, o.bucket_mb)
     for j, (nbytes, first_layer) in enumerate(buckets_of(prof, o.bucket_mb) if n > 1 else []):
-        comm, coding = bucket_collective(c, algorithm, nbytes, n, comp)
+        comm, coding = bucket_collective(c, algorithm, nbytes, n, comp, layouts[j])
         wake = bucket_latency(c, s, comp, j)
         buckets.append((float(ready[first_layer]), comm + wake + coding + 2 * nbytes * c.device.gamma))
     if (o.overlap == "forward" or getattr(o, "shard", "none") != "none") and n > 1:
