@@ -346,11 +346,6 @@ class RunConfig:
         if backend == "nccl" and self.num_processes > gpus:
             raise ConfigError(f"backend nccl takes one GPU per process: {self.num_processes} processes on {gpus} "
                               f"GPU(s); use --backend gloo (CUDA tensors through host memory) or fewer workers")
-        o = self.opts
-        spec = o.compressor_spec() if hasattr(o, "compressor_spec") else "none"
-        if getattr(o, "shard", "none") != "none" or spec not in ("none", "fp16", "bf16"):
-            raise ConfigError(f"device cuda: dp trains there without --shard, with no compression or a 16-bit cast "
-                              f"(fp16, bf16); got {o.label(self.workers)}")
         if self.noise_scale or self.batch_schedule == "auto":
             raise ConfigError("device cuda: the noise scale (--noise-scale, --batch-schedule auto) is measured on "
                               "CPU runs only; drop it or use --device cpu")

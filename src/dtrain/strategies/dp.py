@@ -320,6 +320,9 @@ def _run_ddp(ctx: TrainContext) -> dict[str, Any]:
 
 
 def _check(o: DPOptions, cfg: RunConfig) -> None:
+    if cfg.device == "cuda" and (o.sharded or o.compressor_spec() not in STATELESS_WIRE):
+        raise ConfigError(f"device cuda: dp trains there without --shard, with no compression or a 16-bit cast "
+                          f"(fp16, bf16); got {o.label(cfg.workers)}")
     if cfg.precision == "fp16":
         check_fp16_exchange(o, cfg)
     if (cfg.noise_scale or cfg.batch_schedule == "auto") and o.overlap == "forward":
