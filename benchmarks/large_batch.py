@@ -17,6 +17,10 @@ is 0.28 points), ``--workers`` processes, SGD with momentum 0.9 and a constant r
                               to 8x, at the base rate (Smith et al. 2018: grow the batch instead of decaying)
 * ``auto``                    ``--batch-schedule auto --max-batch 8x``: the batch doubles while the measured
                               gradient noise scale exceeds it (dp, 2+ workers), at the base rate
+* ``auto every``              (cluster) the same rule decided every ``--auto-every`` steps, inside epochs too,
+                              with linear scaling (the growth is the warmup)
+* ``auto time``               (cluster) the same, doubling while the noise scale times the step's fixed time
+                              over its batch's compute time exceeds twice the batch (``--auto-rule time``)
 
 ``--part gpt``: ``--gpt-model`` (gpt-tiny) on pytext, ``--gpt-epochs`` epochs, validation loss over every
 validation window: the base batch ``--gpt-base`` with Adam ``--gpt-lr``; 8x with Adam at the same rate; 8x
@@ -84,12 +88,21 @@ def gpt_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def cluster_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
     b, w = ns.base, ns.warmup_epochs
-    return {
+    out = {
         "1x sgd": dict(batch_size=b),
         "8x linear+warmup": dict(batch_size=8 * b, lr_scaling="linear", base_batch=b, warmup_epochs=w),
         "growth 1x->8x": cnn_variants(ns)["growth 1x->8x"],
         "auto": dict(batch_size=b, batch_schedule="auto", max_batch=8 * b, noise_scale=True),
     }
+    scaled = dict(lr_scaling="linear", base_batch=b, warmup_epochs=w)
+    for k in ns.cluster_fixed.split(","):  # more fixed batches: which one is fastest to the target
+        if k.strip() and f"{k}x linear+warmup" not in out:
+            out[f"{k}x linear+warmup"] = dict(batch_size=int(k) * b, **scaled)
+    within = dict(batch_size=b, batch_schedule="auto", max_batch=8 * b, auto_every=ns.auto_every,
+                  lr_scaling="linear", base_batch=b)  # fmt: skip
+    out["auto every"] = dict(within, auto_rule="noise")
+    out["auto time"] = dict(within, auto_rule="time")
+    return out
 
 
 def _selected(variants: dict[str, dict[str, Any]], only: str) -> dict[str, dict[str, Any]]:
@@ -119,7 +132,12 @@ def _one(cfg: Any) -> dict[str, Any]:
         if r.get("rank", 0) == 0:
             steps_per_epoch[int(r["epoch"])] = steps_per_epoch.get(int(r["epoch"]), 0) + 1
     decisions = s.get("batch_decisions") or []
-    if decisions:  # auto: the batch it chose for each epoch
+    if decisions and "step" in decisions[0]:  # auto deciding every N steps: each epoch's first batch
+        first: dict[int, int] = {}
+        for r in sorted((r for r in rows if r.get("rank", 0) == 0), key=lambda r: int(r["step"])):
+            first.setdefault(int(r["epoch"]), int(r["batch"]))
+        epoch_batches = [first[e] for e in sorted(first)]
+    elif decisions:  # auto: the batch it chose for each epoch
         epoch_batches = [int(d["batch"]) for d in decisions]
     else:
         from dtrain.schedule import BatchPlan
@@ -139,7 +157,8 @@ def _one(cfg: Any) -> dict[str, Any]:
         "bytes_sent_per_step": s["bytes_sent_per_step"],
         "time_to_target_s": s.get("time_to_target_s"),
         "target_step": s.get("target_step"),
-        "batches_seen": sorted(set(epoch_batches)),
+        "batches_seen": sorted({int(r["batch"]) for r in rows if r.get("batch")} or set(epoch_batches)),
+        "decisions": decisions if decisions and "step" in decisions[0] else None,
         "epoch_batches": epoch_batches,
         "steps_per_epoch": [steps_per_epoch[e] for e in sorted(steps_per_epoch)],
         "noise_scale_last": s.get("noise_scale", noise[-1] if noise else None),
@@ -220,6 +239,9 @@ def main() -> int:
     ap.add_argument("--bandwidth", default="100mbit")
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--target", type=float, default=0.95, help="cluster part: test accuracy to reach")
+    ap.add_argument("--cluster-fixed", default="", help="cluster part: more fixed batches, as multiples of the "
+                    "base, with linear scaling and warmup (e.g. 4,16)")
+    ap.add_argument("--auto-every", type=int, default=5, help="'auto every' / 'auto time': decide every N steps")
     ap.add_argument("--name", default="lbatch")
     ap.add_argument("--json", default=str(DEFAULT_JSON))
     ap.add_argument("--table", action="store_true", help="only print the stored results")

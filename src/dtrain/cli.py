@@ -19,6 +19,7 @@ from dtrain.config import DEVICES, LR_SCHEDULES, OPTIMIZERS, PRECISIONS, RunConf
 from dtrain.errors import DTrainError
 from dtrain.schedule import LR_SCALINGS
 from dtrain.strategies.base import registered
+from dtrain.training.noise_scale import AUTO_RULES
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -28,6 +29,7 @@ _CHOICES: dict[str, Sequence[str]] = {
     "precision": PRECISIONS,
     "device": DEVICES,
     "lr_scaling": LR_SCALINGS,
+    "auto_rule": AUTO_RULES,
 }
 _HELP = {
     "workers": "worker processes (default: 4)",
@@ -50,6 +52,11 @@ _HELP = {
     "batch_schedule": 'grow the global batch: "0:256,5:512" (from epoch: batch), or auto (double it while the '
     "measured gradient noise scale exceeds it; dp) (default: none)",
     "max_batch": "the largest batch --batch-schedule auto grows to (default: 0, a quarter of the training set)",
+    "auto_every": "--batch-schedule auto decides every N steps, inside epochs too (default: 0, at the start of "
+    "each epoch)",
+    "auto_rule": "--batch-schedule auto doubles the batch while the noise scale exceeds twice it (noise), or while "
+    "the noise scale times the step's fixed time over its batch's compute time does (time: the batch that "
+    "reaches a loss soonest; McCandlish et al.'s step count times the step time) (default: noise)",
     "noise_scale": "log the gradient noise scale B_simple every step (McCandlish et al. 2018; dp, 2+ workers; "
     "one extra scalar all-reduce) (default: off)",
     "straggler": "RANK:FACTOR: that rank's own work per step (data, forward, backward) takes FACTOR times its "

@@ -151,6 +151,8 @@ class RunConfig:
     warmup_epochs: float = 0.0  # the same in epochs (of the first epoch's steps)
     batch_schedule: str = ""  # "0:256,5:512" (epoch: global batch), or auto (grow toward the noise scale)
     max_batch: int = 0  # auto batch schedule: the largest global batch (0: a quarter of the training set)
+    auto_every: int = 0  # auto batch schedule: decide every N steps (0: at the start of each epoch)
+    auto_rule: str = "noise"  # auto: double while B_simple >= 2B (noise), or weighed by the step's time (time)
     noise_scale: bool = False  # log the gradient noise scale B_simple every step (dp; McCandlish et al.)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast compute, fp32 master weights, fp16: loss scaling)
     weight_decay: float = 0.0
@@ -304,6 +306,9 @@ class RunConfig:
         from dtrain.schedule import LR_SCALINGS
 
         choose("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        from dtrain.training.noise_scale import AUTO_RULES
+
+        choose("auto_rule", self.auto_rule, AUTO_RULES)
         if self.backend and self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r} is not known; choose gloo, nccl or mpi")
         choose("device", self.device, DEVICES)
@@ -400,7 +405,7 @@ class RunConfig:
         if self.samples < 16:
             raise ConfigError(f"samples must be >= 16, got {self.samples}")
         for k in ("eval_every", "eval_samples", "layers", "d_model", "heads", "skip_nonfinite", "base_batch",
-                  "warmup_steps", "warmup_epochs", "max_batch", "max_restarts",
+                  "warmup_steps", "warmup_epochs", "max_batch", "auto_every", "max_restarts",
                   "min_workers"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"{k} must be >= 0, got {getattr(self, k)}")
@@ -438,6 +443,10 @@ class RunConfig:
             if self.batch_size % shards:
                 raise ConfigError(f"batch_schedule auto doubles the batch: batch_size {self.batch_size} must be a "
                                   f"multiple of the {shards} workers")  # fmt: skip
+        elif self.auto_every or self.auto_rule != "noise":
+            given = f"--auto-every {self.auto_every}" if self.auto_every else f"--auto-rule {self.auto_rule}"
+            raise ConfigError(f"{given} tells --batch-schedule auto when and how to grow the batch; add "
+                              "--batch-schedule auto or drop it")  # fmt: skip
         elif self.batch_schedule:
             from dtrain.schedule import parse_batch_schedule
 

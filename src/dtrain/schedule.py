@@ -29,7 +29,7 @@ resume) cut into that epoch's batches. ``auto`` lets the measured gradient noise
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dtrain.errors import ConfigError
 
@@ -64,54 +64,125 @@ def parse_batch_schedule(spec: str) -> list[tuple[int, int]]:
 
 @dataclass
 class BatchPlan:
-    """The global batch of every epoch: fixed, scheduled, or (``auto``) decided as training goes.
+    """The global batch of every step: fixed, scheduled by epoch, or (``auto``) decided as training goes.
 
     ``batches[e]`` is epoch ``e``'s global batch for the epochs decided so far; later epochs repeat the last
-    one until :meth:`set_from` changes them (``auto``). Steps are counted per shard: an epoch of ``n``
-    training samples over ``s`` shards at global batch ``B`` has ``(n // s) // (B // s)`` steps.
+    one until :meth:`set_from` changes them (``auto`` deciding at epoch boundaries). Steps are counted per
+    shard: an epoch of ``n`` training samples over ``s`` shards at global batch ``B`` has
+    ``(n // s) // (B // s)`` steps.
+
+    ``every > 0`` (``auto`` deciding every ``every`` steps, ``--auto-every``): the batch may change inside an
+    epoch. ``changes`` lists ``(step, batch)``, the batch in force from that step on (the first batch
+    before any); each epoch is still one permutation of the shard, cut into consecutive batches of the
+    sizes in force, and ends when the next batch would not fit (as ``drop_last`` does).
     """
 
     samples: int
     epochs: int
     batches: list[int]
     auto: bool = False
+    every: int = 0
+    changes: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, batch_size: int, schedule: str, samples: int, epochs: int) -> BatchPlan:
+    def of(cls, batch_size: int, schedule: str, samples: int, epochs: int, every: int = 0) -> BatchPlan:
         if not schedule:
             return cls(samples, epochs, [batch_size] * epochs)
         if schedule == "auto":
-            return cls(samples, epochs, [batch_size] * epochs, auto=True)
+            return cls(samples, epochs, [batch_size] * epochs, auto=True, every=every)
         entries = parse_batch_schedule(schedule)
         out = []
         for e in range(epochs):
             out.append([b for start, b in entries if start <= e][-1])
         return cls(samples, epochs, out)
 
+    @property
+    def within_epochs(self) -> bool:
+        """Whether the batch may change inside an epoch (``auto`` with ``every > 0``)."""
+        return self.auto and self.every > 0
+
     def batch(self, epoch: int) -> int:
-        """The global batch of ``epoch`` (past the last planned epoch: the last one's)."""
+        """The global batch of ``epoch`` (past the last planned epoch: the last one's); deciding within
+        epochs, the batch its first step trains on."""
+        if self.within_epochs:
+            return self.batch_at(self._walk(epoch=epoch)[1])
         return self.batches[min(epoch, len(self.batches) - 1)]
+
+    def batch_at(self, step: int, shards: int = 1) -> int:
+        """The global batch of the ``step``-th step (from 0)."""
+        if self.within_epochs:
+            return next((b for s, b in reversed(self.changes) if s <= step), self.batches[0])
+        return self.batch(self.locate(step, shards)[0])
+
+    @property
+    def current(self) -> int:
+        """Deciding within epochs: the batch of the latest decision (what the next step draws)."""
+        return self.changes[-1][1] if self.changes else self.batches[0]
 
     def set_from(self, epoch: int, batch: int) -> None:
         """``auto``: epochs from ``epoch`` on train at ``batch``."""
         for e in range(epoch, len(self.batches)):
             self.batches[e] = batch
 
+    def change(self, step: int, batch: int) -> None:
+        """``auto`` deciding within epochs: steps from ``step`` on train at ``batch``."""
+        if self.changes and step <= self.changes[-1][0]:
+            raise ValueError(f"a batch change at step {step} follows one at step {self.changes[-1][0]}")
+        self.changes.append((step, batch))
+
+    def steps_at(self, batch: int, shards: int) -> int:
+        """Steps of an epoch at the global batch ``batch``."""
+        return (self.samples // shards) // max(1, batch // shards)
+
     def steps_in(self, epoch: int, shards: int) -> int:
-        return (self.samples // shards) // max(1, self.batch(epoch) // shards)
+        if self.within_epochs:
+            return self._walk(epoch=epoch + 1, shards=shards)[1] - self._walk(epoch=epoch, shards=shards)[1]
+        return self.steps_at(self.batch(epoch), shards)
 
     def total(self, shards: int) -> int:
+        if self.within_epochs:
+            return self._walk(epoch=self.epochs, shards=shards)[1]
         return sum(self.steps_in(e, shards) for e in range(self.epochs))
 
     def locate(self, step: int, shards: int) -> tuple[int, int]:
         """``(epoch, batch index)`` of the ``step``-th step (from 0): where a run resumed after ``step``
         steps starts."""
+        if self.within_epochs:
+            epoch, first, _ = self._walk(step=step, shards=shards)
+            return epoch, step - first
         e = 0
         while step >= self.steps_in(e, shards) > 0:
             step -= self.steps_in(e, shards)
             e += 1
         return e, step
 
+    def offset(self, epoch: int, batch: int, shards: int) -> int:
+        """Samples of a shard that ``epoch``'s first ``batch`` batches take (where batch ``batch`` starts)."""
+        if not self.within_epochs:
+            return batch * (self.batch(epoch) // shards)
+        _, first, _ = self._walk(epoch=epoch, shards=shards)
+        return self._walk(step=first + batch, shards=shards)[2]
+
+    def _walk(self, *, epoch: int | None = None, step: int | None = None, shards: int = 1) -> tuple[int, int, int]:
+        """Deciding within epochs: walk the epochs segment by segment (a run of steps at one batch inside
+        one epoch) to the start of ``epoch``, or to the ``step``-th step. Returns ``(epoch, the epoch's first
+        step, samples of a shard taken before the step)``: for ``epoch=``, that epoch's first step and 0."""
+        n = self.samples // shards
+        e = s = first = taken = 0
+        cuts = [c for c, _ in self.changes]
+        while (epoch is None or e < epoch) and (step is None or s < step):
+            b = max(1, self.batch_at(s) // shards)
+            room = (n - taken) // b
+            if room == 0:  # the next batch does not fit: the epoch ends
+                if taken == 0:
+                    raise ValueError(f"a global batch of {self.batch_at(s)} does not fit {n} samples a shard")
+                e, first, taken = e + 1, s, 0
+                continue
+            k = min([room] + [c - s for c in cuts if c > s] + ([step - s] if step is not None else []))
+            s, taken = s + k, taken + k * b
+        if step is not None and (n - taken) // max(1, self.batch_at(s) // shards) == 0:
+            e, first, taken = e + 1, s, 0  # the step-th batch does not fit the epoch: it opens the next
+        return e, first, taken
 
 def scaling_factor(rule: str, batch: int, base_batch: int) -> float:
     """``k`` (``linear``), ``sqrt(k)`` (``sqrt``) or 1 (``none``), with ``k = batch / base_batch``."""

@@ -74,6 +74,8 @@ def run_info(cfg: RunConfig) -> dict[str, Any]:
     d.update(cfg.opts.checkpoint_keys())
     if cfg.batch_schedule:  # where a step falls in the data
         d["batch_schedule"] = cfg.batch_schedule
+        if cfg.auto_every:  # auto deciding inside epochs: the batches' cuts
+            d["auto_every"] = cfg.auto_every
     if cfg.dataset == "synthetic":
         d["samples"] = cfg.samples
     if cfg.dataset == "pytext":  # the windows and the model's shape

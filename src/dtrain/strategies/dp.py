@@ -155,13 +155,22 @@ def measure_noise(ctx: TrainContext, engine: Any, model: nn.Module, batch: int, 
     local = engine.local_grad_sq()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     big = float(sum(torch.stack(torch._foreach_norm(grads)).double().pow(2))) if grads else 0.0
-    t = torch.tensor([local if local is not None else math.nan], dtype=torch.float64)
+    values = [local if local is not None else math.nan]
+    cost = ctx.step_cost  # --auto-rule time: this rank's step cost rides along, so every rank decides alike
+    if cost is not None:
+        values.extend(cost.own or (math.nan, math.nan))
+    t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)  # gloo: every rank gets the same sum, so every rank the same estimate
-    small = float(t) / world / ctx.loss_scale**2  # the reducer saw the scaled gradients
+    out: dict[str, Any] = {}
+    if cost is not None:
+        cost.agree(float(t[1]) / world, float(t[2]) / world)
+        if cost.agreed is not None:
+            out.update(step_fixed_s=cost.agreed[0], sample_s=cost.agreed[1])
+    small = float(t[0]) / world / ctx.loss_scale**2  # the reducer saw the scaled gradients
     if not (math.isfinite(small) and math.isfinite(big)):
-        return {"b_simple": ctx.noise.b_simple}
+        return {"b_simple": ctx.noise.b_simple, **out}
     ctx.noise.update(small, big, b_small=batch // world, b_big=batch // world * world)
-    return {"b_simple": ctx.noise.b_simple, "noise_g2": ctx.noise.g2, "noise_trace": ctx.noise.trace_sigma}
+    return {"b_simple": ctx.noise.b_simple, "noise_g2": ctx.noise.g2, "noise_trace": ctx.noise.trace_sigma, **out}
 
 
 def _ring_bytes(model: nn.Module, world: int, wire: torch.dtype | None = None) -> int:
@@ -229,7 +238,7 @@ class DataParallelEngine:
 
     def before_step(self, step: int) -> None:
         self.ctx.schedule_lr(self.optimizer, step, self.total_steps)
-        self._batch = self.ctx.plan.batch(self.ctx.locate(step, self.num_shards)[0])
+        self._batch = self.ctx.plan.batch_at(step, self.num_shards)
         if not self.steps_in_optimizer:
             self.optimizer.zero_grad(set_to_none=False)
 

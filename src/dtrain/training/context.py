@@ -13,7 +13,7 @@ import functools
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from dtrain.models import build_model, task_loss
 from dtrain.precision import Precision
 from dtrain.schedule import BatchPlan, scaling_factor, warmup_factor
 from dtrain.trace import MetricsWriter, Tracer
-from dtrain.training.noise_scale import NoiseScale, next_batch
+from dtrain.training.noise_scale import NoiseScale, StepCost, next_batch
 
 __all__ = ["TrainContext", "lr_factor", "schedule_updates"]
 
@@ -113,7 +113,7 @@ class TrainContext:
     def plan(self) -> BatchPlan:
         """Every epoch's global batch (``--batch-size``, ``--batch-schedule``; ``auto`` decides as it goes)."""
         c = self.cfg
-        return BatchPlan.of(c.batch_size, c.batch_schedule, len(self.data.train), c.epochs)
+        return BatchPlan.of(c.batch_size, c.batch_schedule, len(self.data.train), c.epochs, every=c.auto_every)
 
     @functools.cached_property
     def precision(self) -> Precision:
@@ -133,12 +133,27 @@ class TrainContext:
         step), else None."""
         return NoiseScale() if self.cfg.noise_scale or self.plan.auto else None
 
+    @functools.cached_property
+    def step_cost(self) -> StepCost | None:
+        """``--auto-rule time``: the step's fixed and per-sample seconds (the loop feeds this rank's rows, the
+        engine's noise-scale all-reduce agrees them over the ranks), else None."""
+        return StepCost() if self.plan.auto and self.cfg.auto_rule == "time" else None
+
+    def observe(self, row: dict[str, Any]) -> None:
+        """A written metrics row: its step time and compute feed :attr:`step_cost` (``--auto-rule time``)."""
+        if self.step_cost is not None and row.get("compute_s") and row.get("step_s") and row.get("batch"):
+            local = int(row["batch"]) // self.batch_shards
+            self.step_cost.observe(float(row["step_s"]), float(row["compute_s"]), local)
+
     def loop_state(self, scaler: Any) -> dict[str, Any]:
         """What a checkpoint keeps of the loop's own state: the batch plan (``auto``'s decisions), the noise
         scale's averages, the fp16 loss scaler's state."""
-        out: dict[str, Any] = {"plan": list(self.plan.batches), "decisions": list(self.batch_decisions)}
+        out: dict[str, Any] = {"plan": list(self.plan.batches), "decisions": list(self.batch_decisions),
+                               "changes": [list(c) for c in self.plan.changes]}  # fmt: skip
         if self.noise is not None:
             out["noise"] = self.noise.state_dict()
+        if self.step_cost is not None:
+            out["cost"] = self.step_cost.state_dict()
         if scaler is not None:
             out["scaler"] = dict(scaler.state_dict())
         return out
@@ -146,23 +161,54 @@ class TrainContext:
     def restore_loop_state(self, state: dict[str, Any]) -> None:
         """:meth:`loop_state` back (a resumed run), before the engine locates its position in the data."""
         self.plan.batches[: len(state["plan"])] = state["plan"]
+        self.plan.changes = [(int(s), int(b)) for s, b in state.get("changes", [])]
         self.batch_decisions = list(state["decisions"])
         if self.noise is not None and "noise" in state:
             self.noise.load_state_dict(state["noise"])
+        if self.step_cost is not None and "cost" in state:
+            self.step_cost.load_state_dict(state["cost"])
         self.resumed_scaler = state.get("scaler")
 
     def begin_epoch(self, epoch: int) -> None:
         """Before ``epoch``'s data: ``--batch-schedule auto`` doubles the batch while the smoothed noise scale
         exceeds it by the margin (:func:`dtrain.training.noise_scale.next_batch`). Every rank computes the
         same noise scale (from all-reduced norms), so every rank makes the same decision."""
-        if not self.plan.auto or self.noise is None or any(d["epoch"] == epoch for d in self.batch_decisions):
+        if self.plan.within_epochs and not self.batch_decisions:  # --auto-every: after_step decides
+            self.batch_decisions.append({"step": 0, "batch": self.plan.current, "b_simple": None})
+        if not self.plan.auto or self.plan.within_epochs or self.noise is None \
+                or any(d["epoch"] == epoch for d in self.batch_decisions):
             return  # decided already (a run resumed mid-epoch keeps the decision made at its start)
-        b, shards = self.plan.batch(epoch), self.batch_shards
+        b = self.plan.batch(epoch)
         if epoch > 0:
-            cap = self.cfg.max_batch or max(shards, len(self.data.train) // 4 // shards * shards)
-            b = next_batch(b, self.noise.b_simple, maximum=max(b, cap), multiple=shards)
+            b = next_batch(b, self.noise.b_simple, maximum=max(b, self.batch_cap), multiple=self.batch_shards)
             self.plan.set_from(epoch, b)
         self.batch_decisions.append({"epoch": epoch, "batch": b, "b_simple": self.noise.b_simple})
+
+    @property
+    def batch_cap(self) -> int:
+        """The largest global batch ``auto`` grows to (``--max-batch``, else a quarter of the training set)."""
+        shards = self.batch_shards
+        return self.cfg.max_batch or max(shards, len(self.data.train) // 4 // shards * shards)
+
+    def after_step(self, steps: int) -> None:
+        """After ``steps`` steps, ``--batch-schedule auto --auto-every N`` decides every N steps the batch of the
+        steps that follow (the same on every rank: the noise scale and the step's cost are all-reduced); the
+        loader's next batch takes it (:meth:`loader`)."""
+        plan = self.plan
+        if not plan.within_epochs or self.noise is None or steps % plan.every:
+            return
+        b, ratio = plan.current, 1.0
+        if self.step_cost is not None:  # --auto-rule time
+            r = self.step_cost.ratio(b // self.batch_shards)
+            if r is None:
+                return  # no step measured yet
+            ratio = r
+        nb = next_batch(b, self.noise.b_simple, maximum=max(b, self.batch_cap), multiple=self.batch_shards,
+                        ratio=ratio)  # fmt: skip
+        if nb != b:
+            plan.change(steps, nb)
+            self.batch_decisions.append({"step": steps, "batch": nb, "b_simple": self.noise.b_simple,
+                                         "ratio": ratio})  # fmt: skip
 
     # ---------------------------------------------------------------- factories
 
@@ -216,7 +262,7 @@ class TrainContext:
         schedule."""
         c = self.cfg
         if batch is None:
-            batch = self.plan.batch(self.plan.locate(step, self.batch_shards)[0])
+            batch = self.plan.batch_at(step, self.batch_shards)
         k = scaling_factor(c.lr_scaling, batch, c.base_batch or self.plan.batch(0))
         return k * warmup_factor(step, self.warmup_steps, k) * lr_factor(c.lr_schedule, step, total)
 
@@ -229,7 +275,7 @@ class TrainContext:
         """``--warmup-steps``, or ``--warmup-epochs`` in steps of the first epoch."""
         c = self.cfg
         if c.warmup_epochs:
-            return max(1, round(c.warmup_epochs * self.plan.steps_in(0, self.batch_shards)))
+            return max(1, round(c.warmup_epochs * self.plan.steps_at(self.plan.batches[0], self.batch_shards)))
         return c.warmup_steps
 
     @property
@@ -263,12 +309,18 @@ class TrainContext:
         ``batch_size`` rounded down to a multiple of the shards (``RunConfig.global_batch``:
         64 over 3 workers trains on 63 samples a step). ``start_batch`` skips the
         epoch's first batches without reading them (a resumed run starts mid-epoch
-        on exactly the batches the uninterrupted run saw next).
+        on exactly the batches the uninterrupted run saw next). Under ``--auto-every`` each batch is
+        as large as the plan's latest decision when the step draws it, and ``start_batch`` counts batches
+        of the sizes the plan's changes gave them.
         """
         sampler: DistributedSampler[Any] = DistributedSampler(
             self.data.train, num_replicas=num_shards, rank=shard, shuffle=True, seed=self.cfg.seed, drop_last=True
         )
         sampler.set_epoch(epoch)
+        if self.plan.within_epochs:  # --auto-every: each batch as large as the plan's latest decision
+            order = list(sampler)[self.plan.offset(epoch, start_batch, num_shards) :]
+            sizes = _GrowingBatches(order, lambda: self.plan.current // num_shards)
+            return DataLoader(self.data.train, batch_sampler=sizes)
         bs = self.plan.batch(epoch) // num_shards
         if start_batch:
             order = list(sampler)[start_batch * bs :]
@@ -355,3 +407,21 @@ class TrainContext:
         """This rank's compute slowdown (:class:`dtrain.cluster.Straggler`): ``--straggler``
         times the emulated host's ``DTRAIN_SLOWDOWN``; call its ``stretch(compute_s)`` after backward."""
         return Straggler(self.straggler_factor() * slowdown_factor())
+
+
+class _GrowingBatches:
+    """A batch sampler over ``order`` whose batch size is read (``size()``) as each batch is drawn: the data
+    loader draws a step's batch when the step starts, after the decision that sized it. An epoch ends where
+    the next batch would not fit (``drop_last``)."""
+
+    def __init__(self, order: list[int], size: Callable[[], int]) -> None:
+        self.order, self.size = order, size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        i = 0
+        while True:
+            bs = self.size()
+            if bs < 1 or i + bs > len(self.order):
+                return
+            yield self.order[i : i + bs]
+            i += bs

@@ -172,6 +172,7 @@ def _write(ctx: TrainContext, rows: list[dict[str, Any]], tally: _Progress) -> N
         if r.get("step") in tally.step_times:
             r.setdefault("step_s", tally.step_times.pop(r["step"]))
         ctx.metrics.write(**r)
+        ctx.observe(r)  # --auto-rule time: the step's cost
         if tally.live is not None:
             tally.live.observe(r)
 
@@ -286,6 +287,7 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
             tally.losses.append(loss_v)
         tally.samples += len(y)
         tally.step += 1
+        ctx.after_step(tally.step)  # --auto-every: the next steps' batch
         bar.update(1)
         if tally.step % EVERY == 0:
             _postfix(engine, tally, bar, loss_v)

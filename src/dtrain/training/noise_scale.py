@@ -20,7 +20,9 @@ so the two batch sizes give two equations in the two unknowns:
    averages and reports their ratio (a ratio of two noisy estimates is biased; the paper
    averages numerator and denominator first);
 5. :func:`next_batch` is the auto batch schedule's rule: double the batch while the noise
-   scale is well above it.
+   scale is well above it; with ``--auto-rule time`` the noise scale is weighed by the step's
+   fixed time over its per-sample time (:class:`StepCost`), so the batch grows toward the one that
+   reaches a loss soonest in time rather than in samples.
 
 Everything here is arithmetic on floats: the caller computes the norms (of unscaled gradients,
 when a loss scaler is in use) and does the collectives. Cost: the norms, one fused 2-norm per
@@ -37,8 +39,11 @@ Example::
 from __future__ import annotations
 
 import math
+from typing import Any
 
-__all__ = ["estimate", "NoiseScale", "next_batch"]
+__all__ = ["AUTO_RULES", "estimate", "NoiseScale", "StepCost", "next_batch"]
+
+AUTO_RULES = ("noise", "time")  # --auto-rule: what the auto batch schedule weighs the noise scale by
 
 
 def estimate(small_sq: float, big_sq: float, b_small: float, b_big: float) -> tuple[float, float]:
@@ -183,30 +188,41 @@ class NoiseScale:
         self._count = count
 
 
-def next_batch(current: int, b_simple: float | None, *, margin: float = 2.0, maximum: int, multiple: int) -> int:
+def next_batch(current: int, b_simple: float | None, *, margin: float = 2.0, maximum: int, multiple: int,
+               ratio: float = 1.0) -> int:
     """The auto batch schedule's rule: grow the global batch toward the noise scale.
 
     Training at a batch ``B << B_noise`` wastes steps (each step's gradient is mostly noise, and
     a larger batch would take proportionally fewer of them); at ``B >> B_noise`` it wastes
     samples (a smaller batch would reach the same loss in about as many steps); McCandlish et
-    al. section 2. The rule: return ``2 * current`` if ``b_simple`` is known, at least
-    ``margin * current``, and ``2 * current <= maximum``; otherwise ``current``. The batch
-    never shrinks (the noise scale grows as training goes on), and ``margin`` keeps one noisy
-    estimate from doubling it too early.
+    al. section 2. The rule: return ``2 * current`` if ``b_simple`` is known,
+    ``ratio * b_simple >= margin * current``, and ``2 * current <= maximum``; otherwise ``current``.
+    The batch never shrinks (the noise scale grows as training goes on), and ``margin`` keeps one
+    noisy estimate from doubling it too early.
+
+    ``ratio`` (``--auto-rule time``; 1 for ``noise``): the step's fixed time over the time its
+    ``current`` samples take, ``T_fixed / T_batch``. McCandlish et al.'s steps to a given loss,
+    ``S = S_min (1 + B_noise / B)``, times a step time ``T_fixed + B t``, is the time to it; doubling
+    ``B`` shortens that time exactly when ``(B_noise / B) (T_fixed / (B t)) > 2``. So ``margin = 2``
+    with ``ratio`` is the break-even of time, and with ``ratio = 1`` (a step's fixed time equal to
+    its batch's) it is the plain noise rule. Where communication dominates (a slow network), the
+    ratio is large and the batch grows past the noise scale, to about
+    ``sqrt(B_noise T_fixed / t)``: more samples, fewer slow allreduces.
 
     Args:
         current: the global batch now, a multiple of ``multiple``.
         b_simple: the smoothed noise scale (:attr:`NoiseScale.b_simple`), None if not known yet.
-        margin: how far above ``current`` the noise scale must be before doubling (default: 2.0).
+        margin: how far above ``current`` the (weighed) noise scale must be before doubling (default: 2.0).
         maximum: the largest global batch allowed (memory, or the data loader's limit).
         multiple: the number of workers; the batch stays a multiple of it (doubling keeps it).
+        ratio: the weight on the noise scale, ``T_fixed / T_batch`` at ``current`` (default 1.0).
 
     Returns:
         The global batch for the next steps.
 
     Raises:
         ValueError: ``current``, ``multiple`` or ``maximum`` below 1, ``current`` not a multiple of
-            ``multiple``, ``current > maximum``, or ``margin <= 0``.
+            ``multiple``, ``current > maximum``, ``margin <= 0``, or ``ratio`` not finite and > 0.
     """
     if multiple < 1:
         raise ValueError(f"multiple (the number of workers) must be >= 1, got {multiple}")
@@ -218,6 +234,69 @@ def next_batch(current: int, b_simple: float | None, *, margin: float = 2.0, max
         raise ValueError(f"maximum must be >= current={current}, got {maximum}")
     if not margin > 0:
         raise ValueError(f"margin must be > 0, got {margin}")
-    if b_simple is not None and b_simple >= margin * current and 2 * current <= maximum:
+    if not (math.isfinite(ratio) and ratio > 0):
+        raise ValueError(f"ratio must be a finite number > 0, got {ratio}")
+    if b_simple is not None and ratio * b_simple >= margin * current and 2 * current <= maximum:
         return 2 * current
     return current
+
+
+class StepCost:
+    """A step's time as ``T(B) = fixed + B x per_sample`` (``B``: this rank's samples), smoothed.
+
+    Each :meth:`observe` takes one step's wall time and its compute (forward and backward, less
+    waits: ``compute_s`` of a data-parallel row); ``per_sample`` is the compute over the step's
+    samples, ``fixed`` the rest (the exchange, waits, the optimizer). Both are exponential moving
+    averages (``beta``; bias-corrected). Ranks measure their own; :meth:`agree` sets the figures all
+    ranks decide on (the caller averages them in a collective), and :meth:`ratio` uses those.
+
+    Counting all of the compute as per-sample overstates the cost of a larger batch (a small batch's
+    forward has fixed costs too), so the time rule it feeds grows the batch later, not sooner.
+    """
+
+    def __init__(self, beta: float = 0.9) -> None:
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"beta must be in [0, 1), got {beta}")
+        self.beta = beta
+        self._fixed = self._per_sample = self._weight = 0.0
+        self.agreed: tuple[float, float] | None = None  # (fixed, per_sample), the same on every rank
+
+    def observe(self, step_s: float, compute_s: float, samples: int) -> None:
+        """Fold in one step: its wall seconds, its compute seconds and this rank's samples."""
+        if not (math.isfinite(step_s) and math.isfinite(compute_s) and samples > 0 and 0 < compute_s):
+            return
+        b = self.beta
+        self._fixed = b * self._fixed + (1 - b) * max(0.0, step_s - compute_s)
+        self._per_sample = b * self._per_sample + (1 - b) * compute_s / samples
+        self._weight = b * self._weight + (1 - b)
+
+    @property
+    def own(self) -> tuple[float, float] | None:
+        """This rank's ``(fixed, per_sample)`` seconds; None before the first observed step."""
+        if not self._weight:
+            return None
+        return self._fixed / self._weight, self._per_sample / self._weight
+
+    def agree(self, fixed: float, per_sample: float) -> None:
+        """The figures every rank decides on (None-like: not finite or not positive, ignored)."""
+        if math.isfinite(fixed) and math.isfinite(per_sample) and per_sample > 0 and fixed >= 0:
+            self.agreed = (fixed, per_sample)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averages and the agreed figures (for a checkpoint)."""
+        return {"fixed": self._fixed, "per_sample": self._per_sample, "weight": self._weight,
+                "agreed": list(self.agreed) if self.agreed is not None else None}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._fixed, self._per_sample = float(state["fixed"]), float(state["per_sample"])
+        self._weight = float(state["weight"])
+        agreed = state.get("agreed")
+        self.agreed = (float(agreed[0]), float(agreed[1])) if agreed else None
+
+    def ratio(self, samples: int) -> float | None:
+        """``T_fixed / T_batch`` at ``samples`` a rank, from the agreed figures (None before them)."""
+        if self.agreed is None or samples < 1:
+            return None
+        fixed, per_sample = self.agreed
+        return max(fixed, 1e-9) / (per_sample * samples)
