@@ -102,6 +102,9 @@ def cluster_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
                   lr_scaling="linear", base_batch=b)  # fmt: skip
     out["auto every"] = dict(within, auto_rule="noise")
     out["auto time"] = dict(within, auto_rule="time")
+    out["auto time sqrt"] = dict(within, auto_rule="time", lr_scaling="sqrt")
+    big_epoch = (1437 // ns.hosts) // (8 * b // ns.hosts)  # digits: steps of an epoch at 8x
+    out["auto time warmup"] = dict(within, auto_rule="time", warmup_steps=round(w * big_epoch))  # 8x's ramp
     return out
 
 

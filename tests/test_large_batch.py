@@ -147,6 +147,10 @@ def test_parse_batch_schedule_and_the_first_batch():
     (dict(strategy="local_sgd", workers=2, noise_scale=True), ["noise_scale", "--strategy dp"]),
     (dict(workers=1, noise_scale=True), ["noise_scale", "2 or more workers"]),
     (dict(warmup_steps=-1), ["warmup_steps", "-1"]),
+    (dict(workers=2, auto_every=5), ["--auto-every 5", "--batch-schedule auto"]),
+    (dict(workers=2, auto_rule="time"), ["--auto-rule time", "--batch-schedule auto"]),
+    (dict(workers=2, batch_schedule="auto", auto_rule="fast"), ["auto_rule 'fast'", "noise, time"]),
+    (dict(workers=2, batch_schedule="auto", auto_every=-1), ["auto_every", "-1"]),
 ], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None)  # fmt: skip
 def test_validate_refuses_bad_large_batch_options(kw, names):
     with pytest.raises(ConfigError) as e:
@@ -195,6 +199,63 @@ def test_batch_plan_auto_changes_later_epochs_only():
     plan.set_from(2, 256)
     assert plan.batches == [64, 64, 256, 256]
     assert plan.locate(2 * _steps(64, 2), 2) == (2, 0)
+
+
+def _walk_by_hand(plan: BatchPlan, shards: int) -> list[tuple[int, int, int]]:
+    """``(epoch, batch index, samples of a shard before it)`` of every step, drawing one batch at a time: a batch
+    of the size in force at its step while it fits the shard's ``n // shards`` samples, else the next epoch."""
+    n, out, step = DIGITS_TRAIN // shards, [], 0
+    for e in range(plan.epochs):
+        taken = i = 0
+        while taken + plan.batch_at(step) // shards <= n:
+            out.append((e, i, taken))
+            taken, step, i = taken + plan.batch_at(step) // shards, step + 1, i + 1
+    return out
+
+
+@pytest.mark.parametrize("changes, shards", [
+    ([], 4),
+    ([(10, 32), (20, 64)], 4),  # inside the first epoch
+    ([(89, 32), (100, 128)], 4),  # at the first epoch's end (89 steps at 16), then inside the second
+    ([(3, 32), (4, 64), (5, 128), (6, 256)], 2),  # every step
+    ([(150, 48)], 3),
+])  # fmt: skip
+def test_a_plan_deciding_inside_epochs_locates_every_step_as_drawing_them_one_by_one(changes, shards):
+    plan = BatchPlan.of(16 if shards != 3 else 24, "auto", DIGITS_TRAIN, 3, every=1)
+    for step, batch in changes:
+        plan.change(step, batch)
+    want = _walk_by_hand(plan, shards)
+    assert plan.total(shards) == len(want)
+    assert [plan.steps_in(e, shards) for e in range(3)] == [sum(1 for w in want if w[0] == e) for e in range(3)]
+    for step, (e, i, taken) in enumerate(want):
+        assert plan.locate(step, shards) == (e, i), step
+        assert plan.offset(e, i, shards) == taken, step
+    for e in range(3):  # an epoch's batch: its first step's
+        assert plan.batch(e) == plan.batch_at(want.index((e, 0, 0)))
+    assert plan.locate(len(want), shards) == (3, 0)  # after the last step: past the last epoch
+    if changes:  # the batch of a step is the latest change at or before it
+        assert plan.batch_at(changes[0][0] - 1) == plan.batches[0] and plan.batch_at(changes[-1][0]) == changes[-1][1]
+        with pytest.raises(ValueError, match="follows one at step"):
+            plan.change(changes[-1][0], 512)
+
+
+def test_the_growing_loader_draws_each_batch_at_the_plans_latest_size_and_resumes_on_its_cuts(tmp_path):
+    ctx = _ctx(tmp_path, workers=2, epochs=2, batch_size=16, batch_schedule="auto", auto_every=1)
+    plan = ctx.plan
+    whole = ctx.loader(0, 2, 0).batch_sampler.order  # the epoch's permutation of shard 0
+    drawn, sizes = [], {3: 32, 5: 64}
+    for step, (_, y) in enumerate(ctx.loader(0, 2, 0)):
+        drawn.append(y)
+        if step + 1 in sizes:  # decided after the step: the next draw takes it
+            plan.change(step + 1, sizes[step + 1])
+    assert [len(y) for y in drawn[:7]] == [8, 8, 8, 16, 16, 32, 32]
+    assert len(drawn) == plan.steps_in(0, 2) == 5 + (DIGITS_TRAIN // 2 - 56) // 32
+    labels = ctx.data.train.tensors[1]  # consecutive slices of the one permutation
+    assert torch.equal(torch.cat(drawn), labels[whole[: sum(len(y) for y in drawn)]])
+    assert plan.offset(0, 5, 2) == 3 * 8 + 2 * 16
+    later = list(ctx.loader(0, 2, 0, start_batch=5))  # a resume after the step-5 decision: past 3 x 8 + 2 x 16
+    assert [len(y) for _, y in later] == [len(y) for y in drawn[5:]]
+    assert all(torch.equal(a, b) for (_, a), b in zip(later, drawn[5:]))
 
 
 def test_the_loader_cuts_each_epoch_as_the_plan_counts(tmp_path):

@@ -24,7 +24,7 @@ import math
 import pytest
 import torch
 
-from dtrain.training.noise_scale import NoiseScale, estimate, next_batch
+from dtrain.training.noise_scale import NoiseScale, StepCost, estimate, next_batch
 
 # (d, sigma, workers, per-worker batch): B_simple = 17 with b_small 16, b_big 64; 16 with 4, 32
 CASES = [(8, 1.0, 4, 16), (12, 0.5, 8, 4)]
@@ -219,3 +219,58 @@ def test_next_batch_rule(
 def test_next_batch_rejects_bad_arguments(current: int, margin: float, maximum: int, multiple: int, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         next_batch(current, 100.0, margin=margin, maximum=maximum, multiple=multiple)
+
+
+def _time_to_loss(batch: float, b_noise: float, fixed: float, per_sample: float) -> float:
+    """McCandlish et al.'s steps to a loss, S_min (1 + B_noise / B) (S_min = 1), times the step time fixed + B t."""
+    return (1 + b_noise / batch) * (fixed + batch * per_sample)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_time_rule_doubles_exactly_where_doubling_shortens_the_time_to_a_loss(seed: int) -> None:
+    """With margin 2 and ratio = T_fixed / T_batch, the rule doubles iff (1 + Bn/2B)(F + 2Bt) < (1 + Bn/B)(F + Bt):
+    checked against that time on random problems, on both sides of the break-even."""
+    g = torch.Generator().manual_seed(seed)
+    doubled = stayed = 0
+    for _ in range(400):
+        u = torch.rand(4, generator=g, dtype=torch.float64)
+        b = int(2 ** (1 + 9 * float(u[0]))) * 2  # 4 .. 2048, a multiple of 2
+        b_noise, fixed, t = 10 ** (3 * float(u[1])), 10 ** (-4 + 3 * float(u[2])), 10 ** (-6 + 2 * float(u[3]))
+        ratio = fixed / (b * t)
+        want = 2 * b if _time_to_loss(2 * b, b_noise, fixed, t) < _time_to_loss(b, b_noise, fixed, t) else b
+        if abs(b_noise * ratio / (2 * b) - 1) < 1e-9:
+            continue  # at the break-even itself both are right
+        assert next_batch(b, b_noise, maximum=1 << 14, multiple=2, ratio=ratio) == want, (b, b_noise, ratio)
+        doubled, stayed = doubled + (want > b), stayed + (want == b)
+    assert doubled > 20 and stayed > 20  # both sides were tried
+
+
+def test_ratio_one_is_the_noise_rule_and_a_bad_ratio_is_refused() -> None:
+    for b_simple in (10.0, 63.9, 64.0, 200.0, None):
+        assert next_batch(32, b_simple, maximum=4096, multiple=4) == next_batch(32, b_simple, maximum=4096,
+                                                                                multiple=4, ratio=1.0)  # fmt: skip
+    assert next_batch(32, 20.0, maximum=4096, multiple=4, ratio=4.0) == 64  # 20 x 4 >= 64: a slow network grows it
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="ratio"):
+            next_batch(32, 100.0, maximum=4096, multiple=4, ratio=bad)
+
+
+def test_step_cost_averages_the_fixed_and_per_sample_time_and_ratio_uses_the_agreed_figures() -> None:
+    cost = StepCost(beta=0.5)
+    assert cost.own is None and cost.ratio(8) is None
+    cost.observe(0.030, 0.010, 10)  # fixed 0.020, per sample 0.001
+    assert cost.own == pytest.approx((0.020, 0.001))  # one step: its own figures (bias-corrected)
+    cost.observe(0.050, 0.020, 10)  # fixed 0.030, per sample 0.002
+    w = 0.5 * 0.5 + 0.5  # weights 0.25 and 0.5 over a total of 0.75
+    assert cost.own == pytest.approx(((0.25 * 0.020 + 0.5 * 0.030) / w, (0.25 * 0.001 + 0.5 * 0.002) / w))
+    cost.observe(math.nan, 0.01, 10)  # not a step: ignored
+    cost.observe(0.01, 0.0, 10)
+    assert cost.own == pytest.approx(((0.25 * 0.020 + 0.5 * 0.030) / w, (0.25 * 0.001 + 0.5 * 0.002) / w))
+    assert cost.ratio(8) is None  # nothing agreed yet
+    cost.agree(0.024, 0.0015)
+    assert cost.ratio(8) == pytest.approx(0.024 / (0.0015 * 8))
+    cost.agree(math.nan, 0.001)  # a rank without figures: the last agreement stands
+    assert cost.agreed == (0.024, 0.0015)
+    again = StepCost(beta=0.5)
+    again.load_state_dict(cost.state_dict())
+    assert again.own == cost.own and again.agreed == cost.agreed

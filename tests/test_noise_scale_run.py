@@ -70,6 +70,62 @@ def test_auto_doubles_the_batch_where_the_noise_scale_exceeds_twice_it(tmp_path)
     assert s["steps"] == len(rows)
 
 
+def test_auto_every_n_steps_with_the_time_rule_grows_the_batch_inside_an_epoch_as_the_rule_says(tmp_path):
+    """``--auto-every 5 --auto-rule time``: after every 5th step the rule, applied to that step's logged noise scale
+    and the step cost all ranks agreed (``step_fixed_s``, ``sample_s``), gives the next step's batch; the batch
+    changes inside the first epoch, the rate follows linear scaling, and the step count is the plan's."""
+    out = tmp_path / "time"
+    auto = ["--batch-schedule", "auto", "--auto-every", "5", "--auto-rule", "time", "--max-batch", "64"]
+    p = dtrain_cli("run", *COMMON, "--batch-size", "8", "--epochs", "2", *auto, "--lr-scaling", "linear",
+                   "--out", str(out))  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = read_summary(out)
+    rows = sorted((r for r in read_metrics(out) if r["rank"] == 0), key=lambda r: r["step"])
+    other = sorted((r for r in read_metrics(out) if r["rank"] == 1), key=lambda r: r["step"])
+    assert [r["batch"] for r in rows] == [r["batch"] for r in other]  # both ranks drew the same sizes
+    assert [r["step_fixed_s"] for r in rows if "step_fixed_s" in r] == [r["step_fixed_s"] for r in other
+                                                                        if "step_fixed_s" in r]  # fmt: skip
+    decided = 0
+    for r, nxt in zip(rows, rows[1:]):
+        if (r["step"] + 1) % 5 or "step_fixed_s" not in r:
+            assert nxt["batch"] == r["batch"], r["step"]  # no decision here
+            continue
+        ratio = r["step_fixed_s"] / (r["sample_s"] * (r["batch"] // 2))
+        want = next_batch(r["batch"], r["b_simple"], maximum=64, multiple=2, ratio=ratio)
+        assert nxt["batch"] == want, (r["step"], r["b_simple"], ratio)
+        decided += 1
+    assert decided >= 10
+    changes = [d for d in s["batch_decisions"] if d["step"] > 0]
+    assert changes and [d["batch"] for d in changes] == sorted({r["batch"] for r in rows})[1:]
+    first_epoch = [r["batch"] for r in rows if r["epoch"] == 0]
+    assert len(set(first_epoch)) > 1, "the batch grew inside the first epoch"
+    assert all(r["lr"] == pytest.approx(0.05 * r["batch"] / 8) for r in rows)  # linear scaling follows
+    assert s["steps"] == len(rows) == len(first_epoch) + (1437 // 2) // (rows[-1]["batch"] // 2)
+
+
+def test_an_auto_every_run_resumed_between_its_decisions_ends_as_the_uninterrupted_one(tmp_path):
+    """The checkpoint holds the plan's changes: a run stopped inside an epoch whose batch grew at a step (not at
+    the epoch's start) resumes on the same cuts of the data, makes the same decisions and ends on the same model."""
+    flags = [*COMMON, "--batch-size", "8", "--epochs", "2", "--batch-schedule", "auto", "--auto-every", "10"]
+    full, part, resumed = tmp_path / "full", tmp_path / "part", tmp_path / "resumed"
+    assert dtrain_cli("run", *flags, "--out", str(full)).returncode == 0
+    p = dtrain_cli("run", *flags, "--max-steps", "45", "--checkpoint-every", "15", "--out", str(part))
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = dtrain_cli("run", *flags, "--resume", str(part), "--out", str(resumed))
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = read_summary(full), read_summary(resumed)
+    assert b["start_step"] == 45 and a["steps"] == 45 + b["steps"]
+    grown = [d["step"] for d in a["batch_decisions"] if d["step"] > 0]
+    assert grown and grown[0] < 45, a["batch_decisions"]  # the batch grew inside epoch 0, before the stop
+    assert a["batch_decisions"] == b["batch_decisions"]
+    rows_a = {r["step"]: r for r in read_metrics(full) if r["rank"] == 0}
+    rows_b = {r["step"]: r for r in read_metrics(resumed) if r["rank"] == 0}
+    assert all(rows_b[k]["batch"] == rows_a[k]["batch"] and rows_b[k]["loss"] == pytest.approx(rows_a[k]["loss"],
+               rel=1e-6) for k in rows_b)  # fmt: skip
+    assert b["metric"] == pytest.approx(a["metric"], abs=1e-12)
+    assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-6)
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--strategy", "ps", "--servers", "1", "--batch-schedule", "auto"], "batch_schedule auto"),
     (["--workers", "1", "--batch-schedule", "auto"], "batch_schedule auto"),

@@ -17,9 +17,8 @@ from typing import Any
 from dtrain._cli import run_command
 from dtrain.config import DEVICES, LR_SCHEDULES, OPTIMIZERS, PRECISIONS, RunConfig, load_toml, option_fields
 from dtrain.errors import DTrainError
-from dtrain.schedule import LR_SCALINGS
+from dtrain.schedule import AUTO_RULES, LR_SCALINGS
 from dtrain.strategies.base import registered
-from dtrain.training.noise_scale import AUTO_RULES
 
 __all__ = ["main", "build_parser", "config_from_args"]
 

@@ -303,11 +303,9 @@ class RunConfig:
         choose("optimizer", self.optimizer, OPTIMIZERS)
         choose("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         choose("precision", self.precision, PRECISIONS)
-        from dtrain.schedule import LR_SCALINGS
+        from dtrain.schedule import AUTO_RULES, LR_SCALINGS
 
         choose("lr_scaling", self.lr_scaling, LR_SCALINGS)
-        from dtrain.training.noise_scale import AUTO_RULES
-
         choose("auto_rule", self.auto_rule, AUTO_RULES)
         if self.backend and self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r} is not known; choose gloo, nccl or mpi")

@@ -23,7 +23,9 @@ epoch 5 of 512, ...) grows the batch instead of decaying the rate (Smith, Kinder
 "Don't Decay the Learning Rate, Increase the Batch Size", ICLR): the batch changes only at epoch
 boundaries, so each epoch is one ``DistributedSampler`` permutation (the same on every rank and after a
 resume) cut into that epoch's batches. ``auto`` lets the measured gradient noise scale choose
-(:mod:`dtrain.training.noise_scale`).
+(:mod:`dtrain.training.noise_scale`), at the start of each epoch or, with ``--auto-every N``, after every
+N steps: then an epoch is still one permutation, cut into consecutive batches of the sizes in force when
+each was drawn, and :class:`BatchPlan` finds a step's place in it from the list of changes.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from dataclasses import dataclass, field
 
 from dtrain.errors import ConfigError
 
-__all__ = ["LR_SCALINGS", "parse_batch_schedule", "BatchPlan", "scaling_factor", "warmup_factor"]
+__all__ = ["LR_SCALINGS", "AUTO_RULES", "parse_batch_schedule", "BatchPlan", "scaling_factor", "warmup_factor"]
 
 LR_SCALINGS = ("none", "linear", "sqrt")
+AUTO_RULES = ("noise", "time")  # --auto-rule: what auto weighs the noise scale by (training.noise_scale.next_batch)
 
 
 def parse_batch_schedule(spec: str) -> list[tuple[int, int]]:

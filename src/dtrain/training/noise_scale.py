@@ -41,9 +41,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["AUTO_RULES", "estimate", "NoiseScale", "StepCost", "next_batch"]
-
-AUTO_RULES = ("noise", "time")  # --auto-rule: what the auto batch schedule weighs the noise scale by
+__all__ = ["estimate", "NoiseScale", "StepCost", "next_batch"]
 
 
 def estimate(small_sq: float, big_sq: float, b_small: float, b_big: float) -> tuple[float, float]:
