@@ -219,9 +219,10 @@ def _walk_by_hand(plan: BatchPlan, shards: int) -> list[tuple[int, int, int]]:
     ([(89, 32), (100, 128)], 4),  # at the first epoch's end (89 steps at 16), then inside the second
     ([(3, 32), (4, 64), (5, 128), (6, 256)], 2),  # every step
     ([(150, 48)], 3),
+    ([(30, 56), (110, 112)], 7),  # 205 samples a shard: 102 steps at 14, then 56 in the second epoch
 ])  # fmt: skip
 def test_a_plan_deciding_inside_epochs_locates_every_step_as_drawing_them_one_by_one(changes, shards):
-    plan = BatchPlan.of(16 if shards != 3 else 24, "auto", DIGITS_TRAIN, 3, every=1)
+    plan = BatchPlan.of({3: 24, 7: 14}.get(shards, 16), "auto", DIGITS_TRAIN, 3, every=1)
     for step, batch in changes:
         plan.change(step, batch)
     want = _walk_by_hand(plan, shards)
@@ -231,7 +232,7 @@ def test_a_plan_deciding_inside_epochs_locates_every_step_as_drawing_them_one_by
         assert plan.locate(step, shards) == (e, i), step
         assert plan.offset(e, i, shards) == taken, step
     for e in range(3):  # an epoch's batch: its first step's
-        assert plan.batch(e) == plan.batch_at(want.index((e, 0, 0)))
+        assert plan.batch(e, shards) == plan.batch_at(want.index((e, 0, 0)))
     assert plan.locate(len(want), shards) == (3, 0)  # after the last step: past the last epoch
     if changes:  # the batch of a step is the latest change at or before it
         assert plan.batch_at(changes[0][0] - 1) == plan.batches[0] and plan.batch_at(changes[-1][0]) == changes[-1][1]

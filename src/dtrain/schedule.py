@@ -104,11 +104,11 @@ class BatchPlan:
         """Whether the batch may change inside an epoch (``auto`` with ``every > 0``)."""
         return self.auto and self.every > 0
 
-    def batch(self, epoch: int) -> int:
+    def batch(self, epoch: int, shards: int = 1) -> int:
         """The global batch of ``epoch`` (past the last planned epoch: the last one's); deciding within
-        epochs, the batch its first step trains on."""
+        epochs, the batch its first step trains on (where that step falls depends on the ``shards``)."""
         if self.within_epochs:
-            return self.batch_at(self._walk(epoch=epoch)[1])
+            return self.batch_at(self._walk(epoch=epoch, shards=shards)[1])
         return self.batches[min(epoch, len(self.batches) - 1)]
 
     def batch_at(self, step: int, shards: int = 1) -> int:
