@@ -101,6 +101,9 @@ def test_auto_every_n_steps_with_the_time_rule_grows_the_batch_inside_an_epoch_a
     assert len(set(first_epoch)) > 1, "the batch grew inside the first epoch"
     assert all(r["lr"] == pytest.approx(0.05 * r["batch"] / 8) for r in rows)  # linear scaling follows
     assert s["steps"] == len(rows) == len(first_epoch) + (1437 // 2) // (rows[-1]["batch"] // 2)
+    shown = dtrain_cli("report", str(out))  # the report lists each change at its step
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert all(f"batch step {d['step']:<4} {d['batch']}" in shown.stdout for d in changes), shown.stdout
 
 
 def test_an_auto_every_run_resumed_between_its_decisions_ends_as_the_uninterrupted_one(tmp_path):

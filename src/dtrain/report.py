@@ -101,8 +101,9 @@ def report(run_dir: str | Path) -> str:
         lines.append(f"mean {k:<10} {v:.4g}")
     if summary.get("noise_scale") is not None:
         lines.append(f"noise scale     B_simple {summary['noise_scale']:.4g} (smoothed, last step)")
-    for d_ in summary.get("batch_decisions") or []:
-        lines.append(f"batch epoch {d_['epoch']:<3} {d_['batch']}")
+    for d_ in summary.get("batch_decisions") or []:  # auto: one per epoch, or (--auto-every) one per change
+        at = f"epoch {d_['epoch']:<3}" if "epoch" in d_ else f"step {d_['step']:<4}"
+        lines.append(f"batch {at} {d_['batch']}")
     if "staleness" in summary:
         s = summary["staleness"]
         lines.append(f"staleness       max {s.get('max')} mean {s.get('mean', 0):.3g}")
