@@ -106,18 +106,26 @@ def test_auto_every_n_steps_with_the_time_rule_grows_the_batch_inside_an_epoch_a
     assert all(f"batch step {d['step']:<4} {d['batch']}" in shown.stdout for d in changes), shown.stdout
 
 
-def test_an_auto_every_run_resumed_between_its_decisions_ends_as_the_uninterrupted_one(tmp_path):
-    """The checkpoint holds the plan's changes: a run stopped inside an epoch whose batch grew at a step (not at
-    the epoch's start) resumes on the same cuts of the data, makes the same decisions and ends on the same model."""
-    flags = [*COMMON, "--batch-size", "8", "--epochs", "2", "--batch-schedule", "auto", "--auto-every", "10"]
+def _full_and_resumed(tmp_path, flags: list[str], *, stop: int, every: int):
+    """Run ``flags`` through; then stopped after ``stop`` steps (checkpoints every ``every``) and resumed to the
+    end. Returns the two run folders (whole, resumed), after checking the resumed run starts at ``stop``."""
     full, part, resumed = tmp_path / "full", tmp_path / "part", tmp_path / "resumed"
     assert dtrain_cli("run", *flags, "--out", str(full)).returncode == 0
-    p = dtrain_cli("run", *flags, "--max-steps", "45", "--checkpoint-every", "15", "--out", str(part))
+    p = dtrain_cli("run", *flags, "--max-steps", str(stop), "--checkpoint-every", str(every), "--out", str(part))
     assert p.returncode == 0, p.stderr[-3000:]
     p = dtrain_cli("run", *flags, "--resume", str(part), "--out", str(resumed))
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = read_summary(full), read_summary(resumed)
-    assert b["start_step"] == 45 and a["steps"] == 45 + b["steps"]
+    assert b["start_step"] == stop and a["steps"] == stop + b["steps"]
+    return full, resumed
+
+
+def test_an_auto_every_run_resumed_between_its_decisions_ends_as_the_uninterrupted_one(tmp_path):
+    """The checkpoint holds the plan's changes: a run stopped inside an epoch whose batch grew at a step (not at
+    the epoch's start) resumes on the same cuts of the data, makes the same decisions and ends on the same model."""
+    flags = [*COMMON, "--batch-size", "8", "--epochs", "2", "--batch-schedule", "auto", "--auto-every", "10"]
+    full, resumed = _full_and_resumed(tmp_path, flags, stop=45, every=15)
+    a, b = read_summary(full), read_summary(resumed)
     grown = [d["step"] for d in a["batch_decisions"] if d["step"] > 0]
     assert grown and grown[0] < 45, a["batch_decisions"]  # the batch grew inside epoch 0, before the stop
     assert a["batch_decisions"] == b["batch_decisions"]
@@ -146,14 +154,7 @@ def test_an_auto_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(tmp_path):
     """The checkpoint holds the batch plan, the decisions and the noise scale's averages: a run stopped inside
     the grown epoch and resumed makes the same decisions and ends on the same model."""
     flags = [*COMMON, "--batch-size", "8", "--epochs", "3", "--batch-schedule", "auto"]
-    full, part, resumed = tmp_path / "full", tmp_path / "part", tmp_path / "resumed"
-    assert dtrain_cli("run", *flags, "--out", str(full)).returncode == 0
-    p = dtrain_cli("run", *flags, "--max-steps", "200", "--checkpoint-every", "100", "--out", str(part))
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = dtrain_cli("run", *flags, "--resume", str(part), "--out", str(resumed))
-    assert p.returncode == 0, p.stderr[-3000:]
-    a, b = read_summary(full), read_summary(resumed)
-    assert b["start_step"] == 200 and a["steps"] == 200 + b["steps"]
+    a, b = (read_summary(d) for d in _full_and_resumed(tmp_path, flags, stop=200, every=100))
     assert [d["batch"] for d in a["batch_decisions"]] == [d["batch"] for d in b["batch_decisions"]]
     assert a["batch_decisions"][1]["batch"] > 8  # step 200 is inside an epoch whose batch grew
     assert b["metric"] == pytest.approx(a["metric"], abs=1e-12)
