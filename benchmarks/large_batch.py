@@ -103,6 +103,9 @@ def cluster_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out["auto every"] = dict(within, auto_rule="noise")
     out["auto time"] = dict(within, auto_rule="time")
     out["auto time sqrt"] = dict(within, auto_rule="time", lr_scaling="sqrt")
+    for k in (16, 32):  # past 8x: square-root scaling, fixed (with warmup) and as auto's cap
+        out[f"{k}x sqrt+warmup"] = dict(batch_size=k * b, lr_scaling="sqrt", base_batch=b, warmup_epochs=w)
+        out[f"auto time sqrt max {k}x"] = dict(within, auto_rule="time", lr_scaling="sqrt", max_batch=k * b)
     big_epoch = (1437 // ns.hosts) // (8 * b // ns.hosts)  # digits: steps of an epoch at 8x
     out["auto time warmup"] = dict(within, auto_rule="time", warmup_steps=round(w * big_epoch))  # 8x's ramp
     return out
