@@ -187,6 +187,7 @@ class BatchPlan:
             e, first, taken = e + 1, s, 0  # the step-th batch does not fit the epoch: it opens the next
         return e, first, taken
 
+
 def scaling_factor(rule: str, batch: int, base_batch: int) -> float:
     """``k`` (``linear``), ``sqrt(k)`` (``sqrt``) or 1 (``none``), with ``k = batch / base_batch``."""
     if rule == "none":
