@@ -21,6 +21,8 @@ is 0.28 points), ``--workers`` processes, SGD with momentum 0.9 and a constant r
                               with linear scaling (the growth is the warmup)
 * ``auto time``               (cluster) the same, doubling while the noise scale times the step's fixed time
                               over its batch's compute time exceeds twice the batch (``--auto-rule time``)
+* ``auto time from 8x ...``   (cluster) the time rule starting at 8x with 8x's rate and warmup, up to 32x:
+                              ``linear`` (the rate doubles with the batch) or ``rate held`` (Smith et al.)
 
 ``--part gpt``: ``--gpt-model`` (gpt-tiny) on pytext, ``--gpt-epochs`` epochs, validation loss over every
 validation window: the base batch ``--gpt-base`` with Adam ``--gpt-lr``; 8x with Adam at the same rate; 8x
@@ -108,6 +110,13 @@ def cluster_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
         out[f"auto time sqrt max {k}x"] = dict(within, auto_rule="time", lr_scaling="sqrt", max_batch=k * b)
     big_epoch = (1437 // ns.hosts) // (8 * b // ns.hosts)  # digits: steps of an epoch at 8x
     out["auto time warmup"] = dict(within, auto_rule="time", warmup_steps=round(w * big_epoch))  # 8x's ramp
+    # auto from the best fixed batch (8x, its rate and warmup), growing past it as the time rule says: with
+    # linear scaling (the rate doubles with the batch), or with the rate held (Smith et al. 2018: a larger
+    # batch at the same rate is a smaller step's noise, as a decay would give)
+    from8 = dict(batch_size=8 * b, batch_schedule="auto", max_batch=32 * b, auto_every=ns.auto_every,
+                 auto_rule="time", warmup_epochs=w)  # fmt: skip
+    out["auto time from 8x linear"] = dict(from8, lr_scaling="linear", base_batch=b)
+    out["auto time from 8x rate held"] = dict(from8, lr=8 * ns.lr)
     return out
 
 

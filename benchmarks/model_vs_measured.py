@@ -4,7 +4,7 @@ For each link rate: bring up an emulated cluster (one network namespace per host
 tbf-shaped links), calibrate it (``dtrain bench calibrate``: ping-pong alpha/beta,
 gamma, compute under contention, loop overhead), then run ``dtrain run`` (one
 torchrun node per host, c10d rendezvous on host 0) for each strategy and compare
-the median step time of the training loop (``metrics.jsonl``, after warm-up) with
+the mean step time of the training loop (``metrics.jsonl``, after warm-up) with
 the performance model's prediction: per round, the load-dependent terms are
 re-measured (``refresh_load``: wake, floor, compute scale, duplex rate; ~25 s), every
 strategy is predicted with the medians of the phase's readings so far (``pool_load``: the
@@ -14,6 +14,11 @@ step time - 1), so that one round disturbed by the shared machine's load does no
 decide; the error of the means over the rounds is printed beside it. The
 planner ranks every strategy that runs on the cluster's processes; its first three
 are measured too, and the script reports whether its first choice is the measured fastest or within 10% of it.
+
+A run lasts ``--steps`` steps, or more where that would time less than ``--window`` seconds after
+warm-up at the predicted step time. On a quiet machine, the means of consecutive 50-step windows
+of one 400-step dp ring run at 1 Gbit ranged over 8.40-9.65 ms (±7%): 50 steps of a 9 ms step
+are half a second, shorter than the shared machine's disturbances.
 
 Run (root; ~22 minutes)::
 
@@ -26,6 +31,7 @@ calibration runs right before the measurements to see the same conditions.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from dataclasses import replace
@@ -59,6 +65,9 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--window", type=float, default=2.0,
+                    help="time at least this many seconds of steps after warm-up, at the predicted step time "
+                         "(default: 2)")  # fmt: skip
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--top", type=int, default=3, help="also measure the planner's first K (default: 3)")
     ap.add_argument("--rounds", type=int, default=3, help="runs per strategy, interleaved (default: 3)")
@@ -73,7 +82,7 @@ def main() -> int:
     from dtrain.workload import load_model
 
     print(f"torch {torch.__version__}; model cnn on digits, global batch {ns.batch}, {ns.hosts} emulated hosts, "
-          f"{ns.steps} steps (mean after {ns.warmup})")  # fmt: skip
+          f"{ns.steps} steps or {ns.window:g} s of them (mean after {ns.warmup})")  # fmt: skip
     base = RunConfig.make(model="cnn", dataset="digits", batch_size=ns.batch, max_steps=ns.steps, epochs=1000,
                      trace=False, progress=False, workers=ns.hosts)  # fmt: skip
     model, sample, name = load_model("cnn", "digits", batch=ns.batch)
@@ -112,11 +121,12 @@ def main() -> int:
                       f"x{d.compute_scale:.2f}, loop overhead {d.overhead * 1e3:.3g} ms; encode/decode (scaled) "
                       f"{', '.join(coding)}")  # fmt: skip
                 for s in todo:
-                    run_cfg = base.replace(strategy=s.strategy, workers=s.workers, options=s.options)
-                    cfg = replace(run_cfg, cluster=cname)
-                    times[s].append(statistics.mean(measure(cfg, cname, ns.warmup)))
                     found = pr.find(s.label())
                     preds[s].append(found.step_s if found else float("nan"))
+                    steps = max(ns.steps, ns.warmup + math.ceil(ns.window / found.step_s)) if found else ns.steps
+                    run_cfg = base.replace(strategy=s.strategy, workers=s.workers, options=s.options, max_steps=steps)
+                    cfg = replace(run_cfg, cluster=cname)
+                    times[s].append(statistics.mean(measure(cfg, cname, ns.warmup)))
             rows = []
             for s in todo:
                 dt, pred = statistics.mean(times[s]), statistics.mean(preds[s])
