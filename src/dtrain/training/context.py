@@ -263,7 +263,7 @@ class TrainContext:
         c = self.cfg
         if batch is None:
             batch = self.plan.batch_at(step, self.batch_shards)
-        k = scaling_factor(c.lr_scaling, batch, c.base_batch or self.plan.batch(0))
+        k = scaling_factor(c.lr_scaling, batch, c.base_batch or self.plan.batches[0])
         return k * warmup_factor(step, self.warmup_steps, k) * lr_factor(c.lr_schedule, step, total)
 
     @property

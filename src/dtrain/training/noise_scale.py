@@ -220,7 +220,7 @@ def next_batch(current: int, b_simple: float | None, *, margin: float = 2.0, max
 
     Raises:
         ValueError: ``current``, ``multiple`` or ``maximum`` below 1, ``current`` not a multiple of
-            ``multiple``, ``current > maximum``, ``margin <= 0``, or ``ratio`` not finite and > 0.
+            ``multiple``, ``current > maximum``, ``margin <= 0``, or ``ratio`` not a finite number > 0.
     """
     if multiple < 1:
         raise ValueError(f"multiple (the number of workers) must be >= 1, got {multiple}")
