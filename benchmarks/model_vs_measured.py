@@ -20,7 +20,7 @@ warm-up at the predicted step time. On a quiet machine, the means of consecutive
 of one 400-step dp ring run at 1 Gbit ranged over 8.40-9.65 ms (±7%): 50 steps of a 9 ms step
 are half a second, shorter than the shared machine's disturbances.
 
-Run (root; ~22 minutes)::
+Run (root; ~20 minutes)::
 
     python benchmarks/model_vs_measured.py --bandwidths 1gbit,50mbit --hosts 4 --steps 60
 
