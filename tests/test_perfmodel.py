@@ -417,6 +417,46 @@ def test_compressors_pay_the_floor_per_step():
     assert two.step_s == pytest.approx(0.15 + 2.1 + coding + 0.01, rel=1e-6)
 
 
+def test_counted_coding_is_charged_at_the_compressors_cpu_ratio():
+    # the counted path charges the thread count's CPU times cpu_ratio (what the cluster's processes spend
+    # over the thread count, from the calibration) times the compute scale; the messages do not change
+    c = flat(4, 1e-4, 1e-9, 1e-10)
+    c = replace(c, device=replace(c.device, compute_scale=2.5))
+    n = 38282
+    shapes = ((16, 1, 3, 3), (16,), (32, 16, 3, 3), (32,), (64, 512), (64,), (10, 64), (10,))  # the CNN's
+    full = CompressionModel("powersgd:2", "lowrank", 0.01)
+    comm1, coding1 = compressed_allreduce_time(c, "ring", 4 * n, 4, full, shapes)
+    comm2, coding2 = compressed_allreduce_time(c, "ring", 4 * n, 4, replace(full, cpu_ratio=0.6), shapes)
+    assert coding1 > 0
+    assert comm2 == comm1
+    assert coding2 == pytest.approx(0.6 * coding1, rel=1e-9)
+    cpu = compressed_traffic("powersgd:2", 4, n, shapes)[2]
+    assert coding1 == pytest.approx(cpu * 2.5, rel=1e-9)
+
+
+def test_cpu_ratio_is_the_processes_cpu_over_the_thread_count_and_round_trips(tmp_path):
+    from dtrain.perfmodel.fit import fit_cpu_ratio
+    from dtrain.perfmodel.spec import CompressorCost
+
+    shapes = [[64, 512], [64], [10, 64], [10]]
+    n = 64 * 512 + 64 + 640 + 10
+    counted = compressed_traffic("onebit", 3, n, tuple(tuple(s) for s in shapes))[2]
+    probe = {"numel": n, "shapes": shapes}
+    results = {r: {"coding_cpu": dict(probe, cpu={"onebit": counted * x})} for r, x in enumerate((0.5, 0.7, 0.6))}
+    assert fit_cpu_ratio("onebit", results) == pytest.approx(0.7, rel=1e-9)  # the busiest rank
+    assert fit_cpu_ratio("topk:0.01", results) == 1.0  # not probed
+    assert fit_cpu_ratio("onebit", {0: results[0]}) == 1.0  # one rank: nothing to count against
+    assert fit_cpu_ratio("onebit", {0: {}, 1: {}}) == 1.0  # an older calibration
+    spec = ClusterSpec(nodes=2, compressors={"onebit": CompressorCost(0.03, 5e-9, 2e-9, cpu_ratio=0.65)})
+    (tmp_path / "c.toml").write_text(dump_cluster(spec))
+    back = load_cluster(tmp_path / "c.toml")
+    assert back.compressors["onebit"].cpu_ratio == pytest.approx(0.65)
+    assert compression_model("onebit", back).cpu_ratio == pytest.approx(0.65)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="cpu_ratio"):
+            CompressorCost(0.03, cpu_ratio=bad)
+
+
 def test_compute_falls_back_to_flops_and_model_rates():
     prof = made_up_profile(host="elsewhere")
     c = flat(2, 0.0, 1e-9, 0.0)

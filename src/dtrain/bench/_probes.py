@@ -10,6 +10,7 @@ as ``dtrain.bench._probes.calibration_worker`` however the calibration was start
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -30,7 +31,11 @@ __all__ = [
     "compute_alone_and_together",
     "gamma",
     "native_small",
+    "coding_cpu",
 ]
+
+# the coding probe runs on gradients of up to this many floats (larger models: not measured, ratio 1)
+CODING_MAX_NUMEL = 4 << 20
 
 # the floor's probe: 1 KiB, a few bytes in every rank's segment but latency-bound at any link rate
 FLOOR_NUMEL = 256
@@ -175,8 +180,9 @@ def gamma(reps: int) -> float:
 
 
 def calibration_worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: int, quick: bool,
-                       load_only: bool = False) -> dict[str, Any]:  # fmt: skip
-    """One process of a calibration job: ping-pong in its pair, duplex exchanges, gamma, compute, floor.
+                       load_only: bool = False, compressors: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
+    """One process of a calibration job: ping-pong in its pair, duplex exchanges, gamma, compute, floor,
+    and each of ``compressors``' CPU in its collective (:func:`coding_cpu`).
 
     ``load_only`` skips the ping-pong and keeps what the load moves (the duplex
     exchange among them), for :func:`dtrain.bench.calibrate.refresh_load`.
@@ -206,7 +212,44 @@ def calibration_worker(pairs: list[tuple[int, int]], model_name: str, dataset: s
     dist.barrier()
     out["p2p_floor"] = native_small(40 * reps, FLOOR_NUMEL, algorithm="ring")
     out["gamma"] = gamma(reps * 3)
+    if compressors:
+        dist.barrier()
+        out["coding_cpu"] = coding_cpu(model_name, dataset, compressors, 2 * reps)
     return out
+
+
+def coding_cpu(model_name: str, dataset: str, specs: Sequence[str], reps: int) -> dict[str, Any]:
+    """This rank's CPU seconds (``time.thread_time``: its own work, no waiting) in each compressor's
+    allreduce of the model's gradient, called with its parameter shapes as the data-parallel reducer
+    calls it; the median of ``reps``. Also ``numel`` and ``shapes``, for the thread count to compare
+    with (:func:`dtrain.perfmodel._traffic.compressed_traffic`). Empty for gradients over
+    :data:`CODING_MAX_NUMEL` floats."""
+    import torch.distributed as dist
+
+    from dtrain.comm.allreduce import get_transport
+    from dtrain.compress import from_spec
+    from dtrain.compress.reduce import compressed_allreduce
+    from dtrain.workload import load_model
+
+    model, _, _ = load_model(model_name, dataset, batch=1)
+    shapes = [tuple(int(d) for d in p.shape) for p in model.parameters() if p.requires_grad]
+    numel = sum(math.prod(sh) for sh in shapes)
+    if numel > CODING_MAX_NUMEL:
+        return {}
+    t = get_transport()
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()))
+    cpu: dict[str, float] = {}
+    for spec in specs:
+        comp, layout = from_spec(spec), [list(sh) for sh in shapes]
+        compressed_allreduce(x.clone(), comp, "calibration", t, algorithm="ring", shapes=layout)  # warm-up
+        times = []
+        for _ in range(max(3, reps)):
+            dist.barrier()
+            c0 = time.thread_time()
+            compressed_allreduce(x.clone(), comp, "calibration", t, algorithm="ring", shapes=layout)
+            times.append(time.thread_time() - c0)
+        cpu[spec] = float(statistics.median(times))
+    return {"numel": numel, "shapes": [list(sh) for sh in shapes], "cpu": cpu}
 
 
 def duplex(reps: int, sizes: Sequence[int] = (256 << 10, 512 << 10, 768 << 10, 1 << 20)) -> list[tuple[int, float]]:

@@ -68,6 +68,7 @@ from dtrain.errors import DTrainError
 from dtrain.perfmodel._units import format_rate, format_time
 from dtrain.perfmodel.fit import (
     fit_compute_scale,
+    fit_cpu_ratio,
     fit_duplex_rate,
     fit_floor,
     fit_imbalance,
@@ -156,13 +157,14 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, r
     return float(statistics.median(overheads))
 
 
-def _compressors(specs: Sequence[str]) -> dict[str, CompressorCost]:
+def _compressors(specs: Sequence[str], results: dict[int, Any] | None = None) -> dict[str, CompressorCost]:
     from dtrain.perfmodel.compression import measure_compressor
 
     out = {}
     for s in specs:
         ratio, enc, dec = measure_compressor(s)
-        out[s] = CompressorCost(ratio=ratio, encode_s_per_byte=enc, decode_s_per_byte=dec)
+        out[s] = CompressorCost(ratio=ratio, encode_s_per_byte=enc, decode_s_per_byte=dec,
+                                cpu_ratio=fit_cpu_ratio(s, results or {}))  # fmt: skip
     return out
 
 
@@ -177,7 +179,7 @@ def _assemble(name: str, nodes: int, per_node: int, inter: Link | None, intra: L
                     compute_scale=scale, host=this_host(), overhead=overhead_alone * scale, wake=wake,
                     floor=floor, imbalance=imbalance, p2p_floor=fit_p2p_floor(results))  # fmt: skip
     return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=inter or intra, intra=intra, device=device,
-                       compressors=_compressors(compressions), name=name)  # fmt: skip
+                       compressors=_compressors(compressions, results), name=name)  # fmt: skip
 
 
 def _memory_per_device(devices: int) -> int:
@@ -199,8 +201,8 @@ def calibrate_cluster(
 
     c = load(name)
     per_worker = max(1, batch // c.hosts)
-    res = run_on_cluster(calibration_worker, (_pairs(c.hosts), model, dataset, per_worker, quick), cluster=c,
-                         timeout_s=600)  # fmt: skip
+    res = run_on_cluster(calibration_worker, (_pairs(c.hosts), model, dataset, per_worker, quick, False,
+                                              tuple(compressions)), cluster=c, timeout_s=600)  # fmt: skip
     inter = fit_link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]])
     inter = replace(inter, duplex_bandwidth=fit_duplex_rate(res, inter),
                     burst=float(tbf_burst(c.rate_bps, c.mtu)))  # the emulation's token bucket: known, not fitted
@@ -294,8 +296,8 @@ def calibrate_local(
     from dtrain.launch import launch
 
     per_worker = max(1, batch // workers)
-    res = launch(calibration_worker, (_pairs(workers), model, dataset, per_worker, quick), nprocs=workers,
-                 threads=1)  # fmt: skip
+    res = launch(calibration_worker, (_pairs(workers), model, dataset, per_worker, quick, False,
+                                      tuple(compressions)), nprocs=workers, threads=1)  # fmt: skip
     intra = fit_link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]])
     intra = replace(intra, duplex_bandwidth=fit_duplex_rate(res, intra))
     overhead = _loop_overhead(model, dataset, per_worker)
@@ -332,7 +334,8 @@ def summary(spec: ClusterSpec) -> str:
     ]
     for s, cc in spec.compressors.items():
         lines.append(f"  {s}: ratio {cc.ratio:.4g}, encode {cc.encode_s_per_byte * 1e9:.3g} ns/B, "
-                     f"decode {cc.decode_s_per_byte * 1e9:.3g} ns/B")  # fmt: skip
+                     f"decode {cc.decode_s_per_byte * 1e9:.3g} ns/B, CPU in processes x{cc.cpu_ratio:.2f} "
+                     f"the thread count")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -276,6 +276,8 @@ class CompressionModel:
             "quantizer" (compressed reduce-scatter + allgather).
         ratio: payload bytes / dense bytes.
         encode_s_per_byte / decode_s_per_byte: compute cost per dense byte.
+        cpu_ratio: a process's CPU over the thread count of the counted collective
+            (:attr:`dtrain.perfmodel.spec.CompressorCost.cpu_ratio`).
     """
 
     spec: str = "none"
@@ -283,6 +285,7 @@ class CompressionModel:
     ratio: float = 1.0
     encode_s_per_byte: float = 0.0
     decode_s_per_byte: float = 0.0
+    cpu_ratio: float = 1.0
 
 
 def compressed_allreduce_time(
@@ -303,7 +306,7 @@ def compressed_allreduce_time(
     if p <= _COUNTED_WORLD and comp.spec not in ("", "none"):
         # small worlds: the implementation's own messages, bytes and CPU time (encode, merge, decode)
         msgs, sent, cpu = compressed_traffic(comp.spec, p, max(1, int(nbytes // 4)), shapes)
-        return msgs * link.alpha + sent * link.duplex_beta * flows, cpu * c.device.compute_scale
+        return msgs * link.alpha + sent * link.duplex_beta * flows, cpu * comp.cpu_ratio * c.device.compute_scale
     if comp.kind == "summable":
         return allreduce_time(c, algorithm, payload, p), coding
     if comp.kind == "lowrank":  # two allreduces (P then Q), each about half the payload

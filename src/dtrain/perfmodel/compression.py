@@ -89,7 +89,8 @@ def compression_model(spec: str, cluster: ClusterSpec | None = None, *, measure:
     if cluster is not None and spec in cluster.compressors:
         cc = cluster.compressors[spec]
         scale = cluster.device.compute_scale
-        return CompressionModel(spec, kind, cc.ratio, cc.encode_s_per_byte * scale, cc.decode_s_per_byte * scale)
+        return CompressionModel(spec, kind, cc.ratio, cc.encode_s_per_byte * scale, cc.decode_s_per_byte * scale,
+                                cc.cpu_ratio)
     if measure:
         ratio, enc, dec = measure_compressor(spec)
     else:

@@ -32,6 +32,7 @@ __all__ = [
     "fit_imbalance",
     "fit_floor",
     "fit_p2p_floor",
+    "fit_cpu_ratio",
     "fit_compute_scale",
 ]
 
@@ -177,3 +178,24 @@ def fit_compute_scale(results: dict[int, Any], default: float = 1.0) -> float:
     alone = results[0]["alone"]
     together = statistics.mean(r["together"] for r in results.values())
     return max(1.0, together / alone) if alone > 0 else default
+
+
+def fit_cpu_ratio(spec: str, results: dict[int, Any]) -> float:
+    """``cpu_ratio`` of compressor ``spec``: the busiest rank's CPU in its collective, measured in the
+    calibration's processes (:func:`dtrain.bench._probes.coding_cpu`), over the CPU that
+    :func:`dtrain.perfmodel._traffic.compressed_traffic` counts on threads for the same gradient and
+    shapes. 1.0 where the probe did not run (one rank, a large model, an older calibration).
+
+    On threads of one process the count overstated what 4 gloo processes spend on the CNN's gradient
+    by 1.5x for PowerSGD and onebit and 1.3x for top-k (``benchmarks/coding_cpu.py``); the model had
+    over-predicted PowerSGD and onebit at 50 Mbit by up to 33% and 29% (model-vs-measured run 40).
+    """
+    from dtrain.perfmodel._traffic import compressed_traffic
+
+    probes = [r["coding_cpu"] for r in results.values() if r.get("coding_cpu", {}).get("cpu", {}).get(spec)]
+    if len(results) < 2 or not probes:
+        return 1.0
+    numel, shapes = int(probes[0]["numel"]), tuple(tuple(int(d) for d in sh) for sh in probes[0]["shapes"])
+    counted = compressed_traffic(spec, len(results), numel, shapes)[2]
+    real = max(float(p["cpu"][spec]) for p in probes)
+    return real / counted if counted > 0 and real > 0 else 1.0

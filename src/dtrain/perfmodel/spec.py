@@ -210,15 +210,25 @@ class ModelRate:
 
 @dataclass(frozen=True)
 class CompressorCost:
-    """What a compressor does to a gradient of ``n`` bytes: payload ``ratio*n``, encode/decode time."""
+    """What a compressor does to a gradient of ``n`` bytes: payload ``ratio*n``, encode/decode time.
+
+    ``cpu_ratio``: the CPU that the compressed collective takes in the cluster's own processes over what
+    :func:`dtrain.perfmodel._traffic.compressed_traffic` counts on threads of one process (the calibration
+    measures both on its model's gradient; 1 when not measured). On 4 gloo processes the CNN's gradient
+    took 0.62-0.67 of the thread count for PowerSGD and onebit, 0.75-0.80 for top-k
+    (``benchmarks/coding_cpu.py``, BENCHMARKS.md).
+    """
 
     ratio: float
     encode_s_per_byte: float = 0.0
     decode_s_per_byte: float = 0.0
+    cpu_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 < self.ratio <= 2:
             raise ConfigError(f"compression ratio must be in (0, 2], got {self.ratio}")
+        if not (math.isfinite(self.cpu_ratio) and self.cpu_ratio > 0):
+            raise ConfigError(f"compressor cpu_ratio must be a finite number > 0, got {self.cpu_ratio}")
 
 
 @dataclass(frozen=True)
@@ -372,7 +382,7 @@ def dump_cluster(c: ClusterSpec, comment: str = "") -> str:
     for cname, cc in c.compressors.items():
         out += [f"[compressors.\"{cname}\"]", f"ratio = {_num(cc.ratio)}",
                 f"encode_s_per_byte = {_num(cc.encode_s_per_byte)}",
-                f"decode_s_per_byte = {_num(cc.decode_s_per_byte)}", ""]
+                f"decode_s_per_byte = {_num(cc.decode_s_per_byte)}", f"cpu_ratio = {_num(cc.cpu_ratio)}", ""]
     return "\n".join(out)
 
 
