@@ -186,9 +186,11 @@ def fit_cpu_ratio(spec: str, results: dict[int, Any]) -> float:
     :func:`dtrain.perfmodel._traffic.compressed_traffic` counts on threads for the same gradient and
     shapes. 1.0 where the probe did not run (one rank, a large model, an older calibration).
 
-    On threads of one process the count overstated what 4 gloo processes spend on the CNN's gradient
-    by 1.5x for PowerSGD and onebit and 1.3x for top-k (``benchmarks/coding_cpu.py``); the model had
-    over-predicted PowerSGD and onebit at 50 Mbit by up to 33% and 29% (model-vs-measured run 40).
+    On threads of one process the count overstated what 4 gloo processes on loopback spend on the CNN's
+    gradient by 1.5x for PowerSGD and onebit and 1.3x for top-k (``benchmarks/coding_cpu.py``); the model
+    had over-predicted PowerSGD and onebit at 50 Mbit by up to 33% and 29% (model-vs-measured run 40).
+    ``thread_time`` also counts the kernel's work on the calling thread (sends): on the emulated cluster
+    fp16's ratio read 1.67-2.68 (run 41).
     """
     from dtrain.perfmodel._traffic import compressed_traffic
 

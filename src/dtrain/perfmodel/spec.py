@@ -214,9 +214,10 @@ class CompressorCost:
 
     ``cpu_ratio``: the CPU that the compressed collective takes in the cluster's own processes over what
     :func:`dtrain.perfmodel._traffic.compressed_traffic` counts on threads of one process (the calibration
-    measures both on its model's gradient; 1 when not measured). On 4 gloo processes the CNN's gradient
-    took 0.62-0.67 of the thread count for PowerSGD and onebit, 0.75-0.80 for top-k
-    (``benchmarks/coding_cpu.py``, BENCHMARKS.md).
+    measures both on its model's gradient; 1 when not measured). On 4 gloo processes over loopback the
+    CNN's gradient took 0.62-0.67 of the thread count for PowerSGD and onebit, 0.75-0.80 for top-k
+    (``benchmarks/coding_cpu.py``); on the emulated cluster the processes' time also holds the kernel's
+    send work (fp16 read 1.67-2.68; model-vs-measured run 41, BENCHMARKS.md).
     """
 
     ratio: float
