@@ -5,7 +5,7 @@ The performance model charges a compressed bucket's encode, merge and decode as 
 threads of one process (``time.thread_time`` of the busiest rank's thread), times the compute scale
 and the compressor's ``cpu_ratio``. This script runs the calibration's own probe
 (:func:`dtrain.bench._probes.coding_cpu`: ``--workers`` gloo processes on loopback, each rank's
-``time.thread_time`` over the call, the median of ``--reps``, the CNN's gradient with its parameter
+``time.thread_time`` over the call, the median of ``--reps``, times the user-mode share of the calls' CPU, the CNN's gradient with its parameter
 shapes as the data-parallel reducer passes them) and prints it beside the thread count and their
 ratio (:func:`dtrain.perfmodel.fit.fit_cpu_ratio`, what a calibration stores). Session 18's first
 version also timed the gradient as one flat bucket: ``benchmarks/results/coding_cpu_s18.txt``.
@@ -41,11 +41,12 @@ def main() -> int:
     numel, shapes = probes[0]["numel"], tuple(tuple(sh) for sh in probes[0]["shapes"])
     print(f"torch {torch.__version__}; the CNN's gradient ({numel} floats, with its shapes), {ns.workers} ranks; "
           f"CPU ms per call")  # fmt: skip
-    print(f"{'compressor':<14}{'threads (model)':>16}{'processes, busiest':>20}{'ratio':>7}")
+    print(f"{'compressor':<14}{'threads (model)':>16}{'processes, busiest':>20}{'ratio':>7}{'user shares':>26}")
     for spec in specs:
         counted = compressed_traffic(spec, ns.workers, numel, shapes)[2]
         real = max(float(p["cpu"][spec]) for p in probes.values())
-        print(f"{spec:<14}{counted * 1e3:>16.2f}{real * 1e3:>20.2f}{fit_cpu_ratio(spec, results):>7.2f}")
+        shares = " ".join(f"{p['user_share'][spec]:.2f}" for _, p in sorted(probes.items()))
+        print(f"{spec:<14}{counted * 1e3:>16.2f}{real * 1e3:>20.2f}{fit_cpu_ratio(spec, results):>7.2f}{shares:>26}")
     return 0
 
 

@@ -72,3 +72,22 @@ def test_pooled_load_terms_are_the_medians_of_every_reading_and_the_rest_is_the_
     assert pool_load([refreshes[0]]) == refreshes[0]
     with pytest.raises(ValueError, match="at least one"):
         pool_load([])
+
+
+def test_coding_probe_counts_user_cpu_in_calls_agreed_by_every_rank():
+    # two real gloo processes: every rank makes the same number of calls (they are collective), enough
+    # for the tick-sampled user share or the cap, and the CPU it reports is the user part only
+    import dtrain.bench._probes as probes
+    from dtrain.launch import launch
+
+    out = launch(probes.coding_cpu, ("cnn", "digits", ["fp16", "topk:0.01"], 3), nprocs=2, threads=1)
+    for spec in ("fp16", "topk:0.01"):
+        calls = {r: p["calls"][spec] for r, p in out.items()}
+        assert calls[0] == calls[1] >= 3
+        for p in out.values():
+            share, cpu = p["user_share"][spec], p["cpu"][spec]
+            assert 0 < share <= 1 and cpu > 0
+        # the count was made to reach CODING_SHARE_CPU of thread CPU on the busiest rank, or the cap
+        per_call = max(p["cpu"][spec] / p["user_share"][spec] for p in out.values())
+        assert calls[0] == probes.CODING_SHARE_CALLS or per_call * calls[0] >= 0.5 * probes.CODING_SHARE_CPU
+    assert out[0]["numel"] == out[1]["numel"] > 0

@@ -36,6 +36,10 @@ __all__ = [
 
 # the coding probe runs on gradients of up to this many floats (larger models: not measured, ratio 1)
 CODING_MAX_NUMEL = 4 << 20
+# ... called until each rank has spent this much CPU in a compressor's calls (its user share is
+# sampled by the tick), in at most so many calls
+CODING_SHARE_CPU = 0.2
+CODING_SHARE_CALLS = 200
 
 # the floor's probe: 1 KiB, a few bytes in every rank's segment but latency-bound at any link rate
 FLOOR_NUMEL = 256
@@ -219,11 +223,21 @@ def calibration_worker(pairs: list[tuple[int, int]], model_name: str, dataset: s
 
 
 def coding_cpu(model_name: str, dataset: str, specs: Sequence[str], reps: int) -> dict[str, Any]:
-    """This rank's CPU seconds (``time.thread_time``: its own work, no waiting) in each compressor's
-    allreduce of the model's gradient, called with its parameter shapes as the data-parallel reducer
-    calls it; the median of ``reps``. Also ``numel`` and ``shapes``, for the thread count to compare
-    with (:func:`dtrain.perfmodel._traffic.compressed_traffic`). Empty for gradients over
-    :data:`CODING_MAX_NUMEL` floats."""
+    """This rank's user-mode CPU seconds in each compressor's allreduce of the model's gradient, called
+    with its parameter shapes as the data-parallel reducer calls it. Also ``numel`` and ``shapes``, for
+    the thread count to compare with (:func:`dtrain.perfmodel._traffic.compressed_traffic`), and
+    ``user_share`` and ``calls`` per compressor. Empty for gradients over :data:`CODING_MAX_NUMEL` floats.
+
+    A call's CPU is its ``time.thread_time`` (no waiting), the median of at least ``reps`` calls, times
+    the share of user time in all the calls' CPU (the thread's ``getrusage``). The kernel's time on the
+    calling thread is the sends (and, over veth, the receiving stack's), which the transfer terms already
+    hold: on the emulated cluster it had made fp16's CPU 1.7-2.7x the thread count (model-vs-measured run
+    41). Linux splits a thread's CPU into user and system by sampling the tick (4 ms here), so the calls
+    go on until every rank has spent :data:`CODING_SHARE_CPU` seconds (at most
+    :data:`CODING_SHARE_CALLS` calls; the count is agreed by an allreduce, as the calls are collective).
+    """
+    import resource
+
     import torch.distributed as dist
 
     from dtrain.comm.allreduce import get_transport
@@ -239,17 +253,33 @@ def coding_cpu(model_name: str, dataset: str, specs: Sequence[str], reps: int) -
     t = get_transport()
     x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()))
     cpu: dict[str, float] = {}
+    share: dict[str, float] = {}
+    made: dict[str, int] = {}
+    first = max(3, reps)
     for spec in specs:
         comp, layout = from_spec(spec), [list(sh) for sh in shapes]
         compressed_allreduce(x.clone(), comp, "calibration", t, algorithm="ring", shapes=layout)  # warm-up
-        times = []
-        for _ in range(max(3, reps)):
+        times: list[float] = []
+        user = system = 0.0
+        calls = first
+        while len(times) < calls:
             dist.barrier()
-            c0 = time.thread_time()
+            r0, c0 = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time()
             compressed_allreduce(x.clone(), comp, "calibration", t, algorithm="ring", shapes=layout)
-            times.append(time.thread_time() - c0)
-        cpu[spec] = float(statistics.median(times))
-    return {"numel": numel, "shapes": [list(sh) for sh in shapes], "cpu": cpu}
+            c1, r1 = time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD)
+            times.append(c1 - c0)
+            user += r1.ru_utime - r0.ru_utime
+            system += r1.ru_stime - r0.ru_stime
+            if len(times) == first:
+                per_call = max(statistics.median(times), 1e-6)
+                want = torch.tensor([min(CODING_SHARE_CALLS, math.ceil(CODING_SHARE_CPU / per_call))])
+                dist.all_reduce(want, op=dist.ReduceOp.MAX)
+                calls = max(first, int(want.item()))
+        share[spec] = user / (user + system) if user + system > 0 else 1.0
+        made[spec] = len(times)
+        cpu[spec] = float(statistics.median(times)) * share[spec]
+    return {"numel": numel, "shapes": [list(sh) for sh in shapes], "cpu": cpu, "user_share": share,
+            "calls": made}
 
 
 def duplex(reps: int, sizes: Sequence[int] = (256 << 10, 512 << 10, 768 << 10, 1 << 20)) -> list[tuple[int, float]]:

@@ -216,8 +216,8 @@ class CompressorCost:
     :func:`dtrain.perfmodel._traffic.compressed_traffic` counts on threads of one process (the calibration
     measures both on its model's gradient; 1 when not measured). On 4 gloo processes over loopback the
     CNN's gradient took 0.62-0.67 of the thread count for PowerSGD and onebit, 0.75-0.80 for top-k
-    (``benchmarks/coding_cpu.py``); on the emulated cluster the processes' time also holds the kernel's
-    send work (fp16 read 1.67-2.68; model-vs-measured run 41, BENCHMARKS.md).
+    (``benchmarks/coding_cpu.py``). User-mode CPU only: the kernel's send work is in the transfer terms
+    (counted with it, fp16 read 1.67-2.68 on the emulated cluster; model-vs-measured run 41).
     """
 
     ratio: float
