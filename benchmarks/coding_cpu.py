@@ -5,9 +5,10 @@ The performance model charges a compressed bucket's encode, merge and decode as 
 threads of one process (``time.thread_time`` of the busiest rank's thread), times the compute scale
 and the compressor's ``cpu_ratio``. This script runs the calibration's own probe
 (:func:`dtrain.bench._probes.coding_cpu`: ``--workers`` gloo processes on loopback, each rank's
-``time.thread_time`` over the call, the median of ``--reps``, times the user-mode share of the calls' CPU, the CNN's gradient with its parameter
-shapes as the data-parallel reducer passes them) and prints it beside the thread count and their
-ratio (:func:`dtrain.perfmodel.fit.fit_cpu_ratio`, what a calibration stores). Session 18's first
+``time.thread_time`` over the call, the median of ``--reps``, times the user-mode share of the calls'
+CPU; the CNN's gradient with its parameter shapes as the data-parallel reducer passes them) and prints
+it beside the thread count and their ratio (:func:`dtrain.perfmodel.fit.fit_cpu_ratio`, what a
+calibration stores), and each rank's user share. Session 18's first
 version also timed the gradient as one flat bucket: ``benchmarks/results/coding_cpu_s18.txt``.
 
 Run::

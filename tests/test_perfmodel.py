@@ -352,11 +352,12 @@ def test_collective_floor_by_hand():
     # buckets ready at 0.1 and 0.3; ring: 0.1-0.7, 0.7-1.3; tree: 0.1-0.5, 0.5-0.9; step = 0.15 + end + 0.01
     assert (t_ring, t_tree) == (pytest.approx(0.15 + 1.3 + 0.01, rel=1e-4), pytest.approx(0.15 + 0.9 + 0.01, rel=1e-4))
     assert base < t_tree
-    # compressed: encode and decode count toward the floor (they are part of the call)
+    # compressed: the coding (counted on threads: milliseconds) plus 0.075 / 0.15 s of ring is below the
+    # floor either way; what of it is encode and decode (here 1e-8 + 1e-8 s/B: more than the count) adds
     fp16 = CompressionModel("fp16", "summable", 0.5, 1e-8, 1e-8)
     s16 = choice("dp", 2, "ring", bucket_mb=25.0, compression="fp16")
-    # its coding (counted on threads: milliseconds) plus 0.075 / 0.15 s of ring is below the floor either way
-    assert predict(prof, floored, s16, fp16).step_s == pytest.approx(0.15 + 1.1 + 0.01)
+    p16 = predict(prof, floored, s16, fp16)
+    assert p16.step_s == pytest.approx(0.15 + 1.1 + 0.01 + p16.detail["coding_s"])
     # parameter server: push, apply and pull of a step take at least 2 S floors together
     ps_c = flat(4, 1e-3, 1e-8, 1e-10, floor=0.25)
     bsp = predict(prof, ps_c, choice("ps", 3, servers=1, consistency="bsp"))
@@ -415,6 +416,27 @@ def test_compressors_pay_the_floor_per_step():
     coding = two.detail["coding_s"]
     assert coding > 1e-5  # counted on threads: its CPU time, here small against the floors
     assert two.step_s == pytest.approx(0.15 + 2.1 + coding + 0.01, rel=1e-6)
+
+
+def test_a_floor_bound_compressors_encode_and_decode_add_to_the_floors_and_its_merging_does_not():
+    from dtrain.perfmodel.predict import bucket_collective
+
+    fast = flat(4, 0.0, 1e-12, floor=0.1)  # 4 ranks, links so fast that floors decide
+    n, shapes = 4 * 38282, ((38282,),)
+    counted = compressed_allreduce_time(fast, "ring", n, 4, CompressionModel("topk:0.01", "sparse", 0.02), shapes)[1]
+    steps = compressed_traffic("topk:0.01", 4, n // 4)[0]
+    assert counted > 0 and steps >= 3
+    for edge_share in (0.0, 0.25, 0.5, 1.0):
+        per_byte = edge_share * counted / n  # the calibration's encode + decode, as a share of the counted CPU
+        topk = CompressionModel("topk:0.01", "sparse", 0.02, per_byte / 2, per_byte / 2)
+        comm, coding = bucket_collective(fast, "ring", n, 4, topk, shapes)
+        assert coding == pytest.approx(counted)
+        # the merging (the count less encode and decode) waits inside the floors; encode and decode add
+        assert comm + coding == pytest.approx(steps * 0.1 + edge_share * counted, rel=1e-9)
+    # PowerSGD's coding all adds (it runs between its allreduces), whatever its per-byte figures
+    psgd = CompressionModel("powersgd:2", "lowrank", 0.01, 1e-9, 1e-9)
+    comm, coding = bucket_collective(fast, "ring", n, 4, psgd, ((128, 299),))
+    assert comm == pytest.approx(compressed_traffic("powersgd:2", 4, n // 4, ((128, 299),))[0] * 0.1)
 
 
 def test_counted_coding_is_charged_at_the_compressors_cpu_ratio():
