@@ -22,7 +22,8 @@ is 0.28 points), ``--workers`` processes, SGD with momentum 0.9 and a constant r
 * ``auto time``               (cluster) the same, doubling while the noise scale times the step's fixed time
                               over its batch's compute time exceeds twice the batch (``--auto-rule time``)
 * ``auto time from 8x ...``   (cluster) the time rule starting at 8x with 8x's rate and warmup, up to 32x:
-                              ``linear`` (the rate doubles with the batch) or ``rate held`` (Smith et al.)
+                              ``linear`` (the rate doubles with the batch) or ``rate held`` (Smith et al.),
+                              and ``rate held max 16x``, capped at 16x
 
 ``--part gpt``: ``--gpt-model`` (gpt-tiny) on pytext, ``--gpt-epochs`` epochs, validation loss over every
 validation window: the base batch ``--gpt-base`` with Adam ``--gpt-lr``; 8x with Adam at the same rate; 8x
@@ -117,6 +118,8 @@ def cluster_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
                  auto_rule="time", warmup_epochs=w)  # fmt: skip
     out["auto time from 8x linear"] = dict(from8, lr_scaling="linear", base_batch=b)
     out["auto time from 8x rate held"] = dict(from8, lr=8 * ns.lr)
+    # the same, capped at 16x (session 19: from 8x the time rule reached 32x within the warmup)
+    out["auto time from 8x rate held max 16x"] = dict(from8, lr=8 * ns.lr, max_batch=16 * b)
     return out
 
 
