@@ -76,7 +76,7 @@ def test_pooled_load_terms_are_the_medians_of_every_reading_and_the_rest_is_the_
 
 def test_coding_probe_counts_user_cpu_in_calls_agreed_by_every_rank():
     # two real gloo processes: every rank makes the same number of calls (they are collective), enough
-    # for the tick-sampled user share or the cap, and the CPU it reports is the user part only
+    # for the tick-sampled user share or the cap, and a user share in (0, 1] of positive CPU
     import dtrain.bench._probes as probes
     from dtrain.launch import launch
 
