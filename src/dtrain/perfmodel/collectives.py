@@ -287,6 +287,10 @@ class CompressionModel:
     decode_s_per_byte: float = 0.0
     cpu_ratio: float = 1.0
 
+    def per_byte_coding(self, nbytes: float) -> float:
+        """Encode + decode seconds of ``nbytes`` dense bytes at the calibration's per-byte times."""
+        return nbytes * (self.encode_s_per_byte + self.decode_s_per_byte)
+
 
 def compressed_allreduce_time(
     c: ClusterSpec, algorithm: str, nbytes: float, p: int, comp: CompressionModel,
@@ -299,7 +303,7 @@ def compressed_allreduce_time(
     if comp.kind == "dense":
         return allreduce_time(c, algorithm, nbytes, p), 0.0
     payload = comp.ratio * nbytes
-    coding = nbytes * (comp.encode_s_per_byte + comp.decode_s_per_byte)
+    coding = comp.per_byte_coding(nbytes)
     d, nodes = _levels(c, p)
     link = c.intra if nodes == 1 else c.inter
     flows = d if nodes > 1 else 1

@@ -393,7 +393,7 @@ def bucket_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, com
         if comp.kind == "lowrank":  # PowerSGD: the coding sits between its allreduces' steps
             inside = 0.0
         else:
-            edges = nbytes * (comp.encode_s_per_byte + comp.decode_s_per_byte) * c.device.compute_scale
+            edges = comp.per_byte_coding(nbytes) * c.device.compute_scale
             inside = max(0.0, coding - edges)
         comm = max(comm, collective_steps(c, algorithm, p, comp, nbytes) * floor - inside)
     return comm, coding
@@ -489,7 +489,7 @@ def ps_costs(prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, comp:
     S, N = o.servers, s.workers
     n = float(prof.param_bytes)
     payload = comp.ratio * n if comp.kind != "dense" else n
-    coding = n * (comp.encode_s_per_byte + comp.decode_s_per_byte) if comp.kind != "dense" else 0.0
+    coding = comp.per_byte_coding(n) if comp.kind != "dense" else 0.0
     servers, workers = range(S), range(S, S + N)
     lat = 2 * S * (c.inter.alpha if c.nodes > 1 else c.intra.alpha)  # header + payload per server and direction
     w0 = S  # a representative worker
