@@ -439,6 +439,27 @@ def test_a_floor_bound_compressors_encode_and_decode_add_to_the_floors_and_its_m
     assert comm == pytest.approx(compressed_traffic("powersgd:2", 4, n // 4, ((128, 299),))[0] * 0.1)
 
 
+
+def test_a_transfer_bound_compressors_merging_waits_inside_the_wire_time():
+    from dtrain.perfmodel.predict import bucket_collective
+
+    slow = flat(4, 1e-4, 1.6e-7, floor=1e-6)  # 4 ranks, ~50 Mbit/s: the wire decides, not the floors
+    n = 4 * 38282
+    fp16 = CompressionModel("fp16", "summable", 0.5)
+    wire, counted = compressed_allreduce_time(slow, "ring", n, 4, fp16)
+    assert counted > 0 and wire > 10 * counted  # the transfer is far longer than the CPU counted in the call
+    for edge_share in (0.0, 0.5, 1.0):
+        per_byte = edge_share * counted / n
+        comp = replace(fp16, encode_s_per_byte=per_byte / 2, decode_s_per_byte=per_byte / 2)
+        comm, coding = bucket_collective(slow, "ring", n, 4, comp)
+        assert coding == pytest.approx(counted)
+        # encode before the first message and decode after the last add to the wire; the rest waits inside it
+        assert comm + coding == pytest.approx(wire + edge_share * counted, rel=1e-9)
+    # a call whose counted CPU exceeds its wire time and floors costs its CPU
+    cpu_bound = replace(fp16, cpu_ratio=20 * wire / counted)
+    comm, coding = bucket_collective(slow, "ring", n, 4, cpu_bound)
+    assert comm == 0.0 and coding == pytest.approx(20 * wire)
+
 def test_counted_coding_is_charged_at_the_compressors_cpu_ratio():
     # the counted path charges the thread count's CPU times cpu_ratio (what the cluster's processes spend
     # over the thread count, from the calibration) times the compute scale; the messages do not change

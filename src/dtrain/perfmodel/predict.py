@@ -385,6 +385,14 @@ def bucket_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, com
     times, scaled as the counted coding is), which no message overlaps: in training on the emulated
     1 Gbit cluster, where top-k's call is floor-bound, its step came out 0.4-2.3 ms over dp ring's in six
     model-vs-measured runs (37-42) while the floors less the whole coding had made them equal.
+
+    The merging waits inside a transfer-bound call's wire time as it does inside the floors: the
+    CPU counted between the first message and the last runs while bytes are in flight. On the
+    emulated 50 Mbit cluster fp16's allreduce of the CNN's gradient, alone, took 20.0-20.8 ms
+    (``benchmarks/results/compression_traced_50mbit_after.txt``) against 21.4 ms of wire at the
+    calibrated duplex rate, where wire plus the counted coding (1.8-3.0 ms: its user CPU in the
+    cluster's processes reads 1.4-2.0x the thread count at 50 Mbit) had over-predicted fp16's
+    training step by 7-14% in model-vs-measured runs 42-46.
     """
     comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp, shapes)
     if p > 1:
@@ -395,7 +403,7 @@ def bucket_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, com
         else:
             edges = comp.per_byte_coding(nbytes) * c.device.compute_scale
             inside = max(0.0, coding - edges)
-        comm = max(comm, collective_steps(c, algorithm, p, comp, nbytes) * floor - inside)
+        comm = max(0.0, max(comm, collective_steps(c, algorithm, p, comp, nbytes) * floor) - inside)
     return comm, coding
 
 
