@@ -439,7 +439,6 @@ def test_a_floor_bound_compressors_encode_and_decode_add_to_the_floors_and_its_m
     assert comm == pytest.approx(compressed_traffic("powersgd:2", 4, n // 4, ((128, 299),))[0] * 0.1)
 
 
-
 def test_a_transfer_bound_compressors_merging_waits_inside_the_wire_time():
     from dtrain.perfmodel.predict import bucket_collective
 
@@ -459,6 +458,7 @@ def test_a_transfer_bound_compressors_merging_waits_inside_the_wire_time():
     cpu_bound = replace(fp16, cpu_ratio=20 * wire / counted)
     comm, coding = bucket_collective(slow, "ring", n, 4, cpu_bound)
     assert comm == 0.0 and coding == pytest.approx(20 * wire)
+
 
 def test_counted_coding_is_charged_at_the_compressors_cpu_ratio():
     # the counted path charges the thread count's CPU times cpu_ratio (what the cluster's processes spend
