@@ -373,6 +373,10 @@ def bucket_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, com
     its steps (:func:`~dtrain.perfmodel.collectives.collective_steps`) takes at least the device's
     ``floor`` (the backend's own allreduce; dtrain's collectives the ``p2p_floor``).
 
+    In all, a compressed call costs its per-byte encode and decode plus the largest of its transfer,
+    its floors and the rest of its counted CPU (the merging); PowerSGD's, the larger of its transfer
+    and floors plus all of its coding. Why, measured:
+
     A compressed call's encode and decode count toward those floors, except PowerSGD's: its encode
     (``P = M Q``), orthogonalisation (``Q = M^T P``) and decode run between its two ring allreduces,
     while no message is in flight, so they add to the 2 x 2(P-1) steps' floors. On the emulated
