@@ -35,6 +35,8 @@ Run::
     python benchmarks/precision.py --table                # print the stored results
     python benchmarks/precision.py --part gpt --device cuda --gpt-seeds 0,1 --gpt-batch 64 --gpt-lr 0.001 \
         --gpt-epochs 12 --gpt-steps 0 --gpt-schedule cosine --jobs 6   # on a GPU
+    python benchmarks/precision.py --part gpt --device cuda --gpt-seeds 0,1,2 --gpt-batch 64 --gpt-lr 0.001 \
+        --gpt-epochs 8 --gpt-steps 0 --gpt-schedule cosine --gpt-warmup-epochs 0.5 --jobs 9   # with warmup
 """
 
 from __future__ import annotations
@@ -198,6 +200,7 @@ def main() -> int:
     ap.add_argument("--gpt-steps", type=int, default=150, help="stop after N steps (0: train every epoch)")
     ap.add_argument("--gpt-epochs", type=int, default=1)
     ap.add_argument("--gpt-schedule", choices=("constant", "cosine"), default="constant")
+    ap.add_argument("--gpt-warmup-epochs", type=float, default=0.0, help="gradual warmup over the first N epochs")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once, each its own dtrain run (default: 1)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="with --jobs: stop the runs still going then")
@@ -222,11 +225,13 @@ def main() -> int:
                                   batch_size=ns.cnn_batch, epochs=ns.cnn_epochs, **common),
             "gpt": RunConfig.make(model=ns.gpt_model, dataset="pytext", seq_len=ns.seq_len, optimizer="adam",
                                   lr=ns.gpt_lr, batch_size=ns.gpt_batch, epochs=ns.gpt_epochs, max_steps=ns.gpt_steps,
-                                  lr_schedule=ns.gpt_schedule, eval_samples=ns.eval_samples, **common),
+                                  lr_schedule=ns.gpt_schedule, warmup_epochs=ns.gpt_warmup_epochs,
+                                  eval_samples=ns.eval_samples, **common),
         }  # fmt: skip
         print(f"torch {torch.__version__}; {ns.workers} workers on {ns.device}, dp ring; cnn: digits, "
               f"{ns.cnn_epochs} epochs, batch {ns.cnn_batch}, SGD {ns.cnn_lr}; gpt: {ns.gpt_model} on pytext, seq "
-              f"{ns.seq_len}, batch {ns.gpt_batch}, Adam {ns.gpt_lr} {ns.gpt_schedule}, {ns.gpt_epochs} epoch(s), "
+              f"{ns.seq_len}, batch {ns.gpt_batch}, Adam {ns.gpt_lr} {ns.gpt_schedule}, "
+              f"warmup {ns.gpt_warmup_epochs:g} epoch(s), {ns.gpt_epochs} epoch(s), "
               f"{ns.gpt_steps or 'all'} steps, eval windows {ns.eval_samples or 'all'}")  # fmt: skip
         if ns.device == "cuda":
             print(f"GPU: {torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} device(s)")
