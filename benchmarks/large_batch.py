@@ -35,6 +35,11 @@ warmup (an eighth of the allreduces), the growth schedule and ``auto``: training
 and the training seconds to the first evaluation (one per epoch) at or above ``--target`` test accuracy
 (each run goes on to its last epoch).
 
+``--part cluster-gpt``: the same cluster, ``--gpt-model`` on pytext, where a step's compute grows with the
+batch: the base batch with Adam ``--gpt-lr``; 2x-16x with square-root scaling and warmup; ``auto`` with the
+time rule from the base batch (square-root scaling, caps 8x and 16x, ``--noise-beta`` 0.95 and 0.9). The
+target (``--target``) is a validation loss to reach; ``--eval-every`` evaluates inside epochs.
+
 Results go to ``--json`` keyed by (part, variant, seed) and merged with what is there, so a later call
 with ``--only`` adds rows (e.g. ``auto`` once it exists); the table is printed from the whole file.
 
@@ -120,6 +125,24 @@ def cluster_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out["auto time from 8x rate held"] = dict(from8, lr=8 * ns.lr)
     # the same, capped at 16x (session 19: from 8x the time rule reached 32x within the warmup)
     out["auto time from 8x rate held max 16x"] = dict(from8, lr=8 * ns.lr, max_batch=16 * b)
+    return out
+
+
+def cluster_gpt_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--part cluster-gpt``: the language model on the emulated cluster, where a step's compute grows with the
+    batch (gpt-tiny at 100 Mbit: ~83 ms a step that does not, ~0.4 ms a sample that does), so no one fixed batch
+    is best from the first step to the last: fixed batches with Adam at sqrt-scaled rates and warmup, against
+    auto with the time rule growing from the base batch at the same sqrt-scaled rate."""
+    b, w = ns.gpt_base, ns.gpt_warmup_epochs
+    out: dict[str, dict[str, Any]] = {"1x adam": dict(batch_size=b)}
+    for k in (2, 4, 8, 16):
+        out[f"{k}x adam sqrt+warmup"] = dict(batch_size=k * b, lr_scaling="sqrt", base_batch=b, warmup_epochs=w)
+    auto = dict(batch_size=b, batch_schedule="auto", auto_every=ns.auto_every, auto_rule="time", lr_scaling="sqrt",
+                base_batch=b)  # fmt: skip
+    for k in (8, 16):
+        out[f"auto time sqrt max {k}x"] = dict(auto, max_batch=k * b)
+    for beta in (0.95, 0.9):  # a shorter memory of the noise scale's averages: less lag while |G|^2 falls fast
+        out[f"auto time sqrt max 8x beta {beta}"] = dict(auto, max_batch=8 * b, noise_beta=beta)
     return out
 
 
@@ -212,8 +235,9 @@ def table(db: dict[str, Any], part: str) -> list[str]:
     lm = next(iter(next(iter(by.values())).values()))["metric_name"] != "test_accuracy"
     ref = statistics.mean(r["metric"] for r in by[ref_name].values()) if ref_name else float("nan")
     unit = "val loss" if lm else "test acc %"
-    lines = [f"\n{part}: {'variant':<22}{unit:>11}{'vs 1x':>10}{'per seed':>26}{'steps':>7}{'train s':>9}"
-             f"{'to target s':>12}{'batches':>18}"]  # fmt: skip
+    w = max(22, *(len(n) + 1 for n in by))  # the variant column fits the longest name
+    lines = [f"\n{part}: {'variant':<{w}}{unit:>11}{'vs 1x':>10}{'per seed':>26}{'steps':>7}{'train s':>9}"
+             f"{'to target s':>18}{'batches':>18}"]  # fmt: skip
     for name, seeds in by.items():
         vals = [seeds[s]["metric"] for s in sorted(seeds)]
         mean = statistics.mean(vals)
@@ -231,14 +255,14 @@ def table(db: dict[str, Any], part: str) -> list[str]:
         steps = statistics.mean(seeds[s]["steps"] for s in seeds)
         train = statistics.mean(seeds[s]["train_s"] for s in seeds)
         bs = r0.get("batches_seen") or []
-        lines.append(f"{'':<{len(part) + 2}}{name:<22}{shown:>11}{diff:>10}{each:>26}{steps:>7.0f}{train:>9.1f}"
-                     f"{ttt_s:>12}{','.join(map(str, bs)):>18}")  # fmt: skip
+        lines.append(f"{'':<{len(part) + 2}}{name:<{w}}{shown:>11}{diff:>10}{each:>26}{steps:>7.0f}{train:>9.1f}"
+                     f"{ttt_s:>18}{','.join(map(str, bs)):>18}")  # fmt: skip
     return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("cnn", "gpt", "cluster"), default="cnn")
+    ap.add_argument("--part", choices=("cnn", "gpt", "cluster", "cluster-gpt"), default="cnn")
     ap.add_argument("--only", default="", help="comma-separated variant names (or parts of names) to run")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--workers", type=int, default=2)
@@ -256,7 +280,9 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--bandwidth", default="100mbit")
     ap.add_argument("--hosts", type=int, default=4)
-    ap.add_argument("--target", type=float, default=0.95, help="cluster part: test accuracy to reach")
+    ap.add_argument("--target", type=float, default=0.95, help="cluster parts: test accuracy to reach (cluster), "
+                    "validation loss to reach (cluster-gpt)")
+    ap.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (default: after each epoch)")
     ap.add_argument("--cluster-fixed", default="", help="cluster part: more fixed batches, as multiples of the "
                     "base, with linear scaling and warmup (e.g. 4,16)")
     ap.add_argument("--auto-every", type=int, default=5, help="'auto every' / 'auto time': decide every N steps")
@@ -267,18 +293,21 @@ def main() -> int:
     path = Path(ns.json)
     db = _load(path)
     if ns.table:
-        for part in ("cnn", "gpt", "cluster"):
+        for part in ("cnn", "gpt", "cluster", "cluster-gpt"):
             print("\n".join(table(db, part)))
         return 0
     import torch
 
     from dtrain.config import RunConfig
 
-    common = dict(trace=False, progress=False, momentum=0.9, lr_schedule="constant", timeout_s=900.0)
-    if ns.part == "gpt":
+    common = dict(trace=False, progress=False, momentum=0.9, lr_schedule="constant", timeout_s=900.0,
+                  eval_every=ns.eval_every)  # fmt: skip
+    on_cluster = ns.part.startswith("cluster")
+    if ns.part in ("gpt", "cluster-gpt"):
         base = RunConfig.make(model=ns.gpt_model, dataset="pytext", seq_len=ns.seq_len, optimizer="adam",
-                              lr=ns.gpt_lr, epochs=ns.gpt_epochs, workers=ns.workers, **common)  # fmt: skip
-        variants = gpt_variants(ns)
+                              lr=ns.gpt_lr, epochs=ns.gpt_epochs, workers=ns.hosts if on_cluster else ns.workers,
+                              **common)  # fmt: skip
+        variants = gpt_variants(ns) if ns.part == "gpt" else cluster_gpt_variants(ns)
         what = (f"{ns.gpt_model} on pytext (seq {ns.seq_len}), {ns.gpt_epochs} epochs, base batch {ns.gpt_base}, "
                 f"Adam {ns.gpt_lr}, warmup {ns.gpt_warmup_epochs:g} epochs")  # fmt: skip
     else:
@@ -292,7 +321,7 @@ def main() -> int:
         print("this dtrain has no --batch-schedule auto yet: 'auto' left out")
     print(f"torch {torch.__version__}; {what}; {base.workers} workers; seeds {ns.seeds}; part {ns.part}")
     cname = ""
-    if ns.part == "cluster":
+    if on_cluster:
         import dtrain.cluster as dc
 
         cname = f"{ns.name}_{ns.bandwidth}"[:24]
@@ -302,7 +331,7 @@ def main() -> int:
         for seed in (int(s) for s in ns.seeds.split(",")):
             for name, kw in todo.items():
                 extra: dict[str, Any] = {"seed": seed}
-                if ns.part == "cluster":
+                if on_cluster:
                     extra.update(cluster=cname)
                 cfg = base.replace(**{**kw, **extra})
                 try:
@@ -310,8 +339,10 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001 - a failed variant is a row too
                     print(f"  seed {seed} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                     continue
-                if ns.part == "cluster":  # the run goes on to its last epoch; the target is read off its evaluations
-                    hit = [t for t, v in zip(r["history_train_s"], r["history"]) if v >= ns.target]
+                if on_cluster:  # the run goes on to its last epoch; the target is read off its evaluations
+                    lm = r["metric_name"] != "test_accuracy"
+                    hit = [t for t, v in zip(r["history_train_s"], r["history"]) if (v <= ns.target if lm else
+                                                                                     v >= ns.target)]
                     r.update(target=ns.target, time_to_target_s=hit[0] if hit else None)
                 r["config"] = {k: v for k, v in kw.items()}
                 db["runs"][f"{ns.part}|{name}|{seed}"] = r

@@ -49,6 +49,24 @@ def test_the_first_step_logs_the_estimators_of_its_own_shards(tmp_path):
         assert r["b_simple"] == pytest.approx(s / g2, rel=1e-4)
 
 
+def test_noise_beta_sets_the_memory_of_the_logged_averages(tmp_path):
+    """Two steps logged with ``--noise-beta`` 0 (each step's own estimate), 0.5 and the default 0.99: the same
+    data and model, so the same two estimates e0, e1; the second step logs ``(beta e0 + e1) / (beta + 1)``."""
+    rows = {}
+    for beta in ("0", "0.5", None):
+        out = tmp_path / f"beta{beta}"
+        p = dtrain_cli("run", *COMMON, "--batch-size", "32", "--max-steps", "2", "--out", str(out),
+                       *(["--noise-beta", beta] if beta else []))  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        rows[beta] = {r["step"]: r for r in read_metrics(out) if r["rank"] == 0}
+    for key in ("noise_g2", "noise_trace"):
+        e0, e1 = rows["0"][0][key], rows["0"][1][key]
+        assert rows["0.5"][0][key] == pytest.approx(e0, rel=1e-9) and rows[None][0][key] == pytest.approx(e0, rel=1e-9)
+        assert rows["0.5"][1][key] == pytest.approx((0.5 * e0 + e1) / 1.5, rel=1e-6)
+        assert rows[None][1][key] == pytest.approx((0.99 * e0 + e1) / 1.99, rel=1e-6)
+        assert abs(e1 / e0 - 1) > 1e-3  # the two steps differ, so the weights are seen
+
+
 def test_auto_doubles_the_batch_where_the_noise_scale_exceeds_twice_it(tmp_path):
     out = tmp_path / "auto"
     p = dtrain_cli("run", *COMMON, "--batch-size", "8", "--epochs", "4", "--batch-schedule", "auto",
@@ -142,6 +160,8 @@ def test_an_auto_every_run_resumed_between_its_decisions_ends_as_the_uninterrupt
     (["--workers", "1", "--batch-schedule", "auto"], "batch_schedule auto"),
     (["--shard", "optimizer", "--noise-scale"], "noise_scale"),
     (["--overlap", "forward", "--noise-scale"], "--overlap forward"),
+    (["--noise-scale", "--noise-beta", "1"], "noise_beta must be in [0, 1), got 1"),
+    (["--noise-beta", "0.9"], "add --noise-scale or --batch-schedule auto"),
 ])  # fmt: skip
 def test_bad_noise_scale_input_is_refused_before_any_process_starts(tmp_path, flags, needle):
     p = dtrain_cli("run", "--no-progress", "--workers", "2", *flags, "--out", str(tmp_path / "x"))

@@ -58,6 +58,8 @@ _HELP = {
     "reaches a loss soonest; McCandlish et al.'s step count times the step time) (default: noise)",
     "noise_scale": "log the gradient noise scale B_simple every step (McCandlish et al. 2018; dp, 2+ workers; "
     "one extra scalar all-reduce) (default: off)",
+    "noise_beta": "the decay of the noise scale's moving averages of |G|^2 and tr(Sigma), a memory of about "
+    "1/(1-BETA) steps: a long one lags where |G|^2 falls fast, early in training (default: 0.99)",
     "straggler": "RANK:FACTOR: that rank's own work per step (data, forward, backward) takes FACTOR times its "
                  "usual time (median of its last 50 steps); communication is not slowed",
     "strategy": "how to distribute: one of the registered strategies (default: dp)",

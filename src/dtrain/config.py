@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
+NOISE_BETA = 0.99  # the noise scale's moving averages' default decay (dtrain.training.noise_scale.NoiseScale)
 LR_SCHEDULES = ("constant", "cosine")
 BACKENDS = ("gloo", "nccl", "mpi")
 DEVICES = ("cpu", "cuda")
@@ -154,6 +155,7 @@ class RunConfig:
     auto_every: int = 0  # auto batch schedule: decide every N steps (0: at the start of each epoch)
     auto_rule: str = "noise"  # auto: double while B_simple >= 2B (noise), or weighed by the step's time (time)
     noise_scale: bool = False  # log the gradient noise scale B_simple every step (dp; McCandlish et al.)
+    noise_beta: float = NOISE_BETA  # the noise scale's moving averages' decay (memory ~1/(1-beta) steps)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast compute, fp32 master weights, fp16: loss scaling)
     weight_decay: float = 0.0
     seed: int = 0
@@ -411,6 +413,8 @@ class RunConfig:
             raise ConfigError(f"seq_len must be >= 2, got {self.seq_len}")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not 0 <= self.noise_beta < 1:
+            raise ConfigError(f"noise_beta must be in [0, 1), got {self.noise_beta:g}")
         if self.model.startswith("gpt"):
             from dtrain.models.gpt import resolve_gpt_config
 
@@ -456,6 +460,9 @@ class RunConfig:
                     raise ConfigError(f"batch_schedule: the batch {batch} (from epoch {epoch}) is larger than "
                                       f"the training set ({size} samples)")  # fmt: skip
                 self.entry.check(self.opts, dataclasses.replace(self, batch_schedule="", batch_size=batch))
+        if self.noise_beta != NOISE_BETA and not (self.noise_scale or self.batch_schedule == "auto"):
+            raise ConfigError(f"noise_beta {self.noise_beta:g} sets how the noise scale is averaged; add --noise-scale "
+                              "or --batch-schedule auto, or drop it")  # fmt: skip
         if self.noise_scale and not self.opts.measures_noise_scale(self.workers):
             raise ConfigError("noise_scale compares each worker's gradient with their average: use --strategy dp "
                               "(no --shard) with 2 or more workers")  # fmt: skip

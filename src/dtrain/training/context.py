@@ -131,7 +131,7 @@ class TrainContext:
     def noise(self) -> NoiseScale | None:
         """The gradient noise scale (``--noise-scale``, ``--batch-schedule auto``; the engine feeds it every
         step), else None."""
-        return NoiseScale() if self.cfg.noise_scale or self.plan.auto else None
+        return NoiseScale(self.cfg.noise_beta) if self.cfg.noise_scale or self.plan.auto else None
 
     @functools.cached_property
     def step_cost(self) -> StepCost | None:
