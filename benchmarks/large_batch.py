@@ -37,8 +37,9 @@ and the training seconds to the first evaluation (one per epoch) at or above ``-
 
 ``--part cluster-gpt``: the same cluster, ``--gpt-model`` on pytext, where a step's compute grows with the
 batch: the base batch with Adam ``--gpt-lr``; 2x-16x with square-root scaling and warmup; ``auto`` with the
-time rule from the base batch (square-root scaling, caps 8x and 16x, ``--noise-beta`` 0.95 and 0.9). The
-target (``--target``) is a validation loss to reach; ``--eval-every`` evaluates inside epochs.
+time rule from the base batch (square-root scaling, caps 8x and 16x, ``--noise-beta`` 0.95 and 0.9, and with the
+fixed batches' warmup). The target (``--target``) is a validation loss to reach; ``--eval-every`` evaluates
+inside epochs.
 
 Results go to ``--json`` keyed by (part, variant, seed) and merged with what is there, so a later call
 with ``--only`` adds rows (e.g. ``auto`` once it exists); the table is printed from the whole file.
@@ -143,6 +144,7 @@ def cluster_gpt_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
         out[f"auto time sqrt max {k}x"] = dict(auto, max_batch=k * b)
     for beta in (0.95, 0.9):  # a shorter memory of the noise scale's averages: less lag while |G|^2 falls fast
         out[f"auto time sqrt max 8x beta {beta}"] = dict(auto, max_batch=8 * b, noise_beta=beta)
+    out["auto time sqrt max 8x warmup"] = dict(auto, max_batch=8 * b, warmup_epochs=w)  # the fixed batches' ramp
     return out
 
 
