@@ -342,9 +342,8 @@ def main() -> int:
                     print(f"  seed {seed} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                     continue
                 if on_cluster:  # the run goes on to its last epoch; the target is read off its evaluations
-                    lm = r["metric_name"] != "test_accuracy"
-                    hit = [t for t, v in zip(r["history_train_s"], r["history"]) if (v <= ns.target if lm else
-                                                                                     v >= ns.target)]
+                    sign = 1 if r["metric_name"] == "test_accuracy" else -1  # a loss is reached from above
+                    hit = [t for t, v in zip(r["history_train_s"], r["history"]) if sign * v >= sign * ns.target]
                     r.update(target=ns.target, time_to_target_s=hit[0] if hit else None)
                 r["config"] = {k: v for k, v in kw.items()}
                 db["runs"][f"{ns.part}|{name}|{seed}"] = r
