@@ -16,7 +16,7 @@ from typing import IO
 
 import pytest
 
-__all__ = ["Run", "holder", "kill_rank"]
+__all__ = ["Run", "holder", "kill_rank", "workers_of"]
 
 
 class Run:
@@ -103,3 +103,28 @@ def kill_rank(out: Path, rank: int, run: Run, after: int | None = None) -> float
     sent = time.monotonic()
     os.kill(found[0], signal.SIGKILL)
     return sent
+
+
+def _children() -> dict[int, list[tuple[int, int, str]]]:
+    """Every live process's ``(start time, pid, command)`` by parent pid."""
+    kids: dict[int, list[tuple[int, int, str]]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session ...
+        if fields[0] != "Z":
+            kids.setdefault(int(fields[1]), []).append((int(fields[19]), int(d.name), cmd))
+    return kids
+
+
+def workers_of(launcher: int) -> list[int]:
+    """The worker processes of a ``dtrain run`` whose launcher is ``launcher``, in the order they started
+    (ranks 0, 1, ... on one machine): the children of its forkserver, the process they fork from."""
+    kids = _children()
+    servers = [pid for _, pid, cmd in kids.get(launcher, []) if "multiprocessing.forkserver" in cmd]
+    return [pid for server in servers for _, pid, _ in sorted(kids.get(server, []))]

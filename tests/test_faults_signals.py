@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from _helpers import dtrain_cli, read_summary
+from _procs import workers_of
 
 from dtrain.checkpoint import MARKER, find_checkpoint
 from dtrain.config import RunConfig
@@ -118,7 +119,7 @@ def test_sigkill_of_a_dp_worker_is_the_last_line(tmp_path):
     out = tmp_path / "run"
     p = _start(*LONG_RUN, "--out", str(out))
     _wait_running(p, out, checkpoint=False)
-    workers = [pid for pid, _, cmd in _session(p.pid) if "spawn_main" in cmd]  # by start: rank 0, rank 1
+    workers = workers_of(p.pid)  # by start: rank 0, rank 1
     assert len(workers) == 2, _session(p.pid)
     sent = time.monotonic()
     os.kill(workers[1], signal.SIGKILL)

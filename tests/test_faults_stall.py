@@ -20,24 +20,11 @@ import time
 from pathlib import Path
 
 import pytest
+from _procs import workers_of
 
 from dtrain.training.watchdog import Heartbeat, diagnose, explain
 
 TIMEOUT_S = 10
-
-
-def _workers(pid: int) -> list[int]:
-    """The launcher's children that are spawned workers (not the resource tracker)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmd = (stat.parent / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if int(fields[1]) == pid and "spawn_main" in cmd:
-            out.append(int(stat.parent.name))
-    return sorted(out)
 
 
 def _rank_of(pid: int) -> int:
@@ -81,7 +68,7 @@ def test_a_stopped_worker_ends_the_run_within_the_timeout_naming_it(tmp_path: Pa
         # a few steps in: every rank has written rows (the files exist before the model is wrapped)
         while time.monotonic() < deadline and not _steps_done(out, ranks, 3):
             time.sleep(0.2)
-        workers = _workers(p.pid)
+        workers = workers_of(p.pid)
         assert len(workers) == 4, workers
         victim = next(w for w in workers if _rank_of(w) == victim_rank)
         os.kill(victim, signal.SIGSTOP)

@@ -12,24 +12,24 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtrain._cli import run_command
-from dtrain.config import DEVICES, LR_SCHEDULES, OPTIMIZERS, PRECISIONS, RunConfig, load_toml, option_fields
 from dtrain.errors import DTrainError
-from dtrain.schedule import AUTO_RULES, LR_SCALINGS
-from dtrain.strategies.base import registered
 
+if TYPE_CHECKING:
+    from dtrain.config import RunConfig
+
+# the configuration's modules import torch: they load after main() has started the workers' forkserver
 __all__ = ["main", "build_parser", "config_from_args"]
 
-_CHOICES: dict[str, Sequence[str]] = {
-    "optimizer": OPTIMIZERS,
-    "lr_schedule": LR_SCHEDULES,
-    "precision": PRECISIONS,
-    "device": DEVICES,
-    "lr_scaling": LR_SCALINGS,
-    "auto_rule": AUTO_RULES,
-}
+
+def _choices() -> dict[str, Sequence[str]]:
+    from dtrain.config import DEVICES, LR_SCHEDULES, OPTIMIZERS, PRECISIONS
+    from dtrain.schedule import AUTO_RULES, LR_SCALINGS
+
+    return {"optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES, "precision": PRECISIONS, "device": DEVICES,
+            "lr_scaling": LR_SCALINGS, "auto_rule": AUTO_RULES}
 _HELP = {
     "workers": "worker processes (default: 4)",
     "device": "cpu, or cuda: each worker on GPU (local rank mod the GPUs); dp and ddp. NCCL where every worker has "
@@ -117,8 +117,12 @@ def _add_flag(p: argparse._ActionsContainer, name: str, default: Any, helptext: 
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    from dtrain.config import RunConfig, option_fields
+    from dtrain.strategies.base import registered
+
+    known = _choices()
     for f in RunConfig.shared_fields():
-        choices = tuple(registered()) if f.name == "strategy" else _CHOICES.get(f.name)
+        choices = tuple(registered()) if f.name == "strategy" else known.get(f.name)
         _add_flag(p, f.name, f.default, _HELP.get(f.name, f"(default: {f.default!r})"), choices)
     g = p.add_argument_group("strategy options (each belongs to the strategies named; TOML: a [STRATEGY] table)")
     for name, owners in option_fields().items():
@@ -158,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(ns: argparse.Namespace) -> RunConfig:
     """TOML file (if any), then the flags that were given: shared keys and flat strategy options."""
+    from dtrain.config import RunConfig, load_toml, option_fields
+
     values: dict[str, Any] = load_toml(ns.config) if getattr(ns, "config", None) else {}
     for name in [f.name for f in RunConfig.shared_fields()] + list(option_fields()):
         v = getattr(ns, name, None)
@@ -226,6 +232,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = delegated.get(argv[0]) or _BENCHES[argv[1]]
         rest = argv[1:] if argv[0] in delegated else argv[2:]
         return run_command("dtrain", lambda: _delegate(module, rest))
+    if argv[0] == "run" and not {"-h", "--help", "--cluster"} & set(argv):
+        from dtrain.launch import prestart
+
+        prestart()  # the workers' forkserver imports torch while this process reads the configuration
     ns = ap.parse_args(argv)
     return run_command("dtrain", lambda: _dispatch(ap, ns))
 

@@ -5,6 +5,13 @@ function to ``torch.distributed.launcher.api.elastic_launch``, which starts the
 processes, runs the c10d rendezvous and collects return values and failures.
 This is the one place that sets up the children's environment (intra-op threads).
 
+Workers fork from a forkserver (``multiprocessing``'s) that has imported torch and the worker's
+modules once (:data:`PRELOAD`), so a worker starts in milliseconds instead of importing torch
+again, and an elastic restart does too. :func:`prestart` starts that server early, while the
+parent is still reading its configuration. A worker takes the launching process's environment as
+it is at the launch (not the server's, which was copied when the server started), with the
+variables torch's agent sets for it on top.
+
 How a launch ends: with every return value; with :class:`LaunchError` naming each
 failed rank (with ``max_restarts``, once the agent has restarted the workers that many
 times: see :class:`Restart`); or, when this process gets SIGINT (Ctrl-C), SIGTERM, SIGHUP or
@@ -30,7 +37,8 @@ from typing import Any
 
 from dtrain.errors import CommTimeoutError, DTrainError
 
-__all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "Restart", "launch", "free_port", "threads_per_worker"]
+__all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "Restart", "launch", "free_port", "prestart",
+           "threads_per_worker", "PRELOAD"]
 
 # the signals torch's elastic agent turns into a shutdown of the workers (its default set)
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -59,6 +67,48 @@ class LaunchInterrupted(DTrainError):
     def exit_code(self) -> int:
         """The shell's status for a death by this signal: 128 + its number (130 for SIGINT)."""
         return 128 + self.signum
+
+
+# what every worker imports anyway: the forkserver imports it once and each worker forks with it loaded
+# (the server skips what is not installed: sklearn only serves the digits data set)
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.elastic.multiprocessing",
+           "sklearn.datasets", "sklearn.model_selection", "tqdm", "dtrain.launch", "dtrain.train")
+# the environment of this module's first import: in a worker that forked from the forkserver, the server's
+_IMPORT_ENV = dict(os.environ)
+# what torch's agent sets for each worker (besides TORCHELASTIC_*): these come from the agent, never the parent
+_AGENT_VARS = frozenset({"RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+                         "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                         "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES"})
+
+
+def _is_agent_var(name: str) -> bool:
+    return name in _AGENT_VARS or name.startswith("TORCHELASTIC_")
+
+
+def prestart(modules: tuple[str, ...] = PRELOAD) -> None:
+    """Start the forkserver the workers fork from, with ``modules`` imported, if it is not running.
+
+    It imports in a process of its own, so calling this before the parent's own slow work (reading the
+    configuration, loading data) overlaps the two; :func:`launch` calls it too. Idempotent.
+    """
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    # the server skips a module it cannot import; "__main__" reaches each worker as spawn's would
+    multiprocessing.set_forkserver_preload([m for m in modules if m != "__main__"])
+    forkserver.ensure_running()
+
+
+def _adopt_env(parent: dict[str, str]) -> None:
+    """Make this worker's environment the launching process's ``parent``, plus what torch's agent set.
+
+    A forked worker starts with the forkserver's environment, copied when the server started; the agent's
+    variables (ranks, rendezvous, error file) are those that differ from it, or carry the agent's names.
+    """
+    agent = {k: v for k, v in os.environ.items() if _is_agent_var(k) or _IMPORT_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update({k: v for k, v in parent.items() if not _is_agent_var(k)})
+    os.environ.update(agent)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -232,13 +282,19 @@ def _agent_reports_restarts(on_restart: Callable[[Restart], int | None] | None) 
 
 
 def _child(
-    fn: Callable[..., Any], threads: int, env: dict[str, str], backend: str | None, args: tuple[Any, ...]
+    fn: Callable[..., Any],
+    threads: int,
+    env: dict[str, str],
+    backend: str | None,
+    args: tuple[Any, ...],
+    parent_env: dict[str, str],
 ) -> Any:
     import torch
     from tqdm import tqdm
 
     interrupt = _Interrupt()
     signal.signal(signal.SIGINT, interrupt)
+    _adopt_env(parent_env)
     os.environ.update(env)
     torch.set_num_threads(threads)
     # tqdm's default lock holds a multiprocessing RLock: a named semaphore registered with the
@@ -410,7 +466,7 @@ def launch(
         rdzv_configs=rdzv_conf,
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
-        start_method="spawn",
+        start_method="forkserver",
         local_addr=node.local_addr,
     )
     t = threads or threads_per_worker(nprocs)
@@ -420,7 +476,9 @@ def launch(
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         with _signal_handlers_kept(), _stopped_workers_woken(), _agent_reports_restarts(on_restart):
-            return dict(elastic_launch(config, entrypoint=_child)(fn, t, dict(node.env), backend, args))
+            prestart((*PRELOAD, fn.__module__))
+            return dict(elastic_launch(config, entrypoint=_child)(fn, t, dict(node.env), backend, args,
+                                                                  dict(os.environ)))
     except SignalException as e:
         raise LaunchInterrupted(e.sigval) from None
     except KeyboardInterrupt:  # Ctrl-C before the agent set its handlers (rendezvous): no worker started yet
@@ -429,9 +487,10 @@ def launch(
         raise _failed(e.failures) from None
 
 
-def _children() -> dict[int, str]:
-    """This process's child processes and their state letters (``/proc``; empty where there is none)."""
-    me, out = os.getpid(), {}
+def _workers() -> dict[int, str]:
+    """This process's children and theirs (the workers fork from the forkserver, a child) with their state
+    letters (``/proc``; empty where there is none)."""
+    me, parent, state = os.getpid(), {}, {}
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -444,9 +503,9 @@ def _children() -> dict[int, str]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == me:
-            out[int(e)] = fields[0]
-    return out
+        parent[int(e)], state[int(e)] = int(fields[1]), fields[0]
+    children = {pid for pid, pp in parent.items() if pp == me}
+    return {pid: state[pid] for pid, pp in parent.items() if pp == me or pp in children}
 
 
 @contextlib.contextmanager
@@ -462,7 +521,7 @@ def _stopped_workers_woken(period_s: float = 0.25) -> Iterator[None]:
     def watch() -> None:
         seen: set[int] = set()
         while not done.wait(period_s):
-            now = _children()
+            now = _workers()
             gone = any(pid not in now or now[pid] == "Z" for pid in seen)  # exited since the last look
             seen = {pid for pid, state in now.items() if state != "Z"}
             if gone:
