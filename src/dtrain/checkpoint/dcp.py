@@ -50,9 +50,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from dtrain.checkpoint.layout import (
     CheckpointError,
@@ -66,6 +63,9 @@ from dtrain.checkpoint.layout import (
 from dtrain.errors import CommError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "FORMAT"]
+
+# torch.distributed.checkpoint is imported where a checkpoint is read or written: it loads DTensor's modules,
+# about a second of every process's start-up otherwise
 
 #: version of what a checkpoint holds; bumped when the layout changes
 FORMAT = 1
@@ -147,6 +147,7 @@ def _unpack(packed: dict[str, Any]) -> Any:
 
 def _rank_slots(ckpt: Path, rank: int) -> dict[str, Any]:
     """Empty tensors for rank ``rank``'s cut-out tensors, shaped from the checkpoint's metadata."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = FileSystemReader(str(ckpt)).read_metadata()
@@ -233,6 +234,8 @@ def save_checkpoint(
     if sharded is not None:
         state["sharded"] = sharded
     state["rank_state"] = {f"rank{rank}": _pack(rank_state)}
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
     try:
         with _single_process_quiet():
             dcp_save(state, checkpoint_id=tmp, process_group=group, no_dist=not distributed)
@@ -315,6 +318,8 @@ def load_checkpoint(
     if sharded is not None:
         state["sharded"] = sharded
     state["rank_state"] = {f"rank{blob_rank}": _rank_slots(ckpt, blob_rank)}
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
     try:
         with _single_process_quiet():
             dcp_load(state, checkpoint_id=ckpt, process_group=group, no_dist=not distributed)
