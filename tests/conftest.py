@@ -1,5 +1,61 @@
+"""Test-suite set-up: the helpers' folder on the path, and the quick tier.
+
+``pytest --quick`` (``bash scripts/test.sh --quick``) runs the tests that start no process: unit tests and
+threaded ones, for the edit-test loop. A test that starts a process (``subprocess``, ``multiprocessing``,
+a launch) carries the ``procs`` mark, given with the test or its module; under ``--quick`` such a test is
+left out, and a test without the mark that starts a process anyway fails, naming what it started, so a
+forgotten mark shows up at once instead of slowing the quick tier down.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
 import os
+import subprocess
 import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
 
 # tests import helpers as `from _dist import ...`
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--quick", action="store_true",
+                     help="only the tests that start no process (no 'procs' mark); one that starts one fails")  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "procs: starts processes (left out by --quick)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--quick"):
+        return
+    keep = [i for i in items if i.get_closest_marker("procs") is None]
+    config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("procs") is not None])
+    items[:] = keep
+
+
+class ProcessStarted(AssertionError):
+    """A test run by ``--quick`` started a process: it needs the ``procs`` mark."""
+
+
+@pytest.fixture(autouse=True)
+def _no_process_under_quick(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if not request.config.getoption("--quick"):
+        yield
+        return
+
+    def refuse(what: str) -> Any:
+        def stop(*args: Any, **kwargs: Any) -> Any:
+            raise ProcessStarted(f"{request.node.nodeid} starts a process ({what}): mark it @pytest.mark.procs")
+
+        return stop
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse("subprocess"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("multiprocessing"))
+    monkeypatch.setattr(os, "fork", refuse("os.fork"))
+    yield

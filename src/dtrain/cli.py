@@ -222,6 +222,10 @@ def _cmd_report(ns: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"] and not {"-h", "--help", "--cluster"} & set(argv):
+        from dtrain.launch import prestart
+
+        prestart()  # the workers' forkserver imports torch while this process reads the configuration
     ap = build_parser()
     if not argv:
         ap.print_help()
@@ -232,10 +236,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = delegated.get(argv[0]) or _BENCHES[argv[1]]
         rest = argv[1:] if argv[0] in delegated else argv[2:]
         return run_command("dtrain", lambda: _delegate(module, rest))
-    if argv[0] == "run" and not {"-h", "--help", "--cluster"} & set(argv):
-        from dtrain.launch import prestart
-
-        prestart()  # the workers' forkserver imports torch while this process reads the configuration
     ns = ap.parse_args(argv)
     return run_command("dtrain", lambda: _dispatch(ap, ns))
 
