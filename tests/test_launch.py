@@ -42,6 +42,23 @@ def _leave_a_busy_thread():
     return dtrain.rank()
 
 
+def _env_seen(names):
+    return {n: os.environ.get(n) for n in names}
+
+
+def test_workers_take_the_launching_process_environment_at_the_launch(monkeypatch):
+    """Workers fork from a forkserver that copied the environment when it started; each launch's workers see
+    the launching process's environment as it is then (set, changed, removed), the agent's variables on top."""
+    monkeypatch.setenv("DTRAIN_TEST_GONE", "before")
+    launch(_env_seen, (["DTRAIN_TEST_GONE"],), nprocs=1)  # the forkserver is up, with DTRAIN_TEST_GONE set
+    monkeypatch.delenv("DTRAIN_TEST_GONE")
+    monkeypatch.setenv("DTRAIN_TEST_NEW", "after")
+    monkeypatch.setenv("RANK", "99")  # a stale rank in the parent never reaches a worker
+    out = launch(_env_seen, (["DTRAIN_TEST_GONE", "DTRAIN_TEST_NEW", "RANK", "TORCHELASTIC_RESTART_COUNT"],), nprocs=2)
+    assert out == {r: {"DTRAIN_TEST_GONE": None, "DTRAIN_TEST_NEW": "after", "RANK": str(r),
+                       "TORCHELASTIC_RESTART_COUNT": "0"} for r in (0, 1)}
+
+
 def test_launch_returns_values_by_rank():
     out = launch(_sum_ranks, ("a",), nprocs=3)
     assert sorted(out) == [0, 1, 2]
