@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--quick", action="store_true",
-                     help="only the tests that start no process (no 'procs' mark); one that starts one fails")  # fmt: skip
+                     help="only the tests that start no process (no 'procs' mark); one that does fails")  # fmt: skip
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -40,6 +40,7 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "bogus" in capsys.readouterr().err
 
 
+@pytest.mark.procs
 def test_two_worker_run_prints_every_algorithm(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["--workers", "2", "--sizes", "4KB,68KB", "--iters", "2", "--warmup", "1", "--timeout", "60"])
     out = capsys.readouterr().out

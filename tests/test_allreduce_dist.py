@@ -270,6 +270,7 @@ def _is_comm_error(e: BaseException) -> bool:
     return isinstance(e, CommError)
 
 
+@pytest.mark.procs
 def test_rank_killed_mid_ring_makes_survivors_fail_fast() -> None:
     world, victim, timeout = 3, 1, 5.0
     outs = spawn(_dying_worker, world, victim, timeout, timeout=120, pg_timeout=30)
@@ -299,6 +300,7 @@ def _device_worker(rank: int, world_size: int, device: str) -> str:
     return "no error"
 
 
+@pytest.mark.procs
 def test_tensor_on_a_wrong_device_is_rejected() -> None:
     (msg,) = run_distributed(_device_worker, 1, "meta", timeout=120)
     assert "meta device" in msg and "holds no data" in msg, msg
@@ -318,6 +320,7 @@ def _on_device_worker(rank: int, world_size: int, device: str) -> dict[str, list
 
 # CUDA tensors over gloo go through host memory (TorchTransport stages them; native is gloo's own CUDA
 # allreduce): where CUDA is present, 3 processes share the GPU; the CPU case is the same check on gloo's home
+@pytest.mark.procs
 @pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
 def test_every_algorithm_reduces_tensors_on_the_device_in_place(device: str) -> None:
     world = 3

@@ -166,6 +166,7 @@ def test_checkpoint_options_are_checked():
         _cfg(strategy="auto", resume=".").validate()
 
 
+@pytest.mark.procs
 def test_cli_world_size_mismatch_fails_before_launch(one_worker_checkpoint, tmp_path):
     _, run = one_worker_checkpoint
     out = tmp_path / "out"
@@ -238,6 +239,7 @@ def _dp_resume_one(rank, world, root, spec, n):
     return out
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_data_parallel_resume_equals_straight_training(tmp_path):
     specs = ["none", "topk:0.01", "powersgd:2"]
@@ -271,6 +273,7 @@ def _rows(out):
 RUN = ["--workers", "2", "--batch-size", "256", "--epochs", "2", "--max-steps", "8", "--checkpoint-every", "3"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("extra", [
     ["--compression", "sign"],
@@ -310,6 +313,7 @@ def test_dtrain_run_resume_equals_straight_run(tmp_path, extra):
     assert {rb[(workers[0], s)]["epoch"] for s in range(3, 8)} == {0, 1}
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_a_plain_dp_checkpoint_resumes_on_fewer_workers_as_if_nothing_changed(tmp_path):
     """4 workers save, 2 resume (issue 21, F6): every rank held the same model and optimizer state, and the

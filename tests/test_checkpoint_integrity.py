@@ -115,6 +115,7 @@ def _rows(out):
 RUN = ["--workers", "2", "--batch-size", "256", "--epochs", "2", "--max-steps", "8", "--checkpoint-every", "3"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(400)
 def test_dtrain_run_names_a_truncated_file_and_falls_back(tmp_path):
     a = tmp_path / "straight"

@@ -59,6 +59,7 @@ def test_state_round_trips_through_json():
     assert c.host_ns(2) == f"{PREFIX}x-h2" and c.address(2) == "10.213.4.3"
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(not IS_ROOT or shutil.which("setpriv") is None, reason="needs root to drop to an unprivileged user")
 def test_non_root_is_told_it_needs_root():
     p = subprocess.run(
@@ -73,6 +74,7 @@ def test_non_root_is_told_it_needs_root():
 # ---------------------------------------------------------------- root
 
 
+@pytest.mark.procs
 @needs_root
 def test_up_status_down_leaves_nothing(cluster_name):
     links_before = _root_links()
@@ -115,6 +117,7 @@ def test_up_status_down_leaves_nothing(cluster_name):
     assert down(cluster_name) == []  # idempotent
 
 
+@pytest.mark.procs
 @needs_root
 def test_down_after_crash_finds_namespaces_by_prefix(cluster_name, tmp_path):
     c = up(cluster_name, hosts=2, bandwidth="1gbit")
@@ -128,6 +131,7 @@ def test_down_after_crash_finds_namespaces_by_prefix(cluster_name, tmp_path):
     assert not [ns for ns in _netns() if ns.startswith(f"{PREFIX}{cluster_name}-")]
 
 
+@pytest.mark.procs
 @needs_root
 def test_bad_requests_fail_before_anything_is_made(cluster_name):
     with pytest.raises(ClusterError, match="netem"):
@@ -145,6 +149,7 @@ def test_bad_requests_fail_before_anything_is_made(cluster_name):
         load(cluster_name)
 
 
+@pytest.mark.procs
 @needs_root
 def test_cli_up_status_down(cluster_name, capsys):
     assert cluster_main(["up", "--hosts", "2", "--bandwidth", "50mbit", "--name", cluster_name]) == 0
@@ -168,6 +173,7 @@ def _allreduce_worker(n: int) -> tuple[int, list[float], str]:
     return rank, t.tolist(), os.environ.get("DTRAIN_SLOWDOWN", "1")
 
 
+@pytest.mark.procs
 @needs_root
 def test_multinode_launch_runs_one_node_per_host(cluster_name):
     c = up(cluster_name, hosts=2, bandwidth="1gbit", slow={1: 3.0})
@@ -179,6 +185,7 @@ def test_multinode_launch_runs_one_node_per_host(cluster_name):
         assert slow == ("3" if r >= 2 else "1")  # ranks 2, 3 live on the slowed host 1
 
 
+@pytest.mark.procs
 @needs_root
 def test_dtrain_run_cluster_trains_over_the_hosts(cluster_name, tmp_path):
     """`dtrain run --cluster NAME`: one torchrun node per host, real TCP between the namespaces.

@@ -76,6 +76,7 @@ def _against_native(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.procs
 def test_ring_and_native_match_the_backend_on_gloo() -> None:
     for res in run_distributed(_against_native, 3, timeout=60):
         assert res["ag-ring"] == 0.0 and res["ag-native"] == 0.0, res

@@ -249,6 +249,7 @@ def _gloo_every_compressor(rank: int, world_size: int, specs: list[str], n: int)
     return out
 
 
+@pytest.mark.procs
 def test_every_compressor_over_gloo() -> None:
     p, n = 4, 20_000
     specs = sorted(REGISTRY)

@@ -416,6 +416,7 @@ def _silent_peer(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+@pytest.mark.procs
 def test_a_silent_rank_becomes_comm_timeout_error_naming_rank_operation_step():
     res = run_distributed(_silent_peer, 2, timeout=120)
     assert all(msg.startswith("RuntimeError: silent") for msg in res[1].values()), res[1]

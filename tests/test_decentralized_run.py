@@ -12,6 +12,8 @@ from _helpers import dtrain_cli, read_metrics, read_summary
 
 from dtrain.models import build_model
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 COMMON = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", "32"]
 
 

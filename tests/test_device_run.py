@@ -17,6 +17,8 @@ import pytest
 import torch
 from _helpers import dtrain_cli, mean_losses, read_summary
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 GPT = ["--model", "gpt-tiny", "--dataset", "pytext", "--seq-len", "16", "--batch-size", "8", "--eval-samples", "16",
        "--max-steps", "8", "--epochs", "1", "--optimizer", "adam", "--lr", "0.003", "--no-progress", "--no-trace",
        "--timeout-s", "120"]  # fmt: skip

@@ -98,6 +98,7 @@ def test_guard_stops_at_once_or_after_its_budget_of_agreed_skips():
 # ---------------------------------------------------------------------- F1: non-finite steps, real runs
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_a_diverging_run_stops_at_the_first_nonfinite_step_and_keeps_its_good_checkpoints(tmp_path):
     """F1: `--lr 1e6` used to finish with exit 0 and final_loss NaN."""
@@ -118,6 +119,7 @@ def test_a_diverging_run_stops_at_the_first_nonfinite_step_and_keeps_its_good_ch
     assert saved and max(saved) <= step  # step_N holds steps 0..N-1: nothing of the bad step
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_skip_nonfinite_skips_the_step_on_every_data_parallel_rank(tmp_path):
     out = tmp_path / "dp"
@@ -131,6 +133,7 @@ def test_skip_nonfinite_skips_the_step_on_every_data_parallel_rank(tmp_path):
     assert s["steps"] == 8 and _finite(s["final_loss"]) and s["test_accuracy"] is not None
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_a_parameter_server_worker_skips_its_push_then_stops_naming_the_parameter(tmp_path):
     """A finite loss, an inf gradient on worker rank 2 only, at steps 3 and 5, one skip allowed: its own
@@ -172,6 +175,7 @@ def _earlier_run(out: Path) -> dict[str, str]:
     return files
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_a_folder_holding_a_run_is_refused_before_any_worker_and_replaced_with_overwrite(tmp_path):
     out = tmp_path / "r"
@@ -188,6 +192,7 @@ def test_a_folder_holding_a_run_is_refused_before_any_worker_and_replaced_with_o
     assert "overwrite = false" in (out / "config.toml").read_text()  # a rerun of config.toml cannot delete it
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("where, words", [
     ("/proc/x/y", "cannot write the run folder /proc/x/y: No such file or directory"),
     ("FILE", "it is a file"),

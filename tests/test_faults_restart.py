@@ -46,6 +46,7 @@ def _losses(out: Path) -> dict[tuple[int, int], float]:
     return keyed
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_a_sigkilled_worker_restarts_from_the_checkpoint_and_ends_as_the_uninterrupted_run(tmp_path):
     plain = tmp_path / "plain"
@@ -92,6 +93,7 @@ def test_a_sigkilled_worker_restarts_from_the_checkpoint_and_ends_as_the_uninter
           f"exit {took:.1f} s after it; uninterrupted run {plain_s:.1f} s")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_without_restarts_a_sigkill_ends_the_run_naming_the_rank(tmp_path):
     out = tmp_path / "run"
@@ -107,6 +109,7 @@ def test_without_restarts_a_sigkill_ends_the_run_naming_the_rank(tmp_path):
     assert "restarting" not in run.stderr
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_a_death_after_the_last_restart_ends_the_run_naming_the_rank(tmp_path):
     out = tmp_path / "run"
@@ -128,6 +131,7 @@ def test_a_death_after_the_last_restart_ends_the_run_naming_the_rank(tmp_path):
     assert lines[-1].startswith("  rank 1: killed by signal 9"), run.stderr[-3000:]
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("flags, words", [
     (["--max-restarts", "-1"], "max_restarts must be >= 0, got -1"),
     (["--max-restarts", "2"], "--max-restarts 2 restarts the processes from the run's newest checkpoint: add "
@@ -220,6 +224,7 @@ SCALE = ("run", "--workers", "4", "--batch-size", "48", "--epochs", "4", "--chec
          "--timeout-s", "60")  # fmt: skip
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("flags", [[], ["--shard", "gradients"]], ids=["dp", "zero2"])
 def test_with_min_workers_a_lost_worker_leaves_the_run_on_three_that_ends_as_the_run_on_four(tmp_path, flags):
@@ -314,6 +319,7 @@ PIPE = ("run", "--strategy", "pipeline", "--workers", "3", "--epochs", "2", "--m
         "--checkpoint-every", "10", "--no-progress", "--no-trace", "--timeout-s", "60")  # fmt: skip
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_a_pipeline_restarts_from_its_stages_checkpoint_and_ends_as_the_uninterrupted_run(tmp_path):
     """A pipeline's middle stage SIGKILLed after the step-20 checkpoint: every stage restarts from its own

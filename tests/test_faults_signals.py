@@ -84,6 +84,7 @@ def _finish(p: subprocess.Popen[str], sent: float) -> tuple[float, str, str]:
     return took, stdout, stderr
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_ctrl_c_says_where_to_resume_and_exits_130(tmp_path):
     out = tmp_path / "run"
@@ -114,6 +115,7 @@ def test_ctrl_c_says_where_to_resume_and_exits_130(tmp_path):
     assert summary["start_step"] == saved and summary["steps"] == 3
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_sigkill_of_a_dp_worker_is_the_last_line(tmp_path):
     out = tmp_path / "run"

@@ -55,6 +55,7 @@ STALLS = {  # name: (flags, the training ranks, the rank to stop, words of the l
 }
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", list(STALLS))
 def test_a_stopped_worker_ends_the_run_within_the_timeout_naming_it(tmp_path: Path, name: str) -> None:
     flags, ranks, victim_rank, words = STALLS[name]

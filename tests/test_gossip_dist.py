@@ -279,6 +279,7 @@ def test_async_straggler_finishes_and_shuts_down(async_results: list[dict[str, A
     assert sum(o["stats"]["rounds"] for o in outs if o["stats"]["role"] == "passive") == 16
 
 
+@pytest.mark.procs
 def test_async_in_a_subgroup(async_results: list[dict[str, Any]]) -> None:
     outs = [r["subgroup"] for r in async_results]
     assert all("error" not in o for o in outs), [o.get("trace") for o in outs]
@@ -326,6 +327,7 @@ def _failures(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+@pytest.mark.procs
 def test_failures_name_rank_op_and_step() -> None:
     outs = run_distributed(_failures, 2, timeout=90)
     assert all(o["torus"].startswith("ConfigError") and "n=2" in o["torus"] for o in outs)

@@ -104,6 +104,7 @@ def _gpt_for(res: dict[str, Any]) -> nn.Module:
     return _gpt("gpt-tiny" if len(res["single"]) == len(list(_gpt("gpt-tiny").parameters())) else "gpt-small")
 
 
+@pytest.mark.procs
 def test_data_parallel_gpt_tiny_equals_single_process_and_ddp():
     _check(run_distributed(_scenarios, WORLD, "gpt-tiny", timeout=240))
 
@@ -117,6 +118,7 @@ _LM = ["--model", "gpt-tiny", "--dataset", "pytext", "--workers", "2", "--batch-
        "--optimizer", "adam", "--lr", "0.003", "--eval-samples", "64", "--no-progress", "--no-trace"]
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("strategy", [["dp"], ["ps", "--servers", "1", "--consistency", "asp"]])
 def test_language_model_run_stops_at_its_target(tmp_path, strategy):
     out = tmp_path / "run"
@@ -140,6 +142,7 @@ def test_language_model_run_stops_at_its_target(tmp_path, strategy):
     assert q.stdout.startswith("def ") and len(q.stdout.encode()) >= 40
 
 
+@pytest.mark.procs
 def test_language_model_without_target_reports_loss_each_epoch_and_bad_mixes_fail(tmp_path):
     out = tmp_path / "run"
     p = dtrain_cli("run", *_LM, "--max-steps", "12", "--eval-every", "6", "--out", str(out))

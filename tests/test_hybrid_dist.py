@@ -106,6 +106,7 @@ def test_a_mesh_that_does_not_match_the_world_is_an_error_naming_the_three_numbe
         assert "error" in r["bad"] and "dp 2 x pp 2 x tp 2 = 8" in r["bad"]["error"], r["bad"]
 
 
+@pytest.mark.procs
 def test_hybrid_2x2x2_on_eight_processes_equals_one_process() -> None:
     res = run_distributed(_eight, 8, timeout=400)
     r = _ok(res[0]["(2, 2, 2)"])

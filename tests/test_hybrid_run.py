@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from _helpers import dtrain_cli, mean_losses, read_metrics, read_summary
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 COMMON = ["--model", "gpt-tiny", "--dataset", "pytext", "--epochs", "1", "--max-steps", "6", "--batch-size", "8",
           "--eval-samples", "16", "--no-progress", "--no-trace", "--seq-len", "16"]
 

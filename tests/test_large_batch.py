@@ -314,6 +314,7 @@ def test_a_scheduled_run_follows_the_plan_and_the_lr_rules(straight):
     assert s["metric"] > 0.5
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_a_run_stopped_inside_a_scheduled_epoch_resumes_to_the_uninterrupted_result(straight, tmp_path):
     cut, resumed = tmp_path / "cut", tmp_path / "resumed"
@@ -365,6 +366,7 @@ def _groups(out, step: int) -> list[dict]:
     return list(read_checkpoint(out / "checkpoints" / f"step_{step:06d}")["optimizer"]["param_groups"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_lars_trains_the_cnn_on_two_workers(tmp_path):
     out = tmp_path / "lars"
@@ -378,6 +380,7 @@ def test_lars_trains_the_cnn_on_two_workers(tmp_path):
     assert g[0]["trust_coefficient"] == pytest.approx(0.001) and g[0]["momentum"] == pytest.approx(0.9)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_lamb_trains_a_tiny_gpt(tmp_path):
     out = tmp_path / "lamb"
@@ -392,6 +395,7 @@ def test_lamb_trains_a_tiny_gpt(tmp_path):
     assert math.isfinite(read_summary(out)["val_loss"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_adamw_trains_the_cnn(tmp_path):
     out = tmp_path / "adamw"

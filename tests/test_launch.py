@@ -46,6 +46,7 @@ def _env_seen(names):
     return {n: os.environ.get(n) for n in names}
 
 
+@pytest.mark.procs
 def test_workers_take_the_launching_process_environment_at_the_launch(monkeypatch):
     """Workers fork from a forkserver that copied the environment when it started; each launch's workers see
     the launching process's environment as it is then (set, changed, removed), the agent's variables on top."""
@@ -59,6 +60,7 @@ def test_workers_take_the_launching_process_environment_at_the_launch(monkeypatc
                        "TORCHELASTIC_RESTART_COUNT": "0"} for r in (0, 1)}
 
 
+@pytest.mark.procs
 def test_launch_returns_values_by_rank():
     out = launch(_sum_ranks, ("a",), nprocs=3)
     assert sorted(out) == [0, 1, 2]
@@ -66,17 +68,20 @@ def test_launch_returns_values_by_rank():
         assert v == (r, 3, 3.0, "a", "3")
 
 
+@pytest.mark.procs
 def test_failure_names_rank_and_error():
     with pytest.raises(LaunchError) as e:
         launch(_fail_on_one, nprocs=2)
     assert "rank 1" in str(e.value) and "deliberate failure on rank one" in str(e.value)
 
 
+@pytest.mark.procs
 def test_dead_process_is_reported():
     with pytest.raises(LaunchError, match="rank 0"):
         launch(_die_on_zero, nprocs=2)
 
 
+@pytest.mark.procs
 def test_a_thread_inside_torch_at_exit_does_not_kill_the_worker():
     # a daemon thread that comes back from torch while the interpreter finalizes cannot take the GIL:
     # the process dies of SIGABRT after its work (seen: a ps server on the emulated cluster); the

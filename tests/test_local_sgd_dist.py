@@ -350,6 +350,7 @@ def _single_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.procs
 def test_single_worker_equals_single_process_training_exactly():
     (res,) = run_distributed(_single_worker, 1, timeout=120)
     for warmup, r in res.items():

@@ -165,11 +165,13 @@ def _check_world(world: int, shapes: list[tuple[int, int, int]], results: list[l
             assert sorted(r for g in groups for r in g) == list(range(world)), (shape, dim, groups)
 
 
+@pytest.mark.procs
 def test_world_4_groups_over_gloo() -> None:
     shapes = [(2, 1, 2), (1, 2, 2), (2, 2, 1)]
     _check_world(4, shapes, run_distributed(_build_and_reduce, 4, shapes, timeout=150))
 
 
+@pytest.mark.procs
 def test_world_8_groups_over_gloo() -> None:
     shapes = [(2, 2, 2)]
     _check_world(8, shapes, run_distributed(_build_and_reduce, 8, shapes, timeout=240))

@@ -13,6 +13,8 @@ from dtrain.data import load_dataset
 from dtrain.models import build_model, task_loss
 from dtrain.training.noise_scale import estimate, next_batch
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 COMMON = ["--no-progress", "--no-trace", "--workers", "2", "--noise-scale"]
 
 

@@ -38,6 +38,7 @@ def _losses(out: Path) -> dict[tuple[int, int], float]:
     return {(int(r["step"]), int(r["rank"])): float(r["loss"]) for r in rows}
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flags", [["--schedule", "1f1b"], ["--schedule", "interleaved", "--chunks", "2"]],
                          ids=["1f1b", "interleaved"])  # fmt: skip
@@ -72,6 +73,7 @@ def test_a_resumed_pipeline_cuts_the_model_where_its_checkpoint_did(tmp_path):
     assert PipelineEngine._balance(engine(None, "4,5")) == [4, 5]
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("extra, words", [
     (["--schedule", "2bw", "--checkpoint-every", "10"],
      "checkpoints of a pipeline run with --schedule 2bw are not supported: between steps it holds a batch's "
@@ -85,6 +87,7 @@ def test_a_pipeline_checkpoint_that_cannot_hold_is_refused_before_any_process(tm
     assert not (out / "metrics.jsonl").exists()
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_resuming_a_pipeline_checkpoint_with_other_chunks_is_refused_naming_them(tmp_path):
     first = tmp_path / "first"
@@ -101,6 +104,7 @@ GPT = ["run", "--model", "gpt-tiny", "--dataset", "pytext", "--epochs", "1", "--
        "10", "--no-progress", "--no-trace"]  # fmt: skip
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mesh", [["--strategy", "tensor", "--workers", "2"],
                                   ["--strategy", "hybrid", "--workers", "4", "--dp", "2", "--pp", "2"]],
@@ -119,6 +123,7 @@ def test_a_resumed_tensor_or_hybrid_run_ends_as_the_uninterrupted_one(tmp_path, 
     assert read_summary(resumed)["metric"] == pytest.approx(read_summary(whole)["metric"], rel=1e-6)
 
 
+@pytest.mark.procs
 def test_a_hybrid_checkpoint_resumes_only_on_its_own_mesh(tmp_path):
     root = tmp_path / "run"
     p = dtrain_cli(*GPT, "--strategy", "hybrid", "--workers", "2", "--dp", "2", "--max-steps", "10", "--out",

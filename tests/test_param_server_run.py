@@ -2,7 +2,10 @@
 
 import json
 
+import pytest
 from _helpers import dtrain_cli, read_metrics, read_summary
+
+pytestmark = pytest.mark.procs  # every test here starts processes
 
 
 def test_dtrain_run_ps_writes_staleness_and_the_table(tmp_path):

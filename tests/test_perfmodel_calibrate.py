@@ -18,6 +18,7 @@ needs_root = pytest.mark.skipif(
 )
 
 
+@pytest.mark.procs
 @needs_root
 def test_calibrate_an_emulated_cluster_writes_a_usable_toml(tmp_path, monkeypatch, capsys):
     import dtrain.cluster as dc
@@ -74,6 +75,7 @@ def test_pooled_load_terms_are_the_medians_of_every_reading_and_the_rest_is_the_
         pool_load([])
 
 
+@pytest.mark.procs
 def test_coding_probe_counts_user_cpu_in_calls_agreed_by_every_rank():
     # two real gloo processes: every rank makes the same number of calls (they are collective), enough
     # for the tick-sampled user share or the cap, and a user share in (0, 1] of positive CPU

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 bench = importlib.import_module("pipeline_vs_torch")
 

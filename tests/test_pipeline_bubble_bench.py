@@ -7,6 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 bench = importlib.import_module("pipeline_bubble")
 

@@ -29,6 +29,8 @@ from torch import nn
 
 from dtrain.models import build_gpt, task_loss
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 STEPS = 20
 BATCH = 24
 LR = 0.05

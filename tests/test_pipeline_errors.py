@@ -92,6 +92,7 @@ def _killed(rank: int, world: int) -> Any:
     return "finished"
 
 
+@pytest.mark.procs
 def test_a_rank_killed_mid_schedule_is_an_error_on_the_others_not_a_hang() -> None:
     outs = spawn(_killed, 3, timeout=90, pg_timeout=60)
     assert outs[1].status == "died" and outs[1].exitcode == 3, outs[1]

@@ -158,6 +158,7 @@ def test_balance_memory_counts_parameters_and_activations() -> None:
     assert balance(model, 3, "memory", costs=costs) == expected
 
 
+@pytest.mark.procs
 def test_balance_time_beats_equal_split(one_thread: None) -> None:
     # layer costs in units of 128*128 multiply-adds per row: 1, 10, 10, 1, 1, 1, 1, 1, 1, 1 (sum 28). In 3 stages
     # the best cuts keep the two heavy layers apart, about 11 | 11 | 6; equal counts (4, 3, 3) give 22 | 3 | 3.

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from _helpers import dtrain_cli, read_metrics, read_summary
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 COMMON = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", "24", "--max-steps", "8"]
 
 

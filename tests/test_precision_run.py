@@ -181,6 +181,7 @@ def _always_overflows_on_rank_1(rank: int, world: int) -> dict[str, Any]:
     return {"step": None, "seen": seen}
 
 
+@pytest.mark.procs
 def test_loss_scale_collapse_is_agreed_by_two_gloo_processes():
     outs = spawn(_always_overflows_on_rank_1, 2, timeout=90)
     assert all(o.status == "ok" for o in outs), [(o.status, o.error) for o in outs]
@@ -213,6 +214,7 @@ def _assert_skipped_everywhere(out: Path, step: int, culprit: int, ranks: int) -
     return rows
 
 
+@pytest.mark.procs
 def test_dp_an_overflow_on_one_rank_is_skipped_by_both_and_the_replicas_stay_identical(runs):
     clean = _rows(runs("dp fp16"))
     a = _assert_skipped_everywhere(runs("dp fp16, rank 1 overflows at step 3"), 3, culprit=1, ranks=2)
@@ -230,11 +232,13 @@ def test_dp_an_overflow_on_one_rank_is_skipped_by_both_and_the_replicas_stay_ide
     assert sa["metric"] == sb["metric"]  # rank 0's final model, evaluated
 
 
+@pytest.mark.procs
 def test_pipeline_both_stages_skip_an_overflow_only_the_last_stage_sees(runs):
     rows = _assert_skipped_everywhere(runs("pipeline fp16, stage 1 overflows at step 3"), 3, culprit=1, ranks=2)
     assert [r["stage"] for r in rows[1]] == [1] * len(rows[1])
 
 
+@pytest.mark.procs
 def test_every_step_overflowing_collapses_the_loss_scale_on_both_ranks(tmp_path):
     # one update at lr 1e30 leaves weights that are inf in fp16: from then on every step overflows
     out = tmp_path / "collapse"
@@ -265,6 +269,7 @@ def _cnn_parameters() -> int:
     return sum(p.numel() for p in build_model("cnn", tuple(ds.input_shape), ds.num_classes).parameters())
 
 
+@pytest.mark.procs
 def test_dp_gradients_travel_in_16_bits(runs):
     # dp's ring all-reduce sends 2 (P-1)/P elements per parameter a step: 2 bytes each in bf16 / fp16, half of
     # fp32's 4 (fp32's count is the engine's, checked in tests/test_data_parallel_dist.py; no run spent on it here)
@@ -276,6 +281,7 @@ def test_dp_gradients_travel_in_16_bits(runs):
         assert {r["bytes_sent"] for r in read_metrics(runs(name))} == {int(fp32 / 2)}, name
 
 
+@pytest.mark.procs
 def test_ddp_reports_the_16_bit_bytes_its_comm_hook_sends(runs):
     rows = read_metrics(runs("ddp fp16"))
     assert {r["bytes_sent"] for r in rows} == {int(2 * (2 - 1) / 2 * _cnn_parameters() * 2)}
@@ -297,6 +303,7 @@ LEARNS = {  # run name -> the step an injected overflow may add to the first ste
 }
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", [
     *LEARNS,
     pytest.param("hybrid fp16", marks=pytest.mark.slow),  # 4 processes; the engine is tensor fp16's

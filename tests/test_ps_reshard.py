@@ -98,6 +98,7 @@ def _server(ckpt):
     return read_checkpoint(ckpt)["rank_state"][0]["ps"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_a_ps_checkpoint_resumes_on_fewer_and_on_more_workers_as_if_nothing_changed(tmp_path):
     a, b, c = tmp_path / "four", tmp_path / "two", tmp_path / "three"
@@ -132,6 +133,7 @@ def test_a_ps_checkpoint_resumes_on_fewer_and_on_more_workers_as_if_nothing_chan
     assert {(ranks[r]["epoch"], ranks[r]["batch"]) for r in (1, 2, 3)} == {(1, 3)}
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_refusals_come_before_any_process_starts(four_worker_marker, tmp_path):
     run = four_worker_marker(compression="topk:0.01")
@@ -145,6 +147,7 @@ def test_refusals_come_before_any_process_starts(four_worker_marker, tmp_path):
     assert p.returncode == 2 and "(--servers 1)" in p.stderr and not out.exists(), p.stderr[-2000:]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_with_min_workers_a_ps_run_that_loses_a_worker_goes_on_on_three_as_the_run_on_four(tmp_path):
     """Scale-down (``--max-restarts 1 --min-workers 3``): a worker SIGKILLed after the step-10 checkpoint, the

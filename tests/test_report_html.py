@@ -176,6 +176,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                                            timeout=180).items()}
 
 
+@pytest.mark.procs
 def test_dtrain_report_compares_two_runs_and_prints_where_the_page_is(runs, tmp_path):
     done = dtrain_cli("report", str(runs["dp"]), str(runs["ps"]), "--out", str(tmp_path), timeout=120)
     assert done.returncode == 0, done.stderr

@@ -25,6 +25,7 @@ def _check_folder(out, workers):
     return s, rows
 
 
+@pytest.mark.procs
 def test_default_run_reaches_95_percent(tmp_path):
     """The embedded default (4 workers, CNN, digits, dp ring) must reach >= 95% in under 2 minutes."""
     out = tmp_path / "default"
@@ -42,6 +43,7 @@ def test_default_run_reaches_95_percent(tmp_path):
     assert all(r["bytes_sent"] > 0 for r in rows)
 
 
+@pytest.mark.procs
 def test_ddp_peer_and_toml_rerun(tmp_path):
     out = tmp_path / "ddp"
     p = dtrain_cli("run", "--strategy", "ddp", "--workers", "2", "--epochs", "1", "--max-steps", "5",
@@ -57,6 +59,7 @@ def test_ddp_peer_and_toml_rerun(tmp_path):
     assert s2["steps"] == 5 and s2["final_loss"] == pytest.approx(s["final_loss"], rel=1e-5)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("args, words", [
     (["--algorithm", "fancy"], "invalid choice"),
     (["--batch-size", "2", "--workers", "3"], "at least workers"),
@@ -74,6 +77,7 @@ def test_bad_config_fails_before_any_process(tmp_path, args, words):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.procs
 def test_strategy_auto_runs_the_planners_choice(tmp_path):
     out = tmp_path / "auto"
     p = dtrain_cli("run", "--strategy", "auto", "--workers", "2", "--epochs", "1", "--max-steps", "5",
@@ -153,6 +157,7 @@ def test_server_updates_per_consistency():
         assert server_updates(cfg, ctx.total_steps(4)) == n, pol
 
 
+@pytest.mark.procs
 def test_lr_schedule_cosine_under_dp_and_ps(tmp_path):
     """--lr-schedule cosine: dp's metrics show lr * factor(step); one parameter-server worker (bsp) then
     trains exactly like one data-parallel process with the same schedule. (With the servers' rate left
@@ -173,6 +178,7 @@ def test_lr_schedule_cosine_under_dp_and_ps(tmp_path):
     assert [r["loss"] for r in runs["ps"]] == pytest.approx([r["loss"] for r in runs["dp"]], rel=1e-5)
 
 
+@pytest.mark.procs
 def test_classifier_target_stops_at_the_first_evaluation_that_meets_it(tmp_path):
     out = tmp_path / "t"
     p = dtrain_cli("run", "--workers", "2", "--epochs", "5", "--eval-every", "5", "--target", "0.5", "--no-progress",

@@ -187,6 +187,7 @@ def _mismatch(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.procs
 def test_a_model_or_options_that_differ_between_ranks_is_a_clear_error_not_a_hang() -> None:
     import time
 

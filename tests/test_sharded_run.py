@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from _helpers import dtrain_cli, mean_losses, read_metrics, read_summary
 
+pytestmark = pytest.mark.procs  # every test here starts processes
+
 # a batch of 48 divides over 2, 3 and 4 workers: the global batch, and so the loss curve, is the same on each
 COMMON = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", "48", "--max-steps", "8"]
 

@@ -186,6 +186,7 @@ def _gloo_sparse(rank: int, world_size: int, cases: list[tuple[float, str]]) -> 
     return results
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_sparse_allreduce_over_gloo(world_size: int) -> None:
     cases = [(0.001, "auto"), (0.05, "auto"), (0.5, "auto"), (0.05, "split"), (0.3, "allgather")]

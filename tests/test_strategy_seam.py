@@ -32,6 +32,7 @@ def _losses(out: Path) -> dict[tuple[int, int], float]:
     return {(r["rank"], r["step"]): r["loss"] for r in read_metrics(out)}
 
 
+@pytest.mark.procs
 def test_toy_strategy_runs_checkpoints_and_resumes(toy, tmp_path):
     common = ["--strategy", "alone", "--workers", "2", "--epochs", "1", "--max-steps", "12", "--no-progress",
               "--no-trace", "--report-every", "3"]

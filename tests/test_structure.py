@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # what measures or starts processes; dtrain.perfmodel must import none of it
@@ -22,6 +24,7 @@ def _checker() -> ModuleType:
     return mod
 
 
+@pytest.mark.procs
 def test_source_tree_shape() -> None:
     assert _checker().check(ROOT / "src" / "dtrain") == []
 
@@ -37,6 +40,7 @@ def test_checker_finds_what_it_looks_for(tmp_path: Path) -> None:
     assert "import cycle among: pkg.a, pkg.b" in found and "strategy branch" in found
 
 
+@pytest.mark.procs
 def test_perfmodel_imports_nothing_that_starts_processes() -> None:
     folder = ROOT / "src" / "dtrain" / "perfmodel"
     modules = ["dtrain.perfmodel"] + sorted(f"dtrain.perfmodel.{p.stem}" for p in folder.glob("*.py")

@@ -137,6 +137,7 @@ def test_tensor_parallel_bytes_per_step_equal_the_closed_form(results: Any) -> N
         assert sp["bytes"] == pytest.approx(v["bytes"] + STEPS * extra, rel=1e-6), (sp["bytes"], v["bytes"])
 
 
+@pytest.mark.procs
 def test_bad_plans_are_clear_errors_naming_the_module() -> None:
     import time
 

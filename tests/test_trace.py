@@ -99,6 +99,7 @@ def _ping(rank: int, world: int, shift: float) -> dict[str, float]:
     return t.clock
 
 
+@pytest.mark.procs
 def test_clock_alignment_measures_a_shifted_clock_within_its_stated_error():
     clocks = run_distributed(_ping, 3, 0.25, timeout=90)
     assert clocks[0]["offset_s"] == 0.0
@@ -175,6 +176,7 @@ def test_trace_steps_keeps_its_window_and_cuts_arrows_at_the_edges(runs):
     assert len(read_metrics(runs["window"])) == 2 * 12  # the metrics keep every step
 
 
+@pytest.mark.procs
 def test_no_trace_with_trace_steps_is_refused_before_any_process_starts(tmp_path):
     p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", "--no-trace", "--trace-steps", "2-3", "--out",
                         str(tmp_path / "x")], capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -45,6 +45,7 @@ def test_planner_ranks_ps_with_three_workers():
     assert not any(s.workers == 3 for s, _ in p.rejected)
 
 
+@pytest.mark.procs
 def test_run_with_three_workers_trains_63_a_step(tmp_path):
     out = tmp_path / "w3"
     p = dtrain_cli("run", "--workers", "3", "--epochs", "1", "--max-steps", "4", "--out", str(out),
