@@ -43,19 +43,22 @@ class ProcessStarted(AssertionError):
     """A test run by ``--quick`` started a process: it needs the ``procs`` mark."""
 
 
-@pytest.fixture(autouse=True)
-def _no_process_under_quick(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _refuse(what: str) -> Any:
+    def stop(*args: Any, **kwargs: Any) -> Any:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "a test").split(" ")[0]
+        raise ProcessStarted(f"{test} starts a process ({what}) in its body or a fixture: mark it @pytest.mark.procs")
+
+    return stop
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_under_quick(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under ``--quick``, starting a process raises :class:`ProcessStarted`, in fixtures of any scope too."""
     if not request.config.getoption("--quick"):
         yield
         return
-
-    def refuse(what: str) -> Any:
-        def stop(*args: Any, **kwargs: Any) -> Any:
-            raise ProcessStarted(f"{request.node.nodeid} starts a process ({what}): mark it @pytest.mark.procs")
-
-        return stop
-
-    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse("subprocess"))
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("multiprocessing"))
-    monkeypatch.setattr(os, "fork", refuse("os.fork"))
-    yield
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "_execute_child", _refuse("subprocess"))
+        mp.setattr(multiprocessing.process.BaseProcess, "start", _refuse("multiprocessing"))
+        mp.setattr(os, "fork", _refuse("os.fork"))
+        yield

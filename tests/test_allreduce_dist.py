@@ -211,6 +211,7 @@ def dist_results() -> list[dict[int, list[str]]]:
     return run_distributed(_worker, 7, timeout=600, pg_timeout=120)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("world_size", range(1, 8))
 def test_every_algorithm_matches_native(dist_results: list[dict[int, list[str]]], world_size: int) -> None:
     for rank in range(world_size):
@@ -228,6 +229,7 @@ def test_full_cross_at_1000003_elements() -> None:
             assert not problems, f"P={P} rank {rank}:\n" + "\n".join(problems[:20])
 
 
+@pytest.mark.procs
 def test_non_consecutive_group(dist_results: list[dict[int, list[str]]]) -> None:
     for rank, found in enumerate(dist_results):
         assert not found[0], f"rank {rank}:\n" + "\n".join(found[0])

@@ -162,6 +162,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]
     return dtrain_runs(tmp_path_factory.mktemp("attribution"), RUN, RUNS)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", ["dp", "ps", "pipeline"])
 def test_the_injected_straggler_is_named(runs, name):
     out, text = runs[name]
@@ -176,6 +177,7 @@ def test_the_injected_straggler_is_named(runs, name):
         assert f"attribution     {att['line']}" in report(out)
 
 
+@pytest.mark.procs
 def test_a_plain_run_claims_no_big_straggler(runs):
     """Two ranks on a shared machine are never equal, and a contended one can be named (it was slower);
     but nothing like the injected 4x: never both most of the step waited for and 3x the other's work."""
@@ -185,6 +187,7 @@ def test_a_plain_run_claims_no_big_straggler(runs):
     assert not (top["waited"] >= 0.5 and top["own_ratio"] >= 3.0), att["line"]
 
 
+@pytest.mark.procs
 def test_tensorboard_events_hold_the_loss_per_step_and_the_metric(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -303,6 +303,7 @@ def results() -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------- tests
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("algorithm, overlap", COMBOS)
 def test_equivalence_with_single_process_and_ddp(results, algorithm, overlap):
     for rank, res in enumerate(results):
@@ -317,6 +318,7 @@ def test_equivalence_with_single_process_and_ddp(results, algorithm, overlap):
         assert st["comm_s"] > 0 and st["compute_s"] > 0 and st["wait_s"] >= 0
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", ["identity/backward", "identity/forward"])
 def test_compression_wiring_with_lossless_compressor_is_exact(results, name):
     for res in results:
@@ -325,6 +327,7 @@ def test_compression_wiring_with_lossless_compressor_is_exact(results, name):
         assert r["stats"]["bytes_sent"] == r["expected_bytes"]
 
 
+@pytest.mark.procs
 def test_fp16_compression_halves_bytes_and_stays_close(results):
     for res in results:
         r = _ok(res["eq/fp16/backward"])
@@ -335,6 +338,7 @@ def test_fp16_compression_halves_bytes_and_stays_close(results):
     assert results[0]["fp16_is"] == "FP16"
 
 
+@pytest.mark.procs
 def test_mismatched_models_raise_on_every_rank_naming_parameter_and_ranks(results):
     for res in results:
         msg = _ok(res["mismatch"])["model"]
@@ -343,12 +347,14 @@ def test_mismatched_models_raise_on_every_rank_naming_parameter_and_ranks(result
         assert "[3]" in msg  # the list of differing ranks
 
 
+@pytest.mark.procs
 def test_mismatched_options_raise_config_error_naming_ranks(results):
     for res in results:
         msg = _ok(res["mismatch"])["options"]
         assert msg.startswith("ConfigError") and "rank 2" in msg and "'tree'" in msg and "'ring'" in msg, msg
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("overlap", ["backward", "forward"])
 def test_find_unused_parameters_matches_ddp(results, overlap):
     for res in results:
@@ -357,6 +363,7 @@ def test_find_unused_parameters_matches_ddp(results, overlap):
         assert r["spare_grad_none"] and r["spare_moved"] == 0.0  # weight decay would have moved a zero grad
 
 
+@pytest.mark.procs
 def test_unused_parameters_raise_naming_them(results):
     for rank, res in enumerate(results):
         msg = _ok(res["unused_error"])
@@ -365,18 +372,21 @@ def test_unused_parameters_raise_naming_them(results):
         assert "find_unused_parameters=True" in msg
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("algorithm, overlap", [("native", "backward"), ("ring", "backward"), ("tree", "forward")])
 def test_no_sync_accumulation_matches_ddp(results, algorithm, overlap):
     for res in results:
         assert _ok(res[f"no_sync/{algorithm}/{overlap}"]) < TOL
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("algorithm, overlap", [("native", "backward"), ("recursive_doubling", "forward")])
 def test_buffers_follow_rank_zero_like_ddp(results, algorithm, overlap):
     for res in results:
         assert _ok(res[f"buffers/{algorithm}/{overlap}"]) < TOL
 
 
+@pytest.mark.procs
 def test_a_subgroup_is_averaged_over_on_its_own_like_ddp(results):
     for res in results:
         assert _ok(res["subgroups"]) < TOL

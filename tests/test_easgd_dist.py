@@ -207,6 +207,7 @@ def _scenario(runs: list[Any], rank: int, name: str) -> dict[str, Any]:
     return r
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", list(SYNC))
 def test_sync_easgd_equals_the_paper_equations_on_4_simulated_replicas(sync_runs: list[Any], name: str) -> None:
     """After 20 float32 steps every worker's replica equals replica i of the paper's equations run in one
@@ -225,6 +226,7 @@ def test_sync_easgd_equals_the_paper_equations_on_4_simulated_replicas(sync_runs
     assert max_diff(ref["replicas"][0], ref["center"]) > 1e-3
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", ["sgd-p1", "momentum-p3"])
 def test_sync_averaged_state_dict_and_consensus_distance(sync_runs: list[Any], name: str) -> None:
     """averaged_state_dict is the mean of the reference replicas; consensus_distance their spread."""
@@ -240,6 +242,7 @@ def test_sync_averaged_state_dict_and_consensus_distance(sync_runs: list[Any], n
         assert r["consensus"] == pytest.approx(spread, rel=1e-4)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", list(SYNC))
 def test_sync_bytes_per_elastic_round_equal_the_closed_form(sync_runs: list[Any], name: str) -> None:
     """Per round every rank sends 2 (N-1)/N of the model (ring allreduce of d), in 2 (N-1) messages."""
@@ -255,6 +258,7 @@ def test_sync_bytes_per_elastic_round_equal_the_closed_form(sync_runs: list[Any]
         assert st["messages"] == st["rounds"] * 2 * (WORLD - 1), st
 
 
+@pytest.mark.procs
 def test_sync_stability_rule(sync_runs: list[Any]) -> None:
     """(N + 1) alpha >= 2 is a ConfigError naming alpha on every rank; N alpha > 1 only warns."""
     for rank in range(WORLD):
@@ -395,6 +399,7 @@ def _flat(ts: list[Any]) -> torch.Tensor:
     return torch.cat([torch.as_tensor(t).reshape(-1) for t in ts]).double()
 
 
+@pytest.mark.procs
 def test_server_form_conserves_the_sum_of_replicas_and_center(server_runs: list[Any]) -> None:
     """lr 0: every exchange moves x_i by -d and the center by +d, so sum_i x_i + x~ is conserved (to 1e-5);
     the replicas move toward the center and the center toward the replicas."""
@@ -430,6 +435,7 @@ def _unflat(flat: torch.Tensor, like: list[Any]) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.procs
 def test_server_form_bytes_per_round_and_server_updates(server_runs: list[Any]) -> None:
     """Per round a worker pushes d and pulls x~: 2 * model_bytes, plus 71 bytes of headers each way; the
     server applied exactly one update per exchange; a server's step() is refused."""
@@ -447,6 +453,7 @@ def test_server_form_bytes_per_round_and_server_updates(server_runs: list[Any]) 
     assert srv["misuse"].startswith("DTrainError") and "server" in srv["misuse"], srv["misuse"]
 
 
+@pytest.mark.procs
 def test_server_form_eamsgd_runs_to_completion_and_learns(server_runs: list[Any]) -> None:
     ws = _workers(server_runs, "training")
     net = _mlp()
@@ -465,6 +472,7 @@ def test_server_form_eamsgd_runs_to_completion_and_learns(server_runs: list[Any]
     assert server_runs[0]["training"]["serve"]["updates"] == 3 * _rounds(2)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", list(ONE_WORKER))
 def test_server_form_with_one_worker_equals_the_synchronous_form_exactly(server_runs: list[Any], name: str) -> None:
     """1 server + 1 worker: the center the worker reads is never stale, so the asynchronous form is the
@@ -478,6 +486,7 @@ def test_server_form_with_one_worker_equals_the_synchronous_form_exactly(server_
     assert max_diff(x_srv, c_srv) > 1e-3  # the replica is not simply the center
 
 
+@pytest.mark.procs
 def test_server_form_needs_a_worker(server_runs: list[Any]) -> None:
     for rank in range(WORLD):
         msg = server_runs[rank]["too_many_servers"]

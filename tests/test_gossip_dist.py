@@ -116,6 +116,7 @@ def sync_results() -> list[dict[str, Any]]:
     return run_distributed(_sync_worker, WORLD, timeout=120)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", list(SYNC_TOPOLOGIES))
 def test_sync_equals_single_process_dpsgd(sync_results: list[dict[str, Any]], name: str) -> None:
     outs = [r[name] for r in sync_results]
@@ -131,6 +132,7 @@ def test_sync_equals_single_process_dpsgd(sync_results: list[dict[str, Any]], na
         assert float((torch.as_tensor(o["averaged"]) - ref.double().mean(0).float()).abs().max()) <= TOL
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", list(SYNC_TOPOLOGIES))
 def test_sync_bytes_are_degree_times_model_bytes(sync_results: list[dict[str, Any]], name: str) -> None:
     outs = [r[name] for r in sync_results]
@@ -243,6 +245,7 @@ def async_results() -> list[dict[str, Any]]:
     return run_distributed(_async_worker, WORLD, timeout=120)
 
 
+@pytest.mark.procs
 def test_async_pairwise_averages_keep_the_sum_and_shrink_the_spread(async_results: list[dict[str, Any]]) -> None:
     outs = [r["mean"] for r in async_results]
     assert all("error" not in o for o in outs), [o.get("trace") for o in outs]
@@ -257,6 +260,7 @@ def test_async_pairwise_averages_keep_the_sum_and_shrink_the_spread(async_result
     assert sum(o["stats"]["rounds"] for o in outs if o["stats"]["role"] == "passive") == 20
 
 
+@pytest.mark.procs
 def test_async_straggler_finishes_and_shuts_down(async_results: list[dict[str, Any]]) -> None:
     outs = [r["train"] for r in async_results]
     assert all("error" not in o for o in outs), [o.get("trace") for o in outs]

@@ -87,6 +87,7 @@ def four() -> list[dict[str, Any]]:
     return run_distributed(_four, 4, timeout=300)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("shape", [*map(str, SHAPES4), "sp"])
 def test_hybrid_on_four_processes_equals_one_process(four: list[dict[str, Any]], shape: str) -> None:
     r = _ok(four[0][shape])
@@ -99,6 +100,7 @@ def test_hybrid_on_four_processes_equals_one_process(four: list[dict[str, Any]],
             assert (b[name] > 0) == (int(size) > 1), (shape, b)
 
 
+@pytest.mark.procs
 def test_a_mesh_that_does_not_match_the_world_is_an_error_naming_the_three_numbers(
     four: list[dict[str, Any]],
 ) -> None:

@@ -294,6 +294,7 @@ def straight(tmp_path_factory):
     return out
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_a_scheduled_run_follows_the_plan_and_the_lr_rules(straight):
     rows = read_metrics(straight)

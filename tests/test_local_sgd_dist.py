@@ -239,6 +239,7 @@ def results() -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------- tests
 
 
+@pytest.mark.procs
 def test_period_one_plain_sgd_equals_ddp(results):
     for rank, res in enumerate(results):
         r = _ok(res["period1"])
@@ -246,6 +247,7 @@ def test_period_one_plain_sgd_equals_ddp(results):
         assert r["stats"]["rounds"] == STEPS and r["stats"]["last_average_step"] == STEPS - 1
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "recursive_doubling", "native"])
 def test_period_four_momentum_equals_single_process_simulation(results, algorithm):
     for rank, res in enumerate(results):
@@ -256,6 +258,7 @@ def test_period_four_momentum_equals_single_process_simulation(results, algorith
         assert r["stats"]["rounds"] == 5 and r["stats"]["last_average_step"] == 16 and r["stats"]["period"] == 4
 
 
+@pytest.mark.procs
 def test_bytes_per_round_equal_ring_closed_form(results):
     from dtrain.comm.cost import traffic
 
@@ -269,6 +272,7 @@ def test_bytes_per_round_equal_ring_closed_form(results):
         assert r["expected"] == closed / 4
 
 
+@pytest.mark.procs
 def test_fp16_compression_halves_bytes_and_stays_close(results):
     for rank, res in enumerate(results):
         r = _ok(res["period4/fp16"])
@@ -276,6 +280,7 @@ def test_fp16_compression_halves_bytes_and_stays_close(results):
         assert 0 < max_diff(r["params"], res["sim"][rank]) < 1e-2
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", ["native", "ring", "nowarmup"])
 def test_matches_torch_post_local_sgd_optimizer(results, name):
     for rank, res in enumerate(results):
@@ -286,6 +291,7 @@ def test_matches_torch_post_local_sgd_optimizer(results, name):
     assert st["warmup_rounds"] == 5 and st["rounds"] == 4 and st["last_average_step"] == 17
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", ["2-4", "2-3"])
 def test_matches_torch_hierarchical_model_averager(results, name):
     for rank, res in enumerate(results):
@@ -293,6 +299,7 @@ def test_matches_torch_hierarchical_model_averager(results, name):
         assert r["diff"] < PEER_TOL, f"rank {rank}: {r['diff']}"
 
 
+@pytest.mark.procs
 def test_hierarchical_levels_and_bytes(results):
     r = _ok(results[0]["hpeer/2-4"])
     st = r["stats"]
@@ -307,6 +314,7 @@ def test_hierarchical_levels_and_bytes(results):
     assert st["level_rounds"] == {2: 5, 4: 4}
 
 
+@pytest.mark.procs
 def test_bad_hierarchy_raises_config_error_naming_the_value(results):
     for res in results:
         msgs = _ok(res["bad_hierarchy"])
@@ -314,12 +322,14 @@ def test_bad_hierarchy_raises_config_error_naming_the_value(results):
             assert msg.startswith("ConfigError") and needle in msg, (value, msg)
 
 
+@pytest.mark.procs
 def test_parameter_without_gradient_in_warmup_raises_naming_it(results):
     for res in results:
         msg = _ok(res["unused"])
         assert msg.startswith("ConfigError") and "'spare.weight'" in msg and "'spare.bias'" in msg, msg
 
 
+@pytest.mark.procs
 def test_average_buffers(results):
     on = [_ok(res["buffers/on"]) for res in results]
     off = [_ok(res["buffers/off"]) for res in results]

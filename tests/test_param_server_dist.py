@@ -179,6 +179,7 @@ def _dp_result(runs, servers, opt_name, index):
     return runs[ranks[index]][("dp", servers, opt_name, torch.float32, index)]
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("servers", [1, 3])
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_bsp_gives_the_parameters_of_synchronous_data_parallel_in_float32(bsp_runs, servers, opt_name):
@@ -197,6 +198,7 @@ def test_bsp_gives_the_parameters_of_synchronous_data_parallel_in_float32(bsp_ru
         assert bsp_runs[r][("ps", servers, opt_name, torch.float32)] is None  # servers serve
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("servers", [1, 3])
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_bsp_gives_the_parameters_of_single_process_training_in_float64(bsp_runs, servers, opt_name):
@@ -351,6 +353,7 @@ def lost_server_and_rogue():
     return spawn(_lost_server_and_rogue, 7, timeout=180, pg_timeout=120)
 
 
+@pytest.mark.procs
 def test_a_killed_worker_stops_a_bsp_run_with_an_error_naming_it(lost_workers):
     o = lost_workers
     assert o[2].status == "died"
@@ -360,6 +363,7 @@ def test_a_killed_worker_stops_a_bsp_run_with_an_error_naming_it(lost_workers):
     assert "worker rank 2 was lost" in o[1].value["message"]
 
 
+@pytest.mark.procs
 def test_a_killed_worker_is_dropped_under_ssp_and_training_goes_on(lost_workers):
     o = lost_workers
     assert o[6].status == "died"
@@ -372,6 +376,7 @@ def test_a_killed_worker_is_dropped_under_ssp_and_training_goes_on(lost_workers)
     assert server["clock_lag"]["max"] <= 1
 
 
+@pytest.mark.procs
 def test_a_killed_server_stops_the_run_with_a_clear_error(lost_server_and_rogue):
     o = lost_server_and_rogue
     assert o[1].status == "died"
@@ -384,6 +389,7 @@ def test_a_killed_server_stops_the_run_with_a_clear_error(lost_server_and_rogue)
     assert "server rank 1 is gone" in o[0].value["message"] or "every worker was lost" in o[0].value["message"]
 
 
+@pytest.mark.procs
 def test_an_out_of_protocol_message_is_rejected_naming_the_sender(lost_server_and_rogue):
     o = lost_server_and_rogue
     server = o[4].value

@@ -216,6 +216,7 @@ def test_the_pipeline_page_draws_the_measured_and_planned_schedule(runs, tmp_pat
     assert sorted(set(rects)) == ["0", "1"] and len(rects) == 2 * 2 * 4  # 2 ranks x 4 micro-batches, twice
 
 
+@pytest.mark.procs
 def test_the_bubble_from_the_trace_is_within_10_percent_of_the_metrics_rows(runs):
     from dtrain.report_data import load_run
 

@@ -156,11 +156,13 @@ def _check(res: list[dict[str, Any]], key: str) -> None:
         assert v["odiff"] < TOL, f"rank {rank} {key}: optimizer state differs by {v['odiff']:.3g}"
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("kind,optk,stage", SCENARIOS)
 def test_equals_single_process(results: Any, kind: str, optk: str, stage: str) -> None:
     _check(results[1], f"{kind}-{optk}-{stage}")
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("variant", ["clip", "nosync", "fwd", "native"])
 def test_variants_equal_single_process(results: Any, variant: str, stage: str) -> None:

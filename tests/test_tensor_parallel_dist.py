@@ -104,6 +104,7 @@ def results(request: Any) -> tuple[int, list[dict[str, Any]]]:
     return request.param, run_distributed(_all, request.param, timeout=300)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("vocab", [32, 30])
 @pytest.mark.parametrize("sp", [False, True], ids=["plain", "sequence_parallel"])
 def test_tensor_parallel_gpt_equals_one_process(results: Any, vocab: int, sp: bool) -> None:
@@ -116,6 +117,7 @@ def test_tensor_parallel_gpt_equals_one_process(results: Any, vocab: int, sp: bo
         assert v["local_params"] < v["params"] * (0.75 if world == 2 else 0.5), v  # the split layers are split
 
 
+@pytest.mark.procs
 def test_tensor_parallel_bytes_per_step_equal_the_closed_form(results: Any) -> None:
     world, res = results
     b, s, h, layers = 6, 8, 64, 2

@@ -135,6 +135,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", ["dp", "ps", "pipeline", "tensor"])
 def test_every_send_has_its_receive_and_the_clock_error_is_stated(runs, name):
     events, meta = _events(runs[name])
@@ -152,6 +153,7 @@ def test_every_send_has_its_receive_and_the_clock_error_is_stated(runs, name):
     assert 0 < meta["clock_error_max_us"] < 50_000 and meta["clock_error_us"]["0"] == 0.0
 
 
+@pytest.mark.procs
 def test_the_tracks_hold_each_strategys_phases(runs):
     names = {n: {e["name"] for e in _events(d)[0] if e["ph"] == "X"} for n, d in runs.items()}
     assert {"forward", "backward", "optimizer", "allreduce(ring)", "wait for buckets"} <= names["dp"]
@@ -167,6 +169,7 @@ def test_the_tracks_hold_each_strategys_phases(runs):
     assert by_rank[1] < min(by_rank[2], by_rank[3])
 
 
+@pytest.mark.procs
 def test_trace_steps_keeps_its_window_and_cuts_arrows_at_the_edges(runs):
     events, meta = _events(runs["window"])
     steps = {e["args"]["step"] for e in events if e["name"] == "step"}
@@ -206,6 +209,7 @@ def test_the_progress_bar_names_the_rank_with_the_most_own_work():
     assert LiveRanks(0, 1).slowest() is None  # one process: nothing to compare
 
 
+@pytest.mark.procs
 def test_the_four_stage_pipelines_bubble_from_its_spans_is_within_10_percent_of_its_rows(runs):
     from dtrain.report_data import load_run, pipeline_bubbles
 
