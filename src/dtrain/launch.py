@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from dtrain.errors import CommTimeoutError, DTrainError
@@ -236,7 +237,8 @@ def _restarting_agent(base: type) -> type:
                 attempt = spec.max_restarts - self._remaining_restarts
                 n = None
                 try:
-                    n = self._dtrain_on_restart(_restart(attempt, spec.max_restarts, pending.failures))
+                    failures = {**_killed(self, worker_group), **pending.failures}
+                    n = self._dtrain_on_restart(_restart(attempt, spec.max_restarts, failures))
                 except Exception as e:  # noqa: BLE001 - a report that fails must not stop the restart
                     print(f"dtrain: could not report the restart: {e!r}", file=sys.stderr, flush=True)
                 if isinstance(n, int) and 0 < n != spec.local_world_size:  # scale down (or up): the
@@ -244,6 +246,22 @@ def _restarting_agent(base: type) -> type:
             super()._initialize_workers(worker_group)
 
     return _Agent
+
+
+def _killed(agent: Any, worker_group: Any) -> dict[int, Any]:
+    """The failed attempt's workers that a signal other than the agent's own stop (SIGTERM) ended, by global rank.
+
+    The agent's poll reports one failure: the first process it finds ended, which need not be the one that
+    ended first (a SIGKILLed worker and the peer that then failed on its closed connection can both have
+    ended by the poll). Read once every worker has stopped.
+    """
+    procs = getattr(getattr(getattr(agent, "_pcontext", None), "_pc", None), "processes", None) or []
+    out: dict[int, Any] = {}
+    for local, p in enumerate(procs):
+        code = p.exitcode
+        if code is not None and code < 0 and code != -signal.SIGTERM and local < len(worker_group.workers):
+            out[worker_group.workers[local].global_rank] = SimpleNamespace(exitcode=code, timestamp=0)
+    return out
 
 
 _HOOK = threading.local()  # .on_restart: the callback of the launch running on this thread
