@@ -5,12 +5,7 @@ function to ``torch.distributed.launcher.api.elastic_launch``, which starts the
 processes, runs the c10d rendezvous and collects return values and failures.
 This is the one place that sets up the children's environment (intra-op threads).
 
-Workers fork from a forkserver (``multiprocessing``'s) that has imported torch and the worker's
-modules once (:data:`PRELOAD`), so a worker starts in milliseconds instead of importing torch
-again, and an elastic restart does too. :func:`prestart` starts that server early, while the
-parent is still reading its configuration. A worker takes the launching process's environment as
-it is at the launch (not the server's, which was copied when the server started), with the
-variables torch's agent sets for it on top.
+Workers fork from a forkserver that imported torch once (:mod:`dtrain._workers`).
 
 How a launch ends: with every return value; with :class:`LaunchError` naming each
 failed rank (with ``max_restarts``, once the agent has restarted the workers that many
@@ -36,10 +31,11 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from dtrain._workers import PRELOAD, adopt_env, descendants, prestart, quick_rendezvous_events
 from dtrain.errors import CommTimeoutError, DTrainError
 
 __all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "Restart", "launch", "free_port", "prestart",
-           "threads_per_worker", "PRELOAD"]
+           "threads_per_worker"]
 
 # the signals torch's elastic agent turns into a shutdown of the workers (its default set)
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -68,48 +64,6 @@ class LaunchInterrupted(DTrainError):
     def exit_code(self) -> int:
         """The shell's status for a death by this signal: 128 + its number (130 for SIGINT)."""
         return 128 + self.signum
-
-
-# what every worker imports anyway: the forkserver imports it once and each worker forks with it loaded
-# (the server skips what is not installed: sklearn only serves the digits data set)
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.elastic.multiprocessing",
-           "sklearn.datasets", "sklearn.model_selection", "tqdm", "dtrain.launch", "dtrain.train")
-# the environment of this module's first import: in a worker that forked from the forkserver, the server's
-_IMPORT_ENV = dict(os.environ)
-# what torch's agent sets for each worker (besides TORCHELASTIC_*): these come from the agent, never the parent
-_AGENT_VARS = frozenset({"RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-                         "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                         "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES"})
-
-
-def _is_agent_var(name: str) -> bool:
-    return name in _AGENT_VARS or name.startswith("TORCHELASTIC_")
-
-
-def prestart(modules: tuple[str, ...] = PRELOAD) -> None:
-    """Start the forkserver the workers fork from, with ``modules`` imported, if it is not running.
-
-    It imports in a process of its own, so calling this before the parent's own slow work (reading the
-    configuration, loading data) overlaps the two; :func:`launch` calls it too. Idempotent.
-    """
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    # the server skips a module it cannot import; "__main__" reaches each worker as spawn's would
-    multiprocessing.set_forkserver_preload([m for m in modules if m != "__main__"])
-    forkserver.ensure_running()
-
-
-def _adopt_env(parent: dict[str, str]) -> None:
-    """Make this worker's environment the launching process's ``parent``, plus what torch's agent set.
-
-    A forked worker starts with the forkserver's environment, copied when the server started; the agent's
-    variables (ranks, rendezvous, error file) are those that differ from it, or carry the agent's names.
-    """
-    agent = {k: v for k, v in os.environ.items() if _is_agent_var(k) or _IMPORT_ENV.get(k) != v}
-    os.environ.clear()
-    os.environ.update({k: v for k, v in parent.items() if not _is_agent_var(k)})
-    os.environ.update(agent)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -299,27 +253,6 @@ def _agent_reports_restarts(on_restart: Callable[[Restart], int | None] | None) 
                 api.LocalElasticAgent = api.LocalElasticAgent.__mro__[1]  # torch's, which it subclasses
 
 
-def _caller_name(depth: int = 2) -> str:
-    """The name of the function ``depth`` frames up (0: this one), read from the frame alone."""
-    try:
-        return sys._getframe(depth).f_code.co_name
-    except ValueError:  # the stack is not that deep
-        return "no_method_name"
-
-
-def _quick_rendezvous_events() -> None:
-    """Name the c10d rendezvous's events without ``inspect.stack()``.
-
-    torch's rendezvous names each event it records after the calling method, found through
-    ``inspect.stack()``, which reads the source file of every frame on the stack: about 2 s of one
-    launch's rendezvous on a 2-core machine. :func:`_caller_name` gives the same name from the frame.
-    """
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    if hasattr(dynamic_rendezvous, "get_method_name"):
-        dynamic_rendezvous.get_method_name = _caller_name
-
-
 def _child(
     fn: Callable[..., Any],
     threads: int,
@@ -333,7 +266,7 @@ def _child(
 
     interrupt = _Interrupt()
     signal.signal(signal.SIGINT, interrupt)
-    _adopt_env(parent_env)
+    adopt_env(parent_env)
     os.environ.update(env)
     torch.set_num_threads(threads)
     # tqdm's default lock holds a multiprocessing RLock: a named semaphore registered with the
@@ -442,6 +375,16 @@ def _exit_past_stray_threads(grace_s: float = 2.0) -> None:
         atexit.register(_hard_exit, 0)
 
 
+def _launch_config(node: NodeSpec, nprocs: int, run_id: str | None, max_restarts: int, monitor_interval: float) -> Any:
+    """torch's ``LaunchConfig`` of one node: the c10d rendezvous, workers forked from the forkserver."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=nprocs,
+                        run_id=run_id or uuid.uuid4().hex[:12], rdzv_backend="c10d", rdzv_endpoint=node.rdzv_endpoint,
+                        rdzv_configs={"is_host": node.is_host}, max_restarts=max_restarts,
+                        monitor_interval=monitor_interval, start_method="forkserver", local_addr=node.local_addr)
+
+
 def launch(
     fn: Callable[..., Any],
     args: tuple[Any, ...] = (),
@@ -485,7 +428,7 @@ def launch(
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -494,22 +437,9 @@ def launch(
     node = node or NodeSpec(rdzv_endpoint=f"127.0.0.1:{free_port()}", env={"GLOO_SOCKET_IFNAME": "lo"})
     if node.nnodes > 1 and run_id is None:
         raise ValueError("a multi-node launch needs the same run_id on every node")
-    rdzv_conf: dict[str, Any] = {"is_host": node.is_host}
-    config = LaunchConfig(
-        min_nodes=node.nnodes,
-        max_nodes=node.nnodes,
-        nproc_per_node=nprocs,
-        run_id=run_id or uuid.uuid4().hex[:12],
-        rdzv_backend="c10d",
-        rdzv_endpoint=node.rdzv_endpoint,
-        rdzv_configs=rdzv_conf,
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
-        start_method="forkserver",
-        local_addr=node.local_addr,
-    )
+    config = _launch_config(node, nprocs, run_id, max_restarts, monitor_interval)
     t = threads or threads_per_worker(nprocs)
-    _quick_rendezvous_events()
+    quick_rendezvous_events()
     if quiet:  # each of torch's loggers has its own level: set every one under the prefixes
         for name in [*_TORCH_LOGGERS, *logging.root.manager.loggerDict]:
             if name.startswith(_TORCH_LOGGERS):
@@ -527,27 +457,6 @@ def launch(
         raise _failed(e.failures) from None
 
 
-def _workers() -> dict[int, str]:
-    """This process's children and theirs (the workers fork from the forkserver, a child) with their state
-    letters (``/proc``; empty where there is none)."""
-    me, parent, state = os.getpid(), {}, {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return {}
-    for e in entries:
-        if not e.isdigit():
-            continue
-        try:
-            with open(f"/proc/{e}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(e)], state[int(e)] = int(fields[1]), fields[0]
-    children = {pid for pid, pp in parent.items() if pp == me}
-    return {pid: state[pid] for pid, pp in parent.items() if pp == me or pp in children}
-
-
 @contextlib.contextmanager
 def _stopped_workers_woken(period_s: float = 0.25) -> Iterator[None]:
     """Once a worker has exited while another is stopped (SIGSTOP, a debugger), send the stopped one SIGCONT.
@@ -561,7 +470,7 @@ def _stopped_workers_woken(period_s: float = 0.25) -> Iterator[None]:
     def watch() -> None:
         seen: set[int] = set()
         while not done.wait(period_s):
-            now = _workers()
+            now = descendants()
             gone = any(pid not in now or now[pid] == "Z" for pid in seen)  # exited since the last look
             seen = {pid for pid, state in now.items() if state != "Z"}
             if gone:

@@ -64,8 +64,14 @@ from dtrain.errors import CommError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "FORMAT"]
 
-# torch.distributed.checkpoint is imported where a checkpoint is read or written: it loads DTensor's modules,
-# about a second of every process's start-up otherwise
+
+
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported where a checkpoint is read or written: it loads DTensor's modules,
+    about a second of every process's start-up otherwise."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 #: version of what a checkpoint holds; bumped when the layout changes
 FORMAT = 1
@@ -234,11 +240,9 @@ def save_checkpoint(
     if sharded is not None:
         state["sharded"] = sharded
     state["rank_state"] = {f"rank{rank}": _pack(rank_state)}
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
     try:
         with _single_process_quiet():
-            dcp_save(state, checkpoint_id=tmp, process_group=group, no_dist=not distributed)
+            _dcp().save(state, checkpoint_id=tmp, process_group=group, no_dist=not distributed)
     except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure in one exception
         raise CommError(rank, op, f"{type(e).__name__}: {str(e).strip()[:500]}", step=step) from e
     final = checkpoint_dir(root, step)
@@ -318,11 +322,9 @@ def load_checkpoint(
     if sharded is not None:
         state["sharded"] = sharded
     state["rank_state"] = {f"rank{blob_rank}": _rank_slots(ckpt, blob_rank)}
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
     try:
         with _single_process_quiet():
-            dcp_load(state, checkpoint_id=ckpt, process_group=group, no_dist=not distributed)
+            _dcp().load(state, checkpoint_id=ckpt, process_group=group, no_dist=not distributed)
     except Exception as e:  # noqa: BLE001 - missing keys, shape mismatches, unreadable files
         raise CheckpointError(f"rank {rank}: cannot load {ckpt}: {type(e).__name__}: {str(e).strip()[:800]}") from e
     if model is not None:
