@@ -42,7 +42,7 @@ def summarize(rows: list[dict[str, object]], wall: float) -> str:
     pytest_rows = [r for r in execs if "pytest" in str(r["argv"])]
     slept_pytest = sum(float(r["slept_s"]) for r in pytest_rows)  # type: ignore[arg-type]
     slept = sum(float(r["slept_s"]) for r in rows)  # type: ignore[arg-type]
-    cli = [r for r in execs if "dtrain.cli" in str(r["argv"]) or str(r["argv"]).startswith("dtrain ")]
+    cli = [r for r in execs if "dtrain/cli.py" in str(r["argv"]) or "dtrain.cli" in str(r["argv"])]
     lines = [
         f"suite wall time                                   {wall:8.1f} s",
         f"processes started as new interpreters             {len(execs):8d}  (dtrain CLI: {len(cli)})",

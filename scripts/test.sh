@@ -13,7 +13,7 @@ bash scripts/setup.sh ".[test]"
 .venv/bin/python -m ruff check src tests benchmarks scripts
 .venv/bin/python -m mypy
 if [[ -n "$quick" ]]; then
-    exec .venv/bin/python -m pytest -q --quick "$@"
+    exec .venv/bin/python -m pytest -q --quick -n 2 --durations=10 "$@"  # in-process tests: one per core
 fi
 # tests/test_report_html.py opens report.html in headless Chromium (skipped without it): in CI, install
 # Debian's package when it is missing; a failed install only skips that test
