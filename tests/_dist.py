@@ -83,6 +83,12 @@ def _entry(
         )
         value = fn(rank, world_size, *args)
         q.put((rank, "ok", value, ""))
+        # a rank done early (rank 0 holds the store) stays until every rank is done with the group: a forked
+        # process exits at once, and its closed store would reset the others' connections mid-work
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer that failed has reported its own error
+            pass
     except BaseException:  # noqa: BLE001 - reported to the parent
         q.put((rank, "error", None, traceback.format_exc()))
     finally:

@@ -70,8 +70,8 @@ def quick_rendezvous_events() -> None:
     """Name the c10d rendezvous's events without ``inspect.stack()``.
 
     torch's rendezvous names each event it records after the calling method, found through
-    ``inspect.stack()``, which reads the source file of every frame on the stack: about 2 s of one
-    launch's rendezvous on a 2-core machine. :func:`_caller_name` gives the same name from the frame.
+    ``inspect.stack()``, which reads the source file of every frame on the stack (under cProfile on a
+    2-core machine: 5.1 s of a 22 s ``dtrain run``). :func:`_caller_name` gives the same name from the frame.
     """
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 

@@ -28,7 +28,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from dtrain._workers import PRELOAD, adopt_env, descendants, prestart, quick_rendezvous_events
@@ -176,6 +175,8 @@ def _restarting_agent(base: type) -> type:
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
+            if result is not None and result.failures:  # the workers are stopped by now: a killed one is the
+                result.failures = _killed(self, worker_group) or result.failures  # cause, its peers' errors follow
             self._dtrain_seen = result
             return result
 
@@ -191,8 +192,7 @@ def _restarting_agent(base: type) -> type:
                 attempt = spec.max_restarts - self._remaining_restarts
                 n = None
                 try:
-                    failures = {**_killed(self, worker_group), **pending.failures}
-                    n = self._dtrain_on_restart(_restart(attempt, spec.max_restarts, failures))
+                    n = self._dtrain_on_restart(_restart(attempt, spec.max_restarts, pending.failures))
                 except Exception as e:  # noqa: BLE001 - a report that fails must not stop the restart
                     print(f"dtrain: could not report the restart: {e!r}", file=sys.stderr, flush=True)
                 if isinstance(n, int) and 0 < n != spec.local_world_size:  # scale down (or up): the
@@ -209,12 +209,15 @@ def _killed(agent: Any, worker_group: Any) -> dict[int, Any]:
     ended first (a SIGKILLed worker and the peer that then failed on its closed connection can both have
     ended by the poll). Read once every worker has stopped.
     """
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
     procs = getattr(getattr(getattr(agent, "_pcontext", None), "_pc", None), "processes", None) or []
     out: dict[int, Any] = {}
     for local, p in enumerate(procs):
         code = p.exitcode
         if code is not None and code < 0 and code != -signal.SIGTERM and local < len(worker_group.workers):
-            out[worker_group.workers[local].global_rank] = SimpleNamespace(exitcode=code, timestamp=0)
+            out[worker_group.workers[local].global_rank] = ProcessFailure(local_rank=local, pid=p.pid, exitcode=code,
+                                                                          error_file="")
     return out
 
 
@@ -232,9 +235,6 @@ def _agent_reports_restarts(on_restart: Callable[[Restart], int | None] | None) 
     last such launch ends; a launch on another thread meanwhile builds the subclass without a callback,
     which behaves as torch's agent.
     """
-    if on_restart is None:
-        yield
-        return
     import importlib
 
     api: Any = importlib.import_module("torch.distributed.launcher.api")
