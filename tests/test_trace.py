@@ -218,3 +218,19 @@ def test_the_four_stage_pipelines_bubble_from_its_spans_is_within_10_percent_of_
     b = pipeline_bubbles(load_run(runs["pipeline"]))
     assert b["spans"] == pytest.approx(measured, rel=0.10) and 0.0 < measured < 1.0
     assert b["closed_form"] == pytest.approx(3 / 7)  # 1f1b, P=4, M=4
+
+
+def test_a_rank_file_that_is_not_json_is_left_on_disk_and_named_not_a_crash(tmp_path):
+    """A worker killed while it wrote its trace (before the writes were atomic) left an empty file: the merge
+    takes the other ranks, names the file in ``otherData`` and keeps it."""
+    import json
+
+    from dtrain.trace import merge_traces
+
+    (tmp_path / "trace.rank0.json").write_text(json.dumps({"rank": 0, "events": [], "clock": {}}))
+    (tmp_path / "trace.rank1.json").write_text("")
+    merge_traces(tmp_path)
+    merged = json.loads((tmp_path / "trace.json").read_text())
+    assert list(merged["otherData"]["unreadable"]) == ["trace.rank1.json"]
+    assert merged["otherData"]["clock_offset_us"] == {"0": 0.0}
+    assert (tmp_path / "trace.rank1.json").exists() and not (tmp_path / "trace.rank0.json").exists()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -214,7 +215,10 @@ class Tracer:
         if self.enabled:
             data = {"rank": self.rank, "events": _lanes(self.events), "clock": self.clock,
                     "truncated_at_step": self.truncated_at, "steps": list(self.steps) if self.steps else None}
-            (Path(out_dir) / f"trace.rank{self.rank}.json").write_text(json.dumps(data))
+            final = Path(out_dir) / f"trace.rank{self.rank}.json"  # whole or absent: a worker killed while it
+            tmp = final.with_suffix(f".tmp{os.getpid()}")  # writes leaves no half file for the merge
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, final)
 
 
 def flow_id(key: str) -> int:
@@ -308,7 +312,11 @@ def merge_traces(out_dir: Path) -> None:
     meta: dict[str, Any] = {"clock": "offsets from a ping exchange with rank 0 (NTP's estimate); error <= half "
                                      "the shortest round trip", "clock_offset_us": {}, "clock_error_us": {}}
     for p in sorted(out_dir.glob("trace.rank*.json")):
-        data = _load_rank(p)
+        try:
+            data = _load_rank(p)
+        except ValueError as bad:  # not JSON (written by an older dtrain that a kill cut short): left on disk
+            meta.setdefault("unreadable", {})[p.name] = str(bad)
+            continue
         p.unlink()
         rank = data.get("rank", int(p.name[len("trace.rank"):-len(".json")]))
         clock = data.get("clock") or {}
