@@ -189,6 +189,7 @@ def test_dtrain_report_compares_two_runs_and_prints_where_the_page_is(runs, tmp_
     assert not (runs["dp"] / "report.html").exists()  # --out was given
 
 
+@pytest.mark.procs  # headless Chromium
 @pytest.mark.skipif(chromium() is None, reason=MISSING)
 def test_the_comparison_renders_in_headless_chromium_without_errors(runs, tmp_path):
     path = write_report([runs["dp"], runs["ps"]], tmp_path / "two.html")
@@ -207,6 +208,7 @@ def test_the_comparison_renders_in_headless_chromium_without_errors(runs, tmp_pa
     assert re.search(r"<polyline [^>]*points=\"(\d+\.\d,\d+\.\d ){8}", page.dom)  # the loss: one point a step
 
 
+@pytest.mark.procs  # headless Chromium
 @pytest.mark.skipif(chromium() is None, reason=MISSING)
 def test_the_pipeline_page_draws_the_measured_and_planned_schedule(runs, tmp_path):
     page = load(write_report([runs["pipeline"]], tmp_path / "pipe.html"))
