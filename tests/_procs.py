@@ -16,7 +16,7 @@ from typing import IO
 
 import pytest
 
-__all__ = ["Run", "holder", "kill_rank", "workers_of"]
+__all__ = ["Run", "holder", "kill_rank", "processes", "workers_of"]
 
 
 class Run:
@@ -105,9 +105,9 @@ def kill_rank(out: Path, rank: int, run: Run, after: int | None = None) -> float
     return sent
 
 
-def _children() -> dict[int, list[tuple[int, int, str]]]:
-    """Every live process's ``(start time, pid, command)`` by parent pid."""
-    kids: dict[int, list[tuple[int, int, str]]] = {}
+def processes() -> list[tuple[int, int, int, int, str]]:
+    """Every live (not zombie) process's ``(start time, pid, parent pid, session, command)``, from ``/proc``."""
+    found = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -118,13 +118,13 @@ def _children() -> dict[int, list[tuple[int, int, str]]]:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session ...
         if fields[0] != "Z":
-            kids.setdefault(int(fields[1]), []).append((int(fields[19]), int(d.name), cmd))
-    return kids
+            found.append((int(fields[19]), int(d.name), int(fields[1]), int(fields[3]), cmd))
+    return found
 
 
 def workers_of(launcher: int) -> list[int]:
     """The worker processes of a ``dtrain run`` whose launcher is ``launcher``, in the order they started
     (ranks 0, 1, ... on one machine): the children of its forkserver, the process they fork from."""
-    kids = _children()
-    servers = [pid for _, pid, cmd in kids.get(launcher, []) if "multiprocessing.forkserver" in cmd]
-    return [pid for server in servers for _, pid, _ in sorted(kids.get(server, []))]
+    procs = sorted(processes())
+    servers = {pid for _, pid, ppid, _, cmd in procs if ppid == launcher and "multiprocessing.forkserver" in cmd}
+    return [pid for _, pid, ppid, _, _ in procs if ppid in servers]

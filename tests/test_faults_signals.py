@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from _helpers import dtrain_cli, read_summary
-from _procs import workers_of
+from _procs import processes, workers_of
 
 from dtrain.checkpoint import MARKER, find_checkpoint
 from dtrain.config import RunConfig
@@ -37,21 +37,9 @@ def _start(*args: str) -> subprocess.Popen[str]:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
 
 
-def _session(sid: int) -> list[tuple[int, str, str]]:
-    """``(pid, state, command)`` of the live (not zombie) processes of session ``sid``, oldest first."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session ...
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append((int(fields[19]), int(d.name), fields[0], cmd))  # starttime orders spawns
-    return [(pid, state, cmd) for _, pid, state, cmd in sorted(found)]
+def _session(sid: int) -> list[tuple[int, str]]:
+    """``(pid, command)`` of the live (not zombie) processes of session ``sid``, oldest first."""
+    return [(pid, cmd) for _, pid, _, session, cmd in sorted(processes()) if session == sid]
 
 
 def _wait_running(p: subprocess.Popen[str], out: Path, *, checkpoint: bool, timeout: float = 120) -> None:
