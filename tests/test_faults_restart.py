@@ -1,4 +1,4 @@
-"""Elastic restarts (issue 21 item 1): ``dtrain run --max-restarts N`` after a worker dies.
+"""Elastic restarts: ``dtrain run --max-restarts N`` after a worker dies.
 
 Real runs in their own session with hard timeouts, a worker found by the metrics file it holds open
 (``metrics.rankN.jsonl``) and killed with SIGKILL:
@@ -228,7 +228,7 @@ SCALE = ("run", "--workers", "4", "--batch-size", "48", "--epochs", "4", "--chec
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("flags", [[], ["--shard", "gradients"]], ids=["dp", "zero2"])
 def test_with_min_workers_a_lost_worker_leaves_the_run_on_three_that_ends_as_the_run_on_four(tmp_path, flags):
-    """Scale-down (issue 21 item 1): 4 dp workers, one SIGKILLed after the step-20 checkpoint, ``--min-workers 3``:
+    """Scale-down: 4 dp workers, one SIGKILLed after the step-20 checkpoint, ``--min-workers 3``:
     the run goes on on 3 from the checkpoint resharded (ZeRO: DCP reshards the segments of parameters and
     optimizer state), with the same global batch (48 = 4 x 12 = 3 x 16), so each step's batch holds the same
     samples and its mean loss follows the 4-worker run's (float summation order aside); it reaches the
