@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import _warm
 import torch
 from torch import nn
 
@@ -83,8 +84,15 @@ def two_phase_residuals(comps: list[Any], key: str, n: int) -> tuple[torch.Tenso
     return worker, server
 
 
-def dtrain_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m dtrain.cli ARGS`` in a subprocess with a hard timeout; stdout and stderr captured as text."""
+def dtrain_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
+               cold: bool = False) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """``python -m dtrain.cli ARGS`` with a hard timeout; stdout and stderr captured as text.
+
+    Run from the warm interpreter (``_warm``: forked, with torch and dtrain imported); ``cold``: in a
+    fresh ``python -m dtrain.cli`` (for what the command's own start-up does; every command with
+    ``DTRAIN_TESTS_COLD=1``)."""
+    if not (cold or _warm.COLD):
+        return _warm.run(list(args), timeout=timeout, env=env)
     return subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)  # fmt: skip
 
@@ -100,18 +108,20 @@ def dtrain_runs(root: Path, common: list[str], runs: dict[str, list[str]], timeo
         while todo or running:
             while todo and len(running) < at_once:
                 name = todo.pop(0)
-                running[name] = (subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", *common, *runs[name],
-                                                   "--out", str(root / name)], stdout=subprocess.PIPE,
-                                                  stderr=subprocess.STDOUT, text=True), time.monotonic())  # fmt: skip
+                argv = ["run", *common, *runs[name], "--out", str(root / name)]
+                p: Any = (subprocess.Popen([sys.executable, "-m", "dtrain.cli", *argv], stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True)
+                          if _warm.COLD else _warm.WarmProcess(argv, merge=True))  # fmt: skip
+                running[name] = (p, time.monotonic())
             name = next(iter(running))
             p, t0 = running.pop(name)
             text, _ = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
             assert p.returncode == 0, f"{name}: {text[-3000:]}"
             out[name] = (root / name, text)
     finally:
-        for p, _ in running.values():
-            p.kill()
-            p.wait()
+        for q, _ in running.values():
+            q.kill()
+            q.wait(timeout=60)
     return out
 
 

@@ -31,7 +31,7 @@ from dtrain.checkpoint import MARKER, read_checkpoint
 from dtrain.checkpoint.restart import RestartLog, resume_after_restart
 from dtrain.config import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.launch import _restart
+from dtrain.launch import _causes, _failed, _restart
 
 RUN = ("run", "--workers", "4", "--epochs", "2", "--max-steps", "40", "--checkpoint-every", "10", "--no-progress",
        "--timeout-s", "60")  # fmt: skip
@@ -177,6 +177,28 @@ def test_the_first_to_fail_is_the_one_a_signal_ended():
     assert (r.rank, r.cause(), r.cause(0), r.exitcodes) == (2, "SIGKILL", "exit code 1", {0: 1, 2: -9, 3: 1})
     assert _restart(1, 3, {1: failure(1, 7), 3: failure(1, 5)}).rank == 3  # the earliest error
     assert _restart(2, 3, {1: failure(-15, 5), 0: failure(-15, 5)}).rank == 0
+
+
+def test_the_cause_is_the_earliest_error_file_within_the_same_second(tmp_path):
+    """torch's failure timestamps are whole seconds: a worker's error and its peer's error on the closed
+    connection share one; the error files' modification times tell them apart."""
+    import os
+
+    def failure(rank: int, code: int, ns: int, msg: str) -> SimpleNamespace:
+        path = tmp_path / f"error{rank}.json"
+        path.write_text("{}")
+        os.utime(path, ns=(ns, ns))
+        return SimpleNamespace(exitcode=code, timestamp=1_700_000_000, error_file=str(path), message=msg)
+
+    second = 1_700_000_000 * 10**9
+    peer = failure(0, 1, second + 900_000_000, "rank 0: serve: worker rank 2 was lost")
+    cause = failure(2, 1, second + 100_000_000, "rank 2 at step 5: non-finite gradient")
+    assert _restart(1, 3, {0: peer, 2: cause}).rank == 2
+    assert _causes({0: peer, 2: cause}) == {2: cause}  # the peer's error is its consequence: left out
+    killed = SimpleNamespace(exitcode=-9, timestamp=1_700_000_001, error_file="", message="")
+    assert _causes({0: peer, 1: killed, 2: cause}) == {1: killed}  # a signal first, whenever it came
+    assert str(_failed({0: peer, 2: cause})).splitlines()[1:] == ["  rank 2: rank 2 at step 5: non-finite gradient",
+                                                                 "  rank 0: rank 0: serve: worker rank 2 was lost"]
 
 
 def _rows(out: Path, rank: int, steps: range) -> None:

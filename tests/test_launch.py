@@ -1,6 +1,7 @@
 """The launcher goes through torch's elastic agent: real processes, return values, clear failures."""
 
 import os
+import sys
 import threading
 import time
 
@@ -58,6 +59,33 @@ def test_workers_take_the_launching_process_environment_at_the_launch(monkeypatc
     out = launch(_env_seen, (["DTRAIN_TEST_GONE", "DTRAIN_TEST_NEW", "RANK", "TORCHELASTIC_RESTART_COUNT"],), nprocs=2)
     assert out == {r: {"DTRAIN_TEST_GONE": None, "DTRAIN_TEST_NEW": "after", "RANK": str(r),
                        "TORCHELASTIC_RESTART_COUNT": "0"} for r in (0, 1)}
+
+
+def _say(words):
+    print(f"stdout of rank {os.environ['RANK']}: {words}", flush=True)
+    print(f"stderr of rank {os.environ['RANK']}: {words}", file=sys.stderr, flush=True)
+
+
+@pytest.mark.procs
+def test_workers_write_to_the_launching_process_stdout_and_stderr_at_the_launch(tmp_path):
+    """The forkserver keeps the descriptors 1 and 2 of the process that started it; each launch's workers
+    write to the launching process's own, as they are at the launch (redirected since the server started)."""
+    launch(_say, ("server up",), nprocs=1)  # the forkserver is up, with this process's descriptors then
+    saved = [os.dup(1), os.dup(2)]
+    files = [tmp_path / "out", tmp_path / "err"]
+    try:
+        for fd, path in zip((1, 2), files):
+            with path.open("wb") as f:
+                os.dup2(f.fileno(), fd)
+        launch(_say, ("redirected",), nprocs=2)
+    finally:
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+    out, err = (sorted(path.read_text().splitlines()) for path in files)
+    assert out == ["stdout of rank 0: redirected", "stdout of rank 1: redirected"], (out, err)
+    assert [line for line in err if line.startswith("stderr of rank")] == ["stderr of rank 0: redirected",
+                                                                          "stderr of rank 1: redirected"], err
 
 
 @pytest.mark.procs

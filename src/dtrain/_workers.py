@@ -6,15 +6,19 @@ restart does too. :func:`prestart` starts that server early (``dtrain run`` call
 configuration, so the two imports overlap; the server runs nothing but imports, and no worker starts
 before the configuration has been checked). A worker takes the launching process's environment as it is
 at the launch (:func:`adopt_env`; not the server's, copied when the server started), with the variables
-torch's agent sets for it on top. :func:`dtrain.launch.launch` uses all of this.
+torch's agent sets for it on top, and writes to that process's stdout and stderr as they are at the launch
+(:class:`LauncherStdio`; not the server's, the starting process's when the server started).
+:func:`dtrain.launch.launch` uses all of this.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from typing import Any
 
-__all__ = ["PRELOAD", "prestart", "adopt_env", "descendants", "quick_rendezvous_events"]
+__all__ = ["PRELOAD", "LauncherStdio", "prestart", "adopt_env", "descendants", "quick_rendezvous_events"]
 
 # what every worker imports anyway: the forkserver imports it once and each worker forks with it loaded
 # (the server skips what is not installed: sklearn only serves the digits data set)
@@ -56,6 +60,47 @@ def adopt_env(parent: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update({k: v for k, v in parent.items() if not _is_agent_var(k)})
     os.environ.update(agent)
+
+
+class LauncherStdio:
+    """The launching process's stdout and stderr (file descriptors 1 and 2), handed to a worker as it starts.
+
+    Pickled into the request to the forkserver, each descriptor travels with it as ``multiprocessing``
+    sends a socket's (``reduction.DupFd``); the worker gets :class:`WorkerStdio` and calls its
+    :meth:`WorkerStdio.install` before it writes anything. Where a descriptor is closed, the worker keeps its own.
+    """
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from multiprocessing import reduction
+
+        fds: list[Any] = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:
+                fds.append(None)
+                continue
+            fds.append(reduction.DupFd(fd))
+        return (WorkerStdio, tuple(fds))
+
+
+class WorkerStdio:
+    """:class:`LauncherStdio` in the worker: the received descriptors, until :meth:`install` puts them in place."""
+
+    def __init__(self, *dup: Any) -> None:
+        self.fds = [d.detach() if d is not None else None for d in dup]
+
+    def install(self) -> None:
+        """Make the received descriptors this process's 1 and 2 (Python's ``sys.stdout``/``sys.stderr`` write there)."""
+        for fd, target in zip(self.fds, (1, 2)):
+            if fd is None or fd == target:
+                continue
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os.dup2(fd, target)
+            os.close(fd)
+        self.fds = [None, None]
 
 
 def _caller_name(depth: int = 2) -> str:

@@ -30,7 +30,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtrain._workers import PRELOAD, adopt_env, descendants, prestart, quick_rendezvous_events
+from dtrain._workers import (
+    PRELOAD,
+    LauncherStdio,
+    WorkerStdio,
+    adopt_env,
+    descendants,
+    prestart,
+    quick_rendezvous_events,
+)
 from dtrain.errors import CommTimeoutError, DTrainError
 
 __all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "Restart", "launch", "free_port", "prestart",
@@ -147,8 +155,21 @@ class Restart:
 def _restart(attempt: int, max_restarts: int, failures: dict[int, Any]) -> Restart:
     """A :class:`Restart` from torch's ``ProcessFailure`` by global rank."""
     codes = {int(r): int(f.exitcode if f.exitcode is not None else 1) for r, f in failures.items()}
-    first = min(failures, key=lambda r: (codes[r] >= 0, failures[r].timestamp or 0, r))
+    first = min(failures, key=lambda r: _cause_order(r, failures[r]))
     return Restart(attempt=attempt, max_restarts=max_restarts, exitcodes=dict(sorted(codes.items())), rank=first)
+
+
+def _cause_order(rank: int, failure: Any) -> tuple[bool, int, int]:
+    """Sort key that puts the failure that ended the attempt first: a worker a signal ended, then the
+    earliest error (its error file's modification time, in ns; torch's ``timestamp`` is whole seconds,
+    and a peer that failed on the closed connection often writes within the same second), then the rank."""
+    code = failure.exitcode if failure.exitcode is not None else 1
+    when = int(failure.timestamp or 0) * 1_000_000_000
+    path = getattr(failure, "error_file", "")
+    if path and os.path.isfile(path):
+        with contextlib.suppress(OSError):
+            when = os.stat(path).st_mtime_ns
+    return (code >= 0, when, int(rank))
 
 
 @functools.cache
@@ -175,8 +196,8 @@ def _restarting_agent(base: type) -> type:
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
-            if result is not None and result.failures:  # the workers are stopped by now: a killed one is the
-                result.failures = _killed(self, worker_group) or result.failures  # cause, its peers' errors follow
+            if result is not None and result.failures:  # the workers are stopped by now
+                result.failures = _causes(_failures(self, worker_group)) or result.failures
             self._dtrain_seen = result
             return result
 
@@ -202,23 +223,38 @@ def _restarting_agent(base: type) -> type:
     return _Agent
 
 
-def _killed(agent: Any, worker_group: Any) -> dict[int, Any]:
-    """The failed attempt's workers that a signal other than the agent's own stop (SIGTERM) ended, by global rank.
+def _failures(agent: Any, worker_group: Any) -> dict[int, Any]:
+    """Every worker of the failed attempt that ended on its own with an error or by a signal other than the
+    agent's own stop (SIGTERM), by global rank, each with its error file.
 
     The agent's poll reports one failure: the first process it finds ended, which need not be the one that
-    ended first (a SIGKILLed worker and the peer that then failed on its closed connection can both have
-    ended by the poll). Read once every worker has stopped.
+    ended first (a SIGKILLed worker, or one that raised, and the peer that then failed on its closed
+    connection can both have ended by the poll); :func:`_cause_order` tells which came first.
+    Read once every worker has stopped.
     """
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    procs = getattr(getattr(getattr(agent, "_pcontext", None), "_pc", None), "processes", None) or []
+    pcontext = getattr(agent, "_pcontext", None)
+    procs = getattr(getattr(pcontext, "_pc", None), "processes", None) or []
+    error_files = getattr(pcontext, "error_files", None) or {}
     out: dict[int, Any] = {}
     for local, p in enumerate(procs):
         code = p.exitcode
-        if code is not None and code < 0 and code != -signal.SIGTERM and local < len(worker_group.workers):
+        if code is not None and code != 0 and code != -signal.SIGTERM and local < len(worker_group.workers):
+            error_file = error_files.get(local, "") if code > 0 else ""
             out[worker_group.workers[local].global_rank] = ProcessFailure(local_rank=local, pid=p.pid, exitcode=code,
-                                                                          error_file="")
+                                                                          error_file=error_file)
     return out
+
+
+def _causes(failures: dict[int, Any]) -> dict[int, Any]:
+    """The failures that ended the attempt: those a signal ended, else the earliest error alone (the
+    peers that then failed on its closed connection are its consequences)."""
+    killed = {r: f for r, f in failures.items() if f.exitcode < 0}
+    if killed or not failures:
+        return killed
+    first = min(failures, key=lambda r: _cause_order(r, failures[r]))
+    return {first: failures[first]}
 
 
 _HOOK = threading.local()  # .on_restart: the callback of the launch running on this thread
@@ -260,7 +296,10 @@ def _child(
     backend: str | None,
     args: tuple[Any, ...],
     parent_env: dict[str, str],
+    stdio: WorkerStdio | LauncherStdio,
 ) -> Any:
+    if isinstance(stdio, WorkerStdio):  # (a LauncherStdio when called in-process, never pickled)
+        stdio.install()
     import torch
     from tqdm import tqdm
 
@@ -448,7 +487,7 @@ def launch(
         with _signal_handlers_kept(), _stopped_workers_woken(), _agent_reports_restarts(on_restart):
             prestart((*PRELOAD, fn.__module__))
             return dict(elastic_launch(config, entrypoint=_child)(fn, t, dict(node.env), backend, args,
-                                                                  dict(os.environ)))
+                                                                  dict(os.environ), LauncherStdio()))
     except SignalException as e:
         raise LaunchInterrupted(e.sigval) from None
     except KeyboardInterrupt:  # Ctrl-C before the agent set its handlers (rendezvous): no worker started yet
@@ -505,9 +544,10 @@ def _signal_handlers_kept() -> Iterator[None]:
 
 
 def _failed(failures: dict[int, Any]) -> LaunchError:
-    """The error naming each failed rank (torch's ``ProcessFailure`` by global rank) and its error's last line."""
+    """The error naming each failed rank (torch's ``ProcessFailure`` by global rank) and its error's last line,
+    the failure that ended the run first (:func:`_cause_order`)."""
     lines = []
-    for rank, failure in sorted(failures.items()):
+    for rank, failure in sorted(failures.items(), key=lambda item: _cause_order(*item)):
         msg = failure.message
         if isinstance(msg, dict):
             msg = msg.get("message", str(msg))

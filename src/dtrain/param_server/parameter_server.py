@@ -256,6 +256,11 @@ class ParameterServer:
             raise DTrainError(f"rank {self.rank} is a server; call serve(), not finish()")
         self._client.finish()
 
+    def abort(self, reason: str) -> None:
+        """Tell every rank that this one stops, and why (best effort): a server that then finds this rank's
+        connection closed reports ``reason`` rather than a lost peer."""
+        self._live.abort(reason)
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's state for a checkpoint; pass it back as ``state=`` to resume.
 

@@ -49,6 +49,7 @@ from dtrain.checkpoint.layout import CheckpointError
 from dtrain.errors import ConfigError
 from dtrain.param_server.consistency import parse_consistency
 from dtrain.param_server.parameter_server import ParameterServer
+from dtrain.param_server.protocol import DroppedError, RunAbortedError
 from dtrain.param_server.runner import lr_scale, publish_worker_stats, serve
 from dtrain.perfmodel.predict import Memory, Prediction, StepInputs, predict_parameter_server, server_memory
 from dtrain.perfmodel.simulator import simulate_ps
@@ -256,7 +257,12 @@ def run_process(ctx: TrainContext) -> dict[str, Any]:
     if ps.is_server:
         return serve(ps, ctx.out_dir, batch_size=c.batch_size, timeout_s=c.timeout_s,
                      table=bool(c.extra.get("ps_table", True)))  # fmt: skip
-    return run_loop(ctx, PSWorkerEngine(ctx, ps, model, workers, steps, ckpt, blob), ckpt)
+    try:
+        return run_loop(ctx, PSWorkerEngine(ctx, ps, model, workers, steps, ckpt, blob), ckpt)
+    except Exception as e:  # this worker's own error (non-finite gradients, a bad batch): the servers say it
+        if not isinstance(e, (RunAbortedError, DroppedError)):  # (not another rank's stop, reported already)
+            ps.abort(f"worker rank {ctx.rank} stopped: {e}")
+        raise
 
 
 def _restore(ctx: TrainContext, ckpt: RunCheckpointer, servers: int, workers: int) -> dict[str, Any]:
