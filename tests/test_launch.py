@@ -62,8 +62,9 @@ def test_workers_take_the_launching_process_environment_at_the_launch(monkeypatc
 
 
 def _say(words):
-    print(f"stdout of rank {os.environ['RANK']}: {words}", flush=True)
-    print(f"stderr of rank {os.environ['RANK']}: {words}", file=sys.stderr, flush=True)
+    for stream, name in ((sys.stdout, "stdout"), (sys.stderr, "stderr")):  # one write per line: the ranks'
+        stream.flush()  # lines may interleave, not their characters
+        os.write(stream.fileno(), f"{name} of rank {os.environ['RANK']}: {words}\n".encode())
 
 
 @pytest.mark.procs

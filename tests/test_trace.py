@@ -6,15 +6,13 @@ and 1f1b pipeline runs."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _dist import run_distributed
-from _helpers import read_metrics
+from _helpers import dtrain_cli, read_metrics
 
 from dtrain.errors import ConfigError
 from dtrain.trace import MSG_TID, Tracer, align_clock, merge_traces, parse_trace_steps
@@ -128,8 +126,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("trace")
     out = {}
     for name, flags in RUNS.items():
-        p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *RUN, *flags, "--out", str(root / name)],
-                           capture_output=True, text=True, timeout=240)  # fmt: skip
+        p = dtrain_cli("run", *RUN, *flags, "--out", str(root / name), timeout=240)
         assert p.returncode == 0, f"{name}: {p.stderr[-3000:]}"
         out[name] = root / name
     return out
@@ -181,8 +178,7 @@ def test_trace_steps_keeps_its_window_and_cuts_arrows_at_the_edges(runs):
 
 @pytest.mark.procs
 def test_no_trace_with_trace_steps_is_refused_before_any_process_starts(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", "--no-trace", "--trace-steps", "2-3", "--out",
-                        str(tmp_path / "x")], capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = dtrain_cli("run", "--no-trace", "--trace-steps", "2-3", "--out", str(tmp_path / "x"), timeout=60)
     assert p.returncode == 2 and "--trace-steps" in p.stderr and not (tmp_path / "x").exists()
 
 
