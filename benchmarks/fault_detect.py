@@ -1,4 +1,4 @@
-"""Time from a fault to the run's end with the error naming the rank (issue 21): a dead rank
+"""Time from a fault to the run's end with the error naming the rank: a dead rank
 (SIGKILL) and a stalled one (SIGSTOP), median of ``--reps``.
 
 Each repetition starts ``dtrain run`` (``--workers`` processes on loopback, long enough not to

@@ -1,4 +1,4 @@
-"""Large-batch training (issue 20): what keeps accuracy when the global batch grows 8x and 32x.
+"""Large-batch training: what keeps accuracy when the global batch grows 8x and 32x.
 
 Every variant is one ``dtrain run`` (``dtrain.train.run``, data parallel with ring allreduce, loopback
 unless ``--part cluster``) from the same seed for the same number of epochs, so a larger batch takes
@@ -124,7 +124,7 @@ def cluster_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
                  auto_rule="time", warmup_epochs=w)  # fmt: skip
     out["auto time from 8x linear"] = dict(from8, lr_scaling="linear", base_batch=b)
     out["auto time from 8x rate held"] = dict(from8, lr=8 * ns.lr)
-    # the same, capped at 16x (session 19: from 8x the time rule reached 32x within the warmup)
+    # the same, capped at 16x (from 8x the time rule reached 32x within the warmup)
     out["auto time from 8x rate held max 16x"] = dict(from8, lr=8 * ns.lr, max_batch=16 * b)
     return out
 

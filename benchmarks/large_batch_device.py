@@ -1,4 +1,4 @@
-"""Large batch on one device (issue 20): gpt-small at 8x the base batch with LAMB, one process per variant.
+"""Large batch on one device: gpt-small at 8x the base batch with LAMB, one process per variant.
 
 dtrain's training loop runs its workers on CPU processes; a GPU turns gpt-small's 12-epoch runs (4,836 steps
 at the base batch) from hours into minutes. This script trains each variant in one process on one device

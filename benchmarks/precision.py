@@ -1,4 +1,4 @@
-"""Mixed precision (issue 20): fp32 against bf16 and fp16 on the same runs -- metric, bytes per step, overflows.
+"""Mixed precision: fp32 against bf16 and fp16 on the same runs -- metric, bytes per step, overflows.
 
 Every row is one ``dtrain run`` (``dtrain.train.run``; data parallel, ring allreduce, ``--workers``
 processes on loopback) from the same seed for the same steps; only ``--precision`` changes:

@@ -69,7 +69,7 @@ parameters)::
 Its 24 updates are too few to train (accuracy is not judged there); it is for
 throughput only.
 
-Acceptance (issue 3): asp and backup:1 keep >= 80% of their samples/s with the
+The bar: asp and backup:1 keep >= 80% of their samples/s with the
 straggler -- for backup:1 judged on applied samples/s, the update rate backup
 workers exist to keep (its computed samples/s is capped near 0.81 by the
 straggler's own share, see above); bsp falls to about a third or less. Timings

@@ -1,4 +1,4 @@
-"""What the merged trace costs (issue 22): step throughput with and without it, its size, its clock error.
+"""What the merged trace costs: step throughput with and without it, its size, its clock error.
 
 Each round runs the same ``dtrain run`` twice, ``--no-trace`` and traced (alternating which goes
 first, so that the shared machine's drift falls on both), and prints per round and as the median

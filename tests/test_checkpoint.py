@@ -316,7 +316,7 @@ def test_dtrain_run_resume_equals_straight_run(tmp_path, extra):
 @pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_a_plain_dp_checkpoint_resumes_on_fewer_workers_as_if_nothing_changed(tmp_path):
-    """4 workers save, 2 resume (issue 21, F6): every rank held the same model and optimizer state, and the
+    """4 workers save, 2 resume: every rank held the same model and optimizer state, and the
     global batch (256) is the same, so the resumed steps average the gradients of the same samples: the
     per-step loss (mean over ranks, each rank a quarter or half of the batch) and the final model are the
     4-worker run's. 3 workers would train on 255 samples a step: refused before any process starts."""

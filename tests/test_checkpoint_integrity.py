@@ -1,4 +1,4 @@
-"""Checkpoint integrity (issue 21, row F5 / item 5): a manifest of sizes and SHA-256 per file.
+"""Checkpoint integrity: a manifest of sizes and SHA-256 per file.
 
 Oracles: the manifest lists exactly the files a save wrote and round-trips through the
 marker; one flipped byte or a truncated file is found and named; a run folder whose

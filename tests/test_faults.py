@@ -1,4 +1,4 @@
-"""Faults end in recovery or a clear error (issue 21): the numerics guard (F1), safe run folders (F2, F3).
+"""Faults end in recovery or a clear error: the numerics guard, safe run folders.
 
 Real ``dtrain run`` processes with hard timeouts, each asserting the exit status, the time to
 exit and the message; injected faults come from tests/_faults.py (an inf gradient in one

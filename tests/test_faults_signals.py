@@ -1,4 +1,4 @@
-"""Signals during `dtrain run` (issue 21, rows F4 and F9): real runs in their own session, hard timeouts.
+"""Signals during `dtrain run`: real runs in their own session, hard timeouts.
 
 - Ctrl-C (SIGINT to the process group): exit 130 within seconds, one line naming the step, the last
   complete checkpoint and the command that resumes from it (which works); no process left behind.

@@ -1,5 +1,5 @@
 """A stopped worker (SIGSTOP) ends the run within --timeout-s and a few seconds, and the message
-names it (issue 21, row F7 and item 2).
+names it.
 
 The surviving ranks' collectives time out after --timeout-s; torch's agent then SIGTERMs the
 others and waits a fixed 30 s before SIGKILL, which a stopped process never outlives on its own:

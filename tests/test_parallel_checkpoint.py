@@ -1,4 +1,4 @@
-"""Checkpoints of model-parallel runs: pipeline, tensor and hybrid (issue 21: resume and restarts for every
+"""Checkpoints of model-parallel runs: pipeline, tensor and hybrid (resume and restarts for every
 strategy).
 
 A pipeline stage saves its own layers' parameters and optimizer state under the whole model's names (DCP writes

@@ -1,4 +1,4 @@
-"""A parameter-server checkpoint resumes on another number of workers (issue 21, F6).
+"""A parameter-server checkpoint resumes on another number of workers.
 
 Oracle: under bsp an update is the mean gradient of one global batch, whoever computed its slices. With
 the same global batch (192: 48, 64 or 96 samples a worker on 4, 3 or 2 workers, 7 steps an epoch on each)

@@ -1,4 +1,4 @@
-"""A global batch that does not divide over the workers (issue 21, F8): ``batch // workers`` per
+"""A global batch that does not divide over the workers : ``batch // workers`` per
 worker, the effective batch printed; the run, its summary and the planner use the same rule."""
 
 from __future__ import annotations

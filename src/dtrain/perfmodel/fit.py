@@ -163,7 +163,7 @@ def fit_p2p_floor(results: dict[int, Any]) -> float | None:
 
     The backend's floor had charged dtrain's ring as much as gloo's allreduce; on a morning
     when dtrain's ring ran 2-3 ms under gloo's at 1 Gbit (7.6-7.9 against 9.2-10.6 ms a
-    training step), the ring was overpredicted by a fifth (BENCHMARKS.md, session 6).
+    training step), the ring was overpredicted by a fifth.
     None when the probe did not run (an older calibration).
     """
     rs = [float(r["p2p_floor"]) for r in results.values() if "p2p_floor" in r]

@@ -23,8 +23,8 @@ worker saves its clock, compressor state, data position and RNGs after its step
 ``k * N``; one collective save (:class:`dtrain.checkpoint.training.RunCheckpointer`)
 holds them all. ``--resume`` hands each rank its own state back.
 
-Such a checkpoint resumes on another number of workers (the same servers; issue 21,
-F6) when no compressor keeps per-worker state: the servers hold the whole model and
+Such a checkpoint resumes on another number of workers (the same servers)
+when no compressor keeps per-worker state: the servers hold the whole model and
 optimizer state, and under bsp every worker was at one clock, so each server
 rebuilds its clock table with every new worker at that clock
 (:func:`~dtrain.param_server.parameter_server.reshard_server_state`) and worker
