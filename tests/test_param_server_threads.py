@@ -60,8 +60,10 @@ def _reference(opt_factory, steps, workers):
 
 
 def _train(servers, workers, steps, consistency="bsp", opt_factory=_sgd, timeout_s=5.0, delay=None,
-           worker_fn=None, **kw):
-    """Run S servers + W workers as threads; returns per-rank (stats, final params or None)."""
+           worker_fn=None, after=None, **kw):
+    """Run S servers + W workers as threads; returns per-rank (stats, final params or None).
+    ``delay(i, s)``: seconds worker ``i`` waits before its push of step ``s`` (it may block instead and
+    return 0); ``after(i, s)``: called once that step has returned."""
     store = dist.HashStore()
     ts = ThreadTransport.create(servers + workers, timeout=2.0)
     x, y = _data(steps, workers)
@@ -83,6 +85,8 @@ def _train(servers, workers, steps, consistency="bsp", opt_factory=_sgd, timeout
             if delay is not None:
                 time.sleep(delay(i, s))
             ps.step()
+            if after is not None:
+                after(i, s)
             if ps.should_stop:
                 break
         ps.finish()
@@ -116,9 +120,24 @@ def test_the_update_does_not_depend_on_the_order_gradients_arrive_in(spec):
     if spec == "bsp":
         runs = [_train(1, W, steps, consistency=spec, opt_factory=_adam, delay=d)
                 for d in (lambda i, s: gap * i, lambda i, s: gap * (W - 1 - i))]
-    else:  # workers 0..2 come first in some order, worker 3 (the backup that is dropped) last
-        runs = [_train(1, W, steps, consistency=spec, opt_factory=_adam, delay=d)
-                for d in (lambda i, s: gap * i if i < 3 else 0.15, lambda i, s: gap * (2 - i) if i < 3 else 0.15)]
+    else:  # workers 0..2 come first in some order; worker 3 (the backup that is dropped) pushes once their
+        runs = []  # step has returned, i.e. once the server has updated without it (an event, not a sleep)
+        for first in (lambda i: gap * i, lambda i: gap * (2 - i)):
+            done, cond = [0] * steps, threading.Condition()
+
+            def delay(i, s, first=first, done=done, cond=cond):
+                if i < 3:
+                    return first(i)
+                with cond:
+                    assert cond.wait_for(lambda: done[s] == 3, timeout=10), f"step {s}: {done[s]} of 3 returned"
+                return 0.0
+
+            def after(i, s, done=done, cond=cond):
+                with cond:
+                    done[s] += int(i < 3)
+                    cond.notify_all()
+
+            runs.append(_train(1, W, steps, consistency=spec, opt_factory=_adam, delay=delay, after=after))
     for a, b in zip(runs[0][1:], runs[1][1:]):
         assert max_diff(a[1], b[1]) == 0.0
     if spec == "backup:1":
