@@ -2,7 +2,7 @@
 # Set up (scripts/setup.sh), lint and type-check, then run the whole default test suite.
 # ruff (pyproject [tool.ruff]) and mypy --strict (pyproject [tool.mypy]) run first;
 # either failing fails the script before any test starts. Extra arguments go to pytest.
-#   bash scripts/test.sh            everything (the slowest 25 tests listed at the end, so growth shows)
+#   bash scripts/test.sh            everything, on both cores (the slowest 25 tests listed at the end, so growth shows)
 #   bash scripts/test.sh --quick    the edit-test loop: the tests that start no process (see tests/conftest.py)
 # With CI=true, Debian's chromium is installed if missing (for the report.html browser test).
 set -euo pipefail
@@ -22,4 +22,6 @@ if [[ "${CI:-}" == "true" ]] && ! command -v chromium >/dev/null 2>&1; then
     { $sudo apt-get update -qq && $sudo apt-get install -y -qq --no-install-recommends chromium >/dev/null; } \
         || echo "test.sh: could not install chromium; the report.html browser test will be skipped"
 fi
-exec .venv/bin/python -m pytest -q --durations=25 "$@"
+# two pytest processes, each test file whole in one of them (its module fixtures built once): the process
+# tests are multi-process trainings, so more would only share the same two cores
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=25 "$@"
