@@ -7,15 +7,16 @@ for every algorithm (and native, once per input):
 
 * 0, 1, 3, P-1 and P+1 elements: every dtype x op (P+1: more than ranks, not
   divisible by P; P-1 and fewer: some ranks own empty segments);
-* 1000003 elements: every algorithm with float32 sum and with one more
+* BIG = 600011 elements (2.4 MB of float32: two of the ring's default 1 MiB pieces per segment at
+  world size 2, one above): every algorithm with float32 sum and with one more
   (dtype, op) pair, the pairs together covering every dtype and op, and the ring
   also with 64 KiB pieces. The full dtype x op cross at this size (~150 large
   collectives per world size, minutes of loopback traffic on 2 cores) is the
-  ``slow`` test ``test_full_cross_at_1000003_elements`` (``pytest -m slow``);
+  ``slow`` test ``test_full_cross_at_the_big_size`` (``pytest -m slow``);
 * hierarchical with ``node_size=2`` (nodes of 2 and, for odd P, a last node of 1).
 
 Checks, in the workers: integers, max and min equal the exact result (computed
-from every rank's regenerated input; at 1000003 elements: native's) exactly; float
+from every rank's regenerated input; at BIG: native's) exactly; float
 sum and avg lie within ``eps·(P·sum|x_i| + 2|exact|)`` of the exact sum (float64),
 as native itself must; all ranks hold bitwise the same result
 (hashes compared across ranks); the ring's and native's counters equal
@@ -38,7 +39,7 @@ from _dist import run_distributed, spawn
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 OPS = ["sum", "avg", "max", "min"]
 ALGS = ["ring", "tree", "recursive_doubling", "rabenseifner", "hierarchical"]
-BIG = 1000003
+BIG = 600011  # the 64 KiB-piece cases below cut every segment into many pieces
 TIMEOUT = 60.0  # per wait; generous for a loaded 2-core machine
 
 
@@ -220,8 +221,8 @@ def test_every_algorithm_matches_native(dist_results: list[dict[int, list[str]]]
 
 
 @pytest.mark.slow
-def test_full_cross_at_1000003_elements() -> None:
-    """Every algorithm x dtype x op at 1000003 elements, world sizes 1..7 (minutes on 2 cores)."""
+def test_full_cross_at_the_big_size() -> None:
+    """Every algorithm x dtype x op at BIG elements, world sizes 1..7 (minutes on 2 cores)."""
     results = run_distributed(_worker, 7, True, timeout=3000, pg_timeout=300)
     for P in range(1, 8):
         for rank in range(P):
