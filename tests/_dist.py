@@ -29,8 +29,8 @@ from typing import Any
 
 __all__ = ["Outcome", "spawn", "run_distributed", "free_port", "guard", "scenario_result", "PRELOAD"]
 
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "sklearn.datasets", "sklearn.model_selection",
-           "tqdm", "dtrain.train", "dtrain.launch"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "sklearn.datasets",
+           "sklearn.model_selection", "tqdm", "dtrain.train", "dtrain.launch"]  # _dynamo: optimizers import it
 
 
 def free_port() -> int:

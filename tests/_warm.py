@@ -58,13 +58,20 @@ def _read(sock: socket.socket, n: int) -> bytes | None:
 # ---------------------------------------------------------------------------------------------- the zygote
 
 
+# what the command imports besides its workers' modules: its own, and what it uses once the workers are done
+# (the run's report and curves.png); imported here once instead of in every command's child
+AFTER_THE_RUN = ("dtrain.cli", "dtrain.strategies.builtin", "dtrain.checkpoint.training", "dtrain.report",
+                 "matplotlib.pyplot")
+
+
 def serve(fd: int) -> None:
     """The zygote's loop: import, start the forkserver, then fork a child per ``start`` request."""
     import importlib
 
     from dtrain._workers import PRELOAD, prestart
 
-    for name in (*PRELOAD, "dtrain.cli"):
+    os.environ.setdefault("MPLBACKEND", "Agg")  # what the run's curves.png is drawn with (dtrain.report)
+    for name in (*PRELOAD, *AFTER_THE_RUN):
         try:
             importlib.import_module(name)
         except ImportError:
