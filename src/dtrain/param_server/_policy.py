@@ -6,6 +6,7 @@ and checks every event against the protocol. The policies themselves are :mod:`.
 from __future__ import annotations
 
 import abc
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -129,6 +130,11 @@ class Policy(abc.ABC):
         self.last_read: dict[int, int] = {}
         self.buffer: list[Arrival] = []
         self.workers: tuple[int, ...] = ()
+        # how many active workers are at each clock, and the lowest clock any has: min_clock in O(1) amortized
+        # (clocks only rise, one at a time, and leaving only removes), instead of a scan of every worker on every
+        # release, which made a simulated run of 4,000 workers quadratic
+        self._at: Counter[int] = Counter()
+        self._low = 0
 
     # ------------------------------------------------------------------ set-up
 
@@ -144,8 +150,18 @@ class Policy(abc.ABC):
         self.waiting = set()
         self.last_read = {}
         self.buffer = []
+        self._at, self._low = Counter({0: len(ws)}), 0
         self._check_workers(len(ws))
         return self
+
+    def restore_clock(self, clock: dict[int, int], version: int) -> None:
+        """The clock table and version of a checkpoint, for this run's workers (a resumed server)."""
+        if set(clock) != set(self.clock):
+            raise ValueError(f"the saved clock table has workers {sorted(clock)}, this run {sorted(self.clock)}")
+        self.clock = {int(w): int(c) for w, c in clock.items()}
+        self.version = int(version)
+        self._at = Counter(self.clock[w] for w in self.active)
+        self._low = min(self._at, default=0)
 
     def _check_workers(self, n: int) -> None:
         """Raise :class:`ConfigError` when the policy cannot run with ``n`` workers."""
@@ -173,6 +189,8 @@ class Policy(abc.ABC):
             raise PolicyViolation(
                 f"worker {worker} claims to have read version {read}, but was sent version {self.last_read[worker]}"
             )
+        self._at[clock - 1] -= 1
+        self._at[clock] += 1
         self.clock[worker] = clock
         self.waiting.add(worker)
         return self._on_push(Arrival(worker, clock, read))
@@ -184,6 +202,7 @@ class Policy(abc.ABC):
         if not lost and worker in self.waiting:
             raise PolicyViolation(f"worker {worker} finished while waiting for a reply")
         self.active.discard(worker)
+        self._at[self.clock[worker]] -= 1
         self.waiting.discard(worker)
         return self._on_leave(worker, lost)
 
@@ -191,7 +210,11 @@ class Policy(abc.ABC):
 
     def min_clock(self) -> int | None:
         """The slowest active worker's clock (``None`` when no worker is active)."""
-        return min((self.clock[w] for w in self.active), default=None)
+        if not self.active:
+            return None
+        while self._at[self._low] <= 0:  # the lowest clock only rises
+            self._low += 1
+        return self._low
 
     def may_proceed(self, worker: int) -> bool:
         """Whether a waiting ``worker`` would be released by the current state."""

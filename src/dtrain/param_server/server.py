@@ -306,8 +306,7 @@ class ShardServer:
         self.optimizer.load_state_dict(state["optimizer"])
         for g, h in zip(self.optimizer.param_groups, hyper):
             g.update(h)
-        pol.clock = {int(w): int(c) for w, c in state["clock"].items()}
-        pol.version = int(state["version"])
+        pol.restore_clock({int(w): int(c) for w, c in state["clock"].items()}, int(state["version"]))
         self.stats.received = int(state["received"])
         self.stats.updates = int(state["updates"])
         self.pull_c.load_state_dict(state["pull_compressor"])
