@@ -18,7 +18,7 @@ from _dist import spawn
 from _helpers import max_diff, train_steps
 from torch import nn
 
-STEPS = 20
+STEPS = 6  # each step pushes, averages in the tree's order and pulls; Adam's state is read from the second
 GLOBAL_BATCH = 12
 POLICIES = ("bsp", "asp", "ssp:2", "softsync:2", "backup:1")
 EPOCHS = 20  # digits, CNN, SGD lr 0.05 momentum 0.9, global batch 64: asp ends 0.95-0.98 after 15, so 20
@@ -183,7 +183,7 @@ def _dp_result(runs, servers, opt_name, index):
 @pytest.mark.parametrize("servers", [1, 3])
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_bsp_gives_the_parameters_of_synchronous_data_parallel_in_float32(bsp_runs, servers, opt_name):
-    """After 20 float32 steps, every BSP worker's parameters equal DataParallel(algorithm="tree")'s
+    """After ``STEPS`` float32 steps, every BSP worker's parameters equal DataParallel(algorithm="tree")'s
     on the same data shards to < 1e-5 (the acceptance), and in fact bitwise: the server averages in
     the tree's order and the optimizers are elementwise. (Averaging in arrival order instead gave
     2.2e-8 with SGD and 6.8e-6 with Adam here, and 4.8e-5 / 6.7e-3 with Adam against
@@ -202,7 +202,7 @@ def test_bsp_gives_the_parameters_of_synchronous_data_parallel_in_float32(bsp_ru
 @pytest.mark.parametrize("servers", [1, 3])
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_bsp_gives_the_parameters_of_single_process_training_in_float64(bsp_runs, servers, opt_name):
-    """After 20 float64 steps, every BSP worker's parameters equal single-process training on the
+    """After ``STEPS`` float64 steps, every BSP worker's parameters equal single-process training on the
     global batch (a different summation order: float64 makes it cost ~1e-13)."""
     ref = _reference(opt_name, torch.float64)
     for r in _workers(servers):
