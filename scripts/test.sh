@@ -22,6 +22,5 @@ if [[ "${CI:-}" == "true" ]] && ! command -v chromium >/dev/null 2>&1; then
     { $sudo apt-get update -qq && $sudo apt-get install -y -qq --no-install-recommends chromium >/dev/null; } \
         || echo "test.sh: could not install chromium; the report.html browser test will be skipped"
 fi
-# serial: in two pytest processes (-n 2 --dist loadfile, about 5 minutes less) a test whose run decides by
-# measured step times (the auto batch's time rule) failed once under the load; see docs/testing.md
-exec .venv/bin/python -m pytest -q --durations=25 "$@"
+# two pytest processes, one per core, each file whole in one of them (its module fixtures built once)
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=25 "$@"
