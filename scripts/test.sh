@@ -22,5 +22,7 @@ if [[ "${CI:-}" == "true" ]] && ! command -v chromium >/dev/null 2>&1; then
     { $sudo apt-get update -qq && $sudo apt-get install -y -qq --no-install-recommends chromium >/dev/null; } \
         || echo "test.sh: could not install chromium; the report.html browser test will be skipped"
 fi
-# two pytest processes, one per core, each file whole in one of them (its module fixtures built once)
-exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=25 "$@"
+# serial: in two pytest processes (-n 2 --dist loadfile, pytest 587 s against about 15 minutes) two fault tests
+# failed once each on a loaded machine (an exit 8.4 s after a SIGKILL where 5 s is the bar; a gloo connection
+# closed at start-up); see docs/testing.md
+exec .venv/bin/python -m pytest -q --durations=25 "$@"
