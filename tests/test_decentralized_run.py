@@ -54,12 +54,22 @@ def test_local_sgd_runs_sends_the_closed_form_and_resumes(tmp_path):
         assert loss == pytest.approx(full[key], rel=1e-5, abs=1e-6), key
 
 
-def test_easgd_resumes_with_its_centre(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    flags = [*COMMON, "--strategy", "easgd", "--alpha", "0.2", "--period", "3", "--workers", "2", "--max-steps", "12"]
-    p = dtrain_cli("run", *flags, "--checkpoint-every", "5", "--out", str(a))
+EASGD = [*COMMON, "--strategy", "easgd", "--alpha", "0.2", "--period", "3", "--workers", "2", "--max-steps", "12"]
+
+
+@pytest.fixture(scope="module")
+def easgd_run(tmp_path_factory) -> Path:
+    """easgd with the centre by allreduce, a checkpoint every 5 steps: the resume test's uninterrupted run, and
+    the allreduce case of the centre test (its bytes do not depend on the period or the checkpoints)."""
+    a = tmp_path_factory.mktemp("easgd") / "a"
+    p = dtrain_cli("run", *EASGD, "--checkpoint-every", "5", "--out", str(a))
     assert p.returncode == 0, p.stderr[-3000:]
-    p = dtrain_cli("run", *flags, "--resume", str(a / "checkpoints" / "step_000005"), "--out", str(b))
+    return a
+
+
+def test_easgd_resumes_with_its_centre(easgd_run, tmp_path):
+    a, b = easgd_run, tmp_path / "b"
+    p = dtrain_cli("run", *EASGD, "--resume", str(a / "checkpoints" / "step_000005"), "--out", str(b))
     assert p.returncode == 0, p.stderr[-3000:]
     full, resumed = _losses(a), _losses(b)
     assert sorted(resumed) == [(r, st) for r in range(2) for st in range(5, 12)]
@@ -80,11 +90,14 @@ def test_gossip_sync_sends_degree_times_the_model_every_step(tmp_path):
 
 
 @pytest.mark.parametrize("servers", [0, 1])
-def test_easgd_runs_with_the_centre_by_allreduce_or_on_a_server(tmp_path, servers):
-    out = tmp_path / f"e{servers}"
-    p = dtrain_cli("run", *COMMON, "--strategy", "easgd", "--alpha", "0.2", "--period", "2", "--workers", "2",
-                   "--servers", str(servers), "--max-steps", "8", "--out", str(out))  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
+def test_easgd_runs_with_the_centre_by_allreduce_or_on_a_server(request, tmp_path, servers):
+    if servers == 0:  # the allreduce centre: the resume test's run
+        out = request.getfixturevalue("easgd_run")
+    else:
+        out = tmp_path / f"e{servers}"
+        p = dtrain_cli("run", *COMMON, "--strategy", "easgd", "--alpha", "0.2", "--period", "2", "--workers", "2",
+                       "--servers", str(servers), "--max-steps", "8", "--out", str(out))  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
     s = read_summary(out)
     assert s["strategy"] == "easgd" and s["workers"] == 2 and s["averaging_rounds"] >= 1
     sent, rounds = _rank_bytes(out, servers), s["averaging_rounds"]
