@@ -4,6 +4,8 @@ rule applied to the logged noise scale. The estimator itself is checked in tests
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from _helpers import dtrain_cli, read_metrics, read_summary
@@ -34,11 +36,23 @@ def _shard_gradients(batch: int, world: int) -> list[torch.Tensor]:
     return out
 
 
-def test_the_first_step_logs_the_estimators_of_its_own_shards(tmp_path):
-    out = tmp_path / "run"
-    p = dtrain_cli("run", *COMMON, "--batch-size", "32", "--max-steps", "1", "--out", str(out))
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = [r for r in read_metrics(out) if r["step"] == 0]
+@pytest.fixture(scope="module")
+def beta_runs(tmp_path_factory) -> dict[str | None, Path]:
+    """Two steps at batch 32 with ``--noise-beta`` 0, 0.5 and the default 0.99 (None): one run each, read by
+    the first-step test (the default's step 0) and the noise-beta test (all three)."""
+    root = tmp_path_factory.mktemp("beta")
+    outs = {}
+    for beta in ("0", "0.5", None):
+        out = root / f"beta{beta}"
+        p = dtrain_cli("run", *COMMON, "--batch-size", "32", "--max-steps", "2", "--out", str(out),
+                       *(["--noise-beta", beta] if beta else []))  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs[beta] = out
+    return outs
+
+
+def test_the_first_step_logs_the_estimators_of_its_own_shards(beta_runs):
+    rows = [r for r in read_metrics(beta_runs[None]) if r["step"] == 0]
     assert len(rows) == 2
     g = _shard_gradients(32, 2)
     small = float(sum(x.pow(2).sum() for x in g)) / 2
@@ -51,16 +65,10 @@ def test_the_first_step_logs_the_estimators_of_its_own_shards(tmp_path):
         assert r["b_simple"] == pytest.approx(s / g2, rel=1e-4)
 
 
-def test_noise_beta_sets_the_memory_of_the_logged_averages(tmp_path):
+def test_noise_beta_sets_the_memory_of_the_logged_averages(beta_runs):
     """Two steps logged with ``--noise-beta`` 0 (each step's own estimate), 0.5 and the default 0.99: the same
     data and model, so the same two estimates e0, e1; the second step logs ``(beta e0 + e1) / (beta + 1)``."""
-    rows = {}
-    for beta in ("0", "0.5", None):
-        out = tmp_path / f"beta{beta}"
-        p = dtrain_cli("run", *COMMON, "--batch-size", "32", "--max-steps", "2", "--out", str(out),
-                       *(["--noise-beta", beta] if beta else []))  # fmt: skip
-        assert p.returncode == 0, p.stderr[-3000:]
-        rows[beta] = {r["step"]: r for r in read_metrics(out) if r["rank"] == 0}
+    rows = {beta: {r["step"]: r for r in read_metrics(out) if r["rank"] == 0} for beta, out in beta_runs.items()}
     for key in ("noise_g2", "noise_trace"):
         e0, e1 = rows["0"][0][key], rows["0"][1][key]
         assert rows["0.5"][0][key] == pytest.approx(e0, rel=1e-9) and rows[None][0][key] == pytest.approx(e0, rel=1e-9)
@@ -69,14 +77,25 @@ def test_noise_beta_sets_the_memory_of_the_logged_averages(tmp_path):
         assert abs(e1 / e0 - 1) > 1e-3  # the two steps differ, so the weights are seen
 
 
-def test_auto_doubles_the_batch_where_the_noise_scale_exceeds_twice_it(tmp_path):
-    out = tmp_path / "auto"
-    p = dtrain_cli("run", *COMMON, "--batch-size", "8", "--epochs", "4", "--batch-schedule", "auto",
-                   "--lr-scaling", "linear", "--out", str(out))  # fmt: skip
+# per-epoch auto from batch 8 over 3 epochs: the CNN's noise scale (about 20 samples) doubles the batch after
+# epoch 0 and keeps it after epoch 1 (20 < 2 x 16), so both outcomes of the rule are decided. A checkpoint every
+# 100 steps: step 200 lies inside the grown epoch 1 (epoch 0 is 179 steps at 8), where the resume test restarts.
+AUTO = [*COMMON, "--batch-size", "8", "--epochs", "3", "--batch-schedule", "auto", "--lr-scaling", "linear"]
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("auto") / "auto"
+    p = dtrain_cli("run", *AUTO, "--checkpoint-every", "100", "--out", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
+    return out
+
+
+def test_auto_doubles_the_batch_where_the_noise_scale_exceeds_twice_it(auto_run):
+    out = auto_run
     s = read_summary(out)
     decisions = s["batch_decisions"]
-    assert [d["epoch"] for d in decisions] == [0, 1, 2, 3]
+    assert [d["epoch"] for d in decisions] == [0, 1, 2]
     rows = sorted((r for r in read_metrics(out) if r["rank"] == 0), key=lambda r: r["step"])
     for d in decisions[1:]:
         last = [r for r in rows if r["epoch"] == d["epoch"] - 1][-1]  # the noise scale at the epoch's end
@@ -148,7 +167,10 @@ def _full_and_resumed(tmp_path, flags: list[str], *, stop: int, every: int):
 def test_an_auto_every_run_resumed_between_its_decisions_ends_as_the_uninterrupted_one(tmp_path):
     """The checkpoint holds the plan's changes: a run stopped inside an epoch whose batch grew at a step (not at
     the epoch's start) resumes on the same cuts of the data, makes the same decisions and ends on the same model."""
-    flags = [*COMMON, "--batch-size", "8", "--epochs", "2", "--batch-schedule", "auto", "--auto-every", "10"]
+    # 70 of the 106 steps: the batch grows at steps 10 and 30, the stop at 45 falls between decisions, and the
+    # resumed part decides again (50, 60) and crosses the end of epoch 0 (step 62) on the plan's changed cuts
+    flags = [*COMMON, "--batch-size", "8", "--epochs", "2", "--batch-schedule", "auto", "--auto-every", "10",
+             "--max-steps", "70"]  # fmt: skip
     full, resumed = _full_and_resumed(tmp_path, flags, stop=45, every=15)
     a, b = read_summary(full), read_summary(resumed)
     grown = [d["step"] for d in a["batch_decisions"] if d["step"] > 0]
@@ -177,11 +199,15 @@ def test_bad_noise_scale_input_is_refused_before_any_process_starts(tmp_path, fl
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
 
 
-def test_an_auto_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(tmp_path):
-    """The checkpoint holds the batch plan, the decisions and the noise scale's averages: a run stopped inside
-    the grown epoch and resumed makes the same decisions and ends on the same model."""
-    flags = [*COMMON, "--batch-size", "8", "--epochs", "3", "--batch-schedule", "auto"]
-    a, b = (read_summary(d) for d in _full_and_resumed(tmp_path, flags, stop=200, every=100))
+def test_an_auto_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(auto_run, tmp_path):
+    """The checkpoint holds the batch plan, the decisions and the noise scale's averages: a run restarted from
+    its step-200 checkpoint, inside the grown epoch, makes the same decisions and ends on the same model. (A run
+    stopped by ``--max-steps`` and resumed is the auto-every test's.)"""
+    resumed = tmp_path / "resumed"
+    p = dtrain_cli("run", *AUTO, "--resume", str(auto_run / "checkpoints" / "step_000200"), "--out", str(resumed))
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = read_summary(auto_run), read_summary(resumed)
+    assert b["start_step"] == 200 and a["steps"] == 200 + b["steps"]
     assert [d["batch"] for d in a["batch_decisions"]] == [d["batch"] for d in b["batch_decisions"]]
     assert a["batch_decisions"][1]["batch"] > 8  # step 200 is inside an epoch whose batch grew
     assert b["metric"] == pytest.approx(a["metric"], abs=1e-12)
