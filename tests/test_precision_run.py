@@ -32,9 +32,12 @@ from dtrain.errors import ConfigError
 from dtrain.precision import LossScaleCollapsed, LossScaler, Precision
 
 BASE = ["--epochs", "1", "--no-progress", "--no-trace", "--timeout-s", "60", "--optimizer", "adam", "--lr", "0.003"]
-CNN = [*BASE, "--batch-size", "32", "--max-steps", "30"]  # the default model and data: cnn on digits
+# the default model and data, cnn on digits: Adam at 0.01 for 20 steps (about the first ten are a plateau) leaves
+# the last three steps' loss at 0.51-0.72 of the first three's and 58-78% test accuracy, what 0.003 gave in 30
+CNN = [*BASE, "--lr", "0.01", "--batch-size", "32", "--max-steps", "20"]
+# 12 steps, the fewest the learning test counts: the last three at 0.75 of the first three's loss
 GPT = [*BASE, "--model", "gpt-tiny", "--dataset", "pytext", "--seq-len", "16", "--batch-size", "8",
-       "--eval-samples", "16", "--max-steps", "16"]  # fmt: skip
+       "--eval-samples", "16", "--max-steps", "12"]  # fmt: skip
 PIPE = ["--strategy", "pipeline", "--workers", "2", "--microbatches", "2"]
 
 # name -> (flags, inject_overflow or ""); each runs once, when a test first needs it
@@ -48,8 +51,8 @@ RUNS: dict[str, tuple[list[str], str]] = {
     "ddp fp16": ([*CNN, "--strategy", "ddp", "--workers", "2", "--precision", "fp16"], ""),
     "ps fp16": ([*CNN, "--strategy", "ps", "--servers", "1", "--workers", "2", "--precision", "fp16"], ""),
     "tensor fp16": ([*GPT, "--strategy", "tensor", "--workers", "2", "--precision", "fp16"], ""),
-    "hybrid fp16": ([*GPT, "--strategy", "hybrid", "--workers", "4", "--dp", "2", "--tp", "2", "--precision", "fp16",
-                     "--max-steps", "12"], ""),
+    "hybrid fp16": ([*GPT, "--strategy", "hybrid", "--workers", "4", "--dp", "2", "--tp", "2", "--precision", "fp16"],
+                    ""),
     "local_sgd bf16": ([*CNN, "--strategy", "local_sgd", "--workers", "2", "--period", "4", "--precision", "bf16"], ""),
     "dp --shard parameters fp16": ([*CNN, "--workers", "2", "--shard", "parameters", "--precision", "fp16"], ""),
 }
