@@ -51,7 +51,7 @@ class AllreduceOptions:
     Attributes:
         piece_bytes: the ring cuts each of its P segments into pieces of about this
             many bytes and pipelines them (default: 1 MiB, gloo's own segment
-            size; 0.25 MiB was measured slower on loopback gloo, see DESIGN.md).
+            size; 0.25 MiB was measured slower on loopback gloo).
         max_pieces: but into at most this many pieces per segment, so large
             tensors travel in larger pieces (default: 2, gloo's own ring's
             choice: one piece in flight while the other is reduced). Every

@@ -1,6 +1,6 @@
 """Point-to-point transports that every collective algorithm is written against.
 
-A :class:`Transport` is the small interface of principle 2 in DESIGN.md: ranks
+A :class:`Transport` is the small interface every collective is written against: ranks
 ``0..world_size-1``, non-blocking ``isend``/``irecv`` of contiguous tensors with a
 tag, a timeout on every wait, and counters of messages and bytes sent. Two
 implementations:

@@ -8,7 +8,7 @@
   gloo/NCCL run it on their own threads.
 * :class:`ThreadScheduler` -- every other algorithm: one communication thread,
   fed in bucket order, reduces while backward goes on. It owns its process group
-  (two threads issuing collectives on one gloo group crash, DESIGN.md). The
+  (two threads issuing collectives on one gloo group crash). The
   bucket that completes backward is reduced on the calling thread once the
   communication thread has drained, so a model that fits one bucket pays no
   thread hand-off at all.

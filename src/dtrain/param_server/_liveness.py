@@ -1,7 +1,7 @@
 """Heartbeats and the run-wide abort flag, through a c10d key-value store.
 
 Why not through the process group: a gloo receive that times out closes the
-group's connections (DESIGN.md), so the data path waits with a very long timeout
+group's connections, so the data path waits with a very long timeout
 and never polls. Instead every rank bumps a counter ``hb/<rank>`` in the store
 every ``interval`` seconds; a rank watching a peer declares it lost when the
 counter has not moved for ``timeout_s`` (and for at least ``timeout_s / interval``

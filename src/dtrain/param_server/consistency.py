@@ -1,6 +1,6 @@
 """Consistency models of the parameter server, as objects that need no process.
 
-A policy answers the two questions of a parameter server (DESIGN.md, principle 3):
+A policy answers the two questions of a parameter server:
 *may the server apply now?* and *may this worker go on (pull)?* It is driven by
 three events -- a worker's ``pull`` (its first read), ``push`` (a gradient
 arrives) and ``leave`` (the worker finished or was lost) -- and answers each with a

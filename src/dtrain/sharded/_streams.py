@@ -3,7 +3,7 @@
 The sharded engine has two: reduce-scatters of gradients (fed during backward) and
 allgathers of parameters (fed before forwards and, for stage 3, backwards). Each
 owns its process group, since two threads issuing collectives on one gloo group
-crash (DESIGN.md); within a stream every rank submits the same jobs in the same
+crash; within a stream every rank submits the same jobs in the same
 order, which is what keeps the ranks' collectives matched.
 """
 
