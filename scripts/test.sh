@@ -22,7 +22,6 @@ if [[ "${CI:-}" == "true" ]] && ! command -v chromium >/dev/null 2>&1; then
     { $sudo apt-get update -qq && $sudo apt-get install -y -qq --no-install-recommends chromium >/dev/null; } \
         || echo "test.sh: could not install chromium; the report.html browser test will be skipped"
 fi
-# serial: in two pytest processes (-n 2 --dist loadfile, pytest 587 s against about 15 minutes) two fault tests
-# failed once each on a loaded machine (an exit 8.4 s after a SIGKILL where 5 s is the bar; a gloo connection
-# closed at start-up); see docs/testing.md
-exec .venv/bin/python -m pytest -q --durations=25 "$@"
+# two pytest processes, a test module to each at a time (module fixtures shared), the longest modules first
+# (tests/conftest.py): the suite waits on its processes' timeouts and start-ups as much as it computes
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=25 "$@"

@@ -39,6 +39,9 @@ from dtrain.launch import _causes, _failed, _restart
 STEPS = 30
 RUN = ("run", "--workers", "3", "--batch-size", "48", "--epochs", "2", "--max-steps", str(STEPS),
        "--checkpoint-every", "10", "--no-progress", "--timeout-s", "60")  # fmt: skip
+# a death ends the run within seconds (about 1 s on an idle machine; 8.4 s was seen with the other core busy),
+# where a launcher that missed it would wait out the 60 s collective timeout
+EXIT_S = 15
 LINE = re.compile(r"^dtrain: rank (\d+) died \(SIGKILL\) at step (\d+); restarting \(1 of 1\) from the checkpoint "
                   r"at step (\d+)$")  # fmt: skip
 
@@ -105,7 +108,7 @@ def test_without_restarts_a_sigkill_ends_the_run_naming_the_rank(tmp_path):
     run.finish(timeout=60)
     took = time.monotonic() - sent
     assert run.p.returncode == 2, run.stderr[-3000:]
-    assert took < 5, f"exit {took:.1f} s after the SIGKILL"
+    assert took < EXIT_S, f"exit {took:.1f} s after the SIGKILL"
     lines = run.stderr.strip().splitlines()
     assert lines[-2:] == ["dtrain: error: worker processes failed:", lines[-1]], run.stderr[-3000:]
     assert lines[-1].startswith("  rank 2: killed by signal 9"), run.stderr[-3000:]
@@ -124,7 +127,7 @@ def test_a_death_after_the_last_restart_ends_the_run_naming_the_rank(tmp_path):
     run.finish(timeout=120)
     took = time.monotonic() - sent
     assert run.p.returncode == 2, run.stderr[-3000:]
-    assert took < 5, f"exit {took:.1f} s after the second SIGKILL"
+    assert took < EXIT_S, f"exit {took:.1f} s after the second SIGKILL"
     lines = run.stderr.strip().splitlines()
     assert sum("restarting" in line for line in lines) == 1, run.stderr[-3000:]
     assert re.match(r"^dtrain: rank 1 died \(SIGKILL\) at step \d+; restarting \(1 of 1\) from the checkpoint at "

@@ -115,7 +115,7 @@ def test_sigkill_of_a_dp_worker_is_the_last_line(tmp_path):
     os.kill(workers[1], signal.SIGKILL)
     took, _, stderr = _finish(p, sent)
     assert p.returncode == 2, stderr[-3000:]
-    assert took < 3, f"exit {took:.1f}s after the SIGKILL"
+    assert took < 15, f"exit {took:.1f}s after the SIGKILL"  # ~1 s idle; a missed death: the 300 s timeout
     lines = stderr.strip().splitlines()
     assert lines[-2:] == ["dtrain: error: worker processes failed:", lines[-1]], stderr[-3000:]
     assert lines[-1].startswith("  rank 1: killed by signal 9"), stderr[-3000:]
