@@ -25,9 +25,6 @@ PATH_PREFIXES = ("docs/", "benchmarks/", "scripts/", "src/", "tests/")
 # `tests/test_faults*.py`, `runs/<folder>`, `checkpoints/step_NNNNNN/`: globs and placeholders stand for many
 # files (or for none yet); they are not checked
 PLACEHOLDER = re.compile(r"[<>*]|NNN")
-# pages whose opening belongs to others' ongoing work: listed, not skipped (the check is expected to fail on
-# them, and a page that starts passing is reported by pytest as XPASS)
-AWAITING_SUMMARY = {"testing.md"}
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
@@ -142,9 +139,7 @@ def opens_with_summary(md: Path) -> bool:
     return any(line.strip() and not re.match(r"\s*(```|~~~|\||#|[-*+] |\d+\. )", line) for line in head[1:])
 
 
-@pytest.mark.parametrize("md", [
-    pytest.param(p, marks=pytest.mark.xfail(reason="opens with a code block; its summary is its owner's to add"))
-    if p.name in AWAITING_SUMMARY else p for p in DOCS], ids=lambda p: p.name)  # fmt: skip
+@pytest.mark.parametrize("md", DOCS, ids=lambda p: p.name)
 def test_docs_page_opens_with_a_summary(md: Path) -> None:
     assert opens_with_summary(md), f"docs/{md.name} should open with '# Title' and two lines saying what it covers"
 
