@@ -158,23 +158,34 @@ def test_balance_memory_counts_parameters_and_activations() -> None:
     assert balance(model, 3, "memory", costs=costs) == expected
 
 
+def _stage_of(sizes: list[int], layer: int) -> int:
+    return next(i for i, end in enumerate(itertools.accumulate(sizes)) if layer < end)
+
+
 @pytest.mark.procs
-def test_balance_time_beats_equal_split(one_thread: None) -> None:
+def test_balance_time_keeps_the_heavy_layers_apart_and_cuts_the_profile_optimally(one_thread: None) -> None:
     # layer costs in units of 128*128 multiply-adds per row: 1, 10, 10, 1, 1, 1, 1, 1, 1, 1 (sum 28). In 3 stages
     # the best cuts keep the two heavy layers apart, about 11 | 11 | 6; equal counts (4, 3, 3) give 22 | 3 | 3.
+    # The cut is checked against the profile it was made from, not a second timing: two timings of the same
+    # layers differ by more than the 15% margin once the other core is busy
     torch.manual_seed(0)
     model = linear_chain([128, 128, 1280, 128, 128, 128, 128, 128, 128, 128, 128])
     x = torch.randn(1024, 128)
     stages = 3
-    sizes = balance(model, stages, "time", sample=x)
+    costs = profile_children(model, x, repeats=5, warmup=1)
+    times = [c.time_s for c in costs]
+    assert min(times[1], times[2]) > max(times[0], *times[3:]), times  # the profile sees the heavy layers
+    sizes = balance(model, stages, "time", costs=costs)
     assert len(sizes) == stages and sum(sizes) == len(model)
-    remeasured = [c.time_s for c in profile_children(model, x, repeats=5, warmup=1)]
-    chosen = max(stage_costs(remeasured, sizes))
-    best = brute_force(remeasured, stages)
-    equal = max(stage_costs(remeasured, balance(model, stages, "equal")))
-    print(describe([str(i) for i in range(len(model))], sizes, stage_costs(remeasured, sizes)))
-    assert chosen <= 1.15 * best, (sizes, remeasured)
-    assert chosen < equal, (sizes, remeasured)
+    chosen = max(stage_costs(times, sizes))
+    print(describe([str(i) for i in range(len(model))], sizes, stage_costs(times, sizes)))
+    assert chosen <= brute_force(times, stages) * (1 + 1e-9), (sizes, times)  # the best cut of these times
+    assert chosen < max(stage_costs(times, balance(model, stages, "equal"))), (sizes, times)
+    assert _stage_of(sizes, 1) != _stage_of(sizes, 2), sizes
+    # from a sample, balance profiles on its own: its cut too keeps the heavy layers apart
+    sampled = balance(model, stages, "time", sample=x)
+    assert len(sampled) == stages and sum(sampled) == len(model)
+    assert _stage_of(sampled, 1) != _stage_of(sampled, 2), sampled
 
 
 def test_profile_children_leaves_model_as_it_was() -> None:
