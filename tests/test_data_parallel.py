@@ -7,6 +7,7 @@ errors across ranks, timeouts) is in tests/test_data_parallel_dist.py.
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -295,4 +296,32 @@ def test_priority_scheduler_reduces_ready_buckets_nearest_the_input_first():
     assert seen == [b.key for b in by_priority]  # the input layer's bucket first
     assert stepped == [b.index for b in by_priority]
     assert done and done[0].buckets == 5 and done[0].bytes_sent == 50
+    sched.close()
+
+
+def test_priority_scheduler_publishes_the_step_before_wait_all_returns():
+    """step_stats() after synchronize() must show the step just finished, however slow the publishing."""
+    from dtrain.data_parallel._buckets import build_buckets
+    from dtrain.data_parallel._comm import StreamSync
+    from dtrain.data_parallel._priority import PriorityScheduler
+    from dtrain.data_parallel._stats import StepStats
+
+    params = [nn.Parameter(torch.randn(4)) for _ in range(3)]
+    buckets = build_buckets(params, [2, 1, 0], cap_bytes=1, first_cap_bytes=1)
+    published: list[int] = []
+
+    def slow_publish(st: StepStats) -> None:
+        time.sleep(0.3)  # widens the window between the last bucket's event and the publishing
+        published.append(st.step)
+
+    cpu = StreamSync(torch.device("cpu"))
+    sched = PriorityScheduler(lambda flat, key, shapes=None: 4, lambda b: None, None, 0, 5.0, lambda b: cpu,
+                              slow_publish)
+    sched.set_buckets(buckets)
+    for step in range(2):
+        sched.begin_step(step, StepStats(step=step))
+        for b in buckets:
+            sched.mark_ready(b)
+        sched.wait_all("test")
+        assert published == list(range(step + 1))
     sched.close()

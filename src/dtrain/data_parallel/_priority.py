@@ -233,8 +233,11 @@ class PriorityScheduler:
             stats.add_comm(t0, t1, nbytes)
             with self._cond:
                 self._ready[i] = False
+            if not unreduced:  # publish before the last bucket's event: a wait_all() that returns sees the step
+                self._finished(stats.close())
             self._done[i].set()
-        self._finished(stats.close())
+        if n == 0:
+            self._finished(stats.close())
 
     def _loop(self) -> None:
         try:
