@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -41,8 +42,8 @@ from dtrain._workers import (
 )
 from dtrain.errors import CommTimeoutError, DTrainError
 
-__all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "Restart", "launch", "free_port", "prestart",
-           "threads_per_worker"]
+__all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "Restart", "launch", "free_port", "host_store",
+           "prestart", "threads_per_worker"]
 
 # the signals torch's elastic agent turns into a shutdown of the workers (its default set)
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -79,6 +80,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def host_store(addr: str, port: int, timeout_s: float = 300.0) -> Any:
+    """A ``TCPStore`` server that listens on ``addr:port`` only (a plain one listens on every interface).
+
+    Raises:
+        DTrainError: ``addr`` is not this machine's, or the port is taken.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((addr, port))
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        why = "the port is taken" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        raise DTrainError(f"cannot host the job's store on {addr}:{port}: {why}") from None
+    try:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            addr, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+            master_listen_fd=sock.fileno(), use_libuv=True)  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now, and closes it when the store goes
+    return store
+
+
 def threads_per_worker(nprocs: int) -> int:
     """Share the cores this process may use among ``nprocs`` local workers (at least 1 each)."""
     try:
@@ -98,6 +129,13 @@ class NodeSpec:
         is_host: whether this node hosts the rendezvous store.
         local_addr: this node's address, advertised to the others.
         env: extra environment for this node's workers (e.g. GLOO_SOCKET_IFNAME).
+        job_store: ``host:port`` of a store dtrain hosts (:func:`host_store`, on the rendezvous endpoint), of
+            which torch's agents and the workers are all clients; "" where torch's rendezvous hosts its own
+            (``is_host``) and the workers start from torchrun's environment.
+        node_rank: this node's place: its workers hold global ranks ``node_rank * nprocs ..`` (with
+            ``job_store``; torch's rendezvous alone orders the nodes by address).
+        min_nodes: the fewest nodes the job goes on with (elastic; 0: ``nnodes``).
+        rdzv_timeout_s: how long the agents wait for the nodes at each rendezvous.
     """
 
     nnodes: int = 1
@@ -105,6 +143,10 @@ class NodeSpec:
     is_host: bool = True
     local_addr: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    job_store: str = ""
+    node_rank: int = 0
+    min_nodes: int = 0
+    rdzv_timeout_s: float = 300.0
 
 
 class _Interrupt:
@@ -191,6 +233,7 @@ def _restarting_agent(base: type) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._dtrain_on_restart = getattr(_HOOK, "on_restart", None)
+            self._dtrain_node: NodeSpec | None = getattr(_HOOK, "node", None)
             self._dtrain_seen: Any = None  # the last _monitor_workers result
             self._dtrain_pending: Any = None  # the failed result a restart is under way for
 
@@ -205,6 +248,19 @@ def _restarting_agent(base: type) -> type:
             seen = self._dtrain_seen
             self._dtrain_pending = seen if seen is not None and seen.failures else None
             super()._restart_workers(worker_group)
+
+        def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int, spec: Any) -> Any:
+            # after each rendezvous (``store`` is the round's): tell the workers the round, and number the
+            # nodes by their node rank rather than by torch's order (their addresses)
+            node = self._dtrain_node
+            if node is not None and node.job_store:
+                spec.args[2]["DTRAIN_ROUND"] = _round_of(spec.rdzv_handler)
+                if group_world_size > 1:
+                    store.set(f"dtrain/node_rank/{group_rank}", str(node.node_rank))
+                    ranks = sorted(int(v) for v in store.multi_get(
+                        [f"dtrain/node_rank/{g}" for g in range(group_world_size)]))  # fmt: skip
+                    group_rank = ranks.index(node.node_rank)
+            return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
 
         def _initialize_workers(self, worker_group: Any) -> None:  # the failed workers are stopped by now
             pending, self._dtrain_pending = self._dtrain_pending, None
@@ -221,6 +277,14 @@ def _restarting_agent(base: type) -> type:
             super()._initialize_workers(worker_group)
 
     return _Agent
+
+
+def _round_of(handler: Any) -> str:
+    """The rendezvous round the agent just completed: the same number on every node of the round."""
+    try:
+        return str(int(handler._state_holder.state.round))
+    except AttributeError:  # another rendezvous backend: a fresh id per rendezvous, from the agent of this node
+        return uuid.uuid4().hex[:8]
 
 
 def _failures(agent: Any, worker_group: Any) -> dict[int, Any]:
@@ -257,19 +321,17 @@ def _causes(failures: dict[int, Any]) -> dict[int, Any]:
     return {first: failures[first]}
 
 
-_HOOK = threading.local()  # .on_restart: the callback of the launch running on this thread
+_HOOK = threading.local()  # .on_restart, .node: the callback and the node of the launch running on this thread
 _SWAP_LOCK = threading.Lock()
 _SWAP_USERS = [0]  # launches with an on_restart under way (the last one puts torch's agent back)
 
 
 @contextlib.contextmanager
-def _agent_reports_restarts(on_restart: Callable[[Restart], int | None] | None) -> Iterator[None]:
+def _agent_reports_restarts(on_restart: Callable[[Restart], int | None] | None, node: NodeSpec) -> Iterator[None]:
     """While launching, have ``torch.distributed.launcher.api`` build :func:`_restarting_agent`'s agent.
 
     ``elastic_launch`` builds its ``LocalElasticAgent`` by that module-level name and takes no agent
-    class, so the name is swapped while a launch with ``on_restart`` runs, and put back when the
-    last such launch ends; a launch on another thread meanwhile builds the subclass without a callback,
-    which behaves as torch's agent.
+    class, so the name is swapped while a launch runs, and put back when the last one ends.
     """
     import importlib
 
@@ -278,11 +340,11 @@ def _agent_reports_restarts(on_restart: Callable[[Restart], int | None] | None) 
         if _SWAP_USERS[0] == 0:
             api.LocalElasticAgent = _restarting_agent(api.LocalElasticAgent)
         _SWAP_USERS[0] += 1
-    _HOOK.on_restart = on_restart
+    _HOOK.on_restart, _HOOK.node = on_restart, node
     try:
         yield
     finally:
-        _HOOK.on_restart = None
+        _HOOK.on_restart, _HOOK.node = None, None
         with _SWAP_LOCK:
             _SWAP_USERS[0] -= 1
             if _SWAP_USERS[0] == 0:
@@ -316,8 +378,8 @@ def _child(
     tqdm.set_lock(threading.RLock())
     from dtrain import runtime
 
-    _init_restarted(backend)
-    runtime.init(backend=backend)  # (a no-op after a restart: the group is up)
+    _init_from_job_store(backend)
+    runtime.init(backend=backend)  # (a no-op where the job's store started the group)
     failed = False
     try:
         result = fn(*args)
@@ -338,36 +400,38 @@ def _child(
     return result
 
 
-def _init_restarted(backend: str | None, timeout_s: float = 300.0) -> None:
-    """After an elastic restart, start the default process group on keys of this attempt only.
+def _init_from_job_store(backend: str | None, timeout_s: float = 300.0) -> None:
+    """Start the default process group on the job's store (``DTRAIN_STORE``), under keys of this round only.
 
-    torch's agent keeps one TCPStore for the whole launch (its rendezvous store, shared with the workers
-    since torch 2.5) and the workers of every attempt write and read the same keys there: a restarted
-    worker can read an address the failed attempt posted (gloo: "connectFullMesh failed ... Connection
-    refused"; pytorch/pytorch#135712). The workers of attempt N use the store under ``dtrain/attempt_N/``
-    instead (one agent: every worker has the same count; ``--cluster`` runs do not restart). Everything
-    on the default store -- the heartbeats, the stall verdicts -- is then the attempt's own. Otherwise
-    as :func:`dtrain.runtime.init` (its default timeout); the first attempt is left to it.
+    Where dtrain hosts the job's store (:func:`host_store`: on loopback for one machine, on node 0's chosen
+    interface for several), torch's agents do not share theirs with the workers
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), and nothing else listens. The workers of each rendezvous round
+    use keys under ``dtrain/JOB/pg/ROUND``: the round is the same number on every node, so after an elastic
+    restart no worker reads an address a failed attempt posted (gloo: "connectFullMesh failed ... Connection
+    refused"; pytorch/pytorch#135712), and everything on the default store -- the heartbeats, the stall
+    verdicts -- is the round's own. Otherwise as :func:`dtrain.runtime.init` (its default timeout); without
+    a job store (torch's rendezvous hosts it) the group is left to that.
     """
     import datetime
 
     import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import PrefixStore
-    from torch.distributed.rendezvous import rendezvous
 
     from dtrain import runtime
 
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt == "0" or "RANK" not in os.environ or dist.is_initialized():
+    where = os.environ.get("DTRAIN_STORE", "")
+    if not where or "RANK" not in os.environ or dist.is_initialized():
         return
+    host, _, port = where.rpartition(":")
     backend = backend or runtime.default_backend()
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    store = dist.TCPStore(host, int(port), None, False, timeout)  # type: ignore[attr-defined]
+    prefix = f"dtrain/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/pg/{os.environ.get('DTRAIN_ROUND', '0')}"
     if backend == "nccl":
         torch.cuda.set_device(runtime.local_rank())
-    dist.init_process_group(backend=backend, store=PrefixStore(f"dtrain/attempt_{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)  # fmt: skip
+    dist.init_process_group(backend=backend, store=PrefixStore(prefix, store), rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)  # fmt: skip
 
 
 def _exit_without_teardown() -> None:
@@ -418,9 +482,10 @@ def _launch_config(node: NodeSpec, nprocs: int, run_id: str | None, max_restarts
     """torch's ``LaunchConfig`` of one node: the c10d rendezvous, workers forked from the forkserver."""
     from torch.distributed.launcher.api import LaunchConfig
 
-    return LaunchConfig(min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=nprocs,
+    rdzv = {"is_host": node.is_host, "join_timeout": node.rdzv_timeout_s}
+    return LaunchConfig(min_nodes=node.min_nodes or node.nnodes, max_nodes=node.nnodes, nproc_per_node=nprocs,
                         run_id=run_id or uuid.uuid4().hex[:12], rdzv_backend="c10d", rdzv_endpoint=node.rdzv_endpoint,
-                        rdzv_configs={"is_host": node.is_host}, max_restarts=max_restarts,
+                        rdzv_configs=rdzv, max_restarts=max_restarts,
                         monitor_interval=monitor_interval, start_method="forkserver", local_addr=node.local_addr)
 
 
@@ -473,10 +538,19 @@ def launch(
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
-    node = node or NodeSpec(rdzv_endpoint=f"127.0.0.1:{free_port()}", env={"GLOO_SOCKET_IFNAME": "lo"})
+    store = None
+    if node is None:  # one machine: the job's store on loopback, nothing listening beyond it
+        port = free_port()
+        store = host_store("127.0.0.1", port)
+        node = NodeSpec(rdzv_endpoint=f"127.0.0.1:{port}", is_host=False, job_store=f"127.0.0.1:{port}",
+                        env={"GLOO_SOCKET_IFNAME": "lo"})
     if node.nnodes > 1 and run_id is None:
         raise ValueError("a multi-node launch needs the same run_id on every node")
     config = _launch_config(node, nprocs, run_id, max_restarts, monitor_interval)
+    env = dict(node.env)
+    if node.job_store:  # the workers start on it (_init_from_job_store); the agents share no store of theirs
+        env["DTRAIN_STORE"] = node.job_store
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     t = threads or threads_per_worker(nprocs)
     quick_rendezvous_events()
     if quiet:  # each of torch's loggers has its own level: set every one under the prefixes
@@ -484,16 +558,18 @@ def launch(
             if name.startswith(_TORCH_LOGGERS):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        with _signal_handlers_kept(), _stopped_workers_woken(), _agent_reports_restarts(on_restart):
+        with _signal_handlers_kept(), _stopped_workers_woken(), _agent_reports_restarts(on_restart, node):
             prestart((*PRELOAD, fn.__module__))
-            return dict(elastic_launch(config, entrypoint=_child)(fn, t, dict(node.env), backend, args,
-                                                                  dict(os.environ), LauncherStdio()))
+            return dict(elastic_launch(config, entrypoint=_child)(fn, t, env, backend, args, dict(os.environ),
+                                                                  LauncherStdio()))
     except SignalException as e:
         raise LaunchInterrupted(e.sigval) from None
     except KeyboardInterrupt:  # Ctrl-C before the agent set its handlers (rendezvous): no worker started yet
         raise LaunchInterrupted(signal.SIGINT) from None
     except ChildFailedError as e:
         raise _failed(e.failures) from None
+    finally:
+        del store  # a store hosted here stops serving
 
 
 @contextlib.contextmanager
