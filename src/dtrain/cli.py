@@ -18,10 +18,11 @@ from dtrain._cli import run_command
 from dtrain.errors import DTrainError
 
 if TYPE_CHECKING:
+    from dtrain.cluster.nodes import NodeArgs
     from dtrain.config import RunConfig
 
 # the configuration's modules import torch: they load after main() has started the workers' forkserver
-__all__ = ["main", "build_parser", "config_from_args"]
+__all__ = ["main", "build_parser", "config_from_args", "nodes_from_args"]
 
 
 def _choices() -> dict[str, Sequence[str]]:
@@ -135,6 +136,57 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
             g.add_argument(f"--{flag}", dest=name, action="store_const", const=value, help=f"--{name} {value}")
 
 
+def _add_node_flags(p: argparse.ArgumentParser) -> None:
+    """torchrun's launch flags, with its meaning (per node, so not keys of the configuration)."""
+    g = p.add_argument_group("several machines (the same command on each node; inside SLURM's srun they come from "
+                             "its environment)")  # fmt: skip
+    g.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes in the job; MIN:MAX lets it go on with fewer "
+                   "(default: 1, this machine alone)")
+    g.add_argument("--node-rank", type=int, metavar="R", help="this node, 0..N-1; node 0 hosts the job's store "
+                   "on --rdzv-endpoint, and node R holds global ranks R*k..R*k+k-1 (default: 0)")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and a free port there "
+                   "(default port: 29400)")
+    g.add_argument("--rdzv-id", metavar="JOB", help="the job's id, the same on every node; a node with another is "
+                   "refused (default: dtrain)")
+    g.add_argument("--nproc-per-node", type=int, metavar="K", help="processes per node (default: the run's "
+                   "processes over the nodes, which must divide evenly)")
+    g.add_argument("--rdzv-timeout", type=float, metavar="S", help="how long a node waits for the others to "
+                   "arrive before it stops, naming the missing node ranks (default: 300)")
+    g.add_argument("--iface", metavar="NAME", help="the network interface for gloo and NCCL (default: the one "
+                   "that routes to the endpoint)")
+
+
+def nodes_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -> NodeArgs | None:
+    """This node's place: the flags, over SLURM's environment where ``srun`` set it; None for one machine."""
+    import os
+
+    from dtrain.cluster.nodes import DEFAULT_RDZV_TIMEOUT_S, NodeArgs, from_slurm, parse_nnodes
+
+    base = from_slurm(os.environ if env is None else env)
+    given = {k: getattr(ns, k, None) for k in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_node",
+                                               "rdzv_timeout", "iface")}  # fmt: skip
+    if base is None and given["nnodes"] is None:
+        if any(v is not None for v in given.values()):
+            flags = ", ".join("--" + k.replace("_", "-") for k, v in given.items() if v is not None)
+            from dtrain.errors import ConfigError
+
+            raise ConfigError(f"{flags} belong to a job on several nodes: add --nnodes N (and --node-rank, "
+                              "--rdzv-endpoint)")  # fmt: skip
+        return None
+    a = base or NodeArgs()
+    lo, hi = parse_nnodes(given["nnodes"]) if given["nnodes"] is not None else (a.min_nodes, a.nnodes)
+    return NodeArgs(
+        nnodes=hi, min_nodes=lo,
+        node_rank=given["node_rank"] if given["node_rank"] is not None else a.node_rank,
+        endpoint=given["rdzv_endpoint"] or a.endpoint,
+        job=given["rdzv_id"] or a.job,
+        nproc_per_node=given["nproc_per_node"] or 0,
+        rdzv_timeout_s=given["rdzv_timeout"] if given["rdzv_timeout"] is not None else DEFAULT_RDZV_TIMEOUT_S,
+        iface=given["iface"] or "",
+        source=a.source if base is not None else "flags",
+    ).check()  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dtrain", description="Distributed training strategies for PyTorch.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
@@ -143,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "data parallel with ring allreduce.")
     r.add_argument("config", nargs="?", help="a TOML file with the same keys as the flags")
     _add_run_flags(r)
+    _add_node_flags(r)
     b = sub.add_parser("bench", help="side-by-side benchmarks: " + ", ".join(_BENCHES))
     b.add_argument("name", choices=sorted(_BENCHES))
     b.add_argument("args", nargs=argparse.REMAINDER)
@@ -181,8 +234,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     from dtrain.train import run
 
     cfg = config_from_args(ns)
+    nodes = nodes_from_args(ns)
     try:
-        summary, out = run(cfg)
+        summary, out = run(cfg, nodes=nodes)
     except LaunchInterrupted as e:  # Ctrl-C / SIGTERM: the workers are stopped; where to resume from
         lead = "\n" if cfg.progress else ""  # a stopped worker's progress bar ends without a newline
         print(f"{lead}dtrain: {e}", file=sys.stderr)
@@ -190,6 +244,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C while no worker was running
         print("dtrain: interrupted", file=sys.stderr)
         return 130
+    if not summary:  # a node other than 0 of a job on several: node 0 writes the summary
+        print(f"node {nodes.node_rank if nodes else 0}: done; node 0 writes the summary to {out / 'summary.json'}")
+        return 0
     print(f"strategy {summary['strategy']}, {summary['workers']} workers, {summary['steps']} steps, "
           f"{summary['samples_per_s']:.0f} samples/s, {summary['wall_s']:.1f}s")
     if "applied_samples_per_s" in summary:

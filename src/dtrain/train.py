@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -33,14 +34,15 @@ from typing import Any
 import torch.distributed as dist
 
 from dtrain._batch import batch_note
+from dtrain.cluster.nodes import NodeArgs
 from dtrain.config import RunConfig, dump_toml
 from dtrain.errors import ConfigError
 from dtrain.strategies.base import get
 from dtrain.trace import MetricsWriter, Tracer, activate, align_clock, merge_rank_files, parse_trace_steps
 from dtrain.training.context import TrainContext, lr_factor, schedule_updates
 
-__all__ = ["TrainContext", "run", "worker_main", "default_out_dir", "open_run_folder", "summarize", "lr_factor",
-           "iter_metrics"]
+__all__ = ["TrainContext", "run", "run_node", "worker_main", "default_out_dir", "open_run_folder", "summarize",
+           "lr_factor", "iter_metrics"]
 
 _schedule_updates = schedule_updates  # the name tests and older scripts import
 
@@ -143,6 +145,7 @@ def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
         activate(None)
         ctx.tracer.dump(out)
     result["rank"] = rank
+    result["world"] = world
     return result
 
 
@@ -209,7 +212,7 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
     return s
 
 
-def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
+def run(cfg: RunConfig, *, quiet: bool = False, nodes: NodeArgs | None = None) -> tuple[dict[str, Any], Path]:
     """Run a whole training job from the parent process; returns (summary, run folder).
 
     The run folder (``cfg.out``) must be new or empty, or replaced with ``overwrite``
@@ -218,8 +221,46 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
     The strategy's ``resolve`` hook runs first (``auto`` asks the planner and runs
     its first choice); ``cluster="NAME"`` spreads the processes over the hosts
     of an emulated cluster (``dtrain cluster up``) instead of this machine.
+    With ``nodes`` of several nodes, this is one node of a job on several machines
+    (:func:`run_node`).
     """
-    cfg = get(cfg.validate().strategy).resolve(cfg)
+    cfg = cfg.validate()
+    if nodes is not None and nodes.multi:
+        return run_node(cfg, nodes, quiet=quiet)
+    if cfg.cluster:
+        return _run_on_cluster(cfg, quiet)
+    cfg, out = _prepare(cfg, quiet)
+    from dtrain.checkpoint.restart import RestartLog
+    from dtrain.launch import LaunchInterrupted, launch
+
+    restarts = RestartLog(cfg, out, say=(lambda line: None) if quiet else None)
+    t0 = time.perf_counter()
+    try:
+        results = launch(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes,
+                         backend=cfg.process_backend(), max_restarts=cfg.max_restarts,
+                         on_restart=restarts if cfg.max_restarts else None)
+    except LaunchInterrupted as e:  # the workers are gone: say where the run stopped and how to go on
+        merge_rank_files(out)
+        raise LaunchInterrupted(e.signum, _interrupted_message(cfg, out, e.signum)) from None
+    finally:
+        merge_rank_files(out)
+    return _finish(cfg, out, results, time.perf_counter() - t0, restarts), out
+
+
+def _run_on_cluster(cfg: RunConfig, quiet: bool) -> tuple[dict[str, Any], Path]:
+    """``--cluster NAME``: the per-node command on every emulated host (:func:`run_nodes_on_cluster`); node 0
+    (host 0) opens the run folder and writes the summary, read back here."""
+    from dtrain.cluster.multinode import run_nodes_on_cluster
+
+    out = (Path(cfg.out) if cfg.out else default_out_dir(cfg)).absolute()
+    run_nodes_on_cluster(dump_toml(cfg.replace(out=str(out))), out, cluster=cfg.cluster,
+                         processes=cfg.num_processes, quiet=quiet)  # fmt: skip
+    return json.loads((out / "summary.json").read_text()), out
+
+
+def _prepare(cfg: RunConfig, quiet: bool) -> tuple[RunConfig, Path]:
+    """Resolve the strategy, open the run folder, pin the checkpoint to resume from, write config.toml."""
+    cfg = get(cfg.strategy).resolve(cfg)
     if cfg.tensorboard:  # refused before any process starts where the tensorboard package is missing
         from dtrain.trace import require_tensorboard
 
@@ -239,27 +280,13 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
         cfg = cfg.replace(resume=str(find_checkpoint(cfg.resume, checksums=True, report=say).resolve()))
     # recorded without --overwrite: `dtrain run RUN/config.toml` must not delete the run it comes from
     (out / "config.toml").write_text(dump_toml(cfg.replace(overwrite=False)))
-    from dtrain.checkpoint.restart import RestartLog
-    from dtrain.launch import LaunchInterrupted, launch
+    return cfg, out
 
-    restarts = RestartLog(cfg, out, say=(lambda line: None) if quiet else None)
-    t0 = time.perf_counter()
-    try:
-        if cfg.cluster:
-            from dtrain.cluster import launch_on_cluster
 
-            results = launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes,
-                                        cluster=cfg.cluster, stream_first=not quiet)
-        else:
-            results = launch(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes,
-                             backend=cfg.process_backend(), max_restarts=cfg.max_restarts,
-                             on_restart=restarts if cfg.max_restarts else None)
-    except LaunchInterrupted as e:  # the workers are gone: say where the run stopped and how to go on
-        merge_rank_files(out)
-        raise LaunchInterrupted(e.signum, _interrupted_message(cfg, out, e.signum)) from None
-    finally:
-        merge_rank_files(out)
-    summary = summarize(cfg, results, time.perf_counter() - t0)
+def _finish(cfg: RunConfig, out: Path, results: dict[int, dict[str, Any]], wall_s: float,
+            restarts: Any) -> dict[str, Any]:  # fmt: skip
+    """summary.json (with the attribution) and the run's plots, from every process's result."""
+    summary = summarize(cfg, results, wall_s)
     restarts.add_to(summary, results)  # --max-restarts: each restart, and steps over every attempt
     # --- straggler and bottleneck attribution over every rank's rows (dtrain.attribution)
     if (out / "metrics.jsonl").is_file():
@@ -272,7 +299,114 @@ def run(cfg: RunConfig, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
         from dtrain.report import plot_run
 
         plot_run(out)
-    return summary, out
+    return summary
+
+
+def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[dict[str, Any], Path]:
+    """This machine's node of a job on several (``dtrain run --nnodes N --node-rank R --rdzv-endpoint H:P``).
+
+    Node 0 hosts the job's store on the endpoint; the nodes meet there (:class:`dtrain.cluster.nodes.Meeting`:
+    the same job, every node present, the same configuration and versions, the run folder seen and writable
+    by all), node 0 resolves the strategy and opens the run folder, then every node starts its processes
+    through torch's elastic agent. Each node posts its processes' results to the store; node 0 waits for all,
+    merges the metrics and writes the summary. Returns (summary, run folder); the summary is empty on the
+    other nodes.
+    """
+    import pickle
+    import socket
+
+    from dtrain.checkpoint.restart import RestartLog
+    from dtrain.cluster.nodes import Meeting, NodeError, connect_store, route_iface
+    from dtrain.launch import NodeSpec, host_store, launch
+
+    if cfg.cluster and os.environ.get("DTRAIN_CLUSTER") != cfg.cluster:  # (set on the nodes --cluster starts)
+        raise ConfigError("--cluster starts one node per emulated host itself: drop --nnodes, --node-rank and "
+                          "--rdzv-endpoint, or --cluster")  # fmt: skip
+    if not cfg.out:
+        raise ConfigError("a job on several nodes needs --out: a run folder on a filesystem every node shares "
+                          "(the default name differs from node to node)")  # fmt: skip
+    nodes = nodes.check()
+    k = nodes.processes(cfg.num_processes)
+    host, port = nodes.host_port
+    iface, addr = route_iface(host, port, nodes.iface)
+    R = nodes.node_rank
+
+    def say(line: str) -> None:
+        if not quiet:
+            print(f"dtrain: {line}", file=sys.stderr, flush=True)
+
+    if R == 0:
+        try:
+            ip = socket.gethostbyname(host)
+        except OSError as e:
+            raise NodeError(f"--rdzv-endpoint {host}:{port}: cannot resolve {host!r} ({e})") from None
+        store = host_store(ip, port, nodes.rdzv_timeout_s)
+    else:
+        store = connect_store(host, port, nodes.rdzv_timeout_s)
+    say(f"node {R} of {nodes.nnodes}: {k} process(es), interface {iface} ({addr}), job {nodes.job!r} at "
+        f"{nodes.endpoint}" + (" (from SLURM)" if nodes.source == "slurm" else ""))
+    meeting = Meeting(nodes, store, say=say)
+    ns = f"dtrain/{nodes.job}"
+    try:
+        meeting.open()
+        arrived = sorted(meeting.arrive(cfg.to_dict()))
+        if R == 0:
+            cfg, out = _prepare(cfg, quiet)
+            meeting.publish_plan(cfg.to_dict(), out)
+        else:
+            cfg = RunConfig.from_mapping(meeting.plan())
+            out = Path(cfg.out)
+        meeting.check_paths(out, cfg.resume)
+        spec = NodeSpec(nnodes=nodes.nnodes, min_nodes=nodes.min_nodes, rdzv_endpoint=f"{host}:{port}", is_host=False,
+                        local_addr=addr, env={"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface},
+                        job_store=f"{host}:{port}", node_rank=R, rdzv_timeout_s=nodes.rdzv_timeout_s)  # fmt: skip
+        restarts = RestartLog(cfg, out, say=(lambda line: None) if quiet else None)
+        t0 = time.perf_counter()
+        try:
+            results = launch(worker_main, (cfg.to_dict(), str(out)), nprocs=k, node=spec, backend=cfg.process_backend(),
+                             run_id=nodes.job, max_restarts=cfg.max_restarts,
+                             on_restart=restarts if cfg.max_restarts else None)  # fmt: skip
+        except BaseException as e:
+            store.set(f"{ns}/results/{R}", pickle.dumps((False, f"{type(e).__name__}: {e}")))
+            raise
+        store.set(f"{ns}/results/{R}", pickle.dumps((True, results)))
+        if R != 0:
+            return {}, out
+        merged = _gather_results(store, ns, arrived, results, nodes.rdzv_timeout_s)
+        merge_rank_files(out)
+        return _finish(cfg, out, merged, time.perf_counter() - t0, restarts), out
+    finally:
+        meeting.close()
+        if R != 0:
+            del store
+        else:  # the others read their last keys before they exit: give them a moment
+            time.sleep(0.2)
+
+
+def _gather_results(store: Any, ns: str, nodes: list[int], own: dict[int, dict[str, Any]],
+                    timeout_s: float) -> dict[int, dict[str, Any]]:  # fmt: skip
+    """Node 0: every node's processes' results, until they cover the world the processes ran in."""
+    import pickle
+
+    from dtrain.launch import LaunchError
+
+    world = max((int(r.get("world", 0)) for r in own.values()), default=0)
+    merged = dict(own)
+    deadline = time.monotonic() + timeout_s
+    pending = [r for r in nodes if r != 0]
+    while pending and len(merged) < world:
+        for r in list(pending):
+            if store.check([f"{ns}/results/{r}"]):
+                ok, value = pickle.loads(store.get(f"{ns}/results/{r}"))
+                if not ok:
+                    raise LaunchError(f"node {r} failed: {value}")
+                merged.update(value)
+                pending.remove(r)
+        if time.monotonic() > deadline:
+            raise LaunchError(f"node 0 has the results of {len(merged)} of {world} processes; node(s) "
+                              f"{', '.join(map(str, pending))} posted none within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return merged
 
 
 def _interrupted_message(cfg: RunConfig, out: Path, signum: int) -> str:

@@ -16,6 +16,7 @@ that had not finished.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import random
@@ -33,7 +34,7 @@ from dtrain.cluster.netns import IFACE, EmulatedCluster, load, require_root
 from dtrain.errors import ConfigError
 from dtrain.launch import LaunchError
 
-__all__ = ["run_on_cluster", "launch_on_cluster", "node_env"]
+__all__ = ["run_on_cluster", "launch_on_cluster", "node_env", "run_nodes_on_cluster"]
 
 
 def node_env(c: EmulatedCluster, host: int) -> dict[str, str]:
@@ -230,3 +231,82 @@ def launch_on_cluster(
         )
     return run_on_cluster(fn, args, cluster=c, nprocs_per_host=nprocs // c.hosts, timeout_s=timeout_s,
                           stream_first=stream_first)  # fmt: skip
+
+
+def run_nodes_on_cluster(config_toml: str, out: Path, *, cluster: str, processes: int, quiet: bool = False,
+                         extra: list[str] | None = None) -> None:  # fmt: skip
+    """``dtrain run --cluster NAME``: on every host, in its namespace, the per-node command a user runs on a
+    real machine (``dtrain run CONFIG --nnodes H --node-rank i --rdzv-endpoint HOST0:PORT --rdzv-id JOB``).
+
+    Everything the emulated cluster runs is thus the multi-node path of :mod:`dtrain.cluster.nodes`; this
+    driver only starts the nodes (each in its own session), lets host 0's stderr through, and waits. When a
+    node fails, the others get 10 s to stop on their own (they do: the job's checks and collectives fail on
+    every node) before they are killed; Ctrl-C is passed on to every node.
+
+    Raises:
+        ConfigError: ``processes`` does not spread evenly over the hosts.
+        LaunchError: a node failed; names the hosts and the last lines of their output.
+    """
+    c = load(cluster)
+    if processes < c.hosts or processes % c.hosts:
+        raise ConfigError(
+            f"{processes} processes cannot be spread evenly over the {c.hosts} hosts of cluster {c.name!r}; "
+            f"use a multiple of {c.hosts} (workers, plus servers for the parameter server)"
+        )
+    require_root()
+    port = random.randint(20000, 40000)  # inside our own namespaces nothing else listens
+    job = f"{c.name}-{uuid.uuid4().hex[:8]}"
+    work = Path(tempfile.mkdtemp(prefix=f"dtrain-{c.name}-"))
+    (work / "config.toml").write_text(config_toml)
+    penv = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[IO[bytes]] = []
+    try:
+        for h in range(c.hosts):
+            cmd = ["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cli", "run",
+                   str(work / "config.toml"), "--out", str(out), "--nnodes", str(c.hosts), "--node-rank", str(h),
+                   "--rdzv-endpoint", f"{c.address(0)}:{port}", "--rdzv-id", job, *(extra or [])]  # fmt: skip
+            node_log: IO[bytes] = open(work / f"host{h}.log", "wb")
+            logs.append(node_log)
+            shown = h == 0 and not quiet
+            # host 0's progress and messages (stderr) come through; its closing lines are the caller's to print
+            procs.append(subprocess.Popen(cmd, stdout=node_log, stderr=None if shown else subprocess.STDOUT,
+                                          start_new_session=True, env={**penv, **node_env(c, h)}))  # fmt: skip
+        try:
+            failed = _wait_nodes(procs)
+        except KeyboardInterrupt:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGINT)
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=30)
+            raise
+        if failed:
+            lines = [f"host {h}: exit code {procs[h].returncode}; {_tail(work, h)}" for h in failed]
+            raise LaunchError(f"job on emulated cluster {c.name!r} failed:\n  " + "\n  ".join(lines))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill(p)
+        for log in logs:
+            log.close()
+        if not os.environ.get("DTRAIN_KEEP_LOGS"):
+            for f in work.iterdir():
+                f.unlink()
+            work.rmdir()
+
+
+def _wait_nodes(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> list[int]:
+    """Wait for every node; after one fails, the others get ``grace_s``. The hosts that failed (or were killed)."""
+    first_failure: float | None = None
+    while any(p.poll() is None for p in procs):
+        if first_failure is None and any(p.returncode not in (None, 0) for p in procs):
+            first_failure = time.monotonic()
+        if first_failure is not None and time.monotonic() - first_failure > grace_s:
+            for p in procs:
+                if p.poll() is None:
+                    _kill(p)
+            break
+        time.sleep(0.05)
+    return [h for h, p in enumerate(procs) if p.returncode != 0]
