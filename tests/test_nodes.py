@@ -137,13 +137,13 @@ def listening(root: int) -> set[str]:
 @pytest.mark.procs
 def test_a_one_machine_run_listens_on_loopback_only(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", "--workers", "2", "--epochs", "1", "--max-steps",
-                          "30", "--no-progress", "--out", str(tmp_path / "run")], stdout=subprocess.PIPE,
+                          "10", "--no-progress", "--out", str(tmp_path / "run")], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)  # fmt: skip
     seen: set[str] = set()
     try:
         while p.poll() is None:
             seen |= listening(p.pid)
-            time.sleep(0.1)
+            time.sleep(0.2)
     finally:
         if p.poll() is None:
             p.kill()
@@ -191,8 +191,8 @@ def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float,
                 arrived[i] = time.monotonic()
             if i not in ends and p.poll() is not None:
                 ends[i] = time.monotonic() - arrived.get(i, t0)
-            elif listens is not None and i not in ends:
-                listens.setdefault(i, set()).update(listening(p.pid))
+            elif listens is not None and i not in ends and int(time.monotonic() * 4) % 2 == 0:
+                listens.setdefault(i, set()).update(listening(p.pid))  # every other 0.25 s: /proc is not free
         time.sleep(0.05)
     out = []
     for i, p in enumerate(procs):
@@ -247,21 +247,18 @@ STRATEGIES = {
 }
 
 
-# each 4-node job starts 4 interpreters and 4 forkservers (about 35 s of CPU here): dp runs by default, the
-# other strategies with -m slow (every strategy's processes are the same on one machine and on several)
+# each 4-node job starts 4 interpreters and 4 forkservers (about 35 s of CPU on 2 cores): dp runs by default
+# (test_four_nodes_of_a_job_by_flags_and_by_slurm_train_as_one_machine), the other strategies with -m slow
+# (their processes are the same on one machine and on several; each passed here)
 @pytest.mark.procs
+@pytest.mark.slow
 @needs_root
-@pytest.mark.parametrize("name", [n if n == "dp" else pytest.param(n, marks=pytest.mark.slow) for n in STRATEGIES])
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "dp"])
 def test_four_nodes_train_as_one_machine(hosts, tmp_path, name):
     flags = STRATEGIES[name]
-    listens: dict[int, set[str]] = {}
-    res = _job(hosts, tmp_path / "nodes", flags, listens=listens if name == "dp" else None)
+    res = _job(hosts, tmp_path / "nodes", flags)
     for h, (code, _, log) in enumerate(res):
         assert code == 0, f"node {h}:\n{log[-3000:]}"
-    if name == "dp":  # only on the chosen interface: node 0's store, everyone's gloo, on the host's own address
-        assert any(listens.values()), "no listening socket seen"
-        for h, addrs in listens.items():
-            assert all(a.startswith(f"{hosts.address(h)}:") for a in addrs), (h, addrs)
     assert f"node 0 of 4: 1 process(es), interface eth0 ({hosts.address(0)})" in res[0][2]
     assert "node 0 writes the summary" in res[1][2]
     one = _one_machine(name, tmp_path)
@@ -274,71 +271,143 @@ def test_four_nodes_train_as_one_machine(hosts, tmp_path, name):
 
 @pytest.mark.procs
 @needs_root
-def test_slurm_environment_alone_starts_the_job(hosts, tmp_path):
-    """As `srun --ntasks-per-node=1 dtrain run CONFIG` would on 2 nodes: no launch flag, SLURM's variables
-    only; 2 processes a node, the same run as 4 workers on one machine."""
+def test_four_nodes_of_a_job_by_flags_and_by_slurm_train_as_one_machine(hosts, tmp_path):
+    """One job of 4 nodes, dp: nodes 0 and 1 started with the launch flags, nodes 2 and 3 with SLURM's
+    environment alone (as `srun --ntasks-per-node=1 dtrain run` sets it). While node 0 waits for node 3, a node
+    of another job reaches the endpoint and is refused, and node 0 says so. The per-step losses equal the
+    one-machine run's; every node listens only on its own host's address."""
     port = random.randint(20000, 40000)
-    procs, logs = [], []
-    for h in range(2):
-        env = {"SLURM_JOB_ID": f"4{port}", "SLURM_NODEID": str(h), "SLURM_JOB_NUM_NODES": "2",
-               "SLURM_JOB_NODELIST": ",".join(hosts.address(i) for i in range(2)), "MASTER_PORT": str(port)}
-        log = tmp_path / f"node{h}.log"
-        procs.append(_node(hosts, h, [*COMMON, *STRATEGIES["dp"], "--out", str(tmp_path / "run")], log, env))
-        logs.append(log)
-    res = _finish(procs, logs, 150)
+    job = f"slurm-{port}"
+    argv = [*COMMON, *STRATEGIES["dp"], "--out", str(tmp_path / "run")]
+    slurm = {"SLURM_JOB_ID": str(port), "SLURM_JOB_NUM_NODES": "4", "MASTER_PORT": str(port),
+             "SLURM_JOB_NODELIST": ",".join(hosts.address(i) for i in range(4))}  # fmt: skip
+    logs = [tmp_path / f"node{h}.log" for h in range(4)] + [tmp_path / "intruder.log"]
+
+    def start(h: int) -> subprocess.Popen:
+        if h < 2:
+            flags = ["--nnodes", "4", "--node-rank", str(h), "--rdzv-endpoint", f"{hosts.address(0)}:{port}",
+                     "--rdzv-id", job]  # fmt: skip
+            return _node(hosts, h, [*argv, *flags], logs[h])
+        return _node(hosts, h, argv, logs[h], {**slurm, "SLURM_NODEID": str(h)})
+
+    procs = [start(h) for h in range(3)]
+    intruder = _node(hosts, 3, [*COMMON, *STRATEGIES["dp"], "--out", str(tmp_path / "other"), "--nnodes", "4",
+                                "--node-rank", "3", "--rdzv-endpoint", f"{hosts.address(0)}:{port}", "--rdzv-id",
+                                "another"], logs[4])  # fmt: skip
+    assert intruder.wait(90) != 0
+    procs.append(start(3))
+    listens: dict[int, set[str]] = {}
+    res = _finish(procs, logs[:4], 150, listens)
     for h, (code, _, log) in enumerate(res):
         assert code == 0, f"node {h}:\n{log[-3000:]}"
-    assert "node 0 of 2: 2 process(es)" in res[0][2]
-    assert "(from SLURM)" in res[0][2] and f"job 'slurm-4{port}'" in res[0][2]
-    a, b = _losses(tmp_path / "run"), _losses(_one_machine("dp", tmp_path))
-    assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < 1e-6
+    assert f"node 0 of 4: 1 process(es), interface eth0 ({hosts.address(0)}), job '{job}'" in res[0][2]
+    assert f"node 2 of 4: 1 process(es), interface eth0 ({hosts.address(2)}), job '{job}' at " in res[2][2]
+    assert "(from SLURM)" in res[2][2] and "node 0 writes the summary" in res[3][2]
+    refused = f"serves job '{job}', and this node was started with --rdzv-id 'another': refused"
+    assert refused in logs[4].read_text(), logs[4].read_text()[-2000:]
+    assert "refused a node of another job" in res[0][2] and "--rdzv-id another" in res[0][2]
+    assert not (tmp_path / "other").exists()
+    # only on the chosen interface: node 0's store and every node's gloo, on the host's own address
+    assert any(listens.values()), "no listening socket seen"
+    for h, addrs in listens.items():
+        assert all(a.startswith(f"{hosts.address(h)}:") for a in addrs), (h, addrs)
+    one = _one_machine("dp", tmp_path)
+    a, b = _losses(tmp_path / "run"), _losses(one)
+    assert a and a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < 1e-6
+    s = read_summary(tmp_path / "run")
+    assert s["world_size"] == 4 and s["steps"] == read_summary(one)["steps"]
 
 
 @pytest.mark.procs
 @needs_root
 def test_a_node_that_never_starts_stops_the_others_naming_it(hosts, tmp_path):
-    res = _job(hosts, tmp_path / "run", STRATEGIES["dp"], nodes=[0, 1, 3], timeout=60,
-               per_node={h: ["--rdzv-timeout", "5"] for h in range(4)})  # fmt: skip
+    res = _job(hosts, tmp_path / "run", ["--strategy", "dp", "--workers", "3"], nnodes=3, nodes=[0, 2], timeout=60,
+               per_node={h: ["--rdzv-timeout", "5"] for h in range(3)})  # fmt: skip
     for code, seconds, log in res:
         assert code not in (0, None), log[-2000:]
         assert seconds < 5 + 10, log[-2000:]  # from its arrival: the timeout, and less than 10 s more
-        assert "3 of 4 nodes arrived within 5 s; missing node rank(s): 2" in log, log[-2000:]
+        assert "2 of 3 nodes arrived within 5 s; missing node rank(s): 1" in log, log[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 @pytest.mark.procs
 @needs_root
 def test_a_node_with_another_learning_rate_stops_every_node_naming_lr(hosts, tmp_path):
-    res = _job(hosts, tmp_path / "run", ["--strategy", "dp", "--workers", "3"], nnodes=3,
+    res = _job(hosts, tmp_path / "run", ["--strategy", "dp", "--workers", "2"], nnodes=2,
                per_node={1: ["--lr", "0.1"]}, timeout=60)  # fmt: skip
     for code, _, log in res:
         assert code not in (0, None), log[-2000:]
-        assert "lr: nodes 0, 2 = 0.05; node 1 = 0.1" in log, log[-2000:]
+        assert "lr: node 0 = 0.05; node 1 = 0.1" in log, log[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+# the restarts across nodes: with -m slow (about 50 s each here; the one-machine restarts run by default)
 @pytest.mark.procs
+@pytest.mark.slow
 @needs_root
-def test_a_node_of_another_job_is_refused_on_both_sides(hosts, tmp_path):
-    """Node 0 of job A waits for node 1; a node of job B reaches its endpoint meanwhile and is refused
-    (node 0 says so too); then node 1 comes and job A runs on its 2 nodes."""
+def test_a_worker_killed_on_one_node_restarts_every_node_from_the_checkpoint(hosts, tmp_path):
+    """Under --max-restarts 2, a SIGKILLed worker on node 1: both nodes' agents re-form the group in a new
+    rendezvous round and resume from the newest checkpoint; the losses equal the uninterrupted run's."""
+    from _procs import holder, past_checkpoint
+
+    flags = ["--strategy", "dp", "--workers", "2", "--max-steps", "12", "--checkpoint-every", "4", "--timeout-s", "60"]
+    out = tmp_path / "run"
     port = random.randint(20000, 40000)
-    base = [*COMMON, "--strategy", "dp", "--workers", "2", "--nnodes", "2", "--rdzv-endpoint",
-            f"{hosts.address(0)}:{port}"]  # fmt: skip
-    logs = [tmp_path / f"node{h}.log" for h in range(2)] + [tmp_path / "intruder.log"]
-
-    def start(h: int, rank: int, job: str, out: str) -> subprocess.Popen:
-        argv = [*base, "--out", str(tmp_path / out), "--node-rank", str(rank), "--rdzv-id", job]
-        return _node(hosts, h, argv, logs[rank] if job == "jobA" else logs[2])
-
-    procs = [start(0, 0, "jobA", "run")]
-    intruder = start(2, 1, "jobB", "other")
-    assert intruder.wait(60) != 0
-    procs.append(start(1, 1, "jobA", "run"))
-    res = _finish(procs, logs[:2], 150)
+    logs = [tmp_path / f"node{h}.log" for h in range(2)]
+    procs = [_node(hosts, h, [*COMMON, *flags, "--max-restarts", "2", "--out", str(out), "--nnodes", "2",
+                              "--node-rank", str(h), "--rdzv-endpoint", f"{hosts.address(0)}:{port}",
+                              "--rdzv-id", f"r{port}"], logs[h]) for h in range(2)]  # fmt: skip
+    ready = past_checkpoint(out, 4, 1, steps=2)
+    deadline = time.monotonic() + 120
+    pid = None
+    while time.monotonic() < deadline and not (pid and ready()):
+        pid = pid or holder((out / "metrics.rank1.jsonl").resolve())
+        assert all(p.poll() is None for p in procs), "a node ended before the kill"
+        time.sleep(0.02)
+    assert pid and ready(), "rank 1 never got past the step-4 checkpoint"
+    os.kill(pid, 9)
+    res = _finish(procs, logs, 150)
     for h, (code, _, log) in enumerate(res):
         assert code == 0, f"node {h}:\n{log[-3000:]}"
-    assert "serves job 'jobA', and this node was started with --rdzv-id 'jobB': refused" in logs[2].read_text()
-    assert "refused a node of another job" in res[0][2] and "--rdzv-id jobB" in res[0][2]
-    assert read_summary(tmp_path / "run")["world_size"] == 2
-    assert not (tmp_path / "other").exists()
+    assert "dtrain: rank 1 died (SIGKILL)" in res[1][2] and "from the checkpoint at step" in res[1][2], res[1][2]
+    ref = tmp_path / "one"
+    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *COMMON, *flags, "--out", str(ref)],
+                       capture_output=True, text=True, timeout=150)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = _losses(out), _losses(ref)
+    assert a.keys() == b.keys() and len(a) == 2 * 12  # every step once: the redone steps' rows were dropped
+    assert max(abs(a[k] - b[k]) for k in a) < 1e-6
+
+
+@pytest.mark.procs
+@pytest.mark.slow
+@needs_root
+def test_with_nnodes_3_to_4_a_lost_node_leaves_the_job_on_3(hosts, tmp_path):
+    """--nnodes 3:4: node 3 and its processes SIGKILLed after the step-4 checkpoint; the others restart in a
+    rendezvous round of 3 nodes, from that checkpoint, and finish; the summary records the world sizes."""
+    from _procs import holder, past_checkpoint
+
+    flags = ["--strategy", "dp", "--workers", "4", "--batch-size", "48", "--max-steps", "10", "--checkpoint-every",
+             "4", "--max-restarts", "2", "--timeout-s", "60"]  # fmt: skip
+    out = tmp_path / "run"
+    port = random.randint(20000, 40000)
+    logs = [tmp_path / f"node{h}.log" for h in range(4)]
+    procs = [_node(hosts, h, [*COMMON[:-4], *flags, "--out", str(out), "--nnodes", "3:4", "--node-rank", str(h),
+                              "--rdzv-endpoint", f"{hosts.address(0)}:{port}", "--rdzv-id", f"e{port}"], logs[h])
+             for h in range(4)]  # fmt: skip
+    ready = past_checkpoint(out, 4, 3, steps=2)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (holder((out / "metrics.rank3.jsonl").resolve()) and ready()):
+        assert all(p.poll() is None for p in procs), "a node ended before the kill"
+        time.sleep(0.05)
+    assert ready(), "rank 3 never got past the step-4 checkpoint"
+    os.killpg(procs[3].pid, 9)  # the whole node: its dtrain process, torch's agent, the worker
+    res = _finish(procs[:3], logs[:3], 150)
+    for h, (code, _, log) in enumerate(res):
+        assert code == 0, f"node {h}:\n{log[-3000:]}"
+    s = read_summary(out)
+    assert s["world_size"] == 3 and s["steps"] == 10
+    assert s["world_sizes"] == [{"from_step": 0, "workers": 4}, {"from_step": 4, "workers": 3}], s["world_sizes"]
+    rows = _losses(out)
+    assert {k for k in rows if k[0] >= 4} == {(step, r) for step in range(4, 10) for r in range(3)}
+    assert {k for k in rows if k[0] < 4} == {(step, r) for step in range(4) for r in range(4)}

@@ -279,7 +279,8 @@ def _cmd_report(ns: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["run"] and not {"-h", "--help", "--cluster"} & set(argv):
+    # (not for a node of several: its meeting comes first, and a node that fails it starts no forkserver)
+    if argv[:1] == ["run"] and not {"-h", "--help", "--cluster", "--nnodes"} & set(argv):
         from dtrain.launch import prestart
 
         prestart()  # the workers' forkserver imports torch while this process reads the configuration

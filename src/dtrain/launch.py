@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import functools
 import logging
 import os
@@ -31,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtrain._jobstore import host_store, init_from_job_store, round_of
 from dtrain._workers import (
     PRELOAD,
     LauncherStdio,
@@ -43,7 +43,7 @@ from dtrain._workers import (
 from dtrain.errors import CommTimeoutError, DTrainError
 
 __all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "Restart", "launch", "free_port", "host_store",
-           "prestart", "threads_per_worker"]
+           "prestart", "threads_per_worker"]  # host_store: from dtrain._jobstore
 
 # the signals torch's elastic agent turns into a shutdown of the workers (its default set)
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -78,36 +78,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def host_store(addr: str, port: int, timeout_s: float = 300.0) -> Any:
-    """A ``TCPStore`` server that listens on ``addr:port`` only (a plain one listens on every interface).
-
-    Raises:
-        DTrainError: ``addr`` is not this machine's, or the port is taken.
-    """
-    import datetime
-
-    import torch.distributed as dist
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((addr, port))
-        sock.listen(1024)
-    except OSError as e:
-        sock.close()
-        why = "the port is taken" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-        raise DTrainError(f"cannot host the job's store on {addr}:{port}: {why}") from None
-    try:
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            addr, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-            master_listen_fd=sock.fileno(), use_libuv=True)  # fmt: skip
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store's server owns the descriptor now, and closes it when the store goes
-    return store
 
 
 def threads_per_worker(nprocs: int) -> int:
@@ -254,7 +224,7 @@ def _restarting_agent(base: type) -> type:
             # nodes by their node rank rather than by torch's order (their addresses)
             node = self._dtrain_node
             if node is not None and node.job_store:
-                spec.args[2]["DTRAIN_ROUND"] = _round_of(spec.rdzv_handler)
+                spec.args[2]["DTRAIN_ROUND"] = round_of(spec.rdzv_handler)
                 if group_world_size > 1:
                     store.set(f"dtrain/node_rank/{group_rank}", str(node.node_rank))
                     ranks = sorted(int(v) for v in store.multi_get(
@@ -277,14 +247,6 @@ def _restarting_agent(base: type) -> type:
             super()._initialize_workers(worker_group)
 
     return _Agent
-
-
-def _round_of(handler: Any) -> str:
-    """The rendezvous round the agent just completed: the same number on every node of the round."""
-    try:
-        return str(int(handler._state_holder.state.round))
-    except AttributeError:  # another rendezvous backend: a fresh id per rendezvous, from the agent of this node
-        return uuid.uuid4().hex[:8]
 
 
 def _failures(agent: Any, worker_group: Any) -> dict[int, Any]:
@@ -378,7 +340,7 @@ def _child(
     tqdm.set_lock(threading.RLock())
     from dtrain import runtime
 
-    _init_from_job_store(backend)
+    init_from_job_store(backend)
     runtime.init(backend=backend)  # (a no-op where the job's store started the group)
     failed = False
     try:
@@ -398,40 +360,6 @@ def _child(
             runtime.shutdown()
     _exit_past_stray_threads()  # after a success only: a failure's status and error stay torch's wrapper's
     return result
-
-
-def _init_from_job_store(backend: str | None, timeout_s: float = 300.0) -> None:
-    """Start the default process group on the job's store (``DTRAIN_STORE``), under keys of this round only.
-
-    Where dtrain hosts the job's store (:func:`host_store`: on loopback for one machine, on node 0's chosen
-    interface for several), torch's agents do not share theirs with the workers
-    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), and nothing else listens. The workers of each rendezvous round
-    use keys under ``dtrain/JOB/pg/ROUND``: the round is the same number on every node, so after an elastic
-    restart no worker reads an address a failed attempt posted (gloo: "connectFullMesh failed ... Connection
-    refused"; pytorch/pytorch#135712), and everything on the default store -- the heartbeats, the stall
-    verdicts -- is the round's own. Otherwise as :func:`dtrain.runtime.init` (its default timeout); without
-    a job store (torch's rendezvous hosts it) the group is left to that.
-    """
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import PrefixStore
-
-    from dtrain import runtime
-
-    where = os.environ.get("DTRAIN_STORE", "")
-    if not where or "RANK" not in os.environ or dist.is_initialized():
-        return
-    host, _, port = where.rpartition(":")
-    backend = backend or runtime.default_backend()
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, int(port), None, False, timeout)  # type: ignore[attr-defined]
-    prefix = f"dtrain/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/pg/{os.environ.get('DTRAIN_ROUND', '0')}"
-    if backend == "nccl":
-        torch.cuda.set_device(runtime.local_rank())
-    dist.init_process_group(backend=backend, store=PrefixStore(prefix, store), rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)  # fmt: skip
 
 
 def _exit_without_teardown() -> None:
@@ -482,7 +410,8 @@ def _launch_config(node: NodeSpec, nprocs: int, run_id: str | None, max_restarts
     """torch's ``LaunchConfig`` of one node: the c10d rendezvous, workers forked from the forkserver."""
     from torch.distributed.launcher.api import LaunchConfig
 
-    rdzv = {"is_host": node.is_host, "join_timeout": node.rdzv_timeout_s}
+    # last_call: after MIN nodes are in, how long a rendezvous waits for more (torch's default is 30 s)
+    rdzv = {"is_host": node.is_host, "join_timeout": node.rdzv_timeout_s, "last_call_timeout": 5}
     return LaunchConfig(min_nodes=node.min_nodes or node.nnodes, max_nodes=node.nnodes, nproc_per_node=nprocs,
                         run_id=run_id or uuid.uuid4().hex[:12], rdzv_backend="c10d", rdzv_endpoint=node.rdzv_endpoint,
                         rdzv_configs=rdzv, max_restarts=max_restarts,
@@ -538,17 +467,12 @@ def launch(
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
-    store = None
-    if node is None:  # one machine: the job's store on loopback, nothing listening beyond it
-        port = free_port()
-        store = host_store("127.0.0.1", port)
-        node = NodeSpec(rdzv_endpoint=f"127.0.0.1:{port}", is_host=False, job_store=f"127.0.0.1:{port}",
-                        env={"GLOO_SOCKET_IFNAME": "lo"})
+    store, node = _one_machine() if node is None else (None, node)
     if node.nnodes > 1 and run_id is None:
         raise ValueError("a multi-node launch needs the same run_id on every node")
     config = _launch_config(node, nprocs, run_id, max_restarts, monitor_interval)
     env = dict(node.env)
-    if node.job_store:  # the workers start on it (_init_from_job_store); the agents share no store of theirs
+    if node.job_store:  # the workers start on it (init_from_job_store); the agents share no store of theirs
         env["DTRAIN_STORE"] = node.job_store
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     t = threads or threads_per_worker(nprocs)
@@ -570,6 +494,14 @@ def launch(
         raise _failed(e.failures) from None
     finally:
         del store  # a store hosted here stops serving
+
+
+def _one_machine() -> tuple[Any, NodeSpec]:
+    """The job's store on loopback, and the node that uses it: nothing of the run listens beyond 127.0.0.1."""
+    port = free_port()
+    store = host_store("127.0.0.1", port)
+    return store, NodeSpec(rdzv_endpoint=f"127.0.0.1:{port}", is_host=False, job_store=f"127.0.0.1:{port}",
+                           env={"GLOO_SOCKET_IFNAME": "lo"})
 
 
 @contextlib.contextmanager

@@ -313,20 +313,12 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
     other nodes.
     """
     import pickle
-    import socket
 
     from dtrain.checkpoint.restart import RestartLog
-    from dtrain.cluster.nodes import Meeting, NodeError, connect_store, route_iface
-    from dtrain.launch import NodeSpec, host_store, launch
+    from dtrain.cluster.nodes import Meeting, route_iface
+    from dtrain.launch import NodeSpec, launch
 
-    if cfg.cluster and os.environ.get("DTRAIN_CLUSTER") != cfg.cluster:  # (set on the nodes --cluster starts)
-        raise ConfigError("--cluster starts one node per emulated host itself: drop --nnodes, --node-rank and "
-                          "--rdzv-endpoint, or --cluster")  # fmt: skip
-    if not cfg.out:
-        raise ConfigError("a job on several nodes needs --out: a run folder on a filesystem every node shares "
-                          "(the default name differs from node to node)")  # fmt: skip
-    nodes = nodes.check()
-    k = nodes.processes(cfg.num_processes)
+    nodes, k = _check_nodes(cfg, nodes)
     host, port = nodes.host_port
     iface, addr = route_iface(host, port, nodes.iface)
     R = nodes.node_rank
@@ -335,14 +327,7 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
         if not quiet:
             print(f"dtrain: {line}", file=sys.stderr, flush=True)
 
-    if R == 0:
-        try:
-            ip = socket.gethostbyname(host)
-        except OSError as e:
-            raise NodeError(f"--rdzv-endpoint {host}:{port}: cannot resolve {host!r} ({e})") from None
-        store = host_store(ip, port, nodes.rdzv_timeout_s)
-    else:
-        store = connect_store(host, port, nodes.rdzv_timeout_s)
+    store = _job_store(nodes)
     say(f"node {R} of {nodes.nnodes}: {k} process(es), interface {iface} ({addr}), job {nodes.job!r} at "
         f"{nodes.endpoint}" + (" (from SLURM)" if nodes.source == "slurm" else ""))
     meeting = Meeting(nodes, store, say=say)
@@ -360,12 +345,16 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
         spec = NodeSpec(nnodes=nodes.nnodes, min_nodes=nodes.min_nodes, rdzv_endpoint=f"{host}:{port}", is_host=False,
                         local_addr=addr, env={"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface},
                         job_store=f"{host}:{port}", node_rank=R, rdzv_timeout_s=nodes.rdzv_timeout_s)  # fmt: skip
-        restarts = RestartLog(cfg, out, say=(lambda line: None) if quiet else None)
+        restarts = RestartLog(cfg.replace(min_workers=0), out, say=(lambda line: None) if quiet else None)
+
+        def on_restart(restart: Any) -> None:  # said and logged; the node keeps its processes (the rendezvous
+            restarts(restart)  # decides the world: a lost node's processes are left out)
+
         t0 = time.perf_counter()
         try:
             results = launch(worker_main, (cfg.to_dict(), str(out)), nprocs=k, node=spec, backend=cfg.process_backend(),
                              run_id=nodes.job, max_restarts=cfg.max_restarts,
-                             on_restart=restarts if cfg.max_restarts else None)  # fmt: skip
+                             on_restart=on_restart if cfg.max_restarts else None)  # fmt: skip
         except BaseException as e:
             store.set(f"{ns}/results/{R}", pickle.dumps((False, f"{type(e).__name__}: {e}")))
             raise
@@ -373,6 +362,8 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
         if R != 0:
             return {}, out
         merged = _gather_results(store, ns, arrived, results, nodes.rdzv_timeout_s)
+        if len(merged) < cfg.num_processes:  # went on without a lost node
+            restarts.shrank_to(len(merged), sum(1 for r in merged.values() if r.get("role") == "worker"))
         merge_rank_files(out)
         return _finish(cfg, out, merged, time.perf_counter() - t0, restarts), out
     finally:
@@ -381,6 +372,42 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
             del store
         else:  # the others read their last keys before they exit: give them a moment
             time.sleep(0.2)
+
+
+def _check_nodes(cfg: RunConfig, nodes: NodeArgs) -> tuple[NodeArgs, int]:
+    """The node flags against the configuration, before anything connects; (nodes, this node's processes)."""
+    if cfg.cluster and os.environ.get("DTRAIN_CLUSTER") != cfg.cluster:  # (set on the nodes --cluster starts)
+        raise ConfigError("--cluster starts one node per emulated host itself: drop --nnodes, --node-rank and "
+                          "--rdzv-endpoint, or --cluster")  # fmt: skip
+    if not cfg.out:
+        raise ConfigError("a job on several nodes needs --out: a run folder on a filesystem every node shares "
+                          "(the default name differs from node to node)")  # fmt: skip
+    nodes = nodes.check()
+    k = nodes.processes(cfg.num_processes)
+    if nodes.min_nodes < nodes.nnodes:  # elastic: a lost node's processes are left out at the restart
+        if cfg.max_restarts < 1:
+            raise ConfigError(f"--nnodes {nodes.min_nodes}:{nodes.nnodes} goes on without a lost node by restarting "
+                              "the others from the newest checkpoint: add --max-restarts N and --checkpoint-every K")
+        servers = cfg.num_processes - cfg.workers
+        cfg.replace(min_workers=nodes.min_nodes * k - servers).validate()  # every count from MIN up must train
+    return nodes, k
+
+
+def _job_store(nodes: NodeArgs) -> Any:
+    """Node 0: the job's store, hosted on the endpoint's address; the others: a client of it."""
+    import socket
+
+    from dtrain.cluster.nodes import NodeError, connect_store
+    from dtrain.launch import host_store
+
+    host, port = nodes.host_port
+    if nodes.node_rank != 0:
+        return connect_store(host, port, nodes.rdzv_timeout_s)
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError as e:
+        raise NodeError(f"--rdzv-endpoint {host}:{port}: cannot resolve {host!r} ({e})") from None
+    return host_store(ip, port, nodes.rdzv_timeout_s)
 
 
 def _gather_results(store: Any, ns: str, nodes: list[int], own: dict[int, dict[str, Any]],

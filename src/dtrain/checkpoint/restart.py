@@ -172,6 +172,15 @@ class RestartLog:
         self.world_sizes.append({"from_step": frm, "workers": self.workers})
         return f" on {self.workers} workers (was {was}; --min-workers {self.cfg.min_workers})"
 
+    def shrank_to(self, processes: int, workers: int) -> None:
+        """A job on several nodes went on without a lost node (``--nnodes MIN:MAX``): its last attempt ran
+        ``processes`` processes, ``workers`` of them training, from the last restart's checkpoint. The rows the
+        lost ranks wrote of the steps trained again are dropped; ``world_sizes`` records the change."""
+        frm = int(self.entries[-1].get("resumed_from") or 0) if self.entries else 0
+        for r in range(processes, self.cfg.num_processes):
+            _drop_rows(self.out / f"metrics.rank{r}.jsonl", frm)
+        self.world_sizes.append({"from_step": frm, "workers": workers})
+
     def add_to(self, summary: dict[str, Any], results: dict[int, dict[str, Any]]) -> None:
         """Add ``restarts`` to a finished run's summary; its ``steps`` then count the whole run (from the
         run's own start to the end, as an uninterrupted run's), not only the last attempt's. ``wall_s``

@@ -158,9 +158,6 @@ def _check_restarts(cfg: RunConfig) -> None:
     if cfg.checkpoint_every <= 0:
         raise ConfigError(f"--max-restarts {n} restarts the processes from the run's newest checkpoint: add "
                           "--checkpoint-every N (e.g. 100), else every restart would begin again at step 0")
-    if cfg.cluster:
-        raise ConfigError(f"--max-restarts {n} restarts the processes of this machine; a --cluster run's hosts "
-                          "do not restart yet: drop one of them")
     if cfg.min_workers:
         _check_min_workers(cfg)
 
