@@ -80,6 +80,17 @@ def test_node_flags_are_checked_before_anything_starts():
         NodeArgs(nnodes=4, endpoint="h:1", nproc_per_node=2).processes(4)
 
 
+def test_nproc_per_node_gpu_counts_the_visible_gpus():
+    from dtrain.cluster.nodes import parse_nproc
+
+    assert parse_nproc(None) == 0 and parse_nproc("3") == 3
+    assert parse_nproc("gpu", gpus=8) == 8
+    with pytest.raises(ConfigError, match="has none"):
+        parse_nproc("gpu", gpus=0)
+    with pytest.raises(ConfigError, match="number >= 1 or gpu"):
+        parse_nproc("0")
+
+
 def test_differences_name_the_key_and_the_nodes():
     recs = {0: {"lr": 0.05, "dp": {"algorithm": "ring"}}, 1: {"lr": 0.05, "dp": {"algorithm": "ring"}},
             2: {"lr": 0.1, "dp": {"algorithm": "tree"}}}  # fmt: skip
@@ -136,19 +147,8 @@ def listening(root: int) -> set[str]:
 
 @pytest.mark.procs
 def test_a_one_machine_run_listens_on_loopback_only(tmp_path):
-    p = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", "--workers", "2", "--epochs", "1", "--max-steps",
-                          "10", "--no-progress", "--out", str(tmp_path / "run")], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    seen: set[str] = set()
-    try:
-        while p.poll() is None:
-            seen |= listening(p.pid)
-            time.sleep(0.2)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        out = p.communicate(timeout=120)[0]
-    assert p.returncode == 0, out[-3000:]
+    _one_machine("dp", tmp_path)  # the reference of the jobs on several nodes, sampled as it ran
+    seen = _LISTENING["dp"]
     assert seen, "no listening socket seen: the sampling missed the run"  # the job's store listens all along
     assert all(a.startswith("127.0.0.1:") for a in seen), seen
 
@@ -223,14 +223,28 @@ def _job(c, out: Path, flags: list[str], *, timeout: float = 150, nnodes: int = 
 _ONE: dict[str, Path] = {}  # one-machine runs of this module, by strategy: the references, made once
 
 
+_LISTENING: dict[str, set[str]] = {}  # what each one-machine run's processes listened on, sampled as it ran
+
+
 def _one_machine(name: str, root: Path) -> Path:
-    """The one-machine run of ``STRATEGIES[name]`` (``--workers 4`` on this machine), made on first use."""
+    """The one-machine run of ``STRATEGIES[name]`` (``--workers 4`` on this machine), made on first use; what
+    its processes listen on is sampled while it runs (``_LISTENING``)."""
     if name not in _ONE:
         out = root / f"one-{name}"
-        p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *COMMON, *STRATEGIES[name], "--out", str(out)],
-                           capture_output=True, text=True, timeout=150)  # fmt: skip
-        assert p.returncode == 0, p.stderr[-3000:]
-        _ONE[name] = out
+        p = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", *COMMON, *STRATEGIES[name], "--out",
+                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        seen: set[str] = set()
+        deadline = time.monotonic() + 150
+        try:
+            while p.poll() is None and time.monotonic() < deadline:
+                seen |= listening(p.pid)
+                time.sleep(0.25)
+        finally:
+            if p.poll() is None:
+                p.kill()
+            log = p.communicate(timeout=60)[0]
+        assert p.returncode == 0, log[-3000:]
+        _ONE[name], _LISTENING[name] = out, seen
     return _ONE[name]
 
 
@@ -273,9 +287,9 @@ def test_four_nodes_train_as_one_machine(hosts, tmp_path, name):
 @needs_root
 def test_four_nodes_of_a_job_by_flags_and_by_slurm_train_as_one_machine(hosts, tmp_path):
     """One job of 4 nodes, dp: nodes 0 and 1 started with the launch flags, nodes 2 and 3 with SLURM's
-    environment alone (as `srun --ntasks-per-node=1 dtrain run` sets it). While node 0 waits for node 3, a node
-    of another job reaches the endpoint and is refused, and node 0 says so. The per-step losses equal the
-    one-machine run's; every node listens only on its own host's address."""
+    environment alone (as `srun --ntasks-per-node=1 dtrain run` sets it). While the job runs, a node of another
+    job reaches the endpoint and is refused, and node 0 says so. The per-step losses equal the one-machine
+    run's; every node listens only on its own host's address."""
     port = random.randint(20000, 40000)
     job = f"slurm-{port}"
     argv = [*COMMON, *STRATEGIES["dp"], "--out", str(tmp_path / "run")]
@@ -290,14 +304,14 @@ def test_four_nodes_of_a_job_by_flags_and_by_slurm_train_as_one_machine(hosts, t
             return _node(hosts, h, [*argv, *flags], logs[h])
         return _node(hosts, h, argv, logs[h], {**slurm, "SLURM_NODEID": str(h)})
 
-    procs = [start(h) for h in range(3)]
+    # the intruder needs only its own start-up to be refused; the job needs four nodes' start-up and training
+    procs = [start(h) for h in range(4)]
     intruder = _node(hosts, 3, [*COMMON, *STRATEGIES["dp"], "--out", str(tmp_path / "other"), "--nnodes", "4",
                                 "--node-rank", "3", "--rdzv-endpoint", f"{hosts.address(0)}:{port}", "--rdzv-id",
                                 "another"], logs[4])  # fmt: skip
-    assert intruder.wait(90) != 0
-    procs.append(start(3))
     listens: dict[int, set[str]] = {}
     res = _finish(procs, logs[:4], 150, listens)
+    assert intruder.wait(30) != 0
     for h, (code, _, log) in enumerate(res):
         assert code == 0, f"node {h}:\n{log[-3000:]}"
     assert f"node 0 of 4: 1 process(es), interface eth0 ({hosts.address(0)}), job '{job}'" in res[0][2]

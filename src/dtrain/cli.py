@@ -148,8 +148,8 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
                    "(default port: 29400)")
     g.add_argument("--rdzv-id", metavar="JOB", help="the job's id, the same on every node; a node with another is "
                    "refused (default: dtrain)")
-    g.add_argument("--nproc-per-node", type=int, metavar="K", help="processes per node (default: the run's "
-                   "processes over the nodes, which must divide evenly)")
+    g.add_argument("--nproc-per-node", metavar="K|gpu", help="processes per node, or gpu: one per visible GPU "
+                   "(with --device cuda; NCCL) (default: the run's processes over the nodes, which must divide evenly)")
     g.add_argument("--rdzv-timeout", type=float, metavar="S", help="how long a node waits for the others to "
                    "arrive before it stops, naming the missing node ranks (default: 300)")
     g.add_argument("--iface", metavar="NAME", help="the network interface for gloo and NCCL (default: the one "
@@ -160,7 +160,7 @@ def nodes_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -
     """This node's place: the flags, over SLURM's environment where ``srun`` set it; None for one machine."""
     import os
 
-    from dtrain.cluster.nodes import DEFAULT_RDZV_TIMEOUT_S, NodeArgs, from_slurm, parse_nnodes
+    from dtrain.cluster.nodes import DEFAULT_RDZV_TIMEOUT_S, NodeArgs, from_slurm, parse_nnodes, parse_nproc
 
     base = from_slurm(os.environ if env is None else env)
     given = {k: getattr(ns, k, None) for k in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_node",
@@ -180,7 +180,7 @@ def nodes_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -
         node_rank=given["node_rank"] if given["node_rank"] is not None else a.node_rank,
         endpoint=given["rdzv_endpoint"] or a.endpoint,
         job=given["rdzv_id"] or a.job,
-        nproc_per_node=given["nproc_per_node"] or 0,
+        nproc_per_node=parse_nproc(given["nproc_per_node"]),
         rdzv_timeout_s=given["rdzv_timeout"] if given["rdzv_timeout"] is not None else DEFAULT_RDZV_TIMEOUT_S,
         iface=given["iface"] or "",
         source=a.source if base is not None else "flags",

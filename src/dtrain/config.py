@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -323,9 +324,15 @@ class RunConfig:
             import torch
             import torch.distributed as dist
 
-            if dist.is_nccl_available() and self.num_processes <= torch.cuda.device_count():
+            if dist.is_nccl_available() and self.local_processes <= torch.cuda.device_count():
                 return "nccl"
         return "gloo"
+
+    @property
+    def local_processes(self) -> int:
+        """The processes on this machine: all of them, or a node's share in a job on several
+        (``DTRAIN_LOCAL_PROCESSES``, which ``dtrain run --nnodes`` sets)."""
+        return int(os.environ.get("DTRAIN_LOCAL_PROCESSES") or self.num_processes)
 
     def _check_device(self) -> None:
         """``--device cuda``: a GPU here, a strategy that trains on it, a backend that can carry it."""
@@ -348,8 +355,8 @@ class RunConfig:
         if backend == "mpi":
             raise ConfigError("device cuda: the mpi backend carries CPU tensors; use --backend gloo or nccl")
         gpus = torch.cuda.device_count()
-        if backend == "nccl" and self.num_processes > gpus:
-            raise ConfigError(f"backend nccl takes one GPU per process: {self.num_processes} processes on {gpus} "
+        if backend == "nccl" and self.local_processes > gpus:
+            raise ConfigError(f"backend nccl takes one GPU per process: {self.local_processes} processes on {gpus} "
                               f"GPU(s); use --backend gloo (CUDA tensors through host memory) or fewer workers")
         if self.noise_scale or self.batch_schedule == "auto":
             raise ConfigError("device cuda: the noise scale (--noise-scale, --batch-schedule auto) is measured on "

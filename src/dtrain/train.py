@@ -224,6 +224,8 @@ def run(cfg: RunConfig, *, quiet: bool = False, nodes: NodeArgs | None = None) -
     With ``nodes`` of several nodes, this is one node of a job on several machines
     (:func:`run_node`).
     """
+    if nodes is not None and nodes.multi:  # this node's share decides the backend (a GPU per local process)
+        os.environ["DTRAIN_LOCAL_PROCESSES"] = str(max(1, cfg.num_processes // nodes.nnodes))
     cfg = cfg.validate()
     if nodes is not None and nodes.multi:
         return run_node(cfg, nodes, quiet=quiet)

@@ -49,6 +49,7 @@ from typing import Any
 from dtrain.errors import ConfigError, DTrainError
 
 __all__ = ["NodeArgs", "NodeError", "Meeting", "from_slurm", "expand_nodelist", "parse_endpoint", "parse_nnodes",
+           "parse_nproc",
            "route_iface", "connect_store", "DEFAULT_PORT", "DEFAULT_RDZV_TIMEOUT_S"]
 
 DEFAULT_PORT = 29400  # torchrun's c10d default
@@ -82,6 +83,26 @@ def parse_endpoint(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, in
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--rdzv-endpoint takes HOST:PORT (e.g. node0:29400), got {text!r}")
     return host, int(port)
+
+
+def parse_nproc(text: str | int | None, gpus: int | None = None) -> int:
+    """``--nproc-per-node``: a count, or ``gpu`` for one process per visible GPU (``gpus``: how many; default
+    torch's count); None -> 0 (the run's processes over the nodes)."""
+    if text is None:
+        return 0
+    s = str(text).strip()
+    if s == "gpu":
+        if gpus is None:
+            import torch
+
+            gpus = torch.cuda.device_count()
+        if gpus < 1:
+            raise ConfigError("--nproc-per-node gpu starts one process per visible GPU, and this machine has none "
+                              "(CUDA_VISIBLE_DEVICES, the driver); give a number instead")
+        return gpus
+    if not s.isdigit() or int(s) < 1:
+        raise ConfigError(f"--nproc-per-node takes a number >= 1 or gpu, got {s!r}")
+    return int(s)
 
 
 @dataclass(frozen=True)
