@@ -425,3 +425,46 @@ def test_with_nnodes_3_to_4_a_lost_node_leaves_the_job_on_3(hosts, tmp_path):
     rows = _losses(out)
     assert {k for k in rows if k[0] >= 4} == {(step, r) for step in range(4, 10) for r in range(3)}
     assert {k for k in rows if k[0] < 4} == {(step, r) for step in range(4) for r in range(4)}
+
+
+@pytest.mark.procs
+@pytest.mark.slow
+@needs_root
+def test_a_node_killed_and_started_again_rejoins_and_the_job_ends_as_the_uninterrupted_one(hosts, tmp_path):
+    """Under --max-restarts 2: node 1 of 2 and all its processes SIGKILLed after the step-4 checkpoint, then its
+    command started again (as an operator or SLURM's requeue would). It takes its place back (its earlier
+    process is gone: no heartbeat), both nodes re-form in a new rendezvous round and resume from the checkpoint;
+    the losses of every step equal the uninterrupted run's."""
+    from _procs import past_checkpoint
+
+    flags = ["--strategy", "dp", "--workers", "2", "--max-steps", "12", "--checkpoint-every", "4", "--timeout-s", "60"]
+    out = tmp_path / "run"
+    port = random.randint(20000, 40000)
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1-again.log"]
+
+    def start(h: int, log: Path) -> subprocess.Popen:
+        return _node(hosts, h, [*COMMON, *flags, "--max-restarts", "2", "--out", str(out), "--nnodes", "2",
+                                "--node-rank", str(h), "--rdzv-endpoint", f"{hosts.address(0)}:{port}",
+                                "--rdzv-id", f"k{port}"], log)  # fmt: skip
+
+    procs = [start(0, logs[0]), start(1, logs[1])]
+    ready = past_checkpoint(out, 4, 1, steps=2)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not ready():
+        assert all(p.poll() is None for p in procs), "a node ended before the kill"
+        time.sleep(0.02)
+    assert ready(), "rank 1 never got past the step-4 checkpoint"
+    os.killpg(procs[1].pid, 9)  # the whole node: its dtrain process, torch's agent, the worker
+    procs[1].wait(10)
+    again = start(1, logs[2])
+    res = _finish([procs[0], again], [logs[0], logs[2]], 150)
+    for name, (code, _, log) in zip(("node 0", "node 1 again"), res):
+        assert code == 0, f"{name}:\n{log[-3000:]}"
+    assert "node 1 of job" in res[1][2] and "rejoins it" in res[1][2], res[1][2][-2000:]
+    ref = tmp_path / "one"
+    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *COMMON, *flags, "--out", str(ref)],
+                       capture_output=True, text=True, timeout=150)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = _losses(out), _losses(ref)
+    assert a.keys() == b.keys() and len(a) == 2 * 12  # every step once: the redone steps' rows were dropped
+    assert max(abs(a[k] - b[k]) for k in a) < 1e-6

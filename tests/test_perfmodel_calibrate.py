@@ -25,7 +25,7 @@ def test_calibrate_an_emulated_cluster_writes_a_usable_toml(tmp_path, monkeypatc
 
     monkeypatch.setenv("DTRAIN_CLUSTER_DIR", str(tmp_path / "state"))
     name = f"cal{os.getpid() % 100000}"
-    dc.up(name, hosts=2, bandwidth="20mbit")
+    dc.up(name, hosts=2, bandwidth="100mbit")
     try:
         out = tmp_path / "c.toml"
         assert calibrate_main(["--cluster", name, "--quick", "--batch", "32", "--out", str(out)]) == 0
@@ -37,8 +37,8 @@ def test_calibrate_an_emulated_cluster_writes_a_usable_toml(tmp_path, monkeypatc
     finally:
         dc.down(name)
     assert spec.nodes == 2 and spec.devices_per_node == 1
-    # the inter-host level is the tbf-shaped link: 20 Mbit/s less headers, within what a loaded machine gives
-    assert 0.6 * 20e6 / 8 < spec.inter.bandwidth < 1.1 * 20e6 / 8
+    # the inter-host level is the tbf-shaped link: 100 Mbit/s less headers, within what a loaded machine gives
+    assert 0.6 * 100e6 / 8 < spec.inter.bandwidth < 1.1 * 100e6 / 8
     assert spec.intra.bandwidth > 5 * spec.inter.bandwidth  # loopback inside a host is far faster
     assert spec.inter.latency >= 0 and spec.device.gamma > 0 and spec.device.flops > 0
     assert spec.device.compute_scale >= 1.0 and spec.device.overhead >= 0.0

@@ -40,9 +40,11 @@ RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torch's agent in every work
 
 
 def restart_count() -> int:
-    """How many times torch's elastic agent has restarted this process's worker group (0: the first start)."""
+    """How many times the job's workers have been restarted (0: the first start): torch's agent's count, or
+    the rendezvous round (``DTRAIN_ROUND``) where that is more -- a node that joins a running job on several
+    (a node started again after it was lost) has an agent of its own that restarted nothing, in a later round."""
     try:
-        return int(os.environ.get(RESTART_ENV, "0"))
+        return max(int(os.environ.get(RESTART_ENV, "0")), int(os.environ.get("DTRAIN_ROUND", "0")))
     except ValueError:
         return 0
 

@@ -54,7 +54,8 @@ __all__ = ["NodeArgs", "NodeError", "Meeting", "from_slurm", "expand_nodelist", 
 
 DEFAULT_PORT = 29400  # torchrun's c10d default
 DEFAULT_RDZV_TIMEOUT_S = 300.0
-MARKER = ".dtrain-job"  # in the run folder: node 0's token, which every node must read back
+MARKER = ".dtrain-job"  # in the run folder: node 0's token, which every node (and a rejoining one) must read back
+BEAT_S = 1.0  # a node's heartbeat period in the job's store
 
 
 class NodeError(DTrainError):
@@ -336,6 +337,7 @@ class Meeting:
         self.host = socket.gethostname()
         self.ns = f"dtrain/{args.job}"
         self._watch: threading.Thread | None = None
+        self._beat: threading.Thread | None = None
         self._stop = threading.Event()
 
     # ------------------------------------------------------------------ steps
@@ -371,8 +373,14 @@ class Meeting:
         got = self.store.compare_set(key, "", me).decode()
         if got != me:
             other = json.loads(got)
-            raise NodeError(f"node rank {a.node_rank} of job {a.job!r} is taken by host {other['host']} (pid "
-                            f"{other['pid']}); give every node its own --node-rank")
+            if self._alive(a.node_rank):
+                raise NodeError(f"node rank {a.node_rank} of job {a.job!r} is taken by host {other['host']} (pid "
+                                f"{other['pid']}), which is running; give every node its own --node-rank")
+            self.store.set(key, me)  # its holder is gone: this node takes its place in the running job
+            self.say(f"node {a.node_rank} of job {a.job!r} rejoins it (its earlier process, host {other['host']} "
+                     f"pid {other['pid']}, is gone)")  # fmt: skip
+        self._beat = threading.Thread(target=self._heartbeat, name="dtrain-node-beat", daemon=True)
+        self._beat.start()
         present = self._wait_for(lambda r: f"{self.ns}/node/{r}", "arrived")
         records = {r: json.loads(self.store.get(f"{self.ns}/node/{r}")) for r in present}
         diff = differences({r: {"versions": rec["versions"], **rec["config"]} for r, rec in records.items()})
@@ -417,16 +425,30 @@ class Meeting:
                                  among=self._arrived())  # fmt: skip
         bad = {r: self.store.get(f"{self.ns}/check/{r}").decode() for r in present}
         bad = {r: v for r, v in bad.items() if v != "ok"}
-        if a.node_rank == 0:  # every node has looked: the run folder keeps only the run
-            with contextlib.suppress(OSError):
-                marker.unlink()
         if bad:
             raise NodeError("; ".join(f"node {r}: {v}" for r, v in sorted(bad.items())))
 
     def close(self) -> None:
         self._stop.set()
-        if self._watch is not None:
-            self._watch.join(timeout=2)
+        for th in (self._watch, self._beat):
+            if th is not None:
+                th.join(timeout=2)
+
+    def _heartbeat(self) -> None:
+        """Count up ``beat/R`` every second while this node runs: a node that finds its rank taken tells a
+        running holder from a gone one by it."""
+        while not self._stop.wait(BEAT_S):
+            try:
+                self.store.add(f"{self.ns}/beat/{self.args.node_rank}", 1)
+            except Exception:  # noqa: BLE001 - the store is going away with the job
+                return
+
+    def _alive(self, rank: int) -> bool:
+        """Whether node ``rank``'s heartbeat moves (watched for three beats)."""
+        key = f"{self.ns}/beat/{rank}"
+        first = int(self.store.add(key, 0))
+        time.sleep(3 * BEAT_S)
+        return int(self.store.add(key, 0)) != first
 
     # ------------------------------------------------------------------ helpers
 
