@@ -61,12 +61,15 @@ def _watch(out: Path) -> tuple[threading.Event, dict[int, float], threading.Thre
 
 
 def per_node(c: Any, flags: list[str], out: Path) -> dict[int, float]:
+    from dtrain.cluster import node_env
+
     port = random.randint(20000, 40000)
     stop, seen, th = _watch(out)
     procs = [subprocess.Popen(["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cli", "run",
                                *flags, "--out", str(out), "--nnodes", str(c.hosts), "--node-rank", str(h),
                                "--rdzv-endpoint", f"{c.address(0)}:{port}", "--rdzv-id", f"b{port}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                              env={**os.environ, **node_env(c, h)})
              for h in range(c.hosts)]  # fmt: skip
     codes = [p.wait(timeout=600) for p in procs]
     stop.set()

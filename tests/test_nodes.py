@@ -172,8 +172,9 @@ def hosts(tmp_path_factory):
 def _node(c, h: int, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Host ``h``'s node: `python -m dtrain.cli run ARGV` in its namespace and its own session."""
     cmd = ["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cli", "run", *argv]
+    # OMP_NUM_THREADS=1: the emulated hosts share this machine's cores (as dtrain run --cluster sets it)
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})})  # fmt: skip
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
 
 
 def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float,

@@ -81,7 +81,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def threads_per_worker(nprocs: int) -> int:
-    """Share the cores this process may use among ``nprocs`` local workers (at least 1 each)."""
+    """Share the cores this process may use among ``nprocs`` local workers (at least 1 each); where
+    ``OMP_NUM_THREADS`` is set (as torchrun sets it), that many."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux

@@ -39,7 +39,10 @@ __all__ = ["run_on_cluster", "launch_on_cluster", "node_env", "run_nodes_on_clus
 
 def node_env(c: EmulatedCluster, host: int) -> dict[str, str]:
     """Environment of the workers on one emulated host (interface, host index, slowdown)."""
-    env = {"GLOO_SOCKET_IFNAME": IFACE, "DTRAIN_CLUSTER": c.name, "DTRAIN_CLUSTER_HOST": str(host)}
+    # the hosts share this machine's cores: one intra-op thread a worker (spinning OpenMP threads of several
+    # hosts on the same cores slowed steps tenfold)
+    env = {"GLOO_SOCKET_IFNAME": IFACE, "DTRAIN_CLUSTER": c.name, "DTRAIN_CLUSTER_HOST": str(host),
+           "OMP_NUM_THREADS": "1"}
     if host in c.slow:
         env["DTRAIN_SLOWDOWN"] = f"{c.slow[host]:g}"
     return env
