@@ -249,6 +249,17 @@ def _one_machine(name: str, root: Path) -> Path:
     return _ONE[name]
 
 
+def _as_uninterrupted(out: Path, flags: list[str], ref: Path, rows: int) -> None:
+    """``out``'s losses, step by step and rank by rank, are those of the same run on one machine, uninterrupted;
+    ``rows``: every step once (a restart's redone steps' rows were dropped)."""
+    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *COMMON, *flags, "--out", str(ref)],
+                       capture_output=True, text=True, timeout=150)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = _losses(out), _losses(ref)
+    assert a.keys() == b.keys() and len(a) == rows
+    assert max(abs(a[k] - b[k]) for k in a) < 1e-6
+
+
 def _losses(out: Path) -> dict[tuple[int, int], float]:
     return {(r["step"], r["rank"]): r["loss"] for r in read_metrics(out) if "loss" in r and "step" in r}
 
@@ -385,13 +396,7 @@ def test_a_worker_killed_on_one_node_restarts_every_node_from_the_checkpoint(hos
     for h, (code, _, log) in enumerate(res):
         assert code == 0, f"node {h}:\n{log[-3000:]}"
     assert "dtrain: rank 1 died (SIGKILL)" in res[1][2] and "from the checkpoint at step" in res[1][2], res[1][2]
-    ref = tmp_path / "one"
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *COMMON, *flags, "--out", str(ref)],
-                       capture_output=True, text=True, timeout=150)  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
-    a, b = _losses(out), _losses(ref)
-    assert a.keys() == b.keys() and len(a) == 2 * 12  # every step once: the redone steps' rows were dropped
-    assert max(abs(a[k] - b[k]) for k in a) < 1e-6
+    _as_uninterrupted(out, flags, tmp_path / "one", rows=2 * 12)
 
 
 @pytest.mark.procs
@@ -462,10 +467,4 @@ def test_a_node_killed_and_started_again_rejoins_and_the_job_ends_as_the_uninter
     for name, (code, _, log) in zip(("node 0", "node 1 again"), res):
         assert code == 0, f"{name}:\n{log[-3000:]}"
     assert "node 1 of job" in res[1][2] and "rejoins it" in res[1][2], res[1][2][-2000:]
-    ref = tmp_path / "one"
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *COMMON, *flags, "--out", str(ref)],
-                       capture_output=True, text=True, timeout=150)  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
-    a, b = _losses(out), _losses(ref)
-    assert a.keys() == b.keys() and len(a) == 2 * 12  # every step once: the redone steps' rows were dropped
-    assert max(abs(a[k] - b[k]) for k in a) < 1e-6
+    _as_uninterrupted(out, flags, tmp_path / "one", rows=2 * 12)

@@ -108,15 +108,20 @@ def run_on_cluster(
         late, gave_up = _wait(procs, timeout_s)
         return _collect(c, procs, work, late, gave_up, timeout_s)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _kill(p)
-        for log in logs:
-            log.close()
-        if not os.environ.get("DTRAIN_KEEP_LOGS"):
-            for f in work.iterdir():
-                f.unlink()
-            work.rmdir()
+        _clean_up(procs, logs, work)
+
+
+def _clean_up(procs: list[subprocess.Popen[bytes]], logs: list[IO[bytes]], work: Path) -> None:
+    """Kill the nodes still running, close their logs, and remove the job's folder (unless DTRAIN_KEEP_LOGS)."""
+    for p in procs:
+        if p.poll() is None:
+            _kill(p)
+    for log in logs:
+        log.close()
+    if not os.environ.get("DTRAIN_KEEP_LOGS"):
+        for f in work.iterdir():
+            f.unlink()
+        work.rmdir()
 
 
 def _start_node(c: EmulatedCluster, h: int, payload: dict[str, Any], work: Path, penv: dict[str, str],
@@ -289,15 +294,7 @@ def run_nodes_on_cluster(config_toml: str, out: Path, *, cluster: str, processes
             lines = [f"host {h}: exit code {procs[h].returncode}; {_tail(work, h)}" for h in failed]
             raise LaunchError(f"job on emulated cluster {c.name!r} failed:\n  " + "\n  ".join(lines))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _kill(p)
-        for log in logs:
-            log.close()
-        if not os.environ.get("DTRAIN_KEEP_LOGS"):
-            for f in work.iterdir():
-                f.unlink()
-            work.rmdir()
+        _clean_up(procs, logs, work)
 
 
 def _wait_nodes(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> list[int]:
