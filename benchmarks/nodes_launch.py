@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(ns.repeats):
                 order = pairs[r % len(pairs):] + pairs[:r % len(pairs)]  # rotated each round
                 for system, strat in order:
-                    flags = ["--workers", str(ns.hosts), "--epochs", "1", "--max-steps", str(ns.steps),
-                             "--no-progress", "--no-trace", "--batch-size", "64", *STRATEGIES[strat]]  # fmt: skip
+                    # --max-steps ends the run (digits has 28 steps of 64 an epoch); one evaluation, at the end
+                    flags = ["--workers", str(ns.hosts), "--epochs", "1000", "--max-steps", str(ns.steps),
+                             "--eval-every", str(ns.steps), "--no-progress", "--no-trace", "--batch-size", "64",
+                             *STRATEGIES[strat]]  # fmt: skip
                     seen = systems[system](c, flags, Path(tmp) / f"{system}-{strat}-{r}")
                     last = max(seen)
                     per_step[(system, strat)].append((seen[last] - seen[ns.first]) / (last - ns.first))
