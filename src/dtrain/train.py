@@ -368,12 +368,8 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
             restarts.shrank_to(len(merged), sum(1 for r in merged.values() if r.get("role") == "worker"))
         merge_rank_files(out)
         return _finish(cfg, out, merged, time.perf_counter() - t0, restarts), out
-    finally:
+    finally:  # node 0 returns only once every node has posted its results: none of them needs the store after
         meeting.close()
-        if R != 0:
-            del store
-        else:  # the others read their last keys before they exit: give them a moment
-            time.sleep(0.2)
 
 
 def _check_nodes(cfg: RunConfig, nodes: NodeArgs) -> tuple[NodeArgs, int]:
