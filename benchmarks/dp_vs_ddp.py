@@ -20,6 +20,11 @@ Run::
     python benchmarks/dp_vs_ddp.py                      # 4 processes, all algorithms, overlap=backward
     python benchmarks/dp_vs_ddp.py --algorithms native,ring --overlap backward,forward
     python benchmarks/dp_vs_ddp.py --model mlp --steps 400 --repeats 5
+    python benchmarks/dp_vs_ddp.py --algorithms ring --repeats 7 --out benchmarks/results/dp_vs_ddp.json
+
+``--out`` writes the harness's result file (:mod:`dtrain.bench.harness`): every round's steps/s of
+both systems, the per-round ratio DataParallel / DDP with its median, interquartile range and min-max,
+held against the bar (>= 1.0x).
 
 Timings on a shared machine are indicative; run it on a quiet one for figures.
 """
@@ -136,6 +141,8 @@ def _worker(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4)
     ap.add_argument("--algorithms", default=",".join(ALL_ALGORITHMS))
@@ -145,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--steps", type=int, default=200, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=20, help="discarded steps per configuration")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median is reported")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the median is reported")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
+    add_result_flags(ap)
     a = ap.parse_args(argv)
 
     from dtrain.launch import launch, threads_per_worker
@@ -170,9 +178,23 @@ def main(argv: list[str] | None = None) -> int:
           f"backend {'nccl' if torch.cuda.is_available() else 'gloo'}")
     print(f"model {a.model}, digits, global batch {a.batch_size}, bucket {a.bucket_mb} MiB, "
           f"{a.warmup} warm-up + {a.steps} timed steps, median of {a.repeats} rounds of (DDP, DP) pairs")
+    bench = Benchmark("dp_vs_ddp", title="Data parallelism against DDP", family="data parallelism",
+                      workload=f"{a.model} on digits, global batch {a.batch_size}, {a.nprocs} processes, SGD "
+                               f"momentum; {a.steps} timed steps after {a.warmup}",
+                      metric="steps/s", higher_is_better=True, repeats=a.repeats, quick=a.quick,
+                      command=command("benchmarks/dp_vs_ddp.py", argv),
+                      notes="DataParallel and DDP alternate inside one launch (DDP first in even rounds); bucket "
+                            f"{a.bucket_mb} MiB both.")  # fmt: skip
     t0 = time.perf_counter()
+    bench.start()
     res = launch(_worker, (configs, args), nprocs=a.nprocs)
+    bench.stop()
     rounds = res[0]
+    for i, c in enumerate(configs):
+        bench.add_case(f"{c['algorithm']}, overlap {c['overlap']}",
+                       samples={"DataParallel": [r[i][1]["steps_per_s"] for r in rounds],
+                                "DDP": [r[i][0]["steps_per_s"] for r in rounds]},
+                       compare=[("DataParallel", "DDP", Bar.at_least(1.0))])  # fmt: skip
     print()
     print(f"{'configuration':40} {'DDP steps/s':>12} {'DP steps/s':>11} {'DP/DDP':>7} "
           f"{'comm ms':>8} {'wait ms':>8} {'bytes/step':>11}")
@@ -186,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     spread = [p[0]["steps_per_s"] for r in rounds for p in r]
     print(f"\nDDP steps/s over all its runs: min {min(spread):.1f}, median {statistics.median(spread):.1f}, "
           f"max {max(spread):.1f}; wall {time.perf_counter() - t0:.0f}s")
+    print(bench.table())
+    if a.out:
+        print(f"wrote {bench.save(a.out)}")
     return 0
 
 

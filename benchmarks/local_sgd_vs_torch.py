@@ -16,6 +16,9 @@ Run::
 
     python benchmarks/local_sgd_vs_torch.py                         # 4 processes, CNN, period 8, warm-up 20
     python benchmarks/local_sgd_vs_torch.py --model mlp --period 4 --warmup-steps 0 --algorithm native
+    python benchmarks/local_sgd_vs_torch.py --repeats 7 --out benchmarks/results/local_sgd_vs_torch.json
+
+``--out`` writes the harness's result file (:mod:`dtrain.bench.harness`); the bar is >= 1.0x.
 
 Timings on a shared machine are indicative; run it on a quiet one for figures.
 """
@@ -106,6 +109,8 @@ def _worker(args: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4)
     ap.add_argument("--model", default="cnn", choices=("cnn", "mlp"))
@@ -114,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=20, help="post-local SGD warm-up, both sides")
     ap.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
     ap.add_argument("--steps", type=int, default=200, help="timed steps per run, warm-up included")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median is reported")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the median is reported")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
+    add_result_flags(ap)
     a = ap.parse_args(argv)
 
     from dtrain.launch import launch, threads_per_worker
@@ -128,8 +134,21 @@ def main(argv: list[str] | None = None) -> int:
           f"backend {'nccl' if torch.cuda.is_available() else 'gloo'}")  # fmt: skip
     print(f"model {a.model}, digits, global batch {a.batch_size}, period {a.period}, warm-up {a.warmup_steps}, "
           f"{a.steps} steps per run, median of {a.repeats} rounds; dtrain algorithm {a.algorithm}")  # fmt: skip
+    bench = Benchmark("local_sgd_vs_torch", title="LocalSGD against torch's post-local SGD", family="decentralized",
+                      workload=f"{a.model} on digits, global batch {a.batch_size}, {a.nprocs} processes, period "
+                               f"{a.period} after {a.warmup_steps} synchronous steps; {a.steps} steps a run",
+                      metric="ms/step", higher_is_better=False, repeats=a.repeats, quick=a.quick,
+                      command=command("benchmarks/local_sgd_vs_torch.py", argv),
+                      notes="torch's side: DDP with post_localSGD_hook and PostLocalSGDOptimizer("
+                            "PeriodicModelAverager); dtrain's: LocalSGD with the "
+                            f"{a.algorithm} allreduce. The two alternate inside one launch.")  # fmt: skip
     t0 = time.perf_counter()
+    bench.start()
     rounds = launch(_worker, (args,), nprocs=a.nprocs)[0]
+    bench.stop()
+    bench.add_case(f"period {a.period}", samples={"LocalSGD": [d["step_ms"] for _, d in rounds],
+                                                  "PostLocalSGDOptimizer": [t["step_ms"] for t, _ in rounds]},
+                   compare=[("LocalSGD", "PostLocalSGDOptimizer", Bar.at_least(1.0))])  # fmt: skip
     torch_ms = statistics.median(t["step_ms"] for t, _ in rounds)
     dtrain_ms = statistics.median(d["step_ms"] for _, d in rounds)
     ratio = statistics.median(t["step_ms"] / d["step_ms"] for t, d in rounds)
@@ -141,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     per_round = ", ".join(f"{t['step_ms'] / d['step_ms']:.3f}" for t, d in rounds)
     print(f"per round torch/dtrain: {per_round}; "
           f"wall {time.perf_counter() - t0:.0f}s")  # fmt: skip
+    print(bench.table())
+    if a.out:
+        print(f"wrote {bench.save(a.out)}")
     return 0
 
 

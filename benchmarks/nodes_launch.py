@@ -17,6 +17,9 @@ min-max, and the ratio per-node / one-launcher of each round's pair (1.0: no cos
 Run (root)::
 
     python benchmarks/nodes_launch.py                       # 4 hosts at 1gbit, dp and pipeline, 5 rounds
+    python benchmarks/nodes_launch.py --repeats 7 --out benchmarks/results/nodes_launch.json
+
+``--out`` writes the harness's result file (:mod:`dtrain.bench.harness`); the bar: within 5% (no cost).
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import argparse
 import json
 import os
 import random
-import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,30 +45,45 @@ STRATEGIES = {
 
 
 def _step_times(rows: Path, stop: threading.Event, seen: dict[int, float]) -> None:
-    """Record when each step's row of rank 0 appears (this process's clock), until ``stop``."""
+    """Record when each step's row of rank 0 appears (this process's clock), until ``stop``.
+
+    Reads only what was appended since the last look (re-reading the whole file every few milliseconds
+    took a third of a core by the end of a run, on the cores the hosts share)."""
+    offset, partial = 0, ""
     while not stop.is_set():
         try:
-            for line in rows.read_text().splitlines():
-                if line.endswith("}"):
-                    step = int(json.loads(line)["step"])
-                    seen.setdefault(step, time.monotonic())
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.005)
+            with open(rows, encoding="utf-8") as f:
+                f.seek(offset)
+                chunk = f.read()
+                offset = f.tell()
+        except OSError:
+            chunk = ""
+        now = time.monotonic()
+        lines = (partial + chunk).split("\n")
+        partial = lines.pop()  # a row not yet ended
+        for line in lines:
+            try:
+                seen.setdefault(int(json.loads(line)["step"]), now)
+            except (ValueError, KeyError):
+                pass
+        time.sleep(0.01)
 
 
-def _watch(out: Path) -> tuple[threading.Event, dict[int, float], threading.Thread]:
+def _watch(out: Path) -> tuple[threading.Event, dict[int, float], list[threading.Thread]]:
     stop, seen = threading.Event(), {}
-    th = threading.Thread(target=_step_times, args=(out / "metrics.rank0.jsonl", stop, seen), daemon=True)
-    th.start()
-    return stop, seen, th
+    ths = [threading.Thread(target=_step_times, args=(out / "metrics.rank0.jsonl", stop, seen), daemon=True)]
+    for th in ths:
+        th.start()
+    return stop, seen, ths
+
+
 
 
 def per_node(c: Any, flags: list[str], out: Path) -> dict[int, float]:
     from dtrain.cluster import node_env
 
     port = random.randint(20000, 40000)
-    stop, seen, th = _watch(out)
+    stop, seen, ths = _watch(out)
     procs = [subprocess.Popen(["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cli", "run",
                                *flags, "--out", str(out), "--nnodes", str(c.hosts), "--node-rank", str(h),
                                "--rdzv-endpoint", f"{c.address(0)}:{port}", "--rdzv-id", f"b{port}"],
@@ -73,7 +92,8 @@ def per_node(c: Any, flags: list[str], out: Path) -> dict[int, float]:
              for h in range(c.hosts)]  # fmt: skip
     codes = [p.wait(timeout=600) for p in procs]
     stop.set()
-    th.join()
+    for th in ths:
+        th.join()
     if any(codes):
         raise SystemExit(f"per-node run failed: exit codes {codes}")
     return seen
@@ -86,65 +106,72 @@ def one_launcher(c: Any, flags: list[str], out: Path) -> dict[int, float]:
 
     cfg = config_from_args(build_parser().parse_args(["run", *flags, "--out", str(out)])).validate()
     out.mkdir(parents=True)
-    stop, seen, th = _watch(out)
+    stop, seen, ths = _watch(out)
     try:
         launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes, cluster=c.name,
                           stream_first=False, timeout_s=600)  # fmt: skip
     finally:
         stop.set()
-        th.join()
+        for th in ths:
+            th.join()
     return seen
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--bandwidth", default="1gbit")
-    ap.add_argument("--steps", type=int, default=60, help="steps a run (default: 60)")
-    ap.add_argument("--from", dest="first", type=int, default=10, help="time from this step's row (default: 10)")
+    ap.add_argument("--steps", type=int, default=400, help="steps a run (default: 400)")
+    ap.add_argument("--from", dest="first", type=int, default=50, help="time from this step's row (default: 50)")
     ap.add_argument("--repeats", type=int, default=5, help="rounds (default: 5)")
     ap.add_argument("--strategies", default="dp,pipeline")
+    add_result_flags(ap)
     ns = ap.parse_args(argv)
+    if not 0 <= ns.first < ns.steps - 1:
+        ap.error(f"--from must be in [0, --steps - 1), got {ns.first} with --steps {ns.steps}")
     from dtrain.cluster import down, up
 
     os.environ.setdefault("DTRAIN_CLUSTER_DIR", tempfile.mkdtemp(prefix="dtrain-bench-clusters-"))
     name = f"nl{os.getpid() % 10000}"
+    bench = Benchmark("nodes_launch", title="The per-node launch against the one-launcher launch",
+                      family="several machines",
+                      workload=f"the CNN on digits, batch 64, {ns.hosts} emulated hosts at {ns.bandwidth} (network "
+                               f"namespaces), 1 process a host; rank 0's steps {ns.first}..{ns.steps - 1}",
+                      metric="steps/s", higher_is_better=True, repeats=ns.repeats, quick=ns.quick,
+                      command=command("benchmarks/nodes_launch.py", argv),
+                      notes="per-node: on every host its own `dtrain run --nnodes --node-rank --rdzv-endpoint` (what "
+                            "`dtrain run --cluster` starts); one-launcher: one parent starting a torchrun node a "
+                            "host with a pickled function. Timed from outside, by this script's clock as rank 0's "
+                            "metrics rows appear. All hosts share this machine's cores.")  # fmt: skip
     c = up(name, hosts=ns.hosts, bandwidth=ns.bandwidth)
-    systems = {"per-node": per_node, "one-launcher": one_launcher}
-    strategies = ns.strategies.split(",")
-    load0 = os.getloadavg()
-    per_step: dict[tuple[str, str], list[float]] = {(s, k): [] for s in systems for k in strategies}
-    pairs = [(s, k) for k in strategies for s in systems]
+    tmp = Path(tempfile.mkdtemp(prefix="dtrain-bench-nodes-"))
+    runs = iter(range(1 << 30))
+
+    def timed(system: Callable[[Any, list[str], Path], dict[int, float]], strat: str) -> Callable[[], float]:
+        def one() -> float:
+            # --max-steps ends the run (digits has 28 steps of 64 an epoch); one evaluation, at the end
+            flags = ["--workers", str(ns.hosts), "--epochs", "1000", "--max-steps", str(ns.steps),
+                     "--eval-every", str(ns.steps), "--no-progress", "--no-trace", "--batch-size", "64",
+                     *STRATEGIES[strat]]  # fmt: skip
+            seen = system(c, flags, tmp / f"run{next(runs)}")
+            last = max(seen)
+            return (last - ns.first) / (seen[last] - seen[ns.first])
+
+        return one
+
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for r in range(ns.repeats):
-                order = pairs[r % len(pairs):] + pairs[:r % len(pairs)]  # rotated each round
-                for system, strat in order:
-                    # --max-steps ends the run (digits has 28 steps of 64 an epoch); one evaluation, at the end
-                    flags = ["--workers", str(ns.hosts), "--epochs", "1000", "--max-steps", str(ns.steps),
-                             "--eval-every", str(ns.steps), "--no-progress", "--no-trace", "--batch-size", "64",
-                             *STRATEGIES[strat]]  # fmt: skip
-                    seen = systems[system](c, flags, Path(tmp) / f"{system}-{strat}-{r}")
-                    last = max(seen)
-                    per_step[(system, strat)].append((seen[last] - seen[ns.first]) / (last - ns.first))
-                    print(f"round {r + 1}: {system:12s} {strat:8s} {1 / per_step[(system, strat)][-1]:6.2f} steps/s",
-                          flush=True)  # fmt: skip
+        for strat in ns.strategies.split(","):
+            systems = {"per-node": timed(per_node, strat), "one-launcher": timed(one_launcher, strat)}
+            bench.add_case(strat, systems=systems, compare=[("per-node", "one-launcher", Bar.within(0.05))])
+        bench.run()
     finally:
         down(name)
-    load1 = os.getloadavg()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"\n{ns.hosts} emulated hosts at {ns.bandwidth}, 1 process a host; steps {ns.first}..{ns.steps - 1} "
-          f"of rank 0, timed from outside; {ns.repeats} rounds; commit {commit}; {time.strftime('%Y-%m-%d')}; "
-          f"load {load0[0]:.2f} before, {load1[0]:.2f} after")  # fmt: skip
-    print("| strategy | per-node steps/s | one-launcher steps/s | per-node / one-launcher (median, min-max) |")
-    print("|---|---|---|---|")
-    for strat in strategies:
-        a, b = per_step[("per-node", strat)], per_step[("one-launcher", strat)]
-        ratios = [y / x for x, y in zip(a, b)]  # steps/s ratio = time ratio inverted
-        fa, fb = [1 / x for x in a], [1 / x for x in b]
-        print(f"| {strat} | {statistics.median(fa):.2f} ({min(fa):.2f}-{max(fa):.2f}) | {statistics.median(fb):.2f} "
-              f"({min(fb):.2f}-{max(fb):.2f}) | {statistics.median(ratios):.3f} "
-              f"({min(ratios):.3f}-{max(ratios):.3f}) |")
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(bench.table())
+    if ns.out:
+        print(f"wrote {bench.save(ns.out)}")
     return 0
 
 

@@ -72,7 +72,6 @@ from torch import nn
 
 PAIRS = ("gpipe", "1f1b", "interleaved", "2bw")
 WORKLOADS = ("gpt", "mlp")
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "pipeline_vs_torch.json"
 
 
 def _peer(pair: str) -> tuple[str, str]:
@@ -430,15 +429,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--balance", default="params", help="how the cut is chosen, for both systems (default: params)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per system (default: 20)")
     ap.add_argument("--warmup", type=int, default=3, help="discarded steps per system (default: 3)")
-    ap.add_argument("--rounds", type=int, default=4, help="alternating rounds the timed steps are split into")
+    ap.add_argument("--rounds", type=int, default=6, help="alternating rounds the timed steps are split into")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a dtrain send or receive may block")
-    ap.add_argument("--json", default=str(DEFAULT_JSON), help=f"result file (default: {DEFAULT_JSON})")
-    ap.add_argument("--quick", action="store_true", help="a smoke run of about a minute: small batches, few steps")
+    ap.add_argument("--json", default=None, help="also write every figure (bubbles, memory, bytes) here")
+    ap.add_argument("--out", default=None, help="write the harness's result file (JSON) here")
+    ap.add_argument("--quick", action="store_true", help="a quick run: small batches, 5 rounds of a step")
     a = ap.parse_args(argv)
     if a.quick:
-        a.seq_len, a.batch_size, a.steps, a.warmup, a.rounds, a.mlp_width = 32, 16, 4, 1, 2, 256
+        a.seq_len, a.batch_size, a.steps, a.warmup, a.rounds, a.mlp_width = 32, 16, 5, 1, 5, 256
     workloads = [s for s in a.workloads.split(",") if s]
     pairs = [s for s in a.pairs.split(",") if s]
     for s in workloads:
@@ -463,13 +463,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.warmup} warm-up + {a.steps} timed steps per system in {a.rounds} alternating rounds; "
           f"gpt: {a.gpt_model} seq_len {a.seq_len} (interleaved: {a.interleaved_layers or 'preset'} layers); "
           f"mlp: {a.mlp_depth} x {a.mlp_width}; cut by {a.balance}")  # fmt: skip
+    from dtrain.bench.harness import Bar, Benchmark, command
+
+    bench = Benchmark("pipeline_vs_torch", title="Pipeline schedules against torch.distributed.pipelining",
+                      family="pipeline parallelism",
+                      workload=f"{a.nprocs} stages, batch {a.batch_size} in {a.microbatches} micro-batches; gpt: "
+                               f"{a.gpt_model} seq_len {a.seq_len}; mlp: {a.mlp_depth} x {a.mlp_width}; "
+                               f"{a.steps} timed steps a system in {a.rounds} rounds",
+                      metric="samples/s", higher_is_better=True, repeats=a.rounds, quick=a.quick,
+                      command=command("benchmarks/pipeline_vs_torch.py", argv),
+                      notes="The same cut (by parameters) for both systems; the two alternate round by round inside "
+                            "one launch. 2bw (asynchronous, weight stashing) has no torch peer: it is held against "
+                            "dtrain's own 1f1b. Four stage processes share this machine's cores, so the stages "
+                            "compete for them.")  # fmt: skip
     t0 = time.perf_counter()
+    bench.start()
     ranks = launch_loopback(_worker, (args,), a.nprocs)
+    bench.stop()
     results = _summarize(ranks, args)
     _print(results, args)
+    for w in workloads:
+        for pair in pairs:
+            r = results[f"{w}/{pair}"]
+            ours, peer = (f"{r[k]['system']} {r[k]['schedule']}" for k in ("dtrain", "peer"))
+            if ours == peer:
+                ours, peer = f"{ours} (dtrain)", f"{peer} (peer)"
+            bench.add_case(f"{w} {pair}", samples={ours: r["dtrain"]["round_samples_per_s"],
+                                                   peer: r["peer"]["round_samples_per_s"]},
+                           compare=[(ours, peer, Bar.at_least(1.0))])  # fmt: skip
     wall = time.perf_counter() - t0
     rss = [ranks[r]["maxrss_mib"] for r in range(a.nprocs)]
     print(f"\nprocess peak RSS MiB (whole run): {' '.join(f'{x:.0f}' for x in rss)}; wall {wall:.0f}s")
+    print(bench.table())
+    if a.out:
+        print(f"wrote {bench.save(a.out)}")
+    if not a.json:
+        return 0
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"versions": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},

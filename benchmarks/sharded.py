@@ -52,6 +52,11 @@ Run::
 
     python benchmarks/sharded.py                       # 4 processes, gpt-small, every system
     python benchmarks/sharded.py --steps 6 --rounds 2  # shorter
+    python benchmarks/sharded.py --deepspeed off --out benchmarks/results/sharded_vs_torch.json
+
+``--out`` writes the harness's result file (:mod:`dtrain.bench.harness`): a round's figure is rank 0's
+time for that round's steps of a system (barrier to barrier) per step; the ratio peer / dtrain per round;
+the bar >= 1.0x. ``--json`` writes every figure above (bytes, memory, losses) as a separate file.
     PYTHONPATH=/tmp/dslib python benchmarks/sharded.py # with DeepSpeed installed out of the venv
 
 Timings on a shared machine are indicative; run it on a quiet one for figures.
@@ -89,7 +94,6 @@ PAIRS = (
     ("dtrain z2", "deepspeed z2", "stage 2: DeepSpeed"),
     ("dtrain z3", "deepspeed z3", "stage 3: DeepSpeed"),
 )
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "sharded.json"
 
 
 def _deepspeed_version() -> str | None:
@@ -286,8 +290,7 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
         res[s.name]["losses"] = [run(s, 1) for _ in range(2)]
         run(s, args["warmup"] - 2)
         res[s.name]["memory"] = s.memory()  # after --warmup steps: Adam's state exists, gradients still held
-    rounds = [args["steps"] // args["rounds"] + (k < args["steps"] % args["rounds"]) for k in range(args["rounds"])]
-    for r, n in enumerate(rounds):
+    for r, n in enumerate(_round_steps(args)):
         for i in range(len(systems)):
             s = systems[(i + r) % len(systems)]
             dist.barrier()
@@ -311,6 +314,11 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
 
     return {"systems": res, "units": units, "threads": torch.get_num_threads(),
             "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # fmt: skip
+
+
+def _round_steps(args: dict[str, Any]) -> list[int]:
+    """The timed steps of each round (``--steps`` split as evenly as can be over ``--rounds``)."""
+    return [args["steps"] // args["rounds"] + (k < args["steps"] % args["rounds"]) for k in range(args["rounds"])]
 
 
 # ----------------------------------------------------------------------------- closed forms and report
@@ -415,6 +423,8 @@ def _print(out: dict[str, Any], args: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4, help="processes = data-parallel ranks (default: 4)")
     ap.add_argument("--model", default="gpt-small")
@@ -426,10 +436,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto: add DeepSpeed ZeRO 1-3 when it imports (default: auto)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=12, help="timed steps per system (default: 12)")
     ap.add_argument("--warmup", type=int, default=2, help="discarded steps per system (default: 2)")
-    ap.add_argument("--rounds", type=int, default=4, help="alternating rounds the timed steps are split into")
+    ap.add_argument("--rounds", type=int, default=6, help="rotating rounds the timed steps are split into")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=str(DEFAULT_JSON), help=f"result file (default: {DEFAULT_JSON})")
+    ap.add_argument("--json", default=None, help="also write every figure (bytes, memory, losses) here")
+    add_result_flags(ap)
     a = ap.parse_args(argv)
     if a.batch_size % a.nprocs:
         ap.error(f"--nprocs {a.nprocs} must divide --batch-size {a.batch_size}")
@@ -444,14 +455,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.model} seq_len {a.seq_len}, global batch {a.batch_size} ({a.batch_size // a.nprocs} per rank), "
           f"Adam lr {a.lr}; dtrain algorithm={a.algorithm} overlap={a.overlap}; {a.warmup} warm-up + {a.steps} "
           f"timed steps per system in {a.rounds} rotating rounds")  # fmt: skip
+    bench = Benchmark("sharded_vs_torch", title="ZeRO stages against torch's sharding",
+                      family="sharded data parallelism",
+                      workload=f"{a.model}, seq_len {a.seq_len}, global batch {a.batch_size}, Adam, {a.nprocs} "
+                               f"processes; {a.steps} timed steps a system in {a.rounds} rounds",
+                      metric="ms/step", higher_is_better=False, repeats=a.rounds, quick=a.quick,
+                      command=command("benchmarks/sharded.py", argv),
+                      notes="Every system in one launch, built from the same seed; each round runs every system's "
+                            "steps between barriers in a rotated order. torch has no stage-2-only form: "
+                            "DDP with ZeroRedundancyOptimizer (ZeRO-1) is stage 2's peer as well.")  # fmt: skip
     t0 = time.perf_counter()
+    bench.start()
     ranks = launch_loopback(_worker, (args,), a.nprocs)
+    bench.stop()
     out = _summarize(ranks, args)
     _print(out, args)
+    per_round = {name: [1e3 * t / n for t, n in zip(ranks[0]["systems"][name]["round_s"], _round_steps(args))]
+                 for name in args["systems"]}  # fmt: skip
+    for dt, peer, what in PAIRS:
+        if dt in per_round and peer in per_round:
+            bench.add_case(what, samples={dt: per_round[dt], peer: per_round[peer]},
+                           compare=[(dt, peer, Bar.at_least(1.0))])  # fmt: skip
     wall = time.perf_counter() - t0
     rss = [ranks[r]["maxrss_mib"] for r in range(a.nprocs)]
     print(f"\nprocess peak RSS MiB (all systems in one process): {' '.join(f'{x:.0f}' for x in rss)}; "
           f"intra-op threads at the end {ranks[0]['threads']}; wall {wall:.0f}s")  # fmt: skip
+    print(bench.table())
+    if a.out:
+        print(f"wrote {bench.save(a.out)}")
+    if not a.json:
+        return 0
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"versions": {"torch": torch.__version__, "deepspeed": ds, "python": platform.python_version(),

@@ -57,8 +57,12 @@ system after the timed ones.
 
 Run::
 
-    python benchmarks/tensor_parallel.py --tp 2 --json benchmarks/results/tensor_parallel_tp2.json
-    python benchmarks/tensor_parallel.py --tp 4 --json benchmarks/results/tensor_parallel_tp4.json
+    python benchmarks/tensor_parallel.py --tp 2 --out benchmarks/results/tensor_vs_dtensor_tp2.json
+    python benchmarks/tensor_parallel.py --tp 4 --out benchmarks/results/tensor_vs_dtensor_tp4.json
+
+``--out`` writes the harness's result file (:mod:`dtrain.bench.harness`): a round's figure is rank 0's
+time for that round's steps of a system (barrier to barrier) per step; the ratio torch / dtrain per round;
+the bar >= 1.0x. ``--json`` writes every figure above (bytes, memory, losses) as a separate file.
 
 Timings on a shared machine are indicative; run it on a quiet one for figures.
 """
@@ -85,7 +89,6 @@ SYSTEMS = ("dtrain", "dtrain sp", "torch")
 #: parameter names (suffixes) split by the plan; every other parameter is replicated
 SPLIT = ("embed.tok.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "mlp.fc1.weight",
          "mlp.fc1.bias", "mlp.fc2.weight", "head.weight", "head.bias")  # fmt: skip
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "tensor_parallel.json"
 
 
 def _model(args: dict[str, Any]) -> nn.Sequential:
@@ -275,8 +278,10 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
         for i in range(len(systems)):
             s = systems[(i + r) % len(systems)]
             dist.barrier()
+            t0 = time.perf_counter()
             run(s, n, res[s.name])
             dist.barrier()
+            res[s.name].setdefault("round_ms_per_step", []).append(1e3 * (time.perf_counter() - t0) / n)
     for s in systems:
         saved = _SavedBytes(s.model)
         x, y = data[steps[s.name] % len(data)]
@@ -377,6 +382,8 @@ def _print(out: dict[str, Any], args: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2, help="processes = tensor-parallel size (default: 2)")
     ap.add_argument("--model", default="gpt-small")
@@ -384,10 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="sequences per step, on every rank (default: 8)")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per system (default: 12)")
     ap.add_argument("--warmup", type=int, default=2, help="discarded steps per system (default: 2)")
-    ap.add_argument("--rounds", type=int, default=4, help="alternating rounds the timed steps are split into")
+    ap.add_argument("--rounds", type=int, default=6, help="alternating rounds the timed steps are split into")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=str(DEFAULT_JSON), help=f"result file (default: {DEFAULT_JSON})")
+    ap.add_argument("--json", default=None, help="also write every figure (bytes, memory, losses) here")
+    add_result_flags(ap)
     a = ap.parse_args(argv)
     if a.tp < 2:
         ap.error("--tp must be >= 2 (tp = 1 is measured in every process as the baseline)")
@@ -399,21 +407,38 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.tp} processes x 1 intra-op thread, gloo on loopback, CPU")  # fmt: skip
     print(f"{a.model} batch {a.batch} x {a.seq_len} tokens on every rank, SGD lr {a.lr}; {a.warmup} warm-up + "
           f"{a.steps} timed steps per system in {a.rounds} rotating rounds; torch loss: loss_parallel")  # fmt: skip
+    bench = Benchmark(f"tensor_vs_dtensor_tp{a.tp}", title=f"Tensor parallelism at tp {a.tp} against DTensor",
+                      family="tensor parallelism",
+                      workload=f"{a.model}, batch {a.batch} x {a.seq_len} tokens on every rank, SGD, {a.tp} "
+                               f"processes; {a.steps} timed steps a system in {a.rounds} rounds",
+                      metric="ms/step", higher_is_better=False, repeats=a.rounds, quick=a.quick,
+                      command=command("benchmarks/tensor_parallel.py", argv),
+                      notes="torch's side: parallelize_module with the equivalent Megatron plan and loss_parallel; "
+                            "the systems run in rotated rounds inside one launch.")  # fmt: skip
     t0 = time.perf_counter()
+    bench.start()
     ranks = launch_loopback(_worker, (args,), a.tp)
+    bench.stop()
     out = _summarize(ranks, args)
     _print(out, args)
+    per_round = {n: ranks[0]["systems"][n]["round_ms_per_step"] for n in ("dtrain", "torch")}
+    bench.add_case(f"tp {a.tp}", samples={"dtrain": per_round["dtrain"], "DTensor": per_round["torch"]},
+                   compare=[("dtrain", "DTensor", Bar.at_least(1.0))])  # fmt: skip
     wall = time.perf_counter() - t0
     rss = [ranks[r]["maxrss_mib"] for r in range(a.tp)]
     print(f"\nprocess peak RSS MiB: {' '.join(f'{x:.0f}' for x in rss)}; wall {wall:.0f}s")
-    path = Path(a.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"versions": {"torch": torch.__version__, "python": platform.python_version(),
-                        "machine": platform.machine()},
-           "config": {k: v for k, v in args.items() if k != "json"}, "results": out,
-           "maxrss_mib_per_rank": rss, "wall_s": wall}  # fmt: skip
-    path.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {path}")
+    print(bench.table())
+    if a.out:
+        print(f"wrote {bench.save(a.out)}")
+    if a.json:
+        path = Path(a.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"versions": {"torch": torch.__version__, "python": platform.python_version(),
+                            "machine": platform.machine()},
+               "config": {k: v for k, v in args.items() if k != "json"}, "results": out,
+               "maxrss_mib_per_rank": rss, "wall_s": wall}  # fmt: skip
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {path}")
     failed = [n for n, r in out["systems"].items() if r.get("bytes_equal_closed_form") is False]
     if failed:
         print(f"bytes differ from the closed form: {', '.join(failed)}", file=sys.stderr)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.bench.harness import load_result
+
 pytestmark = pytest.mark.procs  # every test here starts processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -20,7 +22,7 @@ def test_two_processes_every_pair(tmp_path: Path, capsys: pytest.CaptureFixture[
     out = tmp_path / "pipeline.json"
     rc = bench.main(["--nprocs", "2", "--workloads", "mlp", "--mlp-depth", "4", "--mlp-width", "16",
                      "--batch-size", "4", "--microbatches", "2", "--steps", "2", "--warmup", "1", "--rounds", "2",
-                     "--timeout", "30", "--json", str(out)])  # fmt: skip
+                     "--timeout", "30", "--json", str(out), "--out", str(tmp_path / "harness.json")])  # fmt: skip
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "torch 2." in text and "== mlp" in text
@@ -40,3 +42,11 @@ def test_two_processes_every_pair(tmp_path: Path, capsys: pytest.CaptureFixture[
         if pair != "2bw":  # same weights, batch and cut: the first step's gradients agree with torch's
             assert r["grad_max_rel_diff"] is not None and r["grad_max_rel_diff"] < 1e-5, r["grad_max_rel_diff"]
             assert r["peer"]["bubble_per_rank"] is None  # torch reports no busy time
+    # the harness's result file: a case a pair, each round's samples/s of both systems, no verdict from 2 rounds
+    harness = load_result(tmp_path / "harness.json")
+    assert [c["name"] for c in harness["cases"]] == [f"mlp {p}" for p in bench.PAIRS]
+    for c, pair in zip(harness["cases"], bench.PAIRS):
+        (ours, figs), (_, peer) = c["systems"].items()
+        assert ours.startswith(f"dtrain {pair}") and len(figs["samples"]) == 2
+        assert figs["samples"] == pytest.approx(res[f"mlp/{pair}"]["dtrain"]["round_samples_per_s"])
+        assert c["comparisons"][0]["verdict"] == "too few repeats"
