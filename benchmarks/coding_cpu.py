@@ -8,8 +8,7 @@ and the compressor's ``cpu_ratio``. This script runs the calibration's own probe
 ``time.thread_time`` over the call, the median of ``--reps``, times the user-mode share of the calls'
 CPU; the CNN's gradient with its parameter shapes as the data-parallel reducer passes them) and prints
 it beside the thread count and their ratio (:func:`dtrain.perfmodel.fit.fit_cpu_ratio`, what a
-calibration stores), and each rank's user share. An earlier
-version also timed the gradient as one flat bucket: ``benchmarks/results/coding_cpu_s18.txt``.
+calibration stores), and each rank's user share.
 
 Run::
 

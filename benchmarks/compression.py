@@ -26,7 +26,7 @@ A row may run at its own settings: ``SPEC@lr=0.2,momentum=0,epochs=30`` (keys
 after ``@`` belong to the row). The default grid runs unbiased rand-k at ratio 0.1 (lr 0.2, momentum 0,
 30 epochs, :data:`TUNED`, beside ``none`` there as its peer) and rand-k with memory
 at 0.01 (the same for 40 epochs): at the common settings neither trains
-(BENCHMARKS.md, "Compression").
+(measured by this script at those settings).
 The settings of every row are printed with it.
 
 Run (all compressors, both models; ``--ps`` adds the parameter server; the three rows

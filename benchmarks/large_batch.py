@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "large_batch.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "raw" / "large_batch.json"
 
 
 def cnn_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:

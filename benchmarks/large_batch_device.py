@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "large_batch_device.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "raw" / "large_batch_device.json"
 
 
 def variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:

@@ -48,7 +48,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--json", default="benchmarks/results/mesh_cluster.json")
+    ap.add_argument("--json", default="benchmarks/results/raw/mesh_cluster.json")
     ap.add_argument("--name", default="mesh")
     ns = ap.parse_args()
     import torch
@@ -75,6 +75,7 @@ def main() -> int:
     try:
         spec = calibrate_cluster(cname, model=ns.model, dataset="pytext", batch=ns.batch, quick=True)
         print(summary(spec))
+        Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.json).with_suffix(".toml").write_text(dump_cluster(spec, "mesh_cluster.py's calibration"))
         model, sample, name = load_model(ns.model, "pytext", batch=ns.batch, seq_len=ns.seq_len)
         pr = plan(model, sample, spec, workers=ns.hosts, name=name, strategies=[s for _, s in todo], mesh=True)

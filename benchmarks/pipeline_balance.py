@@ -62,7 +62,7 @@ from torch import nn
 
 CUTS = ("equal", "time", "params")
 IN_FEATURES, CLASSES = 64, 10
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "pipeline_balance.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "raw" / "pipeline_balance.json"
 
 
 def _model(args: dict[str, Any]) -> nn.Sequential:

@@ -34,7 +34,7 @@ from _loopback import launch_loopback
 from torch import nn
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
-DEFAULT_JSON = Path(__file__).parent / "results" / "pipeline_bubble.json"
+DEFAULT_JSON = Path(__file__).parent / "results" / "raw" / "pipeline_bubble.json"
 
 
 def _model(width: int, blocks: int) -> nn.Sequential:

@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "precision.json"
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "raw" / "precision.json"
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 

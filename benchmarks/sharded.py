@@ -462,8 +462,9 @@ def main(argv: list[str] | None = None) -> int:
                       metric="ms/step", higher_is_better=False, repeats=a.rounds, quick=a.quick,
                       command=command("benchmarks/sharded.py", argv),
                       notes="Every system in one launch, built from the same seed; each round runs every system's "
-                            "steps between barriers in a rotated order. torch has no stage-2-only form: "
-                            "DDP with ZeroRedundancyOptimizer (ZeRO-1) is stage 2's peer as well.")  # fmt: skip
+                            "steps between barriers in a rotated order. Peers: stage 0 DDP, stage 1 DDP with "
+                            "ZeroRedundancyOptimizer, stage 2 the same (torch has no stage-2-only form), stage 3 "
+                            "FSDP2 (fully_shard on each block, then the root).")  # fmt: skip
     t0 = time.perf_counter()
     bench.start()
     ranks = launch_loopback(_worker, (args,), a.nprocs)
@@ -474,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                  for name in args["systems"]}  # fmt: skip
     for dt, peer, what in PAIRS:
         if dt in per_round and peer in per_round:
-            bench.add_case(what, samples={dt: per_round[dt], peer: per_round[peer]},
+            bench.add_case(what.split(":")[0], samples={dt: per_round[dt], peer: per_round[peer]},
                            compare=[(dt, peer, Bar.at_least(1.0))])  # fmt: skip
     wall = time.perf_counter() - t0
     rss = [ranks[r]["maxrss_mib"] for r in range(a.nprocs)]

@@ -1,7 +1,7 @@
 """Per-tensor scales, TernGrad's clipping, momentum before the compressor, rand-k with memory.
 
 These guard the fixes that made sign, sign:mv, onebit and terngrad train the
-default CNN with SGD momentum 0.9 (BENCHMARKS.md, "Compression"): a bucket's
+default CNN with SGD momentum 0.9 (``benchmarks/compression.py``): a bucket's
 tensors are scaled each by its own magnitudes, also through DataParallel's
 reduce-scatter and the parameter server's wire; the error feedback of sign-type
 compressors carries the optimizer's momentum; the server aggregates sign:mv by

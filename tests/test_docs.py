@@ -199,6 +199,41 @@ def test_no_tracked_file_points_at_a_design_document() -> None:
     assert hits == [], f"these tracked files mention {banned}, which is not part of the repository: {hits}"
 
 
+# the team's own bookkeeping, which belongs in commit messages: its issue numbers, its numbered work periods,
+# result files named after when they were made (``_s18``, ``run28``); spelled so that this file matches none
+INTERNAL = re.compile("|".join([r"\bissues?\s+#?\d+", r"\bsessions?\s+#?\d+", r"\bwork\s+periods?\b",
+                                r"\bstops?\s+\d+\b", r"_s\d\d\b", r"\brun\d\d\b", r"_(before|after)\.txt\b"]),
+                      re.I)  # fmt: skip
+
+
+def internal_numbers(text: str) -> list[str]:
+    return [m.group(0) for m in INTERNAL.finditer(text)]
+
+
+def test_internal_number_check_catches_them() -> None:
+    text = ("fixed in issue 17; Session 4's figures; a work period; stop 46; coding_cpu_s18.txt; run28; "
+            "compression_traced_50mbit_after.txt. Fine: pytorch#135712, local_sgd period 8, s16 = 2, run_all.py")
+    assert internal_numbers(text) == ["issue 17", "Session 4", "work period", "stop 46", "_s18", "run28",
+                                      "_after.txt"]  # fmt: skip
+
+
+def test_no_tracked_file_names_the_teams_internal_numbers() -> None:
+    if not (ROOT / ".git" / "index").is_file():
+        pytest.skip("not a git checkout (an unpacked archive): no list of tracked files")
+    hits = []
+    for rel in tracked_files(ROOT):
+        path = ROOT / rel
+        if not path.is_file() or rel == "tests/test_docs.py":
+            continue  # deleted in the work tree; this file spells the patterns out
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue  # binary
+        found = internal_numbers(data.decode("utf-8", "replace"))
+        if found:
+            hits.append(f"{rel}: {', '.join(sorted(set(found)))}")
+    assert hits == [], "these tracked files name the team's internal numbers:\n" + "\n".join(hits)
+
+
 def test_tracked_files_are_read_from_the_index() -> None:
     if not (ROOT / ".git" / "index").is_file():
         pytest.skip("not a git checkout (an unpacked archive): no list of tracked files")

@@ -260,7 +260,7 @@ def pool_load(specs: Sequence[ClusterSpec]) -> ClusterSpec:
 
     On the emulated clusters of this machine (4 hosts on 2 cores, nothing else
     running) six refreshes a minute apart gave compute scales of 2.70-3.58, and
-    in model-vs-measured run 31 the round whose refresh read x3.82 measured the
+    in a model-vs-measured run the round whose refresh read x3.82 measured the
     fastest topk:0.01 steps of its three rounds (13.4 ms against 15.9-16.1): a
     refresh reads the load of its own ~20 s, not of the run after it. Pooled, a
     lone high or low reading no longer decides a prediction; a shift that lasts

@@ -28,7 +28,7 @@ its group's mean magnitude; error feedback takes the overshoot back later) be
 amplified ``1 / (1 - beta)`` times and oscillate: on the default CNN with sign
 compression and momentum 0.9 the weights' norm doubles and training diverges,
 while momentum before the compressor trains like uncompressed SGD
-(``BENCHMARKS.md``, "Compression").
+(``benchmarks/compression.py``).
 """
 
 from __future__ import annotations

@@ -350,7 +350,7 @@ class SignSGD(_Grouped):
     holds back most of those entries for many steps. The root mean square keeps
     the norm of the input (as 1-bit Adam's compressed allreduce does: Tang et al.,
     "1-bit Adam", ICML 2021): on the default CNN with momentum before the sign it
-    trained in every run, the mean in most (``BENCHMARKS.md``, "Compression").
+    trained in every run, the mean in most (``benchmarks/compression.py``).
 
     With ``majority_vote=True`` the aggregate of several ranks is the elementwise
     majority of their signs (signSGD with majority vote, Bernstein et al. 2018/2019),

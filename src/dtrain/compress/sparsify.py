@@ -119,7 +119,7 @@ class RandomK(SparseCompressor):
 
     Neither trains as well as TopK with error feedback: the scaled form is too
     noisy, the memory form sends each element ``n / k`` steps late on average
-    (figures in ``BENCHMARKS.md``, "Compression"). Cost: ``8 k`` bytes.
+    (``benchmarks/compression.py`` measures them). Cost: ``8 k`` bytes.
 
     Args:
         ratio: fraction of elements kept, in (0, 1] (default: 0.01).

@@ -82,7 +82,7 @@ class DataParallel(nn.Module):
             momentum before them: pass ``from_spec("sign", momentum=0.9)`` and an
             optimizer with ``momentum=0`` (as ``dtrain run`` does); a plain
             ``"sign"`` with momentum in the optimizer trains poorly
-            (BENCHMARKS.md, "Compression").
+            (``benchmarks/compression.py``).
         find_unused_parameters: a parameter that gets no gradient in a step is
             treated as a zero gradient, and one unused on every rank keeps
             ``.grad`` as it was (None stays None), as DDP does. Off: such a

@@ -34,7 +34,7 @@ def recount_traffic() -> None:
     with the machine's load (:func:`dtrain.bench.calibrate.refresh_load` calls
     this each time it re-measures the load). One count forgotten and redone
     each time moved predictions as much as the load did: with the load's terms
-    pooled, model-vs-measured run 33 predicted topk:0.01 at 50 Mbit 20.5, 18.1
+    pooled, a model-vs-measured run predicted topk:0.01 at 50 Mbit 20.5, 18.1
     and 14.1 ms in three rounds (measured 12.4, 11.2, 12.9), while ten counts in
     a row on the quiet machine read 1.94-2.17 ms of CPU.
     """

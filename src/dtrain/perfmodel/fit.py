@@ -188,9 +188,10 @@ def fit_cpu_ratio(spec: str, results: dict[int, Any]) -> float:
 
     On threads of one process the count overstated what 4 gloo processes on loopback spend on the CNN's
     gradient by 1.5x for PowerSGD and onebit and 1.3x for top-k (``benchmarks/coding_cpu.py``); the model
-    had over-predicted PowerSGD and onebit at 50 Mbit by up to 33% and 29% (model-vs-measured run 40).
+    had over-predicted PowerSGD and onebit at 50 Mbit by up to 33% and 29% (a model-vs-measured run).
     The probe counts user-mode CPU only: with the kernel's work on the calling thread (the sends) in
-    it, fp16's ratio had read 1.67-2.68 on the emulated cluster (run 41), charging the sends twice.
+    it, fp16's ratio had read 1.67-2.68 on the emulated cluster (a model-vs-measured run), charging the sends
+    twice.
     """
     from dtrain.perfmodel._traffic import compressed_traffic
 

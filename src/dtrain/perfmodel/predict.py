@@ -388,15 +388,15 @@ def bucket_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, com
     Except their encode before the first message and decode after the last (the calibration's per-byte
     times, scaled as the counted coding is), which no message overlaps: in training on the emulated
     1 Gbit cluster, where top-k's call is floor-bound, its step came out 0.4-2.3 ms over dp ring's in six
-    model-vs-measured runs (37-42) while the floors less the whole coding had made them equal.
+    runs of ``benchmarks/model_vs_measured.py`` while the floors less the whole coding had made them equal.
 
     The merging waits inside a transfer-bound call's wire time as it does inside the floors: the
     CPU counted between the first message and the last runs while bytes are in flight. On the
     emulated 50 Mbit cluster fp16's allreduce of the CNN's gradient, alone, took 20.0-20.8 ms
-    (``benchmarks/results/compression_traced_50mbit_after.txt``) against 21.4 ms of wire at the
+    (``benchmarks/compression_traced.py``) against 21.4 ms of wire at the
     calibrated duplex rate, where wire plus the counted coding (1.8-3.0 ms: its user CPU in the
     cluster's processes reads 1.4-2.0x the thread count at 50 Mbit) had over-predicted fp16's
-    training step by 7-14% in model-vs-measured runs 42-46.
+    training step by 7-14% in five runs of ``benchmarks/model_vs_measured.py``.
     """
     comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp, shapes)
     if p > 1:
@@ -573,7 +573,7 @@ def async_cycle(work: float, exchange: float, floor: float, n: int, services: tu
     appears on both sides: the root of an increasing function, by bisection.
     Measured on the emulated 1 Gbit cluster, ``ps asp`` with 1 server and 3
     workers was predicted 14.5-19.7% short without this term in four runs
-    (model_vs_measured runs 30, 31, 33 and a traced run: 8.8 ms measured, 7.4
+    (three model-vs-measured runs and a traced run: 8.8 ms measured, 7.4
     predicted; its workers' push-and-pull took 6.1 ms against 3.5 modelled).
     """
 

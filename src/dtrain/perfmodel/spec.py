@@ -217,7 +217,7 @@ class CompressorCost:
     measures both on its model's gradient; 1 when not measured). On 4 gloo processes over loopback the
     CNN's gradient took 0.62-0.67 of the thread count for PowerSGD and onebit, 0.75-0.80 for top-k
     (``benchmarks/coding_cpu.py``). User-mode CPU only: the kernel's send work is in the transfer terms
-    (counted with it, fp16 read 1.67-2.68 on the emulated cluster; model-vs-measured run 41).
+    (counted with it, fp16 read 1.67-2.68 on the emulated cluster; a model-vs-measured run).
     """
 
     ratio: float

@@ -1,0 +1,90 @@
+"""Rerun the headline benchmarks, each writing its result file, then re-render BENCHMARKS.md.
+
+Each entry is one benchmark script with the flags of its headline figure; ``--quick`` gives fewer steps
+(still 5 rounds, so that every ratio has a spread and a verdict) and marks the result files as quick, which
+the page shows. The emulated-cluster entry needs root (network namespaces); without it, it is left out
+with a line saying so and its result file keeps its last figures.
+
+Run::
+
+    python benchmarks/run_all.py                 # the full set (about an hour on 2 cores)
+    python benchmarks/run_all.py --quick         # 20 minutes or less on 2 cores
+    python benchmarks/run_all.py --only dp_vs_ddp,local_sgd_vs_torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # the result file's name (benchmarks/results/NAME.json)
+    script: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+    root: bool = False
+
+
+ENTRIES = (
+    Entry("dp_vs_ddp", "dp_vs_ddp.py", ("--algorithms", "ring", "--repeats", "7"),
+          ("--algorithms", "ring", "--steps", "80", "--warmup", "10", "--repeats", "5")),
+    Entry("sharded_vs_torch", "sharded.py", ("--deepspeed", "off", "--steps", "14", "--rounds", "7"),
+          ("--deepspeed", "off", "--steps", "5", "--rounds", "5", "--seq-len", "32")),
+    Entry("pipeline_vs_torch", "pipeline_vs_torch.py",
+          ("--workloads", "gpt", "--pairs", "gpipe,1f1b,interleaved", "--steps", "14", "--rounds", "7"),
+          ("--workloads", "mlp", "--pairs", "gpipe,1f1b,interleaved")),  # --quick: 5 rounds of a step
+    Entry("tensor_vs_dtensor_tp2", "tensor_parallel.py", ("--tp", "2", "--steps", "14", "--rounds", "7"),
+          ("--tp", "2", "--steps", "5", "--rounds", "5", "--seq-len", "32")),
+    Entry("tensor_vs_dtensor_tp4", "tensor_parallel.py", ("--tp", "4", "--steps", "14", "--rounds", "7"),
+          ("--tp", "4", "--steps", "5", "--rounds", "5", "--seq-len", "32")),
+    Entry("local_sgd_vs_torch", "local_sgd_vs_torch.py", ("--repeats", "7"), ("--steps", "80", "--repeats", "5")),
+    Entry("nodes_launch", "nodes_launch.py", ("--repeats", "7"),
+          ("--strategies", "dp", "--steps", "150", "--from", "30", "--repeats", "5"), root=True),
+)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps; the page marks the figures as quick")
+    ap.add_argument("--only", default="", help="comma-separated result names (default: all)")
+    ap.add_argument("--no-render", action="store_true", help="leave BENCHMARKS.md as it is")
+    a = ap.parse_args(argv)
+    names = [e.name for e in ENTRIES]
+    only = [s for s in a.only.split(",") if s]
+    unknown = [s for s in only if s not in names]
+    if unknown:
+        ap.error(f"unknown benchmark(s) {unknown}; choose from {','.join(names)}")
+    failed = []
+    t_all = time.perf_counter()
+    for e in ENTRIES:
+        if only and e.name not in only:
+            continue
+        if e.root and os.geteuid() != 0:
+            print(f"== {e.name}: left out (needs root for network namespaces); its result file is unchanged")
+            continue
+        # paths relative to the repository's root (the command recorded in the result file is rerunnable there)
+        cmd = [sys.executable, f"benchmarks/{e.script}", *(e.quick if a.quick else e.full),
+               "--out", f"benchmarks/results/{e.name}.json", *(["--quick"] if a.quick else [])]  # fmt: skip
+        print(f"== {e.name}: {' '.join(cmd[1:])}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=HERE.parent).returncode
+        print(f"== {e.name}: exit {rc}, {time.perf_counter() - t0:.0f} s", flush=True)
+        if rc:
+            failed.append(e.name)
+    if not a.no_render:
+        subprocess.run([sys.executable, "benchmarks/render.py"], cwd=HERE.parent, check=True)
+    print(f"all: {time.perf_counter() - t_all:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
