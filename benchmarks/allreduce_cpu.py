@@ -46,10 +46,10 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--size", default="64MB")
+    ap.add_argument("--size", default="64MiB")
     ap.add_argument("--algorithms", default="native,ring")
     ap.add_argument("--iters", type=int, default=12)
-    ap.add_argument("--piece", default="1MB", help="ring piece size (default: 1MB)")
+    ap.add_argument("--piece", default="1MiB", help="ring piece size (default: 1MiB)")
     ap.add_argument("--max-pieces", default="64", help="comma-separated: one ring run per value (default: 64)")
     ns = ap.parse_args()
     numel = parse_size(ns.size) // 4

@@ -64,7 +64,7 @@ def main() -> int:
     import torch
 
     import dtrain.cluster as dc
-    from dtrain.perfmodel._units import parse_rate
+    from dtrain.perfmodel.units import parse_rate
 
     algs = ns.algorithms.split(",")
     nbytes = ns.kib << 10 if ns.kib else ns.mib << 20

@@ -60,7 +60,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, default=2)
     ap.add_argument("--bandwidth", default="1gbit")
-    ap.add_argument("--sizes", default="16KB,64KB,128KB,150KB,256KB,512KB,1MB")
+    ap.add_argument("--sizes", default="16KiB,64KiB,128KiB,150KiB,256KiB,512KiB,1MiB")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--idle-ms", type=float, default=20.0, help="sleep before each message (default: 20)")
     ap.add_argument("--name", default="msgtime")
@@ -69,7 +69,7 @@ def main() -> int:
 
     import dtrain.cluster as dc
     from dtrain.cluster import launch_on_cluster
-    from dtrain.perfmodel._units import parse_rate
+    from dtrain.perfmodel.units import parse_rate
 
     rate = parse_rate(ns.bandwidth)  # bytes per second
     dc.down(ns.name)

@@ -7,14 +7,17 @@ import pytest
 from dtrain.bench.allreduce import BenchConfig, format_size, main, parse_size
 from dtrain.comm import ALGORITHMS
 from dtrain.errors import ConfigError
+from dtrain.perfmodel.units import parse_bytes
 
 
 def test_parse_and_format_sizes() -> None:
-    assert parse_size("4KB") == 4096
+    # one reading of sizes in all of dtrain: binary prefixes with "i", decimal ones without
+    assert parse_size("4KiB") == 4096 and parse_size("4KB") == 4000
     assert parse_size("64kib") == 65536
-    assert parse_size("1.5MB") == 3 << 19
+    assert parse_size("1.5MiB") == 3 << 19 and parse_size("1.5MB") == 1_500_000
     assert parse_size("4096") == 4096
     assert parse_size("2 GiB") == 2 << 30
+    assert parse_size("16MiB") == int(parse_bytes("16MiB"))
     for bad in ("", "MB", "4XB", "-"):
         with pytest.raises(ConfigError, match="size"):
             parse_size(bad)

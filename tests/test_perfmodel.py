@@ -17,12 +17,12 @@ from torch import nn
 from dtrain.comm import cost
 from dtrain.errors import ConfigError
 from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, load_cluster, predict, profile_model
-from dtrain.perfmodel._units import parse_bytes, parse_rate, parse_time
 from dtrain.perfmodel.collectives import CompressionModel, allreduce_bytes, allreduce_time, compressed_allreduce_time
 from dtrain.perfmodel.compression import compressed_traffic, compression_model, compressor_kind
 from dtrain.perfmodel.fit import fit_alpha_beta
 from dtrain.perfmodel.predict import buckets_of, memory_per_device, ps_costs
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile
+from dtrain.perfmodel.units import parse_bytes, parse_rate, parse_time
 from dtrain.strategies import choice
 
 MiB = 1 << 20

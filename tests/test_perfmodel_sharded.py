@@ -16,12 +16,12 @@ from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, plan, predict, simulate
-from dtrain.perfmodel._units import parse_rate
 from dtrain.perfmodel.collectives import allreduce_time, ring_allgather_time, ring_reduce_scatter_time
 from dtrain.perfmodel.planner import candidates, parse_memory_limit
 from dtrain.perfmodel.predict import memory_per_device
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile
 from dtrain.perfmodel.sharded import shard_collective, sharded_memory
+from dtrain.perfmodel.units import parse_rate
 from dtrain.planning.cli import main as plan_main
 from dtrain.strategies import Choice, choice
 

@@ -8,9 +8,9 @@ from torch import nn
 
 from dtrain.config import RunConfig
 from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, plan
-from dtrain.perfmodel._units import parse_rate
 from dtrain.perfmodel.planner import candidates
 from dtrain.perfmodel.spec import CompressorCost, this_host
+from dtrain.perfmodel.units import parse_rate
 from dtrain.planning import choose
 from dtrain.planning.cli import main as plan_main
 from dtrain.planning.cli import parse_strategy

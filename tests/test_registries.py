@@ -84,6 +84,15 @@ def test_strategy_reachable(name):
         assert entry.predict is not None and entry.memory is not None
 
 
+def test_strategies_package_names_every_strategy():
+    import dtrain.strategies
+
+    # the built-in ones (a test may have registered its own toy strategy beside them)
+    builtin = [n for n, e in registered().items() if e.options.__module__.startswith("dtrain.strategies.")]
+    missing = [n for n in builtin if f"``{n}``" not in (dtrain.strategies.__doc__ or "")]
+    assert len(builtin) >= 10 and missing == [], f"dtrain.strategies' docstring does not list {missing}"
+
+
 @pytest.mark.parametrize("name", ["cnn", "mlp", "gpt", "gpt-tiny", "gpt-small", "gpt-medium"])
 def test_model_reachable(name):
     from dtrain.models import MODELS, is_language_model

@@ -23,7 +23,7 @@ def profile() -> ModelProfile:
 
 
 def cluster(nodes: int, rate: str = "1gbit", per_node: int = 1) -> ClusterSpec:
-    from dtrain.perfmodel._units import parse_rate
+    from dtrain.perfmodel.units import parse_rate
 
     return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=Link(parse_rate(rate), 50e-6),
                        intra=Link(parse_rate("40gbit"), 5e-6), device=Device(gamma=1e-10, host="h"))  # fmt: skip

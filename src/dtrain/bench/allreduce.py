@@ -36,26 +36,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dtrain.errors import ConfigError
+from dtrain.perfmodel.units import parse_bytes
 
 __all__ = ["BenchConfig", "check_timing", "main", "parse_size", "format_size"]
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-
-
 def parse_size(text: str) -> int:
-    """``"64KB"`` -> 65536 (binary units; B, KB/KiB, MB/MiB, GB/GiB; a bare number is bytes)."""
-    s = text.strip().upper()
-    i = len(s)
-    while i and not (s[i - 1].isdigit() or s[i - 1] == "."):
-        i -= 1
-    num, unit = s[:i], s[i:].strip()
-    if not num or unit not in _UNITS:
-        raise ConfigError(f"cannot read size {text!r}; write e.g. 4KB, 1MB or 4096")
-    value = int(float(num) * _UNITS[unit])
-    if value < 0:
-        raise ConfigError(f"size must be >= 0, got {text!r}")
-    return value
+    """A size in whole bytes, read as every size in dtrain is (:func:`dtrain.perfmodel.units.parse_bytes`:
+    ``"64KiB"`` is 65,536 bytes, ``"64KB"`` 64,000; a bare number is bytes)."""
+    return int(parse_bytes(text))
 
 
 def format_size(n: int) -> str:
@@ -262,11 +250,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Time every allreduce algorithm next to the backend's own (native) on local workers.",
     )
     ap.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
-    ap.add_argument("--sizes", default="4KB,64KB,1MB,16MB,64MB", help="comma-separated sizes (binary units)")
+    ap.add_argument("--sizes", default="4KiB,64KiB,1MiB,16MiB,64MiB",
+                    help="comma-separated sizes: 64KiB = 65,536 bytes, 64KB = 64,000")
     ap.add_argument("--algorithms", default="all", help=f"comma-separated, from {', '.join(ALGORITHMS)}, or 'all'")
     ap.add_argument("--iters", type=int, default=10, help="timed runs per case (default: 10)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs first (default: 2)")
-    ap.add_argument("--piece", default="1MB", help="ring piece size (default: 1MB)")
+    ap.add_argument("--piece", default="1MiB", help="ring piece size (default: 1MiB)")
     ap.add_argument("--max-pieces", type=int, default=2, help="ring: at most this many pieces per segment (default: 2)")
     ap.add_argument("--window", type=int, default=2, help="receives the ring posts ahead (default: 2)")
     ap.add_argument("--node-size", type=int, default=None, help="hierarchical: ranks per node (default: all local)")

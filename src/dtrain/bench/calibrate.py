@@ -65,7 +65,6 @@ import torch
 
 from dtrain.bench._probes import calibration_worker, train_passes
 from dtrain.errors import DTrainError
-from dtrain.perfmodel._units import format_rate, format_time
 from dtrain.perfmodel.fit import (
     fit_compute_scale,
     fit_cpu_ratio,
@@ -77,6 +76,7 @@ from dtrain.perfmodel.fit import (
     fit_wake,
 )
 from dtrain.perfmodel.spec import ClusterSpec, CompressorCost, Device, Link, dump_cluster, load_cluster, this_host
+from dtrain.perfmodel.units import format_rate, format_time
 
 __all__ = ["main", "calibrate_cluster", "refresh_load", "pool_load", "calibrate_local", "local_cluster", "summary",
            "cache_dir", "cluster_file"]  # fmt: skip

@@ -174,7 +174,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Ping-pong latency and bandwidth: dtrain's transport next to the backend's own send/recv.",
     )
     ap.add_argument("--workers", type=int, default=2, help="worker processes, paired (0,1), (2,3)... (default: 2)")
-    ap.add_argument("--sizes", default="4B,1KB,64KB,1MB,16MB,64MB", help="comma-separated sizes (binary units)")
+    ap.add_argument("--sizes", default="4B,1KiB,64KiB,1MiB,16MiB,64MiB",
+                    help="comma-separated sizes: 64KiB = 65,536 bytes, 64KB = 64,000")
     ap.add_argument("--iters", type=int, default=20, help="timed round trips per size and path (default: 20)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed round trips first (default: 3)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may block (default: 120)")

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dtrain.errors import DTrainError
-from dtrain.perfmodel._units import format_rate, parse_rate, parse_time
+from dtrain.perfmodel.units import format_rate, parse_rate, parse_time
 
 __all__ = [
     "ClusterError",

@@ -82,7 +82,7 @@ __all__ = [
     "parse_consistency",
     "run_script",
     "simulate",
-    "SimResult",
+    "PolicyTrace",
 ]
 
 
@@ -197,7 +197,7 @@ def run_script(policy: Policy, script: str, workers: Sequence[int] | None = None
 
 
 @dataclass
-class SimResult:
+class PolicyTrace:
     """What :func:`simulate` saw.
 
     Attributes:
@@ -230,7 +230,7 @@ def simulate(
     compute: Callable[[int, int], float],
     workers: Sequence[int],
     steps: int,
-) -> SimResult:
+) -> PolicyTrace:
     """Drive ``policy`` with fake compute times: each worker pushes ``steps`` gradients.
 
     A discrete-event loop on a fake clock: a released worker computes for
@@ -244,7 +244,7 @@ def simulate(
         steps: gradients each worker computes.
     """
     policy.start(workers)
-    res = SimResult(gradients={w: 0 for w in workers}, wait={w: 0.0 for w in workers})
+    res = PolicyTrace(gradients={w: 0 for w in workers}, wait={w: 0.0 for w in workers})
     events: list[tuple[float, int]] = []  # (time a push arrives, worker)
     waiting_since: dict[int, float] = {}
     done: set[int] = set()

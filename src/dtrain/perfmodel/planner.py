@@ -37,12 +37,12 @@ from torch import nn
 
 from dtrain._batch import split_batch
 from dtrain.errors import ConfigError
-from dtrain.perfmodel._units import format_bytes, parse_bytes
 from dtrain.perfmodel.collectives import ALGORITHMS, CompressionModel
 from dtrain.perfmodel.compression import compression_model
 from dtrain.perfmodel.predict import Prediction, predict
 from dtrain.perfmodel.profile import ModelProfile, profile_model
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
+from dtrain.perfmodel.units import format_bytes, parse_bytes
 from dtrain.strategies.base import Choice, PlanSpace, registered
 
 __all__ = ["Plan", "candidates", "plan", "parse_memory_limit", "DEFAULT_COMPRESSIONS", "DEFAULT_CONSISTENCIES",

@@ -5,7 +5,7 @@ levels (``intra`` between devices of one node, ``inter`` between nodes: each
 node's network interface, full duplex), and a device model. ``dtrain bench
 calibrate`` writes this file from measurements; it is also meant to be written
 by hand for clusters one does not have. Schema (every key but ``nodes`` and the
-``inter`` link may be left out; units as in :mod:`dtrain.perfmodel._units`)::
+``inter`` link may be left out; units as in :mod:`dtrain.perfmodel.units`)::
 
     name = "horovod-2017"
     nodes = 32
@@ -61,7 +61,7 @@ from typing import Any
 
 from dtrain._toml import read_toml
 from dtrain.errors import ConfigError
-from dtrain.perfmodel._units import format_rate, parse_bytes, parse_rate, parse_time
+from dtrain.perfmodel.units import format_rate, parse_bytes, parse_rate, parse_time
 
 __all__ = ["Link", "Device", "ModelRate", "CompressorCost", "ClusterSpec", "load_cluster", "dump_cluster"]
 

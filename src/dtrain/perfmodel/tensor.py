@@ -42,13 +42,13 @@ from functools import partial
 from typing import Any
 
 from dtrain.errors import ConfigError
-from dtrain.perfmodel._units import format_bytes
 from dtrain.perfmodel.collectives import CompressionModel, allreduce_bytes
 from dtrain.perfmodel.pipeline import PipelineCost, _spans, idle_aware, in_flight, pipeline_cost, stage_cut
 from dtrain.perfmodel.predict import Memory, Prediction, _opt_state, bucket_collective, compute_times
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile
 from dtrain.perfmodel.sharded import shard_collective
 from dtrain.perfmodel.spec import ClusterSpec
+from dtrain.perfmodel.units import format_bytes
 from dtrain.strategies.base import Choice
 
 __all__ = ["PARAM_BYTES", "TransformerShape", "TensorComm", "MeshChoice", "mesh_rank", "mesh_groups", "group_cluster",

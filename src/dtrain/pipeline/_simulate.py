@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from dtrain.pipeline.schedules import Action, Schedule
 
-__all__ = ["Invalid", "SimResult", "check_structure", "play", "check_messages"]
+__all__ = ["Invalid", "PlayedSchedule", "check_structure", "play", "check_messages"]
 
 COMPUTE = ("F", "B", "I", "W", "U")
 # a comm action -> (message kind, offset from its stage to the peer stage, True if it sends)
@@ -42,7 +42,7 @@ class Invalid(Exception):
 
 
 @dataclass(frozen=True)
-class SimResult:
+class PlayedSchedule:
     """What :func:`~dtrain.pipeline.schedules.simulate` found (times in the units of ``tf`` / ``tb``).
 
     Attributes:
@@ -166,7 +166,7 @@ def _duration(op: str, tf: float, tb: float, tw: float) -> float:
     return {"F": tf, "B": tb, "I": tb - tw, "W": tw}.get(op, 0.0)
 
 
-def play(s: Schedule, owner: dict[Key, int], tf: float, tb: float, tw: float, comm: float) -> SimResult:
+def play(s: Schedule, owner: dict[Key, int], tf: float, tb: float, tw: float, comm: float) -> PlayedSchedule:
     """Play the compute actions of ``s`` (``owner`` from :func:`check_structure`); see the module docstring.
 
     Raises:
@@ -199,7 +199,7 @@ def play(s: Schedule, owner: dict[Key, int], tf: float, tb: float, tw: float, co
     busy = tuple(sum(t1 - t0 for _, t0, t1 in st) for st in starts)
     idle = tuple(makespan - b for b in busy)
     bubble = sum(idle) / (s.ranks * makespan) if makespan > 0 else 0.0
-    return SimResult(makespan, busy, idle, bubble, _peaks(s), tuple(tuple(st) for st in starts))
+    return PlayedSchedule(makespan, busy, idle, bubble, _peaks(s), tuple(tuple(st) for st in starts))
 
 
 def _deadlock(s: Schedule, lists: list[list[Action]], pos: list[int], deps: dict[Key, list[Key]],

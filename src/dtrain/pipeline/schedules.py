@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from math import gcd
 
-from dtrain.pipeline._simulate import Invalid, SimResult, check_messages, check_structure, play
+from dtrain.pipeline._simulate import Invalid, PlayedSchedule, check_messages, check_structure, play
 
-__all__ = ["OPS", "COMM_OPS", "GENERATORS", "ScheduleError", "Action", "Schedule", "SimResult", "parse_schedule",
+__all__ = ["OPS", "COMM_OPS", "GENERATORS", "ScheduleError", "Action", "Schedule", "PlayedSchedule", "parse_schedule",
            "generate", "flush_actions", "with_comms", "simulate", "validate", "bubble_closed_form",
            "peak_in_flight_bound"]  # fmt: skip
 
@@ -393,7 +393,8 @@ def with_comms(schedule: Schedule) -> Schedule:
 # ---------------------------------------------------------------------------- simulation and checks
 
 
-def simulate(schedule: Schedule, tf: float = 1.0, tb: float = 1.0, tw: float = 0.0, comm: float = 0.0) -> SimResult:
+def simulate(schedule: Schedule, tf: float = 1.0, tb: float = 1.0, tw: float = 0.0,
+             comm: float = 0.0) -> PlayedSchedule:  # fmt: skip
     """Play the compute actions of ``schedule`` in time (comm actions are left out of the timing).
 
     Each rank runs its list strictly in order; an action starts when the rank's previous action

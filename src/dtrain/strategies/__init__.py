@@ -1,14 +1,19 @@
 """Strategies: one registry entry each (see :mod:`dtrain.strategies.base`).
 
-The built-in strategies are ``dp`` and ``ddp`` (:mod:`.dp`), ``ps`` (:mod:`.ps`)
-and ``auto`` (:mod:`.auto`); :mod:`.builtin` imports them, which registers
-them, the first time the registry is read. Adding one is a module that defines
-its options dataclass, its engine and a :func:`register` call, plus one import
-line in :mod:`.builtin` (docs/architecture.md). Importing this package stays
-light: the built-in modules (and their options classes, ``DPOptions``,
-``DDPOptions``, ``PSOptions``) load on first use.
-"""
+The built-in strategies, registered the first time the registry is read (:mod:`.builtin` imports them):
 
+- ``dp`` (dtrain's data parallelism; ``--shard`` makes it ZeRO stage 1-3, :mod:`.sharded_dp`) and
+  ``ddp`` (torch's DDP, the peer), :mod:`.dp`;
+- ``ps``, the parameter server, :mod:`.ps`;
+- ``local_sgd``, ``easgd`` and ``gossip``, decentralized averaging, :mod:`.decentralized`;
+- ``pipeline``, :mod:`.pipeline`;
+- ``tensor`` and ``hybrid`` (a mesh of data, pipeline and tensor parallelism), :mod:`.hybrid`;
+- ``auto``, the planner's pick among the others, :mod:`.auto`.
+
+Adding one is a module that defines its options dataclass, its engine and a :func:`register` call, plus
+one import line in :mod:`.builtin` (docs/architecture.md). Importing this package stays light: the built-in
+modules (and their options classes, ``DPOptions``, ``DDPOptions``, ``PSOptions``) load on first use.
+"""
 from __future__ import annotations
 
 import importlib

@@ -1,0 +1,56 @@
+"""The process-memory instrument: the peak resident set above a baseline sees what a wrapper's own count
+cannot (a buffer it was not told of), and nothing where nothing was allocated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import run_distributed
+from torch import nn
+
+from dtrain.bench.memory import ProcessMemory, peak_rss_bytes, rss_bytes
+
+MB = 1 << 20
+
+
+def test_the_probe_sees_a_block_allocate_and_not_what_came_before() -> None:
+    before = torch.ones(30 * MB // 4)  # held before the baseline: not the block's
+    with ProcessMemory() as idle:
+        pass
+    with ProcessMemory() as busy:
+        x = torch.ones(100 * MB // 4)  # 100 MB, written (resident)
+        del x
+    assert idle.reset and busy.reset, "the kernel refused to reset the high-water mark"
+    assert idle.peak_bytes < 10 * MB, idle.peak_bytes
+    assert 95 * MB <= busy.peak_bytes <= 130 * MB, busy.peak_bytes
+    assert peak_rss_bytes() >= rss_bytes() > before.numel()
+
+
+def _sharded_with_and_without_a_leak(rank: int, world: int) -> dict[str, int]:
+    from dtrain.sharded import ShardedDataParallel
+
+    out = {}
+    for leak in (False, True):
+        with ProcessMemory() as mem:
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+            dp = ShardedDataParallel(net, shard="parameters")
+            opt = torch.optim.Adam(dp.parameters(), lr=1e-3)
+            if leak:  # a copy the wrapper keeps without listing it: 100 MB
+                dp.module.leaked = torch.ones(100 * MB // 4)  # type: ignore[assignment]
+            for _ in range(2):
+                opt.zero_grad()
+                dp(torch.randn(8, 512)).square().mean().backward()
+                opt.step()
+            counted = sum(dp.memory_stats(opt).values())
+        out[f"process_{leak}"], out[f"wrapper_{leak}"] = mem.peak_bytes, counted
+        dp.close()
+        del dp, net, opt
+    return out
+
+
+@pytest.mark.procs
+def test_the_probe_sees_a_leak_that_the_wrappers_count_does_not() -> None:
+    for r in run_distributed(_sharded_with_and_without_a_leak, 2, timeout=90):
+        assert r["wrapper_True"] == r["wrapper_False"], r  # the wrapper cannot see it
+        assert r["process_True"] - r["process_False"] >= 90 * MB, r  # the process does
