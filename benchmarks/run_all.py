@@ -47,6 +47,13 @@ ENTRIES = (
     Entry("tensor_vs_dtensor_tp4", "tensor_parallel.py", ("--tp", "4", "--steps", "14", "--rounds", "7"),
           ("--tp", "4", "--steps", "5", "--rounds", "5", "--seq-len", "32")),
     Entry("local_sgd_vs_torch", "local_sgd_vs_torch.py", ("--repeats", "7"), ("--steps", "80", "--repeats", "5")),
+    Entry("pipeline_bubble_sleep", "pipeline_bubble_sleep.py", ("--rounds", "5", "--steps", "2"),
+          ("--rounds", "5", "--steps", "1")),
+    Entry("memory_sharded", "memory.py", ("--rounds", "5"),
+          ("--rounds", "5", "--seq-len", "32", "--steps", "2",
+           "--systems", "dtrain dp,dtrain z3,torch ddp,torch fsdp2")),
+    Entry("compression_vs_ddp", "compression_vs_ddp.py", ("--repeats", "5"), ("--repeats", "5", "--max-steps", "300"),
+          root=True),
     Entry("nodes_launch", "nodes_launch.py", ("--repeats", "7"),
           ("--strategies", "dp", "--steps", "150", "--from", "30", "--repeats", "5"), root=True),
 )  # fmt: skip

@@ -1,0 +1,125 @@
+"""Memory of ZeRO's stages and their peers as the process sees it, beside the wrapper's count and the closed form.
+
+Each configuration runs in fresh processes (one launch of ``--nprocs`` gloo processes on loopback a
+configuration and round): inside :class:`dtrain.bench.memory.ProcessMemory`, whose baseline is taken before
+the model is built, a rank builds the system of ``benchmarks/sharded.py`` (the same model, seed, Adam and
+batches) and trains ``--steps`` steps. The figure is the largest rank's peak resident set above its
+baseline, in MiB, beside:
+
+- the wrapper's count after the last step (``memory_stats``: parameters, gradients, optimizer state and, at
+  stage 3, the most gathered units at once), for dtrain's systems;
+- the closed form of the model states for ``Psi`` float32 parameters, Adam and ``N`` ranks (Rajbhandari
+  et al., "ZeRO", SC 2020, sec. 5): ``16 Psi``, ``8 Psi + 8 Psi/N``, ``4 Psi + 12 Psi/N``, ``16 Psi/N`` plus
+  the two largest adjacent units gathered; and the same plus the activations (the bytes autograd saves for
+  backward in one more step, counted by saved-tensor hooks).
+
+The process holds more than the model states (activations, the allreduce's buffers, the allocator's
+slack); the harness's ratio is closed form / process, against "within 10%".
+
+Run::
+
+    python benchmarks/memory.py                            # gpt-small, 4 processes, every system, 5 rounds
+    python benchmarks/memory.py --out benchmarks/results/memory_sharded.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import sharded
+import torch
+from _loopback import launch_loopback
+
+SYSTEMS = ("dtrain dp", "dtrain z1", "dtrain z2", "dtrain z3", "torch ddp", "torch fsdp2")
+MIB = 2**20
+
+
+def _worker(name: str, args: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from dtrain.bench.memory import ProcessMemory
+
+    torch.set_num_threads(1)
+    data = sharded._batches(args, dist.get_rank(), dist.get_world_size())
+    with ProcessMemory() as mem:
+        s = sharded._System(name, args)
+        for k in range(args["steps"]):
+            s.step(*data[k % len(data)])
+        counted = s.memory()
+    saved = sharded._SavedBytes(s.net)  # one more step, outside the block: what autograd keeps for backward
+    with saved.hooks():
+        s.step(*data[0])
+    units = [(u.name, u.numel, u.padded) for u in s.dp.units] if getattr(s.dp, "units", None) else None
+    s.close()
+    return {"process": mem.peak_bytes, "reset": mem.reset, "counted": counted, "units": units,
+            "activations": saved.total}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nprocs", type=int, default=4)
+    ap.add_argument("--model", default="gpt-small")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=16, help="global batch (default: 16)")
+    ap.add_argument("--steps", type=int, default=3, help="Adam steps in each process (default: 3)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    add_result_flags(ap)
+    a = ap.parse_args(argv)
+    names = [s for s in a.systems.split(",") if s]
+    bad = [s for s in names if s not in SYSTEMS]
+    if bad:
+        ap.error(f"unknown system(s) {bad}; choose from {','.join(SYSTEMS)}")
+    args = dict(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps, lr=1e-3, seed=0,
+                algorithm="ring", overlap="backward", nprocs=a.nprocs)  # fmt: skip
+    psi = sum(p.numel() for p in sharded._model(args).parameters())
+    bench = Benchmark("memory_sharded", title="ZeRO's memory as the process sees it", family="sharded data parallelism",
+                      workload=f"{a.model} (Psi = {psi:,} parameters), seq_len {a.seq_len}, global batch "
+                               f"{a.batch_size}, Adam, {a.nprocs} processes; {a.steps} steps in fresh processes",
+                      metric="MiB", higher_is_better=False, repeats=a.rounds, quick=a.quick,
+                      command=command("benchmarks/memory.py", argv))  # fmt: skip
+    samples: dict[str, dict[str, list[float]]] = {
+        n: {"process": [], "wrapper": [], "closed form": [], "closed form + activations": []} for n in names}
+    bench.start()
+    for r in range(a.rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            ranks = launch_loopback(_worker, (name, args), a.nprocs)
+            if not all(v["reset"] for v in ranks.values()):
+                raise SystemExit("the kernel refused to reset the resident set's high-water mark")
+            peak = max(v["process"] for v in ranks.values()) / MIB
+            counted = [sum(v["counted"].values()) for v in ranks.values() if v["counted"]]
+            units = ranks[0]["units"] or []
+            if name in sharded.DTRAIN:
+                closed = sharded._closed_memory(name, psi, a.nprocs, units) / MIB
+            else:  # DDP: stage 0's; FSDP2: stage 3's without its gathered units (not known here)
+                closed = (16 * psi / a.nprocs if name == "torch fsdp2" else 16 * psi) / MIB
+            samples[name]["process"].append(peak)
+            samples[name]["wrapper"].append(max(counted) / MIB if counted else float("nan"))
+            samples[name]["closed form"].append(closed)
+            activations = max(v["activations"] for v in ranks.values()) / MIB
+            samples[name]["closed form + activations"].append(closed + activations)
+            print(f"round {r + 1}/{a.rounds}: {name:<12} process {peak:8.1f} MiB, wrapper "
+                  f"{samples[name]['wrapper'][-1]:8.1f}, closed form {closed:8.1f}", flush=True)  # fmt: skip
+    bench.stop()
+    for name in names:
+        got = {k: v for k, v in samples[name].items() if not any(x != x for x in v)}  # no wrapper count: left out
+        bench.add_case(name, samples=got, compare=[("process", "closed form", Bar.within(0.10)),
+                                                   ("process", "closed form + activations", Bar.within(0.10))])
+    bench.notes = ("A system's figure is its largest rank's. The process holds more than the model states: "
+                   "activations, the collectives' buffers, the gradients of the activations in backward and the "
+                   "allocator's slack; the wrapper's count lists only the buffers the wrapper knows. FSDP2's closed "
+                   "form here is 16 Psi / N without its gathered units. Not met: what holds the rest is not "
+                   "attributed yet.")  # fmt: skip
+    print(bench.table())
+    if a.out:
+        print(f"wrote {bench.save(a.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

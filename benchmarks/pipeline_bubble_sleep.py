@@ -1,0 +1,193 @@
+"""The pipeline bubble without core contention: stages whose compute is a sleep, timed by the wall clock.
+
+Each pipeline stage is a tiny layer whose forward sleeps ``--forward-ms`` and whose backward sleeps
+``--backward-ms`` a micro-batch (split over the ``v`` chunks of the interleaved schedule), so ``P`` stage
+processes do not compete for this machine's cores, while the schedule, the executor and its messages are
+dtrain's own (:class:`dtrain.pipeline.Pipeline`, gloo on loopback). The instrument is outside the code under
+test: rank 0's clock over ``step()`` between barriers, against the compute that the sleeps fix,
+``M (tf + tb)``; the measured bubble is ``1 - M (tf + tb) / step``, beside the closed form
+``(P-1)/(vM+P-1)`` (:func:`dtrain.pipeline.schedules.bubble_closed_form`; Huang et al. 2019, Narayanan et
+al. 2021). What is not the schedule is named: ``hop_ms``, the step's time beyond the ideal one,
+``M (tf + tb) / (1 - closed form)``, over the critical path's ``2 (vM + P - 1)`` hand-offs (a send, its
+receive and the Python between them).
+
+Rounds: every (schedule, M) runs ``--steps`` timed steps a round, the order rotated each round; the harness
+reports each round's bubble against the closed form (ratio closed / measured, bar: within 10%).
+
+Run::
+
+    python benchmarks/pipeline_bubble_sleep.py                               # P = 4; M = 1, 4, 8, 16; 20/40 ms
+    python benchmarks/pipeline_bubble_sleep.py --out benchmarks/results/pipeline_bubble_sleep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from _loopback import launch_loopback
+from torch import nn
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tf: float, tb: float) -> torch.Tensor:  # noqa: D102
+        ctx.tb = tb
+        time.sleep(tf)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: D102
+        time.sleep(ctx.tb)
+        return grad, None, None
+
+
+class SleepStage(nn.Module):
+    """A stage's compute as sleeps: ``tf`` seconds forward, ``tb`` backward, for every micro-batch."""
+
+    def __init__(self, tf: float, tb: float, width: int = 8) -> None:
+        super().__init__()
+        self.tf, self.tb = tf, tb
+        self.lin = nn.Linear(width, width)  # a parameter to step (microseconds of compute)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(self.lin(x), self.tf, self.tb)  # type: ignore[no-any-return]
+
+
+def sleep_model(stages: int, tf: float, tb: float, classes: int = 8) -> nn.Sequential:
+    """``stages`` sleeping stages of equal work (the loss's head rides with the last)."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[SleepStage(tf, tb, classes) for _ in range(stages)])
+
+
+def ideal_step_s(schedule: str, ranks: int, m: int, tf: float, tb: float) -> float:
+    """The makespan that the closed form gives: the compute, ``M (tf + tb)``, over one minus the bubble."""
+    from dtrain.pipeline.schedules import bubble_closed_form
+
+    return m * (tf + tb) / (1 - bubble_closed_form(schedule, ranks, m, _chunks(schedule)))
+
+
+def hops(schedule: str, ranks: int, m: int) -> int:
+    """Hand-offs on the critical path: a forward and a backward one per slot of ``vM + P - 1``."""
+    return 2 * (_chunks(schedule) * m + ranks - 1)
+
+
+def _chunks(schedule: str) -> int:
+    return 2 if schedule == "interleaved" else 1
+
+
+def valid(schedule: str, ranks: int, m: int) -> bool:
+    """Whether dtrain runs ``schedule`` at ``M = m`` (the interleaved one needs M a multiple of P)."""
+    return schedule != "interleaved" or m % ranks == 0
+
+
+def _worker(args: dict[str, Any]) -> dict[str, list[float]]:
+    """Every (schedule, M)'s step seconds per round (rank 0's clock between barriers; the median of a round)."""
+    import torch.distributed as dist
+
+    from dtrain.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    p = dist.get_world_size()
+    tf, tb = args["forward_ms"] / 1e3, args["backward_ms"] / 1e3
+    cases = [(s, m) for m in args["microbatches"] for s in args["schedules"] if valid(s, p, m)]
+    pipes = {}
+    for s, m in cases:
+        v = _chunks(s)
+        pipe = Pipeline(sleep_model(p * v, tf / v, tb / v), microbatches=m, schedule=s, chunks=v,
+                        balance=[1] * (p * v), timeout=120)  # fmt: skip
+        pipes[(s, m)] = (pipe, torch.optim.SGD(pipe.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    out: dict[str, list[float]] = {f"{s}/{m}": [] for s, m in cases}
+
+    def step(s: str, m: int) -> float:
+        pipe, opt = pipes[(s, m)]
+        x, y = torch.randn(args["batch"], 8, generator=g), torch.randint(0, 8, (args["batch"],), generator=g)
+        opt.zero_grad()
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.step(x, y)
+        dist.barrier()
+        dt = time.perf_counter() - t0
+        opt.step()
+        return dt
+
+    for s, m in cases:  # warm-up: the first step of each builds its channels
+        step(s, m)
+    for r in range(args["rounds"]):
+        k = r % len(cases)
+        for s, m in cases[k:] + cases[:k]:
+            out[f"{s}/{m}"].append(statistics.median(step(s, m) for _ in range(args["steps"])))
+    for pipe, _ in pipes.values():
+        pipe.flush()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+    from dtrain.pipeline.schedules import bubble_closed_form
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nprocs", type=int, default=4, help="pipeline ranks P (default: 4)")
+    ap.add_argument("--microbatches", default="1,4,8,16", help="comma list of M (default: 1,4,8,16)")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--forward-ms", type=float, default=20.0, help="a stage's forward a micro-batch (default: 20)")
+    ap.add_argument("--backward-ms", type=float, default=40.0, help="its backward (default: 40)")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps of each case a round (default: 2)")
+    ap.add_argument("--rounds", type=int, default=5)
+    add_result_flags(ap)
+    a = ap.parse_args(argv)
+    ms = [int(v) for v in a.microbatches.split(",") if v]
+    scheds = [s for s in a.schedules.split(",") if s]
+    unknown = [s for s in scheds if s not in SCHEDULES]
+    if unknown or a.nprocs < 2 or not ms or min(ms) < 1:
+        ap.error(f"schedules from {SCHEDULES}, --nprocs >= 2 and M >= 1 (got {scheds}, {a.nprocs}, {ms})")
+    batch = 16 * math.lcm(*ms)
+    args = dict(microbatches=ms, schedules=scheds, forward_ms=a.forward_ms, backward_ms=a.backward_ms,
+                steps=a.steps, rounds=a.rounds, batch=batch)  # fmt: skip
+    bench = Benchmark("pipeline_bubble_sleep", title="The pipeline bubble against its closed form, stages that sleep",
+                      family="pipeline parallelism",
+                      workload=f"{a.nprocs} stages, each {a.forward_ms:g} ms forward and {a.backward_ms:g} ms backward "
+                               f"a micro-batch as sleeps (interleaved: over 2 chunks); {a.steps} timed steps a case "
+                               f"a round",
+                      metric="bubble", higher_is_better=False, repeats=a.rounds, quick=a.quick,
+                      command=command("benchmarks/pipeline_bubble_sleep.py", argv))  # fmt: skip
+    bench.start()
+    ranks = launch_loopback(_worker, (args,), a.nprocs)
+    bench.stop()
+    tf, tb = a.forward_ms / 1e3, a.backward_ms / 1e3
+    print(f"{'schedule':<12} {'M':>3} {'step ms':>9} {'ideal ms':>9} {'bubble':>7} {'closed':>7} {'hop ms':>7}")
+    notes = []
+    for s in scheds:
+        for m in ms:
+            if not valid(s, a.nprocs, m):
+                print(f"{s:<12} {m:>3}  (not run: the interleaved schedule needs M a multiple of P)")
+                continue
+            steps = ranks[0][f"{s}/{m}"]
+            closed = bubble_closed_form(s, a.nprocs, m, _chunks(s))
+            ideal = ideal_step_s(s, a.nprocs, m, tf, tb)
+            bubbles = [1 - m * (tf + tb) / t for t in steps]
+            hop = (statistics.median(steps) - ideal) / hops(s, a.nprocs, m)
+            print(f"{s:<12} {m:>3} {statistics.median(steps) * 1e3:9.1f} {ideal * 1e3:9.1f} "
+                  f"{statistics.median(bubbles):7.3f} {closed:7.3f} {hop * 1e3:7.2f}")  # fmt: skip
+            notes.append(f"{s} M={m}: {hop * 1e3:.2f}")
+            bench.add_case(f"{s}, M = {m}", samples={"measured": bubbles, "closed form": [closed] * len(bubbles)},
+                           compare=[("measured", "closed form", Bar.within(0.10))])  # fmt: skip
+    bench.notes = ("The ratio is closed form / measured (1: the schedule's own bubble and nothing else). The time "
+                   "beyond the ideal step over the critical path's 2 (vM + P - 1) hand-offs, in ms a hand-off "
+                   "(a send, its receive and the Python between them): " + "; ".join(notes) + ".")  # fmt: skip
+    print(bench.table())
+    if a.out:
+        print(f"wrote {bench.save(a.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
