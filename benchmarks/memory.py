@@ -32,7 +32,7 @@ import sharded
 import torch
 from _loopback import launch_loopback
 
-SYSTEMS = ("dtrain dp", "dtrain z1", "dtrain z2", "dtrain z3", "torch ddp", "torch fsdp2")
+SYSTEMS = ("dtrain dp", "dtrain z1", "dtrain z2", "dtrain z3", "torch ddp", "torch ddp+zero", "torch fsdp2")
 MIB = 2**20
 
 
@@ -96,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             units = ranks[0]["units"] or []
             if name in sharded.DTRAIN:
                 closed = sharded._closed_memory(name, psi, a.nprocs, units) / MIB
-            else:  # DDP: stage 0's; FSDP2: stage 3's without its gathered units (not known here)
-                closed = (16 * psi / a.nprocs if name == "torch fsdp2" else 16 * psi) / MIB
+            else:  # DDP: stage 0's; with ZeroRedundancyOptimizer, stage 1's; FSDP2: stage 3's less its gathered units
+                n = a.nprocs
+                closed = {"torch ddp": 16 * psi, "torch ddp+zero": 8 * psi + 8 * psi / n}.get(name, 16 * psi / n) / MIB
             samples[name]["process"].append(peak)
             samples[name]["wrapper"].append(max(counted) / MIB if counted else float("nan"))
             samples[name]["closed form"].append(closed)
@@ -109,7 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         got = {k: v for k, v in samples[name].items() if not any(x != x for x in v)}  # no wrapper count: left out
         bench.add_case(name, samples=got, compare=[("process", "closed form", Bar.within(0.10)),
-                                                   ("process", "closed form + activations", Bar.within(0.10))])
+                                                   ("process", "closed form + activations", Bar.within(0.10))],
+                       headline=False)  # fmt: skip
+    for ours, peer, what in (("dtrain dp", "torch ddp", "stage 0"), ("dtrain z1", "torch ddp+zero", "stage 1"),
+                             ("dtrain z3", "torch fsdp2", "stage 3")):  # fmt: skip
+        if ours in names and peer in names:  # the same rounds: each round's pair ran one after the other
+            bench.add_case(f"{what}, process memory", samples={ours: samples[ours]["process"],
+                                                               peer: samples[peer]["process"]},
+                           compare=[(ours, peer, Bar.at_least(1.0))])  # fmt: skip
     bench.notes = ("A system's figure is its largest rank's. The process holds more than the model states: "
                    "activations, the collectives' buffers, the gradients of the activations in backward and the "
                    "allocator's slack; the wrapper's count lists only the buffers the wrapper knows. FSDP2's closed "

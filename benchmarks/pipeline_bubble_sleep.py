@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{statistics.median(bubbles):7.3f} {closed:7.3f} {hop * 1e3:7.2f}")  # fmt: skip
             notes.append(f"{s} M={m}: {hop * 1e3:.2f}")
             bench.add_case(f"{s}, M = {m}", samples={"measured": bubbles, "closed form": [closed] * len(bubbles)},
-                           compare=[("measured", "closed form", Bar.within(0.10))])  # fmt: skip
+                           compare=[("measured", "closed form", Bar.within(0.10))], headline=False)  # fmt: skip
     bench.notes = ("The ratio is closed form / measured (1: the schedule's own bubble and nothing else). The time "
                    "beyond the ideal step over the critical path's 2 (vM + P - 1) hand-offs, in ms a hand-off "
                    "(a send, its receive and the Python between them): " + "; ".join(notes) + ".")  # fmt: skip

@@ -40,11 +40,11 @@ interquartile range (IQR); a ratio is taken per round, oriented so that above 1 
 on its IQR against the bar: **met** (all of it clears the bar), **not met** (none does) or **straddles**.
 Each result file also records the machine, the load average before and after, the commit and the date.
 
-Not on this page yet, because their scripts do not run on the harness (each prints its own table):
-compression's time to target on the emulated cluster (`benchmarks/time_to_target.py`), the parameter
-server's consistency policies (`benchmarks/ps_policies.py`), the performance model against measured steps
-(`benchmarks/model_vs_measured.py`), the pipeline bubble against its closed form
-(`benchmarks/pipeline_bubble.py`) and large-batch training (`benchmarks/large_batch.py`).
+Not on this page yet, because their scripts do not run on the harness (each prints its own table): time to
+target on gpt-small for every strategy (`benchmarks/time_to_target.py`), the parameter server's consistency
+policies (`benchmarks/ps_policies.py`), the performance model against measured steps
+(`benchmarks/model_vs_measured.py`), tensor parallelism's memory and large-batch training
+(`benchmarks/large_batch.py`).
 """
 
 
@@ -83,7 +83,7 @@ def headline(results: list[dict[str, Any]]) -> list[str]:
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         quick = " (quick)" if r.get("quick") else ""
-        for c in r["cases"]:
+        for c in (c for c in r["cases"] if c.get("headline", True)):
             for cmp in c["comparisons"]:
                 lines.append(f"| [{r['family']}](#{_anchor(r)}) | {cmp['ours']} / {cmp['peer']}, {c['name']} | "
                              f"{_ratio(cmp['ratio'])} | {_bar(cmp['bar'])} | {cmp['verdict']}{quick} | "

@@ -39,6 +39,8 @@ def test_page_shows_each_ratio_with_its_spread_and_an_honest_verdict(tmp_path: P
                    compare=[("toy", "peer", Bar.at_least(1.0))])  # fmt: skip
     bench.add_case("narrow", samples={"toy": [1.2, 1.3, 1.25, 1.22, 1.28], "peer": [1.0] * 5},
                    compare=[("toy", "peer", Bar.at_least(1.0))])  # fmt: skip
+    bench.add_case("check", samples={"measured": [0.3] * 5, "closed form": [0.27] * 5},
+                   compare=[("measured", "closed form", Bar.within(0.1))], headline=False)  # fmt: skip
     bench.start()
     bench.stop()
     bench.save(tmp_path / "toy_vs_peer.json")
@@ -47,6 +49,8 @@ def test_page_shows_each_ratio_with_its_spread_and_an_honest_verdict(tmp_path: P
     headline = text.split("## Headline", 1)[1].split("\n## ", 1)[0]
     assert "| toy / peer, wide | 1.00 (0.97-1.05) | >= 1x | straddles |" in headline
     assert "| toy / peer, narrow | 1.25 (1.22-1.28) | >= 1x | met |" in headline
+    assert "measured / closed form" not in headline  # a check of an instrument: its section only
+    assert "| check | measured / closed form | 1.11 (1.11-1.11) | 1.11-1.11 | within 10% | not met |" in text
     assert "```bash\npython toy.py\n```" in text
     render.plot(render.load_all(tmp_path)[0], tmp_path / "plots" / "toy.png")
     assert (tmp_path / "plots" / "toy.png").read_bytes()[:4] == b"\x89PNG"

@@ -107,6 +107,7 @@ class Case:
     systems: dict[str, Callable[[], float]]
     compare: list[tuple[str, str, Bar]]
     samples: dict[str, list[float]] = field(default_factory=dict)
+    headline: bool = True  # dtrain against a peer (the page's headline table); False: a check of an instrument
 
 
 def machine() -> dict[str, Any]:
@@ -158,9 +159,11 @@ class Benchmark:
 
     def add_case(self, name: str, systems: dict[str, Callable[[], float]] | None = None,
                  compare: Sequence[tuple[str, str, Bar]] = (),
-                 samples: dict[str, list[float]] | None = None) -> Case:  # fmt: skip
+                 samples: dict[str, list[float]] | None = None, headline: bool = True) -> Case:  # fmt: skip
         """A case timed by :meth:`run` (``systems``: a callable a round), or one whose rounds the benchmark
-        interleaved itself (``samples``: a system's figure a round, round ``r`` of every system together)."""
+        interleaved itself (``samples``: a system's figure a round, round ``r`` of every system together).
+        ``headline``: dtrain against a peer, for the results page's headline table (False: a check against
+        a closed form, shown in its own section only)."""
         if (systems is None) == (samples is None):
             raise ValueError(f"case {name!r}: give either systems (timed by run) or samples (already measured)")
         names = list(systems or samples or {})
@@ -170,7 +173,7 @@ class Benchmark:
         if samples is not None and len({len(v) for v in samples.values()}) > 1:
             raise ValueError(f"case {name!r}: systems with different numbers of rounds {samples}")
         rounds = {s: list(v) for s, v in samples.items()} if samples is not None else {s: [] for s in names}
-        case = Case(name, dict(systems or {}), list(compare), rounds)
+        case = Case(name, dict(systems or {}), list(compare), rounds, headline)
         self.cases.append(case)
         return case
 
@@ -213,7 +216,7 @@ class Benchmark:
                 comparisons.append({"ours": ours, "peer": peer, "bar": bar.to_dict(), "ratios": rs, "ratio": stats,
                                     "verdict": verdict})  # fmt: skip
             cases.append({"name": c.name, "systems": {s: {"samples": v, **summary(v)} for s, v in c.samples.items()},
-                          "comparisons": comparisons})  # fmt: skip
+                          "comparisons": comparisons, "headline": c.headline})  # fmt: skip
         return {"schema": SCHEMA, "name": self.name, "title": self.title, "family": self.family,
                 "workload": self.workload, "metric": self.metric, "higher_is_better": self.higher_is_better,
                 "repeats": self.repeats, "quick": self.quick, "command": shlex.join(self.command),
