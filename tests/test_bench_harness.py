@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from dtrain.bench.harness import SCHEMA, Bar, Benchmark, load_result, summary
+from dtrain.bench.harness import SCHEMA, Bar, Benchmark, commit_of, load_result, summary
 
 
 def test_summary_quartiles_stay_within_the_values() -> None:
@@ -77,3 +78,23 @@ def test_bad_cases_and_files_are_refused(tmp_path: Path) -> None:
     (tmp_path / "old.json").write_text(json.dumps({"schema": "other"}))
     with pytest.raises(ValueError, match="schema"):
         load_result(tmp_path / "old.json")
+
+
+def test_the_commit_is_marked_changed_by_code_not_by_results(tmp_path: Path) -> None:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+
+    git("init", "-q")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    for f in ("src/a.py", "benchmarks/results/r.json", "BENCHMARKS.md"):
+        (tmp_path / f).write_text("0\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "x")
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("1\n")
+    (tmp_path / "BENCHMARKS.md").write_text("1\n")
+    assert commit_of(tmp_path / "src") == head  # from a subfolder too
+    (tmp_path / "src" / "a.py").write_text("1\n")
+    assert commit_of(tmp_path / "src") == head + "+changes"

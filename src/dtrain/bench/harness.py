@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA", "Bar", "Benchmark", "Case", "summary", "machine", "load_result", "add_result_flags", "command"]
+__all__ = ["SCHEMA", "Bar", "Benchmark", "Case", "summary", "machine", "load_result", "add_result_flags", "command",
+           "commit_of"]
 
 SCHEMA = "dtrain-bench/1"
 MIN_REPEATS = 5
@@ -126,14 +127,17 @@ def machine() -> dict[str, Any]:
             "torch": torch.__version__}  # fmt: skip
 
 
-def _commit() -> str:
+def commit_of(where: Path | None = None) -> str:
+    """The checkout's commit, ``+changes`` where its tracked code differs from it (the result files and the
+    page rendered from them do not count); ``unknown`` outside a git checkout."""
+    cwd = where or Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)  # fmt: skip
+                             cwd=cwd)  # fmt: skip
         # changed code marks the figures; the result files and the page they render into do not
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
-                                ":!benchmarks/results", ":!BENCHMARKS.md"], capture_output=True, text=True,
-                               timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                                ":(top,exclude)benchmarks/results", ":(top,exclude)BENCHMARKS.md"],
+                               capture_output=True, text=True, timeout=10, cwd=cwd).stdout.strip()  # fmt: skip
         return out.stdout.strip() + ("+changes" if dirty else "") or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -220,7 +224,7 @@ class Benchmark:
         return {"schema": SCHEMA, "name": self.name, "title": self.title, "family": self.family,
                 "workload": self.workload, "metric": self.metric, "higher_is_better": self.higher_is_better,
                 "repeats": self.repeats, "quick": self.quick, "command": shlex.join(self.command),
-                "commit": _commit(), "date": self.date, "machine": machine(), "load": self.load, "notes": self.notes,
+                "commit": commit_of(), "date": self.date, "machine": machine(), "load": self.load, "notes": self.notes,
                 "extra": self.extra, "cases": cases}  # fmt: skip
 
     def table(self) -> str:
