@@ -45,7 +45,7 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.procs
 def test_two_worker_run_prints_every_algorithm(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["--workers", "2", "--sizes", "4KB,68KB", "--iters", "2", "--warmup", "1", "--timeout", "60"])
+    rc = main(["--workers", "2", "--sizes", "4KiB,68KiB", "--iters", "2", "--warmup", "1", "--timeout", "60"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "torch 2." in out and "world size 2" in out and "alpha-beta fit" in out
