@@ -91,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                    "excluded), the same loop and clock for DDP and dtrain. "
                    + (f"Runs that missed the target (their whole training time counted): {'; '.join(missed)}."
                       if missed else "Every run reached the target."))  # fmt: skip
-    print(bench.table())
-    if ns.out:
-        print(f"wrote {bench.save(ns.out)}")
+    bench.report(ns.out)
     return 0
 
 

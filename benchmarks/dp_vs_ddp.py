@@ -208,9 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     spread = [p[0]["steps_per_s"] for r in rounds for p in r]
     print(f"\nDDP steps/s over all its runs: min {min(spread):.1f}, median {statistics.median(spread):.1f}, "
           f"max {max(spread):.1f}; wall {time.perf_counter() - t0:.0f}s")
-    print(bench.table())
-    if a.out:
-        print(f"wrote {bench.save(a.out)}")
+    bench.report(a.out)
     return 0
 
 

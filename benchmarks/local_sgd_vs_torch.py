@@ -160,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     per_round = ", ".join(f"{t['step_ms'] / d['step_ms']:.3f}" for t, d in rounds)
     print(f"per round torch/dtrain: {per_round}; "
           f"wall {time.perf_counter() - t0:.0f}s")  # fmt: skip
-    print(bench.table())
-    if a.out:
-        print(f"wrote {bench.save(a.out)}")
+    bench.report(a.out)
     return 0
 
 

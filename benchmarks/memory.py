@@ -123,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                    "allocator's slack; the wrapper's count lists only the buffers the wrapper knows. FSDP2's closed "
                    "form here is 16 Psi / N without its gathered units. Not met: what holds the rest is not "
                    "attributed yet.")  # fmt: skip
-    print(bench.table())
-    if a.out:
-        print(f"wrote {bench.save(a.out)}")
+    bench.report(a.out)
     return 0
 
 

@@ -169,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         down(name)
         shutil.rmtree(tmp, ignore_errors=True)
-    print(bench.table())
-    if ns.out:
-        print(f"wrote {bench.save(ns.out)}")
+    bench.report(ns.out)
     return 0
 
 

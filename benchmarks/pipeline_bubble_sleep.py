@@ -183,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.notes = ("The ratio is closed form / measured (1: the schedule's own bubble and nothing else). The time "
                    "beyond the ideal step over the critical path's 2 (vM + P - 1) hand-offs, in ms a hand-off "
                    "(a send, its receive and the Python between them): " + "; ".join(notes) + ".")  # fmt: skip
-    print(bench.table())
-    if a.out:
-        print(f"wrote {bench.save(a.out)}")
+    bench.report(a.out)
     return 0
 
 

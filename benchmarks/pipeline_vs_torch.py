@@ -494,9 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     rss = [ranks[r]["maxrss_mib"] for r in range(a.nprocs)]
     print(f"\nprocess peak RSS MiB (whole run): {' '.join(f'{x:.0f}' for x in rss)}; wall {wall:.0f}s")
-    print(bench.table())
-    if a.out:
-        print(f"wrote {bench.save(a.out)}")
+    bench.report(a.out)
     if not a.json:
         return 0
     path = Path(a.json)

@@ -481,9 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     rss = [ranks[r]["maxrss_mib"] for r in range(a.nprocs)]
     print(f"\nprocess peak RSS MiB (all systems in one process): {' '.join(f'{x:.0f}' for x in rss)}; "
           f"intra-op threads at the end {ranks[0]['threads']}; wall {wall:.0f}s")  # fmt: skip
-    print(bench.table())
-    if a.out:
-        print(f"wrote {bench.save(a.out)}")
+    bench.report(a.out)
     if not a.json:
         return 0
     path = Path(a.json)

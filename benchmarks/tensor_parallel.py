@@ -427,9 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     rss = [ranks[r]["maxrss_mib"] for r in range(a.tp)]
     print(f"\nprocess peak RSS MiB: {' '.join(f'{x:.0f}' for x in rss)}; wall {wall:.0f}s")
-    print(bench.table())
-    if a.out:
-        print(f"wrote {bench.save(a.out)}")
+    bench.report(a.out)
     if a.json:
         path = Path(a.json)
         path.parent.mkdir(parents=True, exist_ok=True)

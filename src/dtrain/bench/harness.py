@@ -240,6 +240,12 @@ class Benchmark:
                              f"{Bar(**cmp['bar']).text()} | {cmp['verdict']} |")  # fmt: skip
         return "\n".join(lines)
 
+    def report(self, out: str | Path | None) -> None:
+        """Print the table; with ``out``, write the result file there (a benchmark's last words)."""
+        print(self.table())
+        if out:
+            print(f"wrote {self.save(out)}")
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
