@@ -44,7 +44,7 @@ Not on this page yet, because their scripts do not run on the harness (each prin
 target on gpt-small for every strategy (`benchmarks/time_to_target.py`), the parameter server's consistency
 policies (`benchmarks/ps_policies.py`), the performance model against measured steps
 (`benchmarks/model_vs_measured.py`), tensor parallelism's memory and large-batch training
-(`benchmarks/large_batch.py`).
+(`benchmarks/large_batch.py`). The parameter server and the hybrid mesh have no peer in torch to run beside.
 """
 
 
