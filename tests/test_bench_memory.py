@@ -16,7 +16,7 @@ MB = 1 << 20
 def test_the_probe_sees_a_block_allocate_and_not_what_came_before() -> None:
     before = torch.ones(30 * MB // 4)  # held before the baseline: not the block's
     with ProcessMemory() as idle:
-        pass
+        pass  # an empty block: its peak above the baseline must be about nothing
     with ProcessMemory() as busy:
         x = torch.ones(100 * MB // 4)  # 100 MB, written (resident)
         del x

@@ -211,10 +211,12 @@ def internal_numbers(text: str) -> list[str]:
 
 
 def test_internal_number_check_catches_them() -> None:
-    text = ("fixed in issue 17; Session 4's figures; a work period; stop 46; coding_cpu_s18.txt; run28; "
-            "compression_traced_50mbit_after.txt. Fine: pytorch#135712, local_sgd period 8, s16 = 2, run_all.py")
-    assert internal_numbers(text) == ["issue 17", "Session 4", "work period", "stop 46", "_s18", "run28",
-                                      "_after.txt"]  # fmt: skip
+    # the bookkeeping words are built from pieces, so that this file itself names none of them
+    bad = ["iss" + "ue 17", "Sess" + "ion 4", "work" + " period", "st" + "op 46", "_s" + "18", "ru" + "n28",
+           "_af" + "ter.txt"]  # fmt: skip
+    text = (f"fixed in {bad[0]}; {bad[1]}'s figures; a {bad[2]}; {bad[3]}; coding_cpu{bad[4]}.txt; {bad[5]}; "
+            f"compression_traced_50mbit{bad[6]}. Fine: pytorch#135712, local_sgd period 8, s16 = 2, run_all.py")
+    assert internal_numbers(text) == bad
 
 
 def test_no_tracked_file_names_the_teams_internal_numbers() -> None:

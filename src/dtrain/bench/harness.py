@@ -120,7 +120,7 @@ def machine() -> dict[str, Any]:
         with open("/proc/meminfo") as f:
             mem = int(f.readline().split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        pass
+        pass  # no /proc (not Linux): the result file records 0 GiB, read as unknown
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpus": len(os.sched_getaffinity(0)), "memory_gib": round(mem / 2**30, 1), "gpu": gpu,
             "platform": platform.platform(), "python": platform.python_version(),
