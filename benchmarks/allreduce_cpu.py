@@ -41,8 +41,8 @@ def _calls(algorithm: str, numel: int, iters: int, piece: int, max_pieces: int) 
 
 
 def main() -> int:
-    from dtrain.bench.allreduce import parse_size
-    from dtrain.launch import launch
+    from dtrain.job.launch import launch
+    from dtrain.measure.allreduce import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)

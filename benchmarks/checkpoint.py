@@ -55,7 +55,7 @@ def _bench(root: str, hidden: int, reps: int) -> dict[str, Any]:
     )
 
     from dtrain.checkpoint import load_checkpoint, save_checkpoint
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     import torch
 
-    from dtrain.launch import launch
+    from dtrain.job.launch import launch
 
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {ns.workers} processes, gloo, "
           f"median of {ns.reps} (slowest rank), files under {ns.dir}")

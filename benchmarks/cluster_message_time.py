@@ -55,7 +55,7 @@ def _pingpong(sizes: list[int], reps: int, idle_s: float) -> dict[int, float] | 
 
 
 def main() -> int:
-    from dtrain.bench.allreduce import format_size, parse_size
+    from dtrain.measure.allreduce import format_size, parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, default=2)

@@ -4,7 +4,7 @@ The performance model charges a compressed bucket's encode, merge and decode as 
 :func:`dtrain.perfmodel._traffic.compressed_traffic` counts: the collective run on ``--workers``
 threads of one process (``time.thread_time`` of the busiest rank's thread), times the compute scale
 and the compressor's ``cpu_ratio``. This script runs the calibration's own probe
-(:func:`dtrain.bench._probes.coding_cpu`: ``--workers`` gloo processes on loopback, each rank's
+(:func:`dtrain.measure._probes.coding_cpu`: ``--workers`` gloo processes on loopback, each rank's
 ``time.thread_time`` over the call, the median of ``--reps``, times the user-mode share of the calls'
 CPU; the CNN's gradient with its parameter shapes as the data-parallel reducer passes them) and prints
 it beside the thread count and their ratio (:func:`dtrain.perfmodel.fit.fit_cpu_ratio`, what a
@@ -30,8 +30,8 @@ def main() -> int:
     ns = ap.parse_args()
     import torch
 
-    from dtrain.bench._probes import coding_cpu
-    from dtrain.launch import launch
+    from dtrain.job.launch import launch
+    from dtrain.measure._probes import coding_cpu
     from dtrain.perfmodel._traffic import compressed_traffic
     from dtrain.perfmodel.fit import fit_cpu_ratio
 

@@ -5,7 +5,7 @@ Two tables:
 1. **codec** (one process): for each compressor, the payload of a 1 MiB fp32
    gradient (bytes and ratio to dense) and encode+decode time per MB (median of
    ``--reps`` after one discarded warm-up), with ``none`` as the peer.
-2. **training** (``--workers`` processes through ``dtrain.launch.launch``, each
+2. **training** (``--workers`` processes through ``dtrain.job.launch.launch``, each
    compressor in turn inside one launch): ``dtrain.DataParallel(compression=...)``
    trains a model on digits for ``--epochs`` epochs; per compressor the bytes a
    worker sent per step (the transport's counters) and the ratio to the
@@ -17,7 +17,7 @@ Two tables:
    error feedback (the optimizer then has none); ``--momentum-after`` leaves it in
    the optimizer for every compressor, to show why.
    With ``--ps`` the CNN is also trained under the parameter server (BSP) through
-   ``dtrain.train.run`` (``--ps-servers`` server processes beside the workers).
+   ``dtrain.job.worker.run`` (``--ps-servers`` server processes beside the workers).
    Every row follows the same learning-rate schedule, ``--lr-schedule`` (default:
    cosine, ``dtrain run --lr-schedule cosine``), stepped per optimizer step.
 
@@ -167,9 +167,9 @@ def dp_worker(
 
     import dtrain
     from dtrain.compress import from_spec
-    from dtrain.data import load_dataset
-    from dtrain.models import build_model
-    from dtrain.train import lr_factor
+    from dtrain.job.worker import lr_factor
+    from dtrain.workloads.data import load_dataset
+    from dtrain.workloads.models import build_model
 
     torch.set_num_threads(1)
     rank, world = dtrain.rank(), dtrain.world_size()
@@ -217,7 +217,7 @@ def dp_worker(
 def train_table(
     rows: list[dict[str, Any]], model: str, hidden: list[int], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    from dtrain.launch import launch
+    from dtrain.job.launch import launch
 
     out = launch(dp_worker, (rows, model, hidden, args.seed, args.momentum_after, args.lr_schedule, args.timeout),
                  nprocs=args.workers)
@@ -238,8 +238,8 @@ def train_table(
 
 
 def ps_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    from dtrain.config import RunConfig
-    from dtrain.train import run
+    from dtrain.job.config import RunConfig
+    from dtrain.job.worker import run
 
     table = []
     for row in rows:

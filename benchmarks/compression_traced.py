@@ -85,15 +85,15 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64)
     ns = ap.parse_args()
     import dtrain.cluster as dc
-    from dtrain.bench.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.cluster import launch_on_cluster
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
+    from dtrain.job.worker import worker_main
+    from dtrain.measure.calibrate import calibrate_cluster, pool_load, refresh_load, summary
+    from dtrain.observe.trace import merge_rank_files
     from dtrain.perfmodel._traffic import compressed_traffic
-    from dtrain.perfmodel.planner import plan
+    from dtrain.perfmodel.ranking import plan
     from dtrain.strategies import choice
-    from dtrain.trace import merge_rank_files
-    from dtrain.train import worker_main
-    from dtrain.workload import load_model
+    from dtrain.workloads.load import load_model
 
     specs = ns.compressors.split(",")
     model, sample, name = load_model("cnn", "digits", batch=ns.batch)

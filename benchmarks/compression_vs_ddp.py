@@ -26,7 +26,7 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+    from dtrain.measure.harness import Bar, Benchmark, add_result_flags, command
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", type=int, default=4)
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     add_result_flags(ap)
     ns = ap.parse_args(argv)
     import dtrain.cluster as dc
-    from dtrain.config import RunConfig
-    from dtrain.train import run
+    from dtrain.job.config import RunConfig
+    from dtrain.job.worker import run
 
     os.environ.setdefault("DTRAIN_CLUSTER_DIR", tempfile.mkdtemp(prefix="dtrain-bench-clusters-"))
     specs = [s for s in ns.compression.split(",") if s]

@@ -1,9 +1,9 @@
 """dtrain.DataParallel beside torch DDP: training steps per second, same model, data and seed.
 
-One launch of ``--nprocs`` processes (``dtrain.launch.launch``, gloo on CPU or
+One launch of ``--nprocs`` processes (``dtrain.job.launch.launch``, gloo on CPU or
 NCCL on CUDA). Inside it, each ``dtrain.DataParallel`` configuration (allreduce
 algorithm x overlap mode) is timed back to back with torch DDP: the same model
-(``dtrain.models.build_model``, default the CNN), the same digits shards and the
+(``dtrain.workloads.models.build_model``, default the CNN), the same digits shards and the
 same seed train for ``--warmup`` discarded steps and then ``--steps`` timed steps
 (barrier before and after; rank 0's clock). The pairs are repeated
 ``--repeats`` times, DDP first in one round and second in the next, so that a
@@ -22,7 +22,7 @@ Run::
     python benchmarks/dp_vs_ddp.py --model mlp --steps 400 --repeats 5
     python benchmarks/dp_vs_ddp.py --algorithms ring --repeats 7 --out benchmarks/results/dp_vs_ddp.json
 
-``--out`` writes the harness's result file (:mod:`dtrain.bench.harness`): every round's steps/s of
+``--out`` writes the harness's result file (:mod:`dtrain.measure.harness`): every round's steps/s of
 both systems, the per-round ratio DataParallel / DDP with its median, interquartile range and min-max,
 held against the bar (>= 1.0x).
 
@@ -47,7 +47,7 @@ def _batches(
     model: str, batch: int, rank: int, world: int, count: int, seed: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's shard of digits, cut into local batches of ``batch // world`` (cycled to ``count``)."""
-    from dtrain.data import load_dataset
+    from dtrain.workloads.data import load_dataset
 
     ds = load_dataset("digits", seed=seed).train
     x, y = ds.tensors
@@ -69,7 +69,7 @@ def _run_config(cfg: dict[str, Any], args: dict[str, Any], data: list[Any]) -> d
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import dtrain
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     torch.manual_seed(args["seed"])
     net = build_model(args["model"], (1, 8, 8), 10)
@@ -141,7 +141,7 @@ def _worker(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+    from dtrain.measure.harness import Bar, Benchmark, add_result_flags, command
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4)
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     add_result_flags(ap)
     a = ap.parse_args(argv)
 
-    from dtrain.launch import launch, threads_per_worker
+    from dtrain.job.launch import launch, threads_per_worker
 
     algorithms = [s for s in a.algorithms.split(",") if s]
     overlaps = [s for s in a.overlap.split(",") if s]

@@ -153,7 +153,7 @@ def time_train_steps(
     name: str, B: int, S: int, x: torch.Tensor, y: torch.Tensor, *, device: str, bf16: bool, warm: int, reps: int
 ) -> dict[str, Any]:
     """Median wall time of one training step (synchronised on CUDA), warm-up discarded."""
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     torch.manual_seed(0)
     model = build_model(name, vocab_size=256, seq_len=S).to(device)
@@ -197,7 +197,7 @@ def time_train_steps(
 
 def part_gpt(args: argparse.Namespace) -> None:
     section("2. GPT training step on the GPU (and CPU for the smallest shape)")
-    from dtrain.data import load_dataset
+    from dtrain.workloads.data import load_dataset
 
     shapes = [(8, 64), (64, 256)]
     models = ("gpt-small", "gpt-medium")
@@ -305,7 +305,7 @@ def part_gpt(args: argparse.Namespace) -> None:
 
 
 def _free_port() -> int:
-    from dtrain.launch import free_port
+    from dtrain.job.launch import free_port
 
     return free_port()
 
@@ -361,8 +361,8 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 def part_data_parallel() -> None:
     section("3b. dtrain.DataParallel on CUDA, one rank (NCCL), gpt-tiny, 10 SGD steps")
     import dtrain
-    from dtrain.data import load_dataset
-    from dtrain.models import build_model
+    from dtrain.workloads.data import load_dataset
+    from dtrain.workloads.models import build_model
 
     if not dist.is_initialized():
         print("torch.distributed not initialised (3a skipped or failed): DataParallel runs as a world of one")

@@ -1,6 +1,6 @@
 """Large-batch training: what keeps accuracy when the global batch grows 8x and 32x.
 
-Every variant is one ``dtrain run`` (``dtrain.train.run``, data parallel with ring allreduce, loopback
+Every variant is one ``dtrain run`` (``dtrain.job.worker.run``, data parallel with ring allreduce, loopback
 unless ``--part cluster``) from the same seed for the same number of epochs, so a larger batch takes
 fewer steps. The metric is the one the run reports after its last epoch (not the best epoch).
 
@@ -164,7 +164,7 @@ def _has_auto() -> bool:
 
 def _one(cfg: Any) -> dict[str, Any]:
     """Run ``cfg`` in a fresh folder; the summary's figures this benchmark keeps."""
-    from dtrain.train import run
+    from dtrain.job.worker import run
 
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
@@ -183,7 +183,7 @@ def _one(cfg: Any) -> dict[str, Any]:
     elif decisions:  # auto: the batch it chose for each epoch
         epoch_batches = [int(d["batch"]) for d in decisions]
     else:
-        from dtrain.schedule import BatchPlan
+        from dtrain.training.large_batch import BatchPlan
 
         n = _train_size(cfg)
         epoch_batches = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, n, cfg.epochs).batches
@@ -210,7 +210,7 @@ def _one(cfg: Any) -> dict[str, Any]:
 
 
 def _train_size(cfg: Any) -> int:
-    from dtrain.data import load_dataset
+    from dtrain.workloads.data import load_dataset
 
     return len(load_dataset(cfg.dataset, seq_len=cfg.seq_len).train)
 
@@ -300,7 +300,7 @@ def main() -> int:
         return 0
     import torch
 
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
 
     common = dict(trace=False, progress=False, momentum=0.9, lr_schedule="constant", timeout_s=900.0,
                   eval_every=ns.eval_every)  # fmt: skip

@@ -1,12 +1,12 @@
 """dtrain.LocalSGD beside torch's post-local SGD: mean step time, same model, data, period and warm-up.
 
-One launch of ``--nprocs`` processes (``dtrain.launch.launch``, gloo on CPU or NCCL on CUDA).
+One launch of ``--nprocs`` processes (``dtrain.job.launch.launch``, gloo on CPU or NCCL on CUDA).
 torch's side is its documented recipe: DDP with ``post_localSGD_hook``
 (``PostLocalSGDState(process_group=None, subgroup=<1-rank groups>, start_localSGD_iter=W)``,
 so gradients are averaged globally for ``W`` steps and not at all afterwards) and
 ``PostLocalSGDOptimizer(SGD, PeriodicModelAverager(period, W))``. dtrain's side is
 ``LocalSGD(model, period, warmup_steps=W, algorithm=...)`` around the same SGD. Both train the
-same model (``dtrain.models.build_model``, default the CNN) on the same digits shards from the
+same model (``dtrain.workloads.models.build_model``, default the CNN) on the same digits shards from the
 same seed for ``--steps`` steps, warm-up included (barrier before and after; rank 0's clock).
 The pair is repeated ``--repeats`` times, torch first in one round and second in the next, so
 that a slow spell of a shared machine hits both alike; the figures are medians over rounds,
@@ -18,7 +18,7 @@ Run::
     python benchmarks/local_sgd_vs_torch.py --model mlp --period 4 --warmup-steps 0 --algorithm native
     python benchmarks/local_sgd_vs_torch.py --repeats 7 --out benchmarks/results/local_sgd_vs_torch.json
 
-``--out`` writes the harness's result file (:mod:`dtrain.bench.harness`); the bar is >= 1.0x.
+``--out`` writes the harness's result file (:mod:`dtrain.measure.harness`); the bar is >= 1.0x.
 
 Timings on a shared machine are indicative; run it on a quiet one for figures.
 """
@@ -37,7 +37,7 @@ import torch
 
 def _batches(batch: int, rank: int, world: int, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's shard of digits, cut into local batches of ``batch // world`` (cycled to ``count``)."""
-    from dtrain.data import load_dataset
+    from dtrain.workloads.data import load_dataset
 
     x, y = load_dataset("digits", seed=seed).train.tensors
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
@@ -59,7 +59,7 @@ def _run(kind: str, args: dict[str, Any], data: list[Any], solo: Any) -> dict[st
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dtrain.decentralized import LocalSGD
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     torch.manual_seed(args["seed"])
     net = build_model(args["model"], (1, 8, 8), 10)
@@ -109,7 +109,7 @@ def _worker(args: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+    from dtrain.measure.harness import Bar, Benchmark, add_result_flags, command
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4)
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     add_result_flags(ap)
     a = ap.parse_args(argv)
 
-    from dtrain.launch import launch, threads_per_worker
+    from dtrain.job.launch import launch, threads_per_worker
 
     args = dict(model=a.model, algorithm=a.algorithm, period=a.period, warmup_steps=a.warmup_steps,
                 batch_size=a.batch_size, steps=a.steps, repeats=a.repeats, lr=a.lr, seed=a.seed)  # fmt: skip

@@ -1,7 +1,7 @@
 """Memory of ZeRO's stages and their peers as the process sees it, beside the wrapper's count and the closed form.
 
 Each configuration runs in fresh processes (one launch of ``--nprocs`` gloo processes on loopback a
-configuration and round): inside :class:`dtrain.bench.memory.ProcessMemory`, whose baseline is taken before
+configuration and round): inside :class:`dtrain.measure.memory.ProcessMemory`, whose baseline is taken before
 the model is built, a rank builds the system of ``benchmarks/sharded.py`` (the same model, seed, Adam and
 batches) and trains ``--steps`` steps. The figure is the largest rank's peak resident set above its
 baseline, in MiB, beside:
@@ -39,7 +39,7 @@ MIB = 2**20
 def _worker(name: str, args: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from dtrain.bench.memory import ProcessMemory
+    from dtrain.measure.memory import ProcessMemory
 
     torch.set_num_threads(1)
     data = sharded._batches(args, dist.get_rank(), dist.get_world_size())
@@ -58,7 +58,7 @@ def _worker(name: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+    from dtrain.measure.harness import Bar, Benchmark, add_result_flags, command
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4)

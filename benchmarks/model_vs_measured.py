@@ -76,10 +76,10 @@ def main() -> int:
     import torch
 
     import dtrain.cluster as dc
-    from dtrain.bench.calibrate import calibrate_cluster, pool_load, refresh_load, summary
-    from dtrain.config import RunConfig
-    from dtrain.perfmodel.planner import candidates, plan
-    from dtrain.workload import load_model
+    from dtrain.job.config import RunConfig
+    from dtrain.measure.calibrate import calibrate_cluster, pool_load, refresh_load, summary
+    from dtrain.perfmodel.ranking import candidates, plan
+    from dtrain.workloads.load import load_model
 
     print(f"torch {torch.__version__}; model cnn on digits, global batch {ns.batch}, {ns.hosts} emulated hosts, "
           f"{ns.steps} steps or {ns.window:g} s of them (mean after {ns.warmup})")  # fmt: skip

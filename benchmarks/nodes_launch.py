@@ -12,7 +12,8 @@ Both train with the same workers, so the steps should take the same time. The in
 code under test: this script's clock, reading rank 0's ``metrics.rank0.jsonl`` as it grows (a row a step,
 flushed as written); the time from the row of step ``--from`` to that of the last step, over the steps
 between. The runs are long (1,100 timed steps, about 25 s) because the four hosts share two cores here: over
-350 steps the same launch's rate spread by 15% from run to run, and the ratio's spread straddled the 5% bar. Systems and strategies run in rotated order in every round; ``--repeats`` rounds; medians with
+350 steps the same launch's rate spread by 15% from run to run, and the ratio's spread straddled the 5% bar.
+Systems and strategies run in rotated order in every round; ``--repeats`` rounds; medians with
 min-max, and the ratio per-node / one-launcher of each round's pair (1.0: no cost).
 
 Run (root)::
@@ -20,7 +21,7 @@ Run (root)::
     python benchmarks/nodes_launch.py                       # 4 hosts at 1gbit, dp and pipeline, 5 rounds
     python benchmarks/nodes_launch.py --repeats 7 --out benchmarks/results/nodes_launch.json
 
-``--out`` writes the harness's result file (:mod:`dtrain.bench.harness`); the bar: within 5% (no cost).
+``--out`` writes the harness's result file (:mod:`dtrain.measure.harness`); the bar: within 5% (no cost).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def per_node(c: Any, flags: list[str], out: Path) -> dict[int, float]:
 def one_launcher(c: Any, flags: list[str], out: Path) -> dict[int, float]:
     from dtrain.cli import build_parser, config_from_args
     from dtrain.cluster import launch_on_cluster
-    from dtrain.train import worker_main
+    from dtrain.job.worker import worker_main
 
     cfg = config_from_args(build_parser().parse_args(["run", *flags, "--out", str(out)])).validate()
     out.mkdir(parents=True)
@@ -119,7 +120,7 @@ def one_launcher(c: Any, flags: list[str], out: Path) -> dict[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+    from dtrain.measure.harness import Bar, Benchmark, add_result_flags, command
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", type=int, default=4)

@@ -32,8 +32,8 @@ import torch
 
 
 def _step_times(name: str, batch: int, steps: int, warmup: int) -> dict[str, float]:
-    from dtrain.models import build_model, task_loss
     from dtrain.training.guard import first_nonfinite
+    from dtrain.workloads.models import build_model, task_loss
 
     torch.manual_seed(0)
     lm = name.startswith("gpt")
@@ -67,8 +67,8 @@ def _agreement(steps: int) -> dict[str, float]:
     import torch.distributed as dist
 
     from dtrain.comm.allreduce import allreduce
-    from dtrain.models import build_model
     from dtrain.training.guard import flagged_ranks
+    from dtrain.workloads.models import build_model
 
     grads = torch.cat([p.detach().flatten() for p in build_model("cnn").parameters()])
     out: dict[str, list[float]] = {"flagged_ranks": [], "ring allreduce of the CNN's gradients": []}
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = t["checked"] / t["plain"] - 1
         print(f"{name:<10} {batch:>5}   {t['plain'] * 1e3:>12.3f} ms   {t['checked'] * 1e3:>11.3f} ms"
               f"   {t['check'] * 1e6:>8.1f} us   {extra * 100:>+7.1f}% ({t['check'] / t['plain'] * 100:.1f}% alone)")
-    from dtrain.launch import launch
+    from dtrain.job.launch import launch
 
     res: Any = launch(_agreement, (a.steps,), nprocs=a.nprocs)[0]
     print(f"\nagreement among {a.nprocs} gloo processes (median per step):")

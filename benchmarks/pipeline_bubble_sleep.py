@@ -131,7 +131,7 @@ def _worker(args: dict[str, Any]) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+    from dtrain.measure.harness import Bar, Benchmark, add_result_flags, command
     from dtrain.pipeline.schedules import bubble_closed_form
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

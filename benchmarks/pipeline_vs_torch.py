@@ -1,6 +1,6 @@
 """dtrain.Pipeline beside torch.distributed.pipelining: samples/s, same model, same cut, same micro-batches.
 
-One launch of ``--nprocs`` processes (``dtrain.launch.launch``, MASTER_ADDR 127.0.0.1, gloo on
+One launch of ``--nprocs`` processes (``dtrain.job.launch.launch``, MASTER_ADDR 127.0.0.1, gloo on
 loopback, CPU, one intra-op thread each: ``torch.set_num_threads(1)``). Inside it, for each
 workload and each schedule pair, both systems are built from the same seed and cut the same
 way (``--balance``, computed once by ``dtrain.pipeline.partition.balance`` and passed as
@@ -90,7 +90,7 @@ def _build(workload: str, schedule: str, args: dict[str, Any]) -> nn.Sequential:
     """The workload's model, from ``--seed`` (the same weights on every rank and for both systems)."""
     torch.manual_seed(args["seed"])
     if workload == "gpt":
-        from dtrain.models import build_gpt
+        from dtrain.workloads.models import build_gpt
 
         layers = args["interleaved_layers"] if schedule == "interleaved" else 0  # 0: the preset's depth
         return build_gpt(args["gpt_model"], seq_len=args["seq_len"], layers=layers)
@@ -200,7 +200,7 @@ class _System:
         else:
             from torch.distributed import pipelining as pp
 
-            from dtrain.models import task_loss
+            from dtrain.workloads.models import task_loss
 
             parts, n = _cut(model, sizes), len(sizes)
             local = [s for s in range(n) if s % world == rank]
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.warmup} warm-up + {a.steps} timed steps per system in {a.rounds} alternating rounds; "
           f"gpt: {a.gpt_model} seq_len {a.seq_len} (interleaved: {a.interleaved_layers or 'preset'} layers); "
           f"mlp: {a.mlp_depth} x {a.mlp_width}; cut by {a.balance}")  # fmt: skip
-    from dtrain.bench.harness import Bar, Benchmark, command
+    from dtrain.measure.harness import Bar, Benchmark, command
 
     bench = Benchmark("pipeline_vs_torch", title="Pipeline schedules against torch.distributed.pipelining",
                       family="pipeline parallelism",

@@ -1,6 +1,6 @@
 """Mixed precision: fp32 against bf16 and fp16 on the same runs -- metric, bytes per step, overflows.
 
-Every row is one ``dtrain run`` (``dtrain.train.run``; data parallel, ring allreduce, ``--workers``
+Every row is one ``dtrain run`` (``dtrain.job.worker.run``; data parallel, ring allreduce, ``--workers``
 processes on loopback) from the same seed for the same steps; only ``--precision`` changes:
 
 * ``fp32``  the reference
@@ -71,7 +71,7 @@ def _record(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def _one(cfg: Any) -> dict[str, Any]:
-    from dtrain.train import run
+    from dtrain.job.worker import run
 
     with tempfile.TemporaryDirectory() as d:
         s, _ = run(cfg.replace(out=str(Path(d) / "run"), overwrite=True), quiet=True)
@@ -83,7 +83,7 @@ def _many(cfgs: dict[str, Any], jobs: int, deadline_s: float,
     """Each ``key: RunConfig`` as its own ``dtrain run`` process tree, ``jobs`` at a time: key -> its record,
     or why it failed. Runs still going at ``deadline_s`` are stopped and recorded from the evaluations they
     printed (``partial``). ``logs``: every run's output is appended there."""
-    from dtrain.config import dump_toml
+    from dtrain.job.config import dump_toml
 
     out: dict[str, dict[str, Any] | str] = {}
     todo, running = list(cfgs), {}
@@ -217,7 +217,7 @@ def main() -> int:
     if not ns.table:
         import torch
 
-        from dtrain.config import RunConfig
+        from dtrain.job.config import RunConfig
 
         common = dict(trace=False, progress=False, workers=ns.workers, timeout_s=ns.timeout_s, device=ns.device)
         bases = {

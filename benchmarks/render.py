@@ -50,7 +50,7 @@ policies (`benchmarks/ps_policies.py`), the performance model against measured s
 
 def load_all(folder: Path = RESULTS) -> list[dict[str, Any]]:
     sys.path.insert(0, str(ROOT / "src"))
-    from dtrain.bench.harness import load_result
+    from dtrain.measure.harness import load_result
 
     results = [load_result(p) for p in sorted(folder.glob("*.json"))]
 

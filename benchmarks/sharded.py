@@ -1,8 +1,8 @@
 """dtrain.ShardedDataParallel (ZeRO stages 1-3) beside torch's and DeepSpeed's sharding: time, bytes, memory.
 
-One launch of ``--nprocs`` processes (``dtrain.launch.launch``, MASTER_ADDR 127.0.0.1, gloo on
+One launch of ``--nprocs`` processes (``dtrain.job.launch.launch``, MASTER_ADDR 127.0.0.1, gloo on
 loopback, CPU, one intra-op thread each). Inside it every system below is built from the same
-seed (``dtrain.models.build_model(--model, seq_len, vocab_size=256)``), trained with Adam
+seed (``dtrain.workloads.models.build_model(--model, seq_len, vocab_size=256)``), trained with Adam
 (``--lr``, torch's defaults otherwise) on the same per-rank batches (``--batch-size`` global,
 split over the ranks), loss = cross entropy over ``logits.reshape(-1, vocab)``:
 
@@ -54,7 +54,7 @@ Run::
     python benchmarks/sharded.py --steps 6 --rounds 2  # shorter
     python benchmarks/sharded.py --deepspeed off --out benchmarks/results/sharded_vs_torch.json
 
-``--out`` writes the harness's result file (:mod:`dtrain.bench.harness`): a round's figure is rank 0's
+``--out`` writes the harness's result file (:mod:`dtrain.measure.harness`): a round's figure is rank 0's
 time for that round's steps of a system (barrier to barrier) per step; the ratio peer / dtrain per round;
 the bar >= 1.0x. ``--json`` writes every figure above (bytes, memory, losses) as a separate file.
     PYTHONPATH=/tmp/dslib python benchmarks/sharded.py # with DeepSpeed installed out of the venv
@@ -108,7 +108,7 @@ def _deepspeed_version() -> str | None:
 
 
 def _model(args: dict[str, Any]) -> nn.Sequential:
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     torch.manual_seed(args["seed"])
     return build_model(args["model"], seq_len=args["seq_len"], vocab_size=VOCAB)
@@ -423,7 +423,7 @@ def _print(out: dict[str, Any], args: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+    from dtrain.measure.harness import Bar, Benchmark, add_result_flags, command
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4, help="processes = data-parallel ranks (default: 4)")

@@ -50,10 +50,10 @@ def main() -> int:
     import torch
 
     import dtrain.cluster as dc
-    from dtrain.bench.calibrate import calibrate_cluster, summary
-    from dtrain.config import RunConfig
-    from dtrain.perfmodel.planner import plan
-    from dtrain.workload import load_model
+    from dtrain.job.config import RunConfig
+    from dtrain.measure.calibrate import calibrate_cluster, summary
+    from dtrain.perfmodel.ranking import plan
+    from dtrain.workloads.load import load_model
 
     print(f"torch {torch.__version__}; {ns.model} on pytext, global batch {ns.batch} x {ns.seq_len} tokens, "
           f"{ns.hosts} emulated hosts at {ns.bandwidth}, {ns.steps} steps (median after {ns.warmup}), "

@@ -47,7 +47,7 @@ def rates(out: Path, workers: int, warmup: int) -> dict[int, float]:
 
 
 def run_one(base: Any, kw: dict[str, Any], straggler: str, warmup: int) -> dict[str, Any]:
-    from dtrain.train import run
+    from dtrain.job.worker import run
 
     with tempfile.TemporaryDirectory() as d:
         cfg = base.replace(**kw, straggler=straggler, out=d)
@@ -70,7 +70,7 @@ def main() -> int:
     ns = ap.parse_args()
     import torch
 
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
 
     names = [n for n in ns.strategies.split(",") if n]
     dataset = ns.dataset or ("pytext" if ns.model.startswith("gpt") else "digits")

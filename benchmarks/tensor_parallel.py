@@ -1,8 +1,8 @@
 """dtrain.tensor_parallel beside torch's DTensor tensor parallelism: step time, bytes, memory.
 
-One launch of ``--tp`` processes (``dtrain.launch.launch``, MASTER_ADDR 127.0.0.1, gloo on loopback,
+One launch of ``--tp`` processes (``dtrain.job.launch.launch``, MASTER_ADDR 127.0.0.1, gloo on loopback,
 CPU, one intra-op thread each) is one tensor-parallel group. Inside it every system is built from
-the same seed (``dtrain.models.build_model(--model, seq_len, vocab_size=256)``) and trained with
+the same seed (``dtrain.workloads.models.build_model(--model, seq_len, vocab_size=256)``) and trained with
 plain SGD (``--lr``) on the same fixed batches (``--batch`` x ``--seq-len`` tokens, the whole batch
 on every rank, as tensor parallelism has it):
 
@@ -60,7 +60,7 @@ Run::
     python benchmarks/tensor_parallel.py --tp 2 --out benchmarks/results/tensor_vs_dtensor_tp2.json
     python benchmarks/tensor_parallel.py --tp 4 --out benchmarks/results/tensor_vs_dtensor_tp4.json
 
-``--out`` writes the harness's result file (:mod:`dtrain.bench.harness`): a round's figure is rank 0's
+``--out`` writes the harness's result file (:mod:`dtrain.measure.harness`): a round's figure is rank 0's
 time for that round's steps of a system (barrier to barrier) per step; the ratio torch / dtrain per round;
 the bar >= 1.0x. ``--json`` writes every figure above (bytes, memory, losses) as a separate file.
 
@@ -92,7 +92,7 @@ SPLIT = ("embed.tok.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weig
 
 
 def _model(args: dict[str, Any]) -> nn.Sequential:
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     torch.manual_seed(args["seed"])
     return build_model(args["model"], seq_len=args["seq_len"], vocab_size=VOCAB)
@@ -158,7 +158,7 @@ class _SavedBytes:
 def _permute_qkv(net: nn.Sequential, tp: int) -> None:
     """Reorder each fused qkv's output rows [q; k; v] to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (x_r: rank r's heads),
     so that ColwiseParallel's contiguous chunk r is rank r's heads' q, k and v; give attention heads / tp."""
-    from dtrain.models.gpt import CausalSelfAttention
+    from dtrain.workloads.models.gpt import CausalSelfAttention
 
     for m in net.modules():
         if isinstance(m, CausalSelfAttention):
@@ -309,7 +309,7 @@ def closed_bytes(*, b: int, s: int, h: int, layers: int, p: int, sequence_parall
 
 
 def _summarize(ranks: dict[int, dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:
-    from dtrain.models.gpt import resolve_gpt_config
+    from dtrain.workloads.models.gpt import resolve_gpt_config
 
     p = args["tp"]
     cfg = resolve_gpt_config(args["model"], seq_len=args["seq_len"], vocab_size=VOCAB)
@@ -382,7 +382,7 @@ def _print(out: dict[str, Any], args: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.bench.harness import Bar, Benchmark, add_result_flags, command
+    from dtrain.measure.harness import Bar, Benchmark, add_result_flags, command
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2, help="processes = tensor-parallel size (default: 2)")

@@ -88,7 +88,7 @@ def step_figures(cfg: Any, out: Path, warmup: int) -> dict[str, float]:
 
 
 def _predictions(spec: Any, model: Any, sample: Any, todo: dict[str, Any], base: Any) -> dict[str, float]:
-    from dtrain.perfmodel.planner import plan
+    from dtrain.perfmodel.ranking import plan
     from dtrain.strategies import Choice
 
     choices = {}
@@ -163,11 +163,11 @@ def main() -> int:
     import torch
 
     import dtrain.cluster as dc
-    from dtrain.bench.calibrate import calibrate_cluster, summary
-    from dtrain.config import RunConfig
-    from dtrain.data import load_dataset, unigram_entropy
-    from dtrain.train import run
-    from dtrain.workload import load_model
+    from dtrain.job.config import RunConfig
+    from dtrain.job.worker import run
+    from dtrain.measure.calibrate import calibrate_cluster, summary
+    from dtrain.workloads.data import load_dataset, unigram_entropy
+    from dtrain.workloads.load import load_model
 
     data = load_dataset("pytext", seq_len=ns.seq_len)
     print(f"torch {torch.__version__}; {ns.model} on pytext ({data.source}); unigram entropy of the train text "

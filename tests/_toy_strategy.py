@@ -15,7 +15,8 @@ import torch
 
 from dtrain.perfmodel.predict import Memory, Prediction, StepInputs
 from dtrain.strategies import Choice, PlanSpace, Strategy, StrategyOptions, register
-from dtrain.training import Position, TrainContext, run_loop
+from dtrain.training.context import TrainContext
+from dtrain.training.loop import Position, run_loop
 
 
 @dataclass(frozen=True)

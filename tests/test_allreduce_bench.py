@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.bench.allreduce import BenchConfig, format_size, main, parse_size
 from dtrain.comm import ALGORITHMS
 from dtrain.errors import ConfigError
+from dtrain.measure.allreduce import BenchConfig, format_size, main, parse_size
 from dtrain.perfmodel.units import parse_bytes
 
 

@@ -1,4 +1,4 @@
-"""Straggler and bottleneck attribution (dtrain.attribution) on synthetic rows, and on real runs:
+"""Straggler and bottleneck attribution (dtrain.observe.attribution) on synthetic rows, and on real runs:
 ``--straggler 1:4`` is named in dp, ps (bsp) and pipeline runs; a plain run claims no big straggler;
 ``--tensorboard`` writes the loss and metric series that tensorboard's own reader reads back."""
 
@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from _helpers import dtrain_runs, read_metrics, read_summary
 
-from dtrain.attribution import arrivals, attribute, own_s, step_time
-from dtrain.config import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.report import report
+from dtrain.job.config import RunConfig
+from dtrain.observe.attribution import arrivals, attribute, own_s, step_time
+from dtrain.observe.report import report
 
 MS = 1e-3
 
@@ -209,7 +209,7 @@ def test_tensorboard_events_hold_the_loss_per_step_and_the_metric(runs):
 def test_tensorboard_missing_is_refused_before_any_process_starts(monkeypatch, tmp_path):
     import importlib.util
 
-    from dtrain.train import run
+    from dtrain.job.worker import run
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.bench.harness import SCHEMA, Bar, Benchmark, commit_of, load_result, summary
+from dtrain.measure.harness import SCHEMA, Bar, Benchmark, commit_of, load_result, summary
 
 
 def test_summary_quartiles_stay_within_the_values() -> None:

@@ -8,7 +8,7 @@ import torch
 from _dist import run_distributed
 from torch import nn
 
-from dtrain.bench.memory import ProcessMemory, peak_rss_bytes, rss_bytes
+from dtrain.measure.memory import ProcessMemory, peak_rss_bytes, rss_bytes
 
 MB = 1 << 20
 

@@ -7,7 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from dtrain.bench.harness import Bar, Benchmark
+from dtrain.measure.harness import Bar, Benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -24,9 +24,9 @@ from dtrain.checkpoint import (
     save_checkpoint,
 )
 from dtrain.checkpoint.training import run_info
-from dtrain.config import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.models import build_model
+from dtrain.job.config import RunConfig
+from dtrain.workloads.models import build_model
 
 TOL = 1e-6
 
@@ -187,7 +187,7 @@ def _dp_resume(rank, world, root, specs, n):
 
 def _dp_resume_one(rank, world, root, spec, n):
     from dtrain import DataParallel
-    from dtrain.data import load_dataset
+    from dtrain.workloads.data import load_dataset
 
     torch.set_num_threads(1)
     x_all, y_all = load_dataset("digits").train.tensors

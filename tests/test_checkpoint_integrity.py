@@ -16,7 +16,7 @@ from _helpers import dtrain_cli, read_metrics, read_summary
 
 from dtrain.checkpoint import CheckpointError, find_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from dtrain.checkpoint.manifest import ALGORITHM, check_files, file_digest
-from dtrain.models import build_model
+from dtrain.workloads.models import build_model
 
 TOL = 1e-6
 

@@ -205,7 +205,7 @@ def test_bytes_per_step_vs_dense_meet_the_targets() -> None:
 
 def test_powersgd_bytes_on_the_default_cnn_layout() -> None:
     """PowerSGD(2) per weight matrix of the default CNN, biases dense: <= 1/20 of dense."""
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     shapes = [tuple(q.shape) for q in build_model("cnn", (1, 8, 8), 10).parameters()]
     n = sum(math.prod(s) for s in shapes)

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from dtrain.cli import build_parser, config_from_args
-from dtrain.config import RunConfig, dump_toml, load_toml, parse_straggler
 from dtrain.errors import ConfigError
+from dtrain.job.config import RunConfig, dump_toml, load_toml, parse_straggler
 
 
 def test_defaults_validate():
@@ -88,7 +88,7 @@ def test_every_field_has_a_flag():
     ap = build_parser()
     run = next(a for a in ap._subparsers._group_actions[0].choices.values() if a.prog.endswith("run"))
     dests = {a.dest for a in run._actions}
-    from dtrain.config import option_fields
+    from dtrain.job.config import option_fields
 
     for name in [f.name for f in RunConfig.shared_fields()] + list(option_fields()):
         assert name in dests, name

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from dtrain.config import RunConfig
 from dtrain.errors import ConfigError
+from dtrain.job.config import RunConfig
 from dtrain.param_server.consistency import (
     ASP,
     BSP,

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from dtrain.data import load_dataset
-from dtrain.models import build_model
+from dtrain.workloads.data import load_dataset
+from dtrain.workloads.models import build_model
 
 
 def test_digits_split_is_fixed_and_disjoint():

@@ -34,7 +34,7 @@ BUCKET = dict(bucket_mb=1 / 1024, first_bucket_mb=1 / 1024)
 
 
 def _cnn(width: int = 4) -> nn.Module:
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     torch.manual_seed(123)
     return build_model("cnn", (1, 8, 8), 10, width=width)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from _helpers import dtrain_cli, read_metrics, read_summary
 
-from dtrain.models import build_model
+from dtrain.workloads.models import build_model
 
 pytestmark = pytest.mark.procs  # every test here starts processes
 

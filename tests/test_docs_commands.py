@@ -47,8 +47,8 @@ def _delegated(module: str) -> Callable[[], argparse.ArgumentParser]:
 
 # subcommands that parse their own arguments: their parsers
 PARSERS = {"plan": _delegated("dtrain.planning.cli"), "cluster": _delegated("dtrain.cluster.cli"),
-           "bench allreduce": _delegated("dtrain.bench.allreduce"),
-           "bench p2p": _delegated("dtrain.bench.p2p")}  # fmt: skip
+           "bench allreduce": _delegated("dtrain.measure.allreduce"),
+           "bench p2p": _delegated("dtrain.measure.p2p")}  # fmt: skip
 
 
 def check(line: str, tmp: Path) -> None:

@@ -18,10 +18,10 @@ import torch
 from _helpers import dtrain_cli, read_metrics, read_summary
 
 from dtrain.checkpoint import list_checkpoints
-from dtrain.config import RunConfig
 from dtrain.errors import ConfigError, NonFiniteError
-from dtrain.models import build_model
+from dtrain.job.config import RunConfig
 from dtrain.training.guard import NonFiniteGuard, first_nonfinite
+from dtrain.workloads.models import build_model
 
 TESTS = Path(__file__).resolve().parent
 QUICK = ["--workers", "2", "--epochs", "1", "--no-progress", "--no-trace", "--timeout-s", "30"]
@@ -209,7 +209,7 @@ def test_an_unwritable_out_is_one_line_before_any_worker(tmp_path, where, words)
 
 
 def test_overwrite_replaces_only_a_run_folder_and_never_the_resumed_checkpoint(tmp_path, monkeypatch):
-    from dtrain.train import default_out_dir, open_run_folder
+    from dtrain.job.worker import default_out_dir, open_run_folder
 
     notes = tmp_path / "notes"
     notes.mkdir()
@@ -233,7 +233,7 @@ def test_overwrite_replaces_only_a_run_folder_and_never_the_resumed_checkpoint(t
             return datetime(2024, 5, 6, 7, 8, 9)
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("dtrain.train.datetime", Frozen)
+    monkeypatch.setattr("dtrain.job.worker.datetime", Frozen)
     first = default_out_dir(RunConfig.make())
     assert first == Path("runs/20240506-070809-dp")
     first.mkdir(parents=True)

@@ -23,8 +23,8 @@ from _helpers import dtrain_cli, read_summary
 from _procs import processes, workers_of
 
 from dtrain.checkpoint import MARKER, find_checkpoint
-from dtrain.config import RunConfig
-from dtrain.train import _interrupted_message
+from dtrain.job.config import RunConfig
+from dtrain.job.worker import _interrupted_message
 
 LONG_RUN = ("run", "--workers", "2", "--epochs", "200", "--no-progress")
 RESUME_LINE = re.compile(r"^dtrain: interrupted \(SIGINT\) at step (\d+); last complete checkpoint: step (\d+); "

@@ -1,4 +1,4 @@
-"""The GPT models (dtrain.models.gpt) and the pytext language-modelling dataset (dtrain.data)."""
+"""The GPT models (dtrain.workloads.models.gpt) and the pytext language-modelling dataset (dtrain.workloads.data)."""
 
 import math
 
@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dtrain.data import DATASETS, load_dataset, pytext_bytes, unigram_entropy
-from dtrain.models import GPT_PRESETS, MODELS, GPTConfig, build_model, generate, gpt_config, is_language_model
-from dtrain.models.gpt import Block, CausalSelfAttention, Embedding, build_gpt, resolve_gpt_config
+from dtrain.workloads.data import DATASETS, load_dataset, pytext_bytes, unigram_entropy
+from dtrain.workloads.models import GPT_PRESETS, MODELS, GPTConfig, build_model, generate, gpt_config, is_language_model
+from dtrain.workloads.models.gpt import Block, CausalSelfAttention, Embedding, build_gpt, resolve_gpt_config
 
 
 @pytest.fixture(autouse=True)

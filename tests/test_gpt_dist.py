@@ -26,7 +26,7 @@ TOL = 1e-5  # float32, different summation order
 
 
 def _gpt(name: str) -> nn.Module:
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     torch.manual_seed(5)
     return build_model(name, vocab_size=256, seq_len=SEQ)
@@ -34,7 +34,7 @@ def _gpt(name: str) -> nn.Module:
 
 def _batches(seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Real pytext windows, a global batch per step."""
-    from dtrain.data import load_dataset
+    from dtrain.workloads.data import load_dataset
 
     x, y = load_dataset("pytext", seed=seed, seq_len=SEQ).train.tensors
     g = torch.Generator().manual_seed(seed)

@@ -24,7 +24,7 @@ BATCH = 8
 
 
 def _gpt() -> nn.Module:
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     torch.manual_seed(4)
     return build_model("gpt-tiny", vocab_size=VOCAB, seq_len=8)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import dtrain
-from dtrain.launch import LaunchError, launch, threads_per_worker
+from dtrain.job.launch import LaunchError, launch, threads_per_worker
 
 
 def _sum_ranks(x):

@@ -19,7 +19,7 @@ from _dist import run_distributed
 
 import dtrain
 from dtrain.errors import ConfigError
-from dtrain.mesh import DIMS, Mesh, MeshLayout
+from dtrain.hybrid_parallel.mesh import DIMS, Mesh, MeshLayout
 
 SHAPES = [(1, 1, 1), (2, 1, 1), (1, 3, 1), (1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 1), (2, 2, 2), (3, 2, 4)]
 

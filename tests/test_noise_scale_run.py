@@ -11,9 +11,9 @@ import torch
 from _helpers import dtrain_cli, read_metrics, read_summary
 from torch.utils.data import DataLoader, DistributedSampler
 
-from dtrain.data import load_dataset
-from dtrain.models import build_model, task_loss
 from dtrain.training.noise_scale import estimate, next_batch
+from dtrain.workloads.data import load_dataset
+from dtrain.workloads.models import build_model, task_loss
 
 pytestmark = pytest.mark.procs  # every test here starts processes
 

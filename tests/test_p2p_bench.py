@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from dtrain.bench.p2p import P2PConfig, main
 from dtrain.errors import ConfigError
+from dtrain.measure.p2p import P2PConfig, main
 
 
 def test_config_errors_say_what_to_change() -> None:

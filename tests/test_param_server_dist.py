@@ -41,7 +41,7 @@ DTYPES = (torch.float32, torch.float64)
 
 @functools.cache
 def _batches(dtype=torch.float32):
-    from dtrain.data import load_dataset
+    from dtrain.workloads.data import load_dataset
 
     x, y = load_dataset("digits", seed=0).train.tensors
     n = STEPS * GLOBAL_BATCH
@@ -49,7 +49,7 @@ def _batches(dtype=torch.float32):
 
 
 def _cnn(dtype=torch.float32):
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     torch.manual_seed(0)
     return build_model("cnn", (1, 8, 8), 10).to(dtype)
@@ -132,11 +132,11 @@ def _equivalence(rank, world):
 
 
 def _accuracy(rank, world, out_dir):
-    from dtrain.config import RunConfig
-    from dtrain.data import load_dataset
+    from dtrain.job.config import RunConfig
+    from dtrain.job.worker import TrainContext
+    from dtrain.observe.trace import MetricsWriter, Tracer
     from dtrain.strategies.ps import run_process
-    from dtrain.trace import MetricsWriter, Tracer
-    from dtrain.train import TrainContext
+    from dtrain.workloads.data import load_dataset
 
     res = {}
     data = load_dataset("digits", seed=0)
@@ -246,7 +246,7 @@ def _linger(rank, survivors):
 
 
 def _train_steps(ps, model, steps, die_at=None, sleep=0.0):
-    from dtrain.data import load_dataset
+    from dtrain.workloads.data import load_dataset
 
     x, y = load_dataset("digits", seed=0).train.tensors
     for s in range(steps):

@@ -235,7 +235,7 @@ def test_compressed_collectives():
 
 def test_the_count_takes_the_buckets_layout_as_the_reducer_passes_it():
     from dtrain.perfmodel.predict import bucket_shapes
-    from dtrain.workload import load_model
+    from dtrain.workloads.load import load_model
 
     model, sample, _ = load_model("cnn", "digits", batch=16)
     prof = profile_model(model, sample, measure=False)

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from dtrain.bench.calibrate import main as calibrate_main
-from dtrain.bench.calibrate import refresh_load
+from dtrain.measure.calibrate import main as calibrate_main
+from dtrain.measure.calibrate import refresh_load
 from dtrain.perfmodel import load_cluster
 
 needs_root = pytest.mark.skipif(
@@ -51,7 +51,7 @@ def test_calibrate_an_emulated_cluster_writes_a_usable_toml(tmp_path, monkeypatc
 
 
 def test_pooled_load_terms_are_the_medians_of_every_reading_and_the_rest_is_the_last_readings():
-    from dtrain.bench.calibrate import pool_load
+    from dtrain.measure.calibrate import pool_load
     from dtrain.perfmodel.spec import ClusterSpec, Device, Link
 
     def reading(scale: float, wake: float, duplex: float | None, p2p: float | None) -> ClusterSpec:
@@ -79,8 +79,8 @@ def test_pooled_load_terms_are_the_medians_of_every_reading_and_the_rest_is_the_
 def test_coding_probe_counts_user_cpu_in_calls_agreed_by_every_rank():
     # two real gloo processes: every rank makes the same number of calls (they are collective), enough
     # for the tick-sampled user share or the cap, and a user share in (0, 1] of positive CPU
-    import dtrain.bench._probes as probes
-    from dtrain.launch import launch
+    import dtrain.measure._probes as probes
+    from dtrain.job.launch import launch
 
     out = launch(probes.coding_cpu, ("cnn", "digits", ["fp16", "topk:0.01"], 3), nprocs=2, threads=1)
     for spec in ("fp16", "topk:0.01"):

@@ -9,7 +9,7 @@ from torch import nn
 
 from dtrain.perfmodel import ClusterSpec, Device, Link, predict
 from dtrain.perfmodel.collectives import allreduce_time
-from dtrain.perfmodel.planner import candidates, plan
+from dtrain.perfmodel.ranking import candidates, plan
 from dtrain.strategies import choice
 
 MiB = float(1 << 20)

@@ -15,8 +15,8 @@ from torch import nn
 from dtrain.errors import ConfigError
 from dtrain.perfmodel import ClusterSpec, Device, Link, predict
 from dtrain.perfmodel import pipeline as pm
-from dtrain.perfmodel.planner import candidates, plan
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile
+from dtrain.perfmodel.ranking import candidates, plan
 from dtrain.pipeline.schedules import generate, peak_in_flight_bound, simulate
 from dtrain.strategies import base, choice
 from dtrain.strategies.pipeline import PipelineOptions

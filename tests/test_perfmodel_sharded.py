@@ -17,9 +17,9 @@ from torch import nn
 from dtrain.errors import ConfigError
 from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, plan, predict, simulate
 from dtrain.perfmodel.collectives import allreduce_time, ring_allgather_time, ring_reduce_scatter_time
-from dtrain.perfmodel.planner import candidates, parse_memory_limit
 from dtrain.perfmodel.predict import memory_per_device
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile
+from dtrain.perfmodel.ranking import candidates, parse_memory_limit
 from dtrain.perfmodel.sharded import shard_collective, sharded_memory
 from dtrain.perfmodel.units import parse_rate
 from dtrain.planning.cli import main as plan_main

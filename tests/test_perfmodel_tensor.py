@@ -24,7 +24,7 @@ BLOCK_MS = 1.0
 
 
 def gpt_profile(optimizer: str = "sgd", batch: int = B) -> ModelProfile:
-    """A made-up measured GPT laid out as dtrain.models.gpt builds it: float32 parameters counted from the
+    """A made-up measured GPT laid out as dtrain.workloads.models.gpt builds it: float32 parameters counted from the
     shape, each block 1 ms forward and 2 ms backward, the other layers 0.2 and 0.4 ms, at ``batch``."""
     counts = SHAPE.params()
     layers = []

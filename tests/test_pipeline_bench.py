@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.bench.harness import load_result
+from dtrain.measure.harness import load_result
 
 pytestmark = pytest.mark.procs  # every test here starts processes
 

@@ -27,7 +27,7 @@ from _dist import run_distributed
 from _dist import scenario_result as _ok
 from torch import nn
 
-from dtrain.models import build_gpt, task_loss
+from dtrain.workloads.models import build_gpt, task_loss
 
 pytestmark = pytest.mark.procs  # every test here starts processes
 

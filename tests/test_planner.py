@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from dtrain.config import RunConfig
+from dtrain.job.config import RunConfig
 from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, plan
-from dtrain.perfmodel.planner import candidates
+from dtrain.perfmodel.ranking import candidates
 from dtrain.perfmodel.spec import CompressorCost, this_host
 from dtrain.perfmodel.units import parse_rate
 from dtrain.planning import choose

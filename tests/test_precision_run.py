@@ -1,4 +1,4 @@
-"""``dtrain run --precision bf16 | fp16`` end to end, and :class:`dtrain.precision.LossScaler` alone.
+"""``dtrain run --precision bf16 | fp16`` end to end, and :class:`dtrain.training.precision.LossScaler` alone.
 
 - LossScaler in one process (growth after ``growth_interval`` clean steps, backoff, another rank's verdict
   obeyed, the collapse naming the step and the scale) and in two gloo processes where one rank always
@@ -29,7 +29,7 @@ from _dist import spawn
 from _helpers import dtrain_cli, mean_losses, read_metrics, read_summary
 
 from dtrain.errors import ConfigError
-from dtrain.precision import LossScaleCollapsed, LossScaler, Precision
+from dtrain.training.precision import LossScaleCollapsed, LossScaler, Precision
 
 BASE = ["--epochs", "1", "--no-progress", "--no-trace", "--timeout-s", "60", "--optimizer", "adam", "--lr", "0.003"]
 # the default model and data, cnn on digits: Adam at 0.01 for 20 steps (about the first ten are a plateau) leaves
@@ -265,8 +265,8 @@ def test_every_step_overflowing_collapses_the_loss_scale_on_both_ranks(tmp_path)
 
 
 def _cnn_parameters() -> int:
-    from dtrain.data import load_dataset
-    from dtrain.models import build_model
+    from dtrain.workloads.data import load_dataset
+    from dtrain.workloads.models import build_model
 
     ds = load_dataset("digits")
     return sum(p.numel() for p in build_model("cnn", tuple(ds.input_shape), ds.num_classes).parameters())
@@ -357,7 +357,7 @@ def test_what_fp16_cannot_skip_is_refused_naming_the_option(flags, message):
 
     ns = build_parser().parse_args(["run", *CNN, "--workers", "2", "--precision", "fp16", *flags])
     with pytest.raises(ConfigError) as e:
-        config_from_args(ns).validate()  # what dtrain.train.run checks before any process starts
+        config_from_args(ns).validate()  # what dtrain.job.worker.run checks before any process starts
     assert message in str(e.value), str(e.value)
     ns = build_parser().parse_args(["run", *CNN, "--workers", "2", "--precision", "bf16", *flags])
     config_from_args(ns).validate()  # bf16 neither scales nor skips: the same options are fine
@@ -369,7 +369,7 @@ def test_an_unknown_precision_is_refused_naming_it(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "--precision", "fp8"])
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
 
     with pytest.raises(ConfigError, match="fp8"):
         RunConfig.make(precision="fp8", workers=2).validate()  # a TOML file's value

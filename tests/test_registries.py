@@ -8,11 +8,11 @@ from dtrain.cli import build_parser, config_from_args
 from dtrain.comm.allreduce import ALGORITHMS as COMM_ALGORITHMS
 from dtrain.comm.cost import ALGORITHMS as COST_ALGORITHMS
 from dtrain.compress import REGISTRY as COMPRESSORS
-from dtrain.data_parallel.config import ALGORITHMS, OVERLAPS
+from dtrain.data_parallel.options import ALGORITHMS, OVERLAPS
 from dtrain.param_server.consistency import POLICIES
 from dtrain.perfmodel import ClusterSpec, Device, Link
 from dtrain.perfmodel.compression import compression_model
-from dtrain.perfmodel.planner import candidates
+from dtrain.perfmodel.ranking import candidates
 from dtrain.perfmodel.simulator import parse_policy
 from dtrain.strategies import registered
 
@@ -95,8 +95,8 @@ def test_strategies_package_names_every_strategy():
 
 @pytest.mark.parametrize("name", ["cnn", "mlp", "gpt", "gpt-tiny", "gpt-small", "gpt-medium"])
 def test_model_reachable(name):
-    from dtrain.models import MODELS, is_language_model
-    from dtrain.workload import load_model
+    from dtrain.workloads.load import load_model
+    from dtrain.workloads.models import MODELS, is_language_model
 
     assert name in MODELS
     flags = ["--model", name] + (["--dataset", "pytext"] if is_language_model(name) else [])
@@ -108,7 +108,7 @@ def test_model_reachable(name):
 
 
 def test_every_dataset_reachable():
-    from dtrain.data import DATASETS
+    from dtrain.workloads.data import DATASETS
 
     for name in DATASETS:
         model = "gpt-tiny" if name == "pytext" else "cnn"

@@ -1,4 +1,5 @@
-"""``dtrain report A [B ...]`` and report.html (dtrain.report_html, dtrain.report_data, dtrain._svg).
+"""``dtrain report A [B ...]`` and report.html (dtrain.observe.report_html,
+dtrain.observe.report_data, dtrain.observe.charts).
 
 Unit tests build the page from synthetic rows, summaries and traces (no processes): the sections are
 there, text is escaped, unknown trace events are ignored, the deltas and a pipeline's bubble from
@@ -17,9 +18,9 @@ import pytest
 from _browser import MISSING, chromium, load
 from _helpers import dtrain_cli, dtrain_runs, read_metrics
 
-from dtrain._svg import downsample, fmt, ticks
 from dtrain.cli import build_parser
-from dtrain.report_data import (
+from dtrain.observe.charts import downsample, fmt, ticks
+from dtrain.observe.report_data import (
     RunData,
     TraceDigest,
     deltas,
@@ -29,7 +30,7 @@ from dtrain.report_data import (
     rank_breakdown,
     span_bubbles,
 )
-from dtrain.report_html import build_html, write_report
+from dtrain.observe.report_html import build_html, write_report
 
 MS = 1e3  # trace times are microseconds
 
@@ -220,7 +221,7 @@ def test_the_pipeline_page_draws_the_measured_and_planned_schedule(runs, tmp_pat
 
 @pytest.mark.procs
 def test_the_bubble_from_the_trace_is_within_10_percent_of_the_metrics_rows(runs):
-    from dtrain.report_data import load_run
+    from dtrain.observe.report_data import load_run
 
     rows = [r for r in read_metrics(runs["pipeline"]) if r["step"] > 0]
     measured = sum(r["bubble"] for r in rows) / len(rows)

@@ -28,7 +28,7 @@ STAGES = ("optimizer", "gradients", "parameters")
 
 
 def _model(kind: str) -> nn.Module:
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     torch.manual_seed(11)
     if kind == "cnn":

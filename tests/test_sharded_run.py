@@ -19,9 +19,9 @@ def _losses(out) -> dict[int, float]:
 
 def _cnn_padded(world: int) -> int:
     """Elements of every unit's padded flat buffer for dtrain run's CNN (a unit per child holding parameters)."""
-    from dtrain.data import load_dataset
-    from dtrain.models import build_model
-    from dtrain.sharded._units import plan_units
+    from dtrain.sharded._flat_units import plan_units
+    from dtrain.workloads.data import load_dataset
+    from dtrain.workloads.models import build_model
 
     ds = load_dataset("digits")
     model = build_model("cnn", tuple(ds.input_shape), ds.num_classes)

@@ -6,9 +6,9 @@ import pytest
 from _helpers import FakeClock
 
 from dtrain.cluster import Straggler
-from dtrain.config import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.train import TrainContext
+from dtrain.job.config import RunConfig
+from dtrain.job.worker import TrainContext
 
 
 def test_each_step_lasts_factor_times_the_median_of_the_window():

@@ -59,7 +59,7 @@ def test_toy_strategy_in_the_planner_and_the_cli(toy):
 
     from dtrain.cli import build_parser, config_from_args
     from dtrain.perfmodel import ClusterSpec, Device, Link
-    from dtrain.perfmodel.planner import candidates, plan
+    from dtrain.perfmodel.ranking import candidates, plan
 
     cluster = ClusterSpec(nodes=4, devices_per_node=1, intra=Link(1e9, 1e-5), inter=Link(1e8, 1e-4),
                           device=Device(flops=1e10), name="made-up")
@@ -80,7 +80,7 @@ def test_toy_strategy_in_the_planner_and_the_cli(toy):
 
 
 def test_options_of_another_strategy_are_refused_with_where_they_belong():
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
 
     with pytest.raises(ConfigError, match=r"belongs to strategy (\w+ / )*ps\b"):
         RunConfig.make(strategy="dp", servers=2)

@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # what measures or starts processes; dtrain.perfmodel must import none of it
-IMPURE = ("dtrain.train", "dtrain.training", "dtrain.launch", "dtrain.cluster", "dtrain.bench", "dtrain.planning")
+IMPURE = ("dtrain.job.worker", "dtrain.training", "dtrain.job.launch", "dtrain.cluster", "dtrain.measure",
+          "dtrain.planning")
 
 
 def _checker() -> ModuleType:

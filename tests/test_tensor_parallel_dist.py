@@ -26,7 +26,7 @@ TOL = 1e-5
 
 
 def _gpt(vocab: int = 32, heads: int = 4) -> nn.Module:
-    from dtrain.models import build_model
+    from dtrain.workloads.models import build_model
 
     torch.manual_seed(3)
     return build_model("gpt-tiny", vocab_size=vocab, seq_len=8, heads=heads)

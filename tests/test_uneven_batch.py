@@ -7,10 +7,10 @@ import pytest
 from _helpers import dtrain_cli, read_metrics, read_summary
 from test_planner import spec, tiny
 
-from dtrain._batch import batch_note, split_batch
-from dtrain.config import RunConfig
 from dtrain.errors import ConfigError
+from dtrain.job.config import RunConfig
 from dtrain.perfmodel import plan
+from dtrain.workloads.batch import batch_note, split_batch
 
 LINE = "global batch 63 (21 per worker x 3; --batch-size 64 does not divide over 3 workers)"
 

@@ -29,10 +29,10 @@ _EXPORTS: dict[str, str] = {
     "Gossip": "dtrain.decentralized",
     "Topology": "dtrain.decentralized",
     "Pipeline": "dtrain.pipeline",
-    "hybrid": "dtrain.hybrid_parallel",
-    "Hybrid": "dtrain.hybrid_parallel",
+    "hybrid": "dtrain.hybrid_parallel.engine",
+    "Hybrid": "dtrain.hybrid_parallel.engine",
     "PipelineError": "dtrain.pipeline",
-    "Mesh": "dtrain.mesh",
+    "Mesh": "dtrain.hybrid_parallel.mesh",
     # planning
     "plan": "dtrain.planning",
     # checkpoints
@@ -46,9 +46,17 @@ _EXPORTS: dict[str, str] = {
     "ModelMismatchError": "dtrain.errors",
     "NonFiniteError": "dtrain.errors",
 }
-_SUBPACKAGES = ("comm", "compress", "perfmodel", "planning", "strategies", "cluster", "param_server", "data_parallel",
-                "checkpoint", "decentralized", "pipeline", "sharded", "tensor_parallel", "precision", "optim",
-                "schedule")
+# sub-packages by their public name (a few live deeper in the tree than their name says)
+_SUBPACKAGES: dict[str, str] = {
+    **{n: f"dtrain.{n}" for n in ("comm", "compress", "perfmodel", "planning", "strategies", "cluster", "param_server",
+                                  "data_parallel", "checkpoint", "decentralized", "pipeline", "sharded",
+                                  "tensor_parallel", "optim", "training", "job", "workloads", "observe", "measure",
+                                  "hybrid_parallel")},
+    "precision": "dtrain.training.precision",
+    "large_batch": "dtrain.training.large_batch",
+    "launch": "dtrain.job.launch",
+    "models": "dtrain.workloads.models",
+}
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])
 
@@ -57,7 +65,7 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     if name in _SUBPACKAGES:
-        return importlib.import_module(f"dtrain.{name}")
+        return importlib.import_module(_SUBPACKAGES[name])
     raise AttributeError(f"module 'dtrain' has no attribute {name!r}")
 
 

@@ -1,6 +1,6 @@
 """The ``dtrain`` command: run, bench, plan, cluster, report.
 
-``dtrain run`` flags are generated from :class:`dtrain.config.RunConfig`'s shared
+``dtrain run`` flags are generated from :class:`dtrain.job.config.RunConfig`'s shared
 fields and every registered strategy's options dataclass (``batch_size`` ->
 ``--batch-size``, ``PSOptions.servers`` -> ``--servers``), so the TOML keys and
 the flags cannot drift apart. Precedence: built-in defaults < config file < flags.
@@ -14,20 +14,19 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from dtrain._cli import run_command
-from dtrain.errors import DTrainError
+from dtrain.errors import DTrainError, run_command
 
 if TYPE_CHECKING:
     from dtrain.cluster.nodes import NodeArgs
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
 
 # the configuration's modules import torch: they load after main() has started the workers' forkserver
 __all__ = ["main", "build_parser", "config_from_args", "nodes_from_args"]
 
 
 def _choices() -> dict[str, Sequence[str]]:
-    from dtrain.config import DEVICES, LR_SCHEDULES, OPTIMIZERS, PRECISIONS
-    from dtrain.schedule import AUTO_RULES, LR_SCALINGS
+    from dtrain.job.config import DEVICES, LR_SCHEDULES, OPTIMIZERS, PRECISIONS
+    from dtrain.training.large_batch import AUTO_RULES, LR_SCALINGS
 
     return {"optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES, "precision": PRECISIONS, "device": DEVICES,
             "lr_scaling": LR_SCALINGS, "auto_rule": AUTO_RULES}
@@ -100,10 +99,10 @@ _HELP = {
 }
 # subcommands that live in other packages: name -> module with main(argv) -> int
 _BENCHES = {
-    "allreduce": "dtrain.bench.allreduce",
-    "calibrate": "dtrain.bench.calibrate",
-    "p2p": "dtrain.bench.p2p",
-    "train": "dtrain.bench.train",
+    "allreduce": "dtrain.measure.allreduce",
+    "calibrate": "dtrain.measure.calibrate",
+    "p2p": "dtrain.measure.p2p",
+    "train": "dtrain.measure.train",
 }
 
 
@@ -118,7 +117,7 @@ def _add_flag(p: argparse._ActionsContainer, name: str, default: Any, helptext: 
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    from dtrain.config import RunConfig, option_fields
+    from dtrain.job.config import RunConfig, option_fields
     from dtrain.strategies.base import registered
 
     known = _choices()
@@ -215,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(ns: argparse.Namespace) -> RunConfig:
     """TOML file (if any), then the flags that were given: shared keys and flat strategy options."""
-    from dtrain.config import RunConfig, load_toml, option_fields
+    from dtrain.job.config import RunConfig, load_toml, option_fields
 
     values: dict[str, Any] = load_toml(ns.config) if getattr(ns, "config", None) else {}
     for name in [f.name for f in RunConfig.shared_fields()] + list(option_fields()):
@@ -230,8 +229,8 @@ def _delegate(module: str, argv: list[str]) -> int:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from dtrain.launch import LaunchInterrupted
-    from dtrain.train import run
+    from dtrain.job.launch import LaunchInterrupted
+    from dtrain.job.worker import run
 
     cfg = config_from_args(ns)
     nodes = nodes_from_args(ns)
@@ -260,10 +259,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         t = summary.get("time_to_target_s")
         print(f"target {summary['target']:g}: " + (f"reached at step {summary['target_step']} after {t:.1f}s"
                                                    if t is not None else "not reached"))
-    if summary.get("attribution"):  # who the others waited for, what bounds the step (dtrain.attribution)
+    if summary.get("attribution"):  # who the others waited for, what bounds the step (dtrain.observe.attribution)
         print(summary["attribution"]["line"])
     if (out / "model.pt").is_file():
-        from dtrain.sample import sample_run
+        from dtrain.workloads.sample import sample_run
 
         print("sample (dtrain sample RUN_DIR for more):\n" + sample_run(out, tokens=160))
     print(f"run folder: {out}")
@@ -271,7 +270,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
 
 def _cmd_report(ns: argparse.Namespace) -> int:
-    from dtrain.report_html import report_runs
+    from dtrain.observe.report_html import report_runs
 
     print(report_runs(ns.run_dirs, ns.out, predict=ns.predict))
     return 0
@@ -281,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # (not for a node of several: its meeting comes first, and a node that fails it starts no forkserver)
     if argv[:1] == ["run"] and not {"-h", "--help", "--cluster", "--nnodes"} & set(argv):
-        from dtrain.launch import prestart
+        from dtrain.job.launch import prestart
 
         prestart()  # the workers' forkserver imports torch while this process reads the configuration
     ap = build_parser()
@@ -289,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.print_help()
         return 0
     # delegated subcommands parse their own arguments (argparse's REMAINDER would swallow no --help)
-    delegated = {"plan": "dtrain.planning.cli", "cluster": "dtrain.cluster.cli", "sample": "dtrain.sample"}
+    delegated = {"plan": "dtrain.planning.cli", "cluster": "dtrain.cluster.cli", "sample": "dtrain.workloads.sample"}
     if argv[0] in delegated or (argv[0] == "bench" and len(argv) > 1 and argv[1] in _BENCHES):
         module = delegated.get(argv[0]) or _BENCHES[argv[1]]
         rest = argv[1:] if argv[0] in delegated else argv[2:]

@@ -2,13 +2,18 @@
 
 Every error that comes out of a blocking operation names the rank, the operation
 and (where known) the training step, so a hang in a job of many processes turns
-into one line that says where to look.
+into one line that says where to look. :func:`run_command` is what every ``dtrain``
+command does with one: one line on stderr, exit status 2.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 __all__ = [
     "DTrainError", "ConfigError", "CommError", "CommTimeoutError", "ModelMismatchError", "NonFiniteError",
+    "run_command",
 ]
 
 
@@ -71,3 +76,14 @@ class NonFiniteError(DTrainError):
         self.step = step
         self.parameter = parameter
         super().__init__(f"rank {rank} at step {step}: non-finite {detail}")
+
+
+def run_command(prog: str, body: Callable[[], int], *, also: tuple[type[Exception], ...] = ()) -> int:
+    """``body()``'s exit status; a :class:`DTrainError` (or one of ``also``) becomes
+    ``"PROG: error: MESSAGE"`` on stderr and status 2 instead of a traceback."""
+    caught: tuple[type[Exception], ...] = (DTrainError, *also)
+    try:
+        return body()
+    except caught as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2

@@ -15,8 +15,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from dtrain._cli import run_command
 from dtrain.cluster.netns import ClusterError, down, status, up
+from dtrain.errors import run_command
 
 __all__ = ["main", "parse_slow"]
 

@@ -39,7 +39,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from dtrain.comm._schedule import (
+from dtrain.comm._indexing import (
     Fold,
     RingPlan,
     binomial_children,

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain import trace as _trace
 from dtrain.data_parallel._buckets import Bucket
 from dtrain.data_parallel._model_sync import wait_work
 from dtrain.data_parallel._stats import StepStats
 from dtrain.errors import CommError, CommTimeoutError
+from dtrain.observe import trace as _trace
 
 __all__ = ["BucketReducer", "StreamSync", "NativeScheduler", "ThreadScheduler", "native_bytes", "with_step"]
 

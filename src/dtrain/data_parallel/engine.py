@@ -50,7 +50,7 @@ from torch import nn
 from dtrain.data_parallel._model_sync import broadcast_tensors, check_same_everywhere, describe_module
 from dtrain.data_parallel._optim import check_optimizer
 from dtrain.data_parallel._reducer import Reducer, UnusedParametersError
-from dtrain.data_parallel.config import DataParallelConfig
+from dtrain.data_parallel.options import DataParallelConfig
 from dtrain.errors import ConfigError
 
 __all__ = ["DataParallel", "UnusedParametersError"]

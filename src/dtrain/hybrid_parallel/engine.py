@@ -1,4 +1,4 @@
-"""``dtrain.hybrid(model, mesh)``: data, pipeline and tensor parallelism on one set of processes (module
+"""``dtrain.hybrid(model, mesh)``: data, pipeline and tensor parallelism on one set of processes (package
 ``hybrid_parallel``, so that ``dtrain.hybrid`` stays the function).
 
 The three compose in a fixed order over one :class:`dtrain.Mesh` (torchtitan's recipe,
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dtrain.errors import ConfigError
-from dtrain.mesh import Mesh
+from dtrain.hybrid_parallel.mesh import Mesh
 
 __all__ = ["Hybrid", "hybrid"]
 
@@ -49,7 +49,7 @@ class Hybrid:
         sequence_parallel: tensor parallelism with sequence-sharded norms (default: False).
         algorithm: the dp allreduce algorithm (default: ring).
         timeout_s: seconds any wait may block (default: 300).
-        tracer: a :class:`dtrain.trace.Tracer` for the pipeline's spans (default: None).
+        tracer: a :class:`dtrain.observe.trace.Tracer` for the pipeline's spans (default: None).
         compressor: a :mod:`dtrain.compress` compressor (or spec) of the dp allreduce, as DataParallel's
             (error feedback and all); None: exact (default: None).
         loss_scale: fp16 loss scaling: a function giving the current scale; the backward starts from the
@@ -64,7 +64,7 @@ class Hybrid:
                  loss_scale: Callable[[], float] | None = None) -> None:  # fmt: skip
         import dtrain.tensor_parallel as tp
         from dtrain.comm.allreduce import ALGORITHMS
-        from dtrain.models import task_loss
+        from dtrain.workloads.models import task_loss
 
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"dp algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")

@@ -33,13 +33,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dtrain._toml import read_toml
 from dtrain.errors import ConfigError
-from dtrain.precision import PRECISIONS
+from dtrain.job.files import read_toml
 from dtrain.strategies.base import Strategy, StrategyOptions, get, options_for, registered
+from dtrain.training.precision import PRECISIONS
 
 if TYPE_CHECKING:
-    from dtrain.data import DatasetSplit
+    from dtrain.workloads.data import DatasetSplit
 
 __all__ = [
     "RunConfig",
@@ -190,7 +190,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", options_for(self.strategy, self.options))
         if self.batch_schedule and self.batch_schedule != "auto":  # its epoch-0 batch is the run's first
-            from dtrain.schedule import parse_batch_schedule
+            from dtrain.training.large_batch import parse_batch_schedule
 
             object.__setattr__(self, "batch_size", parse_batch_schedule(self.batch_schedule)[0][1])
 
@@ -287,14 +287,15 @@ class RunConfig:
 
     @property
     def global_batch(self) -> int:
-        """Samples a step trains on: ``batch_size // shards`` per shard, times the shards (:mod:`dtrain._batch`)."""
-        from dtrain._batch import split_batch
+        """Samples a step trains on: ``batch_size // shards`` per shard, times the shards
+        (:mod:`dtrain.workloads.batch`)."""
+        from dtrain.workloads.batch import split_batch
 
         return split_batch(self.batch_size, self.opts.batch_shards(self.workers))[1]
 
     def _check_names(self) -> None:
-        from dtrain.data import DATASETS
-        from dtrain.models import MODELS
+        from dtrain.workloads.data import DATASETS
+        from dtrain.workloads.models import MODELS
 
         def choose(name: str, value: str, choices: tuple[str, ...]) -> None:
             if value not in choices:
@@ -306,7 +307,7 @@ class RunConfig:
         choose("optimizer", self.optimizer, OPTIMIZERS)
         choose("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         choose("precision", self.precision, PRECISIONS)
-        from dtrain.schedule import AUTO_RULES, LR_SCALINGS
+        from dtrain.training.large_batch import AUTO_RULES, LR_SCALINGS
 
         choose("lr_scaling", self.lr_scaling, LR_SCALINGS)
         choose("auto_rule", self.auto_rule, AUTO_RULES)
@@ -364,7 +365,7 @@ class RunConfig:
 
     def _check_task(self) -> None:
         """A language model trains on text, a classifier on images; gpt flags need a gpt model."""
-        from dtrain.models import is_language_model
+        from dtrain.workloads.models import is_language_model
 
         lm, text = is_language_model(self.model), self.dataset == "pytext"
         if lm and not text:
@@ -386,7 +387,7 @@ class RunConfig:
 
     def load_data(self) -> DatasetSplit:
         """This run's dataset (every process loads it; small and deterministic)."""
-        from dtrain.data import load_dataset
+        from dtrain.workloads.data import load_dataset
 
         return load_dataset(self.dataset, seed=self.seed, samples=self.samples, seq_len=self.seq_len)
 
@@ -423,7 +424,7 @@ class RunConfig:
         if not 0 <= self.noise_beta < 1:
             raise ConfigError(f"noise_beta must be in [0, 1), got {self.noise_beta:g}")
         if self.model.startswith("gpt"):
-            from dtrain.models.gpt import resolve_gpt_config
+            from dtrain.workloads.models.gpt import resolve_gpt_config
 
             try:
                 resolve_gpt_config(self.model, **self.gpt_overrides(), seq_len=self.seq_len)
@@ -435,7 +436,7 @@ class RunConfig:
         self._check_large_batch(size)
 
     def _check_large_batch(self, size: int) -> None:
-        """Warmup, the batch schedule and the noise scale (:mod:`dtrain.schedule`)."""
+        """Warmup, the batch schedule and the noise scale (:mod:`dtrain.training.large_batch`)."""
         if self.warmup_steps and self.warmup_epochs:
             raise ConfigError(f"give warmup_steps ({self.warmup_steps}) or warmup_epochs ({self.warmup_epochs:g}), "
                               "not both")  # fmt: skip
@@ -457,7 +458,7 @@ class RunConfig:
             raise ConfigError(f"{given} tells --batch-schedule auto when and how to grow the batch; add "
                               "--batch-schedule auto or drop it")  # fmt: skip
         elif self.batch_schedule:
-            from dtrain.schedule import parse_batch_schedule
+            from dtrain.training.large_batch import parse_batch_schedule
 
             for epoch, batch in parse_batch_schedule(self.batch_schedule):
                 if batch % shards:
@@ -480,7 +481,7 @@ class RunConfig:
         self._check_numbers()
         self._check_device()
         if self.trace_steps:
-            from dtrain.trace import parse_trace_steps
+            from dtrain.observe.trace import parse_trace_steps
 
             parse_trace_steps(self.trace_steps)
             if not self.trace:

@@ -2,7 +2,7 @@
 
 The parent process (:func:`run`) validates the configuration, lets the strategy
 resolve itself (``auto`` asks the planner), creates the run folder, starts the
-processes through :func:`dtrain.launch.launch`, and when they end merges their
+processes through :func:`dtrain.job.launch.launch`, and when they end merges their
 metrics and writes ``summary.json``. Each process runs :func:`worker_main`,
 which builds a :class:`~dtrain.training.context.TrainContext` and hands it to
 the registered strategy's ``run`` hook (:mod:`dtrain.strategies`); the
@@ -33,13 +33,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dtrain._batch import batch_note
 from dtrain.cluster.nodes import NodeArgs
-from dtrain.config import RunConfig, dump_toml
 from dtrain.errors import ConfigError
+from dtrain.job.config import RunConfig, dump_toml
+from dtrain.observe.trace import MetricsWriter, Tracer, activate, align_clock, merge_rank_files, parse_trace_steps
 from dtrain.strategies.base import get
-from dtrain.trace import MetricsWriter, Tracer, activate, align_clock, merge_rank_files, parse_trace_steps
 from dtrain.training.context import TrainContext, lr_factor, schedule_updates
+from dtrain.workloads.batch import batch_note
 
 __all__ = ["TrainContext", "run", "run_node", "worker_main", "default_out_dir", "open_run_folder", "summarize",
            "lr_factor", "iter_metrics"]
@@ -190,7 +190,7 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
         if k in evaluator:
             s[k] = evaluator[k]
     if cfg.batch_schedule and cfg.batch_schedule != "auto":  # global_batch is the first epoch's
-        from dtrain.schedule import BatchPlan
+        from dtrain.training.large_batch import BatchPlan
 
         s["batch_per_epoch"] = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, 1, cfg.epochs).batches
     if cfg.precision != "fp32":
@@ -233,7 +233,7 @@ def run(cfg: RunConfig, *, quiet: bool = False, nodes: NodeArgs | None = None) -
         return _run_on_cluster(cfg, quiet)
     cfg, out = _prepare(cfg, quiet)
     from dtrain.checkpoint.restart import RestartLog
-    from dtrain.launch import LaunchInterrupted, launch
+    from dtrain.job.launch import LaunchInterrupted, launch
 
     restarts = RestartLog(cfg, out, say=(lambda line: None) if quiet else None)
     t0 = time.perf_counter()
@@ -264,7 +264,7 @@ def _prepare(cfg: RunConfig, quiet: bool) -> tuple[RunConfig, Path]:
     """Resolve the strategy, open the run folder, pin the checkpoint to resume from, write config.toml."""
     cfg = get(cfg.strategy).resolve(cfg)
     if cfg.tensorboard:  # refused before any process starts where the tensorboard package is missing
-        from dtrain.trace import require_tensorboard
+        from dtrain.observe.trace import require_tensorboard
 
         require_tensorboard()
     note = batch_note(cfg.batch_size, cfg.opts.batch_shards(cfg.workers))
@@ -290,15 +290,15 @@ def _finish(cfg: RunConfig, out: Path, results: dict[int, dict[str, Any]], wall_
     """summary.json (with the attribution) and the run's plots, from every process's result."""
     summary = summarize(cfg, results, wall_s)
     restarts.add_to(summary, results)  # --max-restarts: each restart, and steps over every attempt
-    # --- straggler and bottleneck attribution over every rank's rows (dtrain.attribution)
+    # --- straggler and bottleneck attribution over every rank's rows (dtrain.observe.attribution)
     if (out / "metrics.jsonl").is_file():
-        from dtrain.attribution import attribute
+        from dtrain.observe.attribution import attribute
 
         summary["attribution"] = attribute(iter_metrics(out)).to_dict()
     # --- end of attribution
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if (out / "metrics.jsonl").is_file():
-        from dtrain.report import plot_run
+        from dtrain.observe.report import plot_run
 
         plot_run(out)
     return summary
@@ -318,7 +318,7 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
 
     from dtrain.checkpoint.restart import RestartLog
     from dtrain.cluster.nodes import Meeting, route_iface
-    from dtrain.launch import NodeSpec, launch
+    from dtrain.job.launch import NodeSpec, launch
 
     nodes, k = _check_nodes(cfg, nodes)
     host, port = nodes.host_port
@@ -396,7 +396,7 @@ def _job_store(nodes: NodeArgs) -> Any:
     import socket
 
     from dtrain.cluster.nodes import NodeError, connect_store
-    from dtrain.launch import host_store
+    from dtrain.job.launch import host_store
 
     host, port = nodes.host_port
     if nodes.node_rank != 0:
@@ -413,7 +413,7 @@ def _gather_results(store: Any, ns: str, nodes: list[int], own: dict[int, dict[s
     """Node 0: every node's processes' results, until they cover the world the processes ran in."""
     import pickle
 
-    from dtrain.launch import LaunchError
+    from dtrain.job.launch import LaunchError
 
     world = max((int(r.get("world", 0)) for r in own.values()), default=0)
     merged = dict(own)

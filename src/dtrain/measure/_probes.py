@@ -2,10 +2,10 @@
 
 Every function here runs inside a launched worker (``torch.distributed`` is
 initialised) except :func:`train_passes`, which the parent's loop-overhead
-measurement uses too. :mod:`dtrain.bench.calibrate` starts the processes and
+measurement uses too. :mod:`dtrain.measure.calibrate` starts the processes and
 :mod:`dtrain.perfmodel.fit` turns what they return into a cluster description.
 The worker is a module-level function of this importable module, so it pickles
-as ``dtrain.bench._probes.calibration_worker`` however the calibration was started.
+as ``dtrain.measure._probes.calibration_worker`` however the calibration was started.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dtrain.bench.p2p import round_trip
+from dtrain.measure.p2p import round_trip
 from dtrain.perfmodel.fit import trimmed_mean
 
 __all__ = [
@@ -97,8 +97,8 @@ def sync_steps(model_name: str, dataset: str, batch: int, steps: int) -> dict[st
 
     import torch.distributed as dist
 
-    from dtrain.models import task_loss
-    from dtrain.workload import load_model
+    from dtrain.workloads.load import load_model
+    from dtrain.workloads.models import task_loss
 
     model, (x, y), _ = load_model(model_name, dataset, batch=batch)
     opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
@@ -135,7 +135,7 @@ def train_passes(model: Any, sample: Any, seconds: float) -> float:
     pass that loses the CPU takes far longer, and a step pays that as often as it
     happens.
     """
-    from dtrain.models import task_loss
+    from dtrain.workloads.models import task_loss
 
     opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
     x, y = sample
@@ -153,7 +153,7 @@ def compute_alone_and_together(model_name: str, dataset: str, batch: int, reps: 
     import torch.distributed as dist
 
     from dtrain.perfmodel.profile import profile_model
-    from dtrain.workload import load_model
+    from dtrain.workloads.load import load_model
 
     model, sample, _ = load_model(model_name, dataset, batch=batch)
     train_passes(model, sample, 0.05)  # warm-up
@@ -189,7 +189,7 @@ def calibration_worker(pairs: list[tuple[int, int]], model_name: str, dataset: s
     and each of ``compressors``' CPU in its collective (:func:`coding_cpu`).
 
     ``load_only`` skips the ping-pong and keeps what the load moves (the duplex
-    exchange among them), for :func:`dtrain.bench.calibrate.refresh_load`.
+    exchange among them), for :func:`dtrain.measure.calibrate.refresh_load`.
     """
     import torch.distributed as dist
 
@@ -243,7 +243,7 @@ def coding_cpu(model_name: str, dataset: str, specs: Sequence[str], reps: int) -
     from dtrain.comm.allreduce import get_transport
     from dtrain.compress import from_spec
     from dtrain.compress.reduce import compressed_allreduce
-    from dtrain.workload import load_model
+    from dtrain.workloads.load import load_model
 
     model, _, _ = load_model(model_name, dataset, batch=1)
     shapes = [tuple(int(d) for d in p.shape) for p in model.parameters() if p.requires_grad]

@@ -4,9 +4,9 @@ Usage::
 
     dtrain bench allreduce [--workers 4] [--sizes 4KB,64KB,1MB,16MB,64MB]
                            [--algorithms all] [--iters 10] [--warmup 2]
-    python -m dtrain.bench.allreduce --workers 4 --sizes 16MB,64MB --algorithms native,ring
+    python -m dtrain.measure.allreduce --workers 4 --sizes 16MB,64MB --algorithms native,ring
 
-What it does, in the launched workers (``dtrain.launch.launch``):
+What it does, in the launched workers (``dtrain.job.launch.launch``):
 
 1. Fits the alpha-beta model to a ping-pong between ranks 0 and 1 (alpha: the
    median one-way time of 4 bytes; beta: the least-squares slope of the median
@@ -267,7 +267,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; return a process exit code."""
     from dtrain.comm.allreduce import ALGORITHMS
-    from dtrain.launch import launch
+    from dtrain.job.launch import launch
 
     ns = _parser().parse_args(argv)
     try:
@@ -300,6 +300,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from dtrain.bench import allreduce as _self  # so workers unpickle dtrain.bench.allreduce._worker
+    from dtrain.measure import allreduce as _self  # so workers unpickle dtrain.measure.allreduce._worker
 
     sys.exit(_self.main(sys.argv[1:]))

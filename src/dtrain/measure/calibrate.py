@@ -44,7 +44,7 @@ cluster, ``~/.cache/dtrain/local-HOST-wN.toml`` for this machine).
 
 This module starts the processes and measures in this one (the loop overhead,
 the FLOP rate, the compressors); what each process of the job measures is
-:mod:`dtrain.bench._probes`, and the arithmetic that turns the measurements
+:mod:`dtrain.measure._probes`, and the arithmetic that turns the measurements
 into the description's terms is :mod:`dtrain.perfmodel.fit` (pure).
 """
 
@@ -63,8 +63,8 @@ from typing import Any
 
 import torch
 
-from dtrain.bench._probes import calibration_worker, train_passes
 from dtrain.errors import DTrainError
+from dtrain.measure._probes import calibration_worker, train_passes
 from dtrain.perfmodel.fit import (
     fit_compute_scale,
     fit_cpu_ratio,
@@ -129,10 +129,10 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, r
     """
     import json
 
-    from dtrain.config import RunConfig
-    from dtrain.models import is_language_model
-    from dtrain.train import worker_main
-    from dtrain.workload import load_model
+    from dtrain.job.config import RunConfig
+    from dtrain.job.worker import worker_main
+    from dtrain.workloads.load import load_model
+    from dtrain.workloads.models import is_language_model
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -197,7 +197,7 @@ def calibrate_cluster(
     """Calibrate emulated cluster ``name`` (one process per host; intra level measured locally)."""
     from dtrain.cluster import load, run_on_cluster
     from dtrain.cluster.netns import tbf_burst
-    from dtrain.launch import launch
+    from dtrain.job.launch import launch
 
     c = load(name)
     per_worker = max(1, batch // c.hosts)
@@ -293,7 +293,7 @@ def calibrate_local(
     compressions: Sequence[str] = _CAL_COMPRESSIONS,
 ) -> ClusterSpec:  # fmt: skip
     """Calibrate this machine for ``workers`` local processes (one node; loopback is the only level)."""
-    from dtrain.launch import launch
+    from dtrain.job.launch import launch
 
     per_worker = max(1, batch // workers)
     res = launch(calibration_worker, (_pairs(workers), model, dataset, per_worker, quick, False,
@@ -372,6 +372,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # the workers run dtrain.bench._probes.calibration_worker, which pickles under that importable name
+    # the workers run dtrain.measure._probes.calibration_worker, which pickles under that importable name
     # even when this file runs as __main__
     sys.exit(main())

@@ -13,7 +13,7 @@ summaries. :mod:`benchmarks.render` (``benchmarks/render.py``) writes BENCHMARKS
 
 Usage::
 
-    from dtrain.bench.harness import Bar, Benchmark, Case
+    from dtrain.measure.harness import Bar, Benchmark, Case
 
     bench = Benchmark("nodes_launch", title="...", family="several machines", workload="...",
                       metric="steps/s", higher_is_better=True, repeats=5)

@@ -4,7 +4,7 @@ Usage::
 
     dtrain bench p2p [--workers 2] [--sizes 4B,1KB,64KB,1MB,16MB,64MB] [--iters 20] [--warmup 3]
 
-What it does, in the launched workers (``dtrain.launch.launch``):
+What it does, in the launched workers (``dtrain.job.launch.launch``):
 
 1. Pairs the ranks ``(0,1), (2,3), ...``; every pair ping-pongs at once, so with
    more than two workers the figure includes the contention of a busy machine
@@ -33,8 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dtrain.bench.allreduce import check_timing, format_size, parse_size
 from dtrain.errors import ConfigError
+from dtrain.measure.allreduce import check_timing, format_size, parse_size
 
 __all__ = ["P2PConfig", "main", "round_trip"]
 
@@ -185,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; return a process exit code."""
-    from dtrain.launch import launch
+    from dtrain.job.launch import launch
 
     ns = _parser().parse_args(argv)
     try:

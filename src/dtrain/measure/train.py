@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dtrain.config import RunConfig
+from dtrain.job.config import RunConfig
 
 __all__ = ["main", "parse_entry"]
 
@@ -37,7 +37,7 @@ def parse_entry(entry: str) -> dict[str, Any]:
 
 
 def _coerce(values: dict[str, Any]) -> dict[str, Any]:
-    from dtrain.config import option_fields
+    from dtrain.job.config import option_fields
 
     base = {f.name: f.default for f in RunConfig.shared_fields()}
     base.update({name: owners[0][1].default for name, owners in option_fields().items()})
@@ -54,7 +54,7 @@ def _coerce(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.train import run
+    from dtrain.job.worker import run
 
     ap = argparse.ArgumentParser(prog="dtrain bench train", description=__doc__)
     ap.add_argument("--strategies", default=DEFAULT,

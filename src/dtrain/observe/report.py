@@ -1,6 +1,6 @@
 """``dtrain report RUN_DIR``: a text summary of a finished run, and plots when matplotlib is there.
 
-``report.html`` and the comparison of several runs are :mod:`dtrain.report_html`'s (this module
+``report.html`` and the comparison of several runs are :mod:`dtrain.observe.report_html`'s (this module
 stays free of the planner's imports: ``dtrain run`` imports it to draw curves.png)."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _attribution(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The attribution of a run whose summary.json has none (older runs), from its rows."""
     if not rows:
         return None
-    from dtrain.attribution import attribute
+    from dtrain.observe.attribution import attribute
 
     return attribute(rows).to_dict()
 

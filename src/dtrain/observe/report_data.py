@@ -9,7 +9,7 @@
   first step, samples/s, the metric, bytes per step, final loss) and each run's difference from
   the first.
 * :func:`rank_breakdown`: per rank the mean step as own work, communication and waiting for a later
-  rank (definitions 1, 2 and 4 of :mod:`dtrain.attribution`: the three add up to the step).
+  rank (definitions 1, 2 and 4 of :mod:`dtrain.observe.attribution`: the three add up to the step).
 * :func:`span_bubbles` and :func:`pipeline_bubbles`: a pipeline's bubble from the trace's spans
   (``1 - compute actions / step span`` per rank and step) beside the metrics rows' ``bubble``, the
   closed form ``(P-1)/(v*M+P-1)`` and the schedule simulated at the measured F and B times.
@@ -149,7 +149,7 @@ def after_warmup(keys: Sequence[int]) -> set[int]:
 
 def load_run(run_dir: str | Path) -> RunData:
     """Read a finished run folder (summary.json is required; metrics, config and trace are optional)."""
-    from dtrain._toml import read_toml
+    from dtrain.job.files import read_toml
 
     d = Path(run_dir)
     if not (d / "summary.json").is_file():
@@ -204,14 +204,14 @@ def deltas(runs: Sequence[RunData]) -> list[dict[str, Any]]:
 
 def predict(run: RunData) -> dict[str, Any]:
     """The performance model's prediction for the run's own strategy, options and workers, on this
-    machine's calibration (:func:`dtrain.bench.calibrate.local_cluster`: measured once per process
+    machine's calibration (:func:`dtrain.measure.calibrate.local_cluster`: measured once per process
     count and cached, which can take a minute) or the run's emulated cluster's."""
-    from dtrain.bench.calibrate import local_cluster
-    from dtrain.config import RunConfig
-    from dtrain.perfmodel.planner import plan
+    from dtrain.job.config import RunConfig
+    from dtrain.measure.calibrate import local_cluster
+    from dtrain.perfmodel.ranking import plan
     from dtrain.planning.auto import cluster_for
     from dtrain.strategies.base import Choice
-    from dtrain.workload import load_model
+    from dtrain.workloads.load import load_model
 
     cfg = RunConfig.from_mapping({k: v for k, v in run.config.items() if k not in ("out", "resume", "overwrite")})
     own = Choice(cfg.strategy, cfg.workers, cfg.options)
@@ -232,8 +232,8 @@ def predict(run: RunData) -> dict[str, Any]:
 
 def rank_breakdown(rows: Sequence[dict[str, Any]]) -> dict[int, tuple[float, float, float]]:
     """Per rank, mean seconds per step (after the first) of own work, communication and waiting for a
-    later rank: definitions 1, 2 and 4 of :mod:`dtrain.attribution`, so the three add up to the step."""
-    from dtrain.attribution import arrivals, own_s, step_time
+    later rank: definitions 1, 2 and 4 of :mod:`dtrain.observe.attribution`, so the three add up to the step."""
+    from dtrain.observe.attribution import arrivals, own_s, step_time
 
     keep = after_warmup([int(r["step"]) for r in rows])
     waits = {a.step: a.waits for a in arrivals(rows)}

@@ -4,21 +4,22 @@ for one run folder, or a comparison of several on the same axes.
 What the page shows, each part only where a run has the data:
 
 1. a summary table (one column per run) and, for several runs, the differences from the first
-   (:func:`~dtrain.report_data.deltas`: step time, samples/s, the metric, bytes per step, final loss);
+   (:func:`~dtrain.observe.report_data.deltas`: step time, samples/s, the metric, bytes per step, final loss);
 2. curves: training loss, throughput and step time per step, the metric over training time, and
    the gradient noise scale beside the batch in use (``--noise-scale``);
 3. per rank the mean step split into own work, communication and waiting for a later rank (the
-   definitions of :mod:`dtrain.attribution`), the parameter server's staleness histogram, and the
+   definitions of :mod:`dtrain.observe.attribution`), the parameter server's staleness histogram, and the
    strategy's options (algorithm, bucket size, compression, servers, schedule) with bytes per step;
 4. a pipeline's measured schedule, drawn from the trace's action spans of its median step, next to
    the schedule's plan (:func:`dtrain.pipeline.schedules.simulate` at the measured mean forward and
    backward times), with the bubble three ways: the metrics rows' ``bubble``, the one computed from
-   the trace's spans (:func:`~dtrain.report_data.span_bubbles`) and the closed form ``(P-1)/(v*M+P-1)``;
+   the trace's spans (:func:`~dtrain.observe.report_data.span_bubbles`) and the closed form ``(P-1)/(v*M+P-1)``;
 5. the performance model's predicted step beside the measured one, where the summary holds a
-   prediction or ``dtrain report --predict`` made one (:func:`~dtrain.report_data.predict`; it may calibrate first).
+   prediction or ``dtrain report --predict`` made one
+   (:func:`~dtrain.observe.report_data.predict`; it may calibrate first).
 
-The raw trace is never embedded: :func:`~dtrain.report_data.digest_trace` keeps the step windows and the pipeline's
-actions ("X" events; every other event kind and unknown key is ignored), and series longer than
+The raw trace is never embedded: :func:`~dtrain.observe.report_data.digest_trace` keeps the step windows and the
+pipeline's actions ("X" events; every other event kind and unknown key is ignored), and series longer than
 400 points are sampled down. The page records JavaScript errors in ``<html data-js-errors>`` and its
 load-and-layout time in ``<body data-render-ms>`` (what the browser test reads).
 """
@@ -30,9 +31,9 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from dtrain._svg import PALETTE, Box, Series, bar_chart, downsample, fmt, line_chart, timeline
 from dtrain.errors import DTrainError
-from dtrain.report_data import (
+from dtrain.observe.charts import PALETTE, Box, Series, bar_chart, downsample, fmt, line_chart, timeline
+from dtrain.observe.report_data import (
     COMPUTE_OPS,
     DELTA_KEYS,
     RunData,
@@ -377,7 +378,7 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None, 
                  with_prediction: bool = False) -> Path:  # fmt: skip
     """Write ``report.html`` for ``run_dirs`` into ``out`` (a file, or a folder -- one that exists or a
     name without a suffix -- to put report.html in; default: the first run folder); ``with_prediction``
-    runs :func:`~dtrain.report_data.predict` for runs without one."""
+    runs :func:`~dtrain.observe.report_data.predict` for runs without one."""
     runs = [load_run(d) for d in run_dirs]
     if with_prediction:
         for r in runs:
@@ -400,10 +401,10 @@ def _text_bubble(run: RunData) -> str | None:
 
 
 def report_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None, *, predict: bool = False) -> str:
-    """What ``dtrain report`` prints: each run's :func:`dtrain.report.report` (and a pipeline's bubble),
+    """What ``dtrain report`` prints: each run's :func:`dtrain.observe.report.report` (and a pipeline's bubble),
     for several runs their differences from the first, and the path of the ``report.html`` written
     for all of them (into ``out``, or the first run folder)."""
-    from dtrain.report import report
+    from dtrain.observe.report import report
 
     runs = [load_run(d) for d in run_dirs]
     parts = []

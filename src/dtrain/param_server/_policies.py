@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from dtrain.errors import ConfigError
-from dtrain.param_server._policy import Action, Apply, Arrival, Drop, Policy, PolicyViolation
+from dtrain.param_server._policy_base import Action, Apply, Arrival, Drop, Policy, PolicyViolation
 
 __all__ = ["BSP", "ASP", "SSP", "SoftSync", "Backup", "StalenessAwareLR"]
 

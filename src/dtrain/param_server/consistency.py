@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 
 from dtrain.errors import ConfigError
 from dtrain.param_server._policies import ASP, BSP, SSP, Backup, SoftSync, StalenessAwareLR
-from dtrain.param_server._policy import Action, Apply, Arrival, Drop, Policy, PolicyViolation, Release
+from dtrain.param_server._policy_base import Action, Apply, Arrival, Drop, Policy, PolicyViolation, Release
 
 __all__ = [
     "Arrival",

@@ -8,14 +8,14 @@
 * :mod:`.simulator` -- event-driven replay with stragglers and asynchrony;
 * :mod:`.fit` -- a cluster description's terms fitted to what calibration measured.
 
-Measuring a cluster is :mod:`dtrain.bench.calibrate` (its probes :mod:`dtrain.bench._probes`); planning for a run
+Measuring a cluster is :mod:`dtrain.measure.calibrate` (its probes :mod:`dtrain.measure._probes`); planning for a run
 (``--strategy auto``, ``dtrain plan``, this machine's calibration) is :mod:`dtrain.planning`.
 """
 
 from dtrain.perfmodel.collectives import CompressionModel, allreduce_time
-from dtrain.perfmodel.planner import Plan, candidates, plan
 from dtrain.perfmodel.predict import Memory, Prediction, predict
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile, profile_model
+from dtrain.perfmodel.ranking import Plan, candidates, plan
 from dtrain.perfmodel.simulator import SimResult, Stragglers, scaling_curve, simulate
 from dtrain.perfmodel.spec import ClusterSpec, Device, Link, dump_cluster, load_cluster
 

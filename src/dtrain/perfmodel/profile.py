@@ -150,7 +150,7 @@ def _nbytes(x: Any) -> int:
 def _default_loss(out: torch.Tensor, target: Any) -> torch.Tensor:
     if target is None:
         return out.float().pow(2).mean()
-    from dtrain.models import task_loss
+    from dtrain.workloads.models import task_loss
 
     return task_loss(out, target)
 

@@ -5,7 +5,7 @@ predicts every candidate on the cluster (:func:`~dtrain.perfmodel.predict.predic
 drops those that do not fit a device's memory (the cluster's, or ``memory_limit``) or have
 more workers than the global batch has samples (listed as rejected, with the reason) and ranks the rest by samples
 per second. A batch that does not divide over the workers is predicted as a run trains
-it: ``batch // workers`` per worker (:func:`dtrain._batch.split_batch`).
+it: ``batch // workers`` per worker (:func:`dtrain.workloads.batch.split_batch`).
 Candidates, for ``W`` devices:
 
 * one process (the baseline every distributed strategy must beat);
@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain._batch import split_batch
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.collectives import ALGORITHMS, CompressionModel
 from dtrain.perfmodel.compression import compression_model
@@ -44,6 +43,7 @@ from dtrain.perfmodel.profile import ModelProfile, profile_model
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
 from dtrain.perfmodel.units import format_bytes, parse_bytes
 from dtrain.strategies.base import Choice, PlanSpace, registered
+from dtrain.workloads.batch import split_batch
 
 __all__ = ["Plan", "candidates", "plan", "parse_memory_limit", "DEFAULT_COMPRESSIONS", "DEFAULT_CONSISTENCIES",
            "DEFAULT_BUCKETS"]

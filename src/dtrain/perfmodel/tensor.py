@@ -2,7 +2,7 @@
 
 Pure functions over a :class:`~dtrain.perfmodel.profile.ModelProfile` and a
 :class:`~dtrain.perfmodel.spec.ClusterSpec`; nothing is run. The model is a GPT laid out
-as :mod:`dtrain.models.gpt` builds it (``embed``, ``L`` blocks, ``ln_f``, ``head``), split
+as :mod:`dtrain.workloads.models.gpt` builds it (``embed``, ``L`` blocks, ``ln_f``, ``head``), split
 as Megatron-LM splits it (Shoeybi et al., "Megatron-LM", 2019): ``attn.qkv`` and ``mlp.fc1``
 column-parallel (heads and the MLP's hidden units split), ``attn.proj`` and ``mlp.fc2``
 row-parallel, the token embedding and the head vocab-parallel, with a vocab-parallel cross
@@ -62,7 +62,7 @@ _HOST = "<tensor-parallel stage>"  # no cluster's host: the pipeline model reads
 
 @dataclass(frozen=True)
 class TransformerShape:
-    """The sizes of a GPT as :mod:`dtrain.models.gpt` builds it.
+    """The sizes of a GPT as :mod:`dtrain.workloads.models.gpt` builds it.
 
     Attributes:
         batch: samples whose activations are counted (a micro-batch in a pipeline).

@@ -20,14 +20,14 @@ from typing import Any
 
 from torch import nn
 
-from dtrain.bench.calibrate import calibrate_cluster, cluster_file, local_cluster
-from dtrain.config import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.perfmodel.planner import DEFAULT_COMPRESSIONS, DEFAULT_CONSISTENCIES, Plan, candidates
-from dtrain.perfmodel.planner import plan as rank
+from dtrain.job.config import RunConfig
+from dtrain.measure.calibrate import calibrate_cluster, cluster_file, local_cluster
+from dtrain.perfmodel.ranking import DEFAULT_COMPRESSIONS, DEFAULT_CONSISTENCIES, Plan, candidates
+from dtrain.perfmodel.ranking import plan as rank
 from dtrain.perfmodel.spec import ClusterSpec, dump_cluster, load_cluster
 from dtrain.strategies.base import Choice
-from dtrain.workload import load_model
+from dtrain.workloads.load import load_model
 
 __all__ = ["choose", "plan", "plan_for_config", "cluster_for"]
 
@@ -71,7 +71,7 @@ def _optimizer(cfg: RunConfig) -> str:
 
 
 def plan_for_config(cfg: RunConfig) -> Plan:
-    """The planner's table for a :class:`~dtrain.config.RunConfig` (its model, batch, workers, cluster)."""
+    """The planner's table for a :class:`~dtrain.job.config.RunConfig` (its model, batch, workers, cluster)."""
     model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, samples=cfg.samples,
                                      seq_len=cfg.seq_len, **cfg.gpt_overrides())
     spec = cluster_for(cfg.cluster, processes=cfg.workers) if cfg.cluster else local_cluster(cfg.workers)
@@ -86,7 +86,7 @@ def choose(cfg: RunConfig, *, verbose: bool = True) -> Choice:
     """The planner's first choice for ``cfg`` (a strategy, its options and workers).
 
     Args:
-        cfg: a :class:`~dtrain.config.RunConfig` (its ``strategy`` is ignored).
+        cfg: a :class:`~dtrain.job.config.RunConfig` (its ``strategy`` is ignored).
         verbose: print the top of the plan to stderr.
     """
     p = plan_for_config(cfg)

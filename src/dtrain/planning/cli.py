@@ -22,15 +22,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from dtrain._cli import run_command
-from dtrain.errors import ConfigError
-from dtrain.perfmodel.planner import DEFAULT_COMPRESSIONS, parse_memory_limit
+from dtrain.errors import ConfigError, run_command
 from dtrain.perfmodel.profile import profile_model
+from dtrain.perfmodel.ranking import DEFAULT_COMPRESSIONS, parse_memory_limit
 from dtrain.perfmodel.simulator import SimResult, Stragglers, simulate
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
 from dtrain.planning.auto import cluster_for, plan
 from dtrain.strategies.base import Choice, choice
-from dtrain.workload import load_model
+from dtrain.workloads.load import load_model
 
 __all__ = ["main", "parse_strategy"]
 
@@ -74,7 +73,7 @@ def _simulate(ns: argparse.Namespace) -> int:
 
     spec = _cluster(ns)
     if spec is None:
-        from dtrain.bench.calibrate import local_cluster
+        from dtrain.measure.calibrate import local_cluster
 
         spec = local_cluster()
     workers = [int(w) for w in ns.workers.split(",")]

@@ -25,7 +25,7 @@ parameters    16Psi/P + units in flight   allgather (forward) + allgather (backw
                                           reduce-scatter: 1.5x an allreduce
 ============  ==========================  ==================================================
 
-How (units and flat buffers: :mod:`dtrain.sharded._units`):
+How (units and flat buffers: :mod:`dtrain.sharded._flat_units`):
 
 1. Wrap: ranks check they hold the same model and options, take rank 0's weights,
    and flatten each unit's parameters into one buffer padded to ``P`` equal
@@ -67,10 +67,10 @@ from dtrain.comm.shard import allgather_over, reduce_scatter_over, segment
 from dtrain.comm.shard import reduce_scatter as _native_reduce_scatter
 from dtrain.data_parallel._model_sync import broadcast_tensors, check_same_everywhere, describe_module
 from dtrain.data_parallel._stats import StepStats
-from dtrain.data_parallel.config import OVERLAPS, SHARD_ALGORITHMS, SHARDS
+from dtrain.data_parallel.options import OVERLAPS, SHARD_ALGORITHMS, SHARDS
 from dtrain.errors import ConfigError, DTrainError
+from dtrain.sharded._flat_units import Unit, plan_units
 from dtrain.sharded._streams import Job, Stream, private_group
-from dtrain.sharded._units import Unit, plan_units
 
 __all__ = ["ShardedDataParallel"]
 

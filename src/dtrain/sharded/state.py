@@ -25,7 +25,7 @@ from dtrain.data_parallel._model_sync import wait_work
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dtrain.sharded._units import Unit
+    from dtrain.sharded._flat_units import Unit
     from dtrain.sharded.engine import ShardedDataParallel
 
 __all__ = [

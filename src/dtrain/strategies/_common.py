@@ -10,7 +10,7 @@ from dtrain.strategies.base import StrategyOptions
 
 if TYPE_CHECKING:
     from dtrain.compress.base import Compressor
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
 
 __all__ = ["CompressedOptions", "choose", "check_fp16_exchange"]
 

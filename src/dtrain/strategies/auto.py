@@ -15,7 +15,7 @@ from dtrain.errors import ConfigError
 from dtrain.strategies.base import Strategy, StrategyOptions, register
 
 if TYPE_CHECKING:
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
 
 __all__ = ["AutoOptions", "AUTO"]
 

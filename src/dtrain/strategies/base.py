@@ -42,7 +42,7 @@ from dtrain.errors import ConfigError
 if TYPE_CHECKING:
 
     from dtrain.compress.base import Compressor
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
     from dtrain.perfmodel.collectives import CompressionModel
     from dtrain.perfmodel.predict import Memory, Prediction, StepInputs
     from dtrain.perfmodel.profile import ModelProfile
@@ -155,7 +155,7 @@ class Strategy:
         options: its options dataclass (default-constructible).
         help: one line for ``dtrain run --help``.
         run: the body of every process of a run (:class:`~dtrain.training.context.TrainContext`
-            -> this process's result, see :mod:`dtrain.train`); None for a strategy that
+            -> this process's result, see :mod:`dtrain.job.worker`); None for a strategy that
             resolves to another one before any process starts.
         check: cross-checks against the whole run configuration (raise ConfigError);
             the options' own checks run when they are built.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dtrain.data_parallel.config import ALGORITHMS
+from dtrain.data_parallel.options import ALGORITHMS
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.decentralized import easgd_cost, gossip_cost, local_sgd_cost, predict_averaging, replica_memory
 from dtrain.strategies._common import choose

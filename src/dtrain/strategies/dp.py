@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dtrain.data_parallel.config import ALGORITHMS, OVERLAPS, SHARD_ALGORITHMS, SHARDS
+from dtrain.data_parallel.options import ALGORITHMS, OVERLAPS, SHARD_ALGORITHMS, SHARDS
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.predict import (
     Memory,
@@ -43,7 +43,7 @@ STATELESS_WIRE = ("none", "fp16", "bf16")
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
     from dtrain.perfmodel.collectives import CompressionModel
     from dtrain.perfmodel.profile import ModelProfile
     from dtrain.perfmodel.spec import ClusterSpec

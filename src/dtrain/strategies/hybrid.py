@@ -28,7 +28,7 @@ from dtrain.training.loop import Position, run_loop
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
     from dtrain.perfmodel.collectives import CompressionModel
     from dtrain.perfmodel.predict import Memory, Prediction, StepInputs
     from dtrain.perfmodel.profile import ModelProfile
@@ -138,8 +138,8 @@ MeshOptions = TensorOptions | HybridOptions
 
 def _check(o: MeshOptions, cfg: RunConfig) -> None:
     """Everything about the mesh and the model that would fail in a worker, before any process starts."""
-    from dtrain.models import is_language_model
-    from dtrain.models.gpt import resolve_gpt_config
+    from dtrain.workloads.models import is_language_model
+    from dtrain.workloads.models.gpt import resolve_gpt_config
 
     dp, pp, tp = o.mesh_shape(cfg.workers)
     if cfg.precision == "fp16" and isinstance(o, HybridOptions):
@@ -182,8 +182,8 @@ class HybridEngine:
     eval_note = " (the whole model gathered on rank 0)"
 
     def __init__(self, ctx: TrainContext, ckpt: RunCheckpointer | None = None) -> None:
-        from dtrain.hybrid_parallel import Hybrid
-        from dtrain.mesh import Mesh
+        from dtrain.hybrid_parallel.engine import Hybrid
+        from dtrain.hybrid_parallel.mesh import Mesh
         from dtrain.strategies.pipeline import parse_balance
 
         o = ctx.cfg.options

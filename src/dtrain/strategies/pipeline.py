@@ -31,7 +31,7 @@ from dtrain.training.loop import Position, run_loop
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
     from dtrain.pipeline.pipe import Pipeline
 
 __all__ = ["PipelineOptions", "PipelineEngine", "PIPELINE"]
@@ -100,8 +100,8 @@ class PipelineOptions(StrategyOptions):
 
 
 def _model_children(cfg: RunConfig) -> int:
-    from dtrain.models import build_model, is_language_model
-    from dtrain.models.gpt import resolve_gpt_config
+    from dtrain.workloads.models import build_model, is_language_model
+    from dtrain.workloads.models.gpt import resolve_gpt_config
 
     if is_language_model(cfg.model):
         layers: int = resolve_gpt_config(cfg.model, **cfg.gpt_overrides(), seq_len=cfg.seq_len).layers

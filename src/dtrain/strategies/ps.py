@@ -60,7 +60,7 @@ from dtrain.training.loop import Position, run_loop
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
-    from dtrain.config import RunConfig
+    from dtrain.job.config import RunConfig
     from dtrain.perfmodel.collectives import CompressionModel
     from dtrain.perfmodel.profile import ModelProfile
     from dtrain.perfmodel.spec import ClusterSpec

@@ -21,7 +21,7 @@ __all__ = ["gpt"]
 
 def _gpt_heads(module: nn.Module, tp: int) -> None:
     """Give each attention module its share of the heads; a head count the group does not divide is an error."""
-    from dtrain.models.gpt import CausalSelfAttention
+    from dtrain.workloads.models.gpt import CausalSelfAttention
 
     for name, m in module.named_modules():
         if isinstance(m, CausalSelfAttention):
@@ -30,7 +30,7 @@ def _gpt_heads(module: nn.Module, tp: int) -> None:
             m.heads //= tp
 
 
-#: the plan for ``dtrain.models.build_model("gpt-*")`` (an nn.Sequential of embed, block0.., ln_f, head).
+#: the plan for ``dtrain.workloads.models.build_model("gpt-*")`` (an nn.Sequential of embed, block0.., ln_f, head).
 gpt = Plan(
     styles={
         "embed.tok": "vocab",

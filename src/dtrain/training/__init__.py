@@ -1,12 +1,14 @@
-"""The one training loop: a per-process context, an engine protocol, and the loop.
+"""The one training loop and what a process of a run needs around it.
 
-* :mod:`.context` -- :class:`TrainContext`: data, model and optimizer factories,
+* :mod:`.context` -- :class:`~.context.TrainContext`: data, model and optimizer factories,
   loaders, evaluation, metrics and tracing for one process of a run;
-* :mod:`.loop` -- :class:`Engine` (what a strategy supplies) and :func:`run_loop`
-  (epochs, batches, spans, stragglers, metrics rows, checkpoints, evaluation).
+* :mod:`.loop` -- :class:`~.loop.Engine` (what a strategy supplies) and :func:`~.loop.run_loop`
+  (epochs, batches, spans, stragglers, metrics rows, checkpoints, evaluation);
+* :mod:`.large_batch` -- the learning rate of a step and the global batch of an epoch;
+* :mod:`.precision` -- mixed precision (autocast, loss scaling) for every strategy;
+* :mod:`.guard`, :mod:`.watchdog`, :mod:`.live`, :mod:`.noise_scale` -- non-finite steps, hangs,
+  live progress and the gradient noise scale.
+
+Import the modules themselves: this package imports nothing, so that a low module (the
+large-batch rules, precision) can be used without the loop.
 """
-
-from dtrain.training.context import TrainContext, lr_factor, schedule_updates
-from dtrain.training.loop import Engine, Position, run_loop
-
-__all__ = ["TrainContext", "lr_factor", "schedule_updates", "Engine", "Position", "run_loop"]

@@ -24,13 +24,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from dtrain.cluster.slowdown import Straggler, slowdown_factor
 from dtrain.compress.base import Compressor
-from dtrain.config import RunConfig, parse_straggler
-from dtrain.data import DatasetSplit
-from dtrain.models import build_model, task_loss
-from dtrain.precision import Precision
-from dtrain.schedule import BatchPlan, scaling_factor, warmup_factor
-from dtrain.trace import MetricsWriter, Tracer
+from dtrain.job.config import RunConfig, parse_straggler
+from dtrain.observe.trace import MetricsWriter, Tracer
+from dtrain.training.large_batch import BatchPlan, scaling_factor, warmup_factor
 from dtrain.training.noise_scale import NoiseScale, StepCost, next_batch
+from dtrain.training.precision import Precision
+from dtrain.workloads.data import DatasetSplit
+from dtrain.workloads.models import build_model, task_loss
 
 __all__ = ["TrainContext", "lr_factor", "schedule_updates"]
 
@@ -257,7 +257,7 @@ class TrainContext:
         return self.cfg.momentum if self.cfg.optimizer == "sgd" else 0.0
 
     def lr_multiplier(self, step: int, total: int, batch: int | None = None) -> float:
-        """The factor on ``--lr`` at optimizer step ``step`` of ``total`` (:mod:`dtrain.schedule`):
+        """The factor on ``--lr`` at optimizer step ``step`` of ``total`` (:mod:`dtrain.training.large_batch`):
         batch scaling (``batch``: the global batch in force, default that of ``step``'s epoch) x warmup x
         schedule."""
         c = self.cfg

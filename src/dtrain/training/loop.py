@@ -5,7 +5,7 @@ shard, a tracer span per step (forward, backward, the engine's update), the
 straggler emulation after backward, one metrics row per step (also written as TensorBoard
 scalars by the evaluating rank under ``--tensorboard``), checkpoints every
 ``checkpoint_every`` steps, the evaluation after each epoch on the evaluating
-rank, and the result dict that :func:`dtrain.train.summarize` merges. What
+rank, and the result dict that :func:`dtrain.job.worker.summarize` merges. What
 differs between strategies -- how a step's gradients are exchanged and applied,
 when training ends, what a checkpoint holds -- is the engine's.
 
@@ -41,10 +41,10 @@ from torch import nn
 
 from dtrain.cluster.slowdown import Straggler
 from dtrain.errors import ConfigError, DTrainError
-from dtrain.precision import LossScaler
 from dtrain.training.context import TrainContext
 from dtrain.training.guard import NonFiniteGuard
 from dtrain.training.live import EVERY, LiveRanks
+from dtrain.training.precision import LossScaler
 from dtrain.training.watchdog import Heartbeat, explain
 
 if TYPE_CHECKING:

@@ -28,8 +28,8 @@ reduce-scatters 16-bit gradients but allgathers its float32 parameter shards (th
 
 From Python::
 
-    prec = dtrain.precision.Precision("fp16")
-    scaler = dtrain.precision.LossScaler(list(model.parameters()), rank=dtrain.rank())  # agreed over the world
+    prec = dtrain.training.precision.Precision("fp16")
+    scaler = dtrain.training.precision.LossScaler(list(model.parameters()), rank=dtrain.rank())  # agreed over the world
     with prec.autocast():
         loss = loss_fn(ddp_model(x), y)
     scaler.scale_loss(loss).backward()

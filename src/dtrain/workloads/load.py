@@ -53,8 +53,8 @@ def load_model(spec: str, dataset: str = "digits", *, batch: int = 64, seed: int
     """
     if ":" in spec:
         return _user_model(spec)
-    from dtrain.data import load_dataset
-    from dtrain.models import MODELS, build_model, is_language_model
+    from dtrain.workloads.data import load_dataset
+    from dtrain.workloads.models import MODELS, build_model, is_language_model
 
     if spec not in MODELS:
         raise ConfigError(f"model {spec!r} is not known; use one of {', '.join(MODELS)} or FILE.py:FUNCTION")

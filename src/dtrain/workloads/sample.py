@@ -3,7 +3,7 @@
 A run of a language model (``--model gpt-* --dataset pytext``) leaves its final
 weights in ``model.pt`` (the evaluating rank's copy); this module rebuilds the model
 from the run's ``config.toml`` and samples from it with
-:func:`dtrain.models.generate`. Tokens are bytes, so the text is the sampled bytes
+:func:`dtrain.workloads.models.generate`. Tokens are bytes, so the text is the sampled bytes
 decoded as UTF-8 (an incomplete character shows as U+FFFD).
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from dtrain.config import RunConfig, load_toml
 from dtrain.errors import DTrainError
+from dtrain.job.config import RunConfig, load_toml
 
 __all__ = ["sample_run", "main"]
 
@@ -28,7 +28,7 @@ def sample_run(run_dir: str | Path, prompt: str = "\nThe ", tokens: int = 200, *
     Raises:
         DTrainError: the folder holds no finished language-model run, or an argument is out of range.
     """
-    from dtrain.models import build_model, generate, is_language_model
+    from dtrain.workloads.models import build_model, generate, is_language_model
 
     d = Path(run_dir)
     if not (d / "config.toml").is_file():

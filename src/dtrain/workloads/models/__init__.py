@@ -3,9 +3,9 @@
 Every model is an ``nn.Sequential`` so pipeline partitioning and per-layer
 profiling can walk it child by child.
 
-* ``cnn``, ``mlp`` -- image classifiers (:mod:`dtrain.models.vision`).
+* ``cnn``, ``mlp`` -- image classifiers (:mod:`dtrain.workloads.models.vision`).
 * ``gpt``, ``gpt-tiny``, ``gpt-small``, ``gpt-medium`` -- decoder-only
-  transformers over token ids (:mod:`dtrain.models.gpt`).
+  transformers over token ids (:mod:`dtrain.workloads.models.gpt`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.models.gpt import GPT_MODELS, GPT_PRESETS, GPTConfig, build_gpt, generate, gpt_config
-from dtrain.models.vision import VISION_MODELS, build_cnn, build_mlp
+from dtrain.workloads.models.gpt import GPT_MODELS, GPT_PRESETS, GPTConfig, build_gpt, generate, gpt_config
+from dtrain.workloads.models.vision import VISION_MODELS, build_cnn, build_mlp
 
 __all__ = ["MODELS", "build_model", "task_loss", "GPTConfig", "GPT_PRESETS", "generate", "gpt_config",
            "is_language_model"]

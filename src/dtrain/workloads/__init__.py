@@ -1,0 +1,10 @@
+"""What a run trains: models, datasets and how a batch splits over the workers.
+
+* :mod:`.models` -- the CNN and MLP classifiers and the GPT family;
+* :mod:`.data` -- the bundled datasets (scikit-learn's digits, a synthetic teacher task, text);
+* :mod:`.batch` -- how a global batch splits over data-parallel shards;
+* :mod:`.load` -- a model and one batch for it, by name (what the planner and calibration profile);
+* :mod:`.sample` -- ``dtrain sample``: text from a trained language model.
+
+This package imports nothing itself.
+"""
