@@ -4,10 +4,17 @@ Usage: ``python scripts/check_structure.py [SRC_DIR]`` (default ``src/dtrain``);
 each finding and exits 1 if there is any. tests/test_structure.py runs it.
 
 * no module longer than 600 lines, no function longer than 80 (def line to last line);
+* at most 8 modules at the top of the package (``__init__.py`` not counted): the rest live in
+  packages named for what they hold;
 * no import cycle among dtrain's modules: every ``import`` statement counts, at module
-  level or inside a function, except under ``if TYPE_CHECKING:``; importing ``a.b.c``
-  is an edge to ``a.b.c`` and to the packages ``a.b`` and ``a`` whose ``__init__`` runs
-  (but not to the importer's own enclosing packages, which are initializing already);
+  level or inside a function, under ``if TYPE_CHECKING:`` too (a type-only import is still an
+  arrow between two modules that a reader follows), and so does ``importlib.import_module``
+  with a literal name; importing ``a.b.c`` is an edge to ``a.b.c`` and to the packages ``a.b``
+  and ``a`` whose ``__init__`` runs (but not to the importer's own enclosing packages, which
+  are initializing already);
+* no import of a private name (``_x``, or anything from a module ``_m``) that belongs to
+  another package: a package's private modules and names are for that package's modules
+  (and its sub-packages') only;
 * no ``strategy ==`` comparison outside ``dtrain/strategies/`` (strategies are registry
   entries, not branches).
 """
@@ -20,6 +27,7 @@ from pathlib import Path
 
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
+MAX_TOP_MODULES = 8
 
 
 def _module_name(root: Path, path: Path) -> str:
@@ -29,38 +37,66 @@ def _module_name(root: Path, path: Path) -> str:
     return ".".join(parts)
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
+def _resolve(node: ast.ImportFrom, me: str, is_package: bool) -> str:
+    base = node.module or ""
+    if node.level:
+        pkg = me.split(".") if is_package else me.split(".")[:-1]
+        pkg = pkg[: len(pkg) - (node.level - 1)]
+        base = ".".join([*pkg, base] if base else pkg)
+    return base
+
+
+def _imported_names(tree: ast.AST, me: str, is_package: bool) -> list[str]:
+    """Every dotted name the module imports: ``import a.b``, ``from a import b`` (as ``a`` and
+    ``a.b``), and ``importlib.import_module("a.b")`` with a literal name."""
+    names: list[str] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for sub in node.body:
-                lines.update(range(sub.lineno, (sub.end_lineno or sub.lineno) + 1))
-    return lines
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(node, me, is_package)
+            names += [base] + [f"{base}.{a.name}" for a in node.names]
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            names.append(node.args[0].value)
+    return names
 
 
 def _imports(tree: ast.AST, me: str, is_package: bool, known: set[str]) -> set[str]:
-    skip = _type_checking_lines(tree)
     out: set[str] = set()
+    mine = {".".join(me.split(".")[:i]) for i in range(1, me.count(".") + 1)}  # already initializing
+    for n in _imported_names(tree, me, is_package):
+        parts = n.split(".")
+        for i in range(1, len(parts) + 1):  # the packages whose __init__ runs, and the module
+            cand = ".".join(parts[:i])
+            if cand in known and cand != me and cand not in mine:
+                out.add(cand)
+    return out
+
+
+def _private_imports(tree: ast.AST, me: str, is_package: bool, packages: set[str]) -> list[str]:
+    """``from X import _y`` or an import of ``P._m...`` where the private name belongs to a package
+    that is neither the importer's own nor one of its enclosing packages."""
+    own = me if is_package else me.rpartition(".")[0]
+    out: list[str] = []
     for node in ast.walk(tree):
-        if getattr(node, "lineno", 0) in skip:
+        if isinstance(node, ast.ImportFrom):
+            base = _resolve(node, me, is_package)
+            full = [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            full = [a.name for a in node.names]
+        else:
             continue
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = me.split(".") if is_package else me.split(".")[:-1]
-                pkg = pkg[: len(pkg) - (node.level - 1)]
-                base = ".".join([*pkg, base] if base else pkg)
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
-        mine = {".".join(me.split(".")[:i]) for i in range(1, me.count(".") + 1)}  # already initializing
-        for n in names:
-            parts = n.split(".")
-            for i in range(1, len(parts) + 1):  # the packages whose __init__ runs, and the module
-                cand = ".".join(parts[:i])
-                if cand in known and cand != me and cand not in mine:
-                    out.add(cand)
+        for name in full:
+            parts = name.split(".")
+            private = [i for i, seg in enumerate(parts) if seg.startswith("_") and not seg.startswith("__")]
+            if not private or parts[0] != me.split(".")[0]:
+                continue
+            owner = ".".join(parts[: private[0]])  # the package, or the module, the private name is in
+            if owner not in packages:
+                owner = owner.rpartition(".")[0]
+            if not (own == owner or own.startswith(owner + ".")):
+                out.append(f"{name} (private to {owner})")
     return out
 
 
@@ -109,6 +145,10 @@ def check(root: Path) -> list[str]:
     trees = {p: ast.parse(p.read_text(), filename=str(p)) for p in files}
     names = {p: _module_name(root, p) for p in files}
     known = set(names.values())
+    packages = {names[p] for p in files if p.name == "__init__.py"}
+    top = [p.name for p in files if p.parent == root and p.name != "__init__.py"]
+    if len(top) > MAX_TOP_MODULES:
+        findings.append(f"{root}: {len(top)} modules at the top (max {MAX_TOP_MODULES}): {', '.join(top)}")
     graph: dict[str, set[str]] = {}
     for p, tree in trees.items():
         lines = p.read_text().count("\n")
@@ -124,6 +164,8 @@ def check(root: Path) -> list[str]:
                 if "strategy ==" in line:
                     findings.append(f"{p}:{i}: a strategy branch outside the registry: {line.strip()}")
         graph[names[p]] = _imports(tree, names[p], p.name == "__init__.py", known)
+        for what in _private_imports(tree, names[p], p.name == "__init__.py", packages):
+            findings.append(f"{p}: imports a private name of another package: {what}")
     for comp in _cycles(graph):
         findings.append("import cycle among: " + ", ".join(comp))
     return findings

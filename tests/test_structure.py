@@ -1,6 +1,8 @@
 """The source tree keeps its shape (scripts/check_structure.py): modules <= 600 lines, functions
-<= 80 lines, no import cycle, no strategy branch outside the registry; and the performance model
-stays pure (importing it starts nothing: no launcher, cluster, training loop, benchmark or planning)."""
+<= 80 lines, at most 8 modules at the top, no import cycle (type-only and ``import_module`` arrows
+count), no private name imported from another package, no strategy branch outside the registry;
+and the performance model stays pure (importing it starts nothing: no launcher, cluster, training loop,
+benchmark or planning)."""
 
 import importlib.util
 import subprocess
@@ -39,6 +41,33 @@ def test_checker_finds_what_it_looks_for(tmp_path: Path) -> None:
     found = "\n".join(_checker().check(pkg))
     assert "function f of 92 lines" in found and "module of 603 lines" in found
     assert "import cycle among: pkg.a, pkg.b" in found and "strategy branch" in found
+
+
+def test_checker_counts_type_only_and_literal_imports_private_names_and_top_modules(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "other").mkdir()
+    for init in (pkg / "__init__.py", pkg / "sub" / "__init__.py", pkg / "other" / "__init__.py"):
+        init.write_text("")
+    # a cycle through a type-only import, another through importlib.import_module("...")
+    (pkg / "sub" / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                      "    from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("import pkg.sub.a\n")
+    (pkg / "other" / "c.py").write_text("import importlib\ndef f():\n    importlib.import_module('pkg.other.d')\n")
+    (pkg / "other" / "d.py").write_text("from pkg.other import c\n")
+    # private names: of another package (found), of one's own package or an enclosing one (allowed)
+    (pkg / "sub" / "_hidden.py").write_text("x = 1\n_y = 2\n")
+    (pkg / "sub" / "e.py").write_text("from pkg.sub._hidden import x\nfrom pkg.sub.b import _z\n")
+    (pkg / "other" / "f.py").write_text("from pkg.sub._hidden import x\nfrom pkg.sub.b import _z\n")
+    for i in range(9):
+        (pkg / f"top{i}.py").write_text("")
+    found = "\n".join(_checker().check(pkg))
+    assert "import cycle among: pkg.sub.a, pkg.sub.b" in found
+    assert "import cycle among: pkg.other.c, pkg.other.d" in found
+    assert "f.py: imports a private name of another package: pkg.sub._hidden.x (private to pkg.sub)" in found
+    assert "f.py: imports a private name of another package: pkg.sub.b._z (private to pkg.sub)" in found
+    assert "e.py: imports a private" not in found
+    assert "9 modules at the top (max 8)" in found
 
 
 @pytest.mark.procs
