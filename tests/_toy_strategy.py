@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from dtrain.perfmodel.predict import Memory, Prediction, StepInputs
-from dtrain.strategies import Choice, PlanSpace, Strategy, StrategyOptions, register
-from dtrain.training.context import TrainContext
+from dtrain.perfmodel.hooks import Memory, ModelHooks, PlanSpace, Prediction, StepInputs
+from dtrain.registry import Choice, Strategy, StrategyOptions, register
+from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.loop import Position, run_loop
 
 
@@ -110,5 +110,11 @@ def _candidates(space: PlanSpace) -> list[Choice]:
     return [] if space.exact_only or space.workers < 2 else [Choice("alone", space.workers)]
 
 
-ALONE = register(Strategy(name="alone", options=AloneOptions, help="every worker trains alone (a test's toy)",
-                          run=_run, predict=_predict, memory=_memory, candidates=_candidates))
+ALONE = register(Strategy(
+    name="alone", options=AloneOptions,
+    help="every worker trains alone (a test's toy)",
+    hooks=(
+        ProcessHooks(run=_run),
+        ModelHooks(predict=_predict, memory=_memory, candidates=_candidates),
+    ),
+))

@@ -12,13 +12,15 @@ import pytest
 import torch
 from torch import nn
 
+from dtrain import registry
 from dtrain.errors import ConfigError
 from dtrain.perfmodel import ClusterSpec, Device, Link, predict
 from dtrain.perfmodel import pipeline as pm
+from dtrain.perfmodel.hooks import ModelHooks, PlanSpace
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile
 from dtrain.perfmodel.ranking import candidates, plan
 from dtrain.pipeline.schedules import generate, peak_in_flight_bound, simulate
-from dtrain.strategies import base, choice
+from dtrain.strategies import choice
 from dtrain.strategies.pipeline import PipelineOptions
 
 MS = 1e-3
@@ -47,10 +49,12 @@ TC = 1e-4 + 2000 / 1e6  # one transfer of a micro-batch's activation
 @pytest.fixture
 def hooks() -> Iterator[None]:
     """The pipeline entry with this module's hooks (as strategies/pipeline.py registers it)."""
-    entry = base.get("pipeline")
-    base.register(replace(entry, predict=pm.predict, memory=pm.memory, candidates=pm.candidates), replace=True)
+    entry = registry.get("pipeline")
+    others = tuple(h for h in entry.hooks if not isinstance(h, ModelHooks))
+    model = ModelHooks(predict=pm.predict, memory=pm.memory, candidates=pm.candidates)
+    registry.register(replace(entry, hooks=(*others, model)), replace=True)
     yield
-    base.register(entry, replace=True)
+    registry.register(entry, replace=True)
 
 
 # ---------------------------------------------------------------- step time by hand
@@ -210,18 +214,18 @@ def test_memory_by_schedule_and_recomputation():
 
 
 def test_candidates_are_pipelines_over_every_worker():
-    assert pm.candidates(base.PlanSpace(_cluster(1), 1, (), (), (), (), pipeline=True)) == []
+    assert pm.candidates(PlanSpace(_cluster(1), 1, (), (), (), (), pipeline=True)) == []
     for w in (2, 4, 8):
-        space = base.PlanSpace(_cluster(8), w, (), (), (), (), pipeline=True)
+        space = PlanSpace(_cluster(8), w, (), (), (), (), pipeline=True)
         cands = pm.candidates(space)
-        assert cands and all(isinstance(s, base.Choice) and s.strategy == "pipeline" and s.workers == w
+        assert cands and all(isinstance(s, registry.Choice) and s.strategy == "pipeline" and s.workers == w
                              and isinstance(s.options, PipelineOptions) for s in cands)  # fmt: skip
         assert len({s.label() for s in cands}) == len(cands)
         assert {s.opts.schedule for s in cands} == {"gpipe", "1f1b", "interleaved", "2bw"}
         assert all(s.opts.microbatches % w == 0 for s in cands if s.opts.schedule == "interleaved")
         exact = pm.candidates(replace(space, exact_only=True))
         assert {s.opts.schedule for s in exact} == {"gpipe", "1f1b", "interleaved"}
-    sixteen = pm.candidates(base.PlanSpace(_cluster(16), 16, (), (), (), (), pipeline=True))
+    sixteen = pm.candidates(PlanSpace(_cluster(16), 16, (), (), (), (), pipeline=True))
     assert {s.opts.schedule for s in sixteen} == {"gpipe", "1f1b", "2bw"}  # M in (4, 8): no multiple of 16
 
 

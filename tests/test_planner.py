@@ -1,4 +1,4 @@
-"""Planner: candidates, ranking on made-up clusters, rejections, ``choose`` for ``--strategy auto``, CLI."""
+"""Planner: candidates, ranking on made-up clusters, rejections, ``pick_plan`` for ``--strategy auto``, CLI."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, plan
 from dtrain.perfmodel.ranking import candidates
 from dtrain.perfmodel.spec import CompressorCost, this_host
 from dtrain.perfmodel.units import parse_rate
-from dtrain.planning import choose
+from dtrain.planning import pick_plan
 from dtrain.planning.cli import main as plan_main
 from dtrain.planning.cli import parse_strategy
 
@@ -79,7 +79,7 @@ def _local_cache(tmp_path, monkeypatch, workers: int = 4) -> None:
 def test_choose_returns_overrides_that_make_a_valid_run(tmp_path, monkeypatch, capsys):
     _local_cache(tmp_path, monkeypatch)
     cfg = RunConfig.make(strategy="auto", workers=4, batch_size=64)
-    best = choose(cfg)
+    best = pick_plan(cfg)
     assert best.strategy in ("dp", "ddp", "ps")
     run_cfg = cfg.replace(strategy=best.strategy, workers=best.workers, options=best.options).validate()
     assert run_cfg.num_processes <= 4

@@ -9,12 +9,15 @@ from dtrain.comm.allreduce import ALGORITHMS as COMM_ALGORITHMS
 from dtrain.comm.cost import ALGORITHMS as COST_ALGORITHMS
 from dtrain.compress import REGISTRY as COMPRESSORS
 from dtrain.data_parallel.options import ALGORITHMS, OVERLAPS
+from dtrain.job.config import ConfigHooks
 from dtrain.param_server.consistency import POLICIES
 from dtrain.perfmodel import ClusterSpec, Device, Link
 from dtrain.perfmodel.compression import compression_model
+from dtrain.perfmodel.hooks import ModelHooks
 from dtrain.perfmodel.ranking import candidates
 from dtrain.perfmodel.simulator import parse_policy
 from dtrain.strategies import registered
+from dtrain.training.context import ProcessHooks
 
 _ARGS = {"qsgd": "qsgd:16", "topk": "topk:0.01", "randomk": "randomk:0.05", "threshold": "threshold:0.001",
          "powersgd": "powersgd:2", "sign": "sign"}
@@ -76,12 +79,13 @@ def test_strategy_reachable(name):
     model = ["--model", "gpt-tiny", "--dataset", "pytext"] if name == "tensor" else []
     cfg = _cfg("--strategy", name, *model)
     assert cfg.strategy == name and isinstance(cfg.options, entry.options)
-    assert entry.run is not None or entry.resolve is not None
+    assert entry.hooks_of(ProcessHooks) is not None or ConfigHooks.of(entry).resolve is not None
     if name != "auto":
         assert run_info(cfg)["strategy"] == name
-    if entry.candidates is not None:
+    model = ModelHooks.of(entry)
+    if model.candidates is not None:
         assert any(c.strategy == name for c in candidates(_cluster(), 8, averaging=True, pipeline=True, mesh=True))
-        assert entry.predict is not None and entry.memory is not None
+        assert model.predict is not None and model.memory is not None
 
 
 def test_strategies_package_names_every_strategy():

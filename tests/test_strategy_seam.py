@@ -22,10 +22,10 @@ def toy(monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     import _toy_strategy
 
-    from dtrain.strategies import base
+    from dtrain import registry
 
-    yield base.register(_toy_strategy.ALONE, replace=True)  # registered again after an earlier test's teardown
-    base.unregister("alone")
+    yield registry.register(_toy_strategy.ALONE, replace=True)  # registered again after an earlier test's teardown
+    registry.unregister("alone")
 
 
 def _losses(out: Path) -> dict[tuple[int, int], float]:
@@ -91,8 +91,8 @@ def test_options_of_another_strategy_are_refused_with_where_they_belong():
 
 
 def test_unknown_plugin_module_is_a_clear_error(monkeypatch):
-    from dtrain.strategies import base
+    from dtrain import registry
 
     monkeypatch.setenv("DTRAIN_STRATEGY_MODULES", "no_such_module_here")
     with pytest.raises(ConfigError, match="no_such_module_here"):
-        base.get("dp")
+        registry.get("dp")

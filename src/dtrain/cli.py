@@ -118,7 +118,7 @@ def _add_flag(p: argparse._ActionsContainer, name: str, default: Any, helptext: 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     from dtrain.job.config import RunConfig, option_fields
-    from dtrain.strategies.base import registered
+    from dtrain.registry import registered
 
     known = _choices()
     for f in RunConfig.shared_fields():

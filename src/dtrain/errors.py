@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 __all__ = [
     "DTrainError", "ConfigError", "CommError", "CommTimeoutError", "ModelMismatchError", "NonFiniteError",
-    "run_command",
+    "check_choice", "run_command",
 ]
 
 
@@ -23,6 +23,12 @@ class DTrainError(RuntimeError):
 
 class ConfigError(DTrainError, ValueError):
     """A configuration value is invalid; raised before any process starts."""
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """ConfigError unless ``value`` is one of ``choices`` (``name`` is the option, as the message says it)."""
+    if value not in choices:
+        raise ConfigError(f"{name} {value!r} is not known; choose one of: {', '.join(choices)}")
 
 
 class CommError(DTrainError):

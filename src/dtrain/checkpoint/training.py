@@ -104,7 +104,7 @@ def check_resume(cfg: RunConfig) -> None:
         raise ConfigError(f"checkpoint_every must be >= 0 (0: no checkpoints), got {cfg.checkpoint_every}")
     _check_restarts(cfg)
     if cfg.checkpoint_every > 0 or cfg.resume:
-        cfg.entry.check_checkpointing(cfg.opts, cfg)
+        cfg.hooks.check_checkpointing(cfg.opts, cfg)
     if not cfg.resume:
         return
     ckpt = find_checkpoint(cfg.resume, checksums=True)  # a damaged file fails here, naming it, not in a worker
@@ -152,7 +152,7 @@ def _check_restarts(cfg: RunConfig) -> None:
     if n <= 0:
         return
     try:
-        cfg.entry.check_checkpointing(cfg.opts, cfg)
+        cfg.hooks.check_checkpointing(cfg.opts, cfg)
     except ConfigError as e:
         raise ConfigError(f"--max-restarts {n} restarts from the run's checkpoints, and {e}") from None
     if cfg.checkpoint_every <= 0:

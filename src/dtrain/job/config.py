@@ -28,14 +28,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import ConfigError
 from dtrain.job.files import read_toml
-from dtrain.strategies.base import Strategy, StrategyOptions, get, options_for, registered
+from dtrain.registry import Strategy, StrategyOptions, get, options_for, registered
 from dtrain.training.precision import PRECISIONS
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ __all__ = [
     "parse_straggler",
     "option_fields",
     "build_options",
+    "ConfigHooks",
 ]
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
@@ -122,6 +123,37 @@ def build_options(entry: Strategy, values: Mapping[str, Any]) -> StrategyOptions
         return entry.options(**kw)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _no_check(options: Any, cfg: RunConfig) -> None:
+    return None
+
+
+def _itself(cfg: RunConfig) -> RunConfig:
+    return cfg
+
+
+@dataclass(frozen=True)
+class ConfigHooks:
+    """What the configuration asks a strategy: its registry entry's hooks for this layer.
+
+    Attributes:
+        check: cross-checks against the whole run configuration (raise ConfigError);
+            the options' own checks run when they are built.
+        resolve: runs in the parent before anything starts; returns the configuration to
+            run (``auto`` replaces itself by the planner's first choice).
+        check_checkpointing: refuse ``--checkpoint-every`` / ``--resume`` where the
+            strategy cannot save (ConfigError saying why).
+    """
+
+    check: Callable[[Any, RunConfig], None] = _no_check
+    resolve: Callable[[RunConfig], RunConfig] = _itself
+    check_checkpointing: Callable[[Any, RunConfig], None] = _no_check
+
+    @classmethod
+    def of(cls, entry: Strategy) -> ConfigHooks:
+        """``entry``'s configuration hooks (the defaults when it gave none)."""
+        return entry.hooks_of(cls) or cls()
 
 
 @dataclass(frozen=True)
@@ -200,6 +232,11 @@ class RunConfig:
     def entry(self) -> Strategy:
         """The registered strategy this run uses."""
         return get(self.strategy)
+
+    @property
+    def hooks(self) -> ConfigHooks:
+        """What the configuration asks this run's strategy (:class:`ConfigHooks`)."""
+        return ConfigHooks.of(self.entry)
 
     @property
     def opts(self) -> StrategyOptions:
@@ -467,7 +504,7 @@ class RunConfig:
                 if batch > size:
                     raise ConfigError(f"batch_schedule: the batch {batch} (from epoch {epoch}) is larger than "
                                       f"the training set ({size} samples)")  # fmt: skip
-                self.entry.check(self.opts, dataclasses.replace(self, batch_schedule="", batch_size=batch))
+                self.hooks.check(self.opts, dataclasses.replace(self, batch_schedule="", batch_size=batch))
         if self.noise_beta != NOISE_BETA and not (self.noise_scale or self.batch_schedule == "auto"):
             raise ConfigError(f"noise_beta {self.noise_beta:g} sets how the noise scale is averaged; add --noise-scale "
                               "or --batch-schedule auto, or drop it")  # fmt: skip
@@ -491,7 +528,7 @@ class RunConfig:
             rank, _ = parse_straggler(self.straggler)
             if rank >= self.num_processes:
                 raise ConfigError(f"straggler rank {rank} is outside the {self.num_processes} processes")
-        self.entry.check(self.opts, self)
+        self.hooks.check(self.opts, self)
         from dtrain.checkpoint.training import check_resume
 
         check_resume(self)

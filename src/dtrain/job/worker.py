@@ -37,8 +37,7 @@ from dtrain.cluster.nodes import NodeArgs
 from dtrain.errors import ConfigError
 from dtrain.job.config import RunConfig, dump_toml
 from dtrain.observe.trace import MetricsWriter, Tracer, activate, align_clock, merge_rank_files, parse_trace_steps
-from dtrain.strategies.base import get
-from dtrain.training.context import TrainContext, lr_factor, schedule_updates
+from dtrain.training.context import ProcessHooks, TrainContext, lr_factor, schedule_updates
 from dtrain.workloads.batch import batch_note
 
 __all__ = ["TrainContext", "run", "run_node", "worker_main", "default_out_dir", "open_run_folder", "summarize",
@@ -130,11 +129,11 @@ def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
     )
     activate(ctx.tracer)  # transports and collectives record into it
     align_clock(ctx.tracer, cfg.timeout_s)  # every process, before training: the trace's clock offsets
-    body = cfg.entry.run
-    if body is None:
+    hooks = cfg.entry.hooks_of(ProcessHooks)
+    if hooks is None:
         raise ConfigError(f"strategy {cfg.strategy!r} has no process body; it must resolve to one that has")
     try:
-        result = body(ctx)
+        result = hooks.run(ctx)
     except KeyboardInterrupt:  # Ctrl-C: the launcher reports it, no error to keep
         raise
     except BaseException:
@@ -262,7 +261,7 @@ def _run_on_cluster(cfg: RunConfig, quiet: bool) -> tuple[dict[str, Any], Path]:
 
 def _prepare(cfg: RunConfig, quiet: bool) -> tuple[RunConfig, Path]:
     """Resolve the strategy, open the run folder, pin the checkpoint to resume from, write config.toml."""
-    cfg = get(cfg.strategy).resolve(cfg)
+    cfg = cfg.hooks.resolve(cfg)
     if cfg.tensorboard:  # refused before any process starts where the tensorboard package is missing
         from dtrain.observe.trace import require_tensorboard
 

@@ -210,7 +210,7 @@ def predict(run: RunData) -> dict[str, Any]:
     from dtrain.measure.calibrate import local_cluster
     from dtrain.perfmodel.ranking import plan
     from dtrain.planning.auto import cluster_for
-    from dtrain.strategies.base import Choice
+    from dtrain.registry import Choice
     from dtrain.workloads.load import load_model
 
     cfg = RunConfig.from_mapping({k: v for k, v in run.config.items() if k not in ("out", "resume", "overwrite")})

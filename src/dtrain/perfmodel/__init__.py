@@ -4,7 +4,8 @@
 * :mod:`.profile` -- a model's per-layer parameters, FLOPs, activations and times;
 * :mod:`.collectives`, :mod:`.predict` -- step time, memory, bytes (each strategy's hooks
   in :mod:`dtrain.strategies` call them);
-* :mod:`.planner` -- :func:`plan` ranks the registered strategies' candidates;
+* :mod:`.hooks` -- what a strategy's performance-model hooks take and return (:class:`ModelHooks`);
+* :mod:`.ranking` -- :func:`plan` ranks the registered strategies' candidates;
 * :mod:`.simulator` -- event-driven replay with stragglers and asynchrony;
 * :mod:`.fit` -- a cluster description's terms fitted to what calibration measured.
 

@@ -26,7 +26,7 @@ from dtrain.perfmodel.predict import Memory, Prediction, StepInputs, _opt_state
 if TYPE_CHECKING:
     from dtrain.perfmodel.profile import ModelProfile
     from dtrain.perfmodel.spec import ClusterSpec
-    from dtrain.strategies.base import Choice
+    from dtrain.registry import Choice
 
 __all__ = ["local_sgd_cost", "easgd_cost", "gossip_cost", "predict_averaging", "replica_memory"]
 

@@ -60,13 +60,14 @@ from dtrain.perfmodel.predict import Memory, Prediction, StepInputs, _opt_state,
 from dtrain.pipeline.partition import SPECS, block_partition
 from dtrain.pipeline.pipe import CHECKPOINTS, SCHEDULES
 from dtrain.pipeline.schedules import bubble_closed_form, generate, simulate
-from dtrain.strategies.base import choice
+from dtrain.registry import choice
 
 if TYPE_CHECKING:
     from dtrain.perfmodel.collectives import CompressionModel
+    from dtrain.perfmodel.hooks import PlanSpace
     from dtrain.perfmodel.profile import ModelProfile
     from dtrain.perfmodel.spec import ClusterSpec
-    from dtrain.strategies.base import Choice, PlanSpace
+    from dtrain.registry import Choice
 
 __all__ = ["PipelineCost", "PipelineLike", "pipeline_cost", "pipeline_memory", "in_flight", "stage_cut", "predict",
            "memory", "candidates"]  # fmt: skip

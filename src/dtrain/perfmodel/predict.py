@@ -2,7 +2,7 @@
 
 Every function here takes a :class:`~dtrain.perfmodel.profile.ModelProfile` (at
 the per-worker batch), a :class:`~dtrain.perfmodel.spec.ClusterSpec` and a
-:class:`~dtrain.strategies.Choice` (a registered strategy, its options and workers),
+:class:`~dtrain.registry.Choice` (a registered strategy, its options and workers),
 and returns a :class:`Prediction`. Nothing is run.
 
 Compute. Per-layer forward and backward times come, in this order of
@@ -76,7 +76,7 @@ binomial tree's one-way messages are replayed against the links' token buckets
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from dtrain.comm.fusion import MB, assign_buckets
@@ -87,11 +87,12 @@ from dtrain.perfmodel.collectives import (
     compressed_allreduce_bytes,
     compressed_allreduce_time,
 )
+from dtrain.perfmodel.hooks import Memory, ModelHooks, Prediction, StepInputs
 from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
 
 if TYPE_CHECKING:
-    from dtrain.strategies.base import Choice
+    from dtrain.registry import Choice
 
 __all__ = ["Memory", "Prediction", "StepInputs", "DataParallelLike", "ServerLike", "compute_times", "predict",
            "memory_per_device", "data_parallel_memory", "server_memory", "predict_data_parallel",
@@ -120,52 +121,6 @@ class ServerLike(Protocol):
     def servers(self) -> int: ...
     @property
     def consistency(self) -> str: ...
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Bytes per device, by what holds them."""
-
-    params: float = 0.0
-    grads: float = 0.0
-    optimizer: float = 0.0
-    activations: float = 0.0
-    buffers: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """What the model predicts for one strategy.
-
-    Attributes:
-        step_s: wall time of one training step (one worker iteration).
-        samples_per_s: global throughput.
-        compute_s: forward + backward + optimizer of one worker.
-        comm_s: communication time of one step if nothing overlapped.
-        exposed_s: communication that compute does not hide.
-        wait_s: time a worker waits for others / the servers beyond its own communication.
-        bytes_per_step: bytes one worker sends per step (mean).
-        memory: per device (the larger of worker and server for the parameter server).
-        fits: whether ``memory.total`` fits the device.
-        why: one line on what bounds the step.
-    """
-
-    strategy: Choice
-    step_s: float
-    samples_per_s: float
-    compute_s: float
-    comm_s: float
-    exposed_s: float
-    wait_s: float
-    bytes_per_step: float
-    memory: Memory
-    fits: bool
-    why: str
-    detail: dict[str, float] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- compute
@@ -210,7 +165,7 @@ def memory_per_device(prof: ModelProfile, s: Choice, comp: CompressionModel | No
     """
     p = float(prof.param_bytes)
     act = prof.activation_bytes + prof.input_bytes
-    hook = s.entry.memory
+    hook = ModelHooks.of(s.entry).memory
     if s.kind == "single" or hook is None:
         return Memory(params=p, grads=p, optimizer=_opt_state(prof), activations=act)
     return hook(prof, s, comp)
@@ -244,24 +199,6 @@ def server_memory(prof: ModelProfile, o: ServerLike, comp: CompressionModel | No
 # ---------------------------------------------------------------------- strategies
 
 
-@dataclass(frozen=True)
-class StepInputs:
-    """What :func:`predict` works out for every strategy before its own hook runs.
-
-    Attributes:
-        fwd / bwd: seconds per layer on one device; opt: the optimizer step.
-        overhead: the training loop's own seconds per step.
-        memory / fits: bytes per device and whether they fit.
-    """
-
-    fwd: list[float]
-    bwd: list[float]
-    opt: float
-    overhead: float
-    memory: Memory
-    fits: bool
-
-
 def predict(
     prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel | None = None, *, overhead_s: float = 0.0
 ) -> Prediction:
@@ -292,7 +229,7 @@ def predict(
         step = sum(fwd) + sum(bwd) + opt + overhead_s
         return Prediction(s, step, prof.batch * s.workers / step, step - overhead_s, 0.0, 0.0, 0.0, 0.0, mem, fits,
                           "compute only: no communication")  # fmt: skip
-    hook = s.entry.predict
+    hook = ModelHooks.of(s.entry).predict
     if hook is None:
         raise ConfigError(f"strategy {s.strategy!r} has no performance model (its registry entry has no predict)")
     return hook(prof, c, s, comp, StepInputs(fwd, bwd, opt, overhead_s, mem, fits))

@@ -38,11 +38,12 @@ from torch import nn
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.collectives import ALGORITHMS, CompressionModel
 from dtrain.perfmodel.compression import compression_model
-from dtrain.perfmodel.predict import Prediction, predict
+from dtrain.perfmodel.hooks import ModelHooks, PlanSpace, Prediction
+from dtrain.perfmodel.predict import predict
 from dtrain.perfmodel.profile import ModelProfile, profile_model
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
 from dtrain.perfmodel.units import format_bytes, parse_bytes
-from dtrain.strategies.base import Choice, PlanSpace, registered
+from dtrain.registry import Choice, registered
 from dtrain.workloads.batch import split_batch
 
 __all__ = ["Plan", "candidates", "plan", "parse_memory_limit", "DEFAULT_COMPRESSIONS", "DEFAULT_CONSISTENCIES",
@@ -137,8 +138,9 @@ def candidates(
                       tuple(algorithms), exact_only, single, ddp, averaging, pipeline, mesh)  # fmt: skip
     out: list[Choice] = []
     for entry in registered().values():
-        if entry.candidates is not None:
-            out += entry.candidates(space)
+        hook = ModelHooks.of(entry).candidates
+        if hook is not None:
+            out += hook(space)
     return out
 
 
@@ -252,7 +254,7 @@ class _Ranker:
         if b not in self.profiles:
             self.profiles[b] = profile_model(self.model, _batch_of(self.sample, b), name=self.name,
                                              measure=self.measure, optimizer=self.optimizer)  # fmt: skip
-        key = (s.strategy, s.workers, s.opts.plan_identity(self.profiles[b]))
+        key = (s.strategy, s.workers, ModelHooks.of(s.entry).identity(s.opts, self.profiles[b]))
         if key in self.seen:
             return
         self.seen.add(key)

@@ -28,7 +28,7 @@ from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
 
 if TYPE_CHECKING:
-    from dtrain.strategies.base import Choice
+    from dtrain.registry import Choice
 
 __all__ = ["ZERO_STAGES", "sharded_memory", "predict_sharded", "shard_collective"]
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,6 +51,7 @@ import numpy as np
 from dtrain.errors import ConfigError
 from dtrain.param_server.consistency import Action, Apply, Release
 from dtrain.perfmodel.collectives import CompressionModel
+from dtrain.perfmodel.hooks import ModelHooks, SimResult
 from dtrain.perfmodel.predict import (
     DataParallelLike,
     PSCosts,
@@ -67,7 +68,7 @@ from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
 
 if TYPE_CHECKING:
-    from dtrain.strategies.base import Choice
+    from dtrain.registry import Choice
 
 __all__ = ["Stragglers", "SimResult", "simulate", "simulate_sync", "simulate_ps", "scaling_curve", "parse_policy"]
 
@@ -128,38 +129,6 @@ class Stragglers:
         return f"{self.kind}:{self.a:g}:{self.b:g}"
 
 
-@dataclass(frozen=True)
-class SimResult:
-    """What one simulation measured.
-
-    Attributes:
-        workers: training workers.
-        strategy: its label.
-        step_s: mean time per step (per worker iteration).
-        samples_per_s: global throughput.
-        efficiency: ``samples_per_s / (workers * one worker's samples/s alone)``.
-        wait_frac: fraction of a worker's time spent not computing.
-        staleness: histogram {staleness: count} of applied gradients (parameter server).
-    """
-
-    workers: int
-    strategy: str
-    step_s: float
-    samples_per_s: float
-    efficiency: float
-    wait_frac: float
-    staleness: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def staleness_mean(self) -> float:
-        n = sum(self.staleness.values())
-        return sum(k * v for k, v in self.staleness.items()) / n if n else 0.0
-
-    @property
-    def staleness_max(self) -> int:
-        return max(self.staleness, default=0)
-
-
 def parse_policy(consistency: str) -> tuple[str, int]:
     """"bsp" -> ("bsp", 0); "ssp:3" -> ("ssp", 3); "softsync:2"; "backup:1"; "asp".
 
@@ -203,7 +172,7 @@ def simulate(
     rng = np.random.default_rng(seed)
     fwd, bwd, opt = compute_times(prof, c)
     alone = sum(fwd) + sum(bwd) + opt + overhead_s  # one worker, nothing to communicate
-    hook = s.entry.simulate
+    hook = ModelHooks.of(s.entry).simulate
     if hook is None:
         raise ConfigError(f"strategy {s.strategy!r} has no simulator (its registry entry has no simulate)")
     result: SimResult = hook(prof, c, s, comp, stragglers, steps, rng, fwd, bwd, opt, overhead_s, alone)

@@ -49,7 +49,7 @@ from dtrain.perfmodel.profile import LayerProfile, ModelProfile
 from dtrain.perfmodel.sharded import shard_collective
 from dtrain.perfmodel.spec import ClusterSpec
 from dtrain.perfmodel.units import format_bytes
-from dtrain.strategies.base import Choice
+from dtrain.registry import Choice
 
 __all__ = ["PARAM_BYTES", "TransformerShape", "TensorComm", "MeshChoice", "mesh_rank", "mesh_groups", "group_cluster",
            "block_activation_bytes", "tensor_memory", "tensor_parallel_comm", "predict_hybrid", "mesh_reason",

@@ -1,6 +1,6 @@
 """``dtrain run --strategy auto`` and :func:`dtrain.plan`: the planner on a run's model and cluster.
 
-:func:`choose` is what the ``auto`` strategy's ``resolve`` hook calls before
+:func:`pick_plan` is what the ``auto`` strategy's ``resolve`` hook calls before
 launching: it builds the configured model and one global batch, finds the
 cluster description (the calibration of the emulated cluster ``cfg.cluster``, or
 this machine's cached quick calibration), runs the planner over the registered
@@ -26,10 +26,10 @@ from dtrain.measure.calibrate import calibrate_cluster, cluster_file, local_clus
 from dtrain.perfmodel.ranking import DEFAULT_COMPRESSIONS, DEFAULT_CONSISTENCIES, Plan, candidates
 from dtrain.perfmodel.ranking import plan as rank
 from dtrain.perfmodel.spec import ClusterSpec, dump_cluster, load_cluster
-from dtrain.strategies.base import Choice
+from dtrain.registry import Choice
 from dtrain.workloads.load import load_model
 
-__all__ = ["choose", "plan", "plan_for_config", "cluster_for"]
+__all__ = ["pick_plan", "plan", "plan_for_config", "cluster_for"]
 
 
 def plan(model: nn.Module, sample_batch: Any, cluster: str | Path | ClusterSpec | None = None, *,
@@ -82,7 +82,7 @@ def plan_for_config(cfg: RunConfig) -> Plan:
     return rank(model, sample, spec, workers=cfg.workers, name=name, optimizer=_optimizer(cfg), strategies=cands)
 
 
-def choose(cfg: RunConfig, *, verbose: bool = True) -> Choice:
+def pick_plan(cfg: RunConfig, *, verbose: bool = True) -> Choice:
     """The planner's first choice for ``cfg`` (a strategy, its options and workers).
 
     Args:

@@ -28,7 +28,7 @@ from dtrain.perfmodel.ranking import DEFAULT_COMPRESSIONS, parse_memory_limit
 from dtrain.perfmodel.simulator import SimResult, Stragglers, simulate
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
 from dtrain.planning.auto import cluster_for, plan
-from dtrain.strategies.base import Choice, choice
+from dtrain.registry import Choice, choice
 from dtrain.workloads.load import load_model
 
 __all__ = ["main", "parse_strategy"]

@@ -1,4 +1,4 @@
-"""Strategies: one registry entry each (see :mod:`dtrain.strategies.base`).
+"""Strategies: one registry entry each (see :mod:`dtrain.registry`).
 
 The built-in strategies, registered the first time the registry is read (:mod:`.builtin` imports them):
 
@@ -10,22 +10,25 @@ The built-in strategies, registered the first time the registry is read (:mod:`.
 - ``tensor`` and ``hybrid`` (a mesh of data, pipeline and tensor parallelism), :mod:`.hybrid`;
 - ``auto``, the planner's pick among the others, :mod:`.auto`.
 
-Adding one is a module that defines its options dataclass, its engine and a :func:`register` call, plus
+Adding one is a module that defines its options dataclass, its engine and a :func:`register` call (its
+hooks: ``ProcessHooks``, ``ConfigHooks``, ``ModelHooks``), plus
 one import line in :mod:`.builtin` (docs/architecture.md). Importing this package stays light: the built-in
-modules (and their options classes, ``DPOptions``, ``DDPOptions``, ``PSOptions``) load on first use.
+modules (and their options classes, ``DPOptions``, ``DDPOptions``, ``PSOptions``) and the performance model's
+``PlanSpace`` load on first use.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from dtrain.strategies.base import Choice, PlanSpace, Strategy, StrategyOptions, choice, get, register, registered
+from dtrain.registry import Choice, Strategy, StrategyOptions, choice, get, register, registered
 
 __all__ = ["Strategy", "StrategyOptions", "Choice", "PlanSpace", "register", "registered", "get", "choice",
            "DPOptions", "DDPOptions", "PSOptions", "AutoOptions"]  # fmt: skip
 
 _LAZY = {"DPOptions": "dtrain.strategies.dp", "DDPOptions": "dtrain.strategies.dp",
-         "PSOptions": "dtrain.strategies.ps", "AutoOptions": "dtrain.strategies.auto"}  # fmt: skip
+         "PSOptions": "dtrain.strategies.ps", "AutoOptions": "dtrain.strategies.auto",
+         "PlanSpace": "dtrain.perfmodel.hooks"}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

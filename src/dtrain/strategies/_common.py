@@ -6,19 +6,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import ConfigError
-from dtrain.strategies.base import StrategyOptions
+from dtrain.registry import StrategyOptions
 
 if TYPE_CHECKING:
     from dtrain.compress.base import Compressor
     from dtrain.job.config import RunConfig
 
-__all__ = ["CompressedOptions", "choose", "check_fp16_exchange"]
-
-
-def choose(name: str, value: str, choices: tuple[str, ...]) -> None:
-    """ConfigError unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise ConfigError(f"{name} {value!r} is not known; choose one of: {', '.join(choices)}")
+__all__ = ["CompressedOptions", "check_fp16_exchange"]
 
 
 @dataclass(frozen=True)

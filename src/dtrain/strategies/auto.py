@@ -2,7 +2,7 @@
 
 The entry has no process body: its ``resolve`` hook ranks every registered
 strategy's candidates for the run's model, batch and cluster
-(:func:`dtrain.planning.choose`) and returns the run configuration of the first
+(:func:`dtrain.planning.pick_plan`) and returns the run configuration of the first
 choice, which ``dtrain run`` then runs.
 """
 
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dtrain.errors import ConfigError
-from dtrain.strategies.base import Strategy, StrategyOptions, register
+from dtrain.job.config import ConfigHooks
+from dtrain.registry import Strategy, StrategyOptions, register
 
 if TYPE_CHECKING:
     from dtrain.job.config import RunConfig
@@ -34,13 +35,16 @@ def _check(options: AutoOptions, cfg: RunConfig) -> None:
 
 
 def _resolve(cfg: RunConfig) -> RunConfig:
-    from dtrain.planning import choose
+    from dtrain.planning import pick_plan
 
-    best = choose(cfg)
+    best = pick_plan(cfg)
     return cfg.replace(strategy=best.strategy, workers=best.workers, options=best.options).validate()
 
 
 AUTO = register(Strategy(
-    name="auto", options=AutoOptions, help="the planner's first choice for this model, batch and cluster",
-    check=_check, resolve=_resolve,
+    name="auto", options=AutoOptions,
+    help="the planner's first choice for this model, batch and cluster",
+    hooks=(
+        ConfigHooks(check=_check, resolve=_resolve),
+    ),
 ))

@@ -24,11 +24,12 @@ import torch
 from torch import nn
 
 from dtrain.data_parallel.options import ALGORITHMS
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, check_choice
+from dtrain.job.config import ConfigHooks
 from dtrain.perfmodel.decentralized import easgd_cost, gossip_cost, local_sgd_cost, predict_averaging, replica_memory
-from dtrain.strategies._common import choose
-from dtrain.strategies.base import Choice, PlanSpace, Strategy, StrategyOptions, register
-from dtrain.training.context import TrainContext
+from dtrain.perfmodel.hooks import ModelHooks, PlanSpace
+from dtrain.registry import Choice, Strategy, StrategyOptions, register
+from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.loop import Position, run_loop
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class LocalSGDOptions(StrategyOptions):
         _positive("period", self.period)
         if self.local_warmup_steps < 0:
             raise ConfigError(f"local_warmup_steps must be >= 0, got {self.local_warmup_steps}")
-        choose("algorithm", self.algorithm, ALGORITHMS)
+        check_choice("algorithm", self.algorithm, ALGORITHMS)
         for size, period in hierarchy_levels(self.hierarchy):
             _positive(f"hierarchy group size (in {self.hierarchy!r})", size)
             _positive(f"hierarchy period (in {self.hierarchy!r})", period)
@@ -159,8 +160,8 @@ class GossipOptions(StrategyOptions):
     gossip_seed: int = field(default=0, metadata={"help": "gossip: seed of the random topology and peers"})
 
     def __post_init__(self) -> None:
-        choose("topology", self.topology, TOPOLOGIES)
-        choose("mode", self.mode, _SYNC_ASYNC)
+        check_choice("topology", self.topology, TOPOLOGIES)
+        check_choice("mode", self.mode, _SYNC_ASYNC)
 
     def checkpoint_keys(self) -> dict[str, Any]:
         return {"topology": self.topology, "mode": self.mode}
@@ -170,9 +171,6 @@ class GossipOptions(StrategyOptions):
 
     def label(self, workers: int) -> str:
         return f"gossip {self.mode} {self.topology}"
-
-    def plan_identity(self, prof: ModelProfile) -> Hashable:
-        return ("gossip", self.topology, self.mode)
 
 
 # ---------------------------------------------------------------------- the engine
@@ -413,6 +411,10 @@ def _easgd_candidates(space: PlanSpace) -> list[Choice]:
     return [Choice("easgd", w, EASGDOptions(alpha=min(0.1, 0.9 / w), period=8))]  # N alpha < 1 (the paper's)
 
 
+def _gossip_identity(o: GossipOptions, prof: ModelProfile) -> Hashable:
+    return ("gossip", o.topology, o.mode)
+
+
 def _gossip_candidates(space: PlanSpace) -> list[Choice]:
     w = space.workers
     if w < 2 or space.exact_only or not space.averaging:
@@ -422,19 +424,30 @@ def _gossip_candidates(space: PlanSpace) -> list[Choice]:
 
 
 LOCAL_SGD = register(Strategy(
-    name="local_sgd", options=LocalSGDOptions, run=_run_local_sgd, check=_check_local_sgd,
+    name="local_sgd", options=LocalSGDOptions,
     help="local SGD: each worker trains alone, models averaged every --period steps (post-local, hierarchical)",
-    predict=_local_sgd_predict, memory=_memory, candidates=_local_sgd_candidates,
+    hooks=(
+        ProcessHooks(run=_run_local_sgd),
+        ConfigHooks(check=_check_local_sgd),
+        ModelHooks(predict=_local_sgd_predict, memory=_memory, candidates=_local_sgd_candidates),
+    ),
 ))
 EASGD_ENTRY = register(Strategy(
-    name="easgd", options=EASGDOptions, run=_run_easgd, check=_check_easgd,
-    check_checkpointing=_check_easgd_checkpointing,
+    name="easgd", options=EASGDOptions,
     help="elastic averaging SGD: replicas pulled towards a centre (--alpha, --period, --servers for async)",
-    predict=_easgd_predict, memory=_memory, candidates=_easgd_candidates,
+    hooks=(
+        ProcessHooks(run=_run_easgd),
+        ConfigHooks(check=_check_easgd, check_checkpointing=_check_easgd_checkpointing),
+        ModelHooks(predict=_easgd_predict, memory=_memory, candidates=_easgd_candidates),
+    ),
 ))
 GOSSIP = register(Strategy(
-    name="gossip", options=GossipOptions, run=_run_gossip, check=_check_gossip,
-    check_checkpointing=_check_gossip_checkpointing,
+    name="gossip", options=GossipOptions,
     help="gossip: D-PSGD (sync) or AD-PSGD (--async) averaging with neighbours of a --topology",
-    predict=_gossip_predict, memory=_memory, candidates=_gossip_candidates,
+    hooks=(
+        ProcessHooks(run=_run_gossip),
+        ConfigHooks(check=_check_gossip, check_checkpointing=_check_gossip_checkpointing),
+        ModelHooks(predict=_gossip_predict, memory=_memory, candidates=_gossip_candidates,
+                   identity=_gossip_identity),
+    ),
 ))

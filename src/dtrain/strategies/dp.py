@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from dtrain.data_parallel.options import ALGORITHMS, OVERLAPS, SHARD_ALGORITHMS, SHARDS
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, check_choice
+from dtrain.job.config import ConfigHooks
+from dtrain.perfmodel.hooks import ModelHooks, PlanSpace
 from dtrain.perfmodel.predict import (
     Memory,
     Prediction,
@@ -32,9 +34,9 @@ from dtrain.perfmodel.predict import (
 )
 from dtrain.perfmodel.sharded import predict_sharded, sharded_memory
 from dtrain.perfmodel.simulator import simulate_sync
-from dtrain.strategies._common import CompressedOptions, check_fp16_exchange, choose
-from dtrain.strategies.base import Choice, PlanSpace, Strategy, StrategyOptions, register
-from dtrain.training.context import TrainContext
+from dtrain.registry import Choice, Strategy, StrategyOptions, register
+from dtrain.strategies._common import CompressedOptions, check_fp16_exchange
+from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.guard import flagged_ranks
 from dtrain.training.loop import Position, run_loop
 
@@ -69,9 +71,9 @@ class DPOptions(CompressedOptions):
         "choices": SHARDS, "help": "ZeRO sharding: optimizer (stage 1), gradients (2), parameters (3) (default: none)"})
 
     def __post_init__(self) -> None:
-        choose("algorithm", self.algorithm, ALGORITHMS)
-        choose("overlap", self.overlap, OVERLAPS)
-        choose("shard", self.shard, SHARDS)
+        check_choice("algorithm", self.algorithm, ALGORITHMS)
+        check_choice("overlap", self.overlap, OVERLAPS)
+        check_choice("shard", self.shard, SHARDS)
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         super().__post_init__()
@@ -109,11 +111,6 @@ class DPOptions(CompressedOptions):
         zero = f" zero-{SHARDS.index(self.shard)}" if self.sharded else ""
         return f"dp {self.algorithm} {self.bucket_mb:g}MiB{ov}{zero}{self._comp_label()}"
 
-    def plan_identity(self, prof: ModelProfile) -> Hashable:
-        # a bucket size that cuts the model into the same buckets as another is the same strategy
-        return ("dp", self.algorithm, self.overlap, self.shard, self.compressor_spec(),
-                tuple(buckets_of(prof, self.bucket_mb)))
-
 
 @dataclass(frozen=True)
 class DDPOptions(StrategyOptions):
@@ -140,9 +137,6 @@ class DDPOptions(StrategyOptions):
 
     def label(self, workers: int) -> str:
         return f"torch DDP {self.bucket_mb:g}MiB"
-
-    def plan_identity(self, prof: ModelProfile) -> Hashable:
-        return ("ddp", tuple(buckets_of(prof, self.bucket_mb)))
 
 
 def measure_noise(ctx: TrainContext, engine: Any, model: nn.Module, batch: int, world: int) -> dict[str, Any]:
@@ -398,6 +392,15 @@ def _dp_candidates(space: PlanSpace) -> list[Choice]:
     return out
 
 
+def _dp_identity(o: DPOptions, prof: ModelProfile) -> Hashable:
+    # a bucket size that cuts the model into the same buckets as another is the same strategy
+    return ("dp", o.algorithm, o.overlap, o.shard, o.compressor_spec(), tuple(buckets_of(prof, o.bucket_mb)))
+
+
+def _ddp_identity(o: DDPOptions, prof: ModelProfile) -> Hashable:
+    return ("ddp", tuple(buckets_of(prof, o.bucket_mb)))
+
+
 def _ddp_candidates(space: PlanSpace) -> list[Choice]:
     if space.workers < 2 or not space.ddp:
         return []
@@ -405,11 +408,21 @@ def _ddp_candidates(space: PlanSpace) -> list[Choice]:
 
 
 DP = register(Strategy(
-    name="dp", options=DPOptions, run=_run_dp, check=_check,
+    name="dp", options=DPOptions,
     help="data parallel: dtrain.DataParallel (allreduce algorithm, buckets, overlap, compression)",
-    predict=_predict, memory=_memory, simulate=_simulate, candidates=_dp_candidates,
+    hooks=(
+        ProcessHooks(run=_run_dp),
+        ConfigHooks(check=_check),
+        ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_dp_candidates,
+                   identity=_dp_identity),
+    ),
 ))
 DDP = register(Strategy(
-    name="ddp", options=DDPOptions, run=_run_ddp, help="data parallel through torch DDP (the peer)",
-    predict=_predict, memory=_memory, simulate=_simulate, candidates=_ddp_candidates,
+    name="ddp", options=DDPOptions,
+    help="data parallel through torch DDP (the peer)",
+    hooks=(
+        ProcessHooks(run=_run_ddp),
+        ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_ddp_candidates,
+                   identity=_ddp_identity),
+    ),
 ))

@@ -19,10 +19,12 @@ from torch import nn
 
 from dtrain.checkpoint.layout import CheckpointError
 from dtrain.comm.allreduce import ALGORITHMS
-from dtrain.errors import ConfigError
-from dtrain.strategies._common import CompressedOptions, check_fp16_exchange, choose
-from dtrain.strategies.base import Choice, PlanSpace, Strategy, StrategyOptions, register
-from dtrain.training.context import TrainContext
+from dtrain.errors import ConfigError, check_choice
+from dtrain.job.config import ConfigHooks
+from dtrain.perfmodel.hooks import ModelHooks, PlanSpace
+from dtrain.registry import Choice, Strategy, StrategyOptions, register
+from dtrain.strategies._common import CompressedOptions, check_fp16_exchange
+from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.guard import flagged_ranks
 from dtrain.training.loop import Position, run_loop
 
@@ -100,8 +102,8 @@ class HybridOptions(CompressedOptions):
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "dp" else 1):
                 raise ConfigError(f"{name} must be a positive integer{' (or 0: the rest)' if name == 'dp' else ''}, "
                                   f"got {v!r}")  # fmt: skip
-        choose("schedule", self.schedule, _SCHEDULES)
-        choose("algorithm", self.algorithm, tuple(ALGORITHMS))
+        check_choice("schedule", self.schedule, _SCHEDULES)
+        check_choice("algorithm", self.algorithm, tuple(ALGORITHMS))
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("--sequence-parallel needs tensor parallelism: --tp 2 or more")
         super().__post_init__()
@@ -367,12 +369,20 @@ def _hybrid_candidates(space: PlanSpace) -> list[Choice]:
 
 
 TENSOR = register(Strategy(
-    name="tensor", options=TensorOptions, run=_run, check=_check, check_checkpointing=_check_checkpointing,
+    name="tensor", options=TensorOptions,
     help="tensor parallel (Megatron): every block of a gpt split over the workers",
-    predict=_predict, memory=_memory, candidates=_tensor_candidates,
+    hooks=(
+        ProcessHooks(run=_run),
+        ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
+        ModelHooks(predict=_predict, memory=_memory, candidates=_tensor_candidates),
+    ),
 ))
 HYBRID = register(Strategy(
-    name="hybrid", options=HybridOptions, run=_run, check=_check, check_checkpointing=_check_checkpointing,
+    name="hybrid", options=HybridOptions,
     help="DP x PP x TP on one mesh (--dp --pp --tp; workers = their product)",
-    predict=_predict, memory=_memory, candidates=_hybrid_candidates,
+    hooks=(
+        ProcessHooks(run=_run),
+        ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
+        ModelHooks(predict=_predict, memory=_memory, candidates=_hybrid_candidates),
+    ),
 ))

@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint.layout import read_info
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, check_choice
+from dtrain.job.config import ConfigHooks
 from dtrain.perfmodel import pipeline as pipeline_model
-from dtrain.strategies._common import choose
-from dtrain.strategies.base import Strategy, StrategyOptions, register
-from dtrain.training.context import TrainContext
+from dtrain.perfmodel.hooks import ModelHooks
+from dtrain.registry import Strategy, StrategyOptions, register
+from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.guard import flagged_ranks
 from dtrain.training.loop import Position, run_loop
 
@@ -72,8 +73,8 @@ class PipelineOptions(StrategyOptions):
         "choices": _CHECKPOINTS, "help": "recompute activations in backward (default: never)"})
 
     def __post_init__(self) -> None:
-        choose("schedule", self.schedule, _SCHEDULES)
-        choose("checkpoint", self.checkpoint, _CHECKPOINTS)
+        check_choice("schedule", self.schedule, _SCHEDULES)
+        check_choice("checkpoint", self.checkpoint, _CHECKPOINTS)
         if self.microbatches < 1:
             raise ConfigError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.chunks < 1 or (self.schedule == "interleaved" and self.chunks < 2):
@@ -284,7 +285,11 @@ def _run(ctx: TrainContext) -> dict[str, Any]:
 
 
 PIPELINE = register(Strategy(
-    name="pipeline", options=PipelineOptions, run=_run, check=_check, check_checkpointing=_check_checkpointing,
+    name="pipeline", options=PipelineOptions,
     help="pipeline parallel: one stage per worker, micro-batches through gpipe, 1f1b, interleaved or 2bw",
-    predict=pipeline_model.predict, memory=pipeline_model.memory, candidates=pipeline_model.candidates,
+    hooks=(
+        ProcessHooks(run=_run),
+        ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
+        ModelHooks(predict=pipeline_model.predict, memory=pipeline_model.memory, candidates=pipeline_model.candidates),
+    ),
 ))

@@ -47,15 +47,17 @@ from torch import nn
 
 from dtrain.checkpoint.layout import CheckpointError
 from dtrain.errors import ConfigError
+from dtrain.job.config import ConfigHooks
 from dtrain.param_server.consistency import parse_consistency
 from dtrain.param_server.parameter_server import ParameterServer
 from dtrain.param_server.protocol import DroppedError, RunAbortedError
 from dtrain.param_server.runner import lr_scale, publish_worker_stats, serve
+from dtrain.perfmodel.hooks import ModelHooks, PlanSpace
 from dtrain.perfmodel.predict import Memory, Prediction, StepInputs, predict_parameter_server, server_memory
 from dtrain.perfmodel.simulator import simulate_ps
+from dtrain.registry import Choice, Strategy, register
 from dtrain.strategies._common import CompressedOptions
-from dtrain.strategies.base import Choice, PlanSpace, Strategy, register
-from dtrain.training.context import TrainContext, schedule_updates
+from dtrain.training.context import ProcessHooks, TrainContext, schedule_updates
 from dtrain.training.loop import Position, run_loop
 
 if TYPE_CHECKING:
@@ -374,8 +376,11 @@ def _candidates(space: PlanSpace) -> list[Choice]:
 
 
 PS = register(Strategy(
-    name="ps", options=PSOptions, run=run_process,
+    name="ps", options=PSOptions,
     help="parameter server: sharded servers, consistency bsp | asp | ssp:S | softsync:K | backup:B",
-    check=_check, check_checkpointing=_check_checkpointing,
-    predict=_predict, memory=_memory, simulate=_simulate, candidates=_candidates,
+    hooks=(
+        ProcessHooks(run=run_process),
+        ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
+        ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_candidates),
+    ),
 ))

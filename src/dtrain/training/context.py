@@ -32,7 +32,7 @@ from dtrain.training.precision import Precision
 from dtrain.workloads.data import DatasetSplit
 from dtrain.workloads.models import build_model, task_loss
 
-__all__ = ["TrainContext", "lr_factor", "schedule_updates"]
+__all__ = ["TrainContext", "ProcessHooks", "lr_factor", "schedule_updates"]
 
 
 def lr_factor(schedule: str, step: int, total: int) -> float:
@@ -425,3 +425,16 @@ class _GrowingBatches:
                 return
             yield self.order[i : i + bs]
             i += bs
+
+
+@dataclass(frozen=True)
+class ProcessHooks:
+    """A strategy's process body, its registry entry's hook for this layer (a strategy without one,
+    ``auto``, resolves to another before any process starts).
+
+    Attributes:
+        run: the body of every process of a run (the :class:`TrainContext` -> this process's
+            result, see :mod:`dtrain.job.worker`).
+    """
+
+    run: Callable[[TrainContext], dict[str, Any]]

@@ -1,11 +1,15 @@
-"""The strategy seam: a registry of named strategies, their options, and a chosen one.
+"""The strategy registry: named strategies, their options, and a chosen one.
 
 A strategy is one :class:`Strategy` entry (torchtitan's ``TrainSpec`` is the
-model): its name, its options dataclass, and named hooks -- the process body
-that ``dtrain run`` starts (``run``), and the performance model's ``predict``,
-``memory``, ``simulate`` and ``candidates``. The trainer, the configuration, the
-checkpoint checks and the planner ask the entry; none of them holds an
-``if name == ...``.
+model): its name, its options dataclass, and the hooks each layer asks it for,
+one object per layer: :class:`dtrain.job.config.ConfigHooks` (the configuration's
+checks and ``auto``'s ``resolve``), :class:`dtrain.training.context.ProcessHooks`
+(the process body that ``dtrain run`` starts) and
+:class:`dtrain.perfmodel.hooks.ModelHooks` (the performance model's ``predict``,
+``memory``, ``simulate``, ``candidates``). A layer reads its own with
+``entry.hooks_of(ItsHooks)``; the trainer, the configuration, the checkpoint
+checks and the planner ask the entry, none of them holds an ``if name == ...``,
+and this module imports none of them (the layers sit above it).
 
 A strategy's options are a frozen dataclass derived from
 :class:`StrategyOptions`, validated in ``__post_init__``. Their fields become the
@@ -33,25 +37,18 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
-
     from dtrain.compress.base import Compressor
-    from dtrain.job.config import RunConfig
-    from dtrain.perfmodel.collectives import CompressionModel
-    from dtrain.perfmodel.predict import Memory, Prediction, StepInputs
-    from dtrain.perfmodel.profile import ModelProfile
-    from dtrain.perfmodel.simulator import SimResult
-    from dtrain.perfmodel.spec import ClusterSpec
-    from dtrain.training.context import TrainContext
 
-__all__ = ["PLUGINS_ENV", "options_for", "StrategyOptions", "Strategy", "Choice", "PlanSpace", "register",
-           "unregister", "get", "registered", "choice"]
+__all__ = ["PLUGINS_ENV", "options_for", "StrategyOptions", "Strategy", "Choice", "register", "unregister", "get",
+           "registered", "choice"]
+
+Hooks = TypeVar("Hooks")
 
 
 @dataclass(frozen=True)
@@ -105,79 +102,31 @@ class StrategyOptions:
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
         return f"{type(self).__name__}({fields}) x{workers}"
 
-    def plan_identity(self, prof: ModelProfile) -> Hashable:
-        """Choices with equal identities are the same strategy for ``prof`` (the planner keeps one)."""
-        return self
-
     def to_table(self) -> dict[str, Any]:
         """The options as a TOML table (field name -> value)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True)
-class PlanSpace:
-    """What the planner may try on ``workers`` devices of ``cluster`` (see :func:`dtrain.perfmodel.candidates`)."""
-
-    cluster: ClusterSpec
-    workers: int
-    compressions: tuple[str, ...]
-    consistencies: tuple[str, ...]
-    buckets: tuple[float, ...]
-    algorithms: tuple[str, ...]
-    exact_only: bool = False
-    single: bool = True
-    ddp: bool = True
-    averaging: bool = False  # model-averaging strategies (local SGD, EASGD, gossip): they change the optimisation
-    pipeline: bool = False  # pipelines (one stage per device): opt-in while their model is uncalibrated here
-    mesh: bool = False  # tensor-parallel and DP x PP x TP meshes (every factorization of the workers): opt-in too
-
-
-PredictHook = Callable[["ModelProfile", "ClusterSpec", "Choice", "CompressionModel", "StepInputs"], "Prediction"]
-MemoryHook = Callable[["ModelProfile", "Choice", "CompressionModel | None"], "Memory"]
-SimulateHook = Callable[..., "SimResult"]
-RunHook = Callable[["TrainContext"], "dict[str, Any]"]
-
-
-def _no_check(options: Any, cfg: RunConfig) -> None:
-    return None
-
-
-def _itself(cfg: RunConfig) -> RunConfig:
-    return cfg
-
-
-@dataclass(frozen=True)
 class Strategy:
-    """One registered strategy: its name, options type and hooks.
+    """One registered strategy: its name, options type and each layer's hooks.
 
     Attributes:
         name: the ``--strategy`` value and the TOML table name.
         options: its options dataclass (default-constructible).
         help: one line for ``dtrain run --help``.
-        run: the body of every process of a run (:class:`~dtrain.training.context.TrainContext`
-            -> this process's result, see :mod:`dtrain.job.worker`); None for a strategy that
-            resolves to another one before any process starts.
-        check: cross-checks against the whole run configuration (raise ConfigError);
-            the options' own checks run when they are built.
-        resolve: runs in the parent before anything starts; returns the configuration to
-            run (``auto`` replaces itself by the planner's first choice).
-        check_checkpointing: refuse ``--checkpoint-every`` / ``--resume`` where the
-            strategy cannot save (ConfigError saying why).
-        predict / memory / simulate: the performance model's hooks (None: not modelled).
-        candidates: the choices of this strategy the planner tries in a :class:`PlanSpace`.
+        hooks: one hooks object per layer that asks the strategy something (see the module
+            docstring); a layer whose hooks are missing uses its defaults.
     """
 
     name: str
     options: type[StrategyOptions]
     help: str
-    run: RunHook | None = None
-    check: Callable[[Any, RunConfig], None] = _no_check
-    resolve: Callable[[RunConfig], RunConfig] = _itself
-    check_checkpointing: Callable[[Any, RunConfig], None] = _no_check
-    predict: PredictHook | None = None
-    memory: MemoryHook | None = None
-    simulate: SimulateHook | None = None
-    candidates: Callable[[PlanSpace], list[Choice]] | None = None
+    hooks: tuple[object, ...] = ()
+
+    def hooks_of(self, kind: type[Hooks]) -> Hooks | None:
+        """This strategy's hooks of the layer whose hooks class is ``kind`` (None: it gave none)."""
+        return next((h for h in self.hooks if isinstance(h, kind)), None)
 
 
 _REGISTRY: dict[str, Strategy] = {}
@@ -285,13 +234,16 @@ class Choice:
         return self.label()
 
 
+_ALIASES = {"single": "dp"}  # the planner's baseline, one process: one data-parallel worker
+
+
 def choice(strategy: str, workers: int = 1, algorithm: str | None = None, **options: Any) -> Choice:
     """Shorthand: ``choice("dp", 8, "ring", bucket_mb=1.0)``, ``choice("ps", 6, servers=2)``.
 
     ``"single"`` means one data-parallel worker (the planner's baseline).
     """
-    if strategy == "single":
-        return Choice("dp", 1)
+    if strategy in _ALIASES:
+        return Choice(_ALIASES[strategy], 1)
     entry = get(strategy)
     if algorithm is not None and "algorithm" in {f.name for f in dataclasses.fields(entry.options)}:
         options["algorithm"] = algorithm
