@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     import dtrain.cluster as dc
     from dtrain.job.config import RunConfig
+    from dtrain.job.validate import validate
     from dtrain.job.worker import run
 
     os.environ.setdefault("DTRAIN_CLUSTER_DIR", tempfile.mkdtemp(prefix="dtrain-bench-clusters-"))
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     base = RunConfig.make(model=ns.model, dataset=ns.dataset, batch_size=ns.batch_size, lr=ns.lr, epochs=1000,
                           max_steps=ns.max_steps, target=ns.target, eval_every=ns.eval_every, trace=False,
                           progress=False, workers=ns.hosts, timeout_s=600.0)  # fmt: skip
-    base.validate()
+    validate(base)
     name = f"cv{os.getpid() % 10000}"
     tmp = Path(tempfile.mkdtemp(prefix="dtrain-bench-compression-"))
     missed: list[str] = []

@@ -26,6 +26,7 @@ from dtrain.checkpoint import (
 from dtrain.checkpoint.training import run_info
 from dtrain.errors import ConfigError
 from dtrain.job.config import RunConfig
+from dtrain.job.validate import validate
 from dtrain.workloads.models import build_model
 
 TOL = 1e-6
@@ -126,7 +127,7 @@ def one_worker_checkpoint(tmp_path):
 
 def test_resume_checks_pass_for_the_same_run(one_worker_checkpoint):
     cfg, run = one_worker_checkpoint
-    cfg.replace(resume=str(run), lr=0.01, max_steps=30).validate()  # hyperparameters and length may change
+    validate(cfg.replace(resume=str(run), lr=0.01, max_steps=30))  # hyperparameters and length may change
 
 
 @pytest.mark.parametrize("change, words", [
@@ -142,28 +143,28 @@ def test_resume_checks_pass_for_the_same_run(one_worker_checkpoint):
 def test_resume_refuses_a_checkpoint_of_another_run(one_worker_checkpoint, change, words):
     cfg, run = one_worker_checkpoint
     with pytest.raises(ConfigError, match="cannot resume|nothing is left") as e:
-        cfg.replace(resume=str(run), **change).validate()
+        validate(cfg.replace(resume=str(run), **change))
     assert words in str(e.value)
 
 
 def test_resume_refuses_missing_and_incomplete_checkpoints(tmp_path, one_worker_checkpoint):
     cfg, run = one_worker_checkpoint
     with pytest.raises(CheckpointError, match="does not exist"):
-        cfg.replace(resume=str(tmp_path / "missing")).validate()
+        validate(cfg.replace(resume=str(tmp_path / "missing")))
     (run / "checkpoints" / "step_000010" / "checkpoint.json").unlink()
     with pytest.raises(CheckpointError, match="only incomplete"):
-        cfg.replace(resume=str(run)).validate()
+        validate(cfg.replace(resume=str(run)))
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
-        cfg.replace(resume=str(run / "checkpoints" / "step_000010")).validate()
+        validate(cfg.replace(resume=str(run / "checkpoints" / "step_000010")))
 
 
 def test_checkpoint_options_are_checked():
     with pytest.raises(ConfigError, match="checkpoint_every must be >= 0"):
-        _cfg(checkpoint_every=-1).validate()
+        validate(_cfg(checkpoint_every=-1))
     with pytest.raises(ConfigError, match="need consistency bsp"):
-        _cfg(strategy="ps", workers=2, consistency="ssp:1", checkpoint_every=5).validate()
+        validate(_cfg(strategy="ps", workers=2, consistency="ssp:1", checkpoint_every=5))
     with pytest.raises(ConfigError, match="instead of auto"):
-        _cfg(strategy="auto", resume=".").validate()
+        validate(_cfg(strategy="auto", resume="."))
 
 
 @pytest.mark.procs

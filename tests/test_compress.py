@@ -28,6 +28,7 @@ from dtrain.compress import (
 from dtrain.compress._bits import pack_bits, unpack_bits
 from dtrain.compress.base import pack_payload, payload_nbytes, unpack_payload
 from dtrain.errors import ConfigError
+from dtrain.job.validate import validate
 
 
 def _all() -> list[Compressor]:
@@ -376,7 +377,7 @@ def test_every_registry_name_reachable_from_cli() -> None:
     for name in REGISTRY:
         spec = specs.get(name, name)
         for flag, wrapped in (("--error-feedback", True), ("--no-error-feedback", False)):
-            cfg = config_from_args(build_parser().parse_args(["run", "--compression", spec, flag])).validate()
+            cfg = validate(config_from_args(build_parser().parse_args(["run", "--compression", spec, flag])))
             c = from_spec(cfg.options.compression, error_feedback=cfg.options.error_feedback)
             assert c.name == name
             assert isinstance(c, ErrorFeedback) == (wrapped and c.biased)

@@ -32,6 +32,7 @@ from dtrain.compress import (
 )
 from dtrain.compress._groups import from_table, group_index, segments_of, to_table, whole
 from dtrain.errors import ConfigError
+from dtrain.job.validate import validate
 
 # a bucket as DataParallel packs it: a big weight beside a bias 1000x smaller, and another weight
 SHAPES = [(64, 40), (64,), (10, 64)]
@@ -282,7 +283,7 @@ def test_dtrain_run_moves_momentum_from_the_optimizer_into_the_compressor(tmp_pa
     from dtrain.job.worker import TrainContext
 
     def ctx(**kw: object) -> TrainContext:
-        cfg = RunConfig.make(workers=2, out=str(tmp_path), **kw).validate()  # type: ignore[arg-type]
+        cfg = validate(RunConfig.make(workers=2, out=str(tmp_path), **kw))  # type: ignore[arg-type]
         return TrainContext(cfg, 0, 2, tmp_path, None, None, None)  # type: ignore[arg-type]
 
     w = [torch.nn.Parameter(torch.zeros(3))]

@@ -6,11 +6,13 @@ import pytest
 
 from dtrain.cli import build_parser, config_from_args
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig, dump_toml, load_toml, parse_straggler
+from dtrain.job.config import RunConfig, parse_straggler
+from dtrain.job.files import dump_toml, load_toml
+from dtrain.job.validate import validate
 
 
 def test_defaults_validate():
-    RunConfig().validate()
+    validate(RunConfig())
 
 
 @pytest.mark.parametrize(
@@ -38,7 +40,7 @@ def test_defaults_validate():
 )
 def test_invalid_values_name_the_fix(changes, words):
     with pytest.raises(ConfigError) as e:
-        RunConfig.from_mapping(changes).validate()
+        validate(RunConfig.from_mapping(changes))
     for w in words:
         assert w in str(e.value)
 
@@ -114,7 +116,7 @@ def test_device_cuda_without_a_gpu_is_refused_before_any_process_starts(monkeypa
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError) as e:
-        RunConfig.from_mapping({"device": "cuda"}).validate()
+        validate(RunConfig.from_mapping({"device": "cuda"}))
     assert "device cuda" in str(e.value) and "no CUDA device" in str(e.value) and "--device cpu" in str(e.value)
 
 
@@ -141,7 +143,7 @@ def test_device_settings_that_cannot_run_name_the_fix(monkeypatch, changes, gpus
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     with pytest.raises(ConfigError) as e:
-        RunConfig.from_mapping(changes).validate()
+        validate(RunConfig.from_mapping(changes))
     for w in words:
         assert w in str(e.value)
 
@@ -153,8 +155,8 @@ def test_the_backend_follows_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert RunConfig().process_backend() == "gloo"  # CPU training, whatever the machine has
-    shared = RunConfig.from_mapping({"device": "cuda", "workers": 4, "precision": "fp16"}).validate()
+    shared = validate(RunConfig.from_mapping({"device": "cuda", "workers": 4, "precision": "fp16"}))
     assert shared.process_backend() == "gloo"  # 4 processes, 1 GPU: gloo through host memory
-    own = RunConfig.from_mapping({"device": "cuda", "workers": 1, "strategy": "ddp"}).validate()
+    own = validate(RunConfig.from_mapping({"device": "cuda", "workers": 1, "strategy": "ddp"}))
     assert own.process_backend() == ("nccl" if dist.is_nccl_available() else "gloo")
     assert RunConfig.from_mapping({"device": "cuda", "backend": "gloo", "workers": 1}).process_backend() == "gloo"

@@ -6,6 +6,7 @@ import pytest
 
 from dtrain.errors import ConfigError
 from dtrain.job.config import RunConfig
+from dtrain.job.validate import validate
 from dtrain.param_server.consistency import (
     ASP,
     BSP,
@@ -59,10 +60,10 @@ def test_every_registered_policy_is_reachable_from_the_cli():
     for name, (_, takes_arg) in POLICIES.items():
         spec = f"{name}:1" if takes_arg else name
         ns = build_parser().parse_args(["run", "--strategy", "ps", "--servers", "2", "--consistency", spec])
-        cfg = config_from_args(ns).validate()
+        cfg = validate(config_from_args(ns))
         assert parse_consistency(cfg.options.consistency).kind == name
     with pytest.raises(ConfigError, match="unknown consistency"):
-        RunConfig.make(strategy="ps", consistency="nope").validate()
+        validate(RunConfig.make(strategy="ps", consistency="nope"))
 
 
 def test_backup_needs_more_workers_than_backups():

@@ -21,6 +21,7 @@ import pytest
 from dtrain.checkpoint.layout import CheckpointError
 from dtrain.cli import build_parser, config_from_args
 from dtrain.errors import ConfigError
+from dtrain.job.validate import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -68,7 +69,7 @@ def check(line: str, tmp: Path) -> None:
             (tmp / "empty.toml").write_text("", encoding="utf-8")
             ns.config = str(tmp / "empty.toml")
         try:
-            config_from_args(ns).validate()
+            validate(config_from_args(ns))
         except (ConfigError, CheckpointError) as e:
             if "--device cuda" in line and "cuda" in str(e).lower():
                 return  # this machine has no GPU: refused before any process starts, naming it

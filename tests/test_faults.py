@@ -20,6 +20,7 @@ from _helpers import dtrain_cli, read_metrics, read_summary
 from dtrain.checkpoint import list_checkpoints
 from dtrain.errors import ConfigError, NonFiniteError
 from dtrain.job.config import RunConfig
+from dtrain.job.validate import validate
 from dtrain.training.guard import NonFiniteGuard, first_nonfinite
 from dtrain.workloads.models import build_model
 
@@ -161,7 +162,7 @@ def test_a_parameter_server_worker_skips_its_push_then_stops_naming_the_paramete
 ])
 def test_skip_nonfinite_is_refused_where_a_step_cannot_be_left_out(options, words):
     with pytest.raises(ConfigError, match=words):
-        RunConfig.make(**{"skip_nonfinite": 1, **options}).validate()
+        validate(RunConfig.make(**{"skip_nonfinite": 1, **options}))
 
 
 # ---------------------------------------------------------------------- F2, F3: the run folder

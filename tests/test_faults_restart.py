@@ -32,6 +32,7 @@ from dtrain.checkpoint.restart import RestartLog, resume_after_restart
 from dtrain.errors import ConfigError
 from dtrain.job.config import RunConfig
 from dtrain.job.launch import _causes, _failed, _restart
+from dtrain.job.validate import validate
 
 # 3 workers (rank 2 is killed); 48 samples a step, 29 steps an epoch: 30 steps cross into the second epoch,
 # so a resume from step 10 or 20 also crosses it; the kill comes 3 steps after the step-10 checkpoint (rows
@@ -167,10 +168,10 @@ def test_bad_max_restarts_is_one_line_before_any_process(tmp_path, flags, words)
 def test_max_restarts_needs_a_strategy_that_checkpoints_on_this_machine(flags, words):
     cfg = RunConfig.make(workers=2, max_restarts=1, checkpoint_every=5, **flags)
     if words is None:
-        assert cfg.validate() is cfg
+        assert validate(cfg) is cfg
         return
     with pytest.raises(ConfigError, match=re.escape(words)):
-        cfg.validate()
+        validate(cfg)
 
 
 def test_the_first_to_fail_is_the_one_a_signal_ended():
@@ -314,10 +315,10 @@ def test_with_min_workers_a_lost_worker_leaves_the_run_on_fewer_that_ends_as_the
 def test_min_workers_is_checked_before_any_process(flags, words):
     cfg = RunConfig.make(workers=4, checkpoint_every=5, **{"max_restarts": 0, **flags})
     if words is None:
-        assert cfg.validate() is cfg
+        assert validate(cfg) is cfg
         return
     with pytest.raises(ConfigError, match=re.escape(words)):
-        cfg.validate()
+        validate(cfg)
 
 
 def test_the_restart_log_drops_a_worker_only_while_min_workers_remain_and_never_a_server(tmp_path):

@@ -20,6 +20,7 @@ from _helpers import dtrain_cli, mean_losses, read_metrics, read_summary
 from dtrain.checkpoint import read_checkpoint
 from dtrain.errors import ConfigError
 from dtrain.job.config import RunConfig
+from dtrain.job.validate import validate
 from dtrain.observe.trace import MetricsWriter, Tracer
 from dtrain.training.context import TrainContext
 from dtrain.training.large_batch import BatchPlan, parse_batch_schedule, scaling_factor, warmup_factor
@@ -32,7 +33,7 @@ def _run(*args: str):
 
 
 def _ctx(tmp_path, **kw) -> TrainContext:
-    cfg = RunConfig.make(**kw).validate()
+    cfg = validate(RunConfig.make(**kw))
     return TrainContext(cfg, 0, cfg.num_processes, tmp_path, cfg.load_data(), MetricsWriter(tmp_path, 0),
                         Tracer(0, enabled=False))  # fmt: skip
 
@@ -123,7 +124,7 @@ def test_parse_batch_schedule_refuses_bad_schedules(spec, names):
         parse_batch_schedule(spec)
     assert all(n in str(e.value) for n in names), str(e.value)
     with pytest.raises(ConfigError) as e:
-        RunConfig.make(batch_schedule=spec).validate()
+        validate(RunConfig.make(batch_schedule=spec))
     assert names[0] in str(e.value), str(e.value)
 
 
@@ -154,16 +155,16 @@ def test_parse_batch_schedule_and_the_first_batch():
 ], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None)  # fmt: skip
 def test_validate_refuses_bad_large_batch_options(kw, names):
     with pytest.raises(ConfigError) as e:
-        RunConfig.make(**kw).validate()
+        validate(RunConfig.make(**kw))
     assert all(n in str(e.value) for n in names), str(e.value)
 
 
 def test_validate_accepts_what_it_should():
-    RunConfig.make(workers=4, batch_schedule="0:64,2:128,3:1024").validate()
-    RunConfig.make(workers=2, batch_schedule="auto").validate()
-    RunConfig.make(workers=2, noise_scale=True, warmup_epochs=0.5, lr_scaling="sqrt", base_batch=256).validate()
+    validate(RunConfig.make(workers=4, batch_schedule="0:64,2:128,3:1024"))
+    validate(RunConfig.make(workers=2, batch_schedule="auto"))
+    validate(RunConfig.make(workers=2, noise_scale=True, warmup_epochs=0.5, lr_scaling="sqrt", base_batch=256))
     for opt in ("adamw", "lars", "lamb"):
-        RunConfig.make(optimizer=opt).validate()
+        validate(RunConfig.make(optimizer=opt))
 
 
 # ---------------------------------------------------------------------- 3. the batch plan
@@ -329,12 +330,12 @@ def test_a_run_stopped_inside_a_scheduled_epoch_resumes_to_the_uninterrupted_res
     # what --max-steps does to the resume rule: the length may change, the schedule may not
     base = RunConfig.make(workers=2, epochs=3, lr=0.05, batch_schedule="0:32,1:64,2:128", lr_scaling="linear",
                           warmup_steps=5)  # fmt: skip
-    base.replace(resume=str(cut)).validate()
+    validate(base.replace(resume=str(cut)))
     with pytest.raises(ConfigError, match="batch_schedule") as e:
-        base.replace(resume=str(cut), batch_schedule="0:32,1:64,2:256").validate()
+        validate(base.replace(resume=str(cut), batch_schedule="0:32,1:64,2:256"))
     assert "cannot resume" in str(e.value)
     with pytest.raises(ConfigError, match="nothing is left"):
-        base.replace(resume=str(cut), max_steps=STOP).validate()
+        validate(base.replace(resume=str(cut), max_steps=STOP))
 
     p = _run(*RUN, "--checkpoint-every", "1000", "--resume", str(cut), "--out", str(resumed))
     assert p.returncode == 0, p.stderr[-3000:]

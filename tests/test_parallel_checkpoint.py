@@ -27,6 +27,7 @@ from _helpers import dtrain_cli, read_summary
 from dtrain.checkpoint import read_checkpoint, save_checkpoint
 from dtrain.errors import DTrainError
 from dtrain.job.config import RunConfig
+from dtrain.job.validate import validate
 from dtrain.strategies.pipeline import PipelineEngine, PipelineOptions
 
 RUN = ["run", "--strategy", "pipeline", "--workers", "2", "--epochs", "2", "--max-steps", "30", "--batch-size", "24",
@@ -97,7 +98,7 @@ def test_resuming_a_pipeline_checkpoint_with_other_chunks_is_refused_naming_them
                          schedule="interleaved", chunks=2, resume=str(first / "checkpoints" / "step_000010"))
     with pytest.raises(DTrainError, match="it was saved with schedule='1f1b', chunks=1; this run has "
                                           "schedule='interleaved', chunks=2"):  # fmt: skip
-        cfg.validate()
+        validate(cfg)
 
 
 GPT = ["run", "--model", "gpt-tiny", "--dataset", "pytext", "--epochs", "1", "--max-steps", "20", "--checkpoint-every",
@@ -132,4 +133,4 @@ def test_a_hybrid_checkpoint_resumes_only_on_its_own_mesh(tmp_path):
     cfg = RunConfig.make(strategy="hybrid", workers=2, dp=1, tp=2, model="gpt-tiny", dataset="pytext", epochs=1,
                          max_steps=20, resume=str(root / "checkpoints" / "step_000010"))  # fmt: skip
     with pytest.raises(DTrainError, match="it was saved with dp=2, tp=1; this run has dp=1, tp=2"):
-        cfg.validate()
+        validate(cfg)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from dtrain.job.config import RunConfig
+from dtrain.job.validate import validate
 from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, plan
 from dtrain.perfmodel.ranking import candidates
 from dtrain.perfmodel.spec import CompressorCost, this_host
@@ -81,7 +82,7 @@ def test_choose_returns_overrides_that_make_a_valid_run(tmp_path, monkeypatch, c
     cfg = RunConfig.make(strategy="auto", workers=4, batch_size=64)
     best = pick_plan(cfg)
     assert best.strategy in ("dp", "ddp", "ps")
-    run_cfg = cfg.replace(strategy=best.strategy, workers=best.workers, options=best.options).validate()
+    run_cfg = validate(cfg.replace(strategy=best.strategy, workers=best.workers, options=best.options))
     assert run_cfg.num_processes <= 4
     assert "--strategy auto chose" in capsys.readouterr().err
 

@@ -29,6 +29,7 @@ from _dist import spawn
 from _helpers import dtrain_cli, mean_losses, read_metrics, read_summary
 
 from dtrain.errors import ConfigError
+from dtrain.job.validate import validate
 from dtrain.training.precision import LossScaleCollapsed, LossScaler, Precision
 
 BASE = ["--epochs", "1", "--no-progress", "--no-trace", "--timeout-s", "60", "--optimizer", "adam", "--lr", "0.003"]
@@ -357,10 +358,10 @@ def test_what_fp16_cannot_skip_is_refused_naming_the_option(flags, message):
 
     ns = build_parser().parse_args(["run", *CNN, "--workers", "2", "--precision", "fp16", *flags])
     with pytest.raises(ConfigError) as e:
-        config_from_args(ns).validate()  # what dtrain.job.worker.run checks before any process starts
+        validate(config_from_args(ns))  # what dtrain.job.worker.run checks before any process starts
     assert message in str(e.value), str(e.value)
     ns = build_parser().parse_args(["run", *CNN, "--workers", "2", "--precision", "bf16", *flags])
-    config_from_args(ns).validate()  # bf16 neither scales nor skips: the same options are fine
+    validate(config_from_args(ns))  # bf16 neither scales nor skips: the same options are fine
 
 
 def test_an_unknown_precision_is_refused_naming_it(capsys):
@@ -372,5 +373,5 @@ def test_an_unknown_precision_is_refused_naming_it(capsys):
     from dtrain.job.config import RunConfig
 
     with pytest.raises(ConfigError, match="fp8"):
-        RunConfig.make(precision="fp8", workers=2).validate()  # a TOML file's value
+        validate(RunConfig.make(precision="fp8", workers=2))  # a TOML file's value
 

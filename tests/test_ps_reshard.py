@@ -18,6 +18,7 @@ from dtrain.checkpoint import read_checkpoint, save_checkpoint
 from dtrain.checkpoint.training import run_info
 from dtrain.errors import ConfigError
 from dtrain.job.config import RunConfig
+from dtrain.job.validate import validate
 from dtrain.param_server.consistency import parse_consistency
 from dtrain.param_server.parameter_server import reshard_server_state
 from dtrain.strategies.ps import PSOptions
@@ -67,7 +68,7 @@ def four_worker_marker(tmp_path):
 def test_resume_on_other_workers_passes_the_checks(four_worker_marker):
     run = four_worker_marker()
     for w in (2, 3):
-        _cfg(workers=w, resume=str(run)).validate()
+        validate(_cfg(workers=w, resume=str(run)))
 
 
 @pytest.mark.parametrize("saved, change, words", [
@@ -80,7 +81,7 @@ def test_resume_on_other_workers_passes_the_checks(four_worker_marker):
 def test_resume_on_other_workers_refuses_what_would_not_continue_the_run(four_worker_marker, saved, change, words):
     run = four_worker_marker(**saved)
     with pytest.raises(ConfigError, match="cannot resume") as e:
-        _cfg(**{**saved, **change}, resume=str(run)).validate()
+        validate(_cfg(**{**saved, **change}, resume=str(run)))
     assert words in str(e.value)
 
 

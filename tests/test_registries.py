@@ -10,6 +10,7 @@ from dtrain.comm.cost import ALGORITHMS as COST_ALGORITHMS
 from dtrain.compress import REGISTRY as COMPRESSORS
 from dtrain.data_parallel.options import ALGORITHMS, OVERLAPS
 from dtrain.job.config import ConfigHooks
+from dtrain.job.validate import validate
 from dtrain.param_server.consistency import POLICIES
 from dtrain.perfmodel import ClusterSpec, Device, Link
 from dtrain.perfmodel.compression import compression_model
@@ -25,7 +26,7 @@ _POLICY_ARGS = {"ssp": "ssp:3", "softsync": "softsync:2", "backup": "backup:1"}
 
 
 def _cfg(*flags):
-    return config_from_args(build_parser().parse_args(["run", *flags])).validate()
+    return validate(config_from_args(build_parser().parse_args(["run", *flags])))
 
 
 def _cluster() -> ClusterSpec:

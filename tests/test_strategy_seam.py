@@ -11,6 +11,7 @@ import pytest
 from _helpers import dtrain_cli, read_metrics, read_summary
 
 from dtrain.errors import ConfigError
+from dtrain.job.validate import validate
 
 TESTS = Path(__file__).resolve().parent
 
@@ -74,7 +75,7 @@ def test_toy_strategy_in_the_planner_and_the_cli(toy):
     assert single is not None and alone.samples_per_s > 2 * single.samples_per_s and alone.bytes_per_step == 0
     assert alone.step_s == pytest.approx(alone.compute_s + p.cluster.device.overhead)
     cfg = config_from_args(build_parser().parse_args(["run", "--strategy", "alone", "--report-every", "2"]))
-    assert cfg.validate().options.report_every == 2
+    assert validate(cfg).options.report_every == 2
     with pytest.raises(ConfigError, match="report_every must be >= 1"):
         config_from_args(build_parser().parse_args(["run", "--strategy", "alone", "--report-every", "0"]))
 

@@ -9,6 +9,7 @@ from test_planner import spec, tiny
 
 from dtrain.errors import ConfigError
 from dtrain.job.config import RunConfig
+from dtrain.job.validate import validate
 from dtrain.perfmodel import plan
 from dtrain.workloads.batch import batch_note, split_batch
 
@@ -28,12 +29,12 @@ def test_the_note_names_the_effective_batch():
 
 
 def test_config_accepts_a_batch_that_does_not_divide():
-    cfg = RunConfig.make(workers=3).validate()
+    cfg = validate(RunConfig.make(workers=3))
     assert cfg.batch_size == 64 and cfg.global_batch == 63
-    assert RunConfig.make(workers=4, batch_size=66).validate().global_batch == 64
-    assert RunConfig.make(strategy="ps", workers=3).validate().global_batch == 63  # the servers take no batch
+    assert validate(RunConfig.make(workers=4, batch_size=66)).global_batch == 64
+    assert validate(RunConfig.make(strategy="ps", workers=3)).global_batch == 63  # the servers take no batch
     with pytest.raises(ConfigError, match="at least workers"):
-        RunConfig.make(workers=3, batch_size=2).validate()
+        validate(RunConfig.make(workers=3, batch_size=2))
 
 
 def test_planner_ranks_ps_with_three_workers():

@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(ns: argparse.Namespace) -> RunConfig:
     """TOML file (if any), then the flags that were given: shared keys and flat strategy options."""
-    from dtrain.job.config import RunConfig, load_toml, option_fields
+    from dtrain.job.config import RunConfig, option_fields
+    from dtrain.job.files import load_toml
 
     values: dict[str, Any] = load_toml(ns.config) if getattr(ns, "config", None) else {}
     for name in [f.name for f in RunConfig.shared_fields()] + list(option_fields()):

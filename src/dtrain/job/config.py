@@ -1,8 +1,10 @@
 """Run configuration: what every run shares, plus the chosen strategy's own options.
 
-Configuration flows one way: TOML file -> command-line overrides -> a validated
-:class:`RunConfig` -> constructors. :meth:`RunConfig.validate` runs in the parent
-process before any worker starts, so a typo costs a second, not a launch.
+Configuration flows one way: TOML file (:mod:`dtrain.job.files`) -> command-line overrides ->
+a :class:`RunConfig` checked by :func:`dtrain.job.validate.validate` -> constructors. The
+validation runs in the parent process before any worker starts, so a typo costs a second,
+not a launch. This module is the schema: the fields, building a configuration from values
+and the values derived from it.
 
 :class:`RunConfig` holds what every run shares (model, data, optimizer, workers,
 the run folder, ...); the strategy's options are ``options``, an instance of the
@@ -26,15 +28,12 @@ key of another strategy is an error that names the strategy it belongs to.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import ConfigError
-from dtrain.job.files import read_toml
 from dtrain.registry import Strategy, StrategyOptions, get, options_for, registered
 from dtrain.training.precision import PRECISIONS
 
@@ -48,8 +47,6 @@ __all__ = [
     "LR_SCHEDULES",
     "BACKENDS",
     "DEVICES",
-    "load_toml",
-    "dump_toml",
     "parse_straggler",
     "option_fields",
     "build_options",
@@ -61,7 +58,6 @@ NOISE_BETA = 0.99  # the noise scale's moving averages' default decay (dtrain.tr
 LR_SCHEDULES = ("constant", "cosine")
 BACKENDS = ("gloo", "nccl", "mpi")
 DEVICES = ("cpu", "cuda")
-CUDA_STRATEGIES = ("dp", "ddp")  # the strategies that train on --device cuda
 _GPT_SHAPE = ("layers", "d_model", "heads", "dropout")  # RunConfig fields that resize a gpt model
 
 
@@ -315,7 +311,7 @@ class RunConfig:
         d[self.strategy] = self.opts.to_table()
         return d
 
-    # ------------------------------------------------------------------ validation
+    # ------------------------------------------------------------------ derived values
 
     @property
     def num_processes(self) -> int:
@@ -329,28 +325,6 @@ class RunConfig:
         from dtrain.workloads.batch import split_batch
 
         return split_batch(self.batch_size, self.opts.batch_shards(self.workers))[1]
-
-    def _check_names(self) -> None:
-        from dtrain.workloads.data import DATASETS
-        from dtrain.workloads.models import MODELS
-
-        def choose(name: str, value: str, choices: tuple[str, ...]) -> None:
-            if value not in choices:
-                raise ConfigError(f"{name} {value!r} is not known; choose one of: {', '.join(choices)}")
-
-        choose("model", self.model, MODELS)
-        choose("dataset", self.dataset, DATASETS)
-        self._check_task()
-        choose("optimizer", self.optimizer, OPTIMIZERS)
-        choose("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        choose("precision", self.precision, PRECISIONS)
-        from dtrain.training.large_batch import AUTO_RULES, LR_SCALINGS
-
-        choose("lr_scaling", self.lr_scaling, LR_SCALINGS)
-        choose("auto_rule", self.auto_rule, AUTO_RULES)
-        if self.backend and self.backend not in BACKENDS:
-            raise ConfigError(f"backend {self.backend!r} is not known; choose gloo, nccl or mpi")
-        choose("device", self.device, DEVICES)
 
     def process_backend(self) -> str:
         """The process group's backend: ``--backend``, else NCCL where every process has a GPU of its own
@@ -372,52 +346,6 @@ class RunConfig:
         (``DTRAIN_LOCAL_PROCESSES``, which ``dtrain run --nnodes`` sets)."""
         return int(os.environ.get("DTRAIN_LOCAL_PROCESSES") or self.num_processes)
 
-    def _check_device(self) -> None:
-        """``--device cuda``: a GPU here, a strategy that trains on it, a backend that can carry it."""
-        backend = self.process_backend()
-        if self.device == "cpu":
-            if backend == "nccl":
-                raise ConfigError("backend nccl reduces CUDA tensors, and this run trains on the CPU: add "
-                                  "--device cuda, or use --backend gloo")  # fmt: skip
-            return
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("device cuda: torch sees no CUDA device here "
-                              f"(torch {torch.__version__}); use --device cpu")  # fmt: skip
-        if self.strategy not in CUDA_STRATEGIES:
-            raise ConfigError(f"device cuda: strategy {self.strategy} trains on the CPU; --device cuda takes "
-                              f"{' or '.join(CUDA_STRATEGIES)}")  # fmt: skip
-        if self.cluster:
-            raise ConfigError("device cuda: an emulated cluster (--cluster) runs CPU workers; drop one of the two")
-        if backend == "mpi":
-            raise ConfigError("device cuda: the mpi backend carries CPU tensors; use --backend gloo or nccl")
-        gpus = torch.cuda.device_count()
-        if backend == "nccl" and self.local_processes > gpus:
-            raise ConfigError(f"backend nccl takes one GPU per process: {self.local_processes} processes on {gpus} "
-                              f"GPU(s); use --backend gloo (CUDA tensors through host memory) or fewer workers")
-        if self.noise_scale or self.batch_schedule == "auto":
-            raise ConfigError("device cuda: the noise scale (--noise-scale, --batch-schedule auto) is measured on "
-                              "CPU runs only; drop it or use --device cpu")
-
-    def _check_task(self) -> None:
-        """A language model trains on text, a classifier on images; gpt flags need a gpt model."""
-        from dtrain.workloads.models import is_language_model
-
-        lm, text = is_language_model(self.model), self.dataset == "pytext"
-        if lm and not text:
-            raise ConfigError(f"model {self.model} is a language model; use --dataset pytext")
-        if text and not lm:
-            raise ConfigError("dataset pytext is text; use a language model: --model gpt-tiny, gpt-small, ...")
-        if not lm:
-            given = [f"--{k.replace('_', '-')}" for k in self.gpt_overrides()]
-            if given:
-                raise ConfigError(f"{', '.join(given)} shape(s) a gpt model; model {self.model} has no such option")
-        if lm and self.target < 0:
-            raise ConfigError(f"target is a validation loss (nats per token) for {self.model}; got {self.target}")
-        if not lm and not 0 <= self.target <= 1:
-            raise ConfigError(f"target is a test accuracy in (0, 1] for {self.model}; got {self.target}")
-
     def gpt_overrides(self) -> dict[str, Any]:
         """The gpt shape flags that were set (0 means the preset's value)."""
         return {k: getattr(self, k) for k in _GPT_SHAPE if getattr(self, k)}
@@ -427,146 +355,3 @@ class RunConfig:
         from dtrain.workloads.data import load_dataset
 
         return load_dataset(self.dataset, seed=self.seed, samples=self.samples, seq_len=self.seq_len)
-
-    def _check_numbers(self) -> None:
-        if self.workers < 1:
-            raise ConfigError(f"workers must be >= 1, got {self.workers}")
-        if self.epochs < 1:
-            raise ConfigError(f"epochs must be >= 1, got {self.epochs}")
-        shards = self.opts.batch_shards(self.workers)
-        if self.batch_size < shards:
-            raise ConfigError(
-                f"batch_size is global ({self.batch_size}) and must be at least workers ({self.workers})"
-            )
-        # a batch that does not divide is trained as batch // shards per shard (global_batch)
-        if not self.lr > 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.max_steps < 0:
-            raise ConfigError(f"max_steps must be >= 0, got {self.max_steps}")
-        if self.samples < 16:
-            raise ConfigError(f"samples must be >= 16, got {self.samples}")
-        for k in ("eval_every", "eval_samples", "layers", "d_model", "heads", "skip_nonfinite", "base_batch",
-                  "warmup_steps", "warmup_epochs", "max_batch", "auto_every", "max_restarts",
-                  "min_workers"):
-            if getattr(self, k) < 0:
-                raise ConfigError(f"{k} must be >= 0, got {getattr(self, k)}")
-        if self.seq_len < 2:
-            raise ConfigError(f"seq_len must be >= 2, got {self.seq_len}")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
-        if not 0 <= self.noise_beta < 1:
-            raise ConfigError(f"noise_beta must be in [0, 1), got {self.noise_beta:g}")
-        if self.model.startswith("gpt"):
-            from dtrain.workloads.models.gpt import resolve_gpt_config
-
-            try:
-                resolve_gpt_config(self.model, **self.gpt_overrides(), seq_len=self.seq_len)
-            except ValueError as e:
-                raise ConfigError(f"model {self.model}: {e}") from None
-        size = len(self.load_data().train)
-        if self.batch_size > size:
-            raise ConfigError(f"batch_size {self.batch_size} is larger than the training set ({size} samples)")
-        self._check_large_batch(size)
-
-    def _check_large_batch(self, size: int) -> None:
-        """Warmup, the batch schedule and the noise scale (:mod:`dtrain.training.large_batch`)."""
-        if self.warmup_steps and self.warmup_epochs:
-            raise ConfigError(f"give warmup_steps ({self.warmup_steps}) or warmup_epochs ({self.warmup_epochs:g}), "
-                              "not both")  # fmt: skip
-        shards = self.opts.batch_shards(self.workers)
-        if self.batch_schedule == "auto":
-            if not self.opts.measures_noise_scale(self.workers):
-                raise ConfigError(
-                    "batch_schedule auto grows the batch toward the gradient noise scale that plain "
-                    "data parallelism measures: use --strategy dp (no --shard) with 2 or more workers"
-                )
-            if self.max_batch and (self.max_batch > size or self.max_batch % shards):
-                raise ConfigError(f"max_batch {self.max_batch} must be a multiple of the {shards} workers and at "
-                                  f"most the training set ({size} samples)")  # fmt: skip
-            if self.batch_size % shards:
-                raise ConfigError(f"batch_schedule auto doubles the batch: batch_size {self.batch_size} must be a "
-                                  f"multiple of the {shards} workers")  # fmt: skip
-        elif self.auto_every or self.auto_rule != "noise":
-            given = f"--auto-every {self.auto_every}" if self.auto_every else f"--auto-rule {self.auto_rule}"
-            raise ConfigError(f"{given} tells --batch-schedule auto when and how to grow the batch; add "
-                              "--batch-schedule auto or drop it")  # fmt: skip
-        elif self.batch_schedule:
-            from dtrain.training.large_batch import parse_batch_schedule
-
-            for epoch, batch in parse_batch_schedule(self.batch_schedule):
-                if batch % shards:
-                    raise ConfigError(f"batch_schedule: the batch {batch} (from epoch {epoch}) does not divide "
-                                      f"into the {shards} workers' shards; use a multiple of {shards}")  # fmt: skip
-                if batch > size:
-                    raise ConfigError(f"batch_schedule: the batch {batch} (from epoch {epoch}) is larger than "
-                                      f"the training set ({size} samples)")  # fmt: skip
-                self.hooks.check(self.opts, dataclasses.replace(self, batch_schedule="", batch_size=batch))
-        if self.noise_beta != NOISE_BETA and not (self.noise_scale or self.batch_schedule == "auto"):
-            raise ConfigError(f"noise_beta {self.noise_beta:g} sets how the noise scale is averaged; add --noise-scale "
-                              "or --batch-schedule auto, or drop it")  # fmt: skip
-        if self.noise_scale and not self.opts.measures_noise_scale(self.workers):
-            raise ConfigError("noise_scale compares each worker's gradient with their average: use --strategy dp "
-                              "(no --shard) with 2 or more workers")  # fmt: skip
-
-    def validate(self) -> RunConfig:
-        """Check every option; raise :class:`ConfigError` saying what to change."""
-        self._check_names()
-        self._check_numbers()
-        self._check_device()
-        if self.trace_steps:
-            from dtrain.observe.trace import parse_trace_steps
-
-            parse_trace_steps(self.trace_steps)
-            if not self.trace:
-                raise ConfigError("--trace-steps chooses the steps of the trace, and --no-trace turns it off: "
-                                  "drop one of them")
-        if self.straggler:
-            rank, _ = parse_straggler(self.straggler)
-            if rank >= self.num_processes:
-                raise ConfigError(f"straggler rank {rank} is outside the {self.num_processes} processes")
-        self.hooks.check(self.opts, self)
-        from dtrain.checkpoint.training import check_resume
-
-        check_resume(self)
-        return self
-
-
-# ---------------------------------------------------------------------- TOML
-
-
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a run config file; a top-level ``[run]`` table (with strategy tables beside it) is unwrapped."""
-    data = read_toml(path, "config file")
-    run = data.get("run")
-    if isinstance(run, dict):
-        data = {**{k: v for k, v in data.items() if k != "run"}, **run}
-    return data
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def dump_toml(cfg: RunConfig) -> str:
-    """The resolved configuration as TOML that :func:`load_toml` reads back."""
-    lines = ["# dtrain run configuration (resolved); rerun with: dtrain run config.toml"]
-    d = cfg.to_dict()
-    tables = {"extra": d.pop("extra"), cfg.strategy: d.pop(cfg.strategy)}
-    for k, v in d.items():
-        lines.append(f"{k} = {_toml_value(v)}")
-    for name, table in tables.items():
-        if table or name == cfg.strategy:
-            lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
-    return "\n".join(lines) + "\n"

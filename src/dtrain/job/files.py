@@ -1,19 +1,24 @@
-"""Read a TOML file with errors that name it (run configs, cluster descriptions)."""
+"""TOML files: read one with errors that name it (run configs, cluster descriptions), and a run's
+configuration from and to TOML (:func:`load_toml`, :func:`dump_toml`)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtrain.job.config import RunConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["read_toml"]
+__all__ = ["read_toml", "load_toml", "dump_toml"]
 
 
 def read_toml(path: str | Path, what: str, *, hint: str = "") -> dict[str, Any]:
@@ -36,3 +41,37 @@ def read_toml(path: str | Path, what: str, *, hint: str = "") -> dict[str, Any]:
         return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a run config file; a top-level ``[run]`` table (with strategy tables beside it) is unwrapped."""
+    data = read_toml(path, "config file")
+    run = data.get("run")
+    if isinstance(run, dict):
+        data = {**{k: v for k, v in data.items() if k != "run"}, **run}
+    return data
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def dump_toml(cfg: RunConfig) -> str:
+    """The resolved configuration as TOML that :func:`load_toml` reads back."""
+    lines = ["# dtrain run configuration (resolved); rerun with: dtrain run config.toml"]
+    d = cfg.to_dict()
+    tables = {"extra": d.pop("extra"), cfg.strategy: d.pop(cfg.strategy)}
+    for k, v in d.items():
+        lines.append(f"{k} = {_toml_value(v)}")
+    for name, table in tables.items():
+        if table or name == cfg.strategy:
+            lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"

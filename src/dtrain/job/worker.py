@@ -35,7 +35,9 @@ import torch.distributed as dist
 
 from dtrain.cluster.nodes import NodeArgs
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig, dump_toml
+from dtrain.job.config import RunConfig
+from dtrain.job.files import dump_toml
+from dtrain.job.validate import validate
 from dtrain.observe.trace import MetricsWriter, Tracer, activate, align_clock, merge_rank_files, parse_trace_steps
 from dtrain.training.context import ProcessHooks, TrainContext, lr_factor, schedule_updates
 from dtrain.workloads.batch import batch_note
@@ -225,7 +227,7 @@ def run(cfg: RunConfig, *, quiet: bool = False, nodes: NodeArgs | None = None) -
     """
     if nodes is not None and nodes.multi:  # this node's share decides the backend (a GPU per local process)
         os.environ["DTRAIN_LOCAL_PROCESSES"] = str(max(1, cfg.num_processes // nodes.nnodes))
-    cfg = cfg.validate()
+    cfg = validate(cfg)
     if nodes is not None and nodes.multi:
         return run_node(cfg, nodes, quiet=quiet)
     if cfg.cluster:
@@ -386,7 +388,7 @@ def _check_nodes(cfg: RunConfig, nodes: NodeArgs) -> tuple[NodeArgs, int]:
             raise ConfigError(f"--nnodes {nodes.min_nodes}:{nodes.nnodes} goes on without a lost node by restarting "
                               "the others from the newest checkpoint: add --max-restarts N and --checkpoint-every K")
         servers = cfg.num_processes - cfg.workers
-        cfg.replace(min_workers=nodes.min_nodes * k - servers).validate()  # every count from MIN up must train
+        validate(cfg.replace(min_workers=nodes.min_nodes * k - servers))  # every count from MIN up must train
     return nodes, k
 
 

@@ -35,10 +35,11 @@ def _check(options: AutoOptions, cfg: RunConfig) -> None:
 
 
 def _resolve(cfg: RunConfig) -> RunConfig:
+    from dtrain.job.validate import validate
     from dtrain.planning import pick_plan
 
     best = pick_plan(cfg)
-    return cfg.replace(strategy=best.strategy, workers=best.workers, options=best.options).validate()
+    return validate(cfg.replace(strategy=best.strategy, workers=best.workers, options=best.options))
 
 
 AUTO = register(Strategy(

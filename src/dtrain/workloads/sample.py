@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from dtrain.errors import DTrainError
-from dtrain.job.config import RunConfig, load_toml
+from dtrain.job.config import RunConfig
+from dtrain.job.files import load_toml
 
 __all__ = ["sample_run", "main"]
 

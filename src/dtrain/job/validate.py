@@ -1,0 +1,204 @@
+"""Check a run configuration before anything starts: :func:`validate`.
+
+The checks that go beyond a field's own value: names against what is registered, numbers
+against each other, the device (probing CUDA), the dataset (loading it, for its size), the batch
+schedule, the strategy's own cross-checks (its :class:`~dtrain.job.config.ConfigHooks`) and a
+checkpoint to resume (read on disk). :func:`dtrain.job.worker.run` calls it in the parent process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dtrain.errors import ConfigError, check_choice
+from dtrain.job.config import (
+    BACKENDS,
+    DEVICES,
+    LR_SCHEDULES,
+    NOISE_BETA,
+    OPTIMIZERS,
+    PRECISIONS,
+    RunConfig,
+    parse_straggler,
+)
+
+__all__ = ["validate", "CUDA_STRATEGIES"]
+
+CUDA_STRATEGIES = ("dp", "ddp")  # the strategies that train on --device cuda
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Check every option of ``cfg`` and return it; raise :class:`ConfigError` saying what to change."""
+    _check_names(cfg)
+    _check_numbers(cfg)
+    _check_device(cfg)
+    if cfg.trace_steps:
+        from dtrain.observe.trace import parse_trace_steps
+
+        parse_trace_steps(cfg.trace_steps)
+        if not cfg.trace:
+            raise ConfigError("--trace-steps chooses the steps of the trace, and --no-trace turns it off: "
+                              "drop one of them")
+    if cfg.straggler:
+        rank, _ = parse_straggler(cfg.straggler)
+        if rank >= cfg.num_processes:
+            raise ConfigError(f"straggler rank {rank} is outside the {cfg.num_processes} processes")
+    cfg.hooks.check(cfg.opts, cfg)
+    from dtrain.checkpoint.training import check_resume
+
+    check_resume(cfg)
+    return cfg
+
+
+
+def _check_names(cfg: RunConfig) -> None:
+    from dtrain.workloads.data import DATASETS
+    from dtrain.workloads.models import MODELS
+
+    check_choice("model", cfg.model, MODELS)
+    check_choice("dataset", cfg.dataset, DATASETS)
+    _check_task(cfg)
+    check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
+    check_choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
+    check_choice("precision", cfg.precision, PRECISIONS)
+    from dtrain.training.large_batch import AUTO_RULES, LR_SCALINGS
+
+    check_choice("lr_scaling", cfg.lr_scaling, LR_SCALINGS)
+    check_choice("auto_rule", cfg.auto_rule, AUTO_RULES)
+    if cfg.backend and cfg.backend not in BACKENDS:
+        raise ConfigError(f"backend {cfg.backend!r} is not known; choose gloo, nccl or mpi")
+    check_choice("device", cfg.device, DEVICES)
+
+
+def _check_device(cfg: RunConfig) -> None:
+    """``--device cuda``: a GPU here, a strategy that trains on it, a backend that can carry it."""
+    backend = cfg.process_backend()
+    if cfg.device == "cpu":
+        if backend == "nccl":
+            raise ConfigError("backend nccl reduces CUDA tensors, and this run trains on the CPU: add "
+                              "--device cuda, or use --backend gloo")  # fmt: skip
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("device cuda: torch sees no CUDA device here "
+                          f"(torch {torch.__version__}); use --device cpu")  # fmt: skip
+    if cfg.strategy not in CUDA_STRATEGIES:
+        raise ConfigError(f"device cuda: strategy {cfg.strategy} trains on the CPU; --device cuda takes "
+                          f"{' or '.join(CUDA_STRATEGIES)}")  # fmt: skip
+    if cfg.cluster:
+        raise ConfigError("device cuda: an emulated cluster (--cluster) runs CPU workers; drop one of the two")
+    if backend == "mpi":
+        raise ConfigError("device cuda: the mpi backend carries CPU tensors; use --backend gloo or nccl")
+    gpus = torch.cuda.device_count()
+    if backend == "nccl" and cfg.local_processes > gpus:
+        raise ConfigError(f"backend nccl takes one GPU per process: {cfg.local_processes} processes on {gpus} "
+                          f"GPU(s); use --backend gloo (CUDA tensors through host memory) or fewer workers")
+    if cfg.noise_scale or cfg.batch_schedule == "auto":
+        raise ConfigError("device cuda: the noise scale (--noise-scale, --batch-schedule auto) is measured on "
+                          "CPU runs only; drop it or use --device cpu")
+
+
+def _check_task(cfg: RunConfig) -> None:
+    """A language model trains on text, a classifier on images; gpt flags need a gpt model."""
+    from dtrain.workloads.models import is_language_model
+
+    lm, text = is_language_model(cfg.model), cfg.dataset == "pytext"
+    if lm and not text:
+        raise ConfigError(f"model {cfg.model} is a language model; use --dataset pytext")
+    if text and not lm:
+        raise ConfigError("dataset pytext is text; use a language model: --model gpt-tiny, gpt-small, ...")
+    if not lm:
+        given = [f"--{k.replace('_', '-')}" for k in cfg.gpt_overrides()]
+        if given:
+            raise ConfigError(f"{', '.join(given)} shape(s) a gpt model; model {cfg.model} has no such option")
+    if lm and cfg.target < 0:
+        raise ConfigError(f"target is a validation loss (nats per token) for {cfg.model}; got {cfg.target}")
+    if not lm and not 0 <= cfg.target <= 1:
+        raise ConfigError(f"target is a test accuracy in (0, 1] for {cfg.model}; got {cfg.target}")
+
+
+def _check_numbers(cfg: RunConfig) -> None:
+    if cfg.workers < 1:
+        raise ConfigError(f"workers must be >= 1, got {cfg.workers}")
+    if cfg.epochs < 1:
+        raise ConfigError(f"epochs must be >= 1, got {cfg.epochs}")
+    shards = cfg.opts.batch_shards(cfg.workers)
+    if cfg.batch_size < shards:
+        raise ConfigError(
+            f"batch_size is global ({cfg.batch_size}) and must be at least workers ({cfg.workers})"
+        )
+    # a batch that does not divide is trained as batch // shards per shard (global_batch)
+    if not cfg.lr > 0:
+        raise ConfigError(f"lr must be > 0, got {cfg.lr}")
+    if not 0 <= cfg.momentum < 1:
+        raise ConfigError(f"momentum must be in [0, 1), got {cfg.momentum}")
+    if cfg.timeout_s <= 0:
+        raise ConfigError(f"timeout_s must be > 0, got {cfg.timeout_s}")
+    if cfg.max_steps < 0:
+        raise ConfigError(f"max_steps must be >= 0, got {cfg.max_steps}")
+    if cfg.samples < 16:
+        raise ConfigError(f"samples must be >= 16, got {cfg.samples}")
+    for k in ("eval_every", "eval_samples", "layers", "d_model", "heads", "skip_nonfinite", "base_batch",
+              "warmup_steps", "warmup_epochs", "max_batch", "auto_every", "max_restarts",
+              "min_workers"):
+        if getattr(cfg, k) < 0:
+            raise ConfigError(f"{k} must be >= 0, got {getattr(cfg, k)}")
+    if cfg.seq_len < 2:
+        raise ConfigError(f"seq_len must be >= 2, got {cfg.seq_len}")
+    if not 0 <= cfg.dropout < 1:
+        raise ConfigError(f"dropout must be in [0, 1), got {cfg.dropout}")
+    if not 0 <= cfg.noise_beta < 1:
+        raise ConfigError(f"noise_beta must be in [0, 1), got {cfg.noise_beta:g}")
+    if cfg.model.startswith("gpt"):
+        from dtrain.workloads.models.gpt import resolve_gpt_config
+
+        try:
+            resolve_gpt_config(cfg.model, **cfg.gpt_overrides(), seq_len=cfg.seq_len)
+        except ValueError as e:
+            raise ConfigError(f"model {cfg.model}: {e}") from None
+    size = len(cfg.load_data().train)
+    if cfg.batch_size > size:
+        raise ConfigError(f"batch_size {cfg.batch_size} is larger than the training set ({size} samples)")
+    _check_large_batch(cfg, size)
+
+
+def _check_large_batch(cfg: RunConfig, size: int) -> None:
+    """Warmup, the batch schedule and the noise scale (:mod:`dtrain.training.large_batch`)."""
+    if cfg.warmup_steps and cfg.warmup_epochs:
+        raise ConfigError(f"give warmup_steps ({cfg.warmup_steps}) or warmup_epochs ({cfg.warmup_epochs:g}), "
+                          "not both")  # fmt: skip
+    shards = cfg.opts.batch_shards(cfg.workers)
+    if cfg.batch_schedule == "auto":
+        if not cfg.opts.measures_noise_scale(cfg.workers):
+            raise ConfigError(
+                "batch_schedule auto grows the batch toward the gradient noise scale that plain "
+                "data parallelism measures: use --strategy dp (no --shard) with 2 or more workers"
+            )
+        if cfg.max_batch and (cfg.max_batch > size or cfg.max_batch % shards):
+            raise ConfigError(f"max_batch {cfg.max_batch} must be a multiple of the {shards} workers and at "
+                              f"most the training set ({size} samples)")  # fmt: skip
+        if cfg.batch_size % shards:
+            raise ConfigError(f"batch_schedule auto doubles the batch: batch_size {cfg.batch_size} must be a "
+                              f"multiple of the {shards} workers")  # fmt: skip
+    elif cfg.auto_every or cfg.auto_rule != "noise":
+        given = f"--auto-every {cfg.auto_every}" if cfg.auto_every else f"--auto-rule {cfg.auto_rule}"
+        raise ConfigError(f"{given} tells --batch-schedule auto when and how to grow the batch; add "
+                          "--batch-schedule auto or drop it")  # fmt: skip
+    elif cfg.batch_schedule:
+        from dtrain.training.large_batch import parse_batch_schedule
+
+        for epoch, batch in parse_batch_schedule(cfg.batch_schedule):
+            if batch % shards:
+                raise ConfigError(f"batch_schedule: the batch {batch} (from epoch {epoch}) does not divide "
+                                  f"into the {shards} workers' shards; use a multiple of {shards}")  # fmt: skip
+            if batch > size:
+                raise ConfigError(f"batch_schedule: the batch {batch} (from epoch {epoch}) is larger than "
+                                  f"the training set ({size} samples)")  # fmt: skip
+            cfg.hooks.check(cfg.opts, dataclasses.replace(cfg, batch_schedule="", batch_size=batch))
+    if cfg.noise_beta != NOISE_BETA and not (cfg.noise_scale or cfg.batch_schedule == "auto"):
+        raise ConfigError(f"noise_beta {cfg.noise_beta:g} sets how the noise scale is averaged; add --noise-scale "
+                          "or --batch-schedule auto, or drop it")  # fmt: skip
+    if cfg.noise_scale and not cfg.opts.measures_noise_scale(cfg.workers):
+        raise ConfigError("noise_scale compares each worker's gradient with their average: use --strategy dp "
+                          "(no --shard) with 2 or more workers")  # fmt: skip
