@@ -26,7 +26,7 @@ from dtrain.registry import Choice, Strategy, StrategyOptions, choice, get, regi
 __all__ = ["Strategy", "StrategyOptions", "Choice", "PlanSpace", "register", "registered", "get", "choice",
            "DPOptions", "DDPOptions", "PSOptions", "AutoOptions"]  # fmt: skip
 
-_LAZY = {"DPOptions": "dtrain.strategies.dp", "DDPOptions": "dtrain.strategies.dp",
+_LAZY = {"DPOptions": "dtrain.strategies.dp_options", "DDPOptions": "dtrain.strategies.dp_options",
          "PSOptions": "dtrain.strategies.ps", "AutoOptions": "dtrain.strategies.auto",
          "PlanSpace": "dtrain.perfmodel.hooks"}  # fmt: skip
 

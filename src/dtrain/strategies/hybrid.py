@@ -170,7 +170,7 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
 
 
 def _check_checkpointing(o: MeshOptions, cfg: RunConfig) -> None:
-    from dtrain.strategies.dp import STATELESS_WIRE
+    from dtrain.strategies.dp_options import STATELESS_WIRE
 
     comp = o.compressor_spec()
     if comp not in STATELESS_WIRE:

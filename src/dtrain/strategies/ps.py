@@ -104,7 +104,7 @@ class PSOptions(CompressedOptions):
     def reshards(self) -> bool:
         # bsp: the servers hold the model and optimizer state and every worker is at one clock at a
         # checkpoint, so any number of workers can take it up, unless a compressor keeps per-worker state
-        from dtrain.strategies.dp import STATELESS_WIRE
+        from dtrain.strategies.dp_options import STATELESS_WIRE
 
         return self.consistency.strip().lower() == "bsp" and self.compressor_spec() in STATELESS_WIRE
 

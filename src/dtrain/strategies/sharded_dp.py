@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dtrain.strategies.dp import DataParallelEngine, DPOptions
+from dtrain.strategies.dp_engine import DataParallelEngine
+from dtrain.strategies.dp_options import DPOptions
 from dtrain.training.context import TrainContext
 from dtrain.training.loop import Position
 
