@@ -34,6 +34,7 @@ def test_verdict_judges_the_interquartile_range(bar: Bar, ratios: list[float], v
     assert bar.verdict(summary(ratios)) == verdict
 
 
+@pytest.mark.procs  # the result records the git commit: runs git
 def test_rounds_rotate_and_ratios_pair_rounds(tmp_path: Path) -> None:
     calls: list[str] = []
     speed = {"ours": itertools.count(10.0, 1.0), "peer": itertools.count(10.0, 2.0)}
@@ -59,6 +60,7 @@ def test_rounds_rotate_and_ratios_pair_rounds(tmp_path: Path) -> None:
     assert data["cases"][0]["systems"]["ours"]["samples"] == [10.0, 11.0, 12.0, 13.0, 14.0]
 
 
+@pytest.mark.procs  # the result records the git commit: runs git
 def test_fewer_than_five_rounds_give_no_verdict() -> None:
     bench = Benchmark("toy", title="toy", family="test", workload="none", metric="x", higher_is_better=True,
                       repeats=1, command=["x"], log=lambda _: None)  # fmt: skip
@@ -80,6 +82,7 @@ def test_bad_cases_and_files_are_refused(tmp_path: Path) -> None:
         load_result(tmp_path / "old.json")
 
 
+@pytest.mark.procs  # the result records the git commit: runs git
 def test_the_commit_is_marked_changed_by_code_not_by_results(tmp_path: Path) -> None:
     def git(*args: str) -> str:
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,

@@ -7,6 +7,8 @@ import importlib
 import sys
 from pathlib import Path
 
+import pytest
+
 from dtrain.measure.harness import Bar, Benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +33,7 @@ def test_benchmarks_page_is_rendered_from_the_result_files() -> None:
         assert (ROOT / "benchmarks" / "results" / "plots" / f"{r['name']}.png").is_file(), r["name"]
 
 
+@pytest.mark.procs  # the result records the git commit: runs git
 def test_page_shows_each_ratio_with_its_spread_and_an_honest_verdict(tmp_path: Path) -> None:
     bench = Benchmark("toy_vs_peer", title="Toy against its peer", family="data parallelism", workload="toy",
                       metric="steps/s", higher_is_better=True, repeats=5, command=["python", "toy.py"],
