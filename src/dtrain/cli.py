@@ -90,7 +90,7 @@ def _shared_groups() -> list[tuple[str, list[dataclasses.Field[Any]]]]:
 
 
 def _strategy_fields(strategy: str) -> list[dataclasses.Field[Any]]:
-    """``strategy``'s options' fields."""
+    """``strategy``'s options' fields (one whose metadata has ``renamed_to`` is an option's old name)."""
     from dtrain.strategies.base import get
 
     return list(dataclasses.fields(get(strategy).options))
@@ -121,6 +121,9 @@ def _add_run_flags(p: argparse.ArgumentParser, only: str | None = None) -> None:
         owned = {name: [only] for name in fields}
     for name, fs in fields.items():
         f = fs[0]
+        if "renamed_to" in f.metadata:  # an option's old name: still read, never shown
+            _add_flag(g, name, f.default, argparse.SUPPRESS, None)
+            continue
         choices = [c for x in fs for c in x.metadata.get("choices", ())]
         helptext = _help(f) + (f" [{', '.join(owned[name])}]" if only is None else "")
         _add_flag(g, name, f.default, helptext, tuple(dict.fromkeys(choices)) or None)
@@ -178,7 +181,7 @@ def run_help(strategy: str | None = None) -> str:
     indent = max(map(len, registered())) + 4
     for name in registered():
         flags = [flag(f) + (f" --{f.metadata['switch'][0]}" if "switch" in f.metadata else "")
-                 for f in _strategy_fields(name)]  # fmt: skip
+                 for f in _strategy_fields(name) if "renamed_to" not in f.metadata]  # fmt: skip
         out += wrap(" ".join(flags) or "(none)", indent, name)
     nodes = argparse.ArgumentParser(add_help=False)
     _add_node_flags(nodes)
@@ -291,10 +294,17 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
     from dtrain.job.config import RunConfig, load_toml, option_fields
 
     values: dict[str, Any] = load_toml(ns.config) if getattr(ns, "config", None) else {}
-    for name in [f.name for f in RunConfig.shared_fields()] + list(option_fields()):
+    options = option_fields()
+    for name in [f.name for f in RunConfig.shared_fields()] + list(options):
         v = getattr(ns, name, None)
         if v is not None:
             values[name] = v
+            # the flag wins over the file's value under the option's old name too (e.g. checkpoint -> recompute)
+            for old in (o for o, owners in options.items() if owners[0][1].metadata.get("renamed_to") == name):
+                values.pop(old, None)
+                table = values.get(str(values.get("strategy", "dp")))
+                if isinstance(table, dict):
+                    table.pop(old, None)
     return RunConfig.from_mapping(values)
 
 
