@@ -3,14 +3,24 @@
 ``dtrain run`` flags are generated from :class:`dtrain.job.config.RunConfig`'s shared
 fields and every registered strategy's options dataclass (``batch_size`` ->
 ``--batch-size``, ``PSOptions.servers`` -> ``--servers``), so the TOML keys and
-the flags cannot drift apart. Precedence: built-in defaults < config file < flags.
+the flags cannot drift apart; each flag's help is its field's ``help`` metadata. Precedence:
+built-in defaults < config file < flags.
+
+``dtrain run --help`` is an overview: the shared flags a line each, then each strategy's
+flags on a line with its name. ``dtrain run --strategy NAME --help`` (or ``dtrain run
+CONFIG --help``, CONFIG naming a strategy) shows the shared flags and NAME's own, in full.
+Every strategy's flags are parsed whatever the strategy: a flag of another one is refused
+by the configuration, naming the strategy it belongs to.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import shutil
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,73 +40,15 @@ def _choices() -> dict[str, Sequence[str]]:
 
     return {"optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES, "precision": PRECISIONS, "device": DEVICES,
             "lr_scaling": LR_SCALINGS, "auto_rule": AUTO_RULES}
-_HELP = {
-    "workers": "worker processes (default: 4)",
-    "device": "cpu, or cuda: each worker on GPU (local rank mod the GPUs); dp and ddp. NCCL where every worker has "
-              "a GPU of its own, else gloo, whose collectives carry CUDA tensors through host memory (so 4 workers "
-              "can share one GPU) (default: cpu)",
-    "lr_schedule": "learning rate over the run: constant, or cosine from --lr down to 0 at the last step "
-                   "(default: constant)",
-    "batch_size": "global batch size, summed over workers",
-    "optimizer": "sgd | adam | adamw | lars (You et al. 2017) | lamb (You et al. 2019) (default: sgd)",
-    "precision": "compute precision: fp32, or bf16 / fp16 under torch autocast with float32 master weights; fp16 "
-    "scales the loss (dynamic, the overflow skip agreed by every rank of a step); gradients travel in "
-    "16 bits (default: fp32)",
-    "lr_scaling": "scale --lr with the global batch: linear (lr x B / base batch, Goyal et al. 2017), sqrt, or "
-    "none (default: none)",
-    "base_batch": "the global batch --lr was tuned for (default: 0, the run's first global batch)",
-    "warmup_steps": "gradual warmup over N steps: from --lr to the scaled rate (Goyal et al.), or from near 0 "
-    "without scaling (default: 0)",
-    "warmup_epochs": "the warmup in epochs instead (default: 0)",
-    "batch_schedule": 'grow the global batch: "0:256,5:512" (from epoch: batch), or auto (double it while the '
-    "measured gradient noise scale exceeds it; dp) (default: none)",
-    "max_batch": "the largest batch --batch-schedule auto grows to (default: 0, a quarter of the training set)",
-    "auto_every": "--batch-schedule auto decides every N steps, inside epochs too (default: 0, at the start of "
-    "each epoch)",
-    "auto_rule": "--batch-schedule auto doubles the batch while the noise scale exceeds twice it (noise), or while "
-    "the noise scale times the step's fixed time over its batch's compute time does (time: the batch that "
-    "reaches a loss soonest; McCandlish et al.'s step count times the step time) (default: noise)",
-    "noise_scale": "log the gradient noise scale B_simple every step (McCandlish et al. 2018; dp, 2+ workers; "
-    "one extra scalar all-reduce) (default: off)",
-    "noise_beta": "the decay of the noise scale's moving averages of |G|^2 and tr(Sigma), a memory of about "
-    "1/(1-BETA) steps: a long one lags where |G|^2 falls fast, early in training (default: 0.99)",
-    "straggler": "RANK:FACTOR: that rank's own work per step (data, forward, backward) takes FACTOR times its "
-                 "usual time (median of its last 50 steps); communication is not slowed",
-    "strategy": "how to distribute: one of the registered strategies (default: dp)",
-    "cluster": "run on an emulated cluster made by `dtrain cluster up --name NAME`",
-    "out": "run folder (default: runs/<timestamp>-<strategy>); one that holds files is refused unless --overwrite",
-    "overwrite": "replace the earlier run in --out: everything in that folder is deleted first (default: off)",
-    "tensorboard": "write the evaluating rank's per-step loss, lr, samples/s (loss scale, noise scale when present) "
-                   "and each evaluation's metric as TensorBoard event files in RUN/tensorboard (needs the tensorboard "
-                   "package) (default: off)",
-    "skip_nonfinite": "skip up to N steps whose loss or gradients are not finite, on every rank that shares the "
-                      "step (no optimizer step); the next one stops the run (default: 0, stop at the first)",
-    "max_steps": "stop after this many steps (0: no limit)",
-    "max_restarts": "when a process dies, restart every process from the run folder's newest complete checkpoint, "
-                    "up to N times (torch's elastic agent; needs --checkpoint-every) (default: 0, the run fails)",
-    "min_workers": "with --max-restarts: a restart leaves out the worker that failed (its host taken as lost, as "
-                   "Horovod's elastic mode blacklists it) while at least N workers remain, and the run goes on with "
-                   "fewer from the newest checkpoint, resharded; the global batch stays (it must divide over every "
-                   "count from N up) (default: 0, restart on every worker)",
-    "trace_steps": "trace only steps FIRST-LAST, e.g. 20-40 (default: all steps, up to 100,000 events a rank)",
-    "checkpoint_every": "save a checkpoint to RUN/checkpoints every N steps and at the end (default: 0, never)",
-    "resume": "continue from a checkpoint folder, or a run folder's newest intact checkpoint (its files "
-              "checked against the checkpoint's manifest)",
-    "model": "cnn | mlp (classifiers) | gpt-tiny | gpt-small | gpt-medium | gpt (gpt-small's shape, resized by "
-             "--layers --d-model --heads) (default: cnn)",
-    "dataset": "digits (scikit-learn's 1,797 8x8 digits) | synthetic (a random teacher's labels, --samples) | "
-               "pytext (the Python documentation text shipped with CPython, pydoc_data.topics: about 465 KB of "
-               "English as byte tokens, 90%% train / 10%% validation; for gpt models) (default: digits)",
-    "seq_len": "tokens per pytext window and the gpt's context (default: 64)",
-    "layers": "gpt blocks (default: 0, the preset's)",
-    "d_model": "gpt width (default: 0, the preset's)",
-    "heads": "gpt attention heads (default: 0, the preset's)",
-    "dropout": "gpt dropout (default: 0, none: runs are deterministic)",
-    "target": "stop when the metric reaches it: test accuracy >= TARGET, or a language model's validation loss "
-              "(nats/token) <= TARGET; summary.json records time_to_target_s (default: 0, no target)",
-    "eval_every": "evaluate every N steps (default: 0, after each epoch)",
-    "eval_samples": "evaluate on the first N test samples or validation windows (default: 0, all)",
-}
+
+
+# the groups of RunConfig's shared fields in `dtrain run --help`: the first field of each, in RunConfig's order
+_GROUPS = {"model": "what to train", "strategy": "how to distribute it", "out": "the run itself"}
+_NODES = "several machines (the same command on each node; inside SLURM's srun they come from its environment)"
+_NODES_SHORT = "several machines (the same command on each node)"
+_RUN_USAGE = "dtrain run [-h] [CONFIG] [--strategy NAME] [FLAG ...]"
+_RUN_DESCRIPTION = ("Train a model. With no argument: 4 local workers, the CNN on digits, data parallel with ring "
+                    "allreduce. CONFIG: a TOML file with the flags' keys (the flags override it).")
 # subcommands that live in other packages: name -> module with main(argv) -> int
 _BENCHES = {
     "allreduce": "dtrain.measure.allreduce",
@@ -106,39 +58,167 @@ _BENCHES = {
 }
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _add_flag(p: argparse._ActionsContainer, name: str, default: Any, helptext: str,
               choices: Sequence[str] | None) -> None:  # fmt: skip
-    flag = "--" + name.replace("_", "-")
+    helptext = helptext.replace("%", "%%") if helptext != argparse.SUPPRESS else helptext  # argparse formats help
     if isinstance(default, bool):
-        p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+        p.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
     else:
-        p.add_argument(flag, dest=name, type=type(default), default=None, choices=choices,
+        p.add_argument(_flag(name), dest=name, type=type(default), default=None, choices=choices,
                        metavar=None if choices else name.upper(), help=helptext)  # fmt: skip
 
 
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    from dtrain.job.config import RunConfig, option_fields
+def _help(f: dataclasses.Field[Any]) -> str:
+    """A field's help: its ``help`` metadata, written beside the field."""
+    return str(f.metadata.get("help", f"(default: {f.default!r})"))
+
+
+def _shared_groups() -> list[tuple[str, list[dataclasses.Field[Any]]]]:
+    """RunConfig's shared fields in their groups (titled as :data:`_GROUPS`), in RunConfig's order."""
+    from dtrain.job.config import RunConfig
+
+    out: list[tuple[str, list[dataclasses.Field[Any]]]] = []
+    for f in RunConfig.shared_fields():
+        if f.name in _GROUPS or not out:
+            out.append((_GROUPS.get(f.name, "shared options"), []))
+        out[-1][1].append(f)
+    return out
+
+
+def _strategy_fields(strategy: str) -> list[dataclasses.Field[Any]]:
+    """``strategy``'s options' fields (one whose metadata has ``renamed_to`` is an option's old name)."""
+    from dtrain.registry import get
+
+    return list(dataclasses.fields(get(strategy).options))
+
+
+def _add_run_flags(p: argparse.ArgumentParser, only: str | None = None) -> None:
+    """``dtrain run``'s flags: the shared ones, then every strategy's options (``only``: that strategy's),
+    then the node flags. Every flag of every strategy is parsed; ``--help`` shows what ``only`` selects."""
+    from dtrain.job.config import option_fields
     from dtrain.registry import registered
 
+    p.add_argument("-h", "--help", action=_RunHelp, help="this help; with --strategy NAME (or a CONFIG that names "
+                   "one): the flags of a NAME run, each with its full help")  # fmt: skip
+    p.add_argument("config", nargs="?", metavar="CONFIG", help="a TOML file with the same keys as the flags")
     known = _choices()
-    for f in RunConfig.shared_fields():
-        choices = tuple(registered()) if f.name == "strategy" else known.get(f.name)
-        _add_flag(p, f.name, f.default, _HELP.get(f.name, f"(default: {f.default!r})"), choices)
-    g = p.add_argument_group("strategy options (each belongs to the strategies named; TOML: a [STRATEGY] table)")
-    for name, owners in option_fields().items():
-        f = owners[0][1]
-        default = f.default
-        helptext = f.metadata.get("help", f"(default: {default!r})") + f" [{', '.join(s for s, _ in owners)}]"
-        _add_flag(g, name, default, helptext, f.metadata.get("choices"))
+    for title, group in _shared_groups():
+        g = p.add_argument_group(title)
+        for f in group:
+            choices = tuple(registered()) if f.name == "strategy" else known.get(f.name)
+            _add_flag(g, f.name, f.default, _help(f), choices)
+    if only is None:
+        g = p.add_argument_group("strategy options (each belongs to the strategies named; TOML: a [STRATEGY] table)")
+        fields = {name: [f for _, f in owners] for name, owners in option_fields().items()}
+        owned = {name: [s for s, _ in owners] for name, owners in option_fields().items()}
+    else:
+        g = p.add_argument_group(f"{only} options (TOML: a [{only}] table)")
+        fields = {f.name: [f] for f in _strategy_fields(only)}
+        owned = {name: [only] for name in fields}
+    for name, fs in fields.items():
+        f = fs[0]
+        if "renamed_to" in f.metadata:  # an option's old name: still read, never shown
+            _add_flag(g, name, f.default, argparse.SUPPRESS, None)
+            continue
+        choices = [c for x in fs for c in x.metadata.get("choices", ())]
+        helptext = _help(f) + (f" [{', '.join(owned[name])}]" if only is None else "")
+        _add_flag(g, name, f.default, helptext, tuple(dict.fromkeys(choices)) or None)
         if "switch" in f.metadata:  # a short flag for one value: --async is --mode async
             flag, value = f.metadata["switch"]
             g.add_argument(f"--{flag}", dest=name, action="store_const", const=value, help=f"--{name} {value}")
+    _add_node_flags(p)
+
+
+def _strategy_of(ns: argparse.Namespace) -> str | None:
+    """The strategy a ``--help`` is about: ``--strategy``'s, else CONFIG's (None: neither names one)."""
+    if getattr(ns, "strategy", None):
+        return str(ns.strategy)
+    if getattr(ns, "config", None):
+        from dtrain.job.files import load_toml
+        from dtrain.registry import registered
+
+        try:
+            name = load_toml(ns.config).get("strategy")
+        except DTrainError:
+            return None
+        return name if isinstance(name, str) and name in registered() else None
+    return None
+
+
+def run_help(strategy: str | None = None) -> str:
+    """``dtrain run --help``: every flag on a line of its own, each strategy's options on one line with its
+    name; with ``strategy``: the shared flags and that strategy's, each with its full help."""
+    from dtrain.registry import get, registered
+
+    if strategy is not None:
+        usage = _RUN_USAGE.replace("[--strategy NAME]", f"--strategy {strategy}")
+        about = f"{_RUN_DESCRIPTION} The flags of a --strategy {strategy} run ({get(strategy).help})."
+        p = argparse.ArgumentParser(prog="dtrain run", usage=usage, description=about, add_help=False)
+        _add_run_flags(p, only=strategy)
+        return p.format_help()
+    width = max(min(shutil.get_terminal_size().columns, 120) - 2, 60)
+
+    def wrap(text: str, indent: int, first: str = "") -> list[str]:
+        return textwrap.wrap(text, width, initial_indent=f"  {first:<{indent - 3}} " if first else " " * indent,
+                             subsequent_indent=" " * indent, break_on_hyphens=False)  # fmt: skip
+
+    def entry(flag: str, text: str) -> str:
+        head = f"  {flag:<21} " if len(flag) <= 21 else f"  {flag} "
+        return head + _fit(text, width - len(head))
+
+    def flag(f: dataclasses.Field[Any]) -> str:
+        return _flag(f.name).replace("--", "--[no-]") if isinstance(f.default, bool) else _flag(f.name)
+
+    out = [f"usage: {_RUN_USAGE}", "", *textwrap.wrap(f"{_RUN_DESCRIPTION} Each flag in full: dtrain run --strategy "
+                                                      "NAME --help.", width)]  # fmt: skip
+    for title, group in _shared_groups():
+        out += ["", f"{title}:", *(entry(flag(f), _help(f)) for f in group)]
+    out += ["", "strategy options (each in full: dtrain run --strategy NAME --help):"]
+    indent = max(map(len, registered())) + 4
+    for name in registered():
+        flags = [flag(f) + (f" --{f.metadata['switch'][0]}" if "switch" in f.metadata else "")
+                 for f in _strategy_fields(name) if "renamed_to" not in f.metadata]  # fmt: skip
+        out += wrap(" ".join(flags) or "(none)", indent, name)
+    nodes = argparse.ArgumentParser(add_help=False)
+    _add_node_flags(nodes)
+    out += ["", *textwrap.wrap(f"{_NODES_SHORT}: " + " ".join(a.option_strings[0] for a in nodes._actions), width,
+                               subsequent_indent="  ", break_on_hyphens=False)]  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
+def _fit(text: str, width: int) -> str:
+    """``text`` on one line of ``width``: whole, else its first clause, else cut at a word with an ellipsis."""
+    if len(text) <= width:
+        return text
+    depth = 0
+    for i, ch in enumerate(text[:width]):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        after = text[i + 1 : i + 3]  # a clause ends at "; " or at ". " before a capital (not at "e.g. 20")
+        if depth == 0 and (ch == ";" and after[:1] == " " or ch == "." and after[:1] == " " and after[1:].isupper()):
+            return text[:i]
+    return text[: text.rfind(" ", 0, width - 3)] + " ..."
+
+
+class _RunHelp(argparse.Action):
+    """``dtrain run --help``: the overview, or a strategy's flags where ``--strategy`` or CONFIG names one."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: Any = argparse.SUPPRESS, help: str | None = None) -> None:  # fmt: skip
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        parser._print_message(run_help(_strategy_of(namespace)), sys.stdout)
+        parser.exit()
 
 
 def _add_node_flags(p: argparse.ArgumentParser) -> None:
     """torchrun's launch flags, with its meaning (per node, so not keys of the configuration)."""
-    g = p.add_argument_group("several machines (the same command on each node; inside SLURM's srun they come from "
-                             "its environment)")  # fmt: skip
+    g = p.add_argument_group(_NODES)
     g.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes in the job; MIN:MAX lets it go on with fewer "
                    "(default: 1, this machine alone)")
     g.add_argument("--node-rank", type=int, metavar="R", help="this node, 0..N-1; node 0 hosts the job's store "
@@ -189,12 +269,9 @@ def nodes_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dtrain", description="Distributed training strategies for PyTorch.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    r = sub.add_parser("run", help="train a model (no argument: the embedded default)",
-                       description="Train a model. With no argument: 4 local workers, the CNN on digits, "
-                                   "data parallel with ring allreduce.")
-    r.add_argument("config", nargs="?", help="a TOML file with the same keys as the flags")
+    r = sub.add_parser("run", help="train a model (no argument: the embedded default)", add_help=False,
+                       usage=_RUN_USAGE, description=_RUN_DESCRIPTION)  # fmt: skip
     _add_run_flags(r)
-    _add_node_flags(r)
     b = sub.add_parser("bench", help="side-by-side benchmarks: " + ", ".join(_BENCHES))
     b.add_argument("name", choices=sorted(_BENCHES))
     b.add_argument("args", nargs=argparse.REMAINDER)
@@ -218,10 +295,17 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
     from dtrain.job.files import load_toml
 
     values: dict[str, Any] = load_toml(ns.config) if getattr(ns, "config", None) else {}
-    for name in [f.name for f in RunConfig.shared_fields()] + list(option_fields()):
+    options = option_fields()
+    for name in [f.name for f in RunConfig.shared_fields()] + list(options):
         v = getattr(ns, name, None)
         if v is not None:
             values[name] = v
+            # the flag wins over the file's value under the option's old name too (e.g. checkpoint -> recompute)
+            for old in (o for o, owners in options.items() if owners[0][1].metadata.get("renamed_to") == name):
+                values.pop(old, None)
+                table = values.get(str(values.get("strategy", "dp")))
+                if isinstance(table, dict):
+                    table.pop(old, None)
     return RunConfig.from_mapping(values)
 
 
@@ -284,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dtrain.job.launch import prestart
 
         prestart()  # the workers' forkserver imports torch while this process reads the configuration
+    if argv[:1] == ["run"]:  # --help last: it shows the strategy that --strategy or CONFIG names, wherever they are
+        argv = [a for a in argv if a not in ("-h", "--help")] + [a for a in argv if a in ("-h", "--help")][:1]
     ap = build_parser()
     if not argv:
         ap.print_help()

@@ -161,57 +161,108 @@ class RunConfig:
     """
 
     # --- what to train
-    model: str = "cnn"  # cnn | mlp | gpt | gpt-tiny | gpt-small | gpt-medium
-    dataset: str = "digits"  # digits | synthetic | pytext
-    samples: int = 4096  # synthetic dataset size
-    seq_len: int = 64  # pytext windows and the gpt's context (tokens)
-    layers: int = 0  # gpt blocks (0: the preset's)
-    d_model: int = 0  # gpt width (0: the preset's)
-    heads: int = 0  # gpt attention heads (0: the preset's)
-    dropout: float = 0.0  # gpt dropout (0: none, so runs are deterministic)
-    epochs: int = 10
-    batch_size: int = 64  # global: summed over workers
-    lr: float = 0.05
-    momentum: float = 0.9
-    optimizer: str = "sgd"  # sgd | adam | adamw | lars | lamb
-    lr_schedule: str = "constant"  # constant | cosine (decay to 0 over the run's steps)
-    lr_scaling: str = "none"  # none | linear | sqrt: lr x (global batch / base_batch), or its square root
-    base_batch: int = 0  # the global batch --lr was tuned for (0: the run's first global batch)
-    warmup_steps: int = 0  # gradual warmup to the scaled rate over N steps (Goyal et al.)
-    warmup_epochs: float = 0.0  # the same in epochs (of the first epoch's steps)
-    batch_schedule: str = ""  # "0:256,5:512" (epoch: global batch), or auto (grow toward the noise scale)
-    max_batch: int = 0  # auto batch schedule: the largest global batch (0: a quarter of the training set)
-    auto_every: int = 0  # auto batch schedule: decide every N steps (0: at the start of each epoch)
-    auto_rule: str = "noise"  # auto: double while B_simple >= 2B (noise), or weighed by the step's time (time)
-    noise_scale: bool = False  # log the gradient noise scale B_simple every step (dp; McCandlish et al.)
-    noise_beta: float = NOISE_BETA  # the noise scale's moving averages' decay (memory ~1/(1-beta) steps)
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast compute, fp32 master weights, fp16: loss scaling)
-    weight_decay: float = 0.0
-    seed: int = 0
-    max_steps: int = 0  # stop after this many steps (0: no limit)
-    target: float = 0.0  # stop when the metric reaches it: accuracy >= target, or validation loss <= target
-    eval_every: int = 0  # evaluate every N steps (0: after each epoch)
-    eval_samples: int = 0  # evaluate on the first N test samples / validation windows (0: all)
+    model: str = field(default="cnn", metadata={"help": "cnn | mlp (classifiers) | gpt-tiny | gpt-small | gpt-medium | "
+                       "gpt (gpt-small's shape, resized by --layers --d-model --heads) (default: cnn)"})
+    dataset: str = field(default="digits", metadata={"help": "digits (scikit-learn's 1,797 8x8 digits) | synthetic (a "
+                         "random teacher's labels, --samples) | pytext (the Python documentation text shipped with "
+                         "CPython, pydoc_data.topics: about 465 KB of English as byte tokens, 90% train / 10% "
+                         "validation; for gpt models) (default: digits)"})
+    samples: int = field(default=4096, metadata={"help": "the synthetic dataset's size (default: 4096)"})
+    seq_len: int = field(default=64, metadata={"help": "tokens per pytext window and the gpt's context (default: 64)"})
+    layers: int = field(default=0, metadata={"help": "gpt blocks (default: 0, the preset's)"})
+    d_model: int = field(default=0, metadata={"help": "gpt width (default: 0, the preset's)"})
+    heads: int = field(default=0, metadata={"help": "gpt attention heads (default: 0, the preset's)"})
+    dropout: float = field(default=0.0, metadata={"help": "gpt dropout (default: 0, none: runs are deterministic)"})
+    epochs: int = field(default=10, metadata={"help": "passes over the training set (default: 10)"})
+    batch_size: int = field(default=64, metadata={"help": "global batch size, summed over workers (default: 64)"})
+    lr: float = field(default=0.05, metadata={"help": "learning rate (default: 0.05)"})
+    momentum: float = field(default=0.9, metadata={"help": "SGD momentum (default: 0.9)"})
+    optimizer: str = field(default="sgd", metadata={"help": "sgd | adam | adamw | lars (You et al. 2017) | lamb (You "
+                           "et al. 2019) (default: sgd)"})
+    lr_schedule: str = field(default="constant", metadata={"help": "learning rate over the run: constant, or cosine "
+                             "from --lr down to 0 at the last step (default: constant)"})
+    lr_scaling: str = field(default="none", metadata={"help": "scale --lr with the global batch: linear (lr x B / base "
+                            "batch, Goyal et al. 2017), sqrt, or none (default: none)"})
+    base_batch: int = field(default=0, metadata={"help": "the global batch --lr was tuned for (default: 0, the run's "
+                            "first global batch)"})
+    warmup_steps: int = field(default=0, metadata={"help": "gradual warmup over N steps: from --lr to the scaled rate "
+                              "(Goyal et al.), or from near 0 without scaling (default: 0)"})
+    warmup_epochs: float = field(default=0.0, metadata={"help": "the warmup in epochs instead (of the first epoch's "
+                                 "steps) (default: 0)"})
+    batch_schedule: str = field(default="", metadata={"help": 'grow the global batch: "0:256,5:512" (from epoch: '
+                                "batch), or auto (double it while the measured gradient noise scale exceeds it; dp) "
+                                "(default: none)"})
+    max_batch: int = field(default=0, metadata={"help": "the largest batch --batch-schedule auto grows to (default: 0, "
+                           "a quarter of the training set)"})
+    auto_every: int = field(default=0, metadata={"help": "--batch-schedule auto decides every N steps, inside epochs "
+                            "too (default: 0, at the start of each epoch)"})
+    auto_rule: str = field(default="noise", metadata={"help": "--batch-schedule auto doubles the batch while the noise "
+                           "scale exceeds twice it (noise), or while the noise scale times the step's fixed time over "
+                           "its batch's compute time does (time: the batch that reaches a loss soonest; McCandlish et "
+                           "al.'s step count times the step time) (default: noise)"})
+    noise_scale: bool = field(default=False, metadata={"help": "log the gradient noise scale B_simple every step "
+                              "(McCandlish et al. 2018; dp, 2+ workers; one extra scalar all-reduce) (default: off)"})
+    noise_beta: float = field(default=NOISE_BETA, metadata={"help": "the decay of the noise scale's moving averages of "
+                              "|G|^2 and tr(Sigma), a memory of about 1/(1-BETA) steps: a long one lags where |G|^2 "
+                              "falls fast, early in training (default: 0.99)"})
+    precision: str = field(default="fp32", metadata={"help": "compute precision: fp32, or bf16 / fp16 under torch "
+                           "autocast with float32 master weights; fp16 scales the loss (dynamic, the overflow skip "
+                           "agreed by every rank of a step); gradients travel in 16 bits (default: fp32)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "the optimizer's weight decay (default: 0)"})
+    seed: int = field(default=0, metadata={"help": "seed of the data, the model's initialization and the sampling "
+                      "(default: 0)"})
+    max_steps: int = field(default=0, metadata={"help": "stop after this many steps (default: 0, no limit)"})
+    target: float = field(default=0.0, metadata={"help": "stop when the metric reaches it: test accuracy >= TARGET, or "
+                          "a language model's validation loss (nats/token) <= TARGET; summary.json records "
+                          "time_to_target_s (default: 0, no target)"})
+    eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (default: 0, after each epoch)"})
+    eval_samples: int = field(default=0, metadata={"help": "evaluate on the first N test samples or validation windows "
+                              "(default: 0, all)"})
     # --- how to distribute it
-    strategy: str = "dp"  # a registered strategy: dp | ddp (torch's, the peer) | ps | auto | ...
-    workers: int = 4
-    straggler: str = ""  # RANK:FACTOR
-    cluster: str = ""  # emulated cluster name (dtrain cluster up)
-    backend: str = ""  # gloo | nccl | mpi (default: nccl for --device cuda with a GPU per process, else gloo)
-    device: str = "cpu"  # cpu | cuda (dp, ddp: each process on GPU local_rank mod the GPUs)
+    strategy: str = field(default="dp", metadata={"help": "how to distribute: one of the registered strategies "
+                          "(default: dp)"})
+    workers: int = field(default=4, metadata={"help": "worker processes (default: 4)"})
+    straggler: str = field(default="", metadata={"help": "RANK:FACTOR: that rank's own work per step (data, forward, "
+                           "backward) takes FACTOR times its usual time (median of its last 50 steps); communication "
+                           "is not slowed"})
+    cluster: str = field(default="", metadata={"help": "run on an emulated cluster made by `dtrain cluster up --name "
+                         "NAME`"})
+    backend: str = field(default="", metadata={"help": "the process group's backend: gloo | nccl | mpi (default: nccl "
+                         "for --device cuda with a GPU per process, else gloo)"})
+    device: str = field(default="cpu", metadata={"help": "cpu, or cuda: each worker on GPU (local rank mod the GPUs); "
+                        "dp and ddp. NCCL where every worker has a GPU of its own, else gloo, whose collectives carry "
+                        "CUDA tensors through host memory (so 4 workers can share one GPU) (default: cpu)"})
     # --- the run itself
-    out: str = ""  # run folder (default: runs/<timestamp>-<strategy>)
-    overwrite: bool = False  # replace an earlier run in --out (without it: refused)
-    timeout_s: float = 300.0
-    trace: bool = True  # trace.json (Chrome trace); --no-trace to skip
-    trace_steps: str = ""  # trace only steps FIRST-LAST (e.g. 20-40; default: all, up to 100k events a rank)
-    tensorboard: bool = False  # the evaluating rank's scalars as TensorBoard events in RUN/tensorboard
-    progress: bool = True
-    checkpoint_every: int = 0  # save a checkpoint every N steps and at the end (0: never)
-    resume: str = ""  # a checkpoint folder, or a run folder (its latest complete checkpoint)
-    skip_nonfinite: int = 0  # skip up to N steps whose loss or gradients are not finite (0: stop at the first)
-    max_restarts: int = 0  # when a process dies, restart all from the newest checkpoint, up to N times
-    min_workers: int = 0  # with max_restarts: a restart drops the failed worker while this many remain (0: never)
+    out: str = field(default="", metadata={"help": "run folder (default: runs/<timestamp>-<strategy>); one that holds "
+                     "files is refused unless --overwrite"})
+    overwrite: bool = field(default=False, metadata={"help": "replace the earlier run in --out: everything in that "
+                            "folder is deleted first (default: off)"})
+    timeout_s: float = field(default=300.0, metadata={"help": "seconds a collective, a message or a wait between "
+                             "ranks may block before the run stops (default: 300)"})
+    trace: bool = field(default=True, metadata={"help": "write trace.json, a Chrome trace of every rank's steps "
+                        "(default: on; --no-trace to skip)"})
+    trace_steps: str = field(default="", metadata={"help": "trace only steps FIRST-LAST, e.g. 20-40 (default: all "
+                             "steps, up to 100,000 events a rank)"})
+    tensorboard: bool = field(default=False, metadata={"help": "write the evaluating rank's per-step loss, lr, "
+                              "samples/s (loss scale, noise scale when present) and each evaluation's metric as "
+                              "TensorBoard event files in RUN/tensorboard (needs the tensorboard package) (default: "
+                              "off)"})
+    progress: bool = field(default=True, metadata={"help": "a progress bar on the terminal (default: on)"})
+    checkpoint_every: int = field(default=0, metadata={"help": "save a checkpoint to RUN/checkpoints every N steps and "
+                                  "at the end (default: 0, never)"})
+    resume: str = field(default="", metadata={"help": "continue from a checkpoint folder, or a run folder's newest "
+                        "intact checkpoint (its files checked against the checkpoint's manifest)"})
+    skip_nonfinite: int = field(default=0, metadata={"help": "skip up to N steps whose loss or gradients are not "
+                                "finite, on every rank that shares the step (no optimizer step); the next one stops "
+                                "the run (default: 0, stop at the first)"})
+    max_restarts: int = field(default=0, metadata={"help": "when a process dies, restart every process from the run "
+                              "folder's newest complete checkpoint, up to N times (torch's elastic agent; needs "
+                              "--checkpoint-every) (default: 0, the run fails)"})
+    min_workers: int = field(default=0, metadata={"help": "with --max-restarts: a restart leaves out the worker that "
+                             "failed (its host taken as lost, as Horovod's elastic mode blacklists it) while at least "
+                             "N workers remain, and the run goes on with fewer from the newest checkpoint, resharded; "
+                             "the global batch stays (it must divide over every count from N up) (default: 0, "
+                             "restart on every worker)"})
     extra: dict[str, Any] = field(default_factory=dict)
     options: StrategyOptions | None = None  # the strategy's (default: its defaults)
 

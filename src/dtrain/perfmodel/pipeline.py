@@ -88,7 +88,7 @@ class PipelineLike(Protocol):
     @property
     def balance(self) -> str: ...
     @property
-    def checkpoint(self) -> str: ...
+    def recompute(self) -> str: ...
     @property
     def virtual(self) -> int: ...
 
@@ -401,7 +401,7 @@ def _options(s: Choice) -> PipelineLike:
 def _infeasible(whole: ModelProfile, s: Choice, o: PipelineLike) -> str:
     """Why the run would refuse this pipeline for this model and batch ("" when it would not)."""
     try:
-        _check(whole, s.workers, o.microbatches, o.schedule, o.virtual, o.checkpoint)
+        _check(whole, s.workers, o.microbatches, o.schedule, o.virtual, o.recompute)
         stage_cut(whole, s.workers * o.virtual, o.balance, o.microbatches)
     except ConfigError as e:
         return str(e)
@@ -424,7 +424,7 @@ def memory(prof: ModelProfile, s: Choice, comp: CompressionModel | None) -> Memo
     if _infeasible(whole, s, o):
         return Memory(buffers=math.inf)
     sizes = stage_cut(whole, s.workers * o.virtual, o.balance, o.microbatches)
-    return pipeline_memory(whole, s.workers, o.microbatches, o.schedule, o.virtual, sizes, o.checkpoint)
+    return pipeline_memory(whole, s.workers, o.microbatches, o.schedule, o.virtual, sizes, o.recompute)
 
 
 def idle_aware(c: ClusterSpec, schedule: str, stages: int, microbatches: int, chunks: int = 1) -> ClusterSpec:
@@ -465,7 +465,7 @@ def predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionMode
                           f"infeasible: {reason}")  # fmt: skip
     c = idle_aware(c, o.schedule, s.workers, o.microbatches, o.virtual)
     sizes = stage_cut(whole, s.workers * o.virtual, o.balance, o.microbatches)
-    pc = pipeline_cost(whole, c, s.workers, o.microbatches, o.schedule, o.virtual, sizes, o.checkpoint)
+    pc = pipeline_cost(whole, c, s.workers, o.microbatches, o.schedule, o.virtual, sizes, o.recompute)
     m, w = o.microbatches, pc.slowest
     compute = m * (pc.fwd_s[w] + pc.bwd_s[w] + pc.recompute_s[w]) + pc.opt_s
     comm = m * pc.link_s[w]

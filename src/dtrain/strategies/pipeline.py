@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["PipelineOptions", "PipelineEngine", "PIPELINE"]
 
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
-_CHECKPOINTS = ("never", "except_last", "always")
+_RECOMPUTE = ("never", "except_last", "always")
 
 
 def parse_balance(spec: str) -> str | list[int]:
@@ -61,7 +61,9 @@ class PipelineOptions(StrategyOptions):
         schedule: gpipe, 1f1b, interleaved or 2bw (PipeDream-2BW, asynchronous).
         chunks: virtual stages per worker for the interleaved schedule.
         balance: how the model is cut: equal, params, memory, time, or layer counts "2,3,2".
-        checkpoint: activation recomputation: never, except_last, always.
+        recompute: activation recomputation: never, except_last, always (torch.utils.checkpoint).
+        checkpoint: recompute's name before it was renamed (it read as saving checkpoints, beside
+            ``--checkpoint-every``); a configuration written then still loads, its value moved to ``recompute``.
     """
 
     microbatches: int = field(default=4, metadata={"help": "micro-batches per step (default: 4)"})
@@ -69,12 +71,20 @@ class PipelineOptions(StrategyOptions):
     chunks: int = field(default=2, metadata={"help": "virtual stages per worker, interleaved only (default: 2)"})
     balance: str = field(default="equal", metadata={
         "help": "the cut: equal, params, memory, time (profiled), or layer counts such as 2,3,2"})
-    checkpoint: str = field(default="never", metadata={
-        "choices": _CHECKPOINTS, "help": "recompute activations in backward (default: never)"})
+    recompute: str = field(default="never", metadata={"choices": _RECOMPUTE, "help": "recompute activations in "
+        "backward instead of keeping them from forward: always, except_last (every micro-batch's but the last's) or "
+        "never (default: never)"})
+    checkpoint: str = field(default="", repr=False, compare=False, metadata={"renamed_to": "recompute"})
 
     def __post_init__(self) -> None:
+        if self.checkpoint:  # written before the rename
+            if self.recompute not in ("never", self.checkpoint):
+                raise ConfigError(f"checkpoint {self.checkpoint!r} is the old name of recompute "
+                                  f"({self.recompute!r}): give recompute only")  # fmt: skip
+            object.__setattr__(self, "recompute", self.checkpoint)
+            object.__setattr__(self, "checkpoint", "")
         check_choice("schedule", self.schedule, _SCHEDULES)
-        check_choice("checkpoint", self.checkpoint, _CHECKPOINTS)
+        check_choice("recompute", self.recompute, _RECOMPUTE)
         if self.microbatches < 1:
             raise ConfigError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.chunks < 1 or (self.schedule == "interleaved" and self.chunks < 2):
@@ -91,6 +101,9 @@ class PipelineOptions(StrategyOptions):
 
     def checkpoint_keys(self) -> dict[str, Any]:
         return {"schedule": self.schedule, "balance": self.balance, "chunks": self.virtual}
+
+    def to_table(self) -> dict[str, Any]:
+        return {k: v for k, v in super().to_table().items() if k != "checkpoint"}  # the old name: never written
 
     def approximation(self) -> str:
         return "approximate: gradients one weight version old (PipeDream-2BW)" if self.schedule == "2bw" else ""
@@ -157,7 +170,7 @@ class PipelineEngine:
         self.model = ctx.make_model()
         x0 = ctx.data.train.tensors[0][: max(1, ctx.cfg.batch_size // o.microbatches)]
         self.pipe: Pipeline = Pipeline(self.model, o.microbatches, o.schedule, loss_fn=ctx.scaled_loss,
-                                       balance=self._balance(), checkpoint=o.checkpoint, chunks=o.chunks,
+                                       balance=self._balance(), checkpoint=o.recompute, chunks=o.chunks,
                                        sample=x0, timeout=ctx.cfg.timeout_s, tracer=ctx.tracer)  # fmt: skip
         params = list(self.pipe.parameters())  # a stage of parameter-free layers (pooling, flatten) has none
         self.optimizer = ctx.make_optimizer(params) if params else None
