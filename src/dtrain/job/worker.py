@@ -39,7 +39,8 @@ from dtrain.job.config import RunConfig
 from dtrain.job.files import dump_toml
 from dtrain.job.validate import validate
 from dtrain.observe.trace import MetricsWriter, Tracer, activate, align_clock, merge_rank_files, parse_trace_steps
-from dtrain.training.context import ProcessHooks, TrainContext, lr_factor, schedule_updates
+from dtrain.training.context import ProcessHooks, TrainContext
+from dtrain.training.lr import lr_factor, schedule_updates
 from dtrain.workloads.batch import batch_note
 
 __all__ = ["TrainContext", "run", "run_node", "worker_main", "default_out_dir", "open_run_folder", "summarize",

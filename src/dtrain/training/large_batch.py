@@ -16,7 +16,7 @@ The learning rate of optimizer step ``t`` is ``--lr`` times three factors::
   ``k x lr`` at step W; ``warmup(t) = (1 + (k - 1) t / W) / k``. Without scaling (k = 1) that would be
   no warmup at all, so there the ramp starts near zero instead: ``warmup(t) = (t + 1) / W`` (the usual
   linear warmup of transformer training).
-- ``schedule`` (``--lr-schedule``): :func:`dtrain.training.context.lr_factor` (constant or cosine).
+- ``schedule`` (``--lr-schedule``): :func:`dtrain.training.lr.lr_factor` (constant or cosine).
 
 A batch schedule (``--batch-schedule "0:256,5:512,10:1024"``: from epoch 0 a global batch of 256, from
 epoch 5 of 512, ...) grows the batch instead of decaying the rate (Smith, Kindermans, Ying, Le 2018,

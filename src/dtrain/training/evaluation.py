@@ -1,0 +1,77 @@
+"""A run's metric: :class:`Evaluation` (test accuracy, or a language model's validation loss)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from dtrain.workloads.models import task_loss
+
+if TYPE_CHECKING:
+    from dtrain.job.config import RunConfig
+    from dtrain.workloads.data import DatasetSplit
+
+__all__ = ["Evaluation"]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """How a run measures its model, and whether it reached ``--target``.
+
+    Attributes:
+        cfg: the run configuration (``--eval-samples``, ``--target``).
+        data: the dataset (its test / validation set).
+    """
+
+    cfg: RunConfig
+    data: DatasetSplit
+
+    @property
+    def language_model(self) -> bool:
+        """Whether the run trains a language model (next-token prediction on text)."""
+        return self.data.task == "lm"
+
+    @property
+    def metric_name(self) -> str:
+        """``"val_loss"`` (nats per token) for a language model, else ``"test_accuracy"``."""
+        return "val_loss" if self.language_model else "test_accuracy"
+
+    def reached(self, metric: float) -> bool:
+        """Whether ``metric`` meets ``--target`` (accuracy at or above it, a loss at or below it)."""
+        if not self.cfg.target:
+            return False
+        return metric <= self.cfg.target if self.language_model else metric >= self.cfg.target
+
+    def metric_text(self, metric: float) -> str:
+        """The metric as ``dtrain run`` prints it."""
+        if self.language_model:
+            return f"validation loss {metric:.4f} nats/token (perplexity {math.exp(min(metric, 700.0)):.2f})"
+        return f"test accuracy {metric:.4f}"
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> float:
+        """The run's metric of ``model`` (:attr:`metric_name`) on the test / validation set.
+
+        A classifier's accuracy, or a language model's mean cross entropy per token
+        (nats); over the first ``--eval-samples`` samples or windows (default: all), on
+        the model's device.
+        """
+        was_training = model.training
+        model.eval()
+        x, y = self.data.test.tensors
+        if self.cfg.eval_samples:
+            x, y = x[: self.cfg.eval_samples], y[: self.cfg.eval_samples]
+        total, chunk = 0.0, 64 if self.language_model else 1024
+        dev = next(model.parameters()).device  # the data stays on the CPU; a chunk goes where the model is
+        for i in range(0, len(y), chunk):
+            out, target = model(x[i : i + chunk].to(dev)), y[i : i + chunk].to(dev)
+            if self.language_model:
+                total += float(task_loss(out, target)) * target.numel()
+            else:
+                total += int((out.argmax(1) == target).sum())
+        model.train(was_training)
+        return total / max(1, y.numel())
