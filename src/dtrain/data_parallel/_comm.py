@@ -30,17 +30,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.comm.waits import GRACE_S, wait_work, with_step
 from dtrain.data_parallel._buckets import Bucket
-from dtrain.data_parallel._model_sync import wait_work
 from dtrain.data_parallel._stats import StepStats
-from dtrain.errors import CommError, CommTimeoutError
+from dtrain.errors import CommTimeoutError
 from dtrain.observe import trace as _trace
 
-__all__ = ["BucketReducer", "StreamSync", "NativeScheduler", "ThreadScheduler", "native_bytes", "with_step"]
+__all__ = ["BucketReducer", "StreamSync", "NativeScheduler", "ThreadScheduler", "native_bytes"]
 
-#: extra seconds a waiter gives the communication thread beyond the collective's
-#: own timeout, so that the thread's more precise error (naming the peer) wins.
-GRACE_S = 2.0
 NATIVE_TID = 3  # the trace track of native allreduces (they run on the backend's own thread)
 
 
@@ -52,23 +49,6 @@ def native_bytes(world: int, group_rank: int, numel: int, itemsize: int) -> int:
     from dtrain.comm.cost import native_traffic
 
     return int(native_traffic(world, numel, itemsize).bytes_sent[group_rank])
-
-
-def with_step(e: BaseException, step: int) -> BaseException:
-    """The same CommError with the training step filled in (other errors unchanged).
-
-    A CommError whose cause is the backend's timeout ("Timed out waiting ...")
-    becomes a CommTimeoutError, whichever layer classified it.
-    """
-    if not isinstance(e, CommError):
-        return e
-    low = e.cause.lower()
-    cls = CommTimeoutError if "timed out" in low or "timeout" in low else type(e)
-    if e.step is None or cls is not type(e):
-        new = cls(e.rank, e.op, e.cause, peer=e.peer, step=e.step if e.step is not None else step)
-        new.__cause__ = e
-        return new
-    return e
 
 
 class BucketReducer:

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.comm.waits import wait_work
 from dtrain.data_parallel._buckets import Bucket, build_buckets
 from dtrain.data_parallel._comm import BucketReducer, NativeScheduler, StreamSync, ThreadScheduler
-from dtrain.data_parallel._model_sync import wait_work
 from dtrain.data_parallel._optim import BucketOptimizer
 from dtrain.data_parallel._priority import PriorityScheduler
 from dtrain.data_parallel._stats import StepStats

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.data_parallel._model_sync import broadcast_tensors, check_same_everywhere, describe_module
+from dtrain.comm.replicas import broadcast_tensors, check_same_everywhere, describe_module
 from dtrain.data_parallel._optim import check_optimizer
 from dtrain.data_parallel._reducer import Reducer, UnusedParametersError
 from dtrain.data_parallel.options import DataParallelConfig

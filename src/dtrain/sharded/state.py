@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm.shard import segment
-from dtrain.data_parallel._model_sync import wait_work
+from dtrain.comm.waits import wait_work
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
