@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 from dtrain.comm.waits import GRACE_S, wait_work, with_step
 from dtrain.data_parallel._buckets import Bucket
-from dtrain.data_parallel._stats import StepStats
 from dtrain.errors import CommTimeoutError
 from dtrain.observe import trace as _trace
+from dtrain.observe.step_stats import StepStats
 
 __all__ = ["BucketReducer", "StreamSync", "NativeScheduler", "ThreadScheduler", "native_bytes"]
 

@@ -39,8 +39,8 @@ import torch.distributed as dist
 from dtrain.comm.waits import GRACE_S, wait_work, with_step
 from dtrain.data_parallel._buckets import Bucket
 from dtrain.data_parallel._comm import BucketReducer, StreamSync
-from dtrain.data_parallel._stats import StepStats
 from dtrain.errors import CommTimeoutError, DTrainError
+from dtrain.observe.step_stats import StepStats
 
 __all__ = ["PriorityScheduler"]
 
