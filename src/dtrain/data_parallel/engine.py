@@ -38,7 +38,6 @@ about to use. See :class:`DataParallel` for the API of that mode.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -52,6 +51,7 @@ from dtrain.data_parallel._optim import check_optimizer
 from dtrain.data_parallel._reducer import Reducer, UnusedParametersError
 from dtrain.data_parallel.options import DataParallelConfig
 from dtrain.errors import ConfigError
+from dtrain.sharded import ShardedDataParallel
 
 __all__ = ["DataParallel", "UnusedParametersError"]
 
@@ -149,13 +149,11 @@ class DataParallel(nn.Module):
         """``shard`` other than "none" builds a :class:`dtrain.ShardedDataParallel` (ZeRO) instead."""
         if shard == "none":
             return super().__new__(cls)
-        # found at run time (no static edge: dtrain.sharded builds on this package's pieces)
-        sharded = importlib.import_module("dtrain.sharded").ShardedDataParallel
         unknown = sorted(set(kwargs) - {"algorithm", "overlap", "group", "timeout_s", "broadcast_buffers"})
         if args or unknown:
             raise ConfigError(f"DataParallel(shard={shard!r}) takes algorithm, overlap, group, timeout_s and "
                               f"broadcast_buffers; not {', '.join(unknown) or 'positional options'}")
-        return sharded(module, shard=shard, **kwargs)
+        return ShardedDataParallel(module, shard=shard, **kwargs)
 
     def __init__(
         self,
