@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.comm.replicas import broadcast_tensors, check_same_everywhere, describe_module
+from dtrain.compress import resolve
 from dtrain.data_parallel._optim import check_optimizer
 from dtrain.data_parallel._reducer import Reducer, UnusedParametersError
 from dtrain.data_parallel.options import DataParallelConfig
@@ -199,7 +200,7 @@ class DataParallel(nn.Module):
             )
         self.config = cfg
         self.module = module
-        self.compressor = _resolve_compression(compression)
+        self.compressor = resolve(compression, none_is_off=True)
 
         # ranks
         if group is not None and not dist.is_initialized():
@@ -383,17 +384,3 @@ class DataParallel(nn.Module):
     def close(self) -> None:
         """Stop the communication thread, remove the hooks, free the private groups (idempotent)."""
         self._reducer.close()
-
-
-def _resolve_compression(compression: Any) -> Any:
-    if compression is None:
-        return None
-    from dtrain.compress import Compressor, from_spec
-
-    if isinstance(compression, str) and compression.strip().lower() == "none":
-        return None
-    if not isinstance(compression, (str, Compressor)):
-        raise ConfigError(
-            f"compression must be a spec string like 'topk:0.01' or a Compressor, got {type(compression).__name__}"
-        )
-    return from_spec(compression)
