@@ -56,7 +56,7 @@ from dtrain.comm.allreduce import ALGORITHMS, get_transport
 from dtrain.comm.transport import Transport
 from dtrain.compress import Compressor, resolve
 from dtrain.compress.reduce import compressed_allreduce
-from dtrain.decentralized._base import ReplicaWrapper, assign_flat, flatten_params
+from dtrain.decentralized.replica import ReplicaWrapper, assign_flat, flatten_params
 from dtrain.errors import ConfigError
 
 __all__ = ["LocalSGD", "parse_hierarchy"]
