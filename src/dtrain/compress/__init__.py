@@ -7,6 +7,8 @@ Build one from a spec string (what ``--compression`` takes)::
     c = dtrain.compress.from_spec("sign", error_feedback=False)
 
 Spec names are the keys of :data:`REGISTRY`; ``NAME:ARG`` passes one argument.
+The engines read their ``compression=`` argument with :func:`resolve` (a spec, a
+compressor or None; ``"none"`` gives None or :class:`Identity`, as the engine needs).
 ``randomk:0.01`` is RandomK scaled to be unbiased; ``randomk:0.01:memory`` is
 rand-k unscaled with error feedback (Stich et al. 2018).
 

@@ -1,7 +1,7 @@
-"""How a bucket is reduced, and the two schedules of ``overlap="backward"``.
+"""The two schedules of ``overlap="backward"``, and the CUDA stream ordering they need.
 
-How one flat bucket is averaged is :class:`dtrain.compress.reduce.BucketReducer`'s
-(an allreduce algorithm, or a compressor's collective), on the communication thread.
+Each bucket is averaged by a :class:`dtrain.compress.reduce.BucketReducer` (an allreduce
+algorithm, or a compressor's collective).
 
 * :class:`NativeScheduler` -- ``algorithm="native"``: the backend's own allreduce,
   issued asynchronously from the backward hook (``async_op=True``), as DDP does;
