@@ -24,6 +24,7 @@ from dtrain.compress import (
     Threshold,
     TopK,
     from_spec,
+    resolve,
 )
 from dtrain.compress._bits import pack_bits, unpack_bits
 from dtrain.compress.base import pack_payload, payload_nbytes, unpack_payload
@@ -367,6 +368,24 @@ def test_from_spec_arguments_and_errors() -> None:
     ]:
         with pytest.raises(ConfigError, match=msg):
             from_spec(bad)
+
+
+def test_resolve_gives_none_or_identity_for_none_and_from_spec_otherwise() -> None:
+    """The engines' one resolution of ``compression=``: DataParallel and hybrid (off), the parameter
+    server (Identity); a spec is from_spec's, a compressor is kept."""
+    for off in (None, "none", " None "):
+        assert resolve(off, none_is_off=True) is None
+        assert type(resolve(off, none_is_off=False)) is Identity
+    c = TopK()
+    for none_is_off in (True, False):
+        assert resolve(c, none_is_off=none_is_off) is c
+        got = resolve("topk:0.05", none_is_off=none_is_off)
+        assert isinstance(got, ErrorFeedback) and repr(got) == repr(from_spec("topk:0.05"))
+        assert isinstance(resolve("qsgd:4", none_is_off=none_is_off), QSGD)
+    with pytest.raises(ConfigError, match="pull_compression must be a spec string"):
+        resolve(3, none_is_off=False, what="pull_compression")
+    with pytest.raises(ConfigError, match="choose one of"):
+        resolve("nope", none_is_off=True)
 
 
 def test_every_registry_name_reachable_from_cli() -> None:

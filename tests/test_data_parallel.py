@@ -19,8 +19,8 @@ import dtrain
 from dtrain.comm.fusion import FlatBuffer, assign_buckets, flatten, unflatten_into
 from dtrain.data_parallel import ALGORITHMS, DataParallel, UnusedParametersError
 from dtrain.data_parallel._optim import BucketOptimizer
-from dtrain.data_parallel._stats import busy_time
 from dtrain.errors import ConfigError
+from dtrain.observe.step_stats import busy_time
 
 
 def _mlp(seed: int = 0) -> nn.Sequential:
@@ -268,7 +268,7 @@ def test_priority_scheduler_reduces_ready_buckets_nearest_the_input_first():
     from dtrain.data_parallel._buckets import build_buckets
     from dtrain.data_parallel._comm import StreamSync
     from dtrain.data_parallel._priority import PriorityScheduler
-    from dtrain.data_parallel._stats import StepStats
+    from dtrain.observe.step_stats import StepStats
 
     params = [nn.Parameter(torch.randn(4)) for _ in range(5)]  # index = position in forward
     buckets = build_buckets(params, [4, 3, 2, 1, 0], cap_bytes=1, first_cap_bytes=1)  # one per tensor, backward order
@@ -304,7 +304,7 @@ def test_priority_scheduler_publishes_the_step_before_wait_all_returns():
     from dtrain.data_parallel._buckets import build_buckets
     from dtrain.data_parallel._comm import StreamSync
     from dtrain.data_parallel._priority import PriorityScheduler
-    from dtrain.data_parallel._stats import StepStats
+    from dtrain.observe.step_stats import StepStats
 
     params = [nn.Parameter(torch.randn(4)) for _ in range(3)]
     buckets = build_buckets(params, [2, 1, 0], cap_bytes=1, first_cap_bytes=1)

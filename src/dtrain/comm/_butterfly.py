@@ -1,16 +1,16 @@
 """Power-of-two butterflies with a fold: recursive doubling and Rabenseifner's algorithm.
 
 Both run on the largest power-of-two core of the world; the other ranks fold into
-it first and get the result back after (MPICH's scheme: :class:`~dtrain.comm._indexing.Fold`).
+it first and get the result back after (MPICH's scheme: :class:`~dtrain.comm.indexing.Fold`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from dtrain.comm._indexing import Fold, doubling_rounds, halving_rounds, offsets
 from dtrain.comm._kernel import TAG_FOLD, AllreduceOptions, algorithm
 from dtrain.comm._reduce import BUFFERS, combine, post_recv, post_send
+from dtrain.comm.indexing import Fold, doubling_rounds, halving_rounds, offsets
 from dtrain.comm.transport import Transport, Work
 
 __all__ = ["recursive_doubling", "rabenseifner"]

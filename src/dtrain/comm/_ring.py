@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from dtrain.comm._indexing import RingPlan, offsets
 from dtrain.comm._kernel import AllreduceOptions, algorithm
 from dtrain.comm._reduce import BUFFERS, combine, post_recv, post_send
+from dtrain.comm.indexing import RingPlan, offsets
 from dtrain.comm.transport import Transport
 
 __all__ = ["ring", "ring_kernel"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from dtrain.comm._indexing import binomial_children, binomial_parent
 from dtrain.comm._kernel import TAG_TREE_BCAST, TAG_TREE_REDUCE, AllreduceOptions, algorithm
 from dtrain.comm._reduce import BUFFERS, combine, post_recv, post_send
+from dtrain.comm.indexing import binomial_children, binomial_parent
 from dtrain.comm.transport import Transport
 
 __all__ = ["tree", "tree_reduce", "tree_bcast"]

@@ -39,7 +39,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from dtrain.comm._indexing import (
+from dtrain.comm.indexing import (
     Fold,
     RingPlan,
     binomial_children,

@@ -7,6 +7,8 @@ Build one from a spec string (what ``--compression`` takes)::
     c = dtrain.compress.from_spec("sign", error_feedback=False)
 
 Spec names are the keys of :data:`REGISTRY`; ``NAME:ARG`` passes one argument.
+The engines read their ``compression=`` argument with :func:`resolve` (a spec, a
+compressor or None; ``"none"`` gives None or :class:`Identity`, as the engine needs).
 ``randomk:0.01`` is RandomK scaled to be unbiased; ``randomk:0.01:memory`` is
 rand-k unscaled with error feedback (Stich et al. 2018).
 
@@ -21,6 +23,7 @@ the result's ``momentum`` is then 0.9 and the optimizer must use momentum 0::
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, overload
 
 from dtrain.compress.base import Compressor, Identity, TensorMeta
 from dtrain.compress.feedback import ErrorFeedback
@@ -47,6 +50,7 @@ __all__ = [
     "ErrorFeedback",
     "REGISTRY",
     "from_spec",
+    "resolve",
     "compressed_allreduce",
 ]
 
@@ -161,6 +165,31 @@ def from_spec(spec: str | Compressor | None, *, error_feedback: bool = True, mom
     if error_feedback and comp.biased:
         comp = ErrorFeedback(comp, momentum=float(momentum) if comp.momentum_first else 0.0)
     return comp
+
+
+@overload
+def resolve(compression: object, *, none_is_off: Literal[False], what: str = ...) -> Compressor: ...
+@overload
+def resolve(compression: object, *, none_is_off: bool, what: str = ...) -> Compressor | None: ...
+def resolve(compression: object, *, none_is_off: bool, what: str = "compression") -> Compressor | None:
+    """An engine's ``compression=`` argument as a compressor: the one place every engine resolves it.
+
+    Args:
+        compression: a spec string (built by :func:`from_spec`: error feedback for biased
+            compressors, no momentum), a :class:`Compressor` (returned as is), or None.
+        none_is_off: what None and ``"none"`` give: None (the engine then reduces exactly, with
+            no compressor: DataParallel, hybrid) or :class:`Identity` (the parameter server).
+        what: the argument's name, for the error.
+
+    Raises:
+        ConfigError: anything else, or a bad spec.
+    """
+    if compression is None or (isinstance(compression, str) and compression.strip().lower() == "none"):
+        return None if none_is_off else Identity()
+    if not isinstance(compression, (str, Compressor)):
+        raise ConfigError(f"{what} must be a spec string like 'topk:0.01', a dtrain.compress.Compressor or None, "
+                          f"got {type(compression).__name__}")
+    return from_spec(compression)
 
 
 def __getattr__(name: str) -> object:

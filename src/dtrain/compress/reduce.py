@@ -1,7 +1,8 @@
 """Averaging a gradient bucket across ranks through a compressor.
 
-:func:`compressed_allreduce` is what :class:`dtrain.DataParallel` calls per bucket.
-It picks the collective from what the compressor is:
+:class:`BucketReducer` is how :class:`dtrain.DataParallel` and ``dtrain.hybrid`` average a flat
+bucket: exactly by an allreduce algorithm, or with a compressor by :func:`compressed_allreduce`,
+which picks the collective from what the compressor is:
 
 =====================  =========================================================  =====================================
 compressor             collective                                                 bytes per rank (n elements)
@@ -47,6 +48,7 @@ from typing import Any
 
 import torch
 
+from dtrain.comm.allreduce import allreduce_over, get_transport
 from dtrain.comm.sparse import chunk_bounds, sparse_allreduce
 from dtrain.comm.transport import Transport, Work
 from dtrain.compress.base import Compressor, pack_payload
@@ -54,7 +56,7 @@ from dtrain.compress.feedback import ErrorFeedback
 from dtrain.compress.lowrank import PowerSGD, orthogonalize
 from dtrain.errors import CommError
 
-__all__ = ["compressed_allreduce"]
+__all__ = ["compressed_allreduce", "BucketReducer"]
 
 _TAG = 0x5D0000
 _TAG_SIZE1, _TAG_DATA1, _TAG_SIZE2, _TAG_DATA2 = (_TAG + i for i in range(4))
@@ -284,3 +286,44 @@ def _scatter_gather(
         chunks[r].copy_(c.from_wire(got2[r], chunks[r].shape, chunks[r].dtype))
     if mine.numel():
         mine.copy_(reduced)
+
+
+class BucketReducer:
+    """Average a flat bucket over the ranks of ``group``, in place, on the calling thread.
+
+    Without compression the bucket is divided by the world size and then summed
+    by the algorithm (``dtrain.comm.allreduce_over`` on the group's cached
+    transport, i.e. what ``dtrain.comm.allreduce(..., group=group)`` runs, without
+    its per-call lookups); pre-division as DDP does.
+    With a compressor, :func:`compressed_allreduce` averages it.
+    ``__call__`` returns the bytes this rank sent, from the transport's counters.
+
+    Args:
+        algorithm: a :mod:`dtrain.comm.allreduce` algorithm name.
+        group: the communication thread's own process group (None: world of one).
+        world: ranks in the group.
+        timeout_s: limit of every wait inside the collective.
+        compressor: a :class:`~dtrain.compress.Compressor`, or None.
+    """
+
+    def __init__(self, algorithm: str, group: Any, world: int, timeout_s: float,
+                 compressor: Compressor | None = None) -> None:  # fmt: skip
+        self.algorithm = algorithm
+        self.group = group
+        self.world = world
+        self.timeout_s = timeout_s
+        self.compressor = compressor
+        self._transport: Any = get_transport(group, timeout_s) if world > 1 else None
+
+    def __call__(self, flat: torch.Tensor, key: str, shapes: Any = None) -> int:
+        """Average ``flat`` (bucket ``key``, members of ``shapes``) in place; return the bytes sent."""
+        if self.world <= 1:
+            return 0
+        before = self._transport.stats.bytes_sent
+        if self.compressor is not None:
+            # shapes: the bucket's layout, so PowerSGD factors each weight matrix on its own
+            compressed_allreduce(flat, self.compressor, key, self._transport, algorithm=self.algorithm, shapes=shapes)
+        else:
+            flat.div_(self.world)
+            allreduce_over(self._transport, flat, "sum", self.algorithm)
+        return int(self._transport.stats.bytes_sent - before)

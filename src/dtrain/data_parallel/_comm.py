@@ -1,8 +1,8 @@
-"""How a bucket is reduced, and the two schedules of ``overlap="backward"``.
+"""The two schedules of ``overlap="backward"``, and the CUDA stream ordering they need.
 
-* :class:`BucketReducer` -- reduce one flat bucket in place to the average over
-  ranks, synchronously, by a :mod:`dtrain.comm.allreduce` algorithm or through a
-  compressor. Used on the communication thread.
+Each bucket is averaged by a :class:`dtrain.compress.reduce.BucketReducer` (an allreduce
+algorithm, or a compressor's collective).
+
 * :class:`NativeScheduler` -- ``algorithm="native"``: the backend's own allreduce,
   issued asynchronously from the backward hook (``async_op=True``), as DDP does;
   gloo/NCCL run it on their own threads.
@@ -30,17 +30,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.comm.waits import GRACE_S, wait_work, with_step
+from dtrain.compress.reduce import BucketReducer
 from dtrain.data_parallel._buckets import Bucket
-from dtrain.data_parallel._model_sync import wait_work
-from dtrain.data_parallel._stats import StepStats
-from dtrain.errors import CommError, CommTimeoutError
+from dtrain.errors import CommTimeoutError
 from dtrain.observe import trace as _trace
+from dtrain.observe.step_stats import StepStats
 
-__all__ = ["BucketReducer", "StreamSync", "NativeScheduler", "ThreadScheduler", "native_bytes", "with_step"]
+__all__ = ["StreamSync", "NativeScheduler", "ThreadScheduler", "native_bytes"]
 
-#: extra seconds a waiter gives the communication thread beyond the collective's
-#: own timeout, so that the thread's more precise error (naming the peer) wins.
-GRACE_S = 2.0
 NATIVE_TID = 3  # the trace track of native allreduces (they run on the backend's own thread)
 
 
@@ -52,71 +50,6 @@ def native_bytes(world: int, group_rank: int, numel: int, itemsize: int) -> int:
     from dtrain.comm.cost import native_traffic
 
     return int(native_traffic(world, numel, itemsize).bytes_sent[group_rank])
-
-
-def with_step(e: BaseException, step: int) -> BaseException:
-    """The same CommError with the training step filled in (other errors unchanged).
-
-    A CommError whose cause is the backend's timeout ("Timed out waiting ...")
-    becomes a CommTimeoutError, whichever layer classified it.
-    """
-    if not isinstance(e, CommError):
-        return e
-    low = e.cause.lower()
-    cls = CommTimeoutError if "timed out" in low or "timeout" in low else type(e)
-    if e.step is None or cls is not type(e):
-        new = cls(e.rank, e.op, e.cause, peer=e.peer, step=e.step if e.step is not None else step)
-        new.__cause__ = e
-        return new
-    return e
-
-
-class BucketReducer:
-    """Average a flat bucket over the ranks of ``group``, in place, on the calling thread.
-
-    Without compression the bucket is divided by the world size and then summed
-    by the algorithm (``dtrain.comm.allreduce_over`` on the group's cached
-    transport, i.e. what ``dtrain.comm.allreduce(..., group=group)`` runs, without
-    its per-call lookups); pre-division as DDP does.
-    With a compressor, ``dtrain.compress.compressed_allreduce`` averages it.
-    ``__call__`` returns the bytes this rank sent, from the transport's counters.
-
-    Args:
-        algorithm: a :mod:`dtrain.comm.allreduce` algorithm name.
-        group: the communication thread's own process group (None: world of one).
-        world: ranks in the group.
-        timeout_s: limit of every wait inside the collective.
-        compressor: a :class:`~dtrain.compress.Compressor`, or None.
-    """
-
-    def __init__(self, algorithm: str, group: Any, world: int, timeout_s: float, compressor: Any = None) -> None:
-        self.algorithm = algorithm
-        self.group = group
-        self.world = world
-        self.timeout_s = timeout_s
-        self.compressor = compressor
-        self._transport: Any = None
-        if world > 1:
-            from dtrain.comm.allreduce import get_transport
-
-            self._transport = get_transport(group, timeout_s)
-
-    def __call__(self, flat: torch.Tensor, key: str, shapes: Any = None) -> int:
-        """Average ``flat`` (bucket ``key``, members of ``shapes``) in place; return the bytes sent."""
-        if self.world <= 1:
-            return 0
-        before = self._transport.stats.bytes_sent
-        if self.compressor is not None:
-            from dtrain.compress.reduce import compressed_allreduce
-
-            # shapes: the bucket's layout, so PowerSGD factors each weight matrix on its own
-            compressed_allreduce(flat, self.compressor, key, self._transport, algorithm=self.algorithm, shapes=shapes)
-        else:
-            from dtrain.comm.allreduce import allreduce_over
-
-            flat.div_(self.world)
-            allreduce_over(self._transport, flat, "sum", self.algorithm)
-        return int(self._transport.stats.bytes_sent - before)
 
 
 class StreamSync:

@@ -33,15 +33,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.comm.waits import wait_work
+from dtrain.compress.reduce import BucketReducer
 from dtrain.data_parallel._buckets import Bucket, build_buckets
-from dtrain.data_parallel._comm import BucketReducer, NativeScheduler, StreamSync, ThreadScheduler
-from dtrain.data_parallel._model_sync import wait_work
+from dtrain.data_parallel._comm import NativeScheduler, StreamSync, ThreadScheduler
 from dtrain.data_parallel._optim import BucketOptimizer
 from dtrain.data_parallel._priority import PriorityScheduler
-from dtrain.data_parallel._stats import StepStats
 from dtrain.data_parallel.options import DataParallelConfig
 from dtrain.errors import DTrainError
 from dtrain.observe import trace as _trace
+from dtrain.observe.step_stats import StepStats
 
 __all__ = ["Reducer", "UnusedParametersError"]
 

@@ -38,7 +38,6 @@ about to use. See :class:`DataParallel` for the API of that mode.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -47,11 +46,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.data_parallel._model_sync import broadcast_tensors, check_same_everywhere, describe_module
+from dtrain.comm.replicas import broadcast_tensors, check_same_everywhere, describe_module
+from dtrain.compress import resolve
 from dtrain.data_parallel._optim import check_optimizer
 from dtrain.data_parallel._reducer import Reducer, UnusedParametersError
 from dtrain.data_parallel.options import DataParallelConfig
 from dtrain.errors import ConfigError
+from dtrain.sharded import ShardedDataParallel
 
 __all__ = ["DataParallel", "UnusedParametersError"]
 
@@ -149,13 +150,11 @@ class DataParallel(nn.Module):
         """``shard`` other than "none" builds a :class:`dtrain.ShardedDataParallel` (ZeRO) instead."""
         if shard == "none":
             return super().__new__(cls)
-        # found at run time (no static edge: dtrain.sharded builds on this package's pieces)
-        sharded = importlib.import_module("dtrain.sharded").ShardedDataParallel
         unknown = sorted(set(kwargs) - {"algorithm", "overlap", "group", "timeout_s", "broadcast_buffers"})
         if args or unknown:
             raise ConfigError(f"DataParallel(shard={shard!r}) takes algorithm, overlap, group, timeout_s and "
                               f"broadcast_buffers; not {', '.join(unknown) or 'positional options'}")
-        return sharded(module, shard=shard, **kwargs)
+        return ShardedDataParallel(module, shard=shard, **kwargs)
 
     def __init__(
         self,
@@ -201,7 +200,7 @@ class DataParallel(nn.Module):
             )
         self.config = cfg
         self.module = module
-        self.compressor = _resolve_compression(compression)
+        self.compressor = resolve(compression, none_is_off=True)
 
         # ranks
         if group is not None and not dist.is_initialized():
@@ -385,17 +384,3 @@ class DataParallel(nn.Module):
     def close(self) -> None:
         """Stop the communication thread, remove the hooks, free the private groups (idempotent)."""
         self._reducer.close()
-
-
-def _resolve_compression(compression: Any) -> Any:
-    if compression is None:
-        return None
-    from dtrain.compress import Compressor, from_spec
-
-    if isinstance(compression, str) and compression.strip().lower() == "none":
-        return None
-    if not isinstance(compression, (str, Compressor)):
-        raise ConfigError(
-            f"compression must be a spec string like 'topk:0.01' or a Compressor, got {type(compression).__name__}"
-        )
-    return from_spec(compression)

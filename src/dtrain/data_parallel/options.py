@@ -7,24 +7,12 @@ from dataclasses import asdict, dataclass
 
 from dtrain.comm.allreduce import ALGORITHMS as _ALLREDUCE
 from dtrain.errors import ConfigError
+from dtrain.sharded.options import OVERLAPS, SHARD_ALGORITHMS, SHARDS
 
 __all__ = ["ALGORITHMS", "OVERLAPS", "SHARDS", "SHARD_ALGORITHMS", "DataParallelConfig"]
 
 #: allreduce algorithms a bucket can be reduced with: the names of :mod:`dtrain.comm.allreduce`.
 ALGORITHMS = tuple(_ALLREDUCE)
-
-#: ``backward``: every gradient is averaged when ``loss.backward()`` returns (DDP).
-#: ``forward``: priority scheduling; the optimizer steps per bucket and the next
-#: forward waits layer by layer (ByteScheduler / P3).
-OVERLAPS = ("backward", "forward")
-
-#: ZeRO levels (Rajbhandari et al. 2020): ``none`` (plain data parallelism),
-#: ``optimizer`` (stage 1: optimizer state sharded), ``gradients`` (stage 2: and the
-#: gradients), ``parameters`` (stage 3: and the parameters, gathered per unit when used).
-SHARDS = ("none", "optimizer", "gradients", "parameters")
-
-#: the algorithms a sharded engine reduce-scatters and allgathers with.
-SHARD_ALGORITHMS = ("ring", "native")
 
 
 @dataclass(frozen=True)

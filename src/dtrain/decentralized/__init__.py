@@ -21,7 +21,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "ReplicaWrapper": "dtrain.decentralized._base",
+    "ReplicaWrapper": "dtrain.decentralized.replica",
     "LocalSGD": "dtrain.decentralized.local_sgd",
     "EASGD": "dtrain.decentralized.easgd",
     "Gossip": "dtrain.decentralized.gossip",

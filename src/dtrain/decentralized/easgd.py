@@ -95,9 +95,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.comm.replicas import broadcast_tensors
 from dtrain.comm.transport import CommStats
-from dtrain.data_parallel._model_sync import broadcast_tensors
-from dtrain.decentralized._base import ReplicaWrapper, assign_flat, flatten_params
+from dtrain.decentralized.replica import ReplicaWrapper, assign_flat, flatten_params
 from dtrain.errors import ConfigError, DTrainError
 
 __all__ = ["EASGD", "CENTERS"]

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.comm.transport import CommStats, TorchTransport
-from dtrain.decentralized._base import ReplicaWrapper, assign_flat, flatten_params
+from dtrain.decentralized.replica import ReplicaWrapper, assign_flat, flatten_params
 from dtrain.decentralized.topology import Bipartition, Topology, TopologySpec, bipartition, mix_round, topology
 from dtrain.errors import CommError, CommTimeoutError, ConfigError
 

@@ -54,9 +54,9 @@ from torch.utils.hooks import RemovableHandle
 
 from dtrain.comm.allreduce import ALGORITHMS, get_transport
 from dtrain.comm.transport import Transport
-from dtrain.compress import Compressor, from_spec
+from dtrain.compress import Compressor, resolve
 from dtrain.compress.reduce import compressed_allreduce
-from dtrain.decentralized._base import ReplicaWrapper, assign_flat, flatten_params
+from dtrain.decentralized.replica import ReplicaWrapper, assign_flat, flatten_params
 from dtrain.errors import ConfigError
 
 __all__ = ["LocalSGD", "parse_hierarchy"]
@@ -148,7 +148,8 @@ class LocalSGD(ReplicaWrapper):
                  timeout: float | None = None) -> None:  # fmt: skip
         _check_options(period, warmup_steps, algorithm)
         try:
-            compressor = from_spec(compression) if compression is not None else None
+            # None averages exactly; any spec, "none" too, goes through compressed_allreduce
+            compressor = resolve(compression, none_is_off=False) if compression is not None else None
         except ConfigError as e:
             raise ConfigError(f"LocalSGD compression={compression!r}: {e}") from None
         levels: list[Level] | None = None

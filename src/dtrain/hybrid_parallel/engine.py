@@ -99,11 +99,11 @@ class Hybrid:
         self._partial = [p for p in self.parameters() if getattr(p, "tp_partial_grad", False)]
         self._reducer: Any = None
         if mesh.size("dp") > 1:  # averages one flat buffer over dp: an algorithm, or a compressor's collective
-            from dtrain.data_parallel._comm import BucketReducer
-            from dtrain.data_parallel.engine import _resolve_compression
+            from dtrain.compress import resolve
+            from dtrain.compress.reduce import BucketReducer
 
             self._reducer = BucketReducer(algorithm, mesh.group("dp"), mesh.size("dp"), timeout_s,
-                                          _resolve_compression(compressor))  # fmt: skip
+                                          resolve(compressor, none_is_off=True, what="compressor"))  # fmt: skip
             self._shapes = tuple(tuple(p.shape) for p in self.parameters())
         self._dp_bytes = 0
         self._dp_s = 0.0

@@ -232,7 +232,7 @@ def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: s
     predicted and the median of every count so far is used (one count at the 1 Gbit phase's
     start, kept alone, put topk:0.01 at 2.5 ms of CPU through the 50 Mbit phase, +25.6%; one
     count a refresh, the last alone, moved predictions as much as the load did:
-    :func:`dtrain.perfmodel._traffic.recount_traffic`).
+    :func:`dtrain.perfmodel.compression.recount_traffic`).
 
     The ping-pong alpha is kept: re-measured alone it came out at either ~0.13 ms
     or ~1.85 ms on the emulated 1 Gbit cluster (medians of every pair's small
@@ -240,7 +240,7 @@ def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: s
     prediction with it.
     """
     from dtrain.cluster import load, run_on_cluster
-    from dtrain.perfmodel._traffic import recount_traffic
+    from dtrain.perfmodel.compression import recount_traffic
 
     recount_traffic()  # the compressed collectives' CPU time is counted once more when next asked
     c = load(name)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dtrain.comm._indexing import binomial_children
+from dtrain.comm.indexing import binomial_children
 
 __all__ = ["ordered_mean"]
 

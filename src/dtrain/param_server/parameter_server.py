@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from dtrain.comm.transport import TorchTransport, Transport
-from dtrain.compress.base import Compressor, Identity
+from dtrain.compress import resolve
+from dtrain.compress.base import Compressor
 from dtrain.errors import ConfigError, DTrainError
 from dtrain.param_server._liveness import Liveness
 from dtrain.param_server.consistency import ConsistencySpec, parse_consistency
@@ -46,18 +47,6 @@ __all__ = ["ParameterServer", "DATA_TIMEOUT_S", "reshard_server_state"]
 DATA_TIMEOUT_S = 24 * 3600.0
 
 _INSTANCES: dict[str, int] = {}  # process group name -> parameter servers built on it so far
-
-
-def _compressor(c: Compressor | str | None, what: str) -> Compressor:
-    if c is None:
-        return Identity()
-    if isinstance(c, Compressor):
-        return c
-    if isinstance(c, str):
-        from dtrain.compress import from_spec
-
-        return from_spec(c)
-    raise ConfigError(f"{what} must be a dtrain.compress.Compressor, a spec string or None, got {type(c).__name__}")
 
 
 def reshard_server_state(state: dict[str, Any], workers: Sequence[int], spec: ConsistencySpec | None = None
@@ -158,8 +147,8 @@ class ParameterServer:
         if not self.params:
             raise ConfigError("the model has no parameters")
         self.shards: list[Shard] = shard_model(self.params, servers, min_split_bytes=min_split_bytes)
-        push_c = _compressor(compression, "compression")
-        pull_c = _compressor(pull_compression, "pull_compression")
+        push_c = resolve(compression, none_is_off=False)
+        pull_c = resolve(pull_compression, none_is_off=False, what="pull_compression")
 
         self.transport, self.store, self.store_prefix = self._connect(transport, store, group)
         store, prefix = self.store, self.store_prefix

@@ -10,7 +10,7 @@ those win (they were measured on the cluster's own devices).
 
 :func:`compressed_traffic` (what one compressed collective sends, counted by running it on
 threads) lives in :mod:`dtrain.perfmodel._traffic`, where :mod:`dtrain.perfmodel.collectives`
-takes it from too; it is re-exported here.
+takes it from too; it is re-exported here, with :func:`recount_traffic` (count once more).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from functools import lru_cache
 
 import torch
 
-from dtrain.perfmodel._traffic import compressed_traffic
+from dtrain.perfmodel._traffic import compressed_traffic, recount_traffic
 from dtrain.perfmodel.collectives import CompressionModel
 from dtrain.perfmodel.spec import ClusterSpec
 
-__all__ = ["compression_model", "compressor_kind", "measure_compressor", "compressed_traffic"]
+__all__ = ["compression_model", "compressor_kind", "measure_compressor", "compressed_traffic", "recount_traffic"]
 
 
 def compressor_kind(spec: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dtrain.data_parallel._comm import GRACE_S, with_step
+from dtrain.comm.waits import GRACE_S, with_step
 from dtrain.errors import CommTimeoutError
 
 __all__ = ["Job", "Stream", "private_group"]

@@ -15,18 +15,19 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dtrain.comm.shard import segment
-from dtrain.data_parallel._model_sync import wait_work
+from dtrain.comm.waits import wait_work
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from dtrain.sharded._flat_units import Unit
-    from dtrain.sharded.engine import ShardedDataParallel
 
 __all__ = [
     "full_state_dict",
@@ -37,10 +38,42 @@ __all__ = [
     "init_optimizer_state",
     "clip_grad_norm",
     "memory_stats",
+    "ShardedEngine",
 ]
 
 
-def _flat_of(dp: ShardedDataParallel, u: Unit) -> torch.Tensor:
+class ShardedEngine(Protocol):
+    """What these functions read and set of a :class:`~dtrain.sharded.ShardedDataParallel`.
+
+    A protocol, so that the engine, whose methods call into this module, is the only one of the
+    two that imports the other.
+    """
+
+    module: nn.Module
+    stage: int
+    step: int
+    timeout_s: float
+    _world: int
+    _rank: int
+    _grank: int
+    _ranks: list[int]
+    _ctl: Any
+    _units: list[Unit]
+    _shards: list[nn.Parameter | None]
+    _dirty: bool
+    _peak_gathered: int
+
+    @property
+    def units(self) -> list[Unit]: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def _allgather(self, flat: torch.Tensor) -> int: ...
+
+    def _ensure_gathered(self) -> None: ...
+
+
+def _flat_of(dp: ShardedEngine, u: Unit) -> torch.Tensor:
     """``u``'s whole flat parameters (a gathered copy)."""
     tmp = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
     assert u.shard is not None
@@ -49,7 +82,7 @@ def _flat_of(dp: ShardedDataParallel, u: Unit) -> torch.Tensor:
     return tmp
 
 
-def full_state_dict(dp: ShardedDataParallel) -> dict[str, torch.Tensor]:
+def full_state_dict(dp: ShardedEngine) -> dict[str, torch.Tensor]:
     """The unwrapped model's state dict, every parameter whole (a collective: every rank calls it)."""
     with torch.no_grad():
         whole: dict[str, torch.Tensor] = {}
@@ -64,7 +97,7 @@ def full_state_dict(dp: ShardedDataParallel) -> dict[str, torch.Tensor]:
         return out
 
 
-def load_full_state_dict(dp: ShardedDataParallel, state: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(dp: ShardedEngine, state: dict[str, torch.Tensor]) -> None:
     """Load an unsharded state dict (the same on every rank): each rank keeps its segments."""
     by_id = {id(p): n for u in dp.units for n, p in zip(u.names, u.params)}
     keys = dp.module.state_dict(keep_vars=True)
@@ -92,7 +125,7 @@ def load_full_state_dict(dp: ShardedDataParallel, state: dict[str, torch.Tensor]
                 t.copy_(state[key])
 
 
-def _shard_index(dp: ShardedDataParallel, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+def _shard_index(dp: ShardedEngine, optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """Unit index -> the shard's position in the optimizer's state dict numbering."""
     pos: dict[int, int] = {}
     i = 0
@@ -109,7 +142,7 @@ def _shard_index(dp: ShardedDataParallel, optimizer: torch.optim.Optimizer) -> d
     return out
 
 
-def full_optimizer_state_dict(dp: ShardedDataParallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def full_optimizer_state_dict(dp: ShardedEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state an unsharded run would have (one param group), gathered (a collective)."""
     if len(optimizer.param_groups) != 1:
         raise ConfigError("full_optimizer_state_dict supports one param group over dp.parameters(); "
@@ -158,7 +191,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
-def _mesh(dp: ShardedDataParallel) -> Any:
+def _mesh(dp: ShardedEngine) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
     device = "cuda" if dp.units[0].device().type == "cuda" else "cpu"
@@ -173,7 +206,7 @@ def _dtensor(mesh: Any, u: Unit, local: torch.Tensor, rank: int) -> Any:
                               shape=torch.Size((u.numel,)), stride=(1,))
 
 
-def sharded_state(dp: ShardedDataParallel, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def sharded_state(dp: ShardedEngine, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """This rank's part of a checkpoint, as DTensors DCP can reshard: ``{"model": ..., "optim": ...}``."""
     mesh = _mesh(dp)
     model = {f"{u.name or '<root>'}.flat": _dtensor(mesh, u, u.shard.detach(), dp._grank)  # type: ignore[union-attr]
@@ -197,7 +230,7 @@ def sharded_state(dp: ShardedDataParallel, optimizer: torch.optim.Optimizer | No
 
 
 def load_sharded_state(
-    dp: ShardedDataParallel, optimizer: torch.optim.Optimizer | None, loaded: dict[str, Any]
+    dp: ShardedEngine, optimizer: torch.optim.Optimizer | None, loaded: dict[str, Any]
 ) -> None:
     """Copy what DCP loaded into :func:`sharded_state`'s DTensors back into the shards and optimizer state."""
     with torch.no_grad():
@@ -224,7 +257,7 @@ def load_sharded_state(
             dp._ensure_gathered()
 
 
-def clip_grad_norm(dp: ShardedDataParallel, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(dp: ShardedEngine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """:meth:`ShardedDataParallel.clip_grad_norm_`: torch's rule on the global norm of every rank's shards."""
     grads = [p.grad for p in dp._shards if p is not None and p.grad is not None]
     inf = math.isinf(norm_type)
@@ -245,7 +278,7 @@ def clip_grad_norm(dp: ShardedDataParallel, max_norm: float, norm_type: float = 
     return norm32
 
 
-def memory_stats(dp: ShardedDataParallel, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+def memory_stats(dp: ShardedEngine, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
     """:meth:`ShardedDataParallel.memory_stats`: bytes held now by kind, each storage counted once."""
     seen: set[int] = set()
 

@@ -34,7 +34,7 @@ from dtrain.training.loop import Position, run_loop
 
 if TYPE_CHECKING:
     from dtrain.checkpoint.training import RunCheckpointer
-    from dtrain.decentralized._base import ReplicaWrapper
+    from dtrain.decentralized.replica import ReplicaWrapper
     from dtrain.perfmodel.collectives import CompressionModel
     from dtrain.perfmodel.predict import Memory, Prediction, StepInputs
     from dtrain.perfmodel.profile import ModelProfile

@@ -1,4 +1,5 @@
-"""Per-step figures of the data-parallel engine (the metrics.jsonl columns)."""
+"""Per-step figures of the data-parallel engines, ``step_stats()`` of :class:`dtrain.DataParallel` and
+:class:`dtrain.ShardedDataParallel` (the metrics.jsonl columns)."""
 
 from __future__ import annotations
 

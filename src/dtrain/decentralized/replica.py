@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.comm.allreduce import allreduce_over, get_transport
+from dtrain.comm.replicas import broadcast_tensors
 from dtrain.comm.transport import DEFAULT_TIMEOUT_S, CommStats, Transport
-from dtrain.data_parallel._model_sync import broadcast_tensors
 from dtrain.errors import ConfigError
 
 __all__ = ["ReplicaWrapper", "flatten_params", "assign_flat"]

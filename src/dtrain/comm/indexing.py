@@ -4,7 +4,8 @@ Everything here is pure integer arithmetic on (world size, rank, element count):
 how a vector is cut into segments and pieces, which rank a non-power-of-two world
 folds into which, and who a rank's parent and children are in a binomial tree.
 :mod:`dtrain.comm.allreduce` moves tensors along these plans and
-:mod:`dtrain.comm.cost` counts the same plans' messages, so the two cannot drift.
+:mod:`dtrain.comm.cost` counts the same plans' messages, so the two cannot drift; the
+parameter server sums in the tree allreduce's order by the same binomial tree.
 """
 
 from __future__ import annotations

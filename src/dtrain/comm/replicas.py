@@ -1,6 +1,7 @@
-"""Wrap-time agreement: every rank has the same model and options, and rank 0's weights.
+"""Wrap-time agreement of replicas: every rank has the same model and options, and rank 0's weights.
 
-Steps, all on the data-parallel group:
+What the engines that keep a replica per rank do when they wrap a model (:mod:`dtrain.data_parallel`,
+:mod:`dtrain.sharded`, :mod:`dtrain.decentralized`). Steps, all on the engine's group:
 
 1. Each rank hashes a description of its model (every parameter's and buffer's
    name, shape, dtype, trainability) and of its DataParallel options into two
@@ -13,7 +14,6 @@ Steps, all on the data-parallel group:
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -23,9 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.comm.fusion import assign_buckets, flatten, unflatten_into
-from dtrain.errors import CommError, CommTimeoutError, ConfigError, ModelMismatchError
+from dtrain.comm.waits import wait_work
+from dtrain.errors import ConfigError, ModelMismatchError
 
-__all__ = ["describe_module", "check_same_everywhere", "broadcast_tensors", "wait_work"]
+__all__ = ["describe_module", "check_same_everywhere", "broadcast_tensors"]
 
 Entry = tuple[str, str, tuple[int, ...], str, bool]
 
@@ -42,19 +43,6 @@ def describe_module(module: nn.Module) -> list[Entry]:
 
 def _digest(obj: Any) -> int:
     return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:8], "little", signed=True)
-
-
-def wait_work(work: Any, timeout_s: float, rank: int, op: str, step: int | None = None) -> None:
-    """Wait for a torch.distributed work handle; a failure or timeout becomes a CommError naming rank, op, step."""
-    try:
-        ok = work.wait(timeout=datetime.timedelta(seconds=max(timeout_s, 1e-3)))
-    except RuntimeError as e:
-        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        low = msg.lower()
-        cls = CommTimeoutError if "timeout" in low or "timed out" in low else CommError
-        raise cls(rank, op, msg, step=step) from e
-    if ok is False:
-        raise CommTimeoutError(rank, op, f"not completed within {timeout_s:.0f}s", step=step)
 
 
 def _fmt(e: Entry | None) -> str:
