@@ -14,7 +14,7 @@ def run_rows(cfg: Any, cluster: str) -> list[dict[str, Any]]:
     """The ``metrics.jsonl`` rows (every rank) of one ``dtrain run`` of ``cfg`` on the emulated ``cluster``."""
     from dtrain.cluster import launch_on_cluster
     from dtrain.job.worker import worker_main
-    from dtrain.observe.trace import merge_rank_files
+    from dtrain.trace import merge_rank_files
 
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)

@@ -89,10 +89,10 @@ def main() -> int:
     from dtrain.job.config import RunConfig
     from dtrain.job.worker import worker_main
     from dtrain.measure.calibrate import calibrate_cluster, pool_load, refresh_load, summary
-    from dtrain.observe.trace import merge_rank_files
     from dtrain.perfmodel._traffic import compressed_traffic
     from dtrain.perfmodel.ranking import plan
     from dtrain.strategies import choice
+    from dtrain.trace import merge_rank_files
     from dtrain.workloads.load import load_model
 
     specs = ns.compressors.split(",")

@@ -75,7 +75,7 @@ def train_one(name: str, keys: dict[str, Any], ns: argparse.Namespace) -> dict[s
     import torch
 
     from dtrain.job.config import RunConfig
-    from dtrain.observe.trace import MetricsWriter, Tracer
+    from dtrain.trace import MetricsWriter, Tracer
     from dtrain.training.context import TrainContext
     from dtrain.training.precision import LossScaler, Precision
 

@@ -96,8 +96,8 @@ POLICIES = ("bsp", "asp", "ssp:2", "softsync:2", "backup:1")
 def _one(rank: int, world: int, cfg_dict: dict[str, Any], out: str) -> dict[str, Any]:
     from dtrain.job.config import RunConfig
     from dtrain.job.worker import TrainContext
-    from dtrain.observe.trace import MetricsWriter, Tracer
     from dtrain.strategies.ps import run_process
+    from dtrain.trace import MetricsWriter, Tracer
     from dtrain.workloads.data import load_dataset
 
     cfg = RunConfig.from_mapping(cfg_dict)

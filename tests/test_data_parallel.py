@@ -17,10 +17,10 @@ from torch import nn
 
 import dtrain
 from dtrain.comm.fusion import FlatBuffer, assign_buckets, flatten, unflatten_into
+from dtrain.comm.step_stats import busy_time
 from dtrain.data_parallel import ALGORITHMS, DataParallel, UnusedParametersError
 from dtrain.data_parallel._optim import BucketOptimizer
 from dtrain.errors import ConfigError
-from dtrain.observe.step_stats import busy_time
 
 
 def _mlp(seed: int = 0) -> nn.Sequential:
@@ -265,10 +265,10 @@ def test_bucket_optimizer_steps_subsets_with_the_users_optimizer_state():
 
 
 def test_priority_scheduler_reduces_ready_buckets_nearest_the_input_first():
+    from dtrain.comm.step_stats import StepStats
     from dtrain.data_parallel._buckets import build_buckets
     from dtrain.data_parallel._comm import StreamSync
     from dtrain.data_parallel._priority import PriorityScheduler
-    from dtrain.observe.step_stats import StepStats
 
     params = [nn.Parameter(torch.randn(4)) for _ in range(5)]  # index = position in forward
     buckets = build_buckets(params, [4, 3, 2, 1, 0], cap_bytes=1, first_cap_bytes=1)  # one per tensor, backward order
@@ -301,10 +301,10 @@ def test_priority_scheduler_reduces_ready_buckets_nearest_the_input_first():
 
 def test_priority_scheduler_publishes_the_step_before_wait_all_returns():
     """step_stats() after synchronize() must show the step just finished, however slow the publishing."""
+    from dtrain.comm.step_stats import StepStats
     from dtrain.data_parallel._buckets import build_buckets
     from dtrain.data_parallel._comm import StreamSync
     from dtrain.data_parallel._priority import PriorityScheduler
-    from dtrain.observe.step_stats import StepStats
 
     params = [nn.Parameter(torch.randn(4)) for _ in range(3)]
     buckets = build_buckets(params, [2, 1, 0], cap_bytes=1, first_cap_bytes=1)

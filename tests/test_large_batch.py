@@ -21,7 +21,7 @@ from dtrain.checkpoint import read_checkpoint
 from dtrain.errors import ConfigError
 from dtrain.job.config import RunConfig
 from dtrain.job.validate import validate
-from dtrain.observe.trace import MetricsWriter, Tracer
+from dtrain.trace import MetricsWriter, Tracer
 from dtrain.training.context import TrainContext
 from dtrain.training.large_batch import BatchPlan, parse_batch_schedule, scaling_factor, warmup_factor
 

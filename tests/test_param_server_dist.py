@@ -134,8 +134,8 @@ def _equivalence(rank, world):
 def _accuracy(rank, world, out_dir):
     from dtrain.job.config import RunConfig
     from dtrain.job.worker import TrainContext
-    from dtrain.observe.trace import MetricsWriter, Tracer
     from dtrain.strategies.ps import run_process
+    from dtrain.trace import MetricsWriter, Tracer
     from dtrain.workloads.data import load_dataset
 
     res = {}

@@ -1,5 +1,5 @@
 """The merged trace: message arrows (every send its receive), clock alignment by ping exchange,
---trace-steps, the event cap, track names -- unit tests on :class:`dtrain.observe.trace.Tracer`, a
+--trace-steps, the event cap, track names -- unit tests on :class:`dtrain.trace.Tracer`, a
 two-process clock test with a deliberately shifted clock, and real 4-process dp, ps (straggler)
 and 1f1b pipeline runs."""
 
@@ -15,7 +15,7 @@ from _dist import run_distributed
 from _helpers import dtrain_cli, read_metrics
 
 from dtrain.errors import ConfigError
-from dtrain.observe.trace import MSG_TID, Tracer, align_clock, merge_traces, parse_trace_steps
+from dtrain.trace import MSG_TID, Tracer, align_clock, merge_traces, parse_trace_steps
 
 
 def _events(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -221,7 +221,7 @@ def test_a_rank_file_that_is_not_json_is_left_on_disk_and_named_not_a_crash(tmp_
     takes the other ranks, names the file in ``otherData`` and keeps it."""
     import json
 
-    from dtrain.observe.trace import merge_traces
+    from dtrain.trace import merge_traces
 
     (tmp_path / "trace.rank0.json").write_text(json.dumps({"rank": 0, "events": [], "clock": {}}))
     (tmp_path / "trace.rank1.json").write_text("")

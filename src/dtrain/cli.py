@@ -347,7 +347,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     if summary.get("attribution"):  # who the others waited for, what bounds the step (dtrain.observe.attribution)
         print(summary["attribution"]["line"])
     if (out / "model.pt").is_file():
-        from dtrain.workloads.sample import sample_run
+        from dtrain.observe.sample import sample_run
 
         print("sample (dtrain sample RUN_DIR for more):\n" + sample_run(out, tokens=160))
     print(f"run folder: {out}")
@@ -375,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.print_help()
         return 0
     # delegated subcommands parse their own arguments (argparse's REMAINDER would swallow no --help)
-    delegated = {"plan": "dtrain.planning.cli", "cluster": "dtrain.cluster.cli", "sample": "dtrain.workloads.sample"}
+    delegated = {"plan": "dtrain.planning.cli", "cluster": "dtrain.cluster.cli", "sample": "dtrain.observe.sample"}
     if argv[0] in delegated or (argv[0] == "bench" and len(argv) > 1 and argv[1] in _BENCHES):
         module = delegated.get(argv[0]) or _BENCHES[argv[1]]
         rest = argv[1:] if argv[0] in delegated else argv[2:]

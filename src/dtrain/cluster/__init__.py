@@ -8,7 +8,7 @@ emulated host, c10d rendezvous on host 0), ``dtrain cluster down`` removes it
 
 from dtrain.cluster.multinode import launch_on_cluster, node_env, run_on_cluster
 from dtrain.cluster.netns import ClusterError, EmulatedCluster, down, load, require_root, status, up
-from dtrain.cluster.slowdown import Straggler, slowdown_factor
+from dtrain.training.slowdown import Straggler, slowdown_factor
 
 __all__ = [
     "ClusterError",

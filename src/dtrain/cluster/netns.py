@@ -17,7 +17,7 @@ own network namespace, so nothing can leak onto the machine's real network):
   this was built on) :func:`up` says so instead of silently ignoring it.
 * Stragglers: ``slow={host: factor}`` is recorded in the state; the launcher
   gives that host's workers ``DTRAIN_SLOWDOWN=factor`` (see
-  :func:`dtrain.cluster.slowdown_factor`), which the training loop honours by
+  :func:`dtrain.training.slowdown.slowdown_factor`), which the training loop honours by
   stretching each step's compute to ``factor`` times its duration.
 
 State is kept in ``/run/dtrain/clusters/NAME.json`` (``DTRAIN_CLUSTER_DIR``

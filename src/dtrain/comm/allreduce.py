@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from dtrain import trace as _trace
 from dtrain.comm import cost as _cost
 from dtrain.comm._butterfly import rabenseifner, recursive_doubling
 from dtrain.comm._hierarchical import hierarchical
@@ -52,7 +53,6 @@ from dtrain.comm._ring import ring
 from dtrain.comm._tree import tree
 from dtrain.comm.transport import DEFAULT_TIMEOUT_S, TorchTransport, Transport
 from dtrain.errors import CommError, ConfigError
-from dtrain.observe import trace as _trace
 
 __all__ = [
     "ALGORITHMS",

@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
+from dtrain import trace as _trace
 from dtrain.comm._reduce import BUFFERS, average, check_op, check_tensor, combine, post_recv, post_send
 from dtrain.comm.transport import Transport
 from dtrain.errors import CommError, ConfigError
-from dtrain.observe import trace as _trace
 
 __all__ = ["SHARD_ALGORITHMS", "segment", "reduce_scatter_over", "allgather_over", "reduce_scatter", "allgather"]
 

@@ -29,8 +29,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from dtrain import trace as _trace
 from dtrain.errors import CommError, CommTimeoutError
-from dtrain.observe import trace as _trace
 
 __all__ = [
     "CommStats",

@@ -36,12 +36,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.comm.step_stats import StepStats
 from dtrain.comm.waits import GRACE_S, wait_work, with_step
 from dtrain.compress.reduce import BucketReducer
 from dtrain.data_parallel._buckets import Bucket
 from dtrain.data_parallel._comm import StreamSync
 from dtrain.errors import CommTimeoutError, DTrainError
-from dtrain.observe.step_stats import StepStats
 
 __all__ = ["PriorityScheduler"]
 

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain import trace as _trace
+from dtrain.comm.step_stats import StepStats
 from dtrain.comm.waits import wait_work
 from dtrain.compress.reduce import BucketReducer
 from dtrain.data_parallel._buckets import Bucket, build_buckets
@@ -41,8 +43,6 @@ from dtrain.data_parallel._optim import BucketOptimizer
 from dtrain.data_parallel._priority import PriorityScheduler
 from dtrain.data_parallel.options import DataParallelConfig
 from dtrain.errors import DTrainError
-from dtrain.observe import trace as _trace
-from dtrain.observe.step_stats import StepStats
 
 __all__ = ["Reducer", "UnusedParametersError"]
 

@@ -49,7 +49,7 @@ class Hybrid:
         sequence_parallel: tensor parallelism with sequence-sharded norms (default: False).
         algorithm: the dp allreduce algorithm (default: ring).
         timeout_s: seconds any wait may block (default: 300).
-        tracer: a :class:`dtrain.observe.trace.Tracer` for the pipeline's spans (default: None).
+        tracer: a :class:`dtrain.trace.Tracer` for the pipeline's spans (default: None).
         compressor: a :mod:`dtrain.compress` compressor (or spec) of the dp allreduce, as DataParallel's
             (error feedback and all); None: exact (default: None).
         loss_scale: fp16 loss scaling: a function giving the current scale; the backward starts from the

@@ -33,7 +33,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_numbers(cfg)
     _check_device(cfg)
     if cfg.trace_steps:
-        from dtrain.observe.trace import parse_trace_steps
+        from dtrain.trace import parse_trace_steps
 
         parse_trace_steps(cfg.trace_steps)
         if not cfg.trace:

@@ -38,7 +38,7 @@ from dtrain.errors import ConfigError
 from dtrain.job.config import RunConfig
 from dtrain.job.files import dump_toml
 from dtrain.job.validate import validate
-from dtrain.observe.trace import MetricsWriter, Tracer, activate, align_clock, merge_rank_files, parse_trace_steps
+from dtrain.trace import MetricsWriter, Tracer, activate, align_clock, merge_rank_files, parse_trace_steps
 from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.lr import lr_factor, schedule_updates
 from dtrain.workloads.batch import batch_note
@@ -266,7 +266,7 @@ def _prepare(cfg: RunConfig, quiet: bool) -> tuple[RunConfig, Path]:
     """Resolve the strategy, open the run folder, pin the checkpoint to resume from, write config.toml."""
     cfg = cfg.hooks.resolve(cfg)
     if cfg.tensorboard:  # refused before any process starts where the tensorboard package is missing
-        from dtrain.observe.trace import require_tensorboard
+        from dtrain.trace import require_tensorboard
 
         require_tensorboard()
     note = batch_note(cfg.batch_size, cfg.opts.batch_shards(cfg.workers))

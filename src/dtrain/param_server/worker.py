@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from dtrain import trace as _trace
 from dtrain.comm.transport import Transport, Work
 from dtrain.compress.base import Compressor
 from dtrain.errors import CommError, CommTimeoutError, DTrainError
-from dtrain.observe import trace as _trace
 from dtrain.param_server._liveness import Liveness
 from dtrain.param_server.protocol import (
     FLAG_STOP,

@@ -34,9 +34,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
-from dtrain.observe.trace import Tracer
 from dtrain.pipeline._channel import ACT, GRAD, Channel, PipelineError
 from dtrain.pipeline.schedules import Action, Schedule, flush_actions, with_comms
+from dtrain.trace import Tracer
 
 __all__ = ["Executor", "StepStats"]
 

@@ -36,11 +36,11 @@ import torch
 from torch import nn
 
 from dtrain.comm.transport import DEFAULT_TIMEOUT_S, TorchTransport, Transport
-from dtrain.observe.trace import Tracer
 from dtrain.pipeline import partition as _partition
 from dtrain.pipeline._channel import LOSS, STATE, Channel, PipelineError, next_space, tag
 from dtrain.pipeline.executor import Executor, StepStats
 from dtrain.pipeline.schedules import Schedule, ScheduleError, generate, validate, with_comms
+from dtrain.trace import Tracer
 
 __all__ = ["Pipeline", "PipelineError", "CHECKPOINTS", "SCHEDULES"]
 
@@ -74,7 +74,7 @@ class Pipeline:
         sample: one micro-batch of input for ``balance="time"`` / ``"memory"``.
         timeout: seconds any send or receive may block.
         transport: a :class:`~dtrain.comm.transport.Transport` to use instead of ``group``.
-        tracer: a :class:`~dtrain.observe.trace.Tracer` that gets a span per action (``"1F3"``, ``"2SB0"``: stage, op,
+        tracer: a :class:`~dtrain.trace.Tracer` that gets a span per action (``"1F3"``, ``"2SB0"``: stage, op,
             micro-batch) on track 1.
 
     Attributes:

@@ -66,8 +66,8 @@ from dtrain.comm.replicas import broadcast_tensors, check_same_everywhere, descr
 from dtrain.comm.shard import allgather as _native_allgather
 from dtrain.comm.shard import allgather_over, reduce_scatter_over, segment
 from dtrain.comm.shard import reduce_scatter as _native_reduce_scatter
+from dtrain.comm.step_stats import StepStats
 from dtrain.errors import ConfigError, DTrainError
-from dtrain.observe.step_stats import StepStats
 from dtrain.sharded._flat_units import Unit, plan_units
 from dtrain.sharded._streams import Job, Stream, private_group
 from dtrain.sharded.options import OVERLAPS, SHARD_ALGORITHMS, SHARDS

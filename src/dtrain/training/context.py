@@ -24,11 +24,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dtrain.cluster.slowdown import Straggler
 from dtrain.compress.base import Compressor
 from dtrain.job.config import RunConfig
-from dtrain.observe.trace import MetricsWriter, Tracer
-from dtrain.training import stragglers
+from dtrain.trace import MetricsWriter, Tracer
+from dtrain.training import slowdown
 from dtrain.training.batch_control import BatchControl
 from dtrain.training.evaluation import Evaluation
 from dtrain.training.factories import Factories
@@ -38,6 +37,7 @@ from dtrain.training.lr import LearningRate, lr_factor, schedule_updates
 from dtrain.training.noise_scale import NoiseScale, StepCost
 from dtrain.training.precision import Precision
 from dtrain.training.progress import progress_bar
+from dtrain.training.slowdown import Straggler
 from dtrain.workloads.data import DatasetSplit
 from dtrain.workloads.models import task_loss
 
@@ -238,11 +238,11 @@ class TrainContext:
 
     def straggler_factor(self, rank: int | None = None) -> float:
         """The slowdown factor of ``rank`` (default: this rank) from ``cfg.straggler``."""
-        return stragglers.straggler_factor(self.cfg.straggler, self.rank if rank is None else rank)
+        return slowdown.straggler_factor(self.cfg.straggler, self.rank if rank is None else rank)
 
     def straggler(self) -> Straggler:
-        """This rank's compute slowdown (:func:`dtrain.training.stragglers.straggler`)."""
-        return stragglers.straggler(self.cfg.straggler, self.rank)
+        """This rank's compute slowdown (:func:`dtrain.training.slowdown.straggler`)."""
+        return slowdown.straggler(self.cfg.straggler, self.rank)
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.cluster.slowdown import Straggler
 from dtrain.errors import ConfigError, DTrainError
 from dtrain.training.context import TrainContext
 from dtrain.training.guard import NonFiniteGuard
 from dtrain.training.live import EVERY, LiveRanks
 from dtrain.training.precision import LossScaler
+from dtrain.training.slowdown import Straggler
 from dtrain.training.watchdog import Heartbeat, explain
 
 if TYPE_CHECKING:

@@ -40,8 +40,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dtrain.errors import ConfigError
+from dtrain.job.config import parse_straggler
 
-__all__ = ["slowdown_factor", "Straggler"]
+__all__ = ["slowdown_factor", "Straggler", "straggler_factor", "straggler"]
 
 
 def slowdown_factor() -> float:
@@ -118,3 +119,17 @@ class Straggler:
         if extra > 0:
             self.sleep(extra)
         return extra
+
+
+def straggler_factor(spec: str, rank: int) -> float:
+    """The slowdown factor ``spec`` (``--straggler RANK:FACTOR``, or empty) gives ``rank``."""
+    if not spec:
+        return 1.0
+    r, f = parse_straggler(spec)
+    return f if r == rank else 1.0
+
+
+def straggler(spec: str, rank: int) -> Straggler:
+    """``rank``'s compute slowdown: :func:`straggler_factor` times the emulated host's ``DTRAIN_SLOWDOWN``;
+    call its ``stretch(compute_s)`` after backward."""
+    return Straggler(straggler_factor(spec, rank) * slowdown_factor())
