@@ -9,7 +9,7 @@ from typing import Any
 
 def launch_loopback(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int) -> dict[int, Any]:
     """``fn(*args)`` on ``nprocs`` processes over loopback; the values by rank."""
-    from dtrain.job.launch import NodeSpec, free_port, launch
+    from dtrain.launch.agent import NodeSpec, free_port, launch
 
     node = NodeSpec(rdzv_endpoint=f"127.0.0.1:{free_port()}", local_addr="127.0.0.1", env={"GLOO_SOCKET_IFNAME": "lo"})
     return launch(fn, args, nprocs=nprocs, threads=1, node=node)

@@ -41,7 +41,7 @@ def _calls(algorithm: str, numel: int, iters: int, piece: int, max_pieces: int) 
 
 
 def main() -> int:
-    from dtrain.job.launch import launch
+    from dtrain.launch.agent import launch
     from dtrain.measure.allreduce import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     import torch
 
-    from dtrain.job.launch import launch
+    from dtrain.launch.agent import launch
 
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {ns.workers} processes, gloo, "
           f"median of {ns.reps} (slowest rank), files under {ns.dir}")

@@ -30,7 +30,7 @@ def main() -> int:
     ns = ap.parse_args()
     import torch
 
-    from dtrain.job.launch import launch
+    from dtrain.launch.agent import launch
     from dtrain.measure._probes import coding_cpu
     from dtrain.perfmodel._traffic import compressed_traffic
     from dtrain.perfmodel.fit import fit_cpu_ratio

@@ -5,7 +5,7 @@ Two tables:
 1. **codec** (one process): for each compressor, the payload of a 1 MiB fp32
    gradient (bytes and ratio to dense) and encode+decode time per MB (median of
    ``--reps`` after one discarded warm-up), with ``none`` as the peer.
-2. **training** (``--workers`` processes through ``dtrain.job.launch.launch``, each
+2. **training** (``--workers`` processes through ``dtrain.launch.agent.launch``, each
    compressor in turn inside one launch): ``dtrain.DataParallel(compression=...)``
    trains a model on digits for ``--epochs`` epochs; per compressor the bytes a
    worker sent per step (the transport's counters) and the ratio to the
@@ -217,7 +217,7 @@ def dp_worker(
 def train_table(
     rows: list[dict[str, Any]], model: str, hidden: list[int], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    from dtrain.job.launch import launch
+    from dtrain.launch.agent import launch
 
     out = launch(dp_worker, (rows, model, hidden, args.seed, args.momentum_after, args.lr_schedule, args.timeout),
                  nprocs=args.workers)
@@ -238,7 +238,7 @@ def train_table(
 
 
 def ps_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.job.worker import run
 
     table = []

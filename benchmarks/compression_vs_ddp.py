@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     add_result_flags(ap)
     ns = ap.parse_args(argv)
     import dtrain.cluster as dc
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.job.validate import validate
     from dtrain.job.worker import run
 

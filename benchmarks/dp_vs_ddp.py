@@ -1,6 +1,6 @@
 """dtrain.DataParallel beside torch DDP: training steps per second, same model, data and seed.
 
-One launch of ``--nprocs`` processes (``dtrain.job.launch.launch``, gloo on CPU or
+One launch of ``--nprocs`` processes (``dtrain.launch.agent.launch``, gloo on CPU or
 NCCL on CUDA). Inside it, each ``dtrain.DataParallel`` configuration (allreduce
 algorithm x overlap mode) is timed back to back with torch DDP: the same model
 (``dtrain.workloads.models.build_model``, default the CNN), the same digits shards and the
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     add_result_flags(ap)
     a = ap.parse_args(argv)
 
-    from dtrain.job.launch import launch, threads_per_worker
+    from dtrain.launch.agent import launch, threads_per_worker
 
     algorithms = [s for s in a.algorithms.split(",") if s]
     overlaps = [s for s in a.overlap.split(",") if s]

@@ -305,7 +305,7 @@ def part_gpt(args: argparse.Namespace) -> None:
 
 
 def _free_port() -> int:
-    from dtrain.job.launch import free_port
+    from dtrain.launch.agent import free_port
 
     return free_port()
 

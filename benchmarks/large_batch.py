@@ -183,7 +183,7 @@ def _one(cfg: Any) -> dict[str, Any]:
     elif decisions:  # auto: the batch it chose for each epoch
         epoch_batches = [int(d["batch"]) for d in decisions]
     else:
-        from dtrain.training.large_batch import BatchPlan
+        from dtrain.optim.large_batch import BatchPlan
 
         n = _train_size(cfg)
         epoch_batches = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, n, cfg.epochs).batches
@@ -300,7 +300,7 @@ def main() -> int:
         return 0
     import torch
 
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
 
     common = dict(trace=False, progress=False, momentum=0.9, lr_schedule="constant", timeout_s=900.0,
                   eval_every=ns.eval_every)  # fmt: skip

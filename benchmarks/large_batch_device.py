@@ -17,7 +17,7 @@ Variants (``--model``, ``--epochs``, base batch ``--base`` with Adam ``--lr``; w
 * ``8x adam sqrt+warmup`` (and ``cosine``): Adam at 8x with the rate x sqrt(8) after warmup
 * ``1x adam lr=X`` (constant, cosine) and ``8x adam sqrt+warmup lr=X cosine`` for each X of ``--base-lrs``
 * ``1x adam P lr=X`` for P in fp32, bf16, fp16 at ``--precision-lr``: autocast on the device, fp16 with
-  dtrain's loss scaler (``dtrain.training.precision.LossScaler``, a skipped step on overflow)
+  dtrain's loss scaler (``dtrain.optim.precision.LossScaler``, a skipped step on overflow)
 * ``8x lamb lr=X`` (and ``cosine``): ``dtrain.optim.LAMB`` at 8x for each X of ``--lamb-lrs``, warmup
 * ``8x lamb lr=X wd=0.01 cosine``: the paper's weight decay
 
@@ -74,10 +74,10 @@ def train_one(name: str, keys: dict[str, Any], ns: argparse.Namespace) -> dict[s
     """Train one variant in this process; its figures."""
     import torch
 
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
+    from dtrain.optim.precision import LossScaler, Precision
     from dtrain.trace import MetricsWriter, Tracer
     from dtrain.training.context import TrainContext
-    from dtrain.training.precision import LossScaler, Precision
 
     torch.set_num_threads(ns.threads)
     dev = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))

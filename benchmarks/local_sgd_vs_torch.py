@@ -1,6 +1,6 @@
 """dtrain.LocalSGD beside torch's post-local SGD: mean step time, same model, data, period and warm-up.
 
-One launch of ``--nprocs`` processes (``dtrain.job.launch.launch``, gloo on CPU or NCCL on CUDA).
+One launch of ``--nprocs`` processes (``dtrain.launch.agent.launch``, gloo on CPU or NCCL on CUDA).
 torch's side is its documented recipe: DDP with ``post_localSGD_hook``
 (``PostLocalSGDState(process_group=None, subgroup=<1-rank groups>, start_localSGD_iter=W)``,
 so gradients are averaged globally for ``W`` steps and not at all afterwards) and
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     add_result_flags(ap)
     a = ap.parse_args(argv)
 
-    from dtrain.job.launch import launch, threads_per_worker
+    from dtrain.launch.agent import launch, threads_per_worker
 
     args = dict(model=a.model, algorithm=a.algorithm, period=a.period, warmup_steps=a.warmup_steps,
                 batch_size=a.batch_size, steps=a.steps, repeats=a.repeats, lr=a.lr, seed=a.seed)  # fmt: skip

@@ -54,7 +54,7 @@ def main() -> int:
     import torch
 
     import dtrain.cluster as dc
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.measure.calibrate import calibrate_cluster, summary
     from dtrain.perfmodel.ranking import plan
     from dtrain.perfmodel.spec import dump_cluster

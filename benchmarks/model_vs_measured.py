@@ -76,7 +76,7 @@ def main() -> int:
     import torch
 
     import dtrain.cluster as dc
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.measure.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.perfmodel.ranking import candidates, plan
     from dtrain.workloads.load import load_model

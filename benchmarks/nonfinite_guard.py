@@ -1,4 +1,4 @@
-"""The numerics guard's cost per training step (``dtrain.training.guard``).
+"""The numerics guard's cost per training step (``dtrain.optim.guard``).
 
 Two figures:
 
@@ -32,7 +32,7 @@ import torch
 
 
 def _step_times(name: str, batch: int, steps: int, warmup: int) -> dict[str, float]:
-    from dtrain.training.guard import first_nonfinite
+    from dtrain.optim.guard import first_nonfinite
     from dtrain.workloads.models import build_model, task_loss
 
     torch.manual_seed(0)
@@ -67,7 +67,7 @@ def _agreement(steps: int) -> dict[str, float]:
     import torch.distributed as dist
 
     from dtrain.comm.allreduce import allreduce
-    from dtrain.training.guard import flagged_ranks
+    from dtrain.optim.guard import flagged_ranks
     from dtrain.workloads.models import build_model
 
     grads = torch.cat([p.detach().flatten() for p in build_model("cnn").parameters()])
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = t["checked"] / t["plain"] - 1
         print(f"{name:<10} {batch:>5}   {t['plain'] * 1e3:>12.3f} ms   {t['checked'] * 1e3:>11.3f} ms"
               f"   {t['check'] * 1e6:>8.1f} us   {extra * 100:>+7.1f}% ({t['check'] / t['plain'] * 100:.1f}% alone)")
-    from dtrain.job.launch import launch
+    from dtrain.launch.agent import launch
 
     res: Any = launch(_agreement, (a.steps,), nprocs=a.nprocs)[0]
     print(f"\nagreement among {a.nprocs} gloo processes (median per step):")

@@ -6,7 +6,7 @@ a sample forward) and a ``head`` (``Linear(W, 10)``); 12 children by default, ``
 ``1,1,1,1,1,10,10,10,1,1``: three blocks ten times heavier than the rest, all in the second
 half, so that an even split of layer counts leaves the last stage with most of the work.
 
-One launch of ``--nprocs`` processes (``dtrain.job.launch.launch``, MASTER_ADDR 127.0.0.1, gloo on
+One launch of ``--nprocs`` processes (``dtrain.launch.agent.launch``, MASTER_ADDR 127.0.0.1, gloo on
 loopback, CPU, one intra-op thread each). In it:
 
 1. rank 0 profiles every child alone (``partition.profile_children``: forward + backward of one

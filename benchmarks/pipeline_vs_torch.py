@@ -1,6 +1,6 @@
 """dtrain.Pipeline beside torch.distributed.pipelining: samples/s, same model, same cut, same micro-batches.
 
-One launch of ``--nprocs`` processes (``dtrain.job.launch.launch``, MASTER_ADDR 127.0.0.1, gloo on
+One launch of ``--nprocs`` processes (``dtrain.launch.agent.launch``, MASTER_ADDR 127.0.0.1, gloo on
 loopback, CPU, one intra-op thread each: ``torch.set_num_threads(1)``). Inside it, for each
 workload and each schedule pair, both systems are built from the same seed and cut the same
 way (``--balance``, computed once by ``dtrain.pipeline.partition.balance`` and passed as

@@ -83,7 +83,7 @@ def _many(cfgs: dict[str, Any], jobs: int, deadline_s: float,
     """Each ``key: RunConfig`` as its own ``dtrain run`` process tree, ``jobs`` at a time: key -> its record,
     or why it failed. Runs still going at ``deadline_s`` are stopped and recorded from the evaluations they
     printed (``partial``). ``logs``: every run's output is appended there."""
-    from dtrain.job.files import dump_toml
+    from dtrain.config.files import dump_toml
 
     out: dict[str, dict[str, Any] | str] = {}
     todo, running = list(cfgs), {}
@@ -217,7 +217,7 @@ def main() -> int:
     if not ns.table:
         import torch
 
-        from dtrain.job.config import RunConfig
+        from dtrain.config.schema import RunConfig
 
         common = dict(trace=False, progress=False, workers=ns.workers, timeout_s=ns.timeout_s, device=ns.device)
         bases = {

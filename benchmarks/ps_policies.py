@@ -1,6 +1,6 @@
 """Parameter-server consistency policies side by side, with and without a 4x straggler.
 
-One launch of ``servers + workers`` processes (``dtrain.job.launch.launch``, gloo). Inside
+One launch of ``servers + workers`` processes (``dtrain.launch.agent.launch``, gloo). Inside
 it every policy runs twice -- plainly, and with the last worker slowed down
 ``--factor`` times, as ``dtrain run --straggler RANK:FACTOR`` does
 (:class:`dtrain.cluster.Straggler`: after each backward pass it sleeps so that its
@@ -94,7 +94,7 @@ POLICIES = ("bsp", "asp", "ssp:2", "softsync:2", "backup:1")
 
 
 def _one(rank: int, world: int, cfg_dict: dict[str, Any], out: str) -> dict[str, Any]:
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.job.worker import TrainContext
     from dtrain.strategies.ps import run_process
     from dtrain.trace import MetricsWriter, Tracer
@@ -133,7 +133,7 @@ def _process(plan: list[tuple[str, dict[str, Any]]], root: str) -> dict[str, lis
 
 
 def _summaries(cfg: dict[str, Any], per_rank: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.job.worker import summarize
 
     c = RunConfig.from_mapping(cfg)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    from dtrain.job.launch import launch
+    from dtrain.launch.agent import launch
     from dtrain.param_server.consistency import parse_consistency
 
     for p in policies:

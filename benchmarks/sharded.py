@@ -1,6 +1,6 @@
 """dtrain.ShardedDataParallel (ZeRO stages 1-3) beside torch's and DeepSpeed's sharding: time, bytes, memory.
 
-One launch of ``--nprocs`` processes (``dtrain.job.launch.launch``, MASTER_ADDR 127.0.0.1, gloo on
+One launch of ``--nprocs`` processes (``dtrain.launch.agent.launch``, MASTER_ADDR 127.0.0.1, gloo on
 loopback, CPU, one intra-op thread each). Inside it every system below is built from the same
 seed (``dtrain.workloads.models.build_model(--model, seq_len, vocab_size=256)``), trained with Adam
 (``--lr``, torch's defaults otherwise) on the same per-rank batches (``--batch-size`` global,

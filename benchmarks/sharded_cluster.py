@@ -50,7 +50,7 @@ def main() -> int:
     import torch
 
     import dtrain.cluster as dc
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.measure.calibrate import calibrate_cluster, summary
     from dtrain.perfmodel.ranking import plan
     from dtrain.workloads.load import load_model

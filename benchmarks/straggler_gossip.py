@@ -70,7 +70,7 @@ def main() -> int:
     ns = ap.parse_args()
     import torch
 
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
 
     names = [n for n in ns.strategies.split(",") if n]
     dataset = ns.dataset or ("pytext" if ns.model.startswith("gpt") else "digits")

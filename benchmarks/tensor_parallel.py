@@ -1,6 +1,6 @@
 """dtrain.tensor_parallel beside torch's DTensor tensor parallelism: step time, bytes, memory.
 
-One launch of ``--tp`` processes (``dtrain.job.launch.launch``, MASTER_ADDR 127.0.0.1, gloo on loopback,
+One launch of ``--tp`` processes (``dtrain.launch.agent.launch``, MASTER_ADDR 127.0.0.1, gloo on loopback,
 CPU, one intra-op thread each) is one tensor-parallel group. Inside it every system is built from
 the same seed (``dtrain.workloads.models.build_model(--model, seq_len, vocab_size=256)``) and trained with
 plain SGD (``--lr``) on the same fixed batches (``--batch`` x ``--seq-len`` tokens, the whole batch

@@ -163,7 +163,7 @@ def main() -> int:
     import torch
 
     import dtrain.cluster as dc
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.job.worker import run
     from dtrain.measure.calibrate import calibrate_cluster, summary
     from dtrain.workloads.data import load_dataset, unigram_entropy

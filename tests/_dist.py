@@ -30,7 +30,8 @@ from typing import Any
 __all__ = ["Outcome", "spawn", "run_distributed", "free_port", "guard", "scenario_result", "PRELOAD"]
 
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "sklearn.datasets",
-           "sklearn.model_selection", "tqdm", "dtrain.job.worker", "dtrain.job.launch"]  # _dynamo: optimizers import it
+           "sklearn.model_selection", "tqdm", "dtrain.job.worker",
+           "dtrain.launch.agent"]  # _dynamo: optimizers import it
 
 
 def free_port() -> int:

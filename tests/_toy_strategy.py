@@ -89,7 +89,7 @@ class AloneEngine:
 
 
 def _run(ctx: TrainContext) -> dict[str, Any]:
-    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.training.checkpointing import RunCheckpointer
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)
     return run_loop(ctx, AloneEngine(ctx, ckpt), ckpt)

@@ -6,7 +6,7 @@ most test runs train). Here one helper process per test process (the *zygote*) i
 and its workers import, starts the workers' forkserver once, and then forks a child per command line; the
 child runs ``dtrain.cli.main(ARGS)`` as the command would, its stdout and stderr in files the test reads,
 its exit status the command's. Its workers fork from the zygote's forkserver and write to the child's
-stdout and stderr (``dtrain.job.forkserver.LauncherStdio``), so a test reads what a user would see.
+stdout and stderr (``dtrain.launch.forkserver.LauncherStdio``), so a test reads what a user would see.
 
 What differs from a fresh interpreter: nothing is imported at the start (each module is the one the zygote
 imported, before any command ran), and the workers' forkserver is shared by the test process's commands.
@@ -60,7 +60,7 @@ def _read(sock: socket.socket, n: int) -> bytes | None:
 
 # what the command imports besides its workers' modules: its own, and what it uses once the workers are done
 # (the run's report and curves.png); imported here once instead of in every command's child
-AFTER_THE_RUN = ("dtrain.cli", "dtrain.strategies.builtin", "dtrain.checkpoint.training", "dtrain.observe.report",
+AFTER_THE_RUN = ("dtrain.cli", "dtrain.strategies.builtin", "dtrain.training.checkpointing", "dtrain.observe.report",
                  "matplotlib.pyplot")
 
 
@@ -68,7 +68,7 @@ def serve(fd: int) -> None:
     """The zygote's loop: import, start the forkserver, then fork a child per ``start`` request."""
     import importlib
 
-    from dtrain.job.forkserver import PRELOAD, prestart
+    from dtrain.launch.forkserver import PRELOAD, prestart
 
     os.environ.setdefault("MPLBACKEND", "Agg")  # what the run's curves.png is drawn with (dtrain.observe.report)
     for name in (*PRELOAD, *AFTER_THE_RUN):

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from _helpers import dtrain_runs, read_metrics, read_summary
 
+from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig
 from dtrain.observe.attribution import arrivals, attribute, own_s, step_time
 from dtrain.observe.report import report
 

@@ -23,10 +23,10 @@ from dtrain.checkpoint import (
     read_info,
     save_checkpoint,
 )
-from dtrain.checkpoint.training import run_info
+from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig
 from dtrain.job.validate import validate
+from dtrain.training.checkpointing import run_info
 from dtrain.workloads.models import build_model
 
 TOL = 1e-6

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from dtrain.cli import build_parser, config_from_args, main, run_help
+from dtrain.config.files import dump_toml, load_toml
+from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig
-from dtrain.job.files import dump_toml, load_toml
 from dtrain.registry import registered
 
 

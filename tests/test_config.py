@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 
 from dtrain.cli import build_parser, config_from_args
+from dtrain.config.files import dump_toml, load_toml
+from dtrain.config.schema import RunConfig, parse_straggler
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig, parse_straggler
-from dtrain.job.files import dump_toml, load_toml
 from dtrain.job.validate import validate
 
 
@@ -90,7 +90,7 @@ def test_every_field_has_a_flag():
     ap = build_parser()
     run = next(a for a in ap._subparsers._group_actions[0].choices.values() if a.prog.endswith("run"))
     dests = {a.dest for a in run._actions}
-    from dtrain.job.config import option_fields
+    from dtrain.config.schema import option_fields
 
     for name in [f.name for f in RunConfig.shared_fields()] + list(option_fields()):
         assert name in dests, name

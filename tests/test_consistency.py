@@ -4,8 +4,8 @@ import random
 
 import pytest
 
+from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig
 from dtrain.job.validate import validate
 from dtrain.param_server.consistency import (
     ASP,

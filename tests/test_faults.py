@@ -18,10 +18,10 @@ import torch
 from _helpers import dtrain_cli, read_metrics, read_summary
 
 from dtrain.checkpoint import list_checkpoints
+from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError, NonFiniteError
-from dtrain.job.config import RunConfig
 from dtrain.job.validate import validate
-from dtrain.training.guard import NonFiniteGuard, first_nonfinite
+from dtrain.optim.guard import NonFiniteGuard, first_nonfinite
 from dtrain.workloads.models import build_model
 
 TESTS = Path(__file__).resolve().parent

@@ -28,11 +28,11 @@ from _helpers import dtrain_cli, mean_losses, read_summary
 from _procs import Run, kill_rank, past_checkpoint, rank_pid
 
 from dtrain.checkpoint import read_checkpoint
-from dtrain.checkpoint.restart import RestartLog, resume_after_restart
+from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig
-from dtrain.job.launch import _causes, _failed, _restart
+from dtrain.job.restart import RestartLog, resume_after_restart
 from dtrain.job.validate import validate
+from dtrain.launch.agent import _causes, _failed, _restart
 
 # 3 workers (rank 2 is killed); 48 samples a step, 29 steps an epoch: 30 steps cross into the second epoch,
 # so a resume from step 10 or 20 also crosses it; the kill comes 3 steps after the step-10 checkpoint (rows

@@ -23,7 +23,7 @@ from _helpers import dtrain_cli, read_summary
 from _procs import processes, workers_of
 
 from dtrain.checkpoint import MARKER, find_checkpoint
-from dtrain.job.config import RunConfig
+from dtrain.config.schema import RunConfig
 from dtrain.job.worker import _interrupted_message
 
 LONG_RUN = ("run", "--workers", "2", "--epochs", "200", "--no-progress")

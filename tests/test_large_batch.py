@@ -1,7 +1,7 @@
-"""Large-batch rules (:mod:`dtrain.training.large_batch`): lr scaling, gradual warmup, batch schedules, and the
+"""Large-batch rules (:mod:`dtrain.optim.large_batch`): lr scaling, gradual warmup, batch schedules, and the
 optimizers made for large batches, from the formulas up to ``dtrain run``.
 
-Oracles: the formulas of :mod:`dtrain.training.large_batch`'s docstring written out by hand here (not by calling the
+Oracles: the formulas of :mod:`dtrain.optim.large_batch`'s docstring written out by hand here (not by calling the
 functions under test): ``lr(t) = lr x k x warmup(t) x schedule(t)`` with ``k = B(t) / base_batch``, Goyal et
 al.'s ``warmup(t) = (1 + (k - 1) t / W) / k`` for ``k > 1`` and ``(t + 1) / W`` for ``k = 1``; an epoch of ``n``
 samples over ``s`` shards at global batch ``B`` has ``(n // s) // (B // s)`` steps. A run interrupted by
@@ -18,12 +18,12 @@ import torch
 from _helpers import dtrain_cli, mean_losses, read_metrics, read_summary
 
 from dtrain.checkpoint import read_checkpoint
+from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig
 from dtrain.job.validate import validate
+from dtrain.optim.large_batch import BatchPlan, parse_batch_schedule, scaling_factor, warmup_factor
 from dtrain.trace import MetricsWriter, Tracer
 from dtrain.training.context import TrainContext
-from dtrain.training.large_batch import BatchPlan, parse_batch_schedule, scaling_factor, warmup_factor
 
 DIGITS_TRAIN = 1437  # scikit-learn's digits, the 80% dtrain trains on (checked below)
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import dtrain
-from dtrain.job.launch import LaunchError, launch, threads_per_worker
+from dtrain.launch.agent import LaunchError, launch, threads_per_worker
 
 
 def _sum_ranks(x):

@@ -25,8 +25,8 @@ import torch
 from _helpers import dtrain_cli, read_summary
 
 from dtrain.checkpoint import read_checkpoint, save_checkpoint
+from dtrain.config.schema import RunConfig
 from dtrain.errors import DTrainError
-from dtrain.job.config import RunConfig
 from dtrain.job.validate import validate
 from dtrain.strategies.pipeline import PipelineEngine, PipelineOptions
 

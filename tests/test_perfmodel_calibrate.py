@@ -80,7 +80,7 @@ def test_coding_probe_counts_user_cpu_in_calls_agreed_by_every_rank():
     # two real gloo processes: every rank makes the same number of calls (they are collective), enough
     # for the tick-sampled user share or the cap, and a user share in (0, 1] of positive CPU
     import dtrain.measure._probes as probes
-    from dtrain.job.launch import launch
+    from dtrain.launch.agent import launch
 
     out = launch(probes.coding_cpu, ("cnn", "digits", ["fp16", "topk:0.01"], 3), nprocs=2, threads=1)
     for spec in ("fp16", "topk:0.01"):

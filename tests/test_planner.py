@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dtrain.job.config import RunConfig
+from dtrain.config.schema import RunConfig
 from dtrain.job.validate import validate
 from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, plan
 from dtrain.perfmodel.ranking import candidates

@@ -1,4 +1,4 @@
-"""``dtrain run --precision bf16 | fp16`` end to end, and :class:`dtrain.training.precision.LossScaler` alone.
+"""``dtrain run --precision bf16 | fp16`` end to end, and :class:`dtrain.optim.precision.LossScaler` alone.
 
 - LossScaler in one process (growth after ``growth_interval`` clean steps, backoff, another rank's verdict
   obeyed, the collapse naming the step and the scale) and in two gloo processes where one rank always
@@ -30,7 +30,7 @@ from _helpers import dtrain_cli, mean_losses, read_metrics, read_summary
 
 from dtrain.errors import ConfigError
 from dtrain.job.validate import validate
-from dtrain.training.precision import LossScaleCollapsed, LossScaler, Precision
+from dtrain.optim.precision import LossScaleCollapsed, LossScaler, Precision
 
 BASE = ["--epochs", "1", "--no-progress", "--no-trace", "--timeout-s", "60", "--optimizer", "adam", "--lr", "0.003"]
 # the default model and data, cnn on digits: Adam at 0.01 for 20 steps (about the first ten are a plateau) leaves
@@ -170,7 +170,7 @@ def test_precision_names_and_the_wire():
 
 
 def _always_overflows_on_rank_1(rank: int, world: int) -> dict[str, Any]:
-    from dtrain.training.guard import flagged_ranks
+    from dtrain.optim.guard import flagged_ranks
 
     w = torch.nn.Parameter(torch.zeros(2))
     s = LossScaler([w], flagged_ranks, rank=rank)  # the defaults: 2**16, down to min_scale 1
@@ -370,7 +370,7 @@ def test_an_unknown_precision_is_refused_naming_it(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "--precision", "fp8"])
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
 
     with pytest.raises(ConfigError, match="fp8"):
         validate(RunConfig.make(precision="fp8", workers=2))  # a TOML file's value

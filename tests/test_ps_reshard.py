@@ -15,13 +15,13 @@ from _helpers import dtrain_cli, max_diff, mean_losses, read_summary
 from _procs import Run, kill_rank, past_checkpoint
 
 from dtrain.checkpoint import read_checkpoint, save_checkpoint
-from dtrain.checkpoint.training import run_info
+from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig
 from dtrain.job.validate import validate
 from dtrain.param_server.consistency import parse_consistency
 from dtrain.param_server.parameter_server import reshard_server_state
 from dtrain.strategies.ps import PSOptions
+from dtrain.training.checkpointing import run_info
 
 # ---------------------------------------------------------------------- one process: the rules
 

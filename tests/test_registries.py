@@ -3,13 +3,12 @@ the CLI, the planner and the checkpoint checks: one registry per name family."""
 
 import pytest
 
-from dtrain.checkpoint.training import run_info
 from dtrain.cli import build_parser, config_from_args
 from dtrain.comm.allreduce import ALGORITHMS as COMM_ALGORITHMS
 from dtrain.comm.cost import ALGORITHMS as COST_ALGORITHMS
 from dtrain.compress import REGISTRY as COMPRESSORS
+from dtrain.config.schema import ConfigHooks
 from dtrain.data_parallel.options import ALGORITHMS, OVERLAPS
-from dtrain.job.config import ConfigHooks
 from dtrain.job.validate import validate
 from dtrain.param_server.consistency import POLICIES
 from dtrain.perfmodel import ClusterSpec, Device, Link
@@ -18,6 +17,7 @@ from dtrain.perfmodel.hooks import ModelHooks
 from dtrain.perfmodel.ranking import candidates
 from dtrain.perfmodel.simulator import parse_policy
 from dtrain.strategies import registered
+from dtrain.training.checkpointing import run_info
 from dtrain.training.context import ProcessHooks
 
 _ARGS = {"qsgd": "qsgd:16", "topk": "topk:0.01", "randomk": "randomk:0.05", "threshold": "threshold:0.001",

@@ -87,7 +87,7 @@ def test_strategy_auto_runs_the_planners_choice(tmp_path):
                    "--out", str(out), "--no-progress", timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "--strategy auto chose:" in p.stderr
-    from dtrain.job.files import load_toml
+    from dtrain.config.files import load_toml
 
     chosen = load_toml(out / "config.toml")  # the rerunnable, resolved choice
     # the planner may pick fewer processes than asked (a single process can win on 2 cores)
@@ -146,7 +146,7 @@ def test_scheduled_updates_compose_with_the_servers_own_lr_scaling():
 def test_server_updates_per_consistency():
     from pathlib import Path
 
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.job.worker import TrainContext
     from dtrain.strategies.ps import server_updates
     from dtrain.workloads.data import load_dataset

@@ -6,8 +6,8 @@ import pytest
 from _helpers import FakeClock
 
 from dtrain.cluster import Straggler
+from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig
 from dtrain.job.worker import TrainContext
 
 

@@ -81,7 +81,7 @@ def test_toy_strategy_in_the_planner_and_the_cli(toy):
 
 
 def test_options_of_another_strategy_are_refused_with_where_they_belong():
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
 
     with pytest.raises(ConfigError, match=r"belongs to strategy (\w+ / )*ps\b"):
         RunConfig.make(strategy="dp", servers=2)

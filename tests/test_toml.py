@@ -1,9 +1,9 @@
-"""dtrain.job.files.read_toml: the one TOML reader (run configs, cluster files) and its errors."""
+"""dtrain.config.files.read_toml: the one TOML reader (run configs, cluster files) and its errors."""
 
 import pytest
 
+from dtrain.config.files import read_toml
 from dtrain.errors import ConfigError
-from dtrain.job.files import read_toml
 
 
 def test_reads_a_table(tmp_path):

@@ -7,8 +7,8 @@ import pytest
 from _helpers import dtrain_cli, read_metrics, read_summary
 from test_planner import spec, tiny
 
+from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig
 from dtrain.job.validate import validate
 from dtrain.perfmodel import plan
 from dtrain.workloads.batch import batch_note, split_batch

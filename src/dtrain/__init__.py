@@ -51,10 +51,9 @@ _SUBPACKAGES: dict[str, str] = {
     **{n: f"dtrain.{n}" for n in ("comm", "compress", "perfmodel", "planning", "strategies", "cluster", "param_server",
                                   "data_parallel", "checkpoint", "decentralized", "pipeline", "sharded",
                                   "tensor_parallel", "optim", "training", "job", "workloads", "observe", "measure",
-                                  "hybrid_parallel")},
-    "precision": "dtrain.training.precision",
-    "large_batch": "dtrain.training.large_batch",
-    "launch": "dtrain.job.launch",
+                                  "hybrid_parallel", "config", "launch")},
+    "precision": "dtrain.optim.precision",
+    "large_batch": "dtrain.optim.large_batch",
     "models": "dtrain.workloads.models",
 }
 

@@ -1,6 +1,6 @@
 """The ``dtrain`` command: run, bench, plan, cluster, report.
 
-``dtrain run`` flags are generated from :class:`dtrain.job.config.RunConfig`'s shared
+``dtrain run`` flags are generated from :class:`dtrain.config.schema.RunConfig`'s shared
 fields and every registered strategy's options dataclass (``batch_size`` ->
 ``--batch-size``, ``PSOptions.servers`` -> ``--servers``), so the TOML keys and
 the flags cannot drift apart; each flag's help is its field's ``help`` metadata. Precedence:
@@ -28,15 +28,15 @@ from dtrain.errors import DTrainError, run_command
 
 if TYPE_CHECKING:
     from dtrain.cluster.nodes import NodeArgs
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
 
 # the configuration's modules import torch: they load after main() has started the workers' forkserver
 __all__ = ["main", "build_parser", "config_from_args", "nodes_from_args"]
 
 
 def _choices() -> dict[str, Sequence[str]]:
-    from dtrain.job.config import DEVICES, LR_SCHEDULES, OPTIMIZERS, PRECISIONS
-    from dtrain.training.large_batch import AUTO_RULES, LR_SCALINGS
+    from dtrain.config.schema import DEVICES, LR_SCHEDULES, OPTIMIZERS, PRECISIONS
+    from dtrain.optim.large_batch import AUTO_RULES, LR_SCALINGS
 
     return {"optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES, "precision": PRECISIONS, "device": DEVICES,
             "lr_scaling": LR_SCALINGS, "auto_rule": AUTO_RULES}
@@ -79,7 +79,7 @@ def _help(f: dataclasses.Field[Any]) -> str:
 
 def _shared_groups() -> list[tuple[str, list[dataclasses.Field[Any]]]]:
     """RunConfig's shared fields in their groups (titled as :data:`_GROUPS`), in RunConfig's order."""
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
 
     out: list[tuple[str, list[dataclasses.Field[Any]]]] = []
     for f in RunConfig.shared_fields():
@@ -99,7 +99,7 @@ def _strategy_fields(strategy: str) -> list[dataclasses.Field[Any]]:
 def _add_run_flags(p: argparse.ArgumentParser, only: str | None = None) -> None:
     """``dtrain run``'s flags: the shared ones, then every strategy's options (``only``: that strategy's),
     then the node flags. Every flag of every strategy is parsed; ``--help`` shows what ``only`` selects."""
-    from dtrain.job.config import option_fields
+    from dtrain.config.schema import option_fields
     from dtrain.registry import registered
 
     p.add_argument("-h", "--help", action=_RunHelp, help="this help; with --strategy NAME (or a CONFIG that names "
@@ -138,7 +138,7 @@ def _strategy_of(ns: argparse.Namespace) -> str | None:
     if getattr(ns, "strategy", None):
         return str(ns.strategy)
     if getattr(ns, "config", None):
-        from dtrain.job.files import load_toml
+        from dtrain.config.files import load_toml
         from dtrain.registry import registered
 
         try:
@@ -291,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(ns: argparse.Namespace) -> RunConfig:
     """TOML file (if any), then the flags that were given: shared keys and flat strategy options."""
-    from dtrain.job.config import RunConfig, option_fields
-    from dtrain.job.files import load_toml
+    from dtrain.config.files import load_toml
+    from dtrain.config.schema import RunConfig, option_fields
 
     values: dict[str, Any] = load_toml(ns.config) if getattr(ns, "config", None) else {}
     options = option_fields()
@@ -314,8 +314,8 @@ def _delegate(module: str, argv: list[str]) -> int:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from dtrain.job.launch import LaunchInterrupted
     from dtrain.job.worker import run
+    from dtrain.launch.agent import LaunchInterrupted
 
     cfg = config_from_args(ns)
     nodes = nodes_from_args(ns)
@@ -365,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # (not for a node of several: its meeting comes first, and a node that fails it starts no forkserver)
     if argv[:1] == ["run"] and not {"-h", "--help", "--cluster", "--nnodes"} & set(argv):
-        from dtrain.job.launch import prestart
+        from dtrain.launch.agent import prestart
 
         prestart()  # the workers' forkserver imports torch while this process reads the configuration
     if argv[:1] == ["run"]:  # --help last: it shows the strategy that --strategy or CONFIG names, wherever they are

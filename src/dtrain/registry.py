@@ -2,7 +2,7 @@
 
 A strategy is one :class:`Strategy` entry (torchtitan's ``TrainSpec`` is the
 model): its name, its options dataclass, and the hooks each layer asks it for,
-one object per layer: :class:`dtrain.job.config.ConfigHooks` (the configuration's
+one object per layer: :class:`dtrain.config.schema.ConfigHooks` (the configuration's
 checks and ``auto``'s ``resolve``), :class:`dtrain.training.context.ProcessHooks`
 (the process body that ``dtrain run`` starts) and
 :class:`dtrain.perfmodel.hooks.ModelHooks` (the performance model's ``predict``,

@@ -2,7 +2,7 @@
 
 Started inside the host's network namespace by
 :func:`dtrain.cluster.run_on_cluster`; reads the pickled payload, runs
-:func:`dtrain.job.launch.launch` with the host's :class:`~dtrain.job.launch.NodeSpec` and
+:func:`dtrain.launch.agent.launch` with the host's :class:`~dtrain.launch.agent.NodeSpec` and
 pickles ``(True, {rank: value})`` or ``(False, message)`` next to the payload.
 """
 
@@ -31,7 +31,7 @@ def _load_main(script: str) -> None:
 
 
 def main(path: str, script: str = "") -> int:
-    from dtrain.job.launch import NodeSpec, launch
+    from dtrain.launch.agent import NodeSpec, launch
 
     if script:
         _load_main(script)

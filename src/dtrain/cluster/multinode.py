@@ -2,8 +2,8 @@
 
 :func:`run_on_cluster` does on one machine exactly what a job on N real
 machines does: on every host ``i`` it starts ``ip netns exec dtc-NAME-h<i>
-python -m dtrain.cluster._node``, which calls :func:`dtrain.job.launch.launch` with a
-:class:`~dtrain.job.launch.NodeSpec` -- a c10d rendezvous hosted on host 0
+python -m dtrain.cluster._node``, which calls :func:`dtrain.launch.agent.launch` with a
+:class:`~dtrain.launch.agent.NodeSpec` -- a c10d rendezvous hosted on host 0
 (``is_host`` there), each node advertising its own address (``local_addr``), and
 ``GLOO_SOCKET_IFNAME=eth0`` so gloo binds the host's shaped interface rather than
 the hostname's address. Ranks are numbered host by host (host ``i`` holds global
@@ -32,7 +32,7 @@ from typing import IO, Any
 
 from dtrain.cluster.netns import IFACE, EmulatedCluster, load, require_root
 from dtrain.errors import ConfigError
-from dtrain.job.launch import LaunchError
+from dtrain.launch.agent import LaunchError
 
 __all__ = ["run_on_cluster", "launch_on_cluster", "node_env", "run_nodes_on_cluster"]
 
@@ -221,7 +221,7 @@ def launch_on_cluster(
     timeout_s: float = 3600.0,
     stream_first: bool = True,
 ) -> dict[int, Any]:
-    """Drop-in for :func:`dtrain.job.launch.launch` that spreads ``nprocs`` over a cluster's hosts.
+    """Drop-in for :func:`dtrain.launch.agent.launch` that spreads ``nprocs`` over a cluster's hosts.
 
     ``dtrain run --cluster NAME`` calls this instead of ``launch``: the processes
     are split evenly over the hosts (host ``i`` gets ranks ``i*k..i*k+k-1``).

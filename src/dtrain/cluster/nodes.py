@@ -10,7 +10,7 @@ from SLURM's environment (:func:`from_slurm`). The meaning is torchrun's: node `
 ``R*k .. R*k+k-1``).
 
 Node 0 hosts the job's store (a ``TCPStore``) on ``HOST:PORT``, listening on that address only
-(:func:`dtrain.job.store.host_store`); the other nodes, torch's elastic agents and every worker are its
+(:func:`dtrain.launch.store.host_store`); the other nodes, torch's elastic agents and every worker are its
 clients. Before any worker starts, the nodes meet there (:class:`Meeting`):
 
 1. each node checks that the store serves its job (``--rdzv-id``); a node of another job is refused,

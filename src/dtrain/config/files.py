@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from dtrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -1,6 +1,6 @@
 """Run configuration: what every run shares, plus the chosen strategy's own options.
 
-Configuration flows one way: TOML file (:mod:`dtrain.job.files`) -> command-line overrides ->
+Configuration flows one way: TOML file (:mod:`dtrain.config.files`) -> command-line overrides ->
 a :class:`RunConfig` checked by :func:`dtrain.job.validate.validate` -> constructors. The
 validation runs in the parent process before any worker starts, so a typo costs a second,
 not a launch. This module is the schema: the fields, building a configuration from values
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import ConfigError
+from dtrain.optim.precision import PRECISIONS
 from dtrain.registry import Strategy, StrategyOptions, get, options_for, registered
-from dtrain.training.precision import PRECISIONS
 
 if TYPE_CHECKING:
     from dtrain.workloads.data import DatasetSplit
@@ -269,7 +269,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", options_for(self.strategy, self.options))
         if self.batch_schedule and self.batch_schedule != "auto":  # its epoch-0 batch is the run's first
-            from dtrain.training.large_batch import parse_batch_schedule
+            from dtrain.optim.large_batch import parse_batch_schedule
 
             object.__setattr__(self, "batch_size", parse_batch_schedule(self.batch_schedule)[0][1])
 

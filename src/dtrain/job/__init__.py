@@ -1,11 +1,10 @@
-"""Running a job: ``dtrain run`` from its configuration to its processes.
+"""Running a job: ``dtrain run`` from a validated configuration to its summary.
 
-* :mod:`.config` -- :class:`~.config.RunConfig`, what every run shares plus the strategy's options;
-* :mod:`.files` -- reading TOML files (run configurations, cluster descriptions) with errors that name them;
-* :mod:`.worker` -- the parent process of ``dtrain run`` and each worker's entry point;
-* :mod:`.launch` -- starting worker processes through torch's elastic agent (torchrun as a library);
-* :mod:`.store` -- the job's store, where the agents meet and the workers form their process group;
-* :mod:`.forkserver` -- workers forked from a server that imported torch once.
+* :mod:`.validate` -- the checks made before any process starts (values, CUDA, the data, a resumed
+  checkpoint), each error naming what to change;
+* :mod:`.worker` -- the parent process of ``dtrain run`` (launch, summary) and each worker's entry point;
+* :mod:`.restart` -- resuming after a lost process: the restart log and the checkpoint to restart from.
 
+The configuration itself is :mod:`dtrain.config`; starting processes is :mod:`dtrain.launch`.
 This package imports nothing itself.
 """

@@ -1,6 +1,6 @@
 """Elastic restarts (``dtrain run --max-restarts N``): where a restarted attempt resumes, and what is said.
 
-torch's elastic agent (:func:`dtrain.job.launch.launch` with ``max_restarts``) stops every worker when
+torch's elastic agent (:func:`dtrain.launch.agent.launch` with ``max_restarts``) stops every worker when
 one fails and starts them all again; the new workers see ``TORCHELASTIC_RESTART_COUNT`` > 0. Then:
 
 1. every worker resumes from the run folder's newest complete checkpoint whose files match its
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 from dtrain.checkpoint.layout import CHECKPOINTS_DIR, CheckpointError, find_checkpoint, read_info
 
 if TYPE_CHECKING:
-    from dtrain.job.config import RunConfig
-    from dtrain.job.launch import Restart
+    from dtrain.config.schema import RunConfig
+    from dtrain.launch.agent import Restart
 
 __all__ = ["restart_count", "restart_checkpoint", "resume_after_restart", "RestartLog"]
 

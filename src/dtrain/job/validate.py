@@ -2,7 +2,7 @@
 
 The checks that go beyond a field's own value: names against what is registered, numbers
 against each other, the device (probing CUDA), the dataset (loading it, for its size), the batch
-schedule, the strategy's own cross-checks (its :class:`~dtrain.job.config.ConfigHooks`) and a
+schedule, the strategy's own cross-checks (its :class:`~dtrain.config.schema.ConfigHooks`) and a
 checkpoint to resume (read on disk). :func:`dtrain.job.worker.run` calls it in the parent process.
 """
 
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dtrain.errors import ConfigError, check_choice
-from dtrain.job.config import (
+from dtrain.config.schema import (
     BACKENDS,
     DEVICES,
     LR_SCHEDULES,
@@ -21,6 +20,7 @@ from dtrain.job.config import (
     RunConfig,
     parse_straggler,
 )
+from dtrain.errors import ConfigError, check_choice
 
 __all__ = ["validate", "CUDA_STRATEGIES"]
 
@@ -44,7 +44,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         if rank >= cfg.num_processes:
             raise ConfigError(f"straggler rank {rank} is outside the {cfg.num_processes} processes")
     cfg.hooks.check(cfg.opts, cfg)
-    from dtrain.checkpoint.training import check_resume
+    from dtrain.training.checkpointing import check_resume
 
     check_resume(cfg)
     return cfg
@@ -61,7 +61,7 @@ def _check_names(cfg: RunConfig) -> None:
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
     check_choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
     check_choice("precision", cfg.precision, PRECISIONS)
-    from dtrain.training.large_batch import AUTO_RULES, LR_SCALINGS
+    from dtrain.optim.large_batch import AUTO_RULES, LR_SCALINGS
 
     check_choice("lr_scaling", cfg.lr_scaling, LR_SCALINGS)
     check_choice("auto_rule", cfg.auto_rule, AUTO_RULES)
@@ -164,7 +164,7 @@ def _check_numbers(cfg: RunConfig) -> None:
 
 
 def _check_large_batch(cfg: RunConfig, size: int) -> None:
-    """Warmup, the batch schedule and the noise scale (:mod:`dtrain.training.large_batch`)."""
+    """Warmup, the batch schedule and the noise scale (:mod:`dtrain.optim.large_batch`)."""
     if cfg.warmup_steps and cfg.warmup_epochs:
         raise ConfigError(f"give warmup_steps ({cfg.warmup_steps}) or warmup_epochs ({cfg.warmup_epochs:g}), "
                           "not both")  # fmt: skip
@@ -186,7 +186,7 @@ def _check_large_batch(cfg: RunConfig, size: int) -> None:
         raise ConfigError(f"{given} tells --batch-schedule auto when and how to grow the batch; add "
                           "--batch-schedule auto or drop it")  # fmt: skip
     elif cfg.batch_schedule:
-        from dtrain.training.large_batch import parse_batch_schedule
+        from dtrain.optim.large_batch import parse_batch_schedule
 
         for epoch, batch in parse_batch_schedule(cfg.batch_schedule):
             if batch % shards:

@@ -2,7 +2,7 @@
 
 The parent process (:func:`run`) validates the configuration, lets the strategy
 resolve itself (``auto`` asks the planner), creates the run folder, starts the
-processes through :func:`dtrain.job.launch.launch`, and when they end merges their
+processes through :func:`dtrain.launch.agent.launch`, and when they end merges their
 metrics and writes ``summary.json``. Each process runs :func:`worker_main`,
 which builds a :class:`~dtrain.training.context.TrainContext` and hands it to
 the registered strategy's ``run`` hook (:mod:`dtrain.strategies`); the
@@ -34,9 +34,9 @@ from typing import Any
 import torch.distributed as dist
 
 from dtrain.cluster.nodes import NodeArgs
+from dtrain.config.files import dump_toml
+from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig
-from dtrain.job.files import dump_toml
 from dtrain.job.validate import validate
 from dtrain.trace import MetricsWriter, Tracer, activate, align_clock, merge_rank_files, parse_trace_steps
 from dtrain.training.context import ProcessHooks, TrainContext
@@ -111,7 +111,7 @@ def _clear(out: Path, held: list[str], cfg: RunConfig) -> None:
 
 def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
     """Entry point of every process of a run (called by the elastic launcher)."""
-    from dtrain.checkpoint.restart import resume_after_restart
+    from dtrain.job.restart import resume_after_restart
 
     cfg = RunConfig.from_mapping(cfg_dict)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -192,7 +192,7 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
         if k in evaluator:
             s[k] = evaluator[k]
     if cfg.batch_schedule and cfg.batch_schedule != "auto":  # global_batch is the first epoch's
-        from dtrain.training.large_batch import BatchPlan
+        from dtrain.optim.large_batch import BatchPlan
 
         s["batch_per_epoch"] = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, 1, cfg.epochs).batches
     if cfg.precision != "fp32":
@@ -234,8 +234,8 @@ def run(cfg: RunConfig, *, quiet: bool = False, nodes: NodeArgs | None = None) -
     if cfg.cluster:
         return _run_on_cluster(cfg, quiet)
     cfg, out = _prepare(cfg, quiet)
-    from dtrain.checkpoint.restart import RestartLog
-    from dtrain.job.launch import LaunchInterrupted, launch
+    from dtrain.job.restart import RestartLog
+    from dtrain.launch.agent import LaunchInterrupted, launch
 
     restarts = RestartLog(cfg, out, say=(lambda line: None) if quiet else None)
     t0 = time.perf_counter()
@@ -318,9 +318,9 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
     """
     import pickle
 
-    from dtrain.checkpoint.restart import RestartLog
     from dtrain.cluster.nodes import Meeting, route_iface
-    from dtrain.job.launch import NodeSpec, launch
+    from dtrain.job.restart import RestartLog
+    from dtrain.launch.agent import NodeSpec, launch
 
     nodes, k = _check_nodes(cfg, nodes)
     host, port = nodes.host_port
@@ -398,7 +398,7 @@ def _job_store(nodes: NodeArgs) -> Any:
     import socket
 
     from dtrain.cluster.nodes import NodeError, connect_store
-    from dtrain.job.launch import host_store
+    from dtrain.launch.agent import host_store
 
     host, port = nodes.host_port
     if nodes.node_rank != 0:
@@ -415,7 +415,7 @@ def _gather_results(store: Any, ns: str, nodes: list[int], own: dict[int, dict[s
     """Node 0: every node's processes' results, until they cover the world the processes ran in."""
     import pickle
 
-    from dtrain.job.launch import LaunchError
+    from dtrain.launch.agent import LaunchError
 
     world = max((int(r.get("world", 0)) for r in own.values()), default=0)
     merged = dict(own)

@@ -5,7 +5,7 @@ function to ``torch.distributed.launcher.api.elastic_launch``, which starts the
 processes, runs the c10d rendezvous and collects return values and failures.
 This is the one place that sets up the children's environment (intra-op threads).
 
-Workers fork from a forkserver that imported torch once (:mod:`dtrain.job.forkserver`).
+Workers fork from a forkserver that imported torch once (:mod:`dtrain.launch.forkserver`).
 
 How a launch ends: with every return value; with :class:`LaunchError` naming each
 failed rank (with ``max_restarts``, once the agent has restarted the workers that many
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtrain.errors import CommTimeoutError, DTrainError
-from dtrain.job.forkserver import (
+from dtrain.launch.forkserver import (
     PRELOAD,
     LauncherStdio,
     WorkerStdio,
@@ -40,10 +40,10 @@ from dtrain.job.forkserver import (
     prestart,
     quick_rendezvous_events,
 )
-from dtrain.job.store import host_store, init_from_job_store, round_of
+from dtrain.launch.store import host_store, init_from_job_store, round_of
 
 __all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "Restart", "launch", "free_port", "host_store",
-           "prestart", "threads_per_worker"]  # host_store: from dtrain.job.store
+           "prestart", "threads_per_worker"]  # host_store: from dtrain.launch.store
 
 # the signals torch's elastic agent turns into a shutdown of the workers (its default set)
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")

@@ -8,7 +8,7 @@ before the configuration has been checked). A worker takes the launching process
 at the launch (:func:`adopt_env`; not the server's, copied when the server started), with the variables
 torch's agent sets for it on top, and writes to that process's stdout and stderr as they are at the launch
 (:class:`LauncherStdio`; not the server's, the starting process's when the server started).
-:func:`dtrain.job.launch.launch` uses all of this.
+:func:`dtrain.launch.agent.launch` uses all of this.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ __all__ = ["PRELOAD", "LauncherStdio", "prestart", "adopt_env", "descendants", "
 # optimizers import it when the first one is built (1.2 of a one-step worker's 1.4 s on this machine)
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.elastic.multiprocessing", "sklearn.datasets", "sklearn.model_selection", "tqdm",
-           "dtrain.job.launch", "dtrain.job.worker", "dtrain.strategies.builtin")
+           "dtrain.launch.agent", "dtrain.job.worker", "dtrain.strategies.builtin")
 # the environment of this module's first import: in a worker that forked from the forkserver, the server's
 _IMPORT_ENV = dict(os.environ)
 # what torch's agent sets for each worker (besides TORCHELASTIC_*): these come from the agent, never the parent
@@ -42,7 +42,7 @@ def prestart(modules: tuple[str, ...] = PRELOAD) -> None:
     """Start the forkserver the workers fork from, with ``modules`` imported, if it is not running.
 
     It imports in a process of its own, so calling this before the parent's own slow work (reading the
-    configuration, loading data) overlaps the two; :func:`dtrain.job.launch.launch` calls it too. Idempotent.
+    configuration, loading data) overlaps the two; :func:`dtrain.launch.agent.launch` calls it too. Idempotent.
     """
     import multiprocessing
     from multiprocessing import forkserver

@@ -2,7 +2,7 @@
 
 :func:`host_store` listens on one address (loopback for a run on one machine, node 0's chosen interface for
 a job on several), never on every interface as a plain ``TCPStore`` does; torch's agents and every worker
-are its clients (:func:`dtrain.job.launch.launch`). A worker starts its default process group on it under the
+are its clients (:func:`dtrain.launch.agent.launch`). A worker starts its default process group on it under the
 keys of its rendezvous round (:func:`init_from_job_store`); the round is the same number on every node
 (:func:`round_of`).
 """

@@ -6,7 +6,7 @@ Usage::
                            [--algorithms all] [--iters 10] [--warmup 2]
     python -m dtrain.measure.allreduce --workers 4 --sizes 16MB,64MB --algorithms native,ring
 
-What it does, in the launched workers (``dtrain.job.launch.launch``):
+What it does, in the launched workers (``dtrain.launch.agent.launch``):
 
 1. Fits the alpha-beta model to a ping-pong between ranks 0 and 1 (alpha: the
    median one-way time of 4 bytes; beta: the least-squares slope of the median
@@ -267,7 +267,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; return a process exit code."""
     from dtrain.comm.allreduce import ALGORITHMS
-    from dtrain.job.launch import launch
+    from dtrain.launch.agent import launch
 
     ns = _parser().parse_args(argv)
     try:

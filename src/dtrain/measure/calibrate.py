@@ -129,7 +129,7 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, r
     """
     import json
 
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.job.worker import worker_main
     from dtrain.workloads.load import load_model
     from dtrain.workloads.models import is_language_model
@@ -197,7 +197,7 @@ def calibrate_cluster(
     """Calibrate emulated cluster ``name`` (one process per host; intra level measured locally)."""
     from dtrain.cluster import load, run_on_cluster
     from dtrain.cluster.netns import tbf_burst
-    from dtrain.job.launch import launch
+    from dtrain.launch.agent import launch
 
     c = load(name)
     per_worker = max(1, batch // c.hosts)
@@ -293,7 +293,7 @@ def calibrate_local(
     compressions: Sequence[str] = _CAL_COMPRESSIONS,
 ) -> ClusterSpec:  # fmt: skip
     """Calibrate this machine for ``workers`` local processes (one node; loopback is the only level)."""
-    from dtrain.job.launch import launch
+    from dtrain.launch.agent import launch
 
     per_worker = max(1, batch // workers)
     res = launch(calibration_worker, (_pairs(workers), model, dataset, per_worker, quick, False,

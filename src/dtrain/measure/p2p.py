@@ -4,7 +4,7 @@ Usage::
 
     dtrain bench p2p [--workers 2] [--sizes 4B,1KB,64KB,1MB,16MB,64MB] [--iters 20] [--warmup 3]
 
-What it does, in the launched workers (``dtrain.job.launch.launch``):
+What it does, in the launched workers (``dtrain.launch.agent.launch``):
 
 1. Pairs the ranks ``(0,1), (2,3), ...``; every pair ping-pongs at once, so with
    more than two workers the figure includes the contention of a busy machine
@@ -185,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; return a process exit code."""
-    from dtrain.job.launch import launch
+    from dtrain.launch.agent import launch
 
     ns = _parser().parse_args(argv)
     try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dtrain.job.config import RunConfig
+from dtrain.config.schema import RunConfig
 
 __all__ = ["main", "parse_entry"]
 
@@ -37,7 +37,7 @@ def parse_entry(entry: str) -> dict[str, Any]:
 
 
 def _coerce(values: dict[str, Any]) -> dict[str, Any]:
-    from dtrain.job.config import option_fields
+    from dtrain.config.schema import option_fields
 
     base = {f.name: f.default for f in RunConfig.shared_fields()}
     base.update({name: owners[0][1].default for name, owners in option_fields().items()})

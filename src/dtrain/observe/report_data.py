@@ -149,7 +149,7 @@ def after_warmup(keys: Sequence[int]) -> set[int]:
 
 def load_run(run_dir: str | Path) -> RunData:
     """Read a finished run folder (summary.json is required; metrics, config and trace are optional)."""
-    from dtrain.job.files import read_toml
+    from dtrain.config.files import read_toml
 
     d = Path(run_dir)
     if not (d / "summary.json").is_file():
@@ -206,7 +206,7 @@ def predict(run: RunData) -> dict[str, Any]:
     """The performance model's prediction for the run's own strategy, options and workers, on this
     machine's calibration (:func:`dtrain.measure.calibrate.local_cluster`: measured once per process
     count and cached, which can take a minute) or the run's emulated cluster's."""
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.measure.calibrate import local_cluster
     from dtrain.perfmodel.ranking import plan
     from dtrain.planning.auto import cluster_for

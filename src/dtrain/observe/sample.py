@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from dtrain.config.files import load_toml
+from dtrain.config.schema import RunConfig
 from dtrain.errors import DTrainError
-from dtrain.job.config import RunConfig
-from dtrain.job.files import load_toml
 
 __all__ = ["sample_run", "main"]
 

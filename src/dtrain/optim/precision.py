@@ -28,8 +28,8 @@ reduce-scatters 16-bit gradients but allgathers its float32 parameter shards (th
 
 From Python::
 
-    prec = dtrain.training.precision.Precision("fp16")
-    scaler = dtrain.training.precision.LossScaler(list(model.parameters()), rank=dtrain.rank())  # agreed over the world
+    prec = dtrain.optim.precision.Precision("fp16")
+    scaler = dtrain.optim.precision.LossScaler(list(model.parameters()), rank=dtrain.rank())  # agreed over the world
     with prec.autocast():
         loss = loss_fn(ddp_model(x), y)
     scaler.scale_loss(loss).backward()
@@ -114,7 +114,7 @@ def _world_verdict(bad: bool) -> list[int]:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():  # the guard's flag all-reduce (run time: no import cycle)
-        ranks: list[int] = importlib.import_module("dtrain.training.guard").flagged_ranks(bad)
+        ranks: list[int] = importlib.import_module("dtrain.optim.guard").flagged_ranks(bad)
         return ranks
     return [0] if bad else []
 
@@ -124,7 +124,7 @@ class LossScaler(torch.amp.GradScaler):
 
     ``params``: the parameters whose gradients this rank applies (a sharded engine: its shards);
     ``agree(bad) -> ranks``: the engine's agreement (:class:`dtrain.training.loop.SkipsSteps`); default:
-    one flag all-reduce over the default group (:func:`dtrain.training.guard.flagged_ranks`), or this
+    one flag all-reduce over the default group (:func:`dtrain.optim.guard.flagged_ranks`), or this
     rank's own verdict without a process group.
 
     Per step: ``scale_loss(loss).backward()``; after the exchange :meth:`unscale` (gradients / scale,

@@ -107,7 +107,7 @@ class PeerStalledError(PeerLostError, CommTimeoutError):
     """A peer stopped answering without closing its connection (its heartbeat stopped: SIGSTOP, a hang).
 
     A timeout too: the process that raises it leaves its process groups alone as it ends (destroying
-    them would wait on the silent peer; see ``dtrain.job.launch``)."""
+    them would wait on the silent peer; see ``dtrain.launch.agent``)."""
 
 
 def lost_error(rank: int, op: str, cause: str, why: str, *, peer: int | None = None,

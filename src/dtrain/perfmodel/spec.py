@@ -59,8 +59,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dtrain.config.files import read_toml
 from dtrain.errors import ConfigError
-from dtrain.job.files import read_toml
 from dtrain.perfmodel.units import format_rate, parse_bytes, parse_rate, parse_time
 
 __all__ = ["Link", "Device", "ModelRate", "CompressorCost", "ClusterSpec", "load_cluster", "dump_cluster"]

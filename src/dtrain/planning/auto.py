@@ -20,8 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.job.config import RunConfig
 from dtrain.measure.calibrate import calibrate_cluster, cluster_file, local_cluster
 from dtrain.perfmodel.ranking import DEFAULT_COMPRESSIONS, DEFAULT_CONSISTENCIES, Plan, candidates
 from dtrain.perfmodel.ranking import plan as rank
@@ -71,7 +71,7 @@ def _optimizer(cfg: RunConfig) -> str:
 
 
 def plan_for_config(cfg: RunConfig) -> Plan:
-    """The planner's table for a :class:`~dtrain.job.config.RunConfig` (its model, batch, workers, cluster)."""
+    """The planner's table for a :class:`~dtrain.config.schema.RunConfig` (its model, batch, workers, cluster)."""
     model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, samples=cfg.samples,
                                      seq_len=cfg.seq_len, **cfg.gpt_overrides())
     spec = cluster_for(cfg.cluster, processes=cfg.workers) if cfg.cluster else local_cluster(cfg.workers)
@@ -86,7 +86,7 @@ def pick_plan(cfg: RunConfig, *, verbose: bool = True) -> Choice:
     """The planner's first choice for ``cfg`` (a strategy, its options and workers).
 
     Args:
-        cfg: a :class:`~dtrain.job.config.RunConfig` (its ``strategy`` is ignored).
+        cfg: a :class:`~dtrain.config.schema.RunConfig` (its ``strategy`` is ignored).
         verbose: print the top of the plan to stderr.
     """
     p = plan_for_config(cfg)

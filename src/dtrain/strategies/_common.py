@@ -10,7 +10,7 @@ from dtrain.registry import StrategyOptions
 
 if TYPE_CHECKING:
     from dtrain.compress.base import Compressor
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
 
 __all__ = ["CompressedOptions", "check_fp16_exchange"]
 

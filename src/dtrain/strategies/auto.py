@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dtrain.config.schema import ConfigHooks
 from dtrain.errors import ConfigError
-from dtrain.job.config import ConfigHooks
 from dtrain.registry import Strategy, StrategyOptions, register
 
 if TYPE_CHECKING:
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
 
 __all__ = ["AutoOptions", "AUTO"]
 

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dtrain.config.schema import ConfigHooks
 from dtrain.data_parallel.options import ALGORITHMS
 from dtrain.errors import ConfigError, check_choice
-from dtrain.job.config import ConfigHooks
 from dtrain.perfmodel.decentralized import easgd_cost, gossip_cost, local_sgd_cost, predict_averaging, replica_memory
 from dtrain.perfmodel.hooks import ModelHooks, PlanSpace
 from dtrain.registry import Choice, Strategy, StrategyOptions, register
@@ -33,12 +33,12 @@ from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.loop import Position, run_loop
 
 if TYPE_CHECKING:
-    from dtrain.checkpoint.training import RunCheckpointer
     from dtrain.decentralized.replica import ReplicaWrapper
     from dtrain.perfmodel.collectives import CompressionModel
     from dtrain.perfmodel.predict import Memory, Prediction, StepInputs
     from dtrain.perfmodel.profile import ModelProfile
     from dtrain.perfmodel.spec import ClusterSpec
+    from dtrain.training.checkpointing import RunCheckpointer
 
 __all__ = ["LocalSGDOptions", "EASGDOptions", "GossipOptions", "ReplicaEngine", "hierarchy_levels"]
 
@@ -314,7 +314,7 @@ def _run_easgd(ctx: TrainContext) -> dict[str, Any]:
             return EASGD(model, alpha=o.alpha, period=o.period, center="allreduce", timeout=ctx.cfg.timeout_s)
 
         return _run_workers(ctx, build, ctx.rank, workers)
-    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.training.checkpointing import RunCheckpointer
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)
     replica = ctx.make_model()
@@ -328,7 +328,7 @@ def _run_easgd(ctx: TrainContext) -> dict[str, Any]:
 
 def _run_workers(ctx: TrainContext, build: Callable[[nn.Module], ReplicaWrapper], worker: int,
                  workers: int) -> dict[str, Any]:  # fmt: skip
-    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.training.checkpointing import RunCheckpointer
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # its group first: every rank creates groups in one order
     return run_loop(ctx, ReplicaEngine(ctx, ckpt, build, worker, workers), ckpt)

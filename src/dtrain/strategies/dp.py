@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
+from dtrain.config.schema import ConfigHooks
 from dtrain.data_parallel.options import SHARDS
 from dtrain.errors import ConfigError
-from dtrain.job.config import ConfigHooks
 from dtrain.perfmodel.hooks import ModelHooks, PlanSpace
 from dtrain.perfmodel.predict import (
     Memory,
@@ -36,7 +36,7 @@ from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.loop import run_loop
 
 if TYPE_CHECKING:
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.perfmodel.collectives import CompressionModel
     from dtrain.perfmodel.profile import ModelProfile
     from dtrain.perfmodel.spec import ClusterSpec
@@ -46,7 +46,7 @@ __all__ = ["DPOptions", "DDPOptions", "DataParallelEngine", "DP", "DDP"]
 
 
 def _run(ctx: TrainContext, *, torch_ddp: bool) -> dict[str, Any]:
-    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.training.checkpointing import RunCheckpointer
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # its group first: every rank creates groups in one order
     o = ctx.cfg.options

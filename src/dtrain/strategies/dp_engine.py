@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dtrain.optim.guard import flagged_ranks
 from dtrain.strategies.dp_options import DDPOptions, DPOptions
 from dtrain.training.context import TrainContext
-from dtrain.training.guard import flagged_ranks
 from dtrain.training.loop import Position
 
 if TYPE_CHECKING:
-    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.training.checkpointing import RunCheckpointer
 
 
 __all__ = ["DataParallelEngine", "measure_noise"]

@@ -19,22 +19,22 @@ from torch import nn
 
 from dtrain.checkpoint.layout import CheckpointError
 from dtrain.comm.allreduce import ALGORITHMS
+from dtrain.config.schema import ConfigHooks
 from dtrain.errors import ConfigError, check_choice
-from dtrain.job.config import ConfigHooks
+from dtrain.optim.guard import flagged_ranks
 from dtrain.perfmodel.hooks import ModelHooks, PlanSpace
 from dtrain.registry import Choice, Strategy, StrategyOptions, register
 from dtrain.strategies._common import CompressedOptions, check_fp16_exchange
 from dtrain.training.context import ProcessHooks, TrainContext
-from dtrain.training.guard import flagged_ranks
 from dtrain.training.loop import Position, run_loop
 
 if TYPE_CHECKING:
-    from dtrain.checkpoint.training import RunCheckpointer
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.perfmodel.collectives import CompressionModel
     from dtrain.perfmodel.predict import Memory, Prediction, StepInputs
     from dtrain.perfmodel.profile import ModelProfile
     from dtrain.perfmodel.spec import ClusterSpec
+    from dtrain.training.checkpointing import RunCheckpointer
 
 __all__ = ["TensorOptions", "HybridOptions", "HybridEngine", "TENSOR", "HYBRID"]
 
@@ -289,7 +289,7 @@ class HybridEngine:
 
 
 def _run(ctx: TrainContext) -> dict[str, Any]:
-    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.training.checkpointing import RunCheckpointer
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # (its group before the mesh's, on every rank)
     return run_loop(ctx, HybridEngine(ctx, ckpt), ckpt)

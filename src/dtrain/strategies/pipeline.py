@@ -21,19 +21,19 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint.layout import read_info
+from dtrain.config.schema import ConfigHooks
 from dtrain.errors import ConfigError, check_choice
-from dtrain.job.config import ConfigHooks
+from dtrain.optim.guard import flagged_ranks
 from dtrain.perfmodel import pipeline as pipeline_model
 from dtrain.perfmodel.hooks import ModelHooks
 from dtrain.registry import Strategy, StrategyOptions, register
 from dtrain.training.context import ProcessHooks, TrainContext
-from dtrain.training.guard import flagged_ranks
 from dtrain.training.loop import Position, run_loop
 
 if TYPE_CHECKING:
-    from dtrain.checkpoint.training import RunCheckpointer
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.pipeline.pipe import Pipeline
+    from dtrain.training.checkpointing import RunCheckpointer
 
 __all__ = ["PipelineOptions", "PipelineEngine", "PIPELINE"]
 
@@ -291,7 +291,7 @@ class PipelineEngine:
 
 
 def _run(ctx: TrainContext) -> dict[str, Any]:
-    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.training.checkpointing import RunCheckpointer
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # (its group before the pipeline's, on every rank)
     return run_loop(ctx, PipelineEngine(ctx, ckpt), ckpt)

@@ -20,7 +20,7 @@ Checkpoints (``--checkpoint-every N``, bsp only): each server saves its shard,
 optimizer state and clock table from the ``on_update`` hook right after update
 ``k * N`` (and the last one), when every worker has just been released; each
 worker saves its clock, compressor state, data position and RNGs after its step
-``k * N``; one collective save (:class:`dtrain.checkpoint.training.RunCheckpointer`)
+``k * N``; one collective save (:class:`dtrain.training.checkpointing.RunCheckpointer`)
 holds them all. ``--resume`` hands each rank its own state back.
 
 Such a checkpoint resumes on another number of workers (the same servers)
@@ -46,8 +46,8 @@ import torch
 from torch import nn
 
 from dtrain.checkpoint.layout import CheckpointError
+from dtrain.config.schema import ConfigHooks
 from dtrain.errors import ConfigError
-from dtrain.job.config import ConfigHooks
 from dtrain.param_server.consistency import parse_consistency
 from dtrain.param_server.parameter_server import ParameterServer
 from dtrain.param_server.protocol import DroppedError, RunAbortedError
@@ -61,11 +61,11 @@ from dtrain.training.context import ProcessHooks, TrainContext, schedule_updates
 from dtrain.training.loop import Position, run_loop
 
 if TYPE_CHECKING:
-    from dtrain.checkpoint.training import RunCheckpointer
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.perfmodel.collectives import CompressionModel
     from dtrain.perfmodel.profile import ModelProfile
     from dtrain.perfmodel.spec import ClusterSpec
+    from dtrain.training.checkpointing import RunCheckpointer
 
 __all__ = ["PSOptions", "PSWorkerEngine", "run_process", "server_updates", "PS"]
 
@@ -226,7 +226,7 @@ def run_process(ctx: TrainContext) -> dict[str, Any]:
     if steps < 1:
         raise ConfigError("the data shard of each worker is smaller than one batch; use a smaller batch size")
     comp = ctx.make_compressor()  # with momentum in it for sign/onebit; the servers' optimizer then has none
-    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.training.checkpointing import RunCheckpointer
 
     ckpt = RunCheckpointer.create(c, ctx.out_dir)  # its group before the parameter server's, on every rank
     blob = _restore(ctx, ckpt, o.servers, workers) if ckpt is not None and ckpt.resume_from is not None else None

@@ -20,7 +20,7 @@ from dtrain.training.context import TrainContext
 from dtrain.training.loop import Position
 
 if TYPE_CHECKING:
-    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.training.checkpointing import RunCheckpointer
 
 __all__ = ["ShardedEngine"]
 

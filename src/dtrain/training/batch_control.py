@@ -2,7 +2,7 @@
 
 It holds the batch plan (``--batch-size``, ``--batch-schedule``), the gradient noise scale and the step's
 cost that ``--batch-schedule auto`` decides from, the decisions made, and what a checkpoint keeps of them.
-The rules themselves are :mod:`dtrain.training.large_batch` and :mod:`dtrain.training.noise_scale`.
+The rules themselves are :mod:`dtrain.optim.large_batch` and :mod:`dtrain.training.noise_scale`.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from dtrain.training.large_batch import BatchPlan
+from dtrain.optim.large_batch import BatchPlan
 from dtrain.training.noise_scale import NoiseScale, StepCost, next_batch
 
 if TYPE_CHECKING:
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.workloads.data import DatasetSplit
 
 __all__ = ["BatchControl"]

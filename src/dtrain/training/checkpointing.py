@@ -52,14 +52,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.checkpoint._rng import rng_state, set_rng_state
 from dtrain.checkpoint.dcp import load_checkpoint, save_checkpoint
 from dtrain.checkpoint.layout import CHECKPOINTS_DIR, CheckpointError, find_checkpoint, read_info
+from dtrain.checkpoint.rng import rng_state, set_rng_state
 from dtrain.errors import ConfigError
 from dtrain.workloads.batch import split_batch
 
 if TYPE_CHECKING:
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
 
 __all__ = ["RunCheckpointer", "run_info", "check_resume", "train_steps"]
 
@@ -85,7 +85,7 @@ def run_info(cfg: RunConfig) -> dict[str, Any]:
 
 def train_steps(cfg: RunConfig) -> int:
     """Steps of ``cfg``'s run (per worker), as :meth:`dtrain.training.TrainContext.total_steps` counts them."""
-    from dtrain.training.large_batch import BatchPlan
+    from dtrain.optim.large_batch import BatchPlan
 
     plan = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, len(cfg.load_data().train), cfg.epochs)
     n = plan.total(cfg.opts.batch_shards(cfg.workers))
@@ -196,7 +196,7 @@ def _check_min_workers(cfg: RunConfig) -> None:
 def _data_steps(cfg: RunConfig, workers: int, samples: int) -> tuple[int, ...]:
     """Each epoch's steps and global batch on ``workers`` workers (of ``samples`` training samples): where
     each step falls in the data."""
-    from dtrain.training.large_batch import BatchPlan
+    from dtrain.optim.large_batch import BatchPlan
 
     plan = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, samples, cfg.epochs)
     shards = cfg.opts.batch_shards(workers)
@@ -233,7 +233,7 @@ class RunCheckpointer:
     and a stuck save fails after ``timeout_s`` naming the rank and step).
 
     Args:
-        cfg: the run's :class:`~dtrain.job.config.RunConfig`.
+        cfg: the run's :class:`~dtrain.config.schema.RunConfig`.
         out_dir: the run folder; checkpoints go to ``out_dir/checkpoints``.
     """
 

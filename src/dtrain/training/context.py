@@ -25,17 +25,17 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dtrain.compress.base import Compressor
-from dtrain.job.config import RunConfig
+from dtrain.config.schema import RunConfig
+from dtrain.optim.large_batch import BatchPlan
+from dtrain.optim.precision import Precision
 from dtrain.trace import MetricsWriter, Tracer
 from dtrain.training import slowdown
 from dtrain.training.batch_control import BatchControl
 from dtrain.training.evaluation import Evaluation
 from dtrain.training.factories import Factories
-from dtrain.training.large_batch import BatchPlan
 from dtrain.training.loaders import ShardLoaders
 from dtrain.training.lr import LearningRate, lr_factor, schedule_updates
 from dtrain.training.noise_scale import NoiseScale, StepCost
-from dtrain.training.precision import Precision
 from dtrain.training.progress import progress_bar
 from dtrain.training.slowdown import Straggler
 from dtrain.workloads.data import DatasetSplit

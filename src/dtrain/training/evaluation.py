@@ -12,7 +12,7 @@ from torch import nn
 from dtrain.workloads.models import task_loss
 
 if TYPE_CHECKING:
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.workloads.data import DatasetSplit
 
 __all__ = ["Evaluation"]

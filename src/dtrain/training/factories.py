@@ -14,8 +14,8 @@ from dtrain.workloads.models import build_model
 
 if TYPE_CHECKING:
     from dtrain.compress.base import Compressor
-    from dtrain.job.config import RunConfig
-    from dtrain.training.precision import Precision
+    from dtrain.config.schema import RunConfig
+    from dtrain.optim.precision import Precision
     from dtrain.workloads.data import DatasetSplit
 
 __all__ = ["Factories"]

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import DataLoader, DistributedSampler
 
 if TYPE_CHECKING:
-    from dtrain.job.config import RunConfig
-    from dtrain.training.large_batch import BatchPlan
+    from dtrain.config.schema import RunConfig
+    from dtrain.optim.large_batch import BatchPlan
     from dtrain.workloads.data import DatasetSplit
 
 __all__ = ["ShardLoaders"]

@@ -19,7 +19,7 @@ Roughly, per step::
     engine.update()                        # the engine's span: optimizer step, push/pull, ...
     metrics rows <- engine.rows(row)       # the engine adds compute/comm/wait/bytes, the loop step_s
 
-The numerics guard (:mod:`dtrain.training.guard`) costs one fused 2-norm per gradient and
+The numerics guard (:mod:`dtrain.optim.guard`) costs one fused 2-norm per gradient and
 one host sync per step: on the CNN (8 parameters, CPU, 2 shared cores) about 35 us, 4% of a
 bare one-process step of 32 samples (0.9 ms) and under 1% of a 2-worker dp step (about 8 ms
 there); ``--skip-nonfinite`` adds, where ranks share a step (dp, ddp, pipeline), a flag
@@ -40,15 +40,15 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.errors import ConfigError, DTrainError
+from dtrain.optim.guard import NonFiniteGuard
+from dtrain.optim.precision import LossScaler
 from dtrain.training.context import TrainContext
-from dtrain.training.guard import NonFiniteGuard
 from dtrain.training.live import EVERY, LiveRanks
-from dtrain.training.precision import LossScaler
 from dtrain.training.slowdown import Straggler
 from dtrain.training.watchdog import Heartbeat, explain
 
 if TYPE_CHECKING:
-    from dtrain.checkpoint.training import RunCheckpointer
+    from dtrain.training.checkpointing import RunCheckpointer
 
 __all__ = ["Engine", "WholeStep", "SkipsSteps", "Position", "run_loop", "guard_for"]
 
@@ -132,7 +132,7 @@ class WholeStep(Protocol):
 
 @runtime_checkable
 class SkipsSteps(Protocol):
-    """An engine that can leave a step out (``--skip-nonfinite``; :mod:`dtrain.training.guard`)."""
+    """An engine that can leave a step out (``--skip-nonfinite``; :mod:`dtrain.optim.guard`)."""
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters whose gradients this rank applies, named as in the model."""

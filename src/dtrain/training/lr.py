@@ -1,5 +1,5 @@
 """The learning rate of a run's steps: the schedule (``--lr-schedule``) and, composed with it, the
-large-batch rules (:mod:`dtrain.training.large_batch`: scaling with the batch, warmup).
+large-batch rules (:mod:`dtrain.optim.large_batch`: scaling with the batch, warmup).
 
 * :func:`lr_factor` -- the schedule's factor at a step;
 * :func:`schedule_updates` -- the schedule applied by hooks to an optimizer the loop does not step
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dtrain.training.large_batch import scaling_factor, warmup_factor
+from dtrain.optim.large_batch import scaling_factor, warmup_factor
 
 if TYPE_CHECKING:
-    from dtrain.job.config import RunConfig
+    from dtrain.config.schema import RunConfig
     from dtrain.training.batch_control import BatchControl
 
 __all__ = ["lr_factor", "schedule_updates", "LearningRate"]

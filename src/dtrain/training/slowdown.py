@@ -39,8 +39,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dtrain.config.schema import parse_straggler
 from dtrain.errors import ConfigError
-from dtrain.job.config import parse_straggler
 
 __all__ = ["slowdown_factor", "Straggler", "straggler_factor", "straggler"]
 

@@ -1,0 +1,10 @@
+"""A run's configuration: what every run shares plus the strategy's options, and its TOML file.
+
+* :mod:`.schema` -- :class:`~.schema.RunConfig` (the shared fields, each with its help beside it) and
+  the names the fields accept;
+* :mod:`.files` -- TOML in and out (:func:`~.files.load_toml`, :func:`~.files.dump_toml`) and
+  :func:`~.files.read_toml`, which every TOML reader uses (run configurations, cluster descriptions).
+
+Validation that looks beyond the values (CUDA, the data, a checkpoint on disk) is :mod:`dtrain.job.validate`.
+This package imports nothing itself.
+"""
