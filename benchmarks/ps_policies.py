@@ -3,7 +3,7 @@
 One launch of ``servers + workers`` processes (``dtrain.launch.agent.launch``, gloo). Inside
 it every policy runs twice -- plainly, and with the last worker slowed down
 ``--factor`` times, as ``dtrain run --straggler RANK:FACTOR`` does
-(:class:`dtrain.cluster.Straggler`: after each backward pass it sleeps so that its
+(:class:`dtrain.training.slowdown.Straggler`: after each backward pass it sleeps so that its
 own work -- data, forward, backward, bookkeeping -- takes ``factor`` times its
 reference, the median own work of its last 50 steps) -- through the same runner
 as ``dtrain run --strategy ps``

@@ -2,6 +2,8 @@
 
 Usage: ``python scripts/check_structure.py [SRC_DIR]`` (default ``src/dtrain``); prints
 each finding and exits 1 if there is any. tests/test_structure.py runs it.
+``--picture`` prints the packages and their imports, lowest first; ``--write-picture [DOC]``
+puts that picture into ``docs/architecture.md`` (tests/test_structure.py checks it is current).
 
 * no module longer than 600 lines, no function longer than 80 (def line to last line);
 * at most 8 modules at the top of the package (``__init__.py`` not counted): the rest live in
@@ -138,6 +140,66 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Each module of the tree under ``root`` and the modules it imports (the arrows :func:`check` counts)."""
+    files = sorted(root.rglob("*.py"))
+    names = {p: _module_name(root, p) for p in files}
+    known = set(names.values())
+    return {names[p]: _imports(ast.parse(p.read_text(), filename=str(p)), names[p], p.name == "__init__.py", known)
+            for p in files}
+
+
+def package_graph(root: Path) -> dict[tuple[str, str], list[str]]:
+    """The arrows between the packages (and top modules) under ``root``: for each pair, the module
+    arrows that make it (an import of a package whose ``__init__`` imports nothing is not one)."""
+    graph = module_graph(root)
+    empty_inits = {m for m in graph if (root.parent / m.replace(".", "/") / "__init__.py").exists() and not graph[m]}
+    def part(m: str) -> str:
+        return m.split(".")[1] if m.count(".") else ""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for mod, targets in graph.items():
+        for t in sorted(targets - empty_inits):
+            if part(mod) and part(t) and part(mod) != part(t):
+                arrows.setdefault((part(mod), part(t)), []).append(f"{mod} -> {t}")
+    for mod in graph:
+        if part(mod):
+            arrows.setdefault((part(mod), part(mod)), [])
+    return arrows
+
+
+def package_picture(root: Path) -> str:
+    """The packages (and top modules) under ``root`` and their imports, lowest layer first.
+
+    Layers are peeled from the bottom: a package goes in once everything it imports is placed. Where
+    packages import each other (through different modules) none can go first; the one with the fewest
+    module arrows into the rest is placed, and its arrows that point up are listed at the end."""
+    arrows = package_graph(root)
+    names = sorted({a for a, _ in arrows})
+    deps = {n: {b for (a, b) in arrows if a == n and b != n} for n in names}
+    placed: dict[str, int] = {}
+    upward: list[tuple[str, str]] = []
+    while len(placed) < len(names):
+        ready = [n for n in names if n not in placed and deps[n] <= set(placed)]
+        if not ready:  # a loop among the rest: place the package with the fewest arrows into it
+            rest = [n for n in names if n not in placed]
+            n = min(rest, key=lambda n: (sum(len(arrows[(n, d)]) for d in deps[n] if d not in placed), n))
+            upward += [(n, d) for d in sorted(deps[n]) if d not in placed]
+            ready = [n]
+        for n in ready:
+            placed[n] = 1 + max((placed[d] for d in deps[n] if d in placed), default=-1)
+    width = max(len(n) for n in names)
+    lines = [f"src/{root.name}/: each package (or top module) and what it imports; "
+             f"layer 0 imports nothing of {root.name}"]
+    for n in sorted(names, key=lambda n: (placed[n], n)):
+        below = sorted((d for d in deps[n] if (n, d) not in upward), key=lambda d: (placed[d], d))
+        lines.append(f"{placed[n]:>2}  {n:<{width}}  {'-> ' + ', '.join(below) if below else ''}".rstrip())
+    if upward:
+        lines += ["", "imports that point up (packages that import each other through different modules):"]
+        for a, b in upward:
+            lines.append(f"    {a} -> {b}: " + "; ".join(arrows[(a, b)]))
+    return "\n".join(lines) + "\n"
+
+
 def check(root: Path) -> list[str]:
     """Every finding in the tree under ``root`` (a package folder), as lines of text."""
     findings: list[str] = []
@@ -171,7 +233,28 @@ def check(root: Path) -> list[str]:
     return findings
 
 
+PICTURE_START, PICTURE_END = "<!-- package picture: start -->", "<!-- package picture: end -->"
+
+
+def write_picture(root: Path, doc: Path) -> bool:
+    """Put :func:`package_picture` between the markers in ``doc``; True if it changed."""
+    text = doc.read_text()
+    head, _, rest = text.partition(PICTURE_START)
+    _, _, tail = rest.partition(PICTURE_END)
+    new = f"{head}{PICTURE_START}\n```\n{package_picture(root)}```\n{PICTURE_END}{tail}"
+    if new != text:
+        doc.write_text(new)
+    return new != text
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--picture"]:
+        print(package_picture(Path(argv[1] if len(argv) > 1 else "src/dtrain")), end="")
+        return 0
+    if argv[:1] == ["--write-picture"]:
+        changed = write_picture(Path("src/dtrain"), Path(argv[1] if len(argv) > 1 else "docs/architecture.md"))
+        print("updated" if changed else "current")
+        return 0
     root = Path(argv[0] if argv else "src/dtrain")
     findings = check(root)
     for f in findings:

@@ -1,14 +1,14 @@
-"""The emulated straggler (dtrain.cluster.Straggler) on a fake clock, and how a run's processes get theirs."""
+"""The emulated straggler (dtrain.training.slowdown.Straggler) on a fake clock, and how a run's processes get theirs."""
 
 from pathlib import Path
 
 import pytest
 from _helpers import FakeClock
 
-from dtrain.cluster import Straggler
 from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
 from dtrain.job.worker import TrainContext
+from dtrain.training.slowdown import Straggler
 
 
 def test_each_step_lasts_factor_times_the_median_of_the_window():

@@ -70,6 +70,34 @@ def test_checker_counts_type_only_and_literal_imports_private_names_and_top_modu
     assert "9 modules at the top (max 8)" in found
 
 
+def test_architecture_page_holds_the_current_package_picture() -> None:
+    checker = _checker()
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    start, end = page.index(checker.PICTURE_START), page.index(checker.PICTURE_END)
+    shown = page[start + len(checker.PICTURE_START):end].strip().removeprefix("```").removesuffix("```").strip()
+    assert shown == checker.package_picture(ROOT / "src" / "dtrain").strip(), (
+        "docs/architecture.md's package picture is stale: python scripts/check_structure.py --write-picture")
+
+
+def test_package_picture_layers_and_names_the_imports_that_point_up(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    for sub in ("low", "mid", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("")
+    (pkg / "mid" / "b.py").write_text("from pkg.low import a\n")
+    (pkg / "mid" / "e.py").write_text("")
+    (pkg / "high" / "c.py").write_text("from pkg.mid import b, e\n")
+    # mid and high import each other; mid's one arrow up is the exception, high's two the rule
+    (pkg / "mid" / "d.py").write_text("from pkg.high import c\n")
+    picture = _checker().package_picture(pkg)
+    lines = picture.splitlines()
+    assert " 0  low" in lines and any(line.startswith(" 1  mid") and line.endswith("-> low") for line in lines)
+    assert any(line.startswith(" 2  high") and line.endswith("-> mid") for line in lines)
+    assert "    mid -> high: pkg.mid.d -> pkg.high.c" in lines
+
+
 @pytest.mark.procs
 def test_perfmodel_imports_nothing_that_starts_processes() -> None:
     folder = ROOT / "src" / "dtrain" / "perfmodel"

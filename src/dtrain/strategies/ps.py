@@ -14,7 +14,7 @@ shard (the accuracy history) and the final model after :meth:`finish`.
 
 ``--straggler RANK:FACTOR`` slows a worker's own work (everything from the
 previous ``ps.step()``'s return to the end of backward), not the parameter
-exchange: a slow machine on the same network (:class:`dtrain.cluster.Straggler`).
+exchange: a slow machine on the same network (:class:`dtrain.training.slowdown.Straggler`).
 
 Checkpoints (``--checkpoint-every N``, bsp only): each server saves its shard,
 optimizer state and clock table from the ``on_update`` hook right after update
