@@ -43,9 +43,5 @@ def _resolve(cfg: RunConfig) -> RunConfig:
 
 
 AUTO = register(Strategy(
-    name="auto", options=AutoOptions,
-    help="the planner's first choice for this model, batch and cluster",
-    hooks=(
-        ConfigHooks(check=_check, resolve=_resolve),
-    ),
-))
+    name="auto", options=AutoOptions, help="the planner's first choice for this model, batch and cluster",
+    hooks=(ConfigHooks(check=_check, resolve=_resolve),)))

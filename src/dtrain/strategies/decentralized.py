@@ -426,28 +426,17 @@ def _gossip_candidates(space: PlanSpace) -> list[Choice]:
 LOCAL_SGD = register(Strategy(
     name="local_sgd", options=LocalSGDOptions,
     help="local SGD: each worker trains alone, models averaged every --period steps (post-local, hierarchical)",
-    hooks=(
-        ProcessHooks(run=_run_local_sgd),
-        ConfigHooks(check=_check_local_sgd),
-        ModelHooks(predict=_local_sgd_predict, memory=_memory, candidates=_local_sgd_candidates),
-    ),
-))
+    hooks=(ProcessHooks(run=_run_local_sgd), ConfigHooks(check=_check_local_sgd),
+           ModelHooks(predict=_local_sgd_predict, memory=_memory, candidates=_local_sgd_candidates))))
 EASGD_ENTRY = register(Strategy(
     name="easgd", options=EASGDOptions,
     help="elastic averaging SGD: replicas pulled towards a centre (--alpha, --period, --servers for async)",
-    hooks=(
-        ProcessHooks(run=_run_easgd),
-        ConfigHooks(check=_check_easgd, check_checkpointing=_check_easgd_checkpointing),
-        ModelHooks(predict=_easgd_predict, memory=_memory, candidates=_easgd_candidates),
-    ),
-))
+    hooks=(ProcessHooks(run=_run_easgd), ConfigHooks(_check_easgd, check_checkpointing=_check_easgd_checkpointing),
+           ModelHooks(predict=_easgd_predict, memory=_memory, candidates=_easgd_candidates))))
 GOSSIP = register(Strategy(
     name="gossip", options=GossipOptions,
     help="gossip: D-PSGD (sync) or AD-PSGD (--async) averaging with neighbours of a --topology",
-    hooks=(
-        ProcessHooks(run=_run_gossip),
-        ConfigHooks(check=_check_gossip, check_checkpointing=_check_gossip_checkpointing),
-        ModelHooks(predict=_gossip_predict, memory=_memory, candidates=_gossip_candidates,
-                   identity=_gossip_identity),
-    ),
-))
+    hooks=(ProcessHooks(run=_run_gossip),
+           ConfigHooks(check=_check_gossip, check_checkpointing=_check_gossip_checkpointing),
+           ModelHooks(predict=_gossip_predict, memory=_memory, candidates=_gossip_candidates,
+                      identity=_gossip_identity))))

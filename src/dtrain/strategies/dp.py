@@ -151,19 +151,12 @@ def _ddp_candidates(space: PlanSpace) -> list[Choice]:
 DP = register(Strategy(
     name="dp", options=DPOptions,
     help="data parallel: dtrain.DataParallel (allreduce algorithm, buckets, overlap, compression)",
-    hooks=(
-        ProcessHooks(run=_run_dp),
-        ConfigHooks(check=_check),
-        ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_dp_candidates,
-                   identity=_dp_identity),
-    ),
-))
+    hooks=(ProcessHooks(run=_run_dp), ConfigHooks(check=_check),
+           ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_dp_candidates,
+                      identity=_dp_identity))))
 DDP = register(Strategy(
     name="ddp", options=DDPOptions,
     help="data parallel through torch DDP (the peer)",
-    hooks=(
-        ProcessHooks(run=_run_ddp),
-        ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_ddp_candidates,
-                   identity=_ddp_identity),
-    ),
-))
+    hooks=(ProcessHooks(run=_run_ddp),
+           ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_ddp_candidates,
+                      identity=_ddp_identity))))

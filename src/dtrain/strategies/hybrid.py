@@ -371,18 +371,9 @@ def _hybrid_candidates(space: PlanSpace) -> list[Choice]:
 TENSOR = register(Strategy(
     name="tensor", options=TensorOptions,
     help="tensor parallel (Megatron): every block of a gpt split over the workers",
-    hooks=(
-        ProcessHooks(run=_run),
-        ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
-        ModelHooks(predict=_predict, memory=_memory, candidates=_tensor_candidates),
-    ),
-))
+    hooks=(ProcessHooks(run=_run), ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
+           ModelHooks(predict=_predict, memory=_memory, candidates=_tensor_candidates))))
 HYBRID = register(Strategy(
-    name="hybrid", options=HybridOptions,
-    help="DP x PP x TP on one mesh (--dp --pp --tp; workers = their product)",
-    hooks=(
-        ProcessHooks(run=_run),
-        ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
-        ModelHooks(predict=_predict, memory=_memory, candidates=_hybrid_candidates),
-    ),
-))
+    name="hybrid", options=HybridOptions, help="DP x PP x TP on one mesh (--dp --pp --tp; workers = their product)",
+    hooks=(ProcessHooks(run=_run), ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
+           ModelHooks(predict=_predict, memory=_memory, candidates=_hybrid_candidates))))

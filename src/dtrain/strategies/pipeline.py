@@ -300,9 +300,6 @@ def _run(ctx: TrainContext) -> dict[str, Any]:
 PIPELINE = register(Strategy(
     name="pipeline", options=PipelineOptions,
     help="pipeline parallel: one stage per worker, micro-batches through gpipe, 1f1b, interleaved or 2bw",
-    hooks=(
-        ProcessHooks(run=_run),
-        ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
-        ModelHooks(predict=pipeline_model.predict, memory=pipeline_model.memory, candidates=pipeline_model.candidates),
-    ),
-))
+    hooks=(ProcessHooks(run=_run), ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
+           ModelHooks(predict=pipeline_model.predict, memory=pipeline_model.memory,
+                      candidates=pipeline_model.candidates))))

@@ -378,9 +378,5 @@ def _candidates(space: PlanSpace) -> list[Choice]:
 PS = register(Strategy(
     name="ps", options=PSOptions,
     help="parameter server: sharded servers, consistency bsp | asp | ssp:S | softsync:K | backup:B",
-    hooks=(
-        ProcessHooks(run=run_process),
-        ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
-        ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_candidates),
-    ),
-))
+    hooks=(ProcessHooks(run=run_process), ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
+           ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_candidates))))
