@@ -96,7 +96,7 @@ def test_lr_multiplier_sqrt_scaling_with_warmup_epochs_and_no_scaling_ramp(tmp_p
     ctx = _ctx(tmp_path, workers=2, epochs=2, batch_schedule="0:32,1:128", lr_scaling="sqrt",
                warmup_epochs=0.5)  # fmt: skip
     e0 = _steps(32, 2)
-    assert ctx.warmup_steps == round(0.5 * e0) == 22
+    assert ctx.learning_rate.warmup_steps == round(0.5 * e0) == 22
     total = ctx.total_steps(2)
     for t in range(total):
         k = math.sqrt((32 if t < e0 else 128) / 32)  # base: the run's first batch
@@ -104,7 +104,7 @@ def test_lr_multiplier_sqrt_scaling_with_warmup_epochs_and_no_scaling_ramp(tmp_p
         assert ctx.lr_multiplier(t, total) == pytest.approx(k * warm, rel=1e-12), t
     assert ctx.lr_multiplier(e0, total) == pytest.approx(2.0)
     plain = _ctx(tmp_path, workers=2, epochs=1, batch_size=64)
-    assert not plain.lr_rules and plain.lr_multiplier(3, 10) == 1.0
+    assert not plain.learning_rate.changes and plain.lr_multiplier(3, 10) == 1.0
 
 
 # ---------------------------------------------------------------------- 2. bad input is refused, naming it
@@ -243,7 +243,7 @@ def test_a_plan_deciding_inside_epochs_locates_every_step_as_drawing_them_one_by
 
 def test_the_growing_loader_draws_each_batch_at_the_plans_latest_size_and_resumes_on_its_cuts(tmp_path):
     ctx = _ctx(tmp_path, workers=2, epochs=2, batch_size=16, batch_schedule="auto", auto_every=1)
-    plan = ctx.plan
+    plan = ctx.batches.plan
     whole = ctx.loader(0, 2, 0).batch_sampler.order  # the epoch's permutation of shard 0
     drawn, sizes = [], {3: 32, 5: 64}
     for step, (_, y) in enumerate(ctx.loader(0, 2, 0)):
@@ -264,7 +264,7 @@ def test_the_loader_cuts_each_epoch_as_the_plan_counts(tmp_path):
     ctx = _ctx(tmp_path, workers=2, epochs=3, batch_schedule="0:32,1:64,2:128")
     for epoch, b in enumerate([32, 64, 128]):
         batches = [y for _, y in ctx.loader(0, 2, epoch)]
-        assert len(batches) == ctx.plan.steps_in(epoch, 2) == ctx.steps_per_epoch(2, epoch)
+        assert len(batches) == ctx.batches.plan.steps_in(epoch, 2) == ctx.steps_per_epoch(2, epoch)
         assert {len(y) for y in batches} == {b // 2}
         later = [y for _, y in ctx.loader(0, 2, epoch, start_batch=5)]  # a resume skips the first 5
         assert len(later) == len(batches) - 5 and all(torch.equal(a, c) for a, c in zip(later, batches[5:]))

@@ -25,15 +25,16 @@ __all__ = ["DataParallelEngine", "measure_noise"]
 def measure_noise(ctx: TrainContext, engine: Any, model: nn.Module, batch: int, world: int) -> dict[str, Any]:
     """The step's gradient noise scale (:mod:`dtrain.training.noise_scale`): this rank's squared gradient
     norm before averaging (the reducer's), all-reduced to the workers' mean (one scalar), and the averaged
-    gradient's; both unscaled (fp16). Updates ``ctx.noise``; the metrics row's keys."""
+    gradient's; both unscaled (fp16). Updates ``ctx.batches.noise``; the metrics row's keys."""
     import torch.distributed as dist
 
-    assert ctx.noise is not None
+    noise = ctx.batches.noise
+    assert noise is not None
     local = engine.local_grad_sq()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     big = float(sum(torch.stack(torch._foreach_norm(grads)).double().pow(2))) if grads else 0.0
     values = [local if local is not None else math.nan]
-    cost = ctx.step_cost  # --auto-rule time: this rank's step cost rides along, so every rank decides alike
+    cost = ctx.batches.step_cost  # --auto-rule time: this rank's step cost rides along, so every rank decides alike
     if cost is not None:
         values.extend(cost.own or (math.nan, math.nan))
     t = torch.tensor(values, dtype=torch.float64)
@@ -45,9 +46,9 @@ def measure_noise(ctx: TrainContext, engine: Any, model: nn.Module, batch: int, 
             out.update(step_fixed_s=cost.agreed[0], sample_s=cost.agreed[1])
     small = float(t[0]) / world / ctx.loss_scale**2  # the reducer saw the scaled gradients
     if not (math.isfinite(small) and math.isfinite(big)):
-        return {"b_simple": ctx.noise.b_simple, **out}
-    ctx.noise.update(small, big, b_small=batch // world, b_big=batch // world * world)
-    return {"b_simple": ctx.noise.b_simple, "noise_g2": ctx.noise.g2, "noise_trace": ctx.noise.trace_sigma, **out}
+        return {"b_simple": noise.b_simple, **out}
+    noise.update(small, big, b_small=batch // world, b_big=batch // world * world)
+    return {"b_simple": noise.b_simple, "noise_g2": noise.g2, "noise_trace": noise.trace_sigma, **out}
 
 
 def _ring_bytes(model: nn.Module, world: int, wire: torch.dtype | None = None) -> int:
@@ -96,7 +97,7 @@ class DataParallelEngine:
                                     timeout_s=ctx.cfg.timeout_s, compression=ctx.make_compressor(),
                                     optimizer=self.optimizer if self.steps_in_optimizer else None)  # fmt: skip
         self.wrapped = self._engine
-        if ctx.noise is not None:
+        if ctx.batches.noise is not None:
             self._engine.measure_local_norms()
 
     def start(self) -> Position:
@@ -109,13 +110,13 @@ class DataParallelEngine:
         return Position(start, *self.ctx.locate(start, self.num_shards), rng=blob)
 
     def done(self, step: int) -> bool:
-        if self.ctx.plan.auto:  # the batch grows as training goes: so does the epochs' step count
+        if self.ctx.batches.plan.auto:  # the batch grows as training goes: so does the epochs' step count
             self.total_steps = self.ctx.total_steps(self.num_shards)
         return step >= self.total_steps
 
     def before_step(self, step: int) -> None:
         self.ctx.schedule_lr(self.optimizer, step, self.total_steps)
-        self._batch = self.ctx.plan.batch_at(step, self.num_shards)
+        self._batch = self.ctx.batches.plan.batch_at(step, self.num_shards)
         if not self.steps_in_optimizer:
             self.optimizer.zero_grad(set_to_none=False)
 
@@ -124,7 +125,7 @@ class DataParallelEngine:
         return out
 
     def update(self) -> None:
-        if self.ctx.noise is not None:
+        if self.ctx.batches.noise is not None:
             self._noise = measure_noise(self.ctx, self._engine, self.model, self._batch, self.num_shards)
         if not self.steps_in_optimizer:
             with self.ctx.tracer.span("optimizer"):
@@ -157,7 +158,7 @@ class DataParallelEngine:
         return row
 
     def rows(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        if self.ctx.noise is not None:
+        if self.ctx.batches.noise is not None:
             row.update(batch=self._batch, **self._noise)
         if not self.steps_in_optimizer:
             return [self._complete(row)]

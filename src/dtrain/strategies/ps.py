@@ -191,7 +191,7 @@ class PSWorkerEngine:
 
     def lr(self) -> float:
         """The rate of this step's update under bsp (the servers count updates: one per step there)."""
-        if not self.ctx.lr_rules:
+        if not self.ctx.learning_rate.changes:
             return self._lr
         return self._lr * self.ctx.lr_multiplier(self._step, self.total_steps, batch=self.ctx.cfg.batch_size)
 
@@ -237,7 +237,7 @@ def run_process(ctx: TrainContext) -> dict[str, Any]:
         opt = ctx.make_optimizer(params)
         for group in opt.param_groups:
             group["lr"] = group["lr"] * scale
-        if ctx.lr_rules:  # the servers step the optimizer: each update follows the schedule, scaling, warmup
+        if ctx.learning_rate.changes:  # the servers step the optimizer: each update follows the lr rules
             updates = server_updates(c, steps)
             schedule_updates(opt, c.lr_schedule, updates,
                              factor=lambda u: ctx.lr_multiplier(u, updates, batch=c.batch_size))  # fmt: skip

@@ -26,7 +26,6 @@ from torch.utils.data import DataLoader
 
 from dtrain.compress.base import Compressor
 from dtrain.config.schema import RunConfig
-from dtrain.optim.large_batch import BatchPlan
 from dtrain.optim.precision import Precision
 from dtrain.trace import MetricsWriter, Tracer
 from dtrain.training import slowdown
@@ -35,7 +34,6 @@ from dtrain.training.evaluation import Evaluation
 from dtrain.training.factories import Factories
 from dtrain.training.loaders import ShardLoaders
 from dtrain.training.lr import LearningRate, lr_factor, schedule_updates
-from dtrain.training.noise_scale import NoiseScale, StepCost
 from dtrain.training.progress import progress_bar
 from dtrain.training.slowdown import Straggler
 from dtrain.workloads.data import DatasetSplit
@@ -110,29 +108,10 @@ class TrainContext:
 
     # ---------------------------------------------------------------- the batch (:attr:`batches`)
 
-    @property
-    def plan(self) -> BatchPlan:
-        return self.batches.plan
 
-    @property
-    def noise(self) -> NoiseScale | None:
-        return self.batches.noise
 
-    @property
-    def step_cost(self) -> StepCost | None:
-        return self.batches.step_cost
 
-    @property
-    def batch_decisions(self) -> list[dict[str, Any]]:
-        return self.batches.decisions
 
-    @property
-    def batch_shards(self) -> int:
-        return self.batches.shards
-
-    @property
-    def batch_cap(self) -> int:
-        return self.batches.cap
 
     def observe(self, row: dict[str, Any]) -> None:
         self.batches.observe(row)
@@ -167,22 +146,13 @@ class TrainContext:
     def make_compressor(self) -> Compressor | None:
         return self.factories.compressor()
 
-    @property
-    def sgd_momentum(self) -> float:
-        return self.factories.sgd_momentum
 
     # ---------------------------------------------------------------- the learning rate (:attr:`learning_rate`)
 
     def lr_multiplier(self, step: int, total: int, batch: int | None = None) -> float:
         return self.learning_rate.multiplier(step, total, batch)
 
-    @property
-    def warmup_steps(self) -> int:
-        return self.learning_rate.warmup_steps
 
-    @property
-    def lr_rules(self) -> bool:
-        return self.learning_rate.changes
 
     def schedule_lr(self, optimizer: torch.optim.Optimizer, step: int, total: int) -> None:
         self.learning_rate.apply(optimizer, step, total)

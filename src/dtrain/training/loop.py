@@ -439,9 +439,9 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
         out.update(_metric_keys(ctx, engine, tally))
     if tally.scaler is not None:
         out.update(overflow_steps=tally.overflows, loss_scale=tally.scaler.loss_scale)
-    if ctx.noise is not None and engine.evaluator:
-        out["summary_extra"] = {**out.get("summary_extra", {}), "noise_scale": ctx.noise.b_simple,
-                                "batch_decisions": ctx.batch_decisions}  # fmt: skip
+    if ctx.batches.noise is not None and engine.evaluator:
+        out["summary_extra"] = {**out.get("summary_extra", {}), "noise_scale": ctx.batches.noise.b_simple,
+                                "batch_decisions": ctx.batches.decisions}  # fmt: skip
     if slow.active:
         out.setdefault("straggler", {"factor": slow.factor, "reference_s": slow.reference_s})
     return out
