@@ -13,7 +13,7 @@ from typing import Any
 def run_rows(cfg: Any, cluster: str) -> list[dict[str, Any]]:
     """The ``metrics.jsonl`` rows (every rank) of one ``dtrain run`` of ``cfg`` on the emulated ``cluster``."""
     from dtrain.cluster import launch_on_cluster
-    from dtrain.job.worker import worker_main
+    from dtrain.job.run import worker_main
     from dtrain.trace import merge_rank_files
 
     with tempfile.TemporaryDirectory() as d:

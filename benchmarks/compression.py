@@ -17,7 +17,7 @@ Two tables:
    error feedback (the optimizer then has none); ``--momentum-after`` leaves it in
    the optimizer for every compressor, to show why.
    With ``--ps`` the CNN is also trained under the parameter server (BSP) through
-   ``dtrain.job.worker.run`` (``--ps-servers`` server processes beside the workers).
+   ``dtrain.job.run.run`` (``--ps-servers`` server processes beside the workers).
    Every row follows the same learning-rate schedule, ``--lr-schedule`` (default:
    cosine, ``dtrain run --lr-schedule cosine``), stepped per optimizer step.
 
@@ -167,7 +167,7 @@ def dp_worker(
 
     import dtrain
     from dtrain.compress import from_spec
-    from dtrain.job.worker import lr_factor
+    from dtrain.job.run import lr_factor
     from dtrain.workloads.data import load_dataset
     from dtrain.workloads.models import build_model
 
@@ -239,7 +239,7 @@ def train_table(
 
 def ps_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
     from dtrain.config.schema import RunConfig
-    from dtrain.job.worker import run
+    from dtrain.job.run import run
 
     table = []
     for row in rows:

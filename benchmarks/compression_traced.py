@@ -87,7 +87,7 @@ def main() -> int:
     import dtrain.cluster as dc
     from dtrain.cluster import launch_on_cluster
     from dtrain.config.schema import RunConfig
-    from dtrain.job.worker import worker_main
+    from dtrain.job.run import worker_main
     from dtrain.measure.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.perfmodel._traffic import compressed_traffic
     from dtrain.perfmodel.ranking import plan

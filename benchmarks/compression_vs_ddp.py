@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     import dtrain.cluster as dc
     from dtrain.config.schema import RunConfig
+    from dtrain.job.run import run
     from dtrain.job.validate import validate
-    from dtrain.job.worker import run
 
     os.environ.setdefault("DTRAIN_CLUSTER_DIR", tempfile.mkdtemp(prefix="dtrain-bench-clusters-"))
     specs = [s for s in ns.compression.split(",") if s]

@@ -1,6 +1,6 @@
 """Large-batch training: what keeps accuracy when the global batch grows 8x and 32x.
 
-Every variant is one ``dtrain run`` (``dtrain.job.worker.run``, data parallel with ring allreduce, loopback
+Every variant is one ``dtrain run`` (``dtrain.job.run.run``, data parallel with ring allreduce, loopback
 unless ``--part cluster``) from the same seed for the same number of epochs, so a larger batch takes
 fewer steps. The metric is the one the run reports after its last epoch (not the best epoch).
 
@@ -164,7 +164,7 @@ def _has_auto() -> bool:
 
 def _one(cfg: Any) -> dict[str, Any]:
     """Run ``cfg`` in a fresh folder; the summary's figures this benchmark keeps."""
-    from dtrain.job.worker import run
+    from dtrain.job.run import run
 
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()

@@ -104,8 +104,8 @@ def per_node(c: Any, flags: list[str], out: Path) -> dict[int, float]:
 def one_launcher(c: Any, flags: list[str], out: Path) -> dict[int, float]:
     from dtrain.cli import build_parser, config_from_args
     from dtrain.cluster import launch_on_cluster
+    from dtrain.job.run import worker_main
     from dtrain.job.validate import validate
-    from dtrain.job.worker import worker_main
 
     cfg = validate(config_from_args(build_parser().parse_args(["run", *flags, "--out", str(out)])))
     out.mkdir(parents=True)

@@ -1,6 +1,6 @@
 """Mixed precision: fp32 against bf16 and fp16 on the same runs -- metric, bytes per step, overflows.
 
-Every row is one ``dtrain run`` (``dtrain.job.worker.run``; data parallel, ring allreduce, ``--workers``
+Every row is one ``dtrain run`` (``dtrain.job.run.run``; data parallel, ring allreduce, ``--workers``
 processes on loopback) from the same seed for the same steps; only ``--precision`` changes:
 
 * ``fp32``  the reference
@@ -71,7 +71,7 @@ def _record(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def _one(cfg: Any) -> dict[str, Any]:
-    from dtrain.job.worker import run
+    from dtrain.job.run import run
 
     with tempfile.TemporaryDirectory() as d:
         s, _ = run(cfg.replace(out=str(Path(d) / "run"), overwrite=True), quiet=True)

@@ -95,7 +95,7 @@ POLICIES = ("bsp", "asp", "ssp:2", "softsync:2", "backup:1")
 
 def _one(rank: int, world: int, cfg_dict: dict[str, Any], out: str) -> dict[str, Any]:
     from dtrain.config.schema import RunConfig
-    from dtrain.job.worker import TrainContext
+    from dtrain.job.run import TrainContext
     from dtrain.strategies.ps import run_process
     from dtrain.trace import MetricsWriter, Tracer
     from dtrain.workloads.data import load_dataset
@@ -134,7 +134,7 @@ def _process(plan: list[tuple[str, dict[str, Any]]], root: str) -> dict[str, lis
 
 def _summaries(cfg: dict[str, Any], per_rank: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     from dtrain.config.schema import RunConfig
-    from dtrain.job.worker import summarize
+    from dtrain.job.run import summarize
 
     c = RunConfig.from_mapping(cfg)
     out = []

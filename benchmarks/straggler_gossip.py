@@ -47,7 +47,7 @@ def rates(out: Path, workers: int, warmup: int) -> dict[int, float]:
 
 
 def run_one(base: Any, kw: dict[str, Any], straggler: str, warmup: int) -> dict[str, Any]:
-    from dtrain.job.worker import run
+    from dtrain.job.run import run
 
     with tempfile.TemporaryDirectory() as d:
         cfg = base.replace(**kw, straggler=straggler, out=d)

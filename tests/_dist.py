@@ -30,7 +30,7 @@ from typing import Any
 __all__ = ["Outcome", "spawn", "run_distributed", "free_port", "guard", "scenario_result", "PRELOAD"]
 
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "sklearn.datasets",
-           "sklearn.model_selection", "tqdm", "dtrain.job.worker",
+           "sklearn.model_selection", "tqdm", "dtrain.job.run",
            "dtrain.launch.agent"]  # _dynamo: optimizers import it
 
 

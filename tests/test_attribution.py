@@ -209,7 +209,7 @@ def test_tensorboard_events_hold_the_loss_per_step_and_the_metric(runs):
 def test_tensorboard_missing_is_refused_before_any_process_starts(monkeypatch, tmp_path):
     import importlib.util
 
-    from dtrain.job.worker import run
+    from dtrain.job.run import run
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))

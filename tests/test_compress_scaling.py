@@ -280,7 +280,7 @@ def test_from_spec_puts_momentum_where_it_belongs() -> None:
 
 def test_dtrain_run_moves_momentum_from_the_optimizer_into_the_compressor(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from dtrain.config.schema import RunConfig
-    from dtrain.job.worker import TrainContext
+    from dtrain.job.run import TrainContext
 
     def ctx(**kw: object) -> TrainContext:
         cfg = validate(RunConfig.make(workers=2, out=str(tmp_path), **kw))  # type: ignore[arg-type]

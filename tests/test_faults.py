@@ -210,7 +210,7 @@ def test_an_unwritable_out_is_one_line_before_any_worker(tmp_path, where, words)
 
 
 def test_overwrite_replaces_only_a_run_folder_and_never_the_resumed_checkpoint(tmp_path, monkeypatch):
-    from dtrain.job.worker import default_out_dir, open_run_folder
+    from dtrain.job.run import default_out_dir, open_run_folder
 
     notes = tmp_path / "notes"
     notes.mkdir()
@@ -234,7 +234,7 @@ def test_overwrite_replaces_only_a_run_folder_and_never_the_resumed_checkpoint(t
             return datetime(2024, 5, 6, 7, 8, 9)
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("dtrain.job.worker.datetime", Frozen)
+    monkeypatch.setattr("dtrain.job.run.datetime", Frozen)
     first = default_out_dir(RunConfig.make())
     assert first == Path("runs/20240506-070809-dp")
     first.mkdir(parents=True)

@@ -24,7 +24,7 @@ from _procs import processes, workers_of
 
 from dtrain.checkpoint import MARKER, find_checkpoint
 from dtrain.config.schema import RunConfig
-from dtrain.job.worker import _interrupted_message
+from dtrain.job.run import _interrupted_message
 
 LONG_RUN = ("run", "--workers", "2", "--epochs", "200", "--no-progress")
 RESUME_LINE = re.compile(r"^dtrain: interrupted \(SIGINT\) at step (\d+); last complete checkpoint: step (\d+); "

@@ -133,7 +133,7 @@ def _equivalence(rank, world):
 
 def _accuracy(rank, world, out_dir):
     from dtrain.config.schema import RunConfig
-    from dtrain.job.worker import TrainContext
+    from dtrain.job.run import TrainContext
     from dtrain.strategies.ps import run_process
     from dtrain.trace import MetricsWriter, Tracer
     from dtrain.workloads.data import load_dataset

@@ -358,7 +358,7 @@ def test_what_fp16_cannot_skip_is_refused_naming_the_option(flags, message):
 
     ns = build_parser().parse_args(["run", *CNN, "--workers", "2", "--precision", "fp16", *flags])
     with pytest.raises(ConfigError) as e:
-        validate(config_from_args(ns))  # what dtrain.job.worker.run checks before any process starts
+        validate(config_from_args(ns))  # what dtrain.job.run.run checks before any process starts
     assert message in str(e.value), str(e.value)
     ns = build_parser().parse_args(["run", *CNN, "--workers", "2", "--precision", "bf16", *flags])
     validate(config_from_args(ns))  # bf16 neither scales nor skips: the same options are fine

@@ -101,7 +101,7 @@ def test_lr_factor_is_torchs_cosine_annealing():
     """lr_factor("cosine") per step is torch's CosineAnnealingLR(T_max=total, eta_min=0) stepped per step."""
     import torch
 
-    from dtrain.job.worker import lr_factor
+    from dtrain.job.run import lr_factor
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.05)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=37)
@@ -121,7 +121,7 @@ def test_scheduled_updates_compose_with_the_servers_own_lr_scaling():
     server set just before the step (staleness-aware lr), and the group's lr is restored after it."""
     import torch
 
-    from dtrain.job.worker import _schedule_updates, lr_factor
+    from dtrain.job.run import _schedule_updates, lr_factor
 
     torch.manual_seed(0)
     w0 = torch.randn(5)
@@ -147,7 +147,7 @@ def test_server_updates_per_consistency():
     from pathlib import Path
 
     from dtrain.config.schema import RunConfig
-    from dtrain.job.worker import TrainContext
+    from dtrain.job.run import TrainContext
     from dtrain.strategies.ps import server_updates
     from dtrain.workloads.data import load_dataset
 
@@ -165,7 +165,7 @@ def test_lr_schedule_cosine_under_dp_and_ps(tmp_path):
     """--lr-schedule cosine: dp's metrics show lr * factor(step); one parameter-server worker (bsp) then
     trains exactly like one data-parallel process with the same schedule. (With the servers' rate left
     constant the ps losses differ from these by more than 1e-4 relative from the third step on.)"""
-    from dtrain.job.worker import lr_factor
+    from dtrain.job.run import lr_factor
 
     common = ["--workers", "1", "--epochs", "1", "--max-steps", "8", "--no-progress", "--no-trace",
               "--lr-schedule", "cosine"]

@@ -7,7 +7,7 @@ from _helpers import FakeClock
 
 from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.job.worker import TrainContext
+from dtrain.job.run import TrainContext
 from dtrain.training.slowdown import Straggler
 
 

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # what measures or starts processes; dtrain.perfmodel must import none of it
-IMPURE = ("dtrain.job.worker", "dtrain.training", "dtrain.launch.agent", "dtrain.cluster", "dtrain.measure",
+IMPURE = ("dtrain.job.run", "dtrain.training", "dtrain.launch.agent", "dtrain.cluster", "dtrain.measure",
           "dtrain.planning")
 
 

@@ -314,7 +314,7 @@ def _delegate(module: str, argv: list[str]) -> int:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from dtrain.job.worker import run
+    from dtrain.job.run import run
     from dtrain.launch.agent import LaunchInterrupted
 
     cfg = config_from_args(ns)

@@ -2,7 +2,7 @@
 
 * :mod:`.validate` -- the checks made before any process starts (values, CUDA, the data, a resumed
   checkpoint), each error naming what to change;
-* :mod:`.worker` -- the parent process of ``dtrain run`` (launch, summary) and each worker's entry point;
+* :mod:`.run` -- the parent process of ``dtrain run`` (launch, summary) and each worker's entry point;
 * :mod:`.restart` -- resuming after a lost process: the restart log and the checkpoint to restart from.
 
 The configuration itself is :mod:`dtrain.config`; starting processes is :mod:`dtrain.launch`.

@@ -3,7 +3,7 @@
 The checks that go beyond a field's own value: names against what is registered, numbers
 against each other, the device (probing CUDA), the dataset (loading it, for its size), the batch
 schedule, the strategy's own cross-checks (its :class:`~dtrain.config.schema.ConfigHooks`) and a
-checkpoint to resume (read on disk). :func:`dtrain.job.worker.run` calls it in the parent process.
+checkpoint to resume (read on disk). :func:`dtrain.job.run.run` calls it in the parent process.
 """
 
 from __future__ import annotations

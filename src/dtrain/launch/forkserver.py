@@ -25,7 +25,7 @@ __all__ = ["PRELOAD", "LauncherStdio", "prestart", "adopt_env", "descendants", "
 # optimizers import it when the first one is built (1.2 of a one-step worker's 1.4 s on this machine)
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.elastic.multiprocessing", "sklearn.datasets", "sklearn.model_selection", "tqdm",
-           "dtrain.launch.agent", "dtrain.job.worker", "dtrain.strategies.builtin")
+           "dtrain.launch.agent", "dtrain.job.run", "dtrain.strategies.builtin")
 # the environment of this module's first import: in a worker that forked from the forkserver, the server's
 _IMPORT_ENV = dict(os.environ)
 # what torch's agent sets for each worker (besides TORCHELASTIC_*): these come from the agent, never the parent

@@ -130,7 +130,7 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, r
     import json
 
     from dtrain.config.schema import RunConfig
-    from dtrain.job.worker import worker_main
+    from dtrain.job.run import worker_main
     from dtrain.workloads.load import load_model
     from dtrain.workloads.models import is_language_model
 

@@ -54,7 +54,7 @@ def _coerce(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.job.worker import run
+    from dtrain.job.run import run
 
     ap = argparse.ArgumentParser(prog="dtrain bench train", description=__doc__)
     ap.add_argument("--strategies", default=DEFAULT,

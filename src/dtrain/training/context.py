@@ -222,7 +222,7 @@ class ProcessHooks:
 
     Attributes:
         run: the body of every process of a run (the :class:`TrainContext` -> this process's
-            result, see :mod:`dtrain.job.worker`).
+            result, see :mod:`dtrain.job.run`).
     """
 
     run: Callable[[TrainContext], dict[str, Any]]
