@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dtrain.data_parallel.options import ALGORITHMS, OVERLAPS, SHARD_ALGORITHMS, SHARDS
 from dtrain.errors import ConfigError, check_choice
 from dtrain.registry import StrategyOptions
 from dtrain.strategies._common import CompressedOptions
-
-if TYPE_CHECKING:
-    pass
-
 
 __all__ = ["DPOptions", "DDPOptions", "STATELESS_WIRE"]
 
