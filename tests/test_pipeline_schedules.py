@@ -16,6 +16,7 @@ from dtrain.pipeline.schedules import (
     bubble_closed_form,
     flush_actions,
     generate,
+    grid,
     parse_schedule,
     peak_in_flight_bound,
     simulate,
@@ -361,10 +362,10 @@ def test_schedule_construction_errors() -> None:
 
 
 def test_grid() -> None:
-    assert generate("1f1b", 2, 3).grid() == ("rank 0: F0 F1 .  B0 F2 B1 .  B2\n"
+    assert grid(generate("1f1b", 2, 3)) == ("rank 0: F0 F1 .  B0 F2 B1 .  B2\n"
                                              "rank 1: .  F0 B0 F1 B1 F2 B2 .")  # fmt: skip
     # tb = 2 tf: a backward fills two slots
-    assert generate("gpipe", 2, 1).grid(tf=1.0, tb=2.0) == "rank 0: F0 .  .  .  B0 B0\nrank 1: .  F0 B0 B0 .  ."
-    rows = generate("interleaved", 2, 2, 2).grid().splitlines()
+    assert grid(generate("gpipe", 2, 1), tf=1.0, tb=2.0) == "rank 0: F0 .  .  .  B0 B0\nrank 1: .  F0 B0 B0 .  ."
+    rows = grid(generate("interleaved", 2, 2, 2)).splitlines()
     assert rows[0].split()[:4] == ["rank", "0:", "F0.0", "F1.0"] and "B0.1" in rows[0]
     assert len(rows) == 2

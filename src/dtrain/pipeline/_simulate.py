@@ -1,10 +1,9 @@
 """The engine behind :func:`~dtrain.pipeline.schedules.simulate` and :func:`~dtrain.pipeline.schedules.validate`.
 
-Private. It reads a schedule's fields only (what :class:`ScheduleLike` and :class:`ActionLike`
-name, which ``schedules``' ``Schedule`` and ``Action`` are), and raises :class:`Invalid`, which the
-public functions turn into ``ScheduleError``; so the import goes one way, from ``schedules`` to here.
+Private. It reads :mod:`dtrain.pipeline.actions`' ``Schedule`` and ``Action`` and raises :class:`Invalid`,
+which the public functions turn into ``ScheduleError``; so the import goes one way, from ``schedules`` to here.
 
-Three passes over a :class:`~dtrain.pipeline.schedules.Schedule`:
+Three passes over a :class:`~dtrain.pipeline.actions.Schedule`:
 
 1. :func:`check_structure` -- every action on its stage's rank with an id in range, no action
    twice, every micro-batch with a forward and a backward on every stage.
@@ -20,11 +19,11 @@ Three passes over a :class:`~dtrain.pipeline.schedules.Schedule`:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-__all__ = ["ActionLike", "ScheduleLike", "Invalid", "PlayedSchedule", "check_structure", "play", "check_messages"]
+from dtrain.pipeline.actions import Action, Schedule
+
+__all__ = ["Invalid", "PlayedSchedule", "check_structure", "play", "check_messages"]
 
 COMPUTE = ("F", "B", "I", "W", "U")
 # a comm action -> (message kind, offset from its stage to the peer stage, True if it sends)
@@ -32,49 +31,6 @@ _COMM = {"SF": ("F", 1, True), "RF": ("F", -1, False), "SB": ("B", -1, True), "R
 
 Key = tuple[int, str, int | None]  # (stage, op, micro-batch) of an action
 Message = tuple[str, int, int]  # (kind "F" or "B", sending stage, micro-batch)
-
-
-class ActionLike(Protocol):
-    """What the engine reads of an action: ``op`` on virtual stage ``stage`` for micro-batch ``mb``."""
-
-    @property
-    def stage(self) -> int: ...
-    @property
-    def op(self) -> str: ...
-    @property
-    def mb(self) -> int | None: ...
-
-
-class ScheduleLike(Protocol):
-    """What the engine reads of a schedule: its shape and each rank's actions."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def ranks(self) -> int: ...
-    @property
-    def microbatches(self) -> int: ...
-    @property
-    def chunks(self) -> int: ...
-    @property
-    def actions(self) -> Sequence[Sequence[ActionLike]]: ...
-    @property
-    def stages(self) -> int: ...
-    def stage_rank(self, stage: int) -> int: ...
-    def rank_stages(self, rank: int) -> list[int]: ...
-
-
-@dataclass(frozen=True)
-class _Named:
-    """An action the engine names in a message (one it found missing or waited for), written as
-    ``schedules``' ``Action`` writes itself."""
-
-    stage: int
-    op: str
-    mb: int | None = None
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.op}" if self.mb is None else f"{self.stage}{self.op}{self.mb}"
 
 
 class Invalid(Exception):
@@ -100,24 +56,24 @@ class PlayedSchedule:
     idle: tuple[float, ...]
     bubble: float
     peak_in_flight: tuple[int, ...]
-    starts: tuple[tuple[tuple[ActionLike, float, float], ...], ...]
+    starts: tuple[tuple[tuple[Action, float, float], ...], ...]
 
 
-def _key(a: ActionLike) -> Key:
+def _key(a: Action) -> Key:
     return (a.stage, a.op, a.mb)
 
 
-def _twin(a: ActionLike, stage: int, op: str, mb: int | None = None) -> _Named:
+def _twin(a: Action, stage: int, op: str, mb: int | None = None) -> Action:
     """An action like ``a`` with another stage and op (and micro-batch): its text names what is missing."""
-    return _Named(stage, op, a.mb if mb is None else mb)
+    return Action(stage, op, a.mb if mb is None else mb)
 
 
-def _deferred(s: ScheduleLike, mb: int | None) -> bool:
+def _deferred(s: Schedule, mb: int | None) -> bool:
     """Whether ``mb`` is a 2bw id of the previous batch (its forward ran in the previous call)."""
     return s.name == "2bw" and mb is not None and mb < 0
 
 
-def _check_action(s: ScheduleLike, rank: int, a: ActionLike) -> None:
+def _check_action(s: Schedule, rank: int, a: Action) -> None:
     if not 0 <= a.stage < s.stages:
         raise Invalid(f"rank {rank}: {a}: stage {a.stage} is out of range (the schedule has {s.stages} stages)")
     if s.stage_rank(a.stage) != rank:
@@ -135,7 +91,7 @@ def _check_action(s: ScheduleLike, rank: int, a: ActionLike) -> None:
             raise Invalid(f"rank {rank}: {a}: stage {a.stage} has no {'next' if step > 0 else 'previous'} stage")
 
 
-def check_structure(s: ScheduleLike) -> dict[Key, int]:
+def check_structure(s: Schedule) -> dict[Key, int]:
     """Check every action on its own; return the rank of each compute action.
 
     Raises:
@@ -163,7 +119,7 @@ def check_structure(s: ScheduleLike) -> dict[Key, int]:
     return owner
 
 
-def _check_microbatch(s: ScheduleLike, owner: dict[Key, int], rank: int, stage: int, mb: int) -> None:
+def _check_microbatch(s: Schedule, owner: dict[Key, int], rank: int, stage: int, mb: int) -> None:
     def has(op: str, m: int) -> bool:
         return (stage, op, m) in owner
 
@@ -184,7 +140,7 @@ def _check_microbatch(s: ScheduleLike, owner: dict[Key, int], rank: int, stage: 
             raise Invalid(f"rank {rank}: {stage}W{m}: its input backward {stage}I{m} is missing")
 
 
-def _deps(s: ScheduleLike, owner: dict[Key, int], a: ActionLike) -> list[Key]:
+def _deps(s: Schedule, owner: dict[Key, int], a: Action) -> list[Key]:
     """The compute actions ``a`` waits for (those of this call's lists)."""
     if a.op == "F":
         return [(a.stage - 1, "F", a.mb)] if a.stage > 0 else []
@@ -206,7 +162,7 @@ def _duration(op: str, tf: float, tb: float, tw: float) -> float:
     return {"F": tf, "B": tb, "I": tb - tw, "W": tw}.get(op, 0.0)
 
 
-def play(s: ScheduleLike, owner: dict[Key, int], tf: float, tb: float, tw: float, comm: float) -> PlayedSchedule:
+def play(s: Schedule, owner: dict[Key, int], tf: float, tb: float, tw: float, comm: float) -> PlayedSchedule:
     """Play the compute actions of ``s`` (``owner`` from :func:`check_structure`); see the module docstring.
 
     Raises:
@@ -217,7 +173,7 @@ def play(s: ScheduleLike, owner: dict[Key, int], tf: float, tb: float, tw: float
     ends: dict[Key, float] = {}
     clock = [0.0] * s.ranks
     pos = [0] * s.ranks
-    starts: list[list[tuple[ActionLike, float, float]]] = [[] for _ in range(s.ranks)]
+    starts: list[list[tuple[Action, float, float]]] = [[] for _ in range(s.ranks)]
     moved = True
     while moved:
         moved = False
@@ -242,7 +198,7 @@ def play(s: ScheduleLike, owner: dict[Key, int], tf: float, tb: float, tw: float
     return PlayedSchedule(makespan, busy, idle, bubble, _peaks(s), tuple(tuple(st) for st in starts))
 
 
-def _deadlock(s: ScheduleLike, lists: list[list[ActionLike]], pos: list[int], deps: dict[Key, list[Key]],
+def _deadlock(s: Schedule, lists: list[list[Action]], pos: list[int], deps: dict[Key, list[Key]],
               ends: dict[Key, float], owner: dict[Key, int]) -> str:  # fmt: skip
     parts = []
     for r, acts in enumerate(lists):
@@ -258,7 +214,7 @@ def _deadlock(s: ScheduleLike, lists: list[list[ActionLike]], pos: list[int], de
     return "deadlock: " + "; ".join(parts)
 
 
-def _peaks(s: ScheduleLike) -> tuple[int, ...]:
+def _peaks(s: Schedule) -> tuple[int, ...]:
     """Per virtual stage, the most micro-batches forwarded and not yet backwarded, in list order."""
     peaks = [0] * s.stages
     for acts in s.actions:
@@ -274,20 +230,20 @@ def _peaks(s: ScheduleLike) -> tuple[int, ...]:
     return tuple(peaks)
 
 
-def _message(a: ActionLike) -> Message:
+def _message(a: Action) -> Message:
     """The message a comm action sends or receives."""
     kind, step, sends = _COMM[a.op]
-    assert a.mb is not None  # ActionLike allows None only for U
+    assert a.mb is not None  # Action allows None only for U
     return (kind, a.stage if sends else a.stage + step, a.mb)
 
 
-def _peer(a: ActionLike) -> _Named:
+def _peer(a: Action) -> Action:
     """The comm action on the other side of ``a``'s message."""
     kind, step, sends = _COMM[a.op]
     return _twin(a, a.stage + step, ("R" if sends else "S") + kind)
 
 
-def check_messages(s: ScheduleLike) -> None:
+def check_messages(s: Schedule) -> None:
     """Check the sends and receives of a lowered schedule (see the module docstring).
 
     For 2bw a receive ``RB(s, j)`` with ``j < 0`` and no ``SB(s+1, j)`` in the call takes the
@@ -324,7 +280,7 @@ def check_messages(s: ScheduleLike) -> None:
         raise Invalid("message-order deadlock: " + "; ".join(waits))
 
 
-def _match(s: ScheduleLike, sends: Counter[Message],
+def _match(s: Schedule, sends: Counter[Message],
            recvs: Counter[Message]) -> set[Message]:  # fmt: skip
     """Pair sends with receives; return the messages a previous call already delivered (2bw)."""
     early: set[Message] = set()
@@ -351,7 +307,7 @@ def _match(s: ScheduleLike, sends: Counter[Message],
     return early
 
 
-def _check_order(s: ScheduleLike) -> None:
+def _check_order(s: Schedule) -> None:
     """Each receive before the compute that needs it; each send after the compute that makes it."""
     for rank, acts in enumerate(s.actions):
         done: set[Key] = set()

@@ -1,29 +1,15 @@
 """Pipeline schedules as data: for each rank, the ordered list of actions it runs in one call.
 
-An :class:`Action` is a virtual stage, an op and a micro-batch, written compactly as
-``"1F3"`` (stage 1, forward, micro-batch 3); :meth:`Action.parse` reads the text back. The ops:
-
-====  ===========================================================================
-F     forward
-B     full backward (input and weights)
-I     backward for the input only; with W it replaces B (Qi et al. 2024, "Zero
-      Bubble Pipeline Parallelism", ICLR 2024)
-W     backward for the weights only
-SF    send the activation to the next stage; RF receive it from the previous one
-SB    send the input's gradient to the previous stage; RB receive the output's
-      gradient from the next one
-U     optimizer step (no micro-batch: ``"1U"``)
-====  ===========================================================================
-
-A :class:`Schedule` holds one list per rank; ``stages = ranks * chunks`` virtual stages
-sit round-robin, stage ``s`` on rank ``s % ranks``. The executor
+An :class:`~dtrain.pipeline.actions.Action` (``"1F3"``: stage 1, forward, micro-batch 3) and a
+:class:`~dtrain.pipeline.actions.Schedule` (one action list per rank) are defined in
+:mod:`dtrain.pipeline.actions`, with the table of ops; this module makes and checks them. The executor
 (:mod:`dtrain.pipeline.executor`) runs any valid list, so a new schedule is a new list,
 not new executor code. How to use the pieces:
 
 1. :func:`generate` builds the compute actions (F, B) of a named schedule (:data:`GENERATORS`).
 2. :func:`with_comms` lowers it: a receive before and a send after each compute action whose
    neighbouring stage lives on another rank.
-3. :func:`simulate` plays it in time (durations ``tf``, ``tb``), :meth:`Schedule.grid` prints
+3. :func:`simulate` plays it in time (durations ``tf``, ``tb``), :func:`grid` prints
    that play rank by time slot, :func:`validate` checks everything that can be checked
    without running it (:mod:`dtrain.pipeline._simulate` is the engine).
 4. :meth:`Schedule.text` / :func:`parse_schedule` write and read one line per rank.
@@ -34,7 +20,7 @@ Example::
     >>> print(s.text())
     rank 0: 0F0 0F1 0B0 0F2 0B1 0B2
     rank 1: 1F0 1B0 1F1 1B1 1F2 1B2
-    >>> print(s.grid())
+    >>> print(grid(s))
     rank 0: F0 F1 .  B0 F2 B1 .  B2
     rank 1: .  F0 B0 F1 B1 F2 B2 .
 """
@@ -43,136 +29,37 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from fractions import Fraction
 from math import gcd
 
 from dtrain.pipeline._simulate import Invalid, PlayedSchedule, check_messages, check_structure, play
+from dtrain.pipeline.actions import COMM_OPS, OPS, Action, Schedule, ScheduleError
 
 __all__ = ["OPS", "COMM_OPS", "GENERATORS", "ScheduleError", "Action", "Schedule", "PlayedSchedule", "parse_schedule",
-           "generate", "flush_actions", "with_comms", "simulate", "validate", "bubble_closed_form",
+           "grid", "generate", "flush_actions", "with_comms", "simulate", "validate", "bubble_closed_form",
            "peak_in_flight_bound"]  # fmt: skip
 
-OPS = ("F", "B", "I", "W", "SF", "RF", "SB", "RB", "U")
-COMM_OPS = ("SF", "RF", "SB", "RB")
-
-_ACTION_RE = re.compile(r"(\d+)(SF|RF|SB|RB|F|B|I|W|U)(-?\d+)?")
 _RANK_RE = re.compile(r"rank\s+(\d+)\s*:(.*)")
 
 
-class ScheduleError(ValueError):
-    """A schedule (or the arguments that build one) is invalid; names the rank, the action and the cause."""
+def grid(schedule: Schedule, tf: float = 1.0, tb: float = 1.0) -> str:
+    """A rank-by-time table of :func:`simulate` ``(schedule, tf, tb)``.
 
-
-@dataclass(frozen=True)
-class Action:
-    """One step of one rank: ``op`` on virtual stage ``stage`` for micro-batch ``mb``.
-
-    Args:
-        stage: virtual stage index, ``0 .. stages-1``.
-        op: one of :data:`OPS`.
-        mb: micro-batch id; None only for U. A negative id (2bw only) is the previous batch's
-            micro-batch ``mb + M``, whose backward was deferred into this call.
-
-    Raises:
-        ScheduleError: an unknown op, a negative stage, a missing or superfluous micro-batch.
+    One row per rank, one column per time slot (the largest slot that divides ``tf`` and
+    ``tb``, so a B of ``tb = 2 * tf`` fills two columns); a cell is ``"F3"`` / ``"B3"``
+    (``"F3.1"``: chunk 1, when ``chunks > 1``) or ``"."`` when the rank is idle.
     """
-
-    stage: int
-    op: str
-    mb: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ScheduleError(f"action {self.stage}{self.op}{self.mb}: unknown op {self.op!r} (ops: {' '.join(OPS)})")
-        if not isinstance(self.stage, int) or self.stage < 0:
-            raise ScheduleError(f"action {self.op}{self.mb}: stage must be an int >= 0, got {self.stage!r}")
-        if self.mb is not None and not isinstance(self.mb, int):
-            raise ScheduleError(f"action {self.stage}{self.op}: micro-batch must be an int, got {self.mb!r}")
-        if (self.mb is None) != (self.op == "U"):
-            need = "takes no micro-batch" if self.op == "U" else "needs a micro-batch"
-            raise ScheduleError(f"action {self.stage}{self.op}{'' if self.mb is None else self.mb}: {self.op} {need}")
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.op}" if self.mb is None else f"{self.stage}{self.op}{self.mb}"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """The action written as ``text`` (``"1F3"``, ``"0B-2"``, ``"2SF3"``, ``"1U"``): the inverse of ``str``."""
-        m = _ACTION_RE.fullmatch(text.strip())
-        if m is None:
-            raise ScheduleError(f"action {text!r}: not of the form <stage><op><micro-batch> with op one of "
-                                f"{' '.join(OPS)} (e.g. '1F3', '0B-2', '1U')")  # fmt: skip
-        return cls(int(m.group(1)), m.group(2), None if m.group(3) is None else int(m.group(3)))
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """The per-rank action lists of one call (one batch) of a pipeline.
-
-    Args:
-        name: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"2bw"`` or ``"custom"``; only ``"2bw"``
-            allows negative (deferred) micro-batch ids.
-        ranks: P, the pipeline's ranks.
-        microbatches: M, micro-batches per call.
-        chunks: v, virtual stages per rank (1 except interleaved).
-        actions: per rank, its actions in execution order (lists are stored as tuples).
-
-    Raises:
-        ScheduleError: ``ranks``, ``microbatches`` or ``chunks`` below 1, or not one list per rank.
-    """
-
-    name: str
-    ranks: int
-    microbatches: int
-    chunks: int
-    actions: tuple[tuple[Action, ...], ...] = field(repr=False)
-
-    def __post_init__(self) -> None:
-        for what in ("ranks", "microbatches", "chunks"):
-            value = getattr(self, what)
-            if not isinstance(value, int) or value < 1:
-                raise ScheduleError(f"schedule {self.name!r}: {what} must be an int >= 1, got {value!r}")
-        object.__setattr__(self, "actions", tuple(tuple(acts) for acts in self.actions))
-        if len(self.actions) != self.ranks:
-            raise ScheduleError(f"schedule {self.name!r}: {self.ranks} ranks need {self.ranks} action lists, "
-                                f"got {len(self.actions)}")  # fmt: skip
-
-    @property
-    def stages(self) -> int:
-        """Virtual stages, ``ranks * chunks``."""
-        return self.ranks * self.chunks
-
-    def stage_rank(self, stage: int) -> int:
-        """The rank holding virtual stage ``stage`` (round-robin; the identity when ``chunks == 1``)."""
-        return stage % self.ranks
-
-    def rank_stages(self, rank: int) -> list[int]:
-        """The virtual stages on ``rank``, increasing."""
-        return list(range(rank, self.stages, self.ranks))
-
-    def text(self) -> str:
-        """One line per rank, ``"rank 0: 0F0 0F1 0B0 ..."``; :func:`parse_schedule` reads it back."""
-        return "\n".join(f"rank {r}:" + "".join(f" {a}" for a in acts) for r, acts in enumerate(self.actions))
-
-    def grid(self, tf: float = 1.0, tb: float = 1.0) -> str:
-        """A rank-by-time table of :func:`simulate` ``(self, tf, tb)``.
-
-        One row per rank, one column per time slot (the largest slot that divides ``tf`` and
-        ``tb``, so a B of ``tb = 2 * tf`` fills two columns); a cell is ``"F3"`` / ``"B3"``
-        (``"F3.1"``: chunk 1, when ``chunks > 1``) or ``"."`` when the rank is idle.
-        """
-        result = simulate(self, tf, tb)
-        slot = _slot(tf, tb)
-        rows = [["."] * round(result.makespan / slot) for _ in range(self.ranks)]
-        for r, played in enumerate(result.starts):
-            for a, t0, t1 in played:
-                chunk = f".{a.stage // self.ranks}" if self.chunks > 1 else ""
-                cell = f"{a.op}{'' if a.mb is None else a.mb}{chunk}"
-                for col in range(round(t0 / slot), round(t1 / slot)):
-                    rows[r][col] = cell
-        width = max((len(c) for row in rows for c in row), default=1)
-        return "\n".join(f"rank {r}: " + " ".join(c.ljust(width) for c in row).rstrip() for r, row in enumerate(rows))
+    result = simulate(schedule, tf, tb)
+    slot = _slot(tf, tb)
+    rows = [["."] * round(result.makespan / slot) for _ in range(schedule.ranks)]
+    for r, played in enumerate(result.starts):
+        for a, t0, t1 in played:
+            chunk = f".{a.stage // schedule.ranks}" if schedule.chunks > 1 else ""
+            cell = f"{a.op}{'' if a.mb is None else a.mb}{chunk}"
+            for col in range(round(t0 / slot), round(t1 / slot)):
+                rows[r][col] = cell
+    width = max((len(c) for row in rows for c in row), default=1)
+    return "\n".join(f"rank {r}: " + " ".join(c.ljust(width) for c in row).rstrip() for r, row in enumerate(rows))
 
 
 def _slot(tf: float, tb: float) -> float:
