@@ -185,10 +185,10 @@ class RunConfig:
                             "batch, Goyal et al. 2017), sqrt, or none (default: none)"})
     base_batch: int = field(default=0, metadata={"help": "the global batch --lr was tuned for (default: 0, the run's "
                             "first global batch)"})
-    warmup_steps: int = field(default=0, metadata={"help": "gradual warmup over N steps: from --lr to the scaled rate "
-                              "(Goyal et al.), or from near 0 without scaling (default: 0)"})
-    warmup_epochs: float = field(default=0.0, metadata={"help": "the warmup in epochs instead (of the first epoch's "
-                                 "steps) (default: 0)"})
+    warmup_steps: int = field(default=0, metadata={"help": "gradual warmup over N steps (--warmup-epochs E: E times "
+                              "the first epoch's steps): from --lr to the scaled rate (Goyal et al.), or from near 0 "
+                              "without scaling (default: 0)"})
+    warmup_epochs: float = field(default=0.0, metadata={"help": "the warmup in epochs instead (default: 0)"})
     batch_schedule: str = field(default="", metadata={"help": 'grow the global batch: "0:256,5:512" (from epoch: '
                                 "batch), or auto (double it while the measured gradient noise scale exceeds it; dp) "
                                 "(default: none)"})
