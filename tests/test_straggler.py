@@ -79,3 +79,23 @@ def test_a_run_slows_the_straggler_rank_and_an_emulated_slow_host(monkeypatch):
     monkeypatch.setenv("DTRAIN_SLOWDOWN", "0.5")
     with pytest.raises(ConfigError, match="DTRAIN_SLOWDOWN must be >= 1"):
         _ctx(1, "").straggler()
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_every_worker_slowed_keeps_a_steady_step(tmp_path):
+    """Three dp workers all 10x slower (as every host of ``dtrain cluster up --slow``): each waits for the others'
+    sleep in its backward's allreduce. Counted as its own work, that wait made its next sleeps 10x longer and the
+    steps grew without bound (0.38 s to 3 s in 40 steps); the waits are not own work, so the step settles."""
+    import os
+    import statistics
+
+    from _helpers import dtrain_cli, read_metrics
+
+    out = tmp_path / "run"
+    p = dtrain_cli("run", "--workers", "3", "--max-steps", "40", "--no-progress", "--no-trace", "--out", str(out),
+                   env={**os.environ, "DTRAIN_SLOWDOWN": "10"}, timeout=110)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    steps = [r["step_s"] for r in read_metrics(out) if r["rank"] == 0]
+    early, late = statistics.median(steps[3:13]), statistics.median(steps[-10:])
+    assert late < 2 * early, f"steps grew from {early * 1e3:.1f} ms to {late * 1e3:.1f} ms"

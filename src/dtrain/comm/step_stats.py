@@ -7,6 +7,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtrain.comm.waits import add_blocked
+
 __all__ = ["StepStats", "busy_time"]
 
 
@@ -43,6 +45,11 @@ class StepStats:
     buckets: int = 0
     _intervals: list[tuple[float, float]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_wait(self, seconds: float) -> None:
+        """Count ``seconds`` this step blocked on communication (also on the process's blocked clock)."""
+        self.wait_s += seconds
+        add_blocked(seconds)
 
     def add_comm(self, start: float, end: float, nbytes: int) -> None:
         with self._lock:

@@ -3,7 +3,10 @@ names the rank, the operation and the training step.
 
 * :func:`wait_work` -- wait for a ``torch.distributed`` work handle with a deadline;
 * :func:`with_step` -- the same CommError with the step filled in (raised again by a waiter);
-* :data:`GRACE_S` -- what a waiter adds to a communication thread's own timeout.
+* :data:`GRACE_S` -- what a waiter adds to a communication thread's own timeout;
+* :func:`add_blocked` / :func:`blocked_s` -- the seconds this process has spent blocked on communication
+  (waiting for a collective, a bucket, a receive), which the engines note where they wait, so that the
+  training loop can tell a step's own work from its waiting on the others (:mod:`dtrain.training.slowdown`).
 
 The data-parallel engines (:mod:`dtrain.data_parallel`, :mod:`dtrain.sharded`) and the wrap-time
 agreement of :mod:`dtrain.comm.replicas` use them.
@@ -16,11 +19,23 @@ from typing import Any
 
 from dtrain.errors import CommError, CommTimeoutError
 
-__all__ = ["GRACE_S", "wait_work", "with_step"]
+__all__ = ["GRACE_S", "wait_work", "with_step", "add_blocked", "blocked_s"]
 
 #: extra seconds a waiter gives the communication thread beyond the collective's
 #: own timeout, so that the thread's more precise error (naming the peer) wins.
 GRACE_S = 2.0
+
+_blocked = [0.0]  # seconds this process has spent blocked on communication (one training loop a process)
+
+
+def add_blocked(seconds: float) -> None:
+    """Count ``seconds`` this process spent blocked on communication (an engine calls it where it waits)."""
+    _blocked[0] += seconds
+
+
+def blocked_s() -> float:
+    """The seconds this process has spent blocked on communication so far (differences are what count)."""
+    return _blocked[0]
 
 
 def wait_work(work: Any, timeout_s: float, rank: int, op: str, step: int | None = None) -> None:

@@ -329,7 +329,7 @@ class Reducer:
                 t0 = time.perf_counter()
                 with _trace.span("wait for buckets"):
                     self._sched.wait_all(self.step, st)
-                st.wait_s += time.perf_counter() - t0
+                st.add_wait(time.perf_counter() - t0)
             if self._record_order is not None:
                 self._agree_order(self._record_order)
             if self._bucket_opt is not None:
@@ -457,11 +457,11 @@ class Reducer:
             waited = 0.0
             for i in idx:
                 waited += self._sched.wait(i, f"forward of {type(m).__name__}")
-            self._stats.wait_s += waited
+            self._stats.add_wait(waited)
 
     def _quiesce(self, what: str) -> None:
         self._sched.raise_if_failed()
         if self._sched.busy():
-            self._stats.wait_s += self._sched.wait_all(what)
+            self._stats.add_wait(self._sched.wait_all(what))
         if self._pending_order is not None:
             self._apply_order()

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
+from dtrain.comm.waits import add_blocked
 from dtrain.pipeline._channel import ACT, GRAD, Channel, PipelineError
 from dtrain.pipeline.schedules import Action, Schedule, flush_actions, with_comms
 from dtrain.trace import Tracer
@@ -268,6 +269,7 @@ class Executor:
             self._stats.compute_s += dt
         elif a.op in _RECV:
             self._stats.wait_s += dt
+            add_blocked(dt)
 
     def _rec(self, stage: int, mb: int) -> _Record:
         r = self._records.get((stage, mb))

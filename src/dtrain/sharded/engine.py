@@ -250,7 +250,7 @@ class ShardedDataParallel(nn.Module):
             u.gjob = None
         u.gathered = True
         if count:  # not an evaluation's gathers: those are not a training step's traffic
-            self._stats.wait_s += time.perf_counter() - t0
+            self._stats.add_wait(time.perf_counter() - t0)
             self._stats.add_comm(job.t0, job.t1, job.nbytes)
 
     def _allgather(self, flat: torch.Tensor) -> int:
@@ -446,7 +446,7 @@ class ShardedDataParallel(nn.Module):
         for job in jobs:
             job.wait()
             st.add_comm(job.t0, job.t1, job.nbytes)
-        st.wait_s += time.perf_counter() - t0
+        st.add_wait(time.perf_counter() - t0)
         self._next = 0
         for u in self._units:
             self._hand_over(u)

@@ -31,6 +31,7 @@ import torch
 
 from dtrain.comm.allreduce import allreduce
 from dtrain.comm.shard import allgather, reduce_scatter, segment
+from dtrain.comm.waits import add_blocked
 
 __all__ = ["TPGroup", "copy_to_tp", "reduce_from_tp", "gather_sequence", "gather_linear", "reduce_scatter_sequence",
            "split_sequence"]
@@ -57,12 +58,16 @@ class TPGroup:
         self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if init else [0]
         self.seconds = 0.0  # spent in this group's collectives so far (they are on the critical path)
 
+    def _count(self, seconds: float) -> None:
+        self.seconds += seconds
+        add_blocked(seconds)
+
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         t = t.contiguous()
         if self.size > 1:
             t0 = time.perf_counter()
             allreduce(t, op=op, algorithm=self.algorithm, group=self.group, timeout=self.timeout_s)
-            self.seconds += time.perf_counter() - t0
+            self._count(time.perf_counter() - t0)
         return t
 
     def bytes_sent(self) -> int:
@@ -82,7 +87,7 @@ class TPGroup:
         segment(flat, self.rank, self.size).copy_(moved.reshape(-1))
         t0 = time.perf_counter()
         allgather(flat, group=self.group, timeout=self.timeout_s)
-        self.seconds += time.perf_counter() - t0
+        self._count(time.perf_counter() - t0)
         out = flat.view(self.size * moved.shape[0], *moved.shape[1:])
         return out.movedim(0, dim)
 
@@ -94,7 +99,7 @@ class TPGroup:
         flat = moved.reshape(-1).clone()
         t0 = time.perf_counter()
         reduce_scatter(flat, op="sum", group=self.group, timeout=self.timeout_s)
-        self.seconds += time.perf_counter() - t0
+        self._count(time.perf_counter() - t0)
         mine = segment(flat, self.rank, self.size)
         return mine.view(moved.shape[0] // self.size, *moved.shape[1:]).movedim(0, dim)
 

@@ -14,7 +14,7 @@ Roughly, per step::
     engine.before_step(step)              # learning rate, zero gradients
     loss = ctx.loss(engine.forward(x), y)  # span "forward"
     loss.backward()                        # span "backward" (overlapped exchange runs here)
-    straggler.stretch(own work)            # --straggler: this rank's own work takes FACTOR x
+    straggler.stretch(own work)            # --straggler: this rank's own work (less its waits) takes FACTOR x
     guard.check(step, loss)                # non-finite loss or gradient: stop, or skip (--skip-nonfinite)
     engine.update()                        # the engine's span: optimizer step, push/pull, ...
     metrics rows <- engine.rows(row)       # the engine adds compute/comm/wait/bytes, the loop step_s
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.comm.waits import blocked_s
 from dtrain.errors import ConfigError, DTrainError
 from dtrain.optim.guard import NonFiniteGuard
 from dtrain.optim.precision import LossScaler
@@ -258,7 +259,7 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
     if pos.rng is not None and tally.step == pos.step:  # after building the iterator, which draws from the RNG
         assert ckpt is not None
         ckpt.restore_rng(pos.rng)
-    t_free = time.perf_counter()  # this rank's own work of a step starts (the straggler's measure)
+    t_free, blocked = time.perf_counter(), blocked_s()  # this rank's own work of a step starts (the straggler's)
     gpu = ctx.device if ctx.device.type != "cpu" else None  # --device cuda: each batch goes to the GPU
     for x, y in data:
         if gpu is not None:
@@ -273,9 +274,9 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
         with ctx.tracer.span("step", step=tally.step):
             engine.before_step(tally.step)
             loss_v = _gradients(ctx, engine, x, y, tally.scaler)
-            slow.stretch(time.perf_counter() - t_free)  # backward includes the exchange it overlaps
+            slow.stretch(time.perf_counter() - t_free - (blocked_s() - blocked))  # less the waits on the others
             applied = _apply(ctx, engine, tally, loss_v, extra)
-        t_free = time.perf_counter()
+        t_free, blocked = time.perf_counter(), blocked_s()
         dt = t_free - t0
         row = dict(step=tally.step, epoch=epoch, loss=loss_v, lr=engine.lr(),
                    samples_per_s=len(y) * engine.samples_scale / dt, step_s=dt, **extra)  # fmt: skip
@@ -293,12 +294,12 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
             _postfix(engine, tally, bar, loss_v)
         if ctx.cfg.eval_every and tally.step % ctx.cfg.eval_every == 0:
             _evaluate(ctx, engine, tally, epoch, t_start, bar)  # may stop the run (--target)
-            t_free = time.perf_counter()
+            t_free, blocked = time.perf_counter(), blocked_s()
         if ckpt is not None and ckpt.due(tally.step, final=engine.done(tally.step) or tally.stopped):
             ckpt.loop_state = ctx.loop_state(tally.scaler)
             with ctx.tracer.span("checkpoint", step=tally.step):
                 engine.save(ckpt, tally.step, epoch, batches)
-            t_free = time.perf_counter()
+            t_free, blocked = time.perf_counter(), blocked_s()
         if engine.done(tally.step) or tally.stopped:
             break
     return batches

@@ -13,11 +13,17 @@ in a step takes ``FACTOR`` times as long as it normally takes in this run, as on
 a machine ``FACTOR`` times slower attached to the same network. Its own work is
 everything from the end of the previous step's exchange to the end of backward:
 bookkeeping, loading the batch, forward, backward (the parameter server's
-``compute_s``; in data parallelism the backward pass includes the gradient
-allreduce it overlaps with, which cannot be told apart). The exchange with the
-servers is not slowed. The worker sleeps after its backward pass rather than
-burning CPU or cutting a CPU quota, so it slows down by the factor without
-stealing cycles from the other processes, which share this machine's cores.
+``compute_s``), less the time it spent blocked on communication in between
+(data parallelism's wait for the buckets its backward overlapped, a pipeline
+stage's receives, tensor parallelism's collectives: what the engines count with
+:func:`dtrain.comm.waits.add_blocked`). Communication is not slowed. Counting the
+waits would feed the others' slowness back into this worker's reference: with
+several slowed workers, each waits for the others' sleep, counts the wait as its
+own work and sleeps ``FACTOR`` times longer the next steps, and the steps grow
+without bound (4 hosts slowed 8x took 4.6 s a step after 55 steps of 20 ms).
+The worker sleeps after its backward pass rather than burning CPU or cutting a
+CPU quota, so it slows down by the factor without stealing cycles from the other
+processes, which share this machine's cores.
 
 "Normally" is a reference measured in the run itself (the median own work of the
 worker's last 50 steps), not each step's own work: on a machine with fewer
