@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 target="${1:-.}"
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q --no-compile --disable-pip-version-check "torch==2.13.0" -e "$target"
+.venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0" -e "$target"
