@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtrain.comm.waits import add_blocked
 from dtrain.errors import ConfigError
 from dtrain.hybrid_parallel.mesh import Mesh
 
@@ -152,7 +153,9 @@ class Hybrid:
         params = list(self.parameters())
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
+        t_reduce = time.perf_counter()
         self._dp_bytes += self._reducer(flat, "hybrid.dp", self._shapes)
+        add_blocked(time.perf_counter() - t_reduce)  # the wait on the other dp ranks is in it: not own work
         off = 0
         for p, g in zip(params, grads):
             g.copy_(flat[off : off + g.numel()].view_as(g))
