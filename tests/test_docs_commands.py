@@ -49,7 +49,8 @@ def _delegated(module: str) -> Callable[[], argparse.ArgumentParser]:
 # subcommands that parse their own arguments: their parsers
 PARSERS = {"plan": _delegated("dtrain.planning.cli"), "cluster": _delegated("dtrain.cluster.cli"),
            "bench allreduce": _delegated("dtrain.measure.allreduce"),
-           "bench p2p": _delegated("dtrain.measure.p2p")}  # fmt: skip
+           "bench p2p": _delegated("dtrain.measure.p2p"),
+           "sweep": lambda: importlib.import_module("dtrain.search.cli").build_parser()}  # fmt: skip
 
 
 def check(line: str, tmp: Path) -> None:
@@ -61,7 +62,11 @@ def check(line: str, tmp: Path) -> None:
     words = shlex.split(line)
     key = " ".join(words[:2]) if words[:1] == ["bench"] else words[0]
     if key in PARSERS:
-        PARSERS[key]().parse_args(words[2:] if key.startswith("bench") else words[1:])
+        try:
+            PARSERS[key]().parse_args(words[2:] if key.startswith("bench") else words[1:])
+        except SystemExit as e:
+            if not (e.code == 0 and {"-h", "--help"} & set(words)):
+                raise
         return
     try:
         ns = build_parser().parse_args(words)

@@ -286,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "run's strategy (calibrates this machine once per process count, then a few seconds)")
     sm = sub.add_parser("sample", help="text from a finished language-model run", add_help=False)
     sm.add_argument("args", nargs=argparse.REMAINDER)
+    sw = sub.add_parser("sweep", help="search hyper-parameters on Ray Tune, each trial a run (the tune extra)",
+                        add_help=False)  # fmt: skip
+    sw.add_argument("args", nargs=argparse.REMAINDER)
     return ap
 
 
@@ -375,7 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.print_help()
         return 0
     # delegated subcommands parse their own arguments (argparse's REMAINDER would swallow no --help)
-    delegated = {"plan": "dtrain.planning.cli", "cluster": "dtrain.cluster.cli", "sample": "dtrain.observe.sample"}
+    delegated = {"plan": "dtrain.planning.cli", "cluster": "dtrain.cluster.cli", "sample": "dtrain.observe.sample",
+                 "sweep": "dtrain.search.cli"}
     if argv[0] in delegated or (argv[0] == "bench" and len(argv) > 1 and argv[1] in _BENCHES):
         module = delegated.get(argv[0]) or _BENCHES[argv[1]]
         rest = argv[1:] if argv[0] in delegated else argv[2:]

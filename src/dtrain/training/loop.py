@@ -5,7 +5,7 @@ shard, a tracer span per step (forward, backward, the engine's update), the
 straggler emulation after backward, one metrics row per step (also written as TensorBoard
 scalars by the evaluating rank under ``--tensorboard``), checkpoints every
 ``checkpoint_every`` steps, the evaluation after each epoch on the evaluating
-rank, and the result dict that :func:`dtrain.job.run.summarize` merges. What
+rank (each also a row of ``evals.jsonl``), and the result dict that :func:`dtrain.job.run.summarize` merges. What
 differs between strategies -- how a step's gradients are exchanged and applied,
 when training ends, what a checkpoint holds -- is the engine's.
 
@@ -29,10 +29,14 @@ measures both.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -48,10 +52,16 @@ from dtrain.training.live import EVERY, LiveRanks
 from dtrain.training.slowdown import Straggler
 from dtrain.training.watchdog import Heartbeat, explain
 
+EVALS_FILE = "evals.jsonl"  # one row an evaluation: metric, value, step, epoch, train_s
+# set by dtrain sweep's trials: after each evaluation (and its checkpoint) the evaluating rank waits until the
+# file it names holds that step, so that the scheduler decides on the run where it stands (the others wait
+# for it in their next collective, as they do during the evaluation itself)
+HOLD_ENV = "DTRAIN_HOLD_FILE"
+
 if TYPE_CHECKING:
     from dtrain.training.checkpointing import RunCheckpointer
 
-__all__ = ["Engine", "WholeStep", "SkipsSteps", "Position", "run_loop", "guard_for"]
+__all__ = ["Engine", "WholeStep", "SkipsSteps", "Position", "run_loop", "guard_for", "EVALS_FILE", "HOLD_ENV"]
 
 
 @dataclass(frozen=True)
@@ -292,13 +302,17 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
         bar.update(1)
         if tally.step % EVERY == 0:
             _postfix(engine, tally, bar, loss_v)
-        if ctx.cfg.eval_every and tally.step % ctx.cfg.eval_every == 0:
+        evaluated = bool(ctx.cfg.eval_every and tally.step % ctx.cfg.eval_every == 0)
+        if evaluated:
             _evaluate(ctx, engine, tally, epoch, t_start, bar)  # may stop the run (--target)
             t_free, blocked = time.perf_counter(), blocked_s()
         if ckpt is not None and ckpt.due(tally.step, final=engine.done(tally.step) or tally.stopped):
             ckpt.loop_state = ctx.loop_state(tally.scaler)
             with ctx.tracer.span("checkpoint", step=tally.step):
                 engine.save(ckpt, tally.step, epoch, batches)
+            t_free, blocked = time.perf_counter(), blocked_s()
+        if evaluated and engine.evaluator and os.environ.get(HOLD_ENV):
+            tally.eval_s += _hold(ctx, tally.step, Path(os.environ[HOLD_ENV]))
             t_free, blocked = time.perf_counter(), blocked_s()
         if engine.done(tally.step) or tally.stopped:
             break
@@ -340,6 +354,20 @@ def _verdict(ctx: TrainContext, engine: Engine, step: int, stop: bool) -> bool:
     return bytes(store.get(key)) == b"stop"
 
 
+def _hold(ctx: TrainContext, step: int, go: Path) -> float:
+    """Wait until the file ``go`` names ``step`` or a later one (``dtrain sweep``'s trial, once its scheduler has
+    seen this evaluation and its checkpoint); the seconds waited."""
+    t0 = time.perf_counter()
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            if int(go.read_text().strip() or -1) >= step:
+                return time.perf_counter() - t0
+        if time.perf_counter() - t0 > ctx.cfg.timeout_s:
+            raise DTrainError(f"rank {ctx.rank}: waiting for the sweep to take the evaluation of step {step} timed "
+                              f"out after {ctx.cfg.timeout_s:g}s ({go} says {go.read_text().strip()!r})")  # fmt: skip
+        time.sleep(0.01)
+
+
 def _evaluate(ctx: TrainContext, engine: Engine, tally: _Progress, epoch: int, t_start: float, bar: Any) -> None:
     """Evaluate on the evaluating rank; with ``--target``, every rank learns whether to stop."""
     te = time.perf_counter()
@@ -350,6 +378,8 @@ def _evaluate(ctx: TrainContext, engine: Engine, tally: _Progress, epoch: int, t
         ctx.metrics.scalar(f"eval/{ctx.metric_name}", value, tally.step)  # --tensorboard
         t = round(te - t_start - tally.eval_s, 4)
         tally.history.append({"train_s": t, "step": tally.step, "epoch": epoch, "value": value})
+        with (ctx.out_dir / EVALS_FILE).open("a", encoding="utf-8") as f:  # read live (dtrain sweep's trials)
+            f.write(json.dumps({"metric": ctx.metric_name, **tally.history[-1]}) + "\n")
         stop = ctx.reached(value)
         if stop:
             tally.target_s, tally.target_step = t, tally.step

@@ -1,0 +1,184 @@
+"""dtrain sweep: the space and the sweep's checks (no process), a trial resumed from another's checkpoint
+(real runs, no Ray), a population-based sweep on Ray Tune (real Ray, real runs), and the missing extra."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _helpers import read_metrics
+
+from dtrain.config.schema import RunConfig
+from dtrain.errors import ConfigError
+from dtrain.search.space import parse_param, parse_space
+from dtrain.search.sweep import build_spec
+
+BASE = RunConfig.from_mapping({"workers": 1, "epochs": 2, "trace": False})
+
+
+def _spec(table: dict[str, Any], base: RunConfig = BASE, **kw: Any) -> Any:
+    args: dict[str, Any] = dict(out="/nonexistent/sweep", search="random", scheduler="fifo", trials=None,
+                                concurrent=2, metric=None, mode=None, seed=0)  # fmt: skip
+    return build_spec(base, table, **{**args, **kw})
+
+
+@pytest.mark.parametrize("text, says", [
+    ("lognormal(1, 2)", "unknown distribution 'lognormal'"),
+    ("loguniform(0, 1)", "0 < low"),
+    ("uniform(2, 1)", "low < high"),
+    ("randint(1.5, 3)", "integer ends"),
+    ("choice([])", "at least one value"),
+    ("choice([1, 1])", "listed twice"),
+    ("uniform(a, 1)", "literal"),
+    ("1e-3", "not a distribution"),
+    (0.1, "a distribution is a string"),
+])  # fmt: skip
+def test_a_bad_distribution_is_one_line_naming_the_key(text: Any, says: str) -> None:
+    with pytest.raises(ConfigError, match="lr") as e:
+        parse_param("lr", text)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_distributions_parse() -> None:
+    p = parse_param("lr", "loguniform(1e-4, 1e-1)")
+    assert (p.kind, p.low, p.high, p.edges()) == ("loguniform", 1e-4, 1e-1, (1e-4, 1e-1))
+    assert parse_param("layers", "randint(1, 5)").edges() == (1, 4)
+    assert parse_param("compression", "grid(['none', 'topk:0.01'])").values == ("none", "topk:0.01")
+
+
+@pytest.mark.parametrize("table, kw, says", [
+    ({}, {}, "the search space is empty"),
+    ({"learning_rate": "uniform(0.1, 1)"}, {}, "learning_rate: not a key of this run's configuration"),
+    ({"microbatches": "choice([2, 4])"}, {}, "an option of pipeline, hybrid, not of dp"),
+    ({"batch_size": "choice(['big'])"}, {}, "batch_size"),
+    ({"lr": "uniform(0.01, 0.1)"}, {"metric": "val_loss"}, "reports test_accuracy at each evaluation, not val_loss"),
+    ({"batch_size": "choice([32, 64])"}, {"scheduler": "pbt", "concurrent": 8},
+     "batch_size cannot change there"),
+    ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "pbt", "trials": 4, "concurrent": 2}, "give --concurrent 4"),
+    ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "pbt", "search": "tpe", "concurrent": 8}, "use --search random"),
+    ({"lr": "uniform(0.01, 0.1)"}, {"search": "grid"}, "lr is a range"),
+    ({"lr": "grid([0.01, 0.1])"}, {"search": "tpe"}, "write choice([...])"),
+    ({"lr": "uniform(0.01, 0.1)"}, {"search": "annealing"}, "--search"),
+    ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "asha", "eval_every": 1000}, "lower --eval-every"),
+])  # fmt: skip
+def test_a_bad_sweep_is_refused_before_anything_starts(table: dict[str, Any], kw: dict[str, Any], says: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        _spec(table, **kw)
+    assert says in str(e.value), str(e.value)
+
+
+def test_a_sweep_spec_fills_in_what_the_run_implies() -> None:
+    s = _spec({"lr": "loguniform(1e-3, 1e-1)", "batch_size": "choice([32, 64])"}, scheduler="asha")
+    assert (s.metric, s.mode, s.trials) == ("test_accuracy", "max", 8)
+    # digits: 1437 training samples, whole batches; the longest trial is 2 epochs at batch 32 (44 a epoch), the
+    # base run's 2 epochs at 64 (22 an epoch) evaluated 4 times
+    assert s.max_steps == 2 * 44 and s.eval_every == 2 * 22 // 4 and s.grace_steps == s.eval_every
+    g = _spec({"lr": "choice([0.01, 0.1])", "momentum": "grid([0.0, 0.9])"}, search="grid")
+    assert (g.trials, g.samples) == (4, 1)
+    assert set(parse_space({"lr": "uniform(0.1, 1)", "compression": "choice(['none', 'topk:0.1'])"}, BASE)) == {
+        "lr", "compression"}
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_an_exploited_trial_continues_exactly_where_its_donor_was(tmp_path: Path) -> None:
+    """A trial resumed from another trial's checkpoint (PBT's exploit) trains on from the donor's parameters,
+    optimizer state (momentum) and error-feedback residuals: with the donor's own hyper-parameters its losses
+    from that step on equal the donor's uninterrupted ones, and its checkpoint is the donor's, byte for byte."""
+    from dtrain.search.trial import run_trial
+
+    base = RunConfig.from_mapping({"workers": 2, "epochs": 2, "trace": False, "eval_every": 10, "momentum": 0.9,
+                                   "compression": "topk:0.05"}).to_dict()  # fmt: skip
+    seen: list[tuple[dict[str, Any], Path | None]] = []
+    donor = tmp_path / "t0"
+    run_trial(donor, base, {"lr": 0.05}, lambda m, c: seen.append((m, c)), metric="test_accuracy", checkpoints=True)
+    assert [m["step"] for m, _ in seen][:4] == [10, 20, 30, 40] and all(c is not None for _, c in seen)
+    at_20 = seen[1][1]
+    assert at_20 is not None and json.loads((at_20 / "donor.json").read_text())["trial"] == "t0"
+    got: list[dict[str, Any]] = []
+    taker = tmp_path / "t1"
+    rec = run_trial(taker, base, {"lr": 0.05}, lambda m, c: got.append(m), metric="test_accuracy", resume=at_20,
+                    checkpoints=True)  # fmt: skip
+    assert rec["from"]["trial"] == "t0" and rec["from"]["step"] == 20 and rec["fate"] == "finished"
+    copied = taker / "from-0"
+    for f in at_20.iterdir():
+        assert (copied / f.name).read_bytes() == f.read_bytes(), f.name
+
+    def losses(run: Path) -> dict[tuple[int, int], float]:
+        return {(r["step"], r["rank"]): r["loss"] for r in read_metrics(run)}
+
+    before, after = losses(donor / "run-0"), losses(taker / "run-0")
+    assert min(s for s, _ in after) == 20 and set(after) == {k for k in before if k[0] >= 20}
+    assert all(after[k] == before[k] for k in after), "the resumed trial's losses differ from its donor's"
+    assert [m["test_accuracy"] for m in got] == [m["test_accuracy"] for m, _ in seen if m["step"] > 20]
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_population_based_training_on_ray_tune(tmp_path: Path) -> None:
+    """A real PBT sweep of 2 trials (one epoch, 22 steps, perturbations at steps 10 and 20): a trial in the
+    bottom half copies the other's checkpoint and goes on with a perturbed learning rate; sweep.json records
+    every trial, its history and each exploit, and the best trial."""
+    run = tmp_path / "run.toml"
+    run.write_text('workers = 1\nepochs = 1\ntrace = false\n')
+    space = tmp_path / "space.toml"
+    space.write_text('[sweep.space]\nlr = "loguniform(1e-3, 1e-1)"\n')  # seed 0 draws 0.019 and 0.0035
+    out = tmp_path / "sweep"
+    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space), "--scheduler",
+                        "pbt", "--trials", "2", "--concurrent", "2", "--eval-every", "10", "--seed", "0",
+                        "--out", str(out)], capture_output=True, text=True, timeout=280)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    doc = json.loads((out / "sweep.json").read_text())
+    assert doc["trials_run"] == 2 and doc["scheduler"] == "pbt"
+    trials = {t["trial"]: t for t in doc["trials"]}
+    exploits = [(t, ex) for t in trials.values() for ex in t["exploits"]]
+    assert exploits, trials
+    for taker, ex in exploits:
+        donor = trials[ex["from_trial"]]
+        assert donor is not taker and ex["at_step"] in (10, 20)
+        # the taker went on from the donor's evaluation at that step, with a learning rate perturbed from the donor's
+        segs = json.loads((out / taker["folder"] / "trial.json").read_text())["segments"]
+        seg = next(s for s in segs if s.get("from", {}).get("trial") == donor["trial"]
+                   and s["from"]["step"] == ex["at_step"])  # fmt: skip
+        mine = json.loads((out / donor["folder"] / "trial.json").read_text())["segments"]
+        held = next(s for s in mine if any(e["step"] == ex["at_step"] for e in s.get("evals", [])))
+        at = next(e for e in held["evals"] if e["step"] == ex["at_step"])
+        assert seg["from"]["value"] == at["value"] and seg["hp"]["lr"] != held["hp"]["lr"]
+    for t in trials.values():
+        assert t["fate"] == "finished" and t["history"][-1]["step"] == 22
+        assert 1e-3 * 0.8**2 <= t["config"]["lr"] <= 1e-1 * 1.2**2
+    best = max(trials.values(), key=lambda t: t["metric"])
+    assert doc["best"]["trial"] == best["trial"] and doc["best"]["metric"] == best["metric"]
+    assert f"best: trial {best['trial']}" in p.stdout
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(60)
+def test_without_the_tune_extra_the_sweep_names_the_pip_command(tmp_path: Path) -> None:
+    hide = textwrap.dedent("""
+        import sys
+        from importlib.abc import MetaPathFinder
+
+        class NoRay(MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("ray", "optuna", "nevergrad"):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+                return None
+
+        sys.meta_path.insert(0, NoRay())
+        from dtrain.cli import main
+        sys.exit(main(sys.argv[1:]))
+    """)
+    space = tmp_path / "space.toml"
+    space.write_text('[sweep.space]\nlr = "uniform(0.01, 0.1)"\n')
+    p = subprocess.run([sys.executable, "-c", hide, "sweep", "--space", str(space), "--out", str(tmp_path / "s")],
+                       capture_output=True, text=True, timeout=50)  # fmt: skip
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.strip() == ("dtrain: error: dtrain sweep needs Ray Tune, which is not installed: "
+                                "pip install 'dtrain[tune]'"), p.stderr  # fmt: skip
+    assert not (tmp_path / "s").exists()
