@@ -92,45 +92,45 @@ def test_an_exploited_trial_continues_exactly_where_its_donor_was(tmp_path: Path
     from that step on equal the donor's uninterrupted ones, and its checkpoint is the donor's, byte for byte."""
     from dtrain.search.trial import run_trial
 
-    base = RunConfig.from_mapping({"workers": 2, "epochs": 2, "trace": False, "eval_every": 10, "momentum": 0.9,
+    base = RunConfig.from_mapping({"workers": 2, "epochs": 1, "trace": False, "eval_every": 5, "momentum": 0.9,
                                    "compression": "topk:0.05"}).to_dict()  # fmt: skip
     seen: list[tuple[dict[str, Any], Path | None]] = []
     donor = tmp_path / "t0"
     run_trial(donor, base, {"lr": 0.05}, lambda m, c: seen.append((m, c)), metric="test_accuracy", checkpoints=True)
-    assert [m["step"] for m, _ in seen][:4] == [10, 20, 30, 40] and all(c is not None for _, c in seen)
-    at_20 = seen[1][1]
-    assert at_20 is not None and json.loads((at_20 / "donor.json").read_text())["trial"] == "t0"
+    assert [m["step"] for m, _ in seen] == [5, 10, 15, 20, 22] and all(c is not None for _, c in seen)
+    at_10 = seen[1][1]
+    assert at_10 is not None and json.loads((at_10 / "donor.json").read_text())["trial"] == "t0"
     got: list[dict[str, Any]] = []
     taker = tmp_path / "t1"
-    rec = run_trial(taker, base, {"lr": 0.05}, lambda m, c: got.append(m), metric="test_accuracy", resume=at_20,
+    rec = run_trial(taker, base, {"lr": 0.05}, lambda m, c: got.append(m), metric="test_accuracy", resume=at_10,
                     checkpoints=True)  # fmt: skip
-    assert rec["from"]["trial"] == "t0" and rec["from"]["step"] == 20 and rec["fate"] == "finished"
+    assert rec["from"]["trial"] == "t0" and rec["from"]["step"] == 10 and rec["fate"] == "finished"
     copied = taker / "from-0"
-    for f in at_20.iterdir():
+    for f in at_10.iterdir():
         assert (copied / f.name).read_bytes() == f.read_bytes(), f.name
 
     def losses(run: Path) -> dict[tuple[int, int], float]:
         return {(r["step"], r["rank"]): r["loss"] for r in read_metrics(run)}
 
     before, after = losses(donor / "run-0"), losses(taker / "run-0")
-    assert min(s for s, _ in after) == 20 and set(after) == {k for k in before if k[0] >= 20}
+    assert min(s for s, _ in after) == 10 and set(after) == {k for k in before if k[0] >= 10}
     assert all(after[k] == before[k] for k in after), "the resumed trial's losses differ from its donor's"
-    assert [m["test_accuracy"] for m in got] == [m["test_accuracy"] for m, _ in seen if m["step"] > 20]
+    assert [m["test_accuracy"] for m in got] == [m["test_accuracy"] for m, _ in seen if m["step"] > 10]
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_population_based_training_on_ray_tune(tmp_path: Path) -> None:
-    """A real PBT sweep of 2 trials (one epoch, 22 steps, perturbations at steps 10 and 20): a trial in the
-    bottom half copies the other's checkpoint and goes on with a perturbed learning rate; sweep.json records
-    every trial, its history and each exploit, and the best trial."""
+    """A real PBT sweep of 2 trials (one epoch, 22 steps, evaluated at 11 and 22: one perturbation, at 11): the
+    trial in the bottom half copies the other's checkpoint and goes on with a perturbed learning rate;
+    sweep.json records every trial, its history and each exploit, and the best trial."""
     run = tmp_path / "run.toml"
     run.write_text('workers = 1\nepochs = 1\ntrace = false\n')
     space = tmp_path / "space.toml"
     space.write_text('[sweep.space]\nlr = "loguniform(1e-3, 1e-1)"\n')  # seed 0 draws 0.019 and 0.0035
     out = tmp_path / "sweep"
     p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space), "--scheduler",
-                        "pbt", "--trials", "2", "--concurrent", "2", "--eval-every", "10", "--seed", "0",
+                        "pbt", "--trials", "2", "--concurrent", "2", "--eval-every", "11", "--seed", "0",
                         "--out", str(out)], capture_output=True, text=True, timeout=280)  # fmt: skip
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads((out / "sweep.json").read_text())
@@ -140,7 +140,7 @@ def test_population_based_training_on_ray_tune(tmp_path: Path) -> None:
     assert exploits, trials
     for taker, ex in exploits:
         donor = trials[ex["from_trial"]]
-        assert donor is not taker and ex["at_step"] in (10, 20)
+        assert donor is not taker and ex["at_step"] in (11, 22)  # PBT decides at every evaluation, the last too
         # the taker went on from the donor's evaluation at that step, with a learning rate perturbed from the donor's
         segs = json.loads((out / taker["folder"] / "trial.json").read_text())["segments"]
         seg = next(s for s in segs if s.get("from", {}).get("trial") == donor["trial"]
@@ -155,6 +155,15 @@ def test_population_based_training_on_ray_tune(tmp_path: Path) -> None:
     best = max(trials.values(), key=lambda t: t["metric"])
     assert doc["best"]["trial"] == best["trial"] and doc["best"]["metric"] == best["metric"]
     assert f"best: trial {best['trial']}" in p.stdout
+    # dtrain report SWEEP: the trials, the best, and each exploit as a lineage row naming both trials
+    from dtrain.observe.report_sweep import write_sweep_report
+
+    page, text = write_sweep_report(out)
+    html = page.read_text()
+    assert f"best            trial {best['trial']}" in text and "2 finished" in text
+    assert all(t in html for t in trials) and "lr of every trial over the steps" in html
+    rows = html.split('class="lineage"')[1].split("</table>")[0].count("<tr>") - 1
+    assert rows == len(exploits)
 
 
 @pytest.mark.procs
@@ -182,3 +191,44 @@ def test_without_the_tune_extra_the_sweep_names_the_pip_command(tmp_path: Path) 
     assert p.stderr.strip() == ("dtrain: error: dtrain sweep needs Ray Tune, which is not installed: "
                                 "pip install 'dtrain[tune]'"), p.stderr  # fmt: skip
     assert not (tmp_path / "s").exists()
+
+
+def test_a_shape_that_does_not_fit_is_skipped_before_it_starts(tmp_path: Path) -> None:
+    """Architecture search: heads not dividing the width, or a model over the parameter budget, is refused by
+    the trial's checks (dtrain run's own validation, the budget on the meta device) and recorded as skipped."""
+    from dtrain.search.trial import model_params, read_trial, run_trial
+
+    base = RunConfig.from_mapping({"workers": 1, "model": "gpt-tiny", "dataset": "pytext", "trace": False,
+                                   "eval_every": 10}).to_dict()  # fmt: skip
+    def never(m: dict[str, Any], c: Path | None) -> None:
+        raise AssertionError("a skipped trial reports nothing itself")
+
+    with pytest.raises(ConfigError, match="heads"):
+        run_trial(tmp_path / "a", base, {"d_model": 48, "heads": 5}, never, metric="val_loss")
+    tiny = model_params(RunConfig.from_mapping(base))
+    with pytest.raises(ConfigError, match=f"over the sweep's --max-params {tiny:,}"):
+        run_trial(tmp_path / "b", base, {"layers": 3}, never, metric="val_loss", max_params=tiny)
+    for t in ("a", "b"):
+        (seg,) = read_trial(tmp_path / t)["segments"]
+        assert seg["fate"] == "skipped" and not (tmp_path / t / "run-0").exists()
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(180)
+def test_evolution_over_shapes_skips_what_does_not_fit(tmp_path: Path) -> None:
+    """The evolutionary searcher (Nevergrad on Ray Tune) over gpt shapes with a budget no shape meets: every
+    trial is skipped before a run starts, the searcher is told the worst value, and the sweep says so."""
+    run = tmp_path / "run.toml"
+    run.write_text('workers = 1\nmodel = "gpt-tiny"\ndataset = "pytext"\ntrace = false\neval_every = 10\n')
+    space = tmp_path / "space.toml"
+    space.write_text('[sweep.space]\nlayers = "randint(1, 4)"\nd_model = "choice([32, 64])"\n')
+    out = tmp_path / "sweep"
+    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space), "--search",
+                        "evolution", "--trials", "2", "--concurrent", "1", "--max-params", "1000", "--out", str(out)],
+                       capture_output=True, text=True, timeout=170)  # fmt: skip
+    assert p.returncode == 1 and "no trial reported a metric" in p.stderr, p.stdout[-2000:] + p.stderr[-3000:]
+    doc = json.loads((out / "sweep.json").read_text())
+    assert doc["trials_run"] == 2 and doc["best"] is None and doc["steps_trained"] == 0
+    for t in doc["trials"]:
+        assert t["fate"] == "skipped" and "over the sweep's --max-params 1,000" in t["error"], t
+        assert 1 <= t["config"]["layers"] <= 3 and t["config"]["d_model"] in (32, 64)

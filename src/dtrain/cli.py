@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("args", nargs=argparse.REMAINDER)
     cl = sub.add_parser("cluster", help="emulated cluster: up | down | status", add_help=False)
     cl.add_argument("args", nargs=argparse.REMAINDER)
-    rp = sub.add_parser("report", help="summary of finished runs and report.html (several: compared with the first)")
+    rp = sub.add_parser("report", help="summary of finished runs and report.html (several: compared with the first; "
+                        "a sweep folder: its trials)")
     rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     rp.add_argument("--out", help="where report.html goes: a file or a folder (default: the first run folder)")
     rp.add_argument("--predict", action="store_true", help="add the performance model's predicted step for each "
@@ -359,7 +360,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
 def _cmd_report(ns: argparse.Namespace) -> int:
     from dtrain.observe.report_html import report_runs
+    from dtrain.observe.report_sweep import is_sweep, write_sweep_report
 
+    if len(ns.run_dirs) == 1 and is_sweep(ns.run_dirs[0]):  # a sweep folder: its trials, best, lineage
+        path, text = write_sweep_report(ns.run_dirs[0], ns.out)
+        print(f"{text}\nreport.html     {path}")
+        return 0
     print(report_runs(ns.run_dirs, ns.out, predict=ns.predict))
     return 0
 

@@ -51,7 +51,7 @@ from dtrain.observe.report_data import (
     schedule_shape,
 )
 
-__all__ = ["build_html", "write_report", "report_runs"]
+__all__ = ["build_html", "write_report", "report_runs", "page", "table", "section"]
 
 _OP_COLOURS = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#b6992d", "U": "#e15759"}
 _KIND_COLOURS = (("own work", "#4e79a7"), ("communication", "#f28e2b"), ("waiting for a later rank", "#bab0ac"))
@@ -60,7 +60,7 @@ _KIND_COLOURS = (("own work", "#4e79a7"), ("communication", "#f28e2b"), ("waitin
 # ---------------------------------------------------------------------------------------------- page parts
 
 
-def _table(head: Sequence[str], rows: Sequence[Sequence[Any]], cls: str = "") -> str:
+def table(head: Sequence[str], rows: Sequence[Sequence[Any]], cls: str = "") -> str:
     def cell(v: Any) -> str:
         return "" if v is None else fmt(v) if isinstance(v, float) else str(v)
 
@@ -69,7 +69,7 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[Any]], cls: str = "") ->
     return f'<table class="{cls}"><thead><tr>{h}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def _section(title: str, body: str, sid: str) -> str:
+def section(title: str, body: str, sid: str) -> str:
     return f'<section id="{sid}"><h2>{escape(title)}</h2>\n{body}\n</section>' if body else ""
 
 
@@ -96,7 +96,7 @@ def _summary_part(runs: Sequence[RunData]) -> str:
             rows.append([k, *vals])
     rows.append(["step ms (median)", *[figures(r)["step_ms"] for r in runs]])
     head = ["", *[f"{_letter(i)}: {r.label}" for i, r in enumerate(runs)]]
-    out = _table(head, rows, "summary")
+    out = table(head, rows, "summary")
     for i, r in enumerate(runs):
         att = r.summary.get("attribution")
         if isinstance(att, dict) and att.get("line"):
@@ -119,7 +119,7 @@ def _deltas_part(runs: Sequence[RunData]) -> str:
             rel = f" ({v['rel']:+.1%})" if v["rel"] is not None else ""
             cells.append(f"{fmt(v['value'])}, {'+' if v['diff'] >= 0 else ''}{fmt(v['diff'])}{rel}")
         rows.append(cells)
-    return _table(["run", *[label for _, label, _ in DELTA_KEYS]], rows, "deltas")
+    return table(["run", *[label for _, label, _ in DELTA_KEYS]], rows, "deltas")
 
 
 def _series(runs: Sequence[RunData], key: str, scale: float = 1.0, per_batch: bool = False,
@@ -227,7 +227,7 @@ def _options_part(runs: Sequence[RunData]) -> str:
     if not any(len(o) > 1 for o in per_run):
         return ""
     rows = [[k, *[o.get(k) for o in per_run]] for k in keys]
-    return _table(["option", *[f"{_letter(i)}: {r.label}" for i, r in enumerate(runs)]], rows, "options")
+    return table(["option", *[f"{_letter(i)}: {r.label}" for i, r in enumerate(runs)]], rows, "options")
 
 
 def _measured_boxes(d: TraceDigest) -> tuple[int, list[list[Box]]] | None:
@@ -300,7 +300,7 @@ def _pipeline_part(runs: Sequence[RunData]) -> str:
                 ["measured (from the trace's spans: 1 - compute / step span)", b["spans"]],
                 ["closed form (P-1)/(v*M+P-1)", b["closed_form"]],
                 ["plan simulated at the measured F and B times", b["plan"]]]  # fmt: skip
-        html.append(_table(["bubble (idle share of the step)", "value"], rows, "bubble"))
+        html.append(table(["bubble (idle share of the step)", "value"], rows, "bubble"))
         parts.append('<div class="pipeline">' + "\n".join(html) + "</div>")
     return "\n".join(parts)
 
@@ -321,7 +321,7 @@ def _prediction_part(runs: Sequence[RunData]) -> str:
                 "seconds).</p>")  # fmt: skip
     head = ["run", "as planned", "predicted step ms", "measured step ms", "measured / predicted",
             "predicted samples/s", "measured samples/s", "predicted bytes/step", "measured bytes/step", "why"]
-    return _table(head, rows, "prediction")
+    return table(head, rows, "prediction")
 
 
 _CSS = """
@@ -360,17 +360,22 @@ def build_html(runs: Sequence[RunData]) -> str:
         raise DTrainError("report: no run folder given")
     hide = "".join(f".hide-run-{i} .run-{i}{{display:none}}" for i in range(len(runs)))
     title = "dtrain report: " + (runs[0].label if len(runs) == 1 else f"{len(runs)} runs compared")
-    body = [_section("Summary", _summary_part(runs), "summary"),
-            _section("Differences from run A", _deltas_part(runs), "deltas"),
-            _section("Curves", _curves_part(runs), "curves"),
-            _section("Compute, communication and waiting per rank", _breakdown_part(runs), "breakdown"),
-            _section("Parameter server staleness", _staleness_part(runs), "staleness"),
-            _section("Strategy options: algorithm, buckets, compression", _options_part(runs), "options"),
-            _section("Pipeline schedule: measured and planned", _pipeline_part(runs), "pipeline"),
-            _section("Performance model: predicted and measured step", _prediction_part(runs), "prediction")]
+    body = [section("Summary", _summary_part(runs), "summary"),
+            section("Differences from run A", _deltas_part(runs), "deltas"),
+            section("Curves", _curves_part(runs), "curves"),
+            section("Compute, communication and waiting per rank", _breakdown_part(runs), "breakdown"),
+            section("Parameter server staleness", _staleness_part(runs), "staleness"),
+            section("Strategy options: algorithm, buckets, compression", _options_part(runs), "options"),
+            section("Pipeline schedule: measured and planned", _pipeline_part(runs), "pipeline"),
+            section("Performance model: predicted and measured step", _prediction_part(runs), "prediction")]
+    return page(title, _runs_part(runs), body, css=hide)
+
+
+def page(title: str, head: str, sections: Sequence[str], css: str = "") -> str:
+    """A whole self-contained page: ``title``, ``head`` under it, then the non-empty ``sections``."""
     return ('<!DOCTYPE html>\n<html lang="en" data-js-errors="[]"><head><meta charset="utf-8">'
-            f"<title>{escape(title)}</title><style>{_CSS}{hide}</style><script>{_HEAD_JS}</script></head>\n"
-            f"<body><h1>{escape(title)}</h1>{_runs_part(runs)}\n" + "\n".join(b for b in body if b)
+            f"<title>{escape(title)}</title><style>{_CSS}{css}</style><script>{_HEAD_JS}</script></head>\n"
+            f"<body><h1>{escape(title)}</h1>{head}\n" + "\n".join(b for b in sections if b)
             + f"\n<script>{_TAIL_JS}</script></body></html>\n")  # fmt: skip
 
 

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Ray CPUs a trial holds (default: 1; on one machine --concurrent x this are offered)")
     ap.add_argument("--max-failures", type=int, default=0,
                     help="restarts of a failed trial, from its last checkpoint (default: 0)")
+    ap.add_argument("--max-params", type=int, default=0, help="a parameter budget: a trial whose model has more "
+                    "is skipped before it starts (architecture search; default: 0, none)")  # fmt: skip
     ap.add_argument("--out", default="", help="the sweep folder (default: sweeps/<timestamp>)")
     return ap
 
@@ -83,7 +85,7 @@ def spec_from_args(ns: argparse.Namespace) -> Any:
                       trials=ns.trials, concurrent=ns.concurrent, metric=ns.metric, mode=ns.mode, seed=ns.seed,
                       address=ns.address, cpus_per_trial=ns.cpus_per_trial, eval_every=ns.eval_every,
                       perturbation_interval=ns.perturbation_interval, reduction=ns.reduction,
-                      max_failures=ns.max_failures)  # fmt: skip
+                      max_failures=ns.max_failures, max_params=ns.max_params)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

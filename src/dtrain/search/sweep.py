@@ -65,6 +65,7 @@ class SweepSpec:
     quantile: float = 0.25
     max_failures: int = 0
     trial_timeout_s: float = 3600.0
+    max_params: int = 0
 
     @property
     def samples(self) -> int:
@@ -113,7 +114,7 @@ def _most_steps(base: Any, space: dict[str, Param]) -> int:
 def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, trials: int | None,
                concurrent: int, metric: str | None, mode: str | None, seed: int, address: str = "",
                cpus_per_trial: float = 1.0, eval_every: int = 0, perturbation_interval: int = 0,
-               reduction: int = 2, max_failures: int = 0) -> SweepSpec:  # fmt: skip
+               reduction: int = 2, max_failures: int = 0, max_params: int = 0) -> SweepSpec:  # fmt: skip
     """Check everything about a sweep that can be checked before a trial starts.
 
     Args:
@@ -174,11 +175,16 @@ def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, 
                           "(a trial hands over its checkpoint at evaluations)")  # fmt: skip
     if reduction < 2:
         raise ConfigError(f"--reduction must be >= 2, got {reduction}")
+    if max_params < 0 or max_failures < 0:
+        raise ConfigError(f"--max-params and --max-failures must be >= 0, got {max_params} and {max_failures}")
+    if max_failures:  # a failed trial restarts from its last checkpoint
+        base.hooks.check_checkpointing(base.opts, base)
     base = base.replace(eval_every=every, progress=False)
     return SweepSpec(base=base.to_dict(), space=space, out=out, search=search, scheduler=scheduler, trials=trials,
                      concurrent=concurrent, metric=metric, mode=mode, seed=seed, address=address,
                      cpus_per_trial=cpus_per_trial, max_steps=_most_steps(base, space), grace_steps=every,
-                     reduction=reduction, perturbation_interval=interval, max_failures=max_failures)  # fmt: skip
+                     reduction=reduction, perturbation_interval=interval, max_failures=max_failures,
+                     max_params=max_params)  # fmt: skip
 
 
 def _check_pbt(base: Any, space: dict[str, Param], search: str, trials: int, concurrent: int) -> None:

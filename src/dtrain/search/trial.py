@@ -55,6 +55,18 @@ def trial_config(base: dict[str, Any], hp: dict[str, Any]) -> Any:
     return validate(RunConfig.from_mapping(base).replace(**hp))
 
 
+def model_params(cfg: Any) -> int:
+    """Parameters of ``cfg``'s model, counted on the meta device (nothing allocated)."""
+    import torch
+
+    from dtrain.workloads.models import build_model
+
+    data = cfg.load_data()
+    with torch.device("meta"):
+        model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.gpt_overrides())
+    return sum(p.numel() for p in model.parameters())
+
+
 def read_trial(folder: Path) -> dict[str, Any]:
     """A trial folder's ``trial.json`` (empty when the trial never started)."""
     p = folder / TRIAL_FILE
@@ -147,9 +159,11 @@ def _tail(path: Path, lines: int = 6) -> str:
 class _Segment:
     """One segment of a trial: its record in ``trial.json``, its run folder, its process."""
 
-    def __init__(self, folder: Path, hp: dict[str, Any], report: Report, metric: str, checkpoints: bool) -> None:
+    def __init__(self, folder: Path, hp: dict[str, Any], report: Report, metric: str, checkpoints: bool,
+                 max_params: int = 0) -> None:  # fmt: skip
         folder.mkdir(parents=True, exist_ok=True)
         self.folder, self.report, self.metric, self.checkpoints = folder, report, metric, checkpoints
+        self.max_params = max_params
         self.record = read_trial(folder) or {"segments": []}
         self.index = len(self.record["segments"])
         self.run = folder / f"run-{self.index}"
@@ -179,6 +193,9 @@ class _Segment:
             changes["checkpoint_every"] = base["eval_every"]
         try:
             cfg = trial_config({**base, **changes}, hp)
+            if self.max_params and (n := model_params(cfg)) > self.max_params:
+                raise ConfigError(f"{n:,} parameters, over the sweep's --max-params {self.max_params:,}")
+            self.entry["params"] = model_params(cfg)
             if resume is None:
                 return cfg
             donor = json.loads((resume / DONOR_FILE).read_text()) if (resume / DONOR_FILE).is_file() else {}
@@ -259,6 +276,7 @@ def run_trial(
     resume: Path | None = None,
     checkpoints: bool = False,
     timeout_s: float = 3600.0,
+    max_params: int = 0,
 ) -> dict[str, Any]:
     """Run the trial's next segment in ``folder`` until it ends, reporting every evaluation.
 
@@ -274,6 +292,7 @@ def run_trial(
             the trial's folder, its ``donor.json`` naming the trial, step and metric it came from.
         checkpoints: checkpoint at every evaluation and hand each checkpoint to ``report``.
         timeout_s: the longest a segment may run.
+        max_params: a trial whose model has more parameters is skipped (0: no limit).
 
     Returns:
         The segment's record (as in ``trial.json``).
@@ -282,7 +301,7 @@ def run_trial(
         ConfigError: the trial's combination does not fit (recorded as skipped).
         DTrainError: the segment failed (the last lines of its output in the message).
     """
-    seg = _Segment(folder, hp, report, metric, checkpoints)
+    seg = _Segment(folder, hp, report, metric, checkpoints, max_params)
     cfg = seg.config(base, hp, resume)
     if cfg is None:
         return seg.entry

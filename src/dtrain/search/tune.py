@@ -30,7 +30,6 @@ import math
 import os
 import random
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -127,8 +126,8 @@ def _trainable(spec_json: str) -> Any:
         with start.as_directory() if start else contextlib.nullcontext(None) as d:
             try:
                 run_trial(folder, spec.base, dict(config), report, metric=spec.metric,
-                          resume=Path(d) if d else None, checkpoints=spec.scheduler == "pbt",
-                          timeout_s=spec.trial_timeout_s)  # fmt: skip
+                          resume=Path(d) if d else None, checkpoints=spec.scheduler == "pbt" or spec.max_failures > 0,
+                          timeout_s=spec.trial_timeout_s, max_params=spec.max_params)  # fmt: skip
             except ConfigError as e:  # a combination that does not fit: skipped, the worst value for the searcher
                 tune.report({spec.metric: spec.worst, "step": 0, "skipped": str(e)})
 
@@ -140,8 +139,6 @@ def _ray(spec: SweepSpec) -> Iterator[None]:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Tune's advice to reuse actors: a trial is a process tree of its own, started afresh each segment
-    warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     if spec.address:
         ray.init(address=spec.address, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
@@ -173,7 +170,7 @@ def run_sweep_on_tune(spec: SweepSpec) -> dict[str, Any]:
             param_space=space,
             tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, search_alg=_searcher(spec),
                                         scheduler=_scheduler(spec), num_samples=spec.samples,
-                                        max_concurrent_trials=spec.concurrent),  # fmt: skip
+                                        max_concurrent_trials=spec.concurrent, reuse_actors=True),  # fmt: skip
             run_config=tune.RunConfig(name="tune", storage_path=str((out / "ray").resolve()), verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=spec.max_failures)),  # fmt: skip
         )

@@ -1,0 +1,130 @@
+"""Search quality of ``dtrain sweep``: ASHA against FIFO, PBT against random search, evolution over gpt shapes.
+
+Every figure comes from real sweeps (Ray Tune, each trial a ``dtrain run`` process), read from their
+``sweep.json``; the instrument is the runs' own evaluation (test accuracy, validation loss) and the steps
+their rank 0 trained (its metrics rows), not the scheduler's bookkeeping.
+
+- ``asha``: the CNN on digits (one worker a trial, 4 epochs, 88 steps, evaluated every 11), 8 trials of
+  random search over lr and momentum, FIFO and ASHA (reduction 2) with the same seed, so the same 8
+  configurations. Bar: ASHA's best test accuracy within 2% of FIFO's best, with at most half FIFO's steps.
+- ``pbt``: gpt-tiny on pytext, one worker a trial, a population of 4 under PBT against random search of 4
+  (FIFO) over lr and momentum: the same total training steps. Bar: PBT's best validation loss at least as
+  good as random search's.
+- ``arch``: 8 trials of ``--search evolution`` over gpt shapes (layers, d_model, heads) within gpt-tiny's
+  parameter count (``--max-params``), against gpt-tiny itself trained for the same steps. Bar: a better
+  validation loss.
+
+Each part runs its seeds one after another. Run::
+
+    python benchmarks/search.py --part asha --seeds 0,1,2 --out benchmarks/results/search_asha.json
+    python benchmarks/search.py --part pbt --seeds 0,1,2 --out benchmarks/results/search_pbt.json
+    python benchmarks/search.py --part arch --seeds 0 --out benchmarks/results/search_arch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PARTS = {
+    "asha": {
+        "run": 'workers = 1\nepochs = 4\ntrace = false\neval_every = 11\n',
+        "space": 'lr = "loguniform(1e-3, 0.3)"\nmomentum = "uniform(0.0, 0.95)"\n',
+        "sweeps": {"fifo": ["--scheduler", "fifo"], "asha": ["--scheduler", "asha", "--reduction", "2"]},
+        "flags": ["--trials", "8", "--concurrent", "2"],
+    },
+    "pbt": {
+        "run": ('workers = 1\nmodel = "gpt-tiny"\ndataset = "pytext"\nmax_steps = 240\nepochs = 100\n'
+                'eval_every = 40\ntrace = false\n'),
+        "space": 'lr = "loguniform(1e-3, 0.3)"\nmomentum = "uniform(0.0, 0.95)"\n',
+        "sweeps": {"random": ["--scheduler", "fifo"], "pbt": ["--scheduler", "pbt"]},
+        "flags": ["--trials", "4", "--concurrent", "4"],
+    },
+    "arch": {
+        "run": ('workers = 1\nmodel = "gpt-tiny"\ndataset = "pytext"\nmax_steps = 240\nepochs = 100\n'
+                'eval_every = 80\ntrace = false\n'),
+        "space": 'layers = "randint(1, 7)"\nd_model = "choice([32, 48, 64, 96, 128])"\n'
+                 'heads = "choice([1, 2, 4, 8])"\n',
+        "sweeps": {"evolution": ["--search", "evolution"]},
+        "flags": ["--trials", "8", "--concurrent", "2"],
+    },
+}
+
+
+def sweep(folder: Path, part: dict[str, Any], flags: list[str], seed: int, extra: list[str]) -> dict[str, Any]:
+    """One ``dtrain sweep`` in ``folder``; its sweep.json and the wall time."""
+    (folder / "run.toml").write_text(part["run"] + f"seed = {seed}\n")
+    (folder / "space.toml").write_text("[sweep.space]\n" + part["space"])
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(folder / "run.toml"), "--space",
+                        str(folder / "space.toml"), *part["flags"], *flags, *extra, "--seed", str(seed),
+                        "--out", str(folder / "sweep")], capture_output=True, text=True, timeout=7200)  # fmt: skip
+    if p.returncode != 0:
+        raise SystemExit(f"sweep failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    doc = json.loads((folder / "sweep" / "sweep.json").read_text())
+    return {"best": doc["best"], "steps_trained": doc["steps_trained"], "wall_s": round(time.monotonic() - t0, 1),
+            "trials": [{k: t[k] for k in ("trial", "config", "fate", "metric", "steps_trained", "exploits")}
+                       for t in doc["trials"]]}  # fmt: skip
+
+
+def reference_run(folder: Path, part: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The base configuration itself (gpt-tiny's own shape), trained as a run: its validation loss."""
+    (folder / "ref.toml").write_text(part["run"] + f"seed = {seed}\n")
+    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(folder / "ref.toml"), "--no-progress",
+                        "--out", str(folder / "ref")], capture_output=True, text=True, timeout=3600)  # fmt: skip
+    if p.returncode != 0:
+        raise SystemExit(f"reference run failed:\n{p.stderr[-3000:]}")
+    s = json.loads((folder / "ref" / "summary.json").read_text())
+    return {"metric": s["metric"], "steps": s["steps"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dtrain.measure.harness import command, commit_of, machine
+    from dtrain.search.trial import model_params
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=sorted(PARTS), required=True)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--out", default="")
+    ns = ap.parse_args(argv)
+    part = PARTS[ns.part]
+    root = Path(tempfile.mkdtemp(prefix=f"dtrain-bench-search-{ns.part}-"))
+    extra: list[str] = []
+    if ns.part == "arch":
+        import tomllib
+
+        from dtrain.config.schema import RunConfig
+
+        budget = model_params(RunConfig.from_mapping(tomllib.loads(part["run"])))
+        extra = ["--max-params", str(budget)]
+    rows = []
+    for seed in [int(s) for s in ns.seeds.split(",")]:
+        row: dict[str, Any] = {"seed": seed}
+        for name, flags in part["sweeps"].items():
+            folder = root / f"{name}-{seed}"
+            folder.mkdir(parents=True)
+            row[name] = sweep(folder, part, flags, seed, extra)
+            b = row[name]["best"]
+            print(f"seed {seed} {name}: best {b and b['metric']:.4f} {b and b['config']}, "
+                  f"{row[name]['steps_trained']} steps, {row[name]['wall_s']:.0f}s", flush=True)
+        if ns.part == "arch":
+            row["reference"] = reference_run(root / f"evolution-{seed}", part, seed)
+            print(f"seed {seed} gpt-tiny: {row['reference']['metric']:.4f}", flush=True)
+        rows.append(row)
+    result = {"benchmark": f"search_{ns.part}", "command": command("benchmarks/search.py", argv),
+              "commit": commit_of(), "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+              "config": {"run": part["run"], "space": part["space"], "flags": part["flags"] + extra},
+              "rows": rows}  # fmt: skip
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
