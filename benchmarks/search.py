@@ -16,9 +16,11 @@ their rank 0 trained (its metrics rows), not the scheduler's bookkeeping.
 
 Each part runs its seeds one after another. Run::
 
-    python benchmarks/search.py --part asha --seeds 0,1,2 --out benchmarks/results/search_asha.json
+    python benchmarks/search.py --part asha --out benchmarks/results/search_asha.json
     python benchmarks/search.py --part pbt --seeds 0,1,2 --out benchmarks/results/search_pbt.json
-    python benchmarks/search.py --part arch --seeds 0 --out benchmarks/results/search_arch.json
+    python benchmarks/search.py --part arch --seeds 0,1,2 --out benchmarks/results/search_arch.json
+
+A seed is a round of the harness (:mod:`dtrain.measure.harness`): fewer than 5 are reported as too few.
 """
 
 from __future__ import annotations
@@ -84,45 +86,72 @@ def reference_run(folder: Path, part: dict[str, Any], seed: int) -> dict[str, An
     return {"metric": s["metric"], "steps": s["steps"]}
 
 
+BARS = {  # part -> (metric, higher is better, (ours, peer), bar, what the rounds are)
+    "asha": ("best test accuracy", True, ("asha", "fifo"), 0.98),
+    "pbt": ("best validation loss", False, ("pbt", "random"), 1.0),
+    "arch": ("best validation loss", False, ("evolution", "gpt-tiny"), 1.0),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.measure.harness import command, commit_of, machine
+    import tomllib
+
+    from dtrain.config.schema import RunConfig
+    from dtrain.measure.harness import Bar, Benchmark, add_result_flags, command
     from dtrain.search.trial import model_params
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=sorted(PARTS), required=True)
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--seeds", default="0,1,2,3,4", help="one round a seed (default: 0-4)")
+    add_result_flags(ap)
     ns = ap.parse_args(argv)
-    part = PARTS[ns.part]
+    part, seeds = PARTS[ns.part], [int(s) for s in ns.seeds.split(",")]
+    metric, higher, (ours, peer), bar = BARS[ns.part]
     root = Path(tempfile.mkdtemp(prefix=f"dtrain-bench-search-{ns.part}-"))
     extra: list[str] = []
     if ns.part == "arch":
-        import tomllib
-
-        from dtrain.config.schema import RunConfig
-
         budget = model_params(RunConfig.from_mapping(tomllib.loads(part["run"])))
         extra = ["--max-params", str(budget)]
-    rows = []
-    for seed in [int(s) for s in ns.seeds.split(",")]:
+    flags = " ".join(part["flags"] + extra)
+    notes = {"asha": "the same seed draws the same 8 configurations for both; steps: as far as each trial's "
+                     "rank 0 trained (its metrics rows), stopped trials included",
+             "pbt": "PBT (synchronous, quantile 1/4, perturbing by 0.8/1.2 or a fresh draw) against FIFO over the "
+                    "same random draws; both train the population's 4 x 240 steps",
+             "arch": f"evolution: Nevergrad's evolution strategy over layers, d_model, heads within gpt-tiny's "
+                     f"{extra[-1] if extra else ''} parameters; gpt-tiny: the base run itself"}[ns.part]
+    bench = Benchmark(f"search_{ns.part}", title={"asha": "ASHA against FIFO", "pbt": "PBT against random search",
+                                                  "arch": "Evolution over gpt shapes against gpt-tiny"}[ns.part],
+                      family="search", workload=f"dtrain sweep {flags}; run: " + part["run"].replace("\n", "; ")
+                      + " space: " + part["space"].replace("\n", "; "), metric=metric, higher_is_better=higher,
+                      repeats=len(seeds), command=command("benchmarks/search.py", argv), notes=notes)  # fmt: skip
+    bench.start()
+    rows: list[dict[str, Any]] = []
+    for seed in seeds:
         row: dict[str, Any] = {"seed": seed}
-        for name, flags in part["sweeps"].items():
+        for name, sweep_flags in part["sweeps"].items():
             folder = root / f"{name}-{seed}"
             folder.mkdir(parents=True)
-            row[name] = sweep(folder, part, flags, seed, extra)
+            row[name] = sweep(folder, part, sweep_flags, seed, extra)
             b = row[name]["best"]
-            print(f"seed {seed} {name}: best {b and b['metric']:.4f} {b and b['config']}, "
-                  f"{row[name]['steps_trained']} steps, {row[name]['wall_s']:.0f}s", flush=True)
+            print(f"seed {seed} {name}: best {b['metric']:.4f} {b['config']}, {row[name]['steps_trained']} steps, "
+                  f"{row[name]['wall_s']:.0f}s", flush=True)
         if ns.part == "arch":
-            row["reference"] = reference_run(root / f"evolution-{seed}", part, seed)
-            print(f"seed {seed} gpt-tiny: {row['reference']['metric']:.4f}", flush=True)
+            row["gpt-tiny"] = reference_run(root / f"evolution-{seed}", part, seed)
+            print(f"seed {seed} gpt-tiny: {row['gpt-tiny']['metric']:.4f}", flush=True)
         rows.append(row)
-    result = {"benchmark": f"search_{ns.part}", "command": command("benchmarks/search.py", argv),
-              "commit": commit_of(), "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-              "config": {"run": part["run"], "space": part["space"], "flags": part["flags"] + extra},
-              "rows": rows}  # fmt: skip
-    if ns.out:
-        Path(ns.out).write_text(json.dumps(result, indent=1))
+    bench.stop()
+
+    def best(row: dict[str, Any], name: str) -> float:
+        return float(row[name]["best"]["metric"] if "best" in row[name] else row[name]["metric"])
+
+    bench.add_case(ns.part, samples={ours: [best(r, ours) for r in rows], peer: [best(r, peer) for r in rows]},
+                   compare=[(ours, peer, Bar.at_least(bar))], headline=False)  # fmt: skip
+    bench.extra = {"seeds": seeds, "rows": rows}
+    if ns.part == "asha":  # the other half of the bar: steps, fifo's over asha's
+        steps = [r["fifo"]["steps_trained"] / r["asha"]["steps_trained"] for r in rows]
+        bench.extra["steps_fifo_over_asha"] = steps
+        print(f"steps trained, fifo / asha per seed: {', '.join(f'{x:.2f}' for x in steps)} (bar: >= 2)")
+    bench.report(ns.out)
     return 0
 
 

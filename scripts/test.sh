@@ -10,9 +10,6 @@ cd "$(dirname "$0")/.."
 quick=""
 if [[ "${1:-}" == "--quick" ]]; then quick="--quick"; shift; fi
 bash scripts/setup.sh ".[test]"
-# dtrain sweep's extra (Ray Tune, Optuna, Nevergrad), without compiling it to bytecode at install: the
-# few of its modules that the tests import are compiled as they are imported (28 s here instead of 39)
-.venv/bin/pip install -q --disable-pip-version-check --no-compile -e ".[tune]"
 .venv/bin/python -m ruff check src tests benchmarks scripts
 .venv/bin/python -m mypy
 if [[ -n "$quick" ]]; then

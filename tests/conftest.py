@@ -31,14 +31,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "procs: starts processes (left out by --quick)")
 
 
-# the modules that take longest (serial seconds, summed over their tests, on the 2-core machine: sweeps 90,
-# calibration 63, stalls 46, ...); they run first, so that in two pytest processes (``-n 2 --dist loadfile``) neither
+# the modules that take longest (serial seconds, summed over their tests, on the 2-core machine: calibration
+# 63, stalls 46, ...); they run first, so that in two pytest processes (``-n 2 --dist loadfile``) neither
 # process is left with one of them at the end while the other idles. Order only: every test runs as before.
-FIRST = ("test_sweep.py", "test_perfmodel_calibrate.py", "test_faults_stall.py", "test_allreduce.py",
-         "test_allreduce_dist.py", "test_faults_restart.py", "test_sharded_run.py", "test_cluster.py",
-         "test_parallel_checkpoint.py", "test_compress_reduce.py", "test_sharded_dist.py", "test_precision_run.py",
-         "test_data_parallel_dist.py", "test_noise_scale_run.py", "test_attribution.py",
-         "test_param_server_threads.py", "test_faults_signals.py")
+FIRST = ("test_perfmodel_calibrate.py", "test_faults_stall.py", "test_allreduce.py", "test_allreduce_dist.py",
+         "test_faults_restart.py", "test_sharded_run.py", "test_cluster.py", "test_parallel_checkpoint.py",
+         "test_compress_reduce.py", "test_sharded_dist.py", "test_precision_run.py", "test_data_parallel_dist.py",
+         "test_noise_scale_run.py", "test_attribution.py", "test_param_server_threads.py", "test_faults_signals.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

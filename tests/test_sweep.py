@@ -1,5 +1,7 @@
 """dtrain sweep: the space and the sweep's checks (no process), a trial resumed from another's checkpoint
-(real runs, no Ray), a population-based sweep on Ray Tune (real Ray, real runs), and the missing extra."""
+(real runs, no Ray), the missing extra; and, in the slow tier with the tune extra installed
+(``pip install -e '.[tune]'``), sweeps on Ray Tune (real Ray, real runs): population-based training, and
+Nevergrad's evolution over gpt shapes that skips what does not fit."""
 
 from __future__ import annotations
 
@@ -118,6 +120,7 @@ def test_an_exploited_trial_continues_exactly_where_its_donor_was(tmp_path: Path
     assert [m["test_accuracy"] for m in got] == [m["test_accuracy"] for m, _ in seen if m["step"] > 10]
 
 
+@pytest.mark.slow
 @pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_population_based_training_on_ray_tune(tmp_path: Path) -> None:
@@ -213,6 +216,7 @@ def test_a_shape_that_does_not_fit_is_skipped_before_it_starts(tmp_path: Path) -
         assert seg["fate"] == "skipped" and not (tmp_path / t / "run-0").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_evolution_over_shapes_skips_what_does_not_fit(tmp_path: Path) -> None:

@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "default: a Ray instance on this machine")  # fmt: skip
     ap.add_argument("--cpus-per-trial", type=float, default=1.0,
                     help="Ray CPUs a trial holds (default: 1; on one machine --concurrent x this are offered)")
+    ap.add_argument("--cluster", default="", help="run on the emulated cluster NAME (root): a Ray node a host, "
+                    "the driver on host 0 (dtrain cluster up ...)")  # fmt: skip
+    ap.add_argument("--slots-per-host", type=int, default=1, help="--cluster: Ray CPUs (trial slots) a host offers "
+                    "(default: 1)")  # fmt: skip
     ap.add_argument("--max-failures", type=int, default=0,
                     help="restarts of a failed trial, from its last checkpoint (default: 0)")
     ap.add_argument("--max-params", type=int, default=0, help="a parameter budget: a trial whose model has more "
@@ -88,12 +92,47 @@ def spec_from_args(ns: argparse.Namespace) -> Any:
                       max_failures=ns.max_failures, max_params=ns.max_params)  # fmt: skip
 
 
+def _without_cluster(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--cluster":
+            skip = True
+        elif not a.startswith("--cluster="):
+            out.append(a)
+    return out
+
+
+def _on_cluster(ns: argparse.Namespace, argv: list[str]) -> int:
+    """Start Ray on the emulated cluster's hosts, run this sweep's driver in host 0's namespace, stop Ray."""
+    import os
+    import subprocess
+
+    from dtrain.search.raycluster import auth_env, ray_down, ray_up
+
+    if ns.address:
+        raise ConfigError("--cluster starts its own Ray cluster on the emulated hosts; leave out --address")
+    if ns.slots_per_host < 1:
+        raise ConfigError(f"--slots-per-host must be >= 1, got {ns.slots_per_host}")
+    c, head, token = ray_up(ns.cluster, ns.slots_per_host)
+    try:
+        print(f"Ray on {c.hosts} emulated hosts of {ns.cluster}, head {head}", flush=True)
+        cmd = [sys.executable, "-m", "dtrain.cli", "sweep", *_without_cluster(argv), "--address", head]
+        return subprocess.call(["ip", "netns", "exec", c.host_ns(0), *cmd], env={**os.environ, **auth_env(token)})
+    finally:
+        ray_down(c)
+
+
 def main(argv: list[str] | None = None) -> int:
     from dtrain.search.tune import require_tune, run_sweep_on_tune
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(argv)
     require_tune(ns.search)
     spec = spec_from_args(ns)
+    if ns.cluster:
+        return _on_cluster(ns, argv)
     print(f"sweep: {spec.trials} trials ({spec.search}, {spec.scheduler}), {spec.concurrent} at once, "
           f"{spec.metric} ({spec.mode}) every {spec.eval_every} steps; folder {spec.out}", flush=True)
     doc = run_sweep_on_tune(spec)

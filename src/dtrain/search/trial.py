@@ -277,6 +277,7 @@ def run_trial(
     checkpoints: bool = False,
     timeout_s: float = 3600.0,
     max_params: int = 0,
+    node: str = "",
 ) -> dict[str, Any]:
     """Run the trial's next segment in ``folder`` until it ends, reporting every evaluation.
 
@@ -293,6 +294,7 @@ def run_trial(
         checkpoints: checkpoint at every evaluation and hand each checkpoint to ``report``.
         timeout_s: the longest a segment may run.
         max_params: a trial whose model has more parameters is skipped (0: no limit).
+        node: where the segment runs (the Ray node's address), recorded.
 
     Returns:
         The segment's record (as in ``trial.json``).
@@ -302,6 +304,8 @@ def run_trial(
         DTrainError: the segment failed (the last lines of its output in the message).
     """
     seg = _Segment(folder, hp, report, metric, checkpoints, max_params)
+    if node:
+        seg.entry["node"] = node
     cfg = seg.config(base, hp, resume)
     if cfg is None:
         return seg.entry

@@ -105,18 +105,21 @@ def _scheduler(spec: SweepSpec) -> Any:
                                        hyperparam_mutations={k: _domain(p) for k, p in spec.space.items()},
                                        quantile_fraction=spec.quantile, resample_probability=0.25,
                                        synch=True)  # fmt: skip
-    return FIFOScheduler()  # type: ignore[no-untyped-call]
+    fifo: Any = FIFOScheduler  # (unannotated in Ray)
+    return fifo()
 
 
 def _trainable(spec_json: str) -> Any:
     """The function Tune runs for a trial: :func:`dtrain.search.trial.run_trial`, reporting to Tune."""
 
     def trainable(config: dict[str, Any]) -> None:
+        import ray
         from ray import tune
 
         from dtrain.search.trial import run_trial
 
         spec = SweepSpec.from_json(spec_json)
+        util: Any = ray.util  # (unannotated in Ray)
         folder = Path(spec.out) / "trials" / tune.get_context().get_trial_id()
 
         def report(metrics: dict[str, Any], ckpt: Path | None) -> None:
@@ -127,7 +130,8 @@ def _trainable(spec_json: str) -> Any:
             try:
                 run_trial(folder, spec.base, dict(config), report, metric=spec.metric,
                           resume=Path(d) if d else None, checkpoints=spec.scheduler == "pbt" or spec.max_failures > 0,
-                          timeout_s=spec.trial_timeout_s, max_params=spec.max_params)  # fmt: skip
+                          timeout_s=spec.trial_timeout_s, max_params=spec.max_params,
+                          node=util.get_node_ip_address())  # fmt: skip
             except ConfigError as e:  # a combination that does not fit: skipped, the worst value for the searcher
                 tune.report({spec.metric: spec.worst, "step": 0, "skipped": str(e)})
 

@@ -1,0 +1,79 @@
+"""dtrain sweep on a Ray cluster over 4 emulated hosts (root): the trials spread over the hosts, and a host whose
+Ray node dies mid-sweep has its trial resumed from its checkpoint on another host.
+
+Real network namespaces, a real Ray node in each (``ray start``), real runs; about 2 minutes, so ``slow``
+(``python -m pytest -m slow tests/test_sweep_cluster.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dtrain.cluster import down, load, up
+from dtrain.search.raycluster import stop_host
+
+IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.procs,
+    pytest.mark.skipif(not (IS_ROOT and shutil.which("ip")), reason="needs root and iproute2: network namespaces"),
+]
+
+
+def _segments(out: Path) -> dict[str, list[dict]]:
+    found = {}
+    for f in (out / "trials").glob("*/trial.json"):
+        try:
+            found[f.parent.name] = json.loads(f.read_text())["segments"]
+        except (OSError, ValueError, KeyError):
+            continue
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_trials_spread_over_the_hosts_and_a_lost_hosts_trial_resumes_elsewhere(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    name = f"sw{os.getpid() % 10000}"
+    monkeypatch.setenv("DTRAIN_CLUSTER_DIR", str(tmp_path / "state"))
+    up(name, hosts=4, bandwidth="1gbit")
+    try:
+        c = load(name)
+        run, space, out = tmp_path / "run.toml", tmp_path / "space.toml", tmp_path / "sweep"
+        run.write_text('workers = 1\nepochs = 8\ntrace = false\neval_every = 11\n')  # 176 steps
+        space.write_text('[sweep.space]\nlr = "loguniform(1e-3, 1e-1)"\n')
+        sweep = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space),
+                                  "--trials", "4", "--concurrent", "4", "--max-failures", "2", "--cluster", name,
+                                  "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        try:
+            deadline, victim = time.monotonic() + 300, None
+            while victim is None and time.monotonic() < deadline and sweep.poll() is None:
+                segs = _segments(out)
+                on = {s[0].get("node"): t for t, s in segs.items() if s and s[0].get("evals")}
+                if len(on) == 4:  # every trial on its own host, each past its first evaluation and checkpoint
+                    victim = on[c.address(2)]
+                time.sleep(0.5)
+            assert victim is not None, f"the trials did not spread over the 4 hosts: {_segments(out)}"
+            stop_host(c, 2)  # host 2's Ray node and its trial's processes, at once
+            text, _ = sweep.communicate(timeout=480)
+        finally:
+            if sweep.poll() is None:
+                sweep.kill()
+                sweep.wait()
+        assert sweep.returncode == 0, text[-4000:]
+        doc = json.loads((out / "sweep.json").read_text())
+        assert [t["fate"] for t in doc["trials"]] == ["finished"] * 4, doc["trials"]
+        segs = _segments(out)[victim]
+        assert segs[0]["node"] == c.address(2) and segs[-1]["node"] != c.address(2)
+        later = segs[-1]
+        assert later["from"]["trial"] == victim and later["from"]["step"] >= 11  # its own last checkpoint
+        assert later["evals"][-1]["step"] == 176
+    finally:
+        down(name)
