@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,13 @@ def stop_host(c: Any, host: int) -> None:
 
 
 def ray_down(c: Any) -> None:
-    """Stop the Ray nodes (and anything else left running) on every host of ``c``, the head last."""
+    """Stop the Ray nodes (and anything else left running) on every host of ``c``, the head last, and remove
+    Ray's pointer to the cluster just stopped (where ``ray.init()`` would look for a running one)."""
     for h in reversed(range(c.hosts)):
         stop_host(c, h)
+    current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    try:
+        if current.read_text().strip() == f"{c.address(0)}:{RAY_PORT}":
+            current.unlink()
+    except OSError:
+        pass

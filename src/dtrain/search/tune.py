@@ -146,9 +146,9 @@ def _ray(spec: SweepSpec) -> Iterator[None]:
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     if spec.address:
         ray.init(address=spec.address, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
-    else:  # one machine: a logical CPU a trial slot
+    else:  # a Ray instance of its own on this machine (never one found running), a logical CPU a trial slot
         env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-        ray.init(num_cpus=math.ceil(spec.concurrent * spec.cpus_per_trial), include_dashboard=False,
+        ray.init(address="local", num_cpus=math.ceil(spec.concurrent * spec.cpus_per_trial), include_dashboard=False,
                  log_to_driver=False, logging_level=logging.ERROR, runtime_env={"env_vars": env})
     try:
         yield
