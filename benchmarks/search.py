@@ -124,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{extra[-1] if extra else ''} parameters; gpt-tiny: the base run itself"}[ns.part]
     bench = Benchmark(f"search_{ns.part}", title={"asha": "ASHA against FIFO", "pbt": "PBT against random search",
                                                   "arch": "Evolution over gpt shapes against gpt-tiny"}[ns.part],
-                      family="search", workload=f"dtrain sweep {flags}; run: " + part["run"].replace("\n", "; ")
-                      + " space: " + part["space"].replace("\n", "; "), metric=metric, higher_is_better=higher,
+                      family="search", workload=f"dtrain sweep {flags}, "
+                      + " against ".join(f"{k} ({' '.join(v)})" for k, v in part["sweeps"].items())
+                      + "; run: " + part["run"].strip().replace("\n", "; ") + "; space: "
+                      + part["space"].strip().replace("\n", "; "), metric=metric, higher_is_better=higher,
                       repeats=len(seeds), command=command("benchmarks/search.py", argv), notes=notes)  # fmt: skip
     bench.start()
     rows: list[dict[str, Any]] = []
@@ -133,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         prior = json.loads(Path(ns.rows).read_text())
         rows, seeds = prior["extra"]["rows"], prior["extra"]["seeds"]
         bench.date, bench.load, bench.command = prior["date"], prior["load"], shlex.split(prior["command"])
+        if "--out" in bench.command:  # the run's own command, writing where these files go
+            bench.command[bench.command.index("--out") + 1] = ns.out
         bench.repeats = len(seeds)
     for seed in [] if ns.rows else seeds:
         row: dict[str, Any] = {"seed": seed}
