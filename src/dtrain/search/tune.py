@@ -104,9 +104,23 @@ def _scheduler(spec: SweepSpec) -> Any:
         return PopulationBasedTraining(time_attr="step", perturbation_interval=spec.perturbation_interval,
                                        hyperparam_mutations={k: _domain(p) for k, p in spec.space.items()},
                                        quantile_fraction=spec.quantile, resample_probability=0.25,
-                                       synch=True)  # fmt: skip
+                                       custom_explore_fn=lambda config: clip(spec, config), synch=True)  # fmt: skip
     fifo: Any = FIFOScheduler  # (unannotated in Ray)
     return fifo()
+
+
+def clip(spec: SweepSpec, config: dict[str, Any]) -> dict[str, Any]:
+    """PBT's explore multiplies a value by 0.8 or 1.2: keep it inside its range (a momentum of 0.9 x 1.2 would
+    be refused by the run, and the trial lost)."""
+    for k, p in spec.space.items():
+        v = config.get(k)
+        if p.discrete or not isinstance(v, (int, float)):
+            continue
+        if p.kind.endswith("randint"):
+            config[k] = int(min(max(round(v), p.low), p.high - 1))
+        else:
+            config[k] = float(min(max(v, p.low), math.nextafter(p.high, p.low)))
+    return config
 
 
 def _trainable(spec_json: str) -> Any:
