@@ -5,6 +5,7 @@ Nevergrad's evolution over gpt shapes that skips what does not fit."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -127,6 +128,19 @@ def test_an_exploited_trial_continues_exactly_where_its_donor_was(tmp_path: Path
     assert min(s for s, _ in after) == 10 and set(after) == {k for k in before if k[0] >= 10}
     assert all(after[k] == before[k] for k in after), "the resumed trial's losses differ from its donor's"
     assert [m["test_accuracy"] for m in got] == [m["test_accuracy"] for m, _ in seen if m["step"] > 10]
+
+    # the two trials as a sweep: sweep.json and dtrain report's page name the exploit, from t0 at step 10
+    from dtrain.observe.report_sweep import write_sweep_report
+    from dtrain.search.sweep import record
+
+    spec = dataclasses.replace(_spec({"lr": "uniform(0.01, 0.1)"}), out=str(tmp_path), scheduler="pbt")
+    doc = record(spec, [{"trial": t, "config": {"lr": 0.05}, "error": None} for t in ("t0", "t1")], wall_s=1.0)
+    t1 = doc["trials"][1]
+    assert t1["exploits"] == [{"at_step": 10, "from_trial": "t0", "hp": {"lr": 0.05}}] and t1["fate"] == "finished"
+    assert t1["steps_trained"] == 22 - 10 and doc["trials"][0]["steps_trained"] == 22
+    page, text = write_sweep_report(tmp_path)
+    lineage = page.read_text().split('class="lineage"')[1].split("</table>")[0]
+    assert lineage.count("<tr>") == 2 and "<td>10</td><td>t1</td><td>t0</td>" in lineage, lineage
 
 
 @pytest.mark.slow
