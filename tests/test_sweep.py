@@ -107,13 +107,13 @@ def test_an_exploited_trial_continues_exactly_where_its_donor_was(tmp_path: Path
     base = RunConfig.from_mapping({"workers": 2, "epochs": 1, "trace": False, "eval_every": 5, "momentum": 0.9,
                                    "compression": "topk:0.05"}).to_dict()  # fmt: skip
     seen: list[tuple[dict[str, Any], Path | None]] = []
-    donor = tmp_path / "t0"
+    donor = tmp_path / "trials" / "t0"  # as a sweep folder holds its trials
     run_trial(donor, base, {"lr": 0.05}, lambda m, c: seen.append((m, c)), metric="test_accuracy", checkpoints=True)
     assert [m["step"] for m, _ in seen] == [5, 10, 15, 20, 22] and all(c is not None for _, c in seen)
     at_10 = seen[1][1]
     assert at_10 is not None and json.loads((at_10 / "donor.json").read_text())["trial"] == "t0"
     got: list[dict[str, Any]] = []
-    taker = tmp_path / "t1"
+    taker = tmp_path / "trials" / "t1"
     rec = run_trial(taker, base, {"lr": 0.05}, lambda m, c: got.append(m), metric="test_accuracy", resume=at_10,
                     checkpoints=True)  # fmt: skip
     assert rec["from"]["trial"] == "t0" and rec["from"]["step"] == 10 and rec["fate"] == "finished"
