@@ -10,6 +10,7 @@ namespace (``ray stop`` would stop every Ray process on the machine, the other h
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -80,8 +81,6 @@ def ray_down(c: Any) -> None:
     for h in reversed(range(c.hosts)):
         stop_host(c, h)
     current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
-    try:
+    with contextlib.suppress(OSError):  # no pointer, or another cluster's: left as it is
         if current.read_text().strip() == f"{c.address(0)}:{RAY_PORT}":
             current.unlink()
-    except OSError:
-        pass

@@ -193,9 +193,9 @@ class _Segment:
             changes["checkpoint_every"] = base["eval_every"]
         try:
             cfg = trial_config({**base, **changes}, hp)
-            if self.max_params and (n := model_params(cfg)) > self.max_params:
+            self.entry["params"] = n = model_params(cfg)
+            if self.max_params and n > self.max_params:
                 raise ConfigError(f"{n:,} parameters, over the sweep's --max-params {self.max_params:,}")
-            self.entry["params"] = model_params(cfg)
             if resume is None:
                 return cfg
             donor = json.loads((resume / DONOR_FILE).read_text()) if (resume / DONOR_FILE).is_file() else {}
