@@ -68,6 +68,7 @@ def test_the_distributions_parse() -> None:
     ({"lr": "grid([0.01, 0.1])"}, {"search": "tpe"}, "write choice([...])"),
     ({"lr": "uniform(0.01, 0.1)"}, {"search": "annealing"}, "--search"),
     ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "asha", "eval_every": 1000}, "lower --eval-every"),
+    ({"lr": "uniform(0.01, 0.1)"}, {"memory_limit": "lots"}, "cannot read the memory limit 'lots'"),
 ])  # fmt: skip
 def test_a_bad_sweep_is_refused_before_anything_starts(table: dict[str, Any], kw: dict[str, Any], says: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -220,9 +221,10 @@ def test_without_the_tune_extra_the_sweep_names_the_pip_command(tmp_path: Path) 
 
 
 def test_a_shape_that_does_not_fit_is_skipped_before_it_starts(tmp_path: Path) -> None:
-    """Architecture search: heads not dividing the width, or a model over the parameter budget, is refused by
-    the trial's checks (dtrain run's own validation, the budget on the meta device) and recorded as skipped."""
-    from dtrain.search.trial import model_params, read_trial, run_trial
+    """Architecture search: heads not dividing the width, a model over the parameter budget, or one that needs
+    more memory per device than the limit by the planner's memory model, is refused by the trial's checks
+    (dtrain run's own validation, the budgets on the meta device) and recorded as skipped."""
+    from dtrain.search.trial import Limits, model_params, read_trial, run_trial
 
     base = RunConfig.from_mapping({"workers": 1, "model": "gpt-tiny", "dataset": "pytext", "trace": False,
                                    "eval_every": 10}).to_dict()  # fmt: skip
@@ -233,10 +235,43 @@ def test_a_shape_that_does_not_fit_is_skipped_before_it_starts(tmp_path: Path) -
         run_trial(tmp_path / "a", base, {"d_model": 48, "heads": 5}, never, metric="val_loss")
     tiny = model_params(RunConfig.from_mapping(base))
     with pytest.raises(ConfigError, match=f"over the sweep's --max-params {tiny:,}"):
-        run_trial(tmp_path / "b", base, {"layers": 3}, never, metric="val_loss", max_params=tiny)
-    for t in ("a", "b"):
+        run_trial(tmp_path / "b", base, {"layers": 3}, never, metric="val_loss", limits=Limits(max_params=tiny))
+    with pytest.raises(ConfigError, match="per device by the planner's memory model, over the sweep's "
+                                          "--memory-limit 16 MiB"):  # fmt: skip
+        run_trial(tmp_path / "c", base, {"layers": 4, "d_model": 128}, never, metric="val_loss",
+                  limits=Limits(memory_limit=16 * 2**20))  # fmt: skip
+    for t in ("a", "b", "c"):
         (seg,) = read_trial(tmp_path / t)["segments"]
         assert seg["fate"] == "skipped" and not (tmp_path / t / "run-0").exists()
+
+
+def test_the_memory_limit_is_the_planners_figure() -> None:
+    """A trial's memory is what ``dtrain plan --memory-limit`` would find for the same run: the planner's
+    prediction for its strategy, workers and batch (dp with a ZeRO stage and Adam, at 4 workers, here);
+    the limit lets through what the planner keeps and refuses what it rejects."""
+    from dtrain.perfmodel.ranking import plan
+    from dtrain.perfmodel.spec import ClusterSpec
+    from dtrain.registry import Choice
+    from dtrain.search.trial import Limits, model_memory
+    from dtrain.workloads.load import load_model
+
+    cfg = RunConfig.from_mapping({"workers": 4, "model": "gpt-tiny", "dataset": "pytext", "optimizer": "adam",
+                                  "dp": {"shard": "gradients"}})  # fmt: skip
+    need = model_memory(cfg)
+    model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seq_len=cfg.seq_len)
+    own = Choice(cfg.strategy, cfg.workers, cfg.options)
+    spec = ClusterSpec(nodes=1, devices_per_node=4)
+    fits = plan(model, sample, spec, workers=4, name=name, optimizer="adam", strategies=[own], measure=False,
+                memory_limit=need * 1.01)  # fmt: skip
+    over = plan(model, sample, spec, workers=4, name=name, optimizer="adam", strategies=[own], measure=False,
+                memory_limit=need * 0.99)  # fmt: skip
+    assert fits.ranked and fits.ranked[0].memory.total == pytest.approx(need, rel=1e-9)
+    assert not over.ranked and "over the memory limit" in over.rejected[0][1]
+    entry: dict[str, Any] = {}
+    Limits(memory_limit=need * 1.01).check(cfg, entry)
+    assert entry["memory"] == pytest.approx(need, rel=1e-9)
+    with pytest.raises(ConfigError, match="--memory-limit"):
+        Limits(memory_limit=need * 0.99).check(cfg, {})
 
 
 @pytest.mark.slow

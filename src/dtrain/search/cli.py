@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="restarts of a failed trial, from its last checkpoint (default: 0)")
     ap.add_argument("--max-params", type=int, default=0, help="a parameter budget: a trial whose model has more "
                     "is skipped before it starts (architecture search; default: 0, none)")  # fmt: skip
+    ap.add_argument("--memory-limit", default="", help="memory per device (2GB, 512MB, bytes): a trial that needs "
+                    "more by the planner's memory model is skipped before it starts (default: none)")  # fmt: skip
     ap.add_argument("--out", default="", help="the sweep folder (default: sweeps/<timestamp>)")
     return ap
 
@@ -89,7 +91,8 @@ def spec_from_args(ns: argparse.Namespace) -> Any:
                       trials=ns.trials, concurrent=ns.concurrent, metric=ns.metric, mode=ns.mode, seed=ns.seed,
                       address=ns.address, cpus_per_trial=ns.cpus_per_trial, eval_every=ns.eval_every,
                       perturbation_interval=ns.perturbation_interval, reduction=ns.reduction,
-                      max_failures=ns.max_failures, max_params=ns.max_params)  # fmt: skip
+                      max_failures=ns.max_failures, max_params=ns.max_params,
+                      memory_limit=ns.memory_limit)  # fmt: skip
 
 
 def _without_cluster(argv: list[str]) -> list[str]:

@@ -66,6 +66,7 @@ class SweepSpec:
     max_failures: int = 0
     trial_timeout_s: float = 3600.0
     max_params: int = 0
+    memory_limit: float = 0.0
 
     @property
     def samples(self) -> int:
@@ -114,19 +115,23 @@ def _most_steps(base: Any, space: dict[str, Param]) -> int:
 def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, trials: int | None,
                concurrent: int, metric: str | None, mode: str | None, seed: int, address: str = "",
                cpus_per_trial: float = 1.0, eval_every: int = 0, perturbation_interval: int = 0,
-               reduction: int = 2, max_failures: int = 0, max_params: int = 0) -> SweepSpec:  # fmt: skip
+               reduction: int = 2, max_failures: int = 0, max_params: int = 0,
+               memory_limit: str = "") -> SweepSpec:  # fmt: skip
     """Check everything about a sweep that can be checked before a trial starts.
 
     Args:
         base: the run configuration every trial starts from (a :class:`RunConfig`).
         table: the ``[sweep.space]`` table.
         eval_every: evaluate every N steps (default: the base's ``eval_every``; else 1/4 of the steps).
+        max_params / memory_limit: skip a trial whose model has more parameters, or needs more bytes
+            per device by the planner's memory model ("2GB", "512MB", bytes; "": none).
 
     Raises:
         ConfigError: one line saying what to change (an unknown searcher, scheduler, distribution or
             key; an empty space; a metric the run does not report; PBT over a key a run cannot change
             in the middle; grid over a range).
     """
+    from dtrain.perfmodel.ranking import parse_memory_limit
     from dtrain.search.space import parse_space
     from dtrain.training.checkpointing import train_steps
 
@@ -177,6 +182,7 @@ def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, 
         raise ConfigError(f"--reduction must be >= 2, got {reduction}")
     if max_params < 0 or max_failures < 0:
         raise ConfigError(f"--max-params and --max-failures must be >= 0, got {max_params} and {max_failures}")
+    limit = parse_memory_limit(memory_limit) if memory_limit else 0.0
     if max_failures:  # a failed trial restarts from its last checkpoint
         base.hooks.check_checkpointing(base.opts, base)
     base = base.replace(eval_every=every, progress=False)
@@ -184,7 +190,7 @@ def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, 
                      concurrent=concurrent, metric=metric, mode=mode, seed=seed, address=address,
                      cpus_per_trial=cpus_per_trial, max_steps=_most_steps(base, space), grace_steps=every,
                      reduction=reduction, perturbation_interval=interval, max_failures=max_failures,
-                     max_params=max_params)  # fmt: skip
+                     max_params=max_params, memory_limit=limit)  # fmt: skip
 
 
 def _check_pbt(base: Any, space: dict[str, Param], search: str, trials: int, concurrent: int) -> None:

@@ -28,12 +28,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dtrain.errors import ConfigError, DTrainError
 
-__all__ = ["TRIAL_FILE", "Report", "run_trial", "trial_config", "read_trial"]
+__all__ = ["TRIAL_FILE", "Limits", "Report", "run_trial", "trial_config", "read_trial", "model_params",
+           "model_memory"]
 
 TRIAL_FILE = "trial.json"
 DONOR_FILE = "donor.json"  # in a checkpoint handed to Tune: which trial and step it is
@@ -46,8 +48,8 @@ def trial_config(base: dict[str, Any], hp: dict[str, Any]) -> Any:
     """``base`` (a :meth:`RunConfig.to_dict`) with the trial's hyper-parameters, validated.
 
     Raises:
-        ConfigError: the combination does not fit (heads not dividing the width, a shape over
-            ``--memory-limit``, ...): the trial is skipped, with this message.
+        ConfigError: the combination does not fit (heads not dividing the width, ...): the trial is
+            skipped, with this message.
     """
     from dtrain.config.schema import RunConfig
     from dtrain.job.validate import validate
@@ -65,6 +67,61 @@ def model_params(cfg: Any) -> int:
     with torch.device("meta"):
         model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.gpt_overrides())
     return sum(p.numel() for p in model.parameters())
+
+
+def model_memory(cfg: Any) -> float:
+    """Bytes per device the planner's memory model puts on ``cfg``'s run: parameters, gradients,
+    optimizer state, activations and the strategy's own buffers (:func:`memory_per_device`), for
+    the run's strategy, workers and per-worker batch, profiled on the meta device (nothing allocated)."""
+    import torch
+
+    from dtrain.perfmodel.compression import compression_model
+    from dtrain.perfmodel.predict import memory_per_device
+    from dtrain.perfmodel.profile import profile_model
+    from dtrain.registry import Choice
+    from dtrain.workloads.batch import split_batch
+    from dtrain.workloads.models import build_model
+
+    data = cfg.load_data()
+    b = split_batch(cfg.batch_size, cfg.opts.batch_shards(cfg.workers))[0]
+    x, y = (t[:b].to("meta") for t in data.train.tensors)
+    with torch.device("meta"):
+        model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.gpt_overrides())
+    opt = "adam" if cfg.optimizer in ("adam", "adamw", "lamb") else "sgd" if cfg.momentum > 0 else "sgd0"
+    prof = profile_model(model, (x, y), name=cfg.model, measure=False, optimizer=opt)
+    spec = cfg.opts.compressor_spec()
+    comp = compression_model(spec, measure=False) if spec != "none" else None
+    return float(memory_per_device(prof, Choice(cfg.strategy, cfg.workers, cfg.options), comp).total)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a trial's configuration must fit before it starts; 0 is no limit.
+
+    Attributes:
+        max_params: the model's parameters (:func:`model_params`).
+        memory_limit: bytes per device by the planner's memory model (:func:`model_memory`).
+    """
+
+    max_params: int = 0
+    memory_limit: float = 0.0
+
+    def check(self, cfg: Any, entry: dict[str, Any]) -> None:
+        """Record ``cfg``'s parameters (and, under a memory limit, its bytes per device) in ``entry``.
+
+        Raises:
+            ConfigError: over a limit, naming both figures.
+        """
+        from dtrain.perfmodel.units import format_bytes
+
+        entry["params"] = n = model_params(cfg)
+        if self.max_params and n > self.max_params:
+            raise ConfigError(f"{n:,} parameters, over the sweep's --max-params {self.max_params:,}")
+        if self.memory_limit:
+            entry["memory"] = need = model_memory(cfg)
+            if need > self.memory_limit:
+                raise ConfigError(f"needs {format_bytes(need)} per device by the planner's memory model, over the "
+                                  f"sweep's --memory-limit {format_bytes(self.memory_limit)}")  # fmt: skip
 
 
 def read_trial(folder: Path) -> dict[str, Any]:
@@ -160,10 +217,10 @@ class _Segment:
     """One segment of a trial: its record in ``trial.json``, its run folder, its process."""
 
     def __init__(self, folder: Path, hp: dict[str, Any], report: Report, metric: str, checkpoints: bool,
-                 max_params: int = 0) -> None:  # fmt: skip
+                 limits: Limits) -> None:  # fmt: skip
         folder.mkdir(parents=True, exist_ok=True)
         self.folder, self.report, self.metric, self.checkpoints = folder, report, metric, checkpoints
-        self.max_params = max_params
+        self.limits = limits
         self.record = read_trial(folder) or {"segments": []}
         self.index = len(self.record["segments"])
         self.run = folder / f"run-{self.index}"
@@ -193,9 +250,7 @@ class _Segment:
             changes["checkpoint_every"] = base["eval_every"]
         try:
             cfg = trial_config({**base, **changes}, hp)
-            self.entry["params"] = n = model_params(cfg)
-            if self.max_params and n > self.max_params:
-                raise ConfigError(f"{n:,} parameters, over the sweep's --max-params {self.max_params:,}")
+            self.limits.check(cfg, self.entry)
             if resume is None:
                 return cfg
             donor = json.loads((resume / DONOR_FILE).read_text()) if (resume / DONOR_FILE).is_file() else {}
@@ -276,7 +331,7 @@ def run_trial(
     resume: Path | None = None,
     checkpoints: bool = False,
     timeout_s: float = 3600.0,
-    max_params: int = 0,
+    limits: Limits = Limits(),
     node: str = "",
 ) -> dict[str, Any]:
     """Run the trial's next segment in ``folder`` until it ends, reporting every evaluation.
@@ -293,7 +348,7 @@ def run_trial(
             the trial's folder, its ``donor.json`` naming the trial, step and metric it came from.
         checkpoints: checkpoint at every evaluation and hand each checkpoint to ``report``.
         timeout_s: the longest a segment may run.
-        max_params: a trial whose model has more parameters is skipped (0: no limit).
+        limits: a trial whose configuration is over them is skipped before it starts.
         node: where the segment runs (the Ray node's address), recorded.
 
     Returns:
@@ -303,7 +358,7 @@ def run_trial(
         ConfigError: the trial's combination does not fit (recorded as skipped).
         DTrainError: the segment failed (the last lines of its output in the message).
     """
-    seg = _Segment(folder, hp, report, metric, checkpoints, max_params)
+    seg = _Segment(folder, hp, report, metric, checkpoints, limits)
     if node:
         seg.entry["node"] = node
     cfg = seg.config(base, hp, resume)

@@ -130,7 +130,7 @@ def _trainable(spec_json: str) -> Any:
         import ray
         from ray import tune
 
-        from dtrain.search.trial import run_trial
+        from dtrain.search.trial import Limits, run_trial
 
         spec = SweepSpec.from_json(spec_json)
         util: Any = ray.util  # (unannotated in Ray)
@@ -144,7 +144,7 @@ def _trainable(spec_json: str) -> Any:
             try:
                 run_trial(folder, spec.base, dict(config), report, metric=spec.metric,
                           resume=Path(d) if d else None, checkpoints=spec.scheduler == "pbt" or spec.max_failures > 0,
-                          timeout_s=spec.trial_timeout_s, max_params=spec.max_params,
+                          timeout_s=spec.trial_timeout_s, limits=Limits(spec.max_params, spec.memory_limit),
                           node=util.get_node_ip_address())  # fmt: skip
             except ConfigError as e:  # a combination that does not fit: skipped, the worst value for the searcher
                 tune.report({spec.metric: spec.worst, "step": 0, "skipped": str(e)})
