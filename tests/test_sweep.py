@@ -97,6 +97,21 @@ def test_a_sweep_spec_fills_in_what_the_run_implies() -> None:
         "lr", "compression"}
 
 
+def test_a_trial_the_scheduler_stops_at_its_last_step_has_finished(tmp_path: Path) -> None:
+    """ASHA stops a trial that reaches its last step (max_t) as it stops one early: sweep.json tells them
+    apart by the trial's own last step (2 epochs: 44 at its batch of 64, 88 at 32), not the scheduler's verdict."""
+    from dtrain.search.sweep import record
+
+    spec = dataclasses.replace(_spec({"batch_size": "choice([32, 64])"}, scheduler="asha"), out=str(tmp_path))
+    runs = {"a": (64, [22, 44]), "b": (32, [22, 44]), "c": (32, [22, 44, 66, 88])}
+    for t, (_, steps) in runs.items():
+        (tmp_path / "trials" / t).mkdir(parents=True)
+        seg = {"run": "run-0", "hp": {}, "evals": [{"step": s, "value": 0.5} for s in steps]}
+        (tmp_path / "trials" / t / "trial.json").write_text(json.dumps({"segments": [seg]}))
+    doc = record(spec, [{"trial": t, "config": {"batch_size": b}, "error": None} for t, (b, _) in runs.items()], 1.0)
+    assert [t["fate"] for t in doc["trials"]] == ["finished", "stopped early", "finished"]
+
+
 @pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_an_exploited_trial_continues_exactly_where_its_donor_was(tmp_path: Path) -> None:
@@ -294,3 +309,28 @@ def test_evolution_over_shapes_skips_what_does_not_fit(tmp_path: Path) -> None:
     for t in doc["trials"]:
         assert t["fate"] == "skipped" and "over the sweep's --max-params 1,000" in t["error"], t
         assert 1 <= t["config"]["layers"] <= 3 and t["config"]["d_model"] in (32, 64)
+
+
+@pytest.mark.slow
+@pytest.mark.procs
+@pytest.mark.timeout(180)
+def test_a_trial_that_fails_is_reported_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    """A trial whose run fails (a learning rate that makes the loss non-finite: the run stops naming the step)
+    and has no restarts left is recorded as failed with the run's own message; the other trial finishes and
+    the sweep names it the best."""
+    run = tmp_path / "run.toml"
+    run.write_text('workers = 1\nepochs = 1\ntrace = false\n')
+    space = tmp_path / "space.toml"
+    space.write_text('[sweep.space]\nlr = "grid([0.05, 1e12])"\n')
+    out = tmp_path / "sweep"
+    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space), "--search",
+                        "grid", "--concurrent", "2", "--eval-every", "11", "--out", str(out)],
+                       capture_output=True, text=True, timeout=170)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    doc = json.loads((out / "sweep.json").read_text())
+    fates = {t["config"]["lr"]: t for t in doc["trials"]}
+    bad, good = fates[1e12], fates[0.05]
+    assert bad["fate"] == "failed" and "not finite" in bad["error"], bad
+    assert good["fate"] == "finished" and good["history"][-1]["step"] == 22
+    assert doc["best"]["trial"] == good["trial"] and f"best: trial {good['trial']}" in p.stdout
+    assert f"{bad['trial']}  test_accuracy        -  failed (" in p.stdout, p.stdout

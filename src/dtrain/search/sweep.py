@@ -9,10 +9,10 @@ The sweep folder::
     SWEEP/trials/<id>/trial.json   the trial's segments (its own record, kept as it runs)
     SWEEP/ray/                     Ray Tune's own experiment folder (its checkpoints, its logs)
 
-A trial's fate: ``finished`` (its last step), ``stopped early`` (by ASHA, at the step of its last
-evaluation), ``exploited`` (population-based training restarted it from another trial's checkpoint:
-the ``exploits`` list names the donor and the step), ``skipped`` (its combination does not fit, with
-the message), ``failed`` (with the message).
+A trial's fate: ``finished`` (its last step, also when ASHA stops it there), ``stopped early`` (by
+ASHA, at the step of its last evaluation), ``exploited`` (population-based training restarted it from
+another trial's checkpoint: the ``exploits`` list names the donor and the step), ``skipped`` (its
+combination does not fit, with the message), ``failed`` (with the message).
 """
 
 from __future__ import annotations
@@ -210,7 +210,11 @@ def _check_pbt(base: Any, space: dict[str, Param], search: str, trials: int, con
     base.hooks.check_checkpointing(base.opts, base)  # PBT's exploit resumes checkpoints
 
 
-def _fate(segments: list[dict[str, Any]], error: str | None, max_steps: int) -> str:
+def _fate(segments: list[dict[str, Any]], error: str | None, base: dict[str, Any], hp: dict[str, Any]) -> str:
+    """The fate of a trial of configuration ``base`` with ``hp`` that left ``segments``."""
+    from dtrain.search.trial import trial_config
+    from dtrain.training.checkpointing import train_steps
+
     if error:
         return "failed"
     if not segments:
@@ -219,6 +223,9 @@ def _fate(segments: list[dict[str, Any]], error: str | None, max_steps: int) -> 
     if last.get("fate") in ("skipped", "failed"):
         return str(last["fate"])
     if last.get("fate") == "finished":
+        return "finished"
+    evals = last.get("evals") or []
+    if evals and int(evals[-1]["step"]) >= train_steps(trial_config(base, hp)):  # ASHA stops a trial at max_t too
         return "finished"
     return "stopped early"
 
@@ -241,7 +248,7 @@ def record(spec: SweepSpec, results: list[dict[str, Any]], wall_s: float) -> dic
         exploits = [{"at_step": s["from"].get("step"), "from_trial": s["from"].get("trial"), "hp": s["hp"]}
                     for s in segs if s.get("from") and s["from"].get("trial") != r["trial"]]  # fmt: skip
         error = r.get("error") or next((s.get("error") for s in segs if s.get("fate") in ("failed", "skipped")), None)
-        fate = _fate(segs, r.get("error"), spec.max_steps)
+        fate = _fate(segs, r.get("error"), spec.base, r["config"])
         values = [h["value"] for h in history if isinstance(h.get("value"), (int, float))]
         final = values[-1] if values and fate not in ("skipped", "failed") else None
         trials.append({"trial": r["trial"], "config": {k: r["config"].get(k) for k in spec.space}, "fate": fate,
