@@ -4,8 +4,8 @@ Every figure comes from real sweeps (Ray Tune, each trial a ``dtrain run`` proce
 ``sweep.json``; the instrument is the runs' own evaluation (test accuracy, validation loss) and the steps
 their rank 0 trained (its metrics rows), not the scheduler's bookkeeping.
 
-- ``asha``: the CNN on digits (one worker a trial, 4 epochs, 88 steps, evaluated every 11), 8 trials of
-  random search over lr and momentum, FIFO and ASHA (reduction 2) with the same seed, so the same 8
+- ``asha``: the CNN on digits (one worker a trial, 8 epochs, 176 steps, evaluated every 22, an epoch), 8
+  trials of random search over lr and momentum, FIFO and ASHA (reduction 2) with the same seed, so the same 8
   configurations. Bar: ASHA's best test accuracy within 2% of FIFO's best, with at most half FIFO's steps.
 - ``pbt``: gpt-tiny on pytext, one worker a trial, a population of 4 under PBT against random search of 4
   (FIFO) over lr and momentum: the same total training steps. Bar: PBT's best validation loss at least as
@@ -37,7 +37,7 @@ from typing import Any
 
 PARTS = {
     "asha": {
-        "run": 'workers = 1\nepochs = 4\ntrace = false\neval_every = 11\n',
+        "run": 'workers = 1\nepochs = 8\ntrace = false\neval_every = 22\n',
         "space": 'lr = "loguniform(1e-3, 0.3)"\nmomentum = "uniform(0.0, 0.95)"\n',
         "sweeps": {"fifo": ["--scheduler", "fifo"], "asha": ["--scheduler", "asha", "--reduction", "2"]},
         "flags": ["--trials", "8", "--concurrent", "2"],

@@ -294,8 +294,8 @@ def test_with_min_workers_a_lost_worker_leaves_the_run_on_fewer_that_ends_as_the
     drift = [abs(got[s] - ref[s]) / ref[s] for s in ref if s >= frm]
     assert drift[0] <= 1e-4, f"the first step on 2 workers: {drift[0]:.2e} from the 3-worker run's loss"
     # then the float summation order (3 partial sums against 2) grows, about 10x every 8 steps here: 1e-8 at the
-    # restart, 1e-4 30 steps on, a late small loss 6.8% from the other run's; the first ten steps stay within 2%
-    assert max(drift[:10]) <= 0.02, f"loss {max(drift[:10]):.2%} from the 3-worker run's in 10 steps"
+    # restart, 1e-4 30 steps on, a late small loss 6.8% from the other run's; the first ten steps stay within 1e-4
+    assert max(drift[:10]) <= 1e-4, f"loss {max(drift[:10]):.2e} from the 3-worker run's in 10 steps"
     assert summary["metric"] >= want["metric"] - 0.01 and summary["metric"] >= 0.9, (summary["metric"], want["metric"])
     print(f"\nscale-down 3 -> 2 at step {frm}: first step's loss {drift[0]:.1e} from the 3-worker run's, largest "
           f"{max(drift):.1e} (in 10 steps {max(drift[:10]):.1e}); accuracy {summary['metric']:.4f} vs "
