@@ -1,19 +1,27 @@
 """dtrain sweep: the space and the sweep's checks (no process), a trial resumed from another's checkpoint
-(real runs, no Ray), the missing extra; and, in the slow tier with the tune extra installed
-(``pip install -e '.[tune]'``), sweeps on Ray Tune (real Ray, real runs): population-based training, and
-Nevergrad's evolution over gpt shapes that skips what does not fit."""
+(real runs, no Ray), the missing extra; and sweeps on Ray Tune (the tune extra, which ``scripts/test.sh``
+installs; real Ray, real runs) on one Ray instance the module starts (``ray start --head``, as a user's
+cluster): population-based training, Nevergrad's evolution over gpt shapes that skips what does not fit,
+and a trial that fails while the sweep goes on."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _dist import free_port
 from _helpers import read_metrics
 
 from dtrain.config.schema import RunConfig
@@ -22,6 +30,50 @@ from dtrain.search.space import parse_param, parse_space
 from dtrain.search.sweep import build_spec
 
 BASE = RunConfig.from_mapping({"workers": 1, "epochs": 2, "trace": False})
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[str]:
+    """One Ray instance for the module's sweeps (``ray start --head --block``, 2 CPUs: two trials at once), its
+    address for ``dtrain sweep --address``, with a token of its own (Ray's token authentication, as on a
+    cluster; in this process's environment, so the sweeps pass it on); its processes are killed at the end,
+    nothing else of Ray's."""
+    import secrets
+
+    from dtrain.search.raycluster import auth_env
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.fail("the sweeps on Ray Tune need the tune extra: .venv/bin/pip install -e '.[tune]' "
+                    "(bash scripts/test.sh installs it)")  # fmt: skip
+    auth = auth_env(secrets.token_hex(32))
+    mp = pytest.MonkeyPatch()
+    for k, v in auth.items():
+        mp.setenv(k, v)
+    port = free_port()
+    ray = Path(sys.executable).parent / "ray"
+    p = subprocess.Popen([str(ray), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                          "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={100 << 20}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
+    seen = []
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:  # the head says so once its services are up
+            seen.append(line)
+            if "Ray runtime started" in line:
+                break
+        else:
+            pytest.fail("ray start --head ended:\n" + "".join(seen[-20:]))
+        yield f"127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # the head, its raylet and the workers it started: one group
+        p.wait(timeout=30)
+        mp.undo()
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        with contextlib.suppress(OSError):
+            if current.read_text().strip().endswith(f":{port}"):
+                current.unlink()
 
 
 def _spec(table: dict[str, Any], base: RunConfig = BASE, **kw: Any) -> Any:
@@ -97,6 +149,19 @@ def test_a_sweep_spec_fills_in_what_the_run_implies() -> None:
         "lr", "compression"}
 
 
+def test_a_driver_joining_a_cluster_takes_token_authentication_when_a_token_is_at_hand(tmp_path: Path) -> None:
+    from dtrain.search.tune import token_mode
+
+    assert not token_mode({}, tmp_path)  # no token anywhere: Ray's own default
+    assert token_mode({"RAY_AUTH_TOKEN": "abc"}, tmp_path)
+    (tmp_path / "t").write_text("abc")
+    assert token_mode({"RAY_AUTH_TOKEN_PATH": str(tmp_path / "t")}, tmp_path / "nowhere")
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("abc")  # what `ray start` leaves
+    assert token_mode({}, tmp_path)
+    assert not token_mode({"RAY_AUTH_MODE": "disabled"}, tmp_path)  # the user's own choice stands
+
+
 def test_a_trial_the_scheduler_stops_at_its_last_step_has_finished(tmp_path: Path) -> None:
     """ASHA stops a trial that reaches its last step (max_t) as it stops one early: sweep.json tells them
     apart by the trial's own last step (2 epochs: 44 at its batch of 64, 88 at 32), not the scheduler's verdict."""
@@ -159,10 +224,9 @@ def test_an_exploited_trial_continues_exactly_where_its_donor_was(tmp_path: Path
     assert lineage.count("<tr>") == 2 and "<td>10</td><td>t1</td><td>t0</td>" in lineage, lineage
 
 
-@pytest.mark.slow
 @pytest.mark.procs
 @pytest.mark.timeout(300)
-def test_population_based_training_on_ray_tune(tmp_path: Path) -> None:
+def test_population_based_training_on_ray_tune(tmp_path: Path, ray_head: str) -> None:
     """A real PBT sweep of 2 trials (one epoch, 22 steps, evaluated at 11 and 22: one perturbation, at 11): the
     trial in the bottom half copies the other's checkpoint and goes on with a perturbed learning rate;
     sweep.json records every trial, its history and each exploit, and the best trial."""
@@ -173,7 +237,8 @@ def test_population_based_training_on_ray_tune(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space), "--scheduler",
                         "pbt", "--trials", "2", "--concurrent", "2", "--eval-every", "11", "--seed", "0",
-                        "--out", str(out)], capture_output=True, text=True, timeout=280)  # fmt: skip
+                        "--address", ray_head, "--out", str(out)], capture_output=True, text=True,
+                       timeout=280)  # fmt: skip
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads((out / "sweep.json").read_text())
     assert doc["trials_run"] == 2 and doc["scheduler"] == "pbt"
@@ -289,10 +354,9 @@ def test_the_memory_limit_is_the_planners_figure() -> None:
         Limits(memory_limit=need * 0.99).check(cfg, {})
 
 
-@pytest.mark.slow
 @pytest.mark.procs
 @pytest.mark.timeout(180)
-def test_evolution_over_shapes_skips_what_does_not_fit(tmp_path: Path) -> None:
+def test_evolution_over_shapes_skips_what_does_not_fit(tmp_path: Path, ray_head: str) -> None:
     """The evolutionary searcher (Nevergrad on Ray Tune) over gpt shapes with a budget no shape meets: every
     trial is skipped before a run starts, the searcher is told the worst value, and the sweep says so."""
     run = tmp_path / "run.toml"
@@ -301,7 +365,8 @@ def test_evolution_over_shapes_skips_what_does_not_fit(tmp_path: Path) -> None:
     space.write_text('[sweep.space]\nlayers = "randint(1, 4)"\nd_model = "choice([32, 64])"\n')
     out = tmp_path / "sweep"
     p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space), "--search",
-                        "evolution", "--trials", "2", "--concurrent", "1", "--max-params", "1000", "--out", str(out)],
+                        "evolution", "--trials", "2", "--concurrent", "1", "--max-params", "1000",
+                        "--address", ray_head, "--out", str(out)],
                        capture_output=True, text=True, timeout=170)  # fmt: skip
     assert p.returncode == 1 and "no trial reported a metric" in p.stderr, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads((out / "sweep.json").read_text())
@@ -311,10 +376,9 @@ def test_evolution_over_shapes_skips_what_does_not_fit(tmp_path: Path) -> None:
         assert 1 <= t["config"]["layers"] <= 3 and t["config"]["d_model"] in (32, 64)
 
 
-@pytest.mark.slow
 @pytest.mark.procs
 @pytest.mark.timeout(180)
-def test_a_trial_that_fails_is_reported_and_the_sweep_goes_on(tmp_path: Path) -> None:
+def test_a_trial_that_fails_is_reported_and_the_sweep_goes_on(tmp_path: Path, ray_head: str) -> None:
     """A trial whose run fails (a learning rate that makes the loss non-finite: the run stops naming the step)
     and has no restarts left is recorded as failed with the run's own message; the other trial finishes and
     the sweep names it the best."""
@@ -324,13 +388,13 @@ def test_a_trial_that_fails_is_reported_and_the_sweep_goes_on(tmp_path: Path) ->
     space.write_text('[sweep.space]\nlr = "grid([0.05, 1e12])"\n')
     out = tmp_path / "sweep"
     p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space), "--search",
-                        "grid", "--concurrent", "2", "--eval-every", "11", "--out", str(out)],
+                        "grid", "--concurrent", "2", "--eval-every", "11", "--address", ray_head, "--out", str(out)],
                        capture_output=True, text=True, timeout=170)  # fmt: skip
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads((out / "sweep.json").read_text())
     fates = {t["config"]["lr"]: t for t in doc["trials"]}
     bad, good = fates[1e12], fates[0.05]
-    assert bad["fate"] == "failed" and "not finite" in bad["error"], bad
+    assert bad["fate"] == "failed" and "NonFiniteError: rank 0 at step" in bad["error"], bad
     assert good["fate"] == "finished" and good["history"][-1]["step"] == 22
     assert doc["best"]["trial"] == good["trial"] and f"best: trial {good['trial']}" in p.stdout
     assert f"{bad['trial']}  test_accuracy        -  failed (" in p.stdout, p.stdout

@@ -152,6 +152,19 @@ def _trainable(spec_json: str) -> Any:
     return trainable
 
 
+def token_mode(env: dict[str, str], home: Path) -> bool:
+    """Whether a driver joining a Ray cluster should turn token authentication on (``RAY_AUTH_MODE=token``).
+
+    ``ray start`` (Ray 2.60) turns it on for the cluster and keeps the token in ``~/.ray/auth_token``, while a
+    driver left to itself connects without one and is refused. So: on when a token is at hand (that file,
+    ``RAY_AUTH_TOKEN_PATH`` or ``RAY_AUTH_TOKEN``) and the user set no mode; a token-mode driver still joins
+    a cluster that has authentication off."""
+    if "RAY_AUTH_MODE" in env:
+        return False
+    path = Path(env.get("RAY_AUTH_TOKEN_PATH") or home / ".ray" / "auth_token")
+    return bool(env.get("RAY_AUTH_TOKEN")) or path.is_file()
+
+
 @contextlib.contextmanager
 def _ray(spec: SweepSpec) -> Iterator[None]:
     import ray
@@ -159,6 +172,8 @@ def _ray(spec: SweepSpec) -> Iterator[None]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     if spec.address:
+        if token_mode(dict(os.environ), Path.home()):
+            os.environ["RAY_AUTH_MODE"] = "token"
         ray.init(address=spec.address, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     else:  # a Ray instance of its own on this machine (never one found running), a logical CPU a trial slot
         env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
