@@ -198,12 +198,15 @@ def run_sweep_on_tune(spec: SweepSpec) -> dict[str, Any]:
         space = {k: tune.grid_search(list(p.values)) for k, p in spec.space.items()}
     t0 = time.time()
     with _ray(spec):
+        # a fresh actor a trial: reusing one (reuse_actors) needs the stopped trial's thread gone first, and a
+        # trial ASHA stopped while it was still stopping its run failed the next one ("reuse requires
+        # reset_config() ... return True") and left the sweep waiting for good
         tuner = tune.Tuner(
             tune.with_resources(_trainable(spec.to_json()), {"cpu": spec.cpus_per_trial}),
             param_space=space,
             tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, search_alg=_searcher(spec),
                                         scheduler=_scheduler(spec), num_samples=spec.samples,
-                                        max_concurrent_trials=spec.concurrent, reuse_actors=True),  # fmt: skip
+                                        max_concurrent_trials=spec.concurrent, reuse_actors=False),  # fmt: skip
             run_config=tune.RunConfig(name="tune", storage_path=str((out / "ray").resolve()), verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=spec.max_failures)),  # fmt: skip
         )
