@@ -69,12 +69,37 @@ def test_rejections_give_the_reason():
     assert "rejected:" in q.table()
 
 
-def _local_cache(tmp_path, monkeypatch, workers: int = 4) -> None:
+def _local_cache(tmp_path, monkeypatch, workers: int = 4, **device: object) -> dict[int, ClusterSpec]:
+    """This machine's calibrations for 1 and ``workers`` processes, in a cache of the test's own; ``device``:
+    per field of the device, its value for (1, ``workers``) processes."""
     monkeypatch.setenv("DTRAIN_CACHE", str(tmp_path))
-    s = ClusterSpec(nodes=1, devices_per_node=workers, intra=Link(parse_rate("10gbit"), 50e-6),
-                    inter=Link(parse_rate("10gbit"), 50e-6), device=Device(host=this_host(), overhead=2e-4),
-                    compressors=spec("1gbit", 0).compressors, name="local")  # fmt: skip
-    (tmp_path / f"local-{this_host()}-w{workers}.toml").write_text(dump_cluster(s))
+    out = {}
+    for i, w in enumerate((1, workers)):
+        dev = Device(host=this_host(), overhead=2e-4, **{k: v[i] for k, v in device.items()})  # type: ignore[index]
+        out[w] = s = ClusterSpec(nodes=1, devices_per_node=w, intra=Link(parse_rate("10gbit"), 50e-6),
+                                 inter=Link(parse_rate("10gbit"), 50e-6), device=dev,
+                                 compressors=spec("1gbit", 0).compressors, name="local")  # fmt: skip
+        (tmp_path / f"local-{this_host()}-w{w}.toml").write_text(dump_cluster(s))
+    return out
+
+
+def test_a_local_plan_predicts_each_choice_on_the_calibration_for_its_processes(tmp_path, monkeypatch):
+    """On one machine, one process computes alone on every core while four share them: the single process is
+    predicted on the calibration for 1 (its FLOP rate; the model profiled at its threads), dp on 4 on the one
+    for 4, as each alone would be; not both on one."""
+    from dtrain.planning.auto import plan as plan_here
+    from dtrain.registry import Choice
+
+    specs = _local_cache(tmp_path, monkeypatch, 4, flops=(4e10, 1e10), threads=(2, 1))
+    model, sample = tiny()
+    single, four = Choice("dp", 1), Choice("dp", 4)
+    got = plan_here(model, sample, None, workers=4, strategies=[single, four], measure=False)
+    for s, w in ((single, 1), (four, 4)):
+        alone = plan(model, sample, specs[w], workers=w, strategies=[s], measure=False)
+        assert got.find(s.label()) == alone.ranked[0], s.label()
+    assert got.cluster.devices == 4 and len(got.ranked) == 2
+    measured = plan_here(model, sample, None, workers=4, strategies=[single, four])
+    assert {p.threads for p in measured.profiles.values()} == {2, 1}  # profiled at each job's threads
 
 
 def test_choose_returns_overrides_that_make_a_valid_run(tmp_path, monkeypatch, capsys):

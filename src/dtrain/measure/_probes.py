@@ -149,7 +149,8 @@ def train_passes(model: Any, sample: Any, seconds: float) -> float:
 
 
 def compute_alone_and_together(model_name: str, dataset: str, batch: int, reps: int) -> dict[str, float]:
-    """Rank 0's profile alone (median, as the planner measures) and every rank's mean pass, all at once."""
+    """Rank 0's profile alone (median, as the planner measures, at this process's intra-op threads) and every
+    rank's mean pass, all at once."""
     import torch.distributed as dist
 
     from dtrain.perfmodel.profile import profile_model
@@ -160,7 +161,7 @@ def compute_alone_and_together(model_name: str, dataset: str, batch: int, reps: 
     alone = 0.0
     dist.barrier()
     if dist.get_rank() == 0:
-        p = profile_model(model, sample, name=model_name, repeats=reps, warmup=2)
+        p = profile_model(model, sample, name=model_name, repeats=reps, warmup=2, threads=torch.get_num_threads())
         alone = p.fwd_s + p.bwd_s + p.optimizer_s
     dist.barrier()
     together = train_passes(model, sample, 0.1 * reps)
@@ -184,18 +185,20 @@ def gamma(reps: int) -> float:
 
 
 def calibration_worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: int, quick: bool,
-                       load_only: bool = False, compressors: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
+                       load_only: bool = False, compressors: Sequence[str] = (),
+                       threads: int = 1) -> dict[str, Any]:  # fmt: skip
     """One process of a calibration job: ping-pong in its pair, duplex exchanges, gamma, compute, floor,
     and each of ``compressors``' CPU in its collective (:func:`coding_cpu`).
 
     ``load_only`` skips the ping-pong and keeps what the load moves (the duplex
-    exchange among them), for :func:`dtrain.measure.calibrate.refresh_load`.
+    exchange among them), for :func:`dtrain.measure.calibrate.refresh_load`. ``threads``: the intra-op
+    threads each worker of the job being calibrated for computes with.
     """
     import torch.distributed as dist
 
     rank = dist.get_rank()
     reps = 3 if quick else 7
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     out: dict[str, Any] = {"rank": rank}
     out.update(compute_alone_and_together(model_name, dataset, batch, reps * 2))
     dist.barrier()

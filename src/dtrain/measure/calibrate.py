@@ -78,8 +78,8 @@ from dtrain.perfmodel.fit import (
 from dtrain.perfmodel.spec import ClusterSpec, CompressorCost, Device, Link, dump_cluster, load_cluster, this_host
 from dtrain.perfmodel.units import format_rate, format_time
 
-__all__ = ["main", "calibrate_cluster", "refresh_load", "pool_load", "calibrate_local", "local_cluster", "summary",
-           "cache_dir", "cluster_file"]  # fmt: skip
+__all__ = ["main", "calibrate_cluster", "refresh_load", "pool_load", "calibrate_local", "local_cluster", "local_cores",
+           "summary", "cache_dir", "cluster_file"]  # fmt: skip
 
 _CAL_COMPRESSIONS = ("fp16", "powersgd:2", "qsgd", "onebit", "topk:0.01")
 
@@ -117,12 +117,13 @@ def _flops_rate() -> float:
         torch.set_num_threads(old)
 
 
-def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, runs: int = 3) -> float:
-    """Mean step of the training loop (one worker, this process, one thread) minus the mean bare pass;
-    the median over ``runs`` such measurements.
+def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, runs: int = 3,
+                   threads: int = 1) -> float:  # fmt: skip
+    """Mean step of the training loop (one worker, this process, ``threads`` intra-op threads) minus the
+    mean bare pass; the median over ``runs`` such measurements.
 
-    The loop runs here rather than through the launcher so that it gets one
-    intra-op thread, as each worker of a job does; both are means, measured one
+    The loop runs here rather than through the launcher so that it gets the
+    intra-op threads each worker of the job gets; both are means, measured one
     right after the other, so a busy machine inflates both alike. The median of
     three: one lone measurement came out at 1.26 ms against 0.2-0.5 ms in the
     calibrations before and after it, and moved every prediction of that cluster.
@@ -135,7 +136,7 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 60, r
     from dtrain.workloads.models import is_language_model
 
     old = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     overheads = []
     try:
         model, sample, _ = load_model(model_name, dataset, batch=batch)
@@ -169,7 +170,8 @@ def _compressors(specs: Sequence[str], results: dict[int, Any] | None = None) ->
 
 
 def _assemble(name: str, nodes: int, per_node: int, inter: Link | None, intra: Link, results: dict[int, Any],
-              flops: float, overhead_alone: float, compressions: Sequence[str]) -> ClusterSpec:  # fmt: skip
+              flops: float, overhead_alone: float, compressions: Sequence[str],
+              threads: int = 1) -> ClusterSpec:  # fmt: skip
     scale = fit_compute_scale(results)
     gamma = statistics.median(r["gamma"] for r in results.values())
     wake = fit_wake(results)
@@ -177,7 +179,7 @@ def _assemble(name: str, nodes: int, per_node: int, inter: Link | None, intra: L
     imbalance = fit_imbalance(results)
     device = Device(kind="cpu", flops=flops, memory=float(_memory_per_device(nodes * per_node)), gamma=gamma,
                     compute_scale=scale, host=this_host(), overhead=overhead_alone * scale, wake=wake,
-                    floor=floor, imbalance=imbalance, p2p_floor=fit_p2p_floor(results))  # fmt: skip
+                    floor=floor, imbalance=imbalance, p2p_floor=fit_p2p_floor(results), threads=threads)  # fmt: skip
     return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=inter or intra, intra=intra, device=device,
                        compressors=_compressors(compressions, results), name=name)  # fmt: skip
 
@@ -288,30 +290,62 @@ def pool_load(specs: Sequence[ClusterSpec]) -> ClusterSpec:
     return replace(last, device=device, inter=inter)
 
 
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        print(f"dtrain: {text}", file=sys.stderr, flush=True)
+
+
 def calibrate_local(
     workers: int = 4, *, model: str = "cnn", dataset: str = "digits", batch: int = 64, quick: bool = True,
-    compressions: Sequence[str] = _CAL_COMPRESSIONS,
+    compressions: Sequence[str] = _CAL_COMPRESSIONS, progress: bool = False,
 ) -> ClusterSpec:  # fmt: skip
-    """Calibrate this machine for ``workers`` local processes (one node; loopback is the only level)."""
-    from dtrain.launch.agent import launch
+    """Calibrate this machine for ``workers`` local processes (one node; loopback is the only level), each
+    with the intra-op threads ``dtrain run`` gives it (:func:`~dtrain.launch.agent.threads_per_worker`).
 
+    One process has no link to measure and no one to share its cores with: its compute scale is 1, and
+    only the loop's overhead and the FLOP rate are measured (in this process)."""
+    from dtrain.launch.agent import launch, threads_per_worker
+
+    t0, threads = time.perf_counter(), threads_per_worker(workers)
     per_worker = max(1, batch // workers)
+    if workers == 1:
+        _say(progress, f"  1/1 the training loop's overhead at {threads} thread(s) ...")
+        overhead = _loop_overhead(model, dataset, per_worker, threads=threads)
+        device = Device(kind="cpu", flops=_flops_rate(), memory=float(_memory_per_device(1)), host=this_host(),
+                        overhead=overhead, threads=threads)  # fmt: skip
+        _say(progress, f"  done in {time.perf_counter() - t0:.0f} s")
+        return ClusterSpec(nodes=1, devices_per_node=1, device=device, name=f"local-{this_host()}")
+    _say(progress, f"  1/2 {workers} processes at {threads} thread(s) each: links, compute alone and together, "
+                   f"collectives' floors, compressors ...")  # fmt: skip
     res = launch(calibration_worker, (_pairs(workers), model, dataset, per_worker, quick, False,
-                                      tuple(compressions)), nprocs=workers, threads=1)  # fmt: skip
+                                      tuple(compressions), threads), nprocs=workers, threads=threads)  # fmt: skip
     intra = fit_link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]])
     intra = replace(intra, duplex_bandwidth=fit_duplex_rate(res, intra))
-    overhead = _loop_overhead(model, dataset, per_worker)
-    return _assemble(f"local-{this_host()}", 1, workers, None, intra, res, _flops_rate(), overhead, compressions)
+    _say(progress, f"  2/2 the training loop's overhead ({time.perf_counter() - t0:.0f} s so far) ...")
+    overhead = _loop_overhead(model, dataset, per_worker, threads=threads)
+    spec = _assemble(f"local-{this_host()}", 1, workers, None, intra, res, _flops_rate(), overhead, compressions,
+                     threads=threads)  # fmt: skip
+    _say(progress, f"  done in {time.perf_counter() - t0:.0f} s")
+    return spec
+
+
+def local_cores() -> int:
+    """The cores this process may run on (its CPU affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
 
 
 def local_cluster(workers: int | None = None, *, refresh: bool = False) -> ClusterSpec:
-    """This machine's description for ``workers`` local processes, from the cache or a quick calibration."""
-    w = workers or 4
+    """This machine's description for ``workers`` local processes (default: one a core), from the cache or a
+    quick calibration (saying what it measures as it goes)."""
+    w = workers or local_cores()
     path = cache_dir() / f"local-{this_host()}-w{w}.toml"
     if path.exists() and not refresh:
         return load_cluster(path)
-    print(f"dtrain: calibrating this machine for {w} local processes (once; cached in {path}) ...", file=sys.stderr)
-    spec = calibrate_local(w)
+    print(f"dtrain: calibrating this machine for {w} local process(es) (once; cached in {path})", file=sys.stderr)
+    spec = calibrate_local(w, progress=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dump_cluster(spec, comment=f"dtrain bench calibrate --workers {w} ({time.ctime()})"))
     return spec

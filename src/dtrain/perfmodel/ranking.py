@@ -253,7 +253,8 @@ class _Ranker:
         b = split_batch(gbatch, s.workers)[0]  # as a run does: 64 over 3 workers is 21 each, 63 a step
         if b not in self.profiles:
             self.profiles[b] = profile_model(self.model, _batch_of(self.sample, b), name=self.name,
-                                             measure=self.measure, optimizer=self.optimizer)  # fmt: skip
+                                             measure=self.measure, optimizer=self.optimizer,
+                                             threads=spec.device.threads)  # fmt: skip
         key = (s.strategy, s.workers, ModelHooks.of(s.entry).identity(s.opts, self.profiles[b]))
         if key in self.seen:
             return

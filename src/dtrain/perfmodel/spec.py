@@ -18,6 +18,7 @@ by hand for clusters one does not have. Schema (every key but ``nodes`` and the
     gamma = 2e-11          # seconds per byte of a reduction (1 / reduction throughput)
     compute_scale = 1.0    # measured compute on this cluster / measured compute alone
     host = ""              # hostname the measured profiles come from (calibration sets it)
+    threads = 1            # intra-op threads of a worker: the planner profiles the model at this many
     overhead = "0.3ms"     # per training step beyond model and communication (loop bookkeeping)
     wake = "0us"           # first message after compute waits this long for the CPU (shared cores)
     floor = "0us"          # least time of one step of a collective (shared cores)
@@ -156,6 +157,10 @@ class Device:
             rank's own in a step where all compute at once (shared cores: the
             passes that lose the CPU differ from step to step); synchronous
             strategies wait for it, asynchronous ones do not (0 on dedicated hosts).
+        threads: intra-op threads each worker computes with (a CPU device): the planner profiles the
+            model at this many, and ``compute_scale`` is measured with every worker at this many. On one
+            machine, ``dtrain run`` gives each of its P workers ``cores // P`` (at least 1), and the local
+            calibration for P processes records that.
     """
 
     kind: str = "cpu"
@@ -169,6 +174,7 @@ class Device:
     floor: float = 0.0
     imbalance: float = 0.0
     p2p_floor: float | None = None
+    threads: int = 1
 
     @property
     def own_floor(self) -> float:
@@ -186,6 +192,8 @@ class Device:
             raise ConfigError(f"device imbalance must be >= 0 seconds, got {self.imbalance}")
         if self.overhead < 0:
             raise ConfigError(f"device overhead must be >= 0 seconds, got {self.overhead}")
+        if self.threads < 1:
+            raise ConfigError(f"device threads must be >= 1, got {self.threads}")
         for name in ("flops", "memory", "compute_scale"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"device {name} must be > 0, got {getattr(self, name)}")
@@ -310,7 +318,7 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> Cl
     links = dict(data.get("links", {}))
     dev = dict(data.get("device", {}))
     unknown = set(dev) - {"kind", "flops", "memory", "gamma", "compute_scale", "host", "overhead", "wake", "floor",
-                          "imbalance", "p2p_floor"}
+                          "imbalance", "p2p_floor", "threads"}
     if unknown:
         raise ConfigError(f"{source}: [device] has unknown key(s) {', '.join(sorted(unknown))}")
     device = Device(
@@ -325,6 +333,7 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> Cl
         floor=parse_time(dev.get("floor", 0.0)),
         imbalance=parse_time(dev.get("imbalance", 0.0)),
         p2p_floor=parse_time(dev["p2p_floor"]) if "p2p_floor" in dev else None,
+        threads=int(dev.get("threads", 1)),
     )
     inter = _link(links.get("inter", {}), f"{source}: [links.inter]", None if int(data["nodes"]) > 1 else Link(1e9))
     intra = _link(links.get("intra", {}), f"{source}: [links.intra]", Link(parse_rate("40gbit"), 10e-6))
@@ -365,7 +374,7 @@ def dump_cluster(c: ClusterSpec, comment: str = "") -> str:
     out += ["[device]", f"kind = \"{d.kind}\"", f"flops = {_num(d.flops)}", f"memory = {_num(d.memory)}",
             f"gamma = {_num(d.gamma)}", f"compute_scale = {_num(d.compute_scale)}", f"host = \"{d.host}\"",
             f"overhead = {_num(d.overhead)}", f"wake = {_num(d.wake)}", f"floor = {_num(d.floor)}",
-            f"imbalance = {_num(d.imbalance)}"]  # fmt: skip
+            f"imbalance = {_num(d.imbalance)}", f"threads = {d.threads}"]  # fmt: skip
     out += ([f"p2p_floor = {_num(d.p2p_floor)}"] if d.p2p_floor is not None else []) + [""]
     for name, link in (("intra", c.intra), ("inter", c.inter)):
         out += [f"[links.{name}]", f"bandwidth = {_num(link.bandwidth * 8)}  # {format_rate(link.bandwidth)}",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +23,58 @@ from torch import nn
 
 from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.measure.calibrate import calibrate_cluster, cluster_file, local_cluster
+from dtrain.measure.calibrate import calibrate_cluster, cluster_file, local_cluster, local_cores
 from dtrain.perfmodel.ranking import DEFAULT_COMPRESSIONS, DEFAULT_CONSISTENCIES, Plan, candidates
 from dtrain.perfmodel.ranking import plan as rank
 from dtrain.perfmodel.spec import ClusterSpec, dump_cluster, load_cluster
 from dtrain.registry import Choice
 from dtrain.workloads.load import load_model
 
-__all__ = ["pick_plan", "plan", "plan_for_config", "cluster_for"]
+__all__ = ["pick_plan", "plan", "plan_local", "plan_for_config", "cluster_for"]
+
+
+_CANDIDATE_FLAGS = ("exact_only", "averaging", "pipeline", "mesh")
 
 
 def plan(model: nn.Module, sample_batch: Any, cluster: str | Path | ClusterSpec | None = None, *,
          workers: int | None = None, compressions: Sequence[str] = DEFAULT_COMPRESSIONS,
          consistencies: Sequence[str] = DEFAULT_CONSISTENCIES, **kw: Any) -> Plan:  # fmt: skip
-    """Rank the strategies for ``model`` (:func:`dtrain.perfmodel.plan`); with no ``cluster``, this
-    machine's quick calibration (cached in the calibration cache folder)."""
-    spec = local_cluster(workers=workers) if cluster is None else cluster
-    return rank(model, sample_batch, spec, workers=workers, compressions=compressions, consistencies=consistencies,
-                **kw)  # fmt: skip
+    """Rank the strategies for ``model`` (:func:`dtrain.perfmodel.plan`); with no ``cluster``, on this
+    machine (:func:`plan_local`: default one worker a core)."""
+    if cluster is not None:
+        return rank(model, sample_batch, cluster, workers=workers, compressions=compressions,
+                    consistencies=consistencies, **kw)  # fmt: skip
+    w = workers or local_cores()
+    cands = kw.pop("strategies", None)
+    if cands is None:
+        flags = {k: kw.pop(k) for k in _CANDIDATE_FLAGS if k in kw}
+        cands = candidates(local_cluster(w), w, compressions=compressions, consistencies=consistencies, **flags)
+    else:
+        for k in _CANDIDATE_FLAGS:
+            kw.pop(k, None)
+    return plan_local(model, sample_batch, list(cands), w, **kw)
+
+
+def plan_local(model: nn.Module, sample_batch: Any, cands: Sequence[Choice], workers: int, **kw: Any) -> Plan:
+    """Rank ``cands`` on this machine: each on the calibration for its own number of processes.
+
+    A job of P processes gives each ``cores // P`` intra-op threads (:func:`~dtrain.launch.agent.threads_per_worker`)
+    and, past one a core, shares the cores: one process of a 2-core machine computes on 2 threads alone, four
+    on one each, two to a core. So the single process is predicted on the calibration for 1 (the model
+    profiled at 2 threads, compute as measured) and dp on 4 on the one for 4 (profiled at 1 thread, compute
+    slowed by the measured sharing), rather than every choice on one calibration.
+    """
+    by_procs: dict[int, list[Choice]] = {}
+    for s in cands:
+        by_procs.setdefault(s.processes, []).append(s)
+    plans = [rank(model, sample_batch, local_cluster(p), workers=p, strategies=group, **kw)
+             for p, group in sorted(by_procs.items())]  # fmt: skip
+    if not plans:
+        return rank(model, sample_batch, local_cluster(workers), workers=workers, strategies=[], **kw)
+    head = next((p for p in plans if p.cluster.devices == workers), plans[-1])
+    ranked = sorted((r for p in plans for r in p.ranked), key=lambda r: -r.samples_per_s)
+    profiles = {b: prof for p in plans for b, prof in p.profiles.items()}
+    return replace(head, ranked=ranked, rejected=[r for p in plans for r in p.rejected], profiles=profiles)
 
 
 def cluster_for(name: str, *, processes: int | None = None) -> ClusterSpec:
@@ -58,8 +93,6 @@ def cluster_for(name: str, *, processes: int | None = None) -> ClusterSpec:
     if processes and processes != spec.devices:
         if processes % spec.nodes:
             raise ConfigError(f"{processes} processes do not spread evenly over the {spec.nodes} hosts of {name!r}")
-        from dataclasses import replace
-
         spec = replace(spec, devices_per_node=processes // spec.nodes)
     return spec
 
@@ -77,8 +110,10 @@ def plan_for_config(cfg: RunConfig) -> Plan:
     spec = cluster_for(cfg.cluster, processes=cfg.workers) if cfg.cluster else local_cluster(cfg.workers)
     spec = spec.with_devices(cfg.workers) if cfg.workers < spec.devices else spec
     cands = candidates(spec, cfg.workers, single=not cfg.cluster)
+    if not cfg.cluster:
+        return plan_local(model, sample, cands, cfg.workers, name=name, optimizer=_optimizer(cfg))
     # the emulated cluster spreads processes over hosts evenly: keep those that do
-    cands = [s for s in cands if not cfg.cluster or s.processes == cfg.workers]
+    cands = [s for s in cands if s.processes == cfg.workers]
     return rank(model, sample, spec, workers=cfg.workers, name=name, optimizer=_optimizer(cfg), strategies=cands)
 
 

@@ -80,7 +80,7 @@ def _simulate(ns: argparse.Namespace) -> int:
     model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len)
     strag = Stragglers.parse(ns.stragglers)
     base_batch = sample[0].shape[0] if isinstance(sample, (tuple, list)) else sample.shape[0]
-    base = profile_model(model, sample, name=name, measure=not ns.no_measure)
+    base = profile_model(model, sample, name=name, measure=not ns.no_measure, threads=spec.device.threads)
     curves: dict[str, list[SimResult]] = {}
     for text in ns.strategies.split(","):
         rows = []
