@@ -121,11 +121,31 @@ def test_the_distributions_parse() -> None:
     ({"lr": "uniform(0.01, 0.1)"}, {"search": "annealing"}, "--search"),
     ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "asha", "eval_every": 1000}, "lower --eval-every"),
     ({"lr": "uniform(0.01, 0.1)"}, {"memory_limit": "lots"}, "cannot read the memory limit 'lots'"),
+    ({"lr": "uniform(0.1, 1)"}, {"start_at_base": True}, "outside the space: lr = 0.05 (the space: uniform(0.1, 1))"),
+    ({"lr": "choice([0.05])"}, {"start_at_base": True, "search": "grid"}, "runs every combination already"),
 ])  # fmt: skip
 def test_a_bad_sweep_is_refused_before_anything_starts(table: dict[str, Any], kw: dict[str, Any], says: str) -> None:
     with pytest.raises(ConfigError) as e:
         _spec(table, **kw)
     assert says in str(e.value), str(e.value)
+
+
+def test_the_search_can_start_at_the_base_configuration() -> None:
+    """--start-at-base: the first point is the base run's own values, a gpt preset's shape resolved (gpt-tiny:
+    2 layers of 64, 4 heads), and the searchers are handed it."""
+    from dtrain.search.tune import _searcher
+
+    tiny = RunConfig.from_mapping({"workers": 1, "model": "gpt-tiny", "dataset": "pytext", "trace": False})
+    table = {"layers": "randint(1, 7)", "d_model": "choice([32, 64])", "heads": "choice([1, 4])",
+             "lr": "loguniform(1e-3, 0.3)"}  # fmt: skip
+    spec = _spec(table, base=tiny, start_at_base=True, search="evolution")
+    assert spec.start == {"layers": 2, "d_model": 64, "heads": 4, "lr": 0.05}
+    assert _spec(table, base=tiny).start == {}
+    for search in ("random", "tpe", "evolution"):
+        got = _searcher(dataclasses.replace(spec, search=search))
+        inner = getattr(got, "searcher", got)  # ConcurrencyLimiter wraps the model-based ones
+        points = getattr(inner, "_points_to_evaluate", None)
+        assert points == [spec.start], (search, points)
 
 
 def test_pbt_perturbations_stay_inside_the_range() -> None:

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="restarts of a failed trial, from its last checkpoint (default: 0)")
     ap.add_argument("--max-params", type=int, default=0, help="a parameter budget: a trial whose model has more "
                     "is skipped before it starts (architecture search; default: 0, none)")  # fmt: skip
+    ap.add_argument("--start-at-base", action="store_true", help="the first trial is the base configuration's "
+                    "own values of the space's keys (a gpt preset's shape as it resolves); the searcher goes on "
+                    "from there")  # fmt: skip
     ap.add_argument("--memory-limit", default="", help="memory per device (2GB, 512MB, bytes): a trial that needs "
                     "more by the planner's memory model is skipped before it starts (default: none)")  # fmt: skip
     ap.add_argument("--out", default="", help="the sweep folder (default: sweeps/<timestamp>)")
@@ -92,7 +95,7 @@ def spec_from_args(ns: argparse.Namespace) -> Any:
                       address=ns.address, cpus_per_trial=ns.cpus_per_trial, eval_every=ns.eval_every,
                       perturbation_interval=ns.perturbation_interval, reduction=ns.reduction,
                       max_failures=ns.max_failures, max_params=ns.max_params,
-                      memory_limit=ns.memory_limit)  # fmt: skip
+                      memory_limit=ns.memory_limit, start_at_base=ns.start_at_base)  # fmt: skip
 
 
 def _without_cluster(argv: list[str]) -> list[str]:

@@ -69,6 +69,16 @@ class Param:
             return (int(self.low), int(self.high) - 1)
         return (self.low, self.high)
 
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` is one this key can take (a listed value; inside a range, its high end left out)."""
+        if self.discrete:
+            return value in self.values
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return False
+        if self.kind in ("randint", "lograndint"):
+            return float(value).is_integer() and self.low <= value < self.high
+        return self.low <= value < self.high
+
     def text(self) -> str:
         """As written in TOML."""
         if self.discrete:

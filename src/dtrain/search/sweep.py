@@ -28,7 +28,7 @@ from typing import Any
 from dtrain.errors import ConfigError, check_choice
 from dtrain.search.space import MUTABLE, Param
 
-__all__ = ["SEARCHES", "SCHEDULERS", "SweepSpec", "build_spec", "record", "SWEEP_FILE"]
+__all__ = ["SEARCHES", "SCHEDULERS", "SweepSpec", "build_spec", "base_point", "record", "SWEEP_FILE"]
 
 SEARCHES = ("random", "grid", "tpe", "pso", "evolution")
 SCHEDULERS = ("fifo", "asha", "pbt")
@@ -67,6 +67,7 @@ class SweepSpec:
     trial_timeout_s: float = 3600.0
     max_params: int = 0
     memory_limit: float = 0.0
+    start: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def samples(self) -> int:
@@ -116,7 +117,7 @@ def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, 
                concurrent: int, metric: str | None, mode: str | None, seed: int, address: str = "",
                cpus_per_trial: float = 1.0, eval_every: int = 0, perturbation_interval: int = 0,
                reduction: int = 2, max_failures: int = 0, max_params: int = 0,
-               memory_limit: str = "") -> SweepSpec:  # fmt: skip
+               memory_limit: str = "", start_at_base: bool = False) -> SweepSpec:  # fmt: skip
     """Check everything about a sweep that can be checked before a trial starts.
 
     Args:
@@ -125,6 +126,8 @@ def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, 
         eval_every: evaluate every N steps (default: the base's ``eval_every``; else 1/4 of the steps).
         max_params / memory_limit: skip a trial whose model has more parameters, or needs more bytes
             per device by the planner's memory model ("2GB", "512MB", bytes; "": none).
+        start_at_base: the first trial is the base configuration itself (:func:`base_point`); the
+            searcher goes on from it.
 
     Raises:
         ConfigError: one line saying what to change (an unknown searcher, scheduler, distribution or
@@ -133,7 +136,6 @@ def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, 
     """
     from dtrain.perfmodel.ranking import parse_memory_limit
     from dtrain.search.space import parse_space
-    from dtrain.training.checkpointing import train_steps
 
     check_choice("--search", search, SEARCHES)
     check_choice("--scheduler", scheduler, SCHEDULERS)
@@ -167,6 +169,30 @@ def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, 
         raise ConfigError(f"--trials must be >= 1, got {trials}")
     if scheduler == "pbt":
         _check_pbt(base, space, search, trials, concurrent)
+    every, interval = _cadence(base, scheduler, eval_every, perturbation_interval)
+    if reduction < 2:
+        raise ConfigError(f"--reduction must be >= 2, got {reduction}")
+    if max_params < 0 or max_failures < 0:
+        raise ConfigError(f"--max-params and --max-failures must be >= 0, got {max_params} and {max_failures}")
+    limit = parse_memory_limit(memory_limit) if memory_limit else 0.0
+    if start_at_base and search == "grid":
+        raise ConfigError("--start-at-base: --search grid runs every combination already; leave it out")
+    start = base_point(base, space) if start_at_base else {}
+    if max_failures:  # a failed trial restarts from its last checkpoint
+        base.hooks.check_checkpointing(base.opts, base)
+    base = base.replace(eval_every=every, progress=False)
+    return SweepSpec(base=base.to_dict(), space=space, out=out, search=search, scheduler=scheduler, trials=trials,
+                     concurrent=concurrent, metric=metric, mode=mode, seed=seed, address=address,
+                     cpus_per_trial=cpus_per_trial, max_steps=_most_steps(base, space), grace_steps=every,
+                     reduction=reduction, perturbation_interval=interval, max_failures=max_failures,
+                     max_params=max_params, memory_limit=limit, start=start)  # fmt: skip
+
+
+def _cadence(base: Any, scheduler: str, eval_every: int, perturbation_interval: int) -> tuple[int, int]:
+    """The steps between evaluations (default: the base's ``eval_every``, else 1/4 of the steps) and between
+    PBT's perturbations, checked."""
+    from dtrain.training.checkpointing import train_steps
+
     steps = train_steps(base)
     every = eval_every or base.eval_every or max(1, steps // 4)
     if every < 1:
@@ -178,19 +204,32 @@ def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, 
     if scheduler == "pbt" and interval % every:
         raise ConfigError(f"--perturbation-interval {interval} must be a multiple of --eval-every {every} "
                           "(a trial hands over its checkpoint at evaluations)")  # fmt: skip
-    if reduction < 2:
-        raise ConfigError(f"--reduction must be >= 2, got {reduction}")
-    if max_params < 0 or max_failures < 0:
-        raise ConfigError(f"--max-params and --max-failures must be >= 0, got {max_params} and {max_failures}")
-    limit = parse_memory_limit(memory_limit) if memory_limit else 0.0
-    if max_failures:  # a failed trial restarts from its last checkpoint
-        base.hooks.check_checkpointing(base.opts, base)
-    base = base.replace(eval_every=every, progress=False)
-    return SweepSpec(base=base.to_dict(), space=space, out=out, search=search, scheduler=scheduler, trials=trials,
-                     concurrent=concurrent, metric=metric, mode=mode, seed=seed, address=address,
-                     cpus_per_trial=cpus_per_trial, max_steps=_most_steps(base, space), grace_steps=every,
-                     reduction=reduction, perturbation_interval=interval, max_failures=max_failures,
-                     max_params=max_params, memory_limit=limit)  # fmt: skip
+    return every, interval
+
+
+def base_point(base: Any, space: dict[str, Param]) -> dict[str, Any]:
+    """The base run's own value of every key of the space (a gpt model's shape as its preset resolves it).
+
+    Raises:
+        ConfigError: a value the space does not hold (the searcher could not start there).
+    """
+    import torch
+
+    from dtrain.workloads.models import build_model
+    from dtrain.workloads.models.gpt import gpt_config
+
+    shape: dict[str, Any] = {}
+    if any(k in ("layers", "d_model", "heads") for k in space):
+        data = base.load_data()
+        with torch.device("meta"):
+            gcfg = gpt_config(build_model(base.model, data.input_shape, data.num_classes, **base.gpt_overrides()))
+        if gcfg is not None:
+            shape = {"layers": gcfg.layers, "d_model": gcfg.d_model, "heads": gcfg.heads}
+    point = {k: shape.get(k, getattr(base, k, None)) for k in space}
+    outside = [f"{k} = {v!r} (the space: {space[k].text()})" for k, v in point.items() if not space[k].holds(v)]
+    if outside:
+        raise ConfigError(f"--start-at-base: the base configuration is outside the space: {'; '.join(outside)}")
+    return point
 
 
 def _check_pbt(base: Any, space: dict[str, Param], search: str, trials: int, concurrent: int) -> None:

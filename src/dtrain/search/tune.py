@@ -75,21 +75,22 @@ def _domain(p: Param) -> Any:
 def _searcher(spec: SweepSpec) -> Any:
     from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
+    start = [dict(spec.start)] if spec.start else None  # --start-at-base: the base configuration first
     if spec.search in ("random", "grid"):
-        return BasicVariantGenerator(max_concurrent=spec.concurrent, random_state=spec.seed)
+        return BasicVariantGenerator(max_concurrent=spec.concurrent, random_state=spec.seed, points_to_evaluate=start)
     if spec.search == "tpe":
         import optuna
         from ray.tune.search.optuna import OptunaSearch
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        algo: Any = OptunaSearch(sampler=optuna.samplers.TPESampler(seed=spec.seed))
+        algo: Any = OptunaSearch(sampler=optuna.samplers.TPESampler(seed=spec.seed), points_to_evaluate=start)
     else:
         import nevergrad as ng
         from ray.tune.search.nevergrad import NevergradSearch
 
         optimizer = ng.optimizers.ConfPSO() if spec.search == "pso" else ng.families.EvolutionStrategy(
             recombination_ratio=0.5, only_offsprings=False, popsize=max(4, spec.concurrent))
-        algo = NevergradSearch(optimizer=optimizer)
+        algo = NevergradSearch(optimizer=optimizer, points_to_evaluate=start)
     return ConcurrencyLimiter(algo, max_concurrent=spec.concurrent)
 
 
