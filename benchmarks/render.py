@@ -96,7 +96,7 @@ def section(r: dict[str, Any]) -> list[str]:
     lines = [f'<a id="{_anchor(r)}"></a>', "", f"## {r['title']}", "",
              f"**Workload**: {r['workload']}. **Metric**: {r['metric']} "
              f"({'higher' if r['higher_is_better'] else 'lower'} is better), {r['repeats']} rounds"
-             f"{', a quick run' if r.get('quick') else ''}.", "",
+             f"{', a quick run' if r.get('quick') else ''}. "
              f"**Machine**: {_machine(m)}, {m['memory_gib']} GiB, torch {m['torch']}, python {m['python']}; "
              f"load average {load['before'][0]:.1f} before, {load['after'][0]:.1f} after; commit {r['commit']}, "
              f"{r['date']}.", "",
