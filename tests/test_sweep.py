@@ -244,21 +244,27 @@ def test_an_exploited_trial_continues_exactly_where_its_donor_was(tmp_path: Path
     assert lineage.count("<tr>") == 2 and "<td>10</td><td>t1</td><td>t0</td>" in lineage, lineage
 
 
+def _sweep(tmp_path: Path, run_toml: str, space: str, *flags: str, timeout: float) -> tuple[Any, Path]:
+    """``dtrain sweep`` of the run configuration ``run_toml`` over ``[sweep.space]`` ``space``, with ``flags``, in
+    a fresh process; its completed process and its sweep folder."""
+    run, space_file, out = tmp_path / "run.toml", tmp_path / "space.toml", tmp_path / "sweep"
+    run.write_text(run_toml)
+    space_file.write_text("[sweep.space]\n" + space)
+    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space_file), *flags,
+                        "--out", str(out)], capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return p, out
+
+
 @pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_population_based_training_on_ray_tune(tmp_path: Path, ray_head: str) -> None:
     """A real PBT sweep of 2 trials (one epoch, 22 steps, evaluated at 11 and 22: one perturbation, at 11): the
     trial in the bottom half copies the other's checkpoint and goes on with a perturbed learning rate;
     sweep.json records every trial, its history and each exploit, and the best trial."""
-    run = tmp_path / "run.toml"
-    run.write_text('workers = 1\nepochs = 1\ntrace = false\n')
-    space = tmp_path / "space.toml"
-    space.write_text('[sweep.space]\nlr = "loguniform(1e-3, 1e-1)"\n')  # seed 0 draws 0.019 and 0.0035
-    out = tmp_path / "sweep"
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space), "--scheduler",
-                        "pbt", "--trials", "2", "--concurrent", "2", "--eval-every", "11", "--seed", "0",
-                        "--address", ray_head, "--out", str(out)], capture_output=True, text=True,
-                       timeout=280)  # fmt: skip
+    p, out = _sweep(tmp_path, 'workers = 1\nepochs = 1\ntrace = false\n',
+                    'lr = "loguniform(1e-3, 1e-1)"\n',  # seed 0 draws 0.019 and 0.0035
+                    "--scheduler", "pbt", "--trials", "2", "--concurrent", "2", "--eval-every", "11", "--seed", "0",
+                    "--address", ray_head, timeout=280)  # fmt: skip
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads((out / "sweep.json").read_text())
     assert doc["trials_run"] == 2 and doc["scheduler"] == "pbt"
@@ -379,15 +385,9 @@ def test_the_memory_limit_is_the_planners_figure() -> None:
 def test_evolution_over_shapes_skips_what_does_not_fit(tmp_path: Path, ray_head: str) -> None:
     """The evolutionary searcher (Nevergrad on Ray Tune) over gpt shapes with a budget no shape meets: every
     trial is skipped before a run starts, the searcher is told the worst value, and the sweep says so."""
-    run = tmp_path / "run.toml"
-    run.write_text('workers = 1\nmodel = "gpt-tiny"\ndataset = "pytext"\ntrace = false\neval_every = 10\n')
-    space = tmp_path / "space.toml"
-    space.write_text('[sweep.space]\nlayers = "randint(1, 4)"\nd_model = "choice([32, 64])"\n')
-    out = tmp_path / "sweep"
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space), "--search",
-                        "evolution", "--trials", "2", "--concurrent", "1", "--max-params", "1000",
-                        "--address", ray_head, "--out", str(out)],
-                       capture_output=True, text=True, timeout=170)  # fmt: skip
+    p, out = _sweep(tmp_path, 'workers = 1\nmodel = "gpt-tiny"\ndataset = "pytext"\ntrace = false\neval_every = 10\n',
+                    'layers = "randint(1, 4)"\nd_model = "choice([32, 64])"\n', "--search", "evolution", "--trials",
+                    "2", "--concurrent", "1", "--max-params", "1000", "--address", ray_head, timeout=170)  # fmt: skip
     assert p.returncode == 1 and "no trial reported a metric" in p.stderr, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads((out / "sweep.json").read_text())
     assert doc["trials_run"] == 2 and doc["best"] is None and doc["steps_trained"] == 0
@@ -402,14 +402,9 @@ def test_a_trial_that_fails_is_reported_and_the_sweep_goes_on(tmp_path: Path, ra
     """A trial whose run fails (a learning rate that makes the loss non-finite: the run stops naming the step)
     and has no restarts left is recorded as failed with the run's own message; the other trial finishes and
     the sweep names it the best."""
-    run = tmp_path / "run.toml"
-    run.write_text('workers = 1\nepochs = 1\ntrace = false\n')
-    space = tmp_path / "space.toml"
-    space.write_text('[sweep.space]\nlr = "grid([0.05, 1e12])"\n')
-    out = tmp_path / "sweep"
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space), "--search",
-                        "grid", "--concurrent", "2", "--eval-every", "11", "--address", ray_head, "--out", str(out)],
-                       capture_output=True, text=True, timeout=170)  # fmt: skip
+    p, out = _sweep(tmp_path, 'workers = 1\nepochs = 1\ntrace = false\n', 'lr = "grid([0.05, 1e12])"\n',
+                    "--search", "grid", "--concurrent", "2", "--eval-every", "11", "--address", ray_head,
+                    timeout=170)  # fmt: skip
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads((out / "sweep.json").read_text())
     fates = {t["config"]["lr"]: t for t in doc["trials"]}
