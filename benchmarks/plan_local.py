@@ -57,7 +57,7 @@ def measure(model: str, workers: int, steps: int, first: int) -> float:
 def predict(model: str, workers: int) -> float:
     """The planner's samples/s for the strategy ``dtrain run --workers P`` runs, on this machine."""
     from dtrain.config.schema import RunConfig
-    from dtrain.planning.auto import plan
+    from dtrain.planning.auto import optimizer_kind, plan
     from dtrain.registry import Choice
     from dtrain.workloads.load import load_model
 
@@ -66,8 +66,7 @@ def predict(model: str, workers: int) -> float:
     own = Choice(cfg.strategy, cfg.workers, cfg.options)
     net, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed,
                                    seq_len=cfg.seq_len)  # fmt: skip
-    opt = "adam" if cfg.optimizer in ("adam", "adamw", "lamb") else "sgd" if cfg.momentum > 0 else "sgd0"
-    p = plan(net, sample, None, workers=own.processes, name=name, optimizer=opt, strategies=[own])
+    p = plan(net, sample, None, workers=own.processes, name=name, optimizer=optimizer_kind(cfg), strategies=[own])
     if not p.ranked:
         raise SystemExit(f"{model} at {workers}: no prediction ({p.rejected})")
     return float(p.ranked[0].samples_per_s)

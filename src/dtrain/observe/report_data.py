@@ -209,7 +209,7 @@ def predict(run: RunData) -> dict[str, Any]:
     from dtrain.config.schema import RunConfig
     from dtrain.measure.calibrate import local_cluster
     from dtrain.perfmodel.ranking import plan
-    from dtrain.planning.auto import cluster_for
+    from dtrain.planning.auto import cluster_for, optimizer_kind
     from dtrain.registry import Choice
     from dtrain.workloads.load import load_model
 
@@ -218,7 +218,7 @@ def predict(run: RunData) -> dict[str, Any]:
     model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, samples=cfg.samples,
                                      seq_len=cfg.seq_len, **cfg.gpt_overrides())  # fmt: skip
     spec = cluster_for(cfg.cluster, processes=own.processes) if cfg.cluster else local_cluster(own.processes)
-    opt = "adam" if cfg.optimizer in ("adam", "adamw", "lamb") else "sgd" if cfg.momentum > 0 else "sgd0"
+    opt = optimizer_kind(cfg)
     p = plan(model, sample, spec, workers=own.processes, name=name, optimizer=opt, strategies=[own])
     if not p.ranked:
         why = "; ".join(r for _, r in p.rejected) or "no prediction"

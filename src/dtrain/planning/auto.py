@@ -30,7 +30,7 @@ from dtrain.perfmodel.spec import ClusterSpec, dump_cluster, load_cluster
 from dtrain.registry import Choice
 from dtrain.workloads.load import load_model
 
-__all__ = ["pick_plan", "plan", "plan_local", "plan_for_config", "cluster_for"]
+__all__ = ["pick_plan", "plan", "plan_local", "plan_for_config", "cluster_for", "optimizer_kind"]
 
 
 _CANDIDATE_FLAGS = ("exact_only", "averaging", "pipeline", "mesh")
@@ -45,13 +45,10 @@ def plan(model: nn.Module, sample_batch: Any, cluster: str | Path | ClusterSpec 
         return rank(model, sample_batch, cluster, workers=workers, compressions=compressions,
                     consistencies=consistencies, **kw)  # fmt: skip
     w = workers or local_cores()
+    flags = {k: kw.pop(k) for k in _CANDIDATE_FLAGS if k in kw}  # for the candidates, not the ranking
     cands = kw.pop("strategies", None)
     if cands is None:
-        flags = {k: kw.pop(k) for k in _CANDIDATE_FLAGS if k in kw}
         cands = candidates(local_cluster(w), w, compressions=compressions, consistencies=consistencies, **flags)
-    else:
-        for k in _CANDIDATE_FLAGS:
-            kw.pop(k, None)
     return plan_local(model, sample_batch, list(cands), w, **kw)
 
 
@@ -97,8 +94,10 @@ def cluster_for(name: str, *, processes: int | None = None) -> ClusterSpec:
     return spec
 
 
-def _optimizer(cfg: RunConfig) -> str:
-    if cfg.optimizer == "adam":
+def optimizer_kind(cfg: RunConfig) -> str:
+    """The planner's name for ``cfg``'s optimizer state: "adam" (two moments: adam, adamw, lamb), "sgd"
+    (momentum) or "sgd0" (none)."""
+    if cfg.optimizer in ("adam", "adamw", "lamb"):
         return "adam"
     return "sgd" if cfg.momentum > 0 else "sgd0"
 
@@ -111,10 +110,10 @@ def plan_for_config(cfg: RunConfig) -> Plan:
     spec = spec.with_devices(cfg.workers) if cfg.workers < spec.devices else spec
     cands = candidates(spec, cfg.workers, single=not cfg.cluster)
     if not cfg.cluster:
-        return plan_local(model, sample, cands, cfg.workers, name=name, optimizer=_optimizer(cfg))
+        return plan_local(model, sample, cands, cfg.workers, name=name, optimizer=optimizer_kind(cfg))
     # the emulated cluster spreads processes over hosts evenly: keep those that do
     cands = [s for s in cands if s.processes == cfg.workers]
-    return rank(model, sample, spec, workers=cfg.workers, name=name, optimizer=_optimizer(cfg), strategies=cands)
+    return rank(model, sample, spec, workers=cfg.workers, name=name, optimizer=optimizer_kind(cfg), strategies=cands)
 
 
 def pick_plan(cfg: RunConfig, *, verbose: bool = True) -> Choice:

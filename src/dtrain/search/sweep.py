@@ -213,16 +213,12 @@ def base_point(base: Any, space: dict[str, Param]) -> dict[str, Any]:
     Raises:
         ConfigError: a value the space does not hold (the searcher could not start there).
     """
-    import torch
-
-    from dtrain.workloads.models import build_model
+    from dtrain.search.trial import meta_model
     from dtrain.workloads.models.gpt import gpt_config
 
     shape: dict[str, Any] = {}
     if any(k in ("layers", "d_model", "heads") for k in space):
-        data = base.load_data()
-        with torch.device("meta"):
-            gcfg = gpt_config(build_model(base.model, data.input_shape, data.num_classes, **base.gpt_overrides()))
+        gcfg = gpt_config(meta_model(base)[0])
         if gcfg is not None:
             shape = {"layers": gcfg.layers, "d_model": gcfg.d_model, "heads": gcfg.heads}
     point = {k: shape.get(k, getattr(base, k, None)) for k in space}

@@ -34,7 +34,7 @@ from typing import Any
 
 from dtrain.errors import ConfigError, DTrainError
 
-__all__ = ["TRIAL_FILE", "Limits", "Report", "run_trial", "trial_config", "read_trial", "model_params",
+__all__ = ["TRIAL_FILE", "Limits", "Report", "run_trial", "trial_config", "read_trial", "meta_model", "model_params",
            "model_memory"]
 
 TRIAL_FILE = "trial.json"
@@ -57,15 +57,20 @@ def trial_config(base: dict[str, Any], hp: dict[str, Any]) -> Any:
     return validate(RunConfig.from_mapping(base).replace(**hp))
 
 
-def model_params(cfg: Any) -> int:
-    """Parameters of ``cfg``'s model, counted on the meta device (nothing allocated)."""
+def meta_model(cfg: Any) -> tuple[Any, Any]:
+    """``cfg``'s model built on the meta device (shapes only, nothing allocated), and its dataset."""
     import torch
 
     from dtrain.workloads.models import build_model
 
     data = cfg.load_data()
     with torch.device("meta"):
-        model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.gpt_overrides())
+        return build_model(cfg.model, data.input_shape, data.num_classes, **cfg.gpt_overrides()), data
+
+
+def model_params(cfg: Any) -> int:
+    """Parameters of ``cfg``'s model, counted on the meta device (nothing allocated)."""
+    model, _ = meta_model(cfg)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -73,22 +78,17 @@ def model_memory(cfg: Any) -> float:
     """Bytes per device the planner's memory model puts on ``cfg``'s run: parameters, gradients,
     optimizer state, activations and the strategy's own buffers (:func:`memory_per_device`), for
     the run's strategy, workers and per-worker batch, profiled on the meta device (nothing allocated)."""
-    import torch
-
     from dtrain.perfmodel.compression import compression_model
     from dtrain.perfmodel.predict import memory_per_device
     from dtrain.perfmodel.profile import profile_model
+    from dtrain.planning.auto import optimizer_kind
     from dtrain.registry import Choice
     from dtrain.workloads.batch import split_batch
-    from dtrain.workloads.models import build_model
 
-    data = cfg.load_data()
+    model, data = meta_model(cfg)
     b = split_batch(cfg.batch_size, cfg.opts.batch_shards(cfg.workers))[0]
     x, y = (t[:b].to("meta") for t in data.train.tensors)
-    with torch.device("meta"):
-        model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.gpt_overrides())
-    opt = "adam" if cfg.optimizer in ("adam", "adamw", "lamb") else "sgd" if cfg.momentum > 0 else "sgd0"
-    prof = profile_model(model, (x, y), name=cfg.model, measure=False, optimizer=opt)
+    prof = profile_model(model, (x, y), name=cfg.model, measure=False, optimizer=optimizer_kind(cfg))
     spec = cfg.opts.compressor_spec()
     comp = compression_model(spec, measure=False) if spec != "none" else None
     return float(memory_per_device(prof, Choice(cfg.strategy, cfg.workers, cfg.options), comp).total)
