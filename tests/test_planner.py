@@ -102,6 +102,34 @@ def test_a_local_plan_predicts_each_choice_on_the_calibration_for_its_processes(
     assert {p.threads for p in measured.profiles.values()} == {2, 1}  # profiled at each job's threads
 
 
+def test_a_second_plan_measures_nothing_and_ranks_the_same(tmp_path, monkeypatch):
+    """The model's profile and the compressed collectives' counts are kept beside this machine's calibration:
+    a second plan (as in a new process: the counts this process holds forgotten) measures neither and ranks
+    the same; another model is measured."""
+    from dtrain.perfmodel import _traffic, profile
+    from dtrain.planning.auto import measured_here
+    from dtrain.planning.auto import plan as plan_here
+
+    _local_cache(tmp_path, monkeypatch, 2)
+    model, sample = tiny()
+    first = plan_here(model, sample, None, workers=2, compressions=("topk:0.01",))
+    assert first.find("dp ring 25MiB topk:0.01") is not None and all(p.measured for p in first.profiles.values())
+    assert {f.name for f in measured_here().iterdir()} == {"profiles.json", "traffic.json"}
+    _traffic._counts.clear()
+    _traffic._current.clear()
+
+    def again(*_a, **_k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(profile, "_measure", again)
+    monkeypatch.setattr(_traffic, "_count", again)
+    second = plan_here(model, sample, None, workers=2, compressions=("topk:0.01",))
+    assert second.ranked == first.ranked and second.profiles == first.profiles
+    wider = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 10))
+    with pytest.raises(AssertionError, match="measured again"):
+        plan_here(wider, sample, None, workers=2, compressions=("topk:0.01",))
+
+
 def test_choose_returns_overrides_that_make_a_valid_run(tmp_path, monkeypatch, capsys):
     _local_cache(tmp_path, monkeypatch)
     cfg = RunConfig.make(strategy="auto", workers=4, batch_size=64)

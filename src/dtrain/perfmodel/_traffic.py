@@ -12,6 +12,8 @@ import statistics
 
 import torch
 
+from dtrain.perfmodel import memo
+
 __all__ = ["compressed_traffic", "recount_traffic"]
 
 
@@ -19,6 +21,7 @@ __all__ = ["compressed_traffic", "recount_traffic"]
 # powersgd:2 on 4 ranks x 37.6K floats where the next four took 2.7-3.3
 _TRAFFIC_RUNS = 5
 
+_KEPT_COUNTS = 9  # the counts of one collective kept on disk between processes (the latest)
 _Count = tuple[int, int, float]
 Shapes = tuple[tuple[int, ...], ...]
 _Key = tuple[str, int, int, Shapes]
@@ -58,7 +61,8 @@ def compressed_traffic(spec: str, world: int, numel: int, shapes: Shapes = ()) -
     probes (six single probes of topk:0.01 on 4 ranks x 38K floats read 1.7-2.6 ms; six medians of
     three, minutes later, 2.3-2.7). Only for small worlds (``world <= 16``); callers use closed forms beyond.
     Counted once per process and collective, and once more after each :func:`recount_traffic`; the CPU
-    time is the median of those counts.
+    time is the median of those counts. Inside :func:`dtrain.perfmodel.memo.kept_in` (the planner) the
+    counts are kept on disk, and a later process starts from them instead of counting.
     """
     if world < 2 or numel < 1:
         return 0, 0, 0.0
@@ -68,7 +72,13 @@ def compressed_traffic(spec: str, world: int, numel: int, shapes: Shapes = ()) -
         shapes = ()
     key = (spec, world, numel, shapes)
     if key not in _current:
-        _counts.setdefault(key, []).append(_count(spec, world, numel, shapes))
+        on_disk = memo.digest([*key, torch.__version__])
+        kept = memo.recall("traffic", on_disk) if key not in _counts else None
+        if kept:  # counted by an earlier plan on this machine (inside memo.kept_in only)
+            _counts[key] = [(int(m), int(b), float(c)) for m, b, c in kept]
+        else:
+            _counts.setdefault(key, []).append(_count(spec, world, numel, shapes))
+            memo.remember("traffic", on_disk, _counts[key][-_KEPT_COUNTS:])
         _current.add(key)
     msgs, sent, _ = _counts[key][-1]
     return msgs, sent, float(statistics.median(c for _, _, c in _counts[key]))

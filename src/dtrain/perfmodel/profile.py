@@ -17,6 +17,8 @@ from the cluster description (a device FLOP rate or a known samples/s).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import statistics
 import time
 import warnings
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from dtrain.perfmodel import memo
 from dtrain.perfmodel.spec import this_host
 
 __all__ = ["LayerProfile", "ModelProfile", "profile_model"]
@@ -208,13 +211,50 @@ def profile_model(
                         optimizer=optimizer, extra=extra)  # fmt: skip
     if not measure:
         return prof
+    key = memo.digest([_identity(model, sample_batch), batch, threads, optimizer, repeats, warmup, torch.__version__,
+                       f"{getattr(loss_fn, '__module__', '')}.{getattr(loss_fn, '__qualname__', repr(loss_fn))}"])
+    kept = memo.recall("profiles", key)
+    if kept is not None:  # measured by an earlier plan on this machine (inside memo.kept_in only)
+        with contextlib.suppress(KeyError, TypeError, ValueError):  # one not of this form: measured again
+            return _with_times(prof, kept)
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _measure(model, x, target, loss_fn, prof, layers, repeats, warmup, optimizer)
+        prof = _measure(model, x, target, loss_fn, prof, layers, repeats, warmup, optimizer)
     finally:
         torch.set_num_threads(old_threads)
+    memo.remember("profiles", key, {"fwd": [ly.fwd_s for ly in prof.layers], "bwd": [ly.bwd_s for ly in prof.layers],
+                                    "optimizer_s": prof.optimizer_s, "host": prof.host, "threads": prof.threads})
+    return prof
+
+
+def _identity(model: nn.Module, sample_batch: Any) -> list[Any]:
+    """What a profile's times depend on, for :mod:`~dtrain.perfmodel.memo`: the model's class (its source, where
+    there is one) and structure, its parameters' shapes and types, and the batch's shapes and types."""
+    cls = type(model)
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        source = ""
+
+    def shapes(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return [list(v.shape), str(v.dtype)]
+        if isinstance(v, (list, tuple)):
+            return [shapes(e) for e in v]
+        return type(v).__name__
+
+    params = [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in model.named_parameters()]
+    return [f"{cls.__module__}.{cls.__qualname__}", source, repr(model), params, shapes(sample_batch)]
+
+
+def _with_times(prof: ModelProfile, kept: dict[str, Any]) -> ModelProfile:
+    """``prof`` (counted) with the times a kept profile measured."""
+    times = zip(prof.layers, kept["fwd"], kept["bwd"], strict=True)
+    layers = tuple(replace(ly, fwd_s=float(f), bwd_s=float(b)) for ly, f, b in times)
+    return replace(prof, layers=layers, optimizer_s=float(kept["optimizer_s"]), host=str(kept["host"]),
+                   threads=int(kept["threads"]))  # fmt: skip
 
 
 def _count_layers(

@@ -23,14 +23,15 @@ from torch import nn
 
 from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.measure.calibrate import calibrate_cluster, cluster_file, local_cluster, local_cores
+from dtrain.measure.calibrate import cache_dir, calibrate_cluster, cluster_file, local_cluster, local_cores
+from dtrain.perfmodel import memo
 from dtrain.perfmodel.ranking import DEFAULT_COMPRESSIONS, DEFAULT_CONSISTENCIES, Plan, candidates
 from dtrain.perfmodel.ranking import plan as rank
-from dtrain.perfmodel.spec import ClusterSpec, dump_cluster, load_cluster
+from dtrain.perfmodel.spec import ClusterSpec, dump_cluster, load_cluster, this_host
 from dtrain.registry import Choice
 from dtrain.workloads.load import load_model
 
-__all__ = ["pick_plan", "plan", "plan_local", "plan_for_config", "cluster_for", "optimizer_kind"]
+__all__ = ["pick_plan", "plan", "plan_local", "plan_for_config", "cluster_for", "optimizer_kind", "measured_here"]
 
 
 _CANDIDATE_FLAGS = ("exact_only", "averaging", "pipeline", "mesh")
@@ -40,7 +41,20 @@ def plan(model: nn.Module, sample_batch: Any, cluster: str | Path | ClusterSpec 
          workers: int | None = None, compressions: Sequence[str] = DEFAULT_COMPRESSIONS,
          consistencies: Sequence[str] = DEFAULT_CONSISTENCIES, **kw: Any) -> Plan:  # fmt: skip
     """Rank the strategies for ``model`` (:func:`dtrain.perfmodel.plan`); with no ``cluster``, on this
-    machine (:func:`plan_local`: default one worker a core)."""
+    machine (:func:`plan_local`: default one worker a core). What it measures (the model's profile, the
+    compressed collectives' counts) is kept for the next plan on this machine (:func:`measured_here`)."""
+    with memo.kept_in(measured_here()):
+        return _plan(model, sample_batch, cluster, workers=workers, compressions=compressions,
+                     consistencies=consistencies, **kw)  # fmt: skip
+
+
+def measured_here() -> Path:
+    """Where this machine keeps the planner's measurements (:mod:`dtrain.perfmodel.memo`), beside its calibration."""
+    return cache_dir() / f"measured-{this_host()}"
+
+
+def _plan(model: nn.Module, sample_batch: Any, cluster: str | Path | ClusterSpec | None, *, workers: int | None,
+          compressions: Sequence[str], consistencies: Sequence[str], **kw: Any) -> Plan:  # fmt: skip
     if cluster is not None:
         return rank(model, sample_batch, cluster, workers=workers, compressions=compressions,
                     consistencies=consistencies, **kw)  # fmt: skip
@@ -104,6 +118,11 @@ def optimizer_kind(cfg: RunConfig) -> str:
 
 def plan_for_config(cfg: RunConfig) -> Plan:
     """The planner's table for a :class:`~dtrain.config.schema.RunConfig` (its model, batch, workers, cluster)."""
+    with memo.kept_in(measured_here()):
+        return _plan_for_config(cfg)
+
+
+def _plan_for_config(cfg: RunConfig) -> Plan:
     model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, samples=cfg.samples,
                                      seq_len=cfg.seq_len, **cfg.gpt_overrides())
     spec = cluster_for(cfg.cluster, processes=cfg.workers) if cfg.cluster else local_cluster(cfg.workers)
