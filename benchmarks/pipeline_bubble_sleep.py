@@ -9,10 +9,10 @@ test: rank 0's clock over ``step()`` between barriers, against the compute that 
 ``(P-1)/(vM+P-1)`` (:func:`dtrain.pipeline.schedules.bubble_closed_form`; Huang et al. 2019, Narayanan et
 al. 2021). The sleeps end on time (the last half millisecond spun: :func:`busy_for`). What is not the
 schedule is named and measured: a hand-off (a send, its receive and the Python between them), timed in the
-same rounds as an empty pipeline of one micro-batch (no compute, one stage busy at a time) over its ``2P``
-hand-offs; the bubble is also held against the closed form's step plus the critical path's ``2 (vM + P - 1)``
-hand-offs at that cost. ``hop ms`` is the step's time beyond the ideal one, ``M (tf + tb) / (1 - closed
-form)``, over those hand-offs.
+same rounds as an empty pipeline of one micro-batch (no compute, one stage busy at a time; ten times the
+steps) over its ``2P`` hand-offs, the median of the rounds; the bubble is also held against the closed form's
+step plus the critical path's ``2 (vM + P - 1)`` hand-offs at that cost. ``hop ms`` is the step's time beyond
+the ideal one, ``M (tf + tb) / (1 - closed form)``, over those hand-offs.
 
 Rounds: every (schedule, M), and the empty pipeline, runs ``--steps`` timed steps a round, the order rotated
 each round; the harness reports each round's bubble against the closed form, and against the closed form with
@@ -153,7 +153,8 @@ def _worker(args: dict[str, Any]) -> dict[str, list[float]]:
     for r in range(args["rounds"]):
         k = r % len(cases)
         for c in cases[k:] + cases[:k]:
-            out[_key(*c)].append(statistics.median(step(*c) for _ in range(args["steps"])))
+            n = args["steps"] * (10 if c == EMPTY else 1)  # the empty step is milliseconds: more of them
+            out[_key(*c)].append(statistics.median(step(*c) for _ in range(n)))
     for pipe, _ in pipes.values():
         pipe.flush()
     return out
@@ -212,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
             closed = bubble_closed_form(s, a.nprocs, m, _chunks(s))
             ideal = ideal_step_s(s, a.nprocs, m, tf, tb)
             bubbles = [1 - m * (tf + tb) / t for t in steps]
-            # the closed form with the hand-offs' cost: the ideal step plus its critical path's hand-offs, each
-            # at what one took in that round's empty pipeline
-            with_hops = [1 - m * (tf + tb) / (ideal + hops(s, a.nprocs, m) * h) for h in hop_s]
+            # the closed form with the hand-offs' cost: the ideal step plus its critical path's hand-offs, each at
+            # what one took in the empty pipeline (the median of the rounds)
+            with_hops = [1 - m * (tf + tb) / (ideal + hops(s, a.nprocs, m) * statistics.median(hop_s))] * len(steps)
             hop = (statistics.median(steps) - ideal) / hops(s, a.nprocs, m)
             print(f"{s:<12} {m:>3} {statistics.median(steps) * 1e3:9.1f} {ideal * 1e3:9.1f} "
                   f"{statistics.median(bubbles):7.3f} {closed:7.3f} {hop * 1e3:7.2f} "
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.notes = (f"The ratio is closed form / measured (1: the schedule's own bubble and nothing else). What is "
                    f"not the schedule is a hand-off (a send, its receive and the Python between them), measured in "
                    f"the same rounds as the step of an empty pipeline of one micro-batch (gpipe, no compute) over "
-                   f"its 2P hand-offs: {statistics.median(hop_s) * 1e3:.3f} ms (IQR "
+                   f"its 2P hand-offs: {statistics.median(hop_s) * 1e3:.3f} ms, the median of the rounds (IQR "
                    f"{_iqr_ms(hop_s)}); the second ratio holds the bubble against the closed form's step plus the "
                    f"critical path's 2 (vM + P - 1) hand-offs at that cost. The time beyond the ideal step over "
                    f"those hand-offs, in ms a hand-off, sleeping: " + "; ".join(notes) + ".")  # fmt: skip
