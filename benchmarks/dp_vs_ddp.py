@@ -21,6 +21,8 @@ Run::
     python benchmarks/dp_vs_ddp.py --algorithms native,ring --overlap backward,forward
     python benchmarks/dp_vs_ddp.py --model mlp --steps 400 --repeats 5
     python benchmarks/dp_vs_ddp.py --algorithms ring --repeats 7 --out benchmarks/results/dp_vs_ddp.json
+    python benchmarks/dp_vs_ddp.py --model gpt-small --batch-size 16 --algorithms ring --steps 20 --warmup 3 \
+        --repeats 7 --out benchmarks/results/dp_vs_ddp_gpt.json
 
 ``--out`` writes the harness's result file (:mod:`dtrain.measure.harness`): every round's steps/s of
 both systems, the per-round ratio DataParallel / DDP with its median, interquartile range and min-max,
@@ -43,11 +45,25 @@ import torch
 ALL_ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "rabenseifner", "hierarchical")
 
 
+VOCAB, SEQ = 256, 64  # a gpt model's vocabulary and context here (random tokens: the step's time, not learning)
+
+
 def _batches(
     model: str, batch: int, rank: int, world: int, count: int, seed: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's shard of digits, cut into local batches of ``batch // world`` (cycled to ``count``)."""
+    """This rank's shard of digits, cut into local batches of ``batch // world`` (cycled to ``count``); for a
+    gpt model, this rank's share of a few global batches of random tokens, cycled."""
     from dtrain.workloads.data import load_dataset
+    from dtrain.workloads.models import is_language_model
+
+    if is_language_model(model):
+        g = torch.Generator().manual_seed(seed + 1)
+        local = batch // world
+        fixed = []
+        for _ in range(4):
+            x, y = torch.randint(VOCAB, (batch, SEQ), generator=g), torch.randint(VOCAB, (batch, SEQ), generator=g)
+            fixed.append((x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]))
+        return [fixed[k % len(fixed)] for k in range(count)]
 
     ds = load_dataset("digits", seed=seed).train
     x, y = ds.tensors
@@ -65,14 +81,16 @@ def _batches(
 
 def _run_config(cfg: dict[str, Any], args: dict[str, Any], data: list[Any]) -> dict[str, float]:
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import dtrain
-    from dtrain.workloads.models import build_model
+    from dtrain.workloads.models import build_model, is_language_model, task_loss
 
     torch.manual_seed(args["seed"])
-    net = build_model(args["model"], (1, 8, 8), 10)
+    if is_language_model(args["model"]):
+        net = build_model(args["model"], seq_len=SEQ, vocab_size=VOCAB)
+    else:
+        net = build_model(args["model"], (1, 8, 8), 10)
 
     def make_opt(ps: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(ps, lr=args["lr"], momentum=0.9)
@@ -99,7 +117,7 @@ def _run_config(cfg: dict[str, Any], args: dict[str, Any], data: list[Any]) -> d
             t0 = time.perf_counter()
         if not engine_steps:
             opt.zero_grad(set_to_none=False)
-        F.cross_entropy(model(x), y).backward()
+        task_loss(model(x), y).backward()
         if not engine_steps:
             opt.step()
         if k >= warm and cfg["kind"] == "dp":
@@ -147,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nprocs", type=int, default=4)
     ap.add_argument("--algorithms", default=",".join(ALL_ALGORITHMS))
     ap.add_argument("--overlap", default="backward", help="comma-separated: backward,forward")
-    ap.add_argument("--model", default="cnn", choices=("cnn", "mlp"))
+    ap.add_argument("--model", default="cnn", choices=("cnn", "mlp", "gpt-tiny", "gpt-small"),
+                    help=f"cnn or mlp on digits; a gpt model on random tokens ({SEQ} a sample, vocabulary {VOCAB})")
     ap.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--steps", type=int, default=200, help="timed steps per configuration")
@@ -176,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
           f"{a.nprocs} processes x {threads_per_worker(a.nprocs)} intra-op thread(s), "
           f"backend {'nccl' if torch.cuda.is_available() else 'gloo'}")
-    print(f"model {a.model}, digits, global batch {a.batch_size}, bucket {a.bucket_mb} MiB, "
+    data = f"random tokens, seq_len {SEQ}" if a.model.startswith("gpt") else "digits"  # the model's own inputs
+    print(f"model {a.model}, {data}, global batch {a.batch_size}, bucket {a.bucket_mb} MiB, "
           f"{a.warmup} warm-up + {a.steps} timed steps, median of {a.repeats} rounds of (DDP, DP) pairs")
-    bench = Benchmark("dp_vs_ddp", title="Data parallelism against DDP", family="data parallelism",
-                      workload=f"{a.model} on digits, global batch {a.batch_size}, {a.nprocs} processes, SGD "
+    gpt = a.model.startswith("gpt")
+    bench = Benchmark("dp_vs_ddp_gpt" if gpt else "dp_vs_ddp", family="data parallelism",
+                      title=f"Data parallelism against DDP{', ' + a.model if gpt else ''}",
+                      workload=f"{a.model} on {data}, global batch {a.batch_size}, {a.nprocs} processes, SGD "
                                f"momentum; {a.steps} timed steps after {a.warmup}",
                       metric="steps/s", higher_is_better=True, repeats=a.repeats, quick=a.quick,
                       command=command("benchmarks/dp_vs_ddp.py", argv),

@@ -8,15 +8,16 @@ test: rank 0's clock over ``step()`` between barriers, against the compute that 
 ``M (tf + tb)``; the measured bubble is ``1 - M (tf + tb) / step``, beside the closed form
 ``(P-1)/(vM+P-1)`` (:func:`dtrain.pipeline.schedules.bubble_closed_form`; Huang et al. 2019, Narayanan et
 al. 2021). The sleeps end on time (the last half millisecond spun: :func:`busy_for`). What is not the
-schedule is named and measured: a hand-off (a send, its receive and the Python between them), timed in the
-same rounds as an empty pipeline of one micro-batch (no compute, one stage busy at a time; ten times the
-steps) over its ``2P`` hand-offs, the median of the rounds; the bubble is also held against the closed form's
-step plus the critical path's ``2 (vM + P - 1)`` hand-offs at that cost. ``hop ms`` is the step's time beyond
-the ideal one, ``M (tf + tb) / (1 - closed form)``, over those hand-offs.
+schedule is named and measured in the same launch: a message's latency (half a ping-pong's round trip between
+two ranks) and an action's own cost (the Python around a stage's compute, its send and its receive: the rest of
+an empty one-micro-batch pipeline's step, ten times the steps, over its ``2P`` actions); the bubble is also held
+against the schedule played by dtrain's schedule simulator with both (:func:`played_step_s`). ``hop ms`` is the
+step's time beyond the ideal one, ``M (tf + tb) / (1 - closed form)``, over the critical path's
+``2 (vM + P - 1)`` slots.
 
 Rounds: every (schedule, M), and the empty pipeline, runs ``--steps`` timed steps a round, the order rotated
-each round; the harness reports each round's bubble against the closed form, and against the closed form with
-the hand-offs (ratio closed / measured, bar: within 10%).
+each round, then the ping-pong; the harness reports each round's bubble against the closed form, and against
+the schedule played with the costs (ratio closed / measured, bar: within 10%).
 
 Run::
 
@@ -107,7 +108,7 @@ def valid(schedule: str, ranks: int, m: int) -> bool:
     return schedule != "interleaved" or m % ranks == 0
 
 
-EMPTY = ("gpipe", 1, 0)  # the pipeline that measures a hand-off: one micro-batch through empty stages
+EMPTY = ("gpipe", 1, 0)  # the pipeline that measures an action's cost: one micro-batch through empty stages
 
 
 def _key(schedule: str, m: int, sleeping: int) -> str:
@@ -150,14 +151,48 @@ def _worker(args: dict[str, Any]) -> dict[str, list[float]]:
 
     for c in cases:  # warm-up: the first step of each builds its channels
         step(*c)
+    out["latency"] = []
     for r in range(args["rounds"]):
         k = r % len(cases)
         for c in cases[k:] + cases[:k]:
             n = args["steps"] * (10 if c == EMPTY else 1)  # the empty step is milliseconds: more of them
             out[_key(*c)].append(statistics.median(step(*c) for _ in range(n)))
+        out["latency"].append(_latency(args["batch"] * 8))
     for pipe, _ in pipes.values():
         pipe.flush()
     return out
+
+
+def _latency(numel: int, trips: int = 50) -> float:
+    """A message's one-way time between ranks 0 and 1 (gloo, ``numel`` floats: the largest activation here),
+    half the median round trip; the other ranks wait at the barrier."""
+    import torch.distributed as dist
+
+    buf, times = torch.zeros(numel), []
+    dist.barrier()
+    if dist.get_rank() < 2:
+        peer = 1 - dist.get_rank()
+        for _ in range(trips + 5):
+            t0 = time.perf_counter()
+            if peer:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+            times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return statistics.median(times[5:]) / 2 if times else 0.0
+
+
+def played_step_s(schedule: str, ranks: int, m: int, tf: float, tb: float, slot_s: float, latency_s: float) -> float:
+    """The step of ``schedule`` played by dtrain's schedule simulator (:func:`dtrain.pipeline.schedules.simulate`:
+    each rank's actions in order, each waiting for what it needs) with a cost a compute action, ``slot_s``, on
+    top of its compute, and ``latency_s`` for each dependency on another rank (a message)."""
+    from dtrain.pipeline.schedules import generate, simulate
+
+    v = _chunks(schedule)
+    return simulate(generate(schedule, ranks, m, v), tf / v + slot_s, tb / v + slot_s, comm=latency_s).makespan
 
 
 def _iqr_ms(xs: list[float]) -> str:
@@ -198,11 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     ranks = launch_loopback(_worker, (args,), a.nprocs)
     bench.stop()
     tf, tb = a.forward_ms / 1e3, a.backward_ms / 1e3
-    hop_s = [t / hops(EMPTY[0], a.nprocs, EMPTY[1]) for t in ranks[0][_key(*EMPTY)]]  # a hand-off, each round
-    print(f"a hand-off (the empty pipeline's step over its {hops(EMPTY[0], a.nprocs, EMPTY[1])}): "
-          f"{statistics.median(hop_s) * 1e3:.3f} ms")
-    print(f"{'schedule':<12} {'M':>3} {'step ms':>9} {'ideal ms':>9} {'bubble':>7} {'closed':>7} {'hop ms':>7} "
-          f"{'+ hops':>9}")
+    # what is not the schedule, measured: a message's latency (ping-pong), and a compute action's own cost, the
+    # rest of the empty one-micro-batch pipeline's step (2P actions, 2 (P - 1) messages on its critical path)
+    lat = statistics.median(ranks[0]["latency"])
+    empty = statistics.median(ranks[0][_key(*EMPTY)])
+    slot = max(0.0, (empty - 2 * (a.nprocs - 1) * lat) / (2 * a.nprocs))
+    print(f"a message {lat * 1e3:.3f} ms (IQR {_iqr_ms(ranks[0]['latency'])}); the empty pipeline's step "
+          f"{empty * 1e3:.2f} ms (IQR {_iqr_ms(ranks[0][_key(*EMPTY)])}): {slot * 1e3:.3f} ms an action")
+    print(f"{'schedule':<12} {'M':>3} {'step ms':>9} {'ideal ms':>9} {'played':>9} {'bubble':>7} {'closed':>7} "
+          f"{'played':>7} {'hop ms':>7}")
     notes = []
     for s in scheds:
         for m in ms:
@@ -212,27 +251,26 @@ def main(argv: list[str] | None = None) -> int:
             steps = ranks[0][_key(s, m, 1)]
             closed = bubble_closed_form(s, a.nprocs, m, _chunks(s))
             ideal = ideal_step_s(s, a.nprocs, m, tf, tb)
+            played = played_step_s(s, a.nprocs, m, tf, tb, slot, lat)
             bubbles = [1 - m * (tf + tb) / t for t in steps]
-            # the closed form with the hand-offs' cost: the ideal step plus its critical path's hand-offs, each at
-            # what one took in the empty pipeline (the median of the rounds)
-            with_hops = [1 - m * (tf + tb) / (ideal + hops(s, a.nprocs, m) * statistics.median(hop_s))] * len(steps)
+            with_costs = 1 - m * (tf + tb) / played
             hop = (statistics.median(steps) - ideal) / hops(s, a.nprocs, m)
-            print(f"{s:<12} {m:>3} {statistics.median(steps) * 1e3:9.1f} {ideal * 1e3:9.1f} "
-                  f"{statistics.median(bubbles):7.3f} {closed:7.3f} {hop * 1e3:7.2f} "
-                  f"{statistics.median(with_hops):9.3f}")  # fmt: skip
+            print(f"{s:<12} {m:>3} {statistics.median(steps) * 1e3:9.1f} {ideal * 1e3:9.1f} {played * 1e3:9.1f} "
+                  f"{statistics.median(bubbles):7.3f} {closed:7.3f} {with_costs:7.3f} {hop * 1e3:7.2f}")  # fmt: skip
             notes.append(f"{s} M={m}: {hop * 1e3:.2f}")
             bench.add_case(f"{s}, M = {m}", samples={"measured": bubbles, "closed form": [closed] * len(bubbles),
-                                                     "closed form + hand-offs": with_hops},
+                                                     "played with the costs": [with_costs] * len(bubbles)},
                            compare=[("measured", "closed form", Bar.within(0.10)),
-                                    ("measured", "closed form + hand-offs", Bar.within(0.10))],
+                                    ("measured", "played with the costs", Bar.within(0.10))],
                            headline=False)  # fmt: skip
     bench.notes = (f"The ratio is closed form / measured (1: the schedule's own bubble and nothing else). What is "
-                   f"not the schedule is a hand-off (a send, its receive and the Python between them), measured in "
-                   f"the same rounds as the step of an empty pipeline of one micro-batch (gpipe, no compute) over "
-                   f"its 2P hand-offs: {statistics.median(hop_s) * 1e3:.3f} ms, the median of the rounds (IQR "
-                   f"{_iqr_ms(hop_s)}); the second ratio holds the bubble against the closed form's step plus the "
-                   f"critical path's 2 (vM + P - 1) hand-offs at that cost. The time beyond the ideal step over "
-                   f"those hand-offs, in ms a hand-off, sleeping: " + "; ".join(notes) + ".")  # fmt: skip
+                   f"not the schedule, measured in the same launch: a message between two ranks, {lat * 1e3:.3f} "
+                   f"ms (half a ping-pong's round trip, the median of the rounds), and an action's own cost (the "
+                   f"Python around a stage's compute, a send and a receive), {slot * 1e3:.3f} ms: the rest of an "
+                   f"empty one-micro-batch pipeline's step ({empty * 1e3:.2f} ms: 2P actions, 2 (P - 1) messages). "
+                   f"'played with the costs' is the schedule played by dtrain's schedule simulator with both. The "
+                   f"step's time beyond the ideal one over the critical path's 2 (vM + P - 1) slots, in ms a slot: "
+                   + "; ".join(notes) + ".")  # fmt: skip
     bench.report(a.out)
     return 0
 
