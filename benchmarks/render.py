@@ -100,12 +100,8 @@ def section(r: dict[str, Any]) -> list[str]:
              f"**Machine**: {_machine(m)}, {m['memory_gib']} GiB, torch {m['torch']}, python {m['python']}; "
              f"load average {load['before'][0]:.1f} before, {load['after'][0]:.1f} after; commit {r['commit']}, "
              f"{r['date']}.", "",
-             "```bash", r["command"], "```", "",
-             f"| case | system | {r['metric']}, median (IQR) | min-max |", "|---|---|---|---|"]  # fmt: skip
-    for c in r["cases"]:
-        for s, v in c["systems"].items():
-            lines.append(f"| {c['name']} | {s} | {v['median']:.4g} ({v['q1']:.4g}-{v['q3']:.4g}) | "
-                         f"{v['min']:.4g}-{v['max']:.4g} |")  # fmt: skip
+             "```bash", r["command"], "```"]  # fmt: skip
+    lines += _systems(r)
     lines += ["", "| case | ratio | median (IQR) | min-max | bar | verdict |", "|---|---|---|---|---|---|"]
     for c in r["cases"]:
         for cmp in c["comparisons"]:
@@ -115,6 +111,23 @@ def section(r: dict[str, Any]) -> list[str]:
     lines += ["", f"![every round's ratio, {r['name']}](benchmarks/results/plots/{r['name']}.png)"]
     if r.get("notes"):
         lines += ["", r["notes"]]
+    return lines
+
+
+def _systems(r: dict[str, Any]) -> list[str]:
+    """Each case's systems, a row a case and a column a system (median and IQR; the min-max is in the result
+    file and the plot); consecutive cases with the same systems share a table."""
+    lines: list[str] = []
+    names: list[str] | None = None
+    for c in r["cases"]:
+        systems = list(c["systems"])
+        if systems != names:
+            names = systems
+            head = f"case: {r['metric']}, median (IQR)"
+            lines += ["", f"| {head} | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
+        cells = [f"{v['median']:.4g}" + ("" if v["min"] == v["max"] else f" ({v['q1']:.4g}-{v['q3']:.4g})")
+                 for v in c["systems"].values()]  # a constant (a closed form): its value alone
+        lines.append(f"| {c['name']} | {' | '.join(cells)} |")
     return lines
 
 
