@@ -1,4 +1,4 @@
-"""Memory of ZeRO's stages and their peers as the process sees it, beside the wrapper's count and the closed form.
+"""Memory of ZeRO's stages, tensor parallelism and their peers as the process sees it, beside the closed form.
 
 Each configuration runs in fresh processes (one launch of ``--nprocs`` gloo processes on loopback a
 configuration and round): inside :class:`dtrain.measure.memory.ProcessMemory`, whose baseline is taken before
@@ -6,12 +6,19 @@ the model is built, a rank builds the system of ``benchmarks/sharded.py`` (the s
 batches) and trains ``--steps`` steps. The figure is the largest rank's peak resident set above its
 baseline, in MiB, beside:
 
+- the live tensors after the last step: every tensor storage the garbage collector reaches, each once (what is
+  held whether a wrapper lists it or not; not memory outside tensors, nor tensors only C++ holds);
 - the wrapper's count after the last step (``memory_stats``: parameters, gradients, optimizer state and, at
   stage 3, the most gathered units at once), for dtrain's systems;
 - the closed form of the model states for ``Psi`` float32 parameters, Adam and ``N`` ranks (Rajbhandari
   et al., "ZeRO", SC 2020, sec. 5): ``16 Psi``, ``8 Psi + 8 Psi/N``, ``4 Psi + 12 Psi/N``, ``16 Psi/N`` plus
   the two largest adjacent units gathered; and the same plus the activations (the bytes autograd saves for
   backward in one more step, counted by saved-tensor hooks).
+
+Tensor parallelism (``dtrain tp1``, ``tp2``, ``tp4``, ``tp4 sp``: ``tensor_parallel.py``'s Megatron plan, with
+sequence parallelism for the last) runs in a launch of ``tp`` processes, every rank training the whole batch of
+``--tp-batch`` samples with Adam; its closed form is 16 bytes a parameter the rank holds (its ``1/tp`` of the
+split ones, all of the replicated ones), plus the activations as above.
 
 The process holds more than the model states (activations, the allreduce's buffers, the allocator's
 slack); the harness's ratio is closed form / process, against "within 10%".
@@ -29,11 +36,60 @@ import sys
 from typing import Any
 
 import sharded
+import tensor_parallel
 import torch
 from _loopback import launch_loopback
 
-SYSTEMS = ("dtrain dp", "dtrain z1", "dtrain z2", "dtrain z3", "torch ddp", "torch ddp+zero", "torch fsdp2")
+#: tensor parallelism: (tp, sequence parallel); every rank trains the whole batch of ``--tp-batch`` samples
+TENSOR = {"dtrain tp1": (1, False), "dtrain tp2": (2, False), "dtrain tp4": (4, False), "dtrain tp4 sp": (4, True)}
+SYSTEMS = ("dtrain dp", "dtrain z1", "dtrain z2", "dtrain z3", "torch ddp", "torch ddp+zero", "torch fsdp2",
+           *TENSOR)  # fmt: skip
 MIB = 2**20
+
+
+class _Tensor:
+    """dtrain's tensor parallelism on gpt (Megatron's split, ``tensor_parallel.py``'s plan) with Adam; at tp 1,
+    the unsplit model."""
+
+    def __init__(self, name: str, args: dict[str, Any]) -> None:
+        import dtrain.tensor_parallel as tp
+
+        self.tp, (size, self.sp) = tp, TENSOR[name]
+        self.net = sharded._model(args)
+        self.model = self.net if size == 1 else tp.parallelize(
+            self.net, tp.plans.gpt_sequence_parallel() if self.sp else tp.plans.gpt, None, sequence_parallel=self.sp)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=args["lr"])
+        self.size = size
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.opt.zero_grad()
+        if self.size == 1:
+            loss = torch.nn.functional.cross_entropy(self.model(x).reshape(-1, sharded.VOCAB), y.reshape(-1))
+        else:
+            loss = self.tp.vocab_parallel_cross_entropy(self.model(x), y, self.model.head)
+        loss.backward()
+        if self.sp:
+            self.tp.sync_replicated_grads(self.model)
+        self.opt.step()
+
+    def memory(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def tensor_state_bytes(args: dict[str, Any], tp: int) -> float:
+    """The closed form of a tensor-parallel rank's model states with Adam: 16 bytes a parameter it holds, its
+    share ``1/tp`` of the split ones (the plan's: embedding, qkv, proj and fc2 weights, fc1, head) and all of
+    the replicated ones (positions, norms, proj and fc2 biases)."""
+    split = replicated = 0
+    for n, p in sharded._model(args).named_parameters():
+        if n.endswith(tensor_parallel.SPLIT):
+            split += p.numel()
+        else:
+            replicated += p.numel()
+    return 16 * (split / tp + replicated)
 
 
 def _worker(name: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -42,19 +98,44 @@ def _worker(name: str, args: dict[str, Any]) -> dict[str, Any]:
     from dtrain.measure.memory import ProcessMemory
 
     torch.set_num_threads(1)
-    data = sharded._batches(args, dist.get_rank(), dist.get_world_size())
+    if name in TENSOR:  # every rank the whole batch
+        data = sharded._batches({**args, "batch_size": args["tp_batch"]}, 0, 1)
+    else:
+        data = sharded._batches(args, dist.get_rank(), dist.get_world_size())
     with ProcessMemory() as mem:
-        s = sharded._System(name, args)
+        s: Any = _Tensor(name, args) if name in TENSOR else sharded._System(name, args)
         for k in range(args["steps"]):
             s.step(*data[k % len(data)])
         counted = s.memory()
-    saved = sharded._SavedBytes(s.net)  # one more step, outside the block: what autograd keeps for backward
+    live = live_tensor_bytes()
+    # one more step, outside the block: what autograd keeps for backward (a DTensor by its local shard)
+    saved = tensor_parallel._SavedBytes(s.model) if name in TENSOR else sharded._SavedBytes(s.net)
     with saved.hooks():
         s.step(*data[0])
-    units = [(u.name, u.numel, u.padded) for u in s.dp.units] if getattr(s.dp, "units", None) else None
+    dp = getattr(s, "dp", None)
+    units = [(u.name, u.numel, u.padded) for u in dp.units] if getattr(dp, "units", None) else None
     s.close()
     return {"process": mem.peak_bytes, "reset": mem.reset, "counted": counted, "units": units,
-            "activations": saved.total}
+            "activations": saved.total, "live": live}
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage the garbage collector reaches now, each storage once (a DTensor by its
+    local shard): a count of what is held that no wrapper keeps (it misses memory outside tensors, and
+    tensors held only by C++, such as DDP's buckets)."""
+    import gc
+
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for o in gc.get_objects():
+        if not isinstance(o, torch.Tensor) or o.is_meta:
+            continue
+        t = o.to_local() if isinstance(o, DTensor) else o
+        st = t.untyped_storage()
+        if st.data_ptr():
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16, help="global batch (default: 16)")
     ap.add_argument("--steps", type=int, default=3, help="Adam steps in each process (default: 3)")
+    ap.add_argument("--tp-batch", type=int, default=4, help="tensor parallelism: samples every rank trains "
+                    "(default: 4, a ZeRO rank's share of the global batch)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     add_result_flags(ap)
@@ -75,31 +158,37 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown system(s) {bad}; choose from {','.join(SYSTEMS)}")
     args = dict(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps, lr=1e-3, seed=0,
-                algorithm="ring", overlap="backward", nprocs=a.nprocs)  # fmt: skip
+                algorithm="ring", overlap="backward", nprocs=a.nprocs, tp_batch=a.tp_batch)  # fmt: skip
     psi = sum(p.numel() for p in sharded._model(args).parameters())
-    bench = Benchmark("memory_sharded", title="ZeRO's memory as the process sees it", family="sharded data parallelism",
+    bench = Benchmark("memory_sharded", title="Memory as the process sees it: ZeRO, tensor parallelism",
+                      family="sharded data parallelism",
                       workload=f"{a.model} (Psi = {psi:,} parameters), seq_len {a.seq_len}, global batch "
-                               f"{a.batch_size}, Adam, {a.nprocs} processes; {a.steps} steps in fresh processes",
+                               f"{a.batch_size}, Adam, {a.nprocs} processes (tensor parallelism: tp processes, "
+                               f"each the whole batch of {a.tp_batch}); {a.steps} steps in fresh processes",
                       metric="MiB", higher_is_better=False, repeats=a.rounds, quick=a.quick,
                       command=command("benchmarks/memory.py", argv))  # fmt: skip
     samples: dict[str, dict[str, list[float]]] = {
-        n: {"process": [], "wrapper": [], "closed form": [], "closed form + activations": []} for n in names}
+        n: {"process": [], "live tensors": [], "wrapper": [], "closed form": [], "closed form + activations": []}
+        for n in names}  # fmt: skip
     bench.start()
     for r in range(a.rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
-            ranks = launch_loopback(_worker, (name, args), a.nprocs)
+            ranks = launch_loopback(_worker, (name, args), TENSOR[name][0] if name in TENSOR else a.nprocs)
             if not all(v["reset"] for v in ranks.values()):
                 raise SystemExit("the kernel refused to reset the resident set's high-water mark")
             peak = max(v["process"] for v in ranks.values()) / MIB
             counted = [sum(v["counted"].values()) for v in ranks.values() if v["counted"]]
             units = ranks[0]["units"] or []
-            if name in sharded.DTRAIN:
+            if name in TENSOR:
+                closed = tensor_state_bytes(args, TENSOR[name][0]) / MIB
+            elif name in sharded.DTRAIN:
                 closed = sharded._closed_memory(name, psi, a.nprocs, units) / MIB
             else:  # DDP: stage 0's; with ZeroRedundancyOptimizer, stage 1's; FSDP2: stage 3's less its gathered units
                 n = a.nprocs
                 closed = {"torch ddp": 16 * psi, "torch ddp+zero": 8 * psi + 8 * psi / n}.get(name, 16 * psi / n) / MIB
             samples[name]["process"].append(peak)
+            samples[name]["live tensors"].append(max(v["live"] for v in ranks.values()) / MIB)
             samples[name]["wrapper"].append(max(counted) / MIB if counted else float("nan"))
             samples[name]["closed form"].append(closed)
             activations = max(v["activations"] for v in ranks.values()) / MIB
