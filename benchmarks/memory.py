@@ -20,8 +20,12 @@ sequence parallelism for the last) runs in a launch of ``tp`` processes, every r
 ``--tp-batch`` samples with Adam; its closed form is 16 bytes a parameter the rank holds (its ``1/tp`` of the
 split ones, all of the replicated ones), plus the activations as above.
 
-The process holds more than the model states (activations, the allreduce's buffers, the allocator's
-slack); the harness's ratio is closed form / process, against "within 10%".
+The process holds more than the model states and activations: the runtime's own memory (what a launch
+allocates after the baseline whatever the model: imported code, the process group's and autograd's buffers,
+the allocator's arenas), measured as the same system's process memory beyond its closed form and activations
+on ``--fixed-model`` (gpt-tiny: 137K parameters, about 2 MiB of states) in the same round, and the
+collectives' buffers and the allocator's slack, which grow with the model. The harness's ratios are closed
+form + activations (+ the fixed cost) / process, against "within 10%".
 
 Run::
 
@@ -138,6 +142,25 @@ def live_tensor_bytes() -> int:
     return sum(seen.values())
 
 
+def _measure(name: str, args: dict[str, Any], psi: int, nprocs: int) -> dict[str, float]:
+    """One launch of system ``name`` on ``args``'s model: its figures in MiB (the largest rank's)."""
+    ranks = launch_loopback(_worker, (name, args), TENSOR[name][0] if name in TENSOR else nprocs)
+    if not all(v["reset"] for v in ranks.values()):
+        raise SystemExit("the kernel refused to reset the resident set's high-water mark")
+    counted = [sum(v["counted"].values()) for v in ranks.values() if v["counted"]]
+    if name in TENSOR:
+        closed = tensor_state_bytes(args, TENSOR[name][0])
+    elif name in sharded.DTRAIN:
+        closed = sharded._closed_memory(name, psi, nprocs, ranks[0]["units"] or [])
+    else:  # DDP: stage 0's; with ZeroRedundancyOptimizer, stage 1's; FSDP2: stage 3's less its gathered units
+        closed = {"torch ddp": 16 * psi, "torch ddp+zero": 8 * psi + 8 * psi / nprocs}.get(name, 16 * psi / nprocs)
+    activations = max(v["activations"] for v in ranks.values())
+    return {"process": max(v["process"] for v in ranks.values()) / MIB,
+            "live tensors": max(v["live"] for v in ranks.values()) / MIB,
+            "wrapper": max(counted) / MIB if counted else float("nan"),
+            "closed form": closed / MIB, "closed form + activations": (closed + activations) / MIB}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     from dtrain.measure.harness import Bar, Benchmark, add_result_flags, command
 
@@ -151,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: 4, a ZeRO rank's share of the global batch)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--fixed-model", default="gpt-tiny", help="the model whose process memory beyond its closed "
+                    "form and activations is the runtime's fixed cost (default: gpt-tiny, 137K parameters)")
     add_result_flags(ap)
     a = ap.parse_args(argv)
     names = [s for s in a.systems.split(",") if s]
@@ -167,40 +192,30 @@ def main(argv: list[str] | None = None) -> int:
                                f"each the whole batch of {a.tp_batch}); {a.steps} steps in fresh processes",
                       metric="MiB", higher_is_better=False, repeats=a.rounds, quick=a.quick,
                       command=command("benchmarks/memory.py", argv))  # fmt: skip
-    samples: dict[str, dict[str, list[float]]] = {
-        n: {"process": [], "live tensors": [], "wrapper": [], "closed form": [], "closed form + activations": []}
-        for n in names}  # fmt: skip
+    tiny = {**args, "model": a.fixed_model}
+    tiny_psi = sum(p.numel() for p in sharded._model(tiny).parameters())
+    kinds = ("process", "live tensors", "wrapper", "closed form", "closed form + activations",
+             "closed form + activations + fixed cost")  # fmt: skip
+    samples: dict[str, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in names}
     bench.start()
     for r in range(a.rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
-            ranks = launch_loopback(_worker, (name, args), TENSOR[name][0] if name in TENSOR else a.nprocs)
-            if not all(v["reset"] for v in ranks.values()):
-                raise SystemExit("the kernel refused to reset the resident set's high-water mark")
-            peak = max(v["process"] for v in ranks.values()) / MIB
-            counted = [sum(v["counted"].values()) for v in ranks.values() if v["counted"]]
-            units = ranks[0]["units"] or []
-            if name in TENSOR:
-                closed = tensor_state_bytes(args, TENSOR[name][0]) / MIB
-            elif name in sharded.DTRAIN:
-                closed = sharded._closed_memory(name, psi, a.nprocs, units) / MIB
-            else:  # DDP: stage 0's; with ZeroRedundancyOptimizer, stage 1's; FSDP2: stage 3's less its gathered units
-                n = a.nprocs
-                closed = {"torch ddp": 16 * psi, "torch ddp+zero": 8 * psi + 8 * psi / n}.get(name, 16 * psi / n) / MIB
-            samples[name]["process"].append(peak)
-            samples[name]["live tensors"].append(max(v["live"] for v in ranks.values()) / MIB)
-            samples[name]["wrapper"].append(max(counted) / MIB if counted else float("nan"))
-            samples[name]["closed form"].append(closed)
-            activations = max(v["activations"] for v in ranks.values()) / MIB
-            samples[name]["closed form + activations"].append(closed + activations)
-            print(f"round {r + 1}/{a.rounds}: {name:<12} process {peak:8.1f} MiB, wrapper "
-                  f"{samples[name]['wrapper'][-1]:8.1f}, closed form {closed:8.1f}", flush=True)  # fmt: skip
+            got = _measure(name, args, psi, a.nprocs)
+            small = _measure(name, tiny, tiny_psi, a.nprocs)  # the runtime's own: a model of next to nothing
+            fixed = small["process"] - small["closed form + activations"]
+            for kind, v in got.items():
+                samples[name][kind].append(v)
+            samples[name]["closed form + activations + fixed cost"].append(got["closed form + activations"] + fixed)
+            print(f"round {r + 1}/{a.rounds}: {name:<13} process {got['process']:7.1f} MiB, live tensors "
+                  f"{got['live tensors']:7.1f}, closed form + activations {got['closed form + activations']:7.1f}, "
+                  f"fixed cost ({a.fixed_model}) {fixed:5.1f}", flush=True)  # fmt: skip
     bench.stop()
     for name in names:
         got = {k: v for k, v in samples[name].items() if not any(x != x for x in v)}  # no wrapper count: left out
-        bench.add_case(name, samples=got, compare=[("process", "closed form", Bar.within(0.10)),
-                                                   ("process", "closed form + activations", Bar.within(0.10))],
-                       headline=False)  # fmt: skip
+        bench.add_case(name, samples=got, compare=[("process", "closed form + activations", Bar.within(0.10)),
+                                                   ("process", "closed form + activations + fixed cost",
+                                                    Bar.within(0.10))], headline=False)  # fmt: skip
     for ours, peer, what in (("dtrain dp", "torch ddp", "stage 0"), ("dtrain z1", "torch ddp+zero", "stage 1"),
                              ("dtrain z3", "torch fsdp2", "stage 3")):  # fmt: skip
         if ours in names and peer in names:  # the same rounds: each round's pair ran one after the other
