@@ -43,8 +43,8 @@ Each result file also records the machine, the load average before and after, th
 Not on this page yet, because their scripts do not run on the harness (each prints its own table): time to
 target on gpt-small for every strategy (`benchmarks/time_to_target.py`), the parameter server's consistency
 policies (`benchmarks/ps_policies.py`), the performance model against measured steps
-(`benchmarks/model_vs_measured.py`), tensor parallelism's memory and large-batch training
-(`benchmarks/large_batch.py`). The parameter server and the hybrid mesh have no peer in torch to run beside.
+(`benchmarks/model_vs_measured.py`) and large-batch training (`benchmarks/large_batch.py`). The parameter
+server and the hybrid mesh have no peer in torch to run beside.
 """
 
 
@@ -101,32 +101,29 @@ def section(r: dict[str, Any]) -> list[str]:
              f"load average {load['before'][0]:.1f} before, {load['after'][0]:.1f} after; commit {r['commit']}, "
              f"{r['date']}.", "",
              "```bash", r["command"], "```"]  # fmt: skip
-    lines += _systems(r)
-    lines += ["", "| case | ratio | median (IQR) | min-max | bar | verdict |", "|---|---|---|---|---|---|"]
-    for c in r["cases"]:
-        for cmp in c["comparisons"]:
-            q = cmp["ratio"]
-            lines.append(f"| {c['name']} | {cmp['ours']} / {cmp['peer']} | {_ratio(q)} | {q['min']:.2f}-{q['max']:.2f} "
-                         f"| {_bar(cmp['bar'])} | {cmp['verdict']} |")  # fmt: skip
+    lines += _table(r)
     lines += ["", f"![every round's ratio, {r['name']}](benchmarks/results/plots/{r['name']}.png)"]
     if r.get("notes"):
         lines += ["", r["notes"]]
     return lines
 
 
-def _systems(r: dict[str, Any]) -> list[str]:
-    """Each case's systems, a row a case and a column a system (median and IQR; the min-max is in the result
-    file and the plot); consecutive cases with the same systems share a table."""
+def _table(r: dict[str, Any]) -> list[str]:
+    """A row a case: each system's median (IQR) of the rounds, then each comparison's ratio, median (IQR;
+    min-max) with its verdict against the bar in the column's head; consecutive cases with the same systems
+    and comparisons share a table (every round's figure is in the result file and the plot)."""
     lines: list[str] = []
-    names: list[str] | None = None
+    shape: tuple[tuple[str, ...], tuple[str, ...]] | None = None
     for c in r["cases"]:
-        systems = list(c["systems"])
-        if systems != names:
-            names = systems
-            head = f"case: {r['metric']}, median (IQR)"
-            lines += ["", f"| {head} | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
+        heads = tuple(f"{x['ours']} / {x['peer']}, {_bar(x['bar'])}" for x in c["comparisons"])
+        if (tuple(c["systems"]), heads) != shape:
+            shape = (tuple(c["systems"]), heads)
+            cols = [f"case: {r['metric']}, median (IQR)", *c["systems"], *heads]
+            lines += ["", f"| {' | '.join(cols)} |", "|---" * len(cols) + "|"]
         cells = [f"{v['median']:.4g}" + ("" if v["min"] == v["max"] else f" ({v['q1']:.4g}-{v['q3']:.4g})")
                  for v in c["systems"].values()]  # a constant (a closed form): its value alone
+        cells += [f"{q['median']:.2f} ({q['q1']:.2f}-{q['q3']:.2f}; {q['min']:.2f}-{q['max']:.2f}) "
+                  f"**{x['verdict']}**" for x in c["comparisons"] for q in [x["ratio"]]]  # fmt: skip
         lines.append(f"| {c['name']} | {' | '.join(cells)} |")
     return lines
 

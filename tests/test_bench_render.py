@@ -53,7 +53,8 @@ def test_page_shows_each_ratio_with_its_spread_and_an_honest_verdict(tmp_path: P
     assert "| toy / peer, wide | 1.00 (0.97-1.05) | >= 1x | straddles |" in headline
     assert "| toy / peer, narrow | 1.25 (1.22-1.28) | >= 1x | met |" in headline
     assert "measured / closed form" not in headline  # a check of an instrument: its section only
-    assert "| check | measured / closed form | 1.11 (1.11-1.11) | 1.11-1.11 | within 10% | not met |" in text
+    assert "| case: steps/s, median (IQR) | measured | closed form | measured / closed form, within 10% |" in text
+    assert "| check | 0.3 | 0.27 | 1.11 (1.11-1.11; 1.11-1.11) **not met** |" in text
     assert "```bash\npython toy.py\n```" in text
     render.plot(render.load_all(tmp_path)[0], tmp_path / "plots" / "toy.png")
     assert (tmp_path / "plots" / "toy.png").read_bytes()[:4] == b"\x89PNG"
