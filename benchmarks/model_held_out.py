@@ -26,6 +26,7 @@ Run (root; gpt-small at two rates, 5 rounds: about 25 minutes on 2 cores)::
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import tempfile
@@ -55,9 +56,12 @@ def step_s(cfg: Any, cluster: str, first: int) -> float:
             stop.set()
             for th in ths:
                 th.join()
+        own = [json.loads(x).get("step_s") for x in (out / "metrics.rank0.jsonl").read_text().splitlines() if x]
     last = max(seen)
     if first not in seen or last <= first:
         raise SystemExit(f"{cfg.strategy}: rank 0's rows {sorted(seen)[:3]}...{last}; none past step {first}")
+    loop = [t for t in own[first + 1 : last + 1] if t]
+    print(f"    (the loop's own step timer over the same steps: {1e3 * sum(loop) / max(1, len(loop)):.1f} ms)")
     return (seen[last] - seen[first]) / (last - first)
 
 
