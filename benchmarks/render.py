@@ -25,7 +25,7 @@ PLOTS = RESULTS / "plots"
 
 # the families in the order a reader meets them (a result file's "family"); others follow, by name
 FAMILIES = ["data parallelism", "sharded data parallelism", "pipeline parallelism", "tensor parallelism",
-            "decentralized", "compression", "several machines"]  # fmt: skip
+            "decentralized", "compression", "several machines", "performance model"]  # fmt: skip
 
 INTRO = """\
 # Benchmarks
@@ -42,7 +42,7 @@ Each result file also records the machine, the load average before and after, th
 
 Not on this page yet, because their scripts do not run on the harness (each prints its own table): time to
 target on gpt-small for every strategy (`benchmarks/time_to_target.py`), the parameter server's consistency
-policies (`benchmarks/ps_policies.py`), the performance model against measured steps
+policies (`benchmarks/ps_policies.py`), the performance model against measured CNN steps
 (`benchmarks/model_vs_measured.py`) and large-batch training (`benchmarks/large_batch.py`). The parameter
 server and the hybrid mesh have no peer in torch to run beside.
 """

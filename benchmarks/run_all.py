@@ -2,12 +2,12 @@
 
 Each entry is one benchmark script with the flags of its headline figure; ``--quick`` gives fewer steps
 (still 5 rounds, so that every ratio has a spread and a verdict) and marks the result files as quick, which
-the page shows. The emulated-cluster entry needs root (network namespaces); without it, it is left out
-with a line saying so and its result file keeps its last figures.
+the page shows. The emulated-cluster entries need root (network namespaces); without it, they are left out
+with a line saying so and their result files keep their last figures.
 
 Run::
 
-    python benchmarks/run_all.py                 # the full set (about an hour on 2 cores)
+    python benchmarks/run_all.py                 # the full set (about an hour and a half on 2 cores)
     python benchmarks/run_all.py --quick         # 20 minutes or less on 2 cores
     python benchmarks/run_all.py --only dp_vs_ddp,local_sgd_vs_torch
 """
@@ -58,6 +58,8 @@ ENTRIES = (
            "--systems", "dtrain dp,dtrain z3,torch ddp,torch fsdp2")),
     Entry("compression_vs_ddp", "compression_vs_ddp.py", ("--repeats", "5"), ("--repeats", "5", "--max-steps", "300"),
           root=True),
+    Entry("model_held_out", "model_held_out.py", ("--rounds", "5"),
+          ("--rounds", "5", "--bandwidths", "1gbit", "--steps", "5", "--window", "1"), root=True),
     Entry("nodes_launch", "nodes_launch.py", ("--repeats", "7"),
           ("--strategies", "dp", "--steps", "150", "--from", "30", "--repeats", "5"), root=True),
 )  # fmt: skip
