@@ -168,19 +168,13 @@ def _latency(numel: int, trips: int = 50) -> float:
     half the median round trip; the other ranks wait at the barrier."""
     import torch.distributed as dist
 
+    from dtrain.measure.p2p import round_trip
+
     buf, times = torch.zeros(numel), []
     dist.barrier()
     if dist.get_rank() < 2:
-        peer = 1 - dist.get_rank()
-        for _ in range(trips + 5):
-            t0 = time.perf_counter()
-            if peer:
-                dist.send(buf, peer)
-                dist.recv(buf, peer)
-            else:
-                dist.recv(buf, peer)
-                dist.send(buf, peer)
-            times.append(time.perf_counter() - t0)
+        me = dist.get_rank()
+        times = [round_trip("native", None, buf, 1 - me, initiator=me == 0) for _ in range(trips + 5)]
     dist.barrier()
     return statistics.median(times[5:]) / 2 if times else 0.0
 
