@@ -211,7 +211,8 @@ def profile_model(
                         optimizer=optimizer, extra=extra)  # fmt: skip
     if not measure:
         return prof
-    key = memo.digest([_identity(model, sample_batch), batch, threads, optimizer, repeats, warmup, torch.__version__,
+    at = threads or torch.get_num_threads()  # the threads the times are taken at
+    key = memo.digest([_identity(model, sample_batch), batch, at, optimizer, repeats, warmup, torch.__version__,
                        f"{getattr(loss_fn, '__module__', '')}.{getattr(loss_fn, '__qualname__', repr(loss_fn))}"])
     kept = memo.recall("profiles", key)
     if kept is not None:  # measured by an earlier plan on this machine (inside memo.kept_in only)
