@@ -11,15 +11,17 @@ Two ways to run one job on the emulated hosts (network namespaces, shaped links,
 Both train with the same workers, so the steps should take the same time. The instrument is outside the
 code under test: this script's clock, reading rank 0's ``metrics.rank0.jsonl`` as it grows (a row a step,
 flushed as written); the time from the row of step ``--from`` to that of the last step, over the steps
-between. The runs are long (1,100 timed steps, about 25 s) because the four hosts share two cores here: over
-350 steps the same launch's rate spread by 15% from run to run, and the ratio's spread straddled the 5% bar.
+between. The runs are long (1,100 timed steps by default, about 25 s) because the four hosts share two cores
+here: over 350 steps the same launch's rate spread by 15% from run to run, and the ratio's spread straddled the
+5% bar; at 1,100 steps and 7 rounds dp's still did by its upper quartile (1.002-1.051), so the headline runs
+1,900 timed steps in 9 rounds.
 Systems and strategies run in rotated order in every round; ``--repeats`` rounds; medians with
 min-max, and the ratio per-node / one-launcher of each round's pair (1.0: no cost).
 
 Run (root)::
 
     python benchmarks/nodes_launch.py                       # 4 hosts at 1gbit, dp and pipeline, 5 rounds
-    python benchmarks/nodes_launch.py --repeats 7 --out benchmarks/results/nodes_launch.json
+    python benchmarks/nodes_launch.py --repeats 9 --steps 2000 --out benchmarks/results/nodes_launch.json
 
 ``--out`` writes the harness's result file (:mod:`dtrain.measure.harness`); the bar: within 5% (no cost).
 """

@@ -60,7 +60,7 @@ ENTRIES = (
           root=True),
     Entry("model_held_out", "model_held_out.py", ("--rounds", "5"),
           ("--rounds", "5", "--bandwidths", "1gbit", "--steps", "5", "--window", "1"), root=True),
-    Entry("nodes_launch", "nodes_launch.py", ("--repeats", "7"),
+    Entry("nodes_launch", "nodes_launch.py", ("--repeats", "9", "--steps", "2000"),
           ("--strategies", "dp", "--steps", "150", "--from", "30", "--repeats", "5"), root=True),
 )  # fmt: skip
 
