@@ -128,6 +128,7 @@ def one_worker_checkpoint(tmp_path):
 def test_resume_checks_pass_for_the_same_run(one_worker_checkpoint):
     cfg, run = one_worker_checkpoint
     validate(cfg.replace(resume=str(run), lr=0.01, max_steps=30))  # hyperparameters and length may change
+    validate(cfg.replace(resume=str(run), batch_size=32))  # so may a fixed batch (from the checkpoint's sample)
 
 
 @pytest.mark.parametrize("change, words", [
@@ -135,7 +136,7 @@ def test_resume_checks_pass_for_the_same_run(one_worker_checkpoint):
     (dict(compression="powersgd:2"), "compression='topk:0.01'"),
     (dict(compression="none"), "--compression topk:0.01"),
     (dict(error_feedback=False), "--error-feedback"),
-    (dict(batch_size=32), "batch_size=64"),
+    (dict(batch_schedule="0:64,1:128"), "batch_schedule='0:64,1:128'"),
     (dict(model="mlp"), "model='cnn'"),
     (dict(strategy="ps", workers=1, servers=1), "strategy='dp'"),
     (dict(max_steps=10), "nothing is left to train"),

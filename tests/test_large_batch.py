@@ -356,6 +356,45 @@ def test_a_run_stopped_inside_a_scheduled_epoch_resumes_to_the_uninterrupted_res
     assert s["final_loss"] == pytest.approx(read_summary(straight)["final_loss"], abs=1e-6)
 
 
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_a_fixed_batch_run_resumed_at_new_batches_trains_as_the_scheduled_one(straight, tmp_path):
+    """``--resume CKPT --batch-size B'`` goes on from the checkpoint's sample at B' (what PBT's explore does):
+    a 32-batch run cut after its first epoch, resumed at 64, that one cut after the second and resumed at 128,
+    trains step for step as the uninterrupted ``--batch-schedule 0:32,1:64,2:128`` run (same epochs, rates by
+    the linear rule against the first batch, losses)."""
+    fixed = [a for a in RUN if a not in ("--batch-schedule", "0:32,1:64,2:128")]
+    cuts = [PER_EPOCH[0], PER_EPOCH[0] + PER_EPOCH[1], sum(PER_EPOCH)]
+    prev, outs = None, []
+    for i, (batch, stop) in enumerate(zip(SCHEDULE, cuts)):
+        out = tmp_path / f"b{batch}"
+        more = ["--resume", str(prev)] if prev else []
+        p = _run(*fixed, "--batch-size", str(batch), "--max-steps", str(stop), "--checkpoint-every", "1000",
+                 *more, "--out", str(out))  # fmt: skip
+        assert p.returncode == 0, (batch, p.stderr[-3000:])
+        s = read_summary(out)
+        start = s.get("start_step", 0)  # a resumed run's summary names its first step
+        assert (start, start + s["steps"]) == ((cuts[i - 1] if i else 0), stop), batch
+        prev = out
+        outs.append(out)
+    info = read_checkpoint(prev / "checkpoints" / f"step_{cuts[-1]:06d}")["info"]
+    assert info["batches"] == {"first": 32, "changes": [[cuts[0], 64], [cuts[1], 128]]}
+    a = {(r["rank"], r["step"]): r for r in read_metrics(straight)}
+    b = {(r["rank"], r["step"]): r for out in outs for r in read_metrics(out)}
+    assert sorted(b) == sorted(a)
+    for key, r in b.items():
+        assert r["epoch"] == a[key]["epoch"], key
+        assert r["lr"] == pytest.approx(a[key]["lr"], rel=1e-12), key
+        assert abs(r["loss"] - a[key]["loss"]) <= 1e-6, (key, r["loss"], a[key]["loss"])
+
+    base = RunConfig.make(workers=2, epochs=3, lr=0.05, lr_scaling="linear", warmup_steps=5)
+    validate(base.replace(resume=str(outs[0]), batch_size=96))  # any fixed batch
+    with pytest.raises(ConfigError, match="batch_schedule"):  # a schedule still belongs to its checkpoint
+        validate(base.replace(resume=str(outs[0]), batch_schedule="0:64,2:128"))
+    with pytest.raises(ConfigError, match="not both"):  # dp reshards, but not while the batch changes too
+        validate(base.replace(resume=str(outs[0]), batch_size=64, workers=1))
+
+
 # ---------------------------------------------------------------------- 6. the large-batch optimizers from the CLI
 
 

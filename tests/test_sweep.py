@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -112,8 +113,9 @@ def test_the_distributions_parse() -> None:
     ({"microbatches": "choice([2, 4])"}, {}, "an option of pipeline, hybrid, not of dp"),
     ({"batch_size": "choice(['big'])"}, {}, "batch_size"),
     ({"lr": "uniform(0.01, 0.1)"}, {"metric": "val_loss"}, "reports test_accuracy at each evaluation, not val_loss"),
-    ({"batch_size": "choice([32, 64])"}, {"scheduler": "pbt", "concurrent": 8},
-     "batch_size cannot change there"),
+    ({"layers": "randint(1, 3)"}, {"scheduler": "pbt", "concurrent": 8}, "layers cannot change there"),
+    ({"batch_size": "randint(16, 128)"}, {"scheduler": "pbt", "concurrent": 8}, "write it as choice([...])"),
+    ({"batch_size": "choice([32, 0])"}, {"scheduler": "pbt", "concurrent": 8}, "batch_size = 0 of the space"),
     ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "pbt", "trials": 4, "concurrent": 2}, "give --concurrent 4"),
     ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "pbt", "search": "tpe", "concurrent": 8}, "use --search random"),
     ({"lr": "uniform(0.01, 0.1)"}, {"search": "grid"}, "lr is a range"),
@@ -146,6 +148,25 @@ def test_the_search_can_start_at_the_base_configuration() -> None:
         inner = getattr(got, "searcher", got)  # ConcurrencyLimiter wraps the model-based ones
         points = getattr(inner, "_points_to_evaluate", None)
         assert points == [spec.start], (search, points)
+
+
+def test_pbt_moves_a_listed_batch_to_a_neighbour() -> None:
+    """PBT's explore (Ray's own) changes a listed batch to the next value up or down the list, never by a
+    factor (64 x 1.2 would be no batch of the space)."""
+    from ray.tune.schedulers.pbt import _explore  # the tune extra, which scripts/test.sh installs
+
+    from dtrain.search.tune import _mutation, clip
+
+    spec = _spec({"batch_size": "choice([32, 64, 128])", "lr": "uniform(0.01, 0.1)"}, scheduler="pbt", trials=4,
+                 concurrent=4)  # fmt: skip
+    mutations = {k: _mutation(p) for k, p in spec.space.items()}
+    seen = set()
+    for seed in range(40):
+        random.seed(seed)
+        new, _ = _explore({"batch_size": 64, "lr": 0.05}, mutations, 0.0, (1.2, 0.8), lambda c: clip(spec, c))
+        seen.add(new["batch_size"])
+        assert 0.01 <= new["lr"] < 0.1
+    assert seen == {32, 128}
 
 
 def test_pbt_perturbations_stay_inside_the_range() -> None:
@@ -229,6 +250,16 @@ def test_an_exploited_trial_continues_exactly_where_its_donor_was(tmp_path: Path
     assert min(s for s, _ in after) == 10 and set(after) == {k for k in before if k[0] >= 10}
     assert all(after[k] == before[k] for k in after), "the resumed trial's losses differ from its donor's"
     assert [m["test_accuracy"] for m in got] == [m["test_accuracy"] for m, _ in seen if m["step"] > 10]
+
+    # PBT's explore may change the batch: from the same checkpoint at 128 (the donor's 64), the trial goes on
+    # from the donor's sample (10 steps x 32 of each worker's 718) at 64 a worker, to its epoch's end
+    wide = tmp_path / "trials" / "t2"
+    rec = run_trial(wide, base, {"lr": 0.05, "batch_size": 128}, lambda m, c: None, metric="test_accuracy",
+                    resume=at_10)  # fmt: skip
+    assert rec["fate"] == "finished", rec
+    rows = read_metrics(wide / "run-0")
+    assert sorted({r["step"] for r in rows}) == list(range(10, 10 + (718 - 10 * 32) // 64))
+    assert {r["epoch"] for r in rows} == {0}
 
     # the two trials as a sweep: sweep.json and dtrain report's page name the exploit, from t0 at step 10
     from dtrain.observe.report_sweep import write_sweep_report

@@ -25,7 +25,10 @@ boundaries, so each epoch is one ``DistributedSampler`` permutation (the same on
 resume) cut into that epoch's batches. ``auto`` lets the measured gradient noise scale choose
 (:mod:`dtrain.training.noise_scale`), at the start of each epoch or, with ``--auto-every N``, after every
 N steps: then an epoch is still one permutation, cut into consecutive batches of the sizes in force when
-each was drawn, and :class:`BatchPlan` finds a step's place in it from the list of changes.
+each was drawn, and :class:`BatchPlan` finds a step's place in it from the list of changes. A run resumed
+from a checkpoint at another ``--batch-size`` (what population-based training's explore does) is such a
+change too: the data goes on from the checkpoint's sample, cut into batches of the new size, and
+``scaling`` follows the batch in force.
 """
 
 from __future__ import annotations
@@ -101,8 +104,9 @@ class BatchPlan:
 
     @property
     def within_epochs(self) -> bool:
-        """Whether the batch may change inside an epoch (``auto`` with ``every > 0``)."""
-        return self.auto and self.every > 0
+        """Whether the batch may change inside an epoch (``auto`` with ``every > 0``, or a run resumed at
+        another batch: :meth:`change`)."""
+        return (self.auto and self.every > 0) or bool(self.changes)
 
     def batch(self, epoch: int, shards: int = 1) -> int:
         """The global batch of ``epoch`` (past the last planned epoch: the last one's); deciding within
@@ -127,8 +131,12 @@ class BatchPlan:
         for e in range(epoch, len(self.batches)):
             self.batches[e] = batch
 
-    def change(self, step: int, batch: int) -> None:
-        """``auto`` deciding within epochs: steps from ``step`` on train at ``batch``."""
+    def change(self, step: int, batch: int, *, again: bool = False) -> None:
+        """Steps from ``step`` on train at ``batch`` (``auto`` deciding within epochs; a run resumed at another
+        batch). ``again``: a change at the last change's step replaces it (a resumed run's batch supersedes
+        the one its checkpoint was resumed with at that step)."""
+        if again and self.changes and step == self.changes[-1][0]:
+            self.changes.pop()
         if self.changes and step <= self.changes[-1][0]:
             raise ValueError(f"a batch change at step {step} follows one at step {self.changes[-1][0]}")
         self.changes.append((step, batch))

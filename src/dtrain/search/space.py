@@ -41,8 +41,9 @@ DISTRIBUTIONS = {
 }
 
 # the keys that may change in the middle of a run (a resumed checkpoint takes them from the new
-# configuration, dtrain.training.checkpointing): what population-based training may perturb
-MUTABLE = ("lr", "momentum", "weight_decay")
+# configuration, dtrain.training.checkpointing; a fixed batch goes on from the checkpoint's sample, the rate
+# following it by --lr-scaling): what population-based training may perturb
+MUTABLE = ("lr", "momentum", "weight_decay", "batch_size")
 
 
 @dataclass(frozen=True)

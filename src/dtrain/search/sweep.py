@@ -243,6 +243,26 @@ def _check_pbt(base: Any, space: dict[str, Param], search: str, trials: int, con
                           f"checkpoint of one still training), and --concurrent {concurrent} runs fewer: "
                           f"give --concurrent {trials}")  # fmt: skip
     base.hooks.check_checkpointing(base.opts, base)  # PBT's exploit resumes checkpoints
+    if "batch_size" in space:
+        _check_pbt_batches(base, space["batch_size"])
+
+
+def _check_pbt_batches(base: Any, p: Param) -> None:
+    """PBT over the batch: listed values (explore moves to a neighbour), each one the run takes, and a fixed
+    batch to change (a batch schedule belongs to its checkpoint)."""
+    from dtrain.job.validate import validate
+
+    if not p.discrete:
+        raise ConfigError(f"--scheduler pbt moves batch_size to a neighbouring listed value, and {p.text()} is a "
+                          "range: write it as choice([...]), e.g. choice([32, 64, 128])")  # fmt: skip
+    if base.batch_schedule:
+        raise ConfigError(f"--scheduler pbt over batch_size changes a fixed batch, and the run has --batch-schedule "
+                          f"{base.batch_schedule!r}: leave the schedule out of the run")  # fmt: skip
+    for v in p.values:
+        try:
+            validate(base.replace(batch_size=v))
+        except (ConfigError, TypeError, ValueError) as e:
+            raise ConfigError(f"batch_size = {v!r} of the space: {e}") from None
 
 
 def _fate(segments: list[dict[str, Any]], error: str | None, base: dict[str, Any], hp: dict[str, Any]) -> str:

@@ -103,11 +103,17 @@ def _scheduler(spec: SweepSpec) -> Any:
     if spec.scheduler == "pbt":
         random.seed(spec.seed)  # PBT's choices (whom to copy, how to perturb) draw from the random module
         return PopulationBasedTraining(time_attr="step", perturbation_interval=spec.perturbation_interval,
-                                       hyperparam_mutations={k: _domain(p) for k, p in spec.space.items()},
+                                       hyperparam_mutations={k: _mutation(p) for k, p in spec.space.items()},
                                        quantile_fraction=spec.quantile, resample_probability=0.25,
                                        custom_explore_fn=lambda config: clip(spec, config), synch=True)  # fmt: skip
     fifo: Any = FIFOScheduler  # (unannotated in Ray)
     return fifo()
+
+
+def _mutation(p: Param) -> Any:
+    """How PBT's explore changes a key: a range by a factor (0.8 or 1.2) or a fresh draw; listed values by a
+    step to a neighbour in the list or a fresh pick (a list, for Ray; a choice domain would be multiplied)."""
+    return list(p.values) if p.discrete else _domain(p)
 
 
 def clip(spec: SweepSpec, config: dict[str, Any]) -> dict[str, Any]:

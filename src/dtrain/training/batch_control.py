@@ -35,9 +35,11 @@ class BatchControl:
 
     @functools.cached_property
     def plan(self) -> BatchPlan:
-        """Every epoch's global batch (``--batch-size``, ``--batch-schedule``; ``auto`` decides as it goes)."""
-        c = self.cfg
-        return BatchPlan.of(c.batch_size, c.batch_schedule, len(self.data.train), c.epochs, every=c.auto_every)
+        """Every epoch's global batch (``--batch-size``, ``--batch-schedule``; ``auto`` decides as it goes; a
+        run resumed at another batch changes it at the checkpoint's step)."""
+        from dtrain.training.checkpointing import batch_plan
+
+        return batch_plan(self.cfg, len(self.data.train))
 
     @property
     def shards(self) -> int:
@@ -72,7 +74,7 @@ class BatchControl:
         """Before ``epoch``'s data: ``--batch-schedule auto`` doubles the batch while the smoothed noise scale
         exceeds it by the margin (:func:`dtrain.training.noise_scale.next_batch`). Every rank computes the
         same noise scale (from all-reduced norms), so every rank makes the same decision."""
-        if self.plan.within_epochs and not self.decisions:  # --auto-every: after_step decides
+        if self.plan.auto and self.plan.within_epochs and not self.decisions:  # --auto-every: after_step decides
             self.decisions.append({"step": 0, "batch": self.plan.current, "b_simple": None})
         if not self.plan.auto or self.plan.within_epochs or self.noise is None \
                 or any(d["epoch"] == epoch for d in self.decisions):
@@ -88,7 +90,7 @@ class BatchControl:
         steps that follow (the same on every rank: the noise scale and the step's cost are all-reduced); the
         loader's next batch takes it (:class:`dtrain.training.loaders.ShardLoaders`)."""
         plan = self.plan
-        if not plan.within_epochs or self.noise is None or steps % plan.every:
+        if not (plan.auto and plan.within_epochs) or self.noise is None or steps % plan.every:
             return
         b, ratio = plan.current, 1.0
         if self.step_cost is not None:  # --auto-rule time
@@ -113,9 +115,12 @@ class BatchControl:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """:meth:`state_dict` back (a resumed run), before the engine locates its position in the data."""
-        self.plan.batches[: len(state["plan"])] = state["plan"]
-        self.plan.changes = [(int(s), int(b)) for s, b in state.get("changes", [])]
+        """:meth:`state_dict` back (a resumed run), before the engine locates its position in the data. A
+        fixed or scheduled plan came whole from the configuration and the checkpoint's marker
+        (:func:`dtrain.training.checkpointing.batch_plan`); ``auto``'s decisions come from here."""
+        if self.plan.auto:
+            self.plan.batches[: len(state["plan"])] = state["plan"]
+            self.plan.changes = [(int(s), int(b)) for s, b in state.get("changes", [])]
         self.decisions = list(state["decisions"])
         if self.noise is not None and "noise" in state:
             self.noise.load_state_dict(state["noise"])

@@ -30,7 +30,9 @@ batches the uninterrupted run would have.
 Optimizer hyperparameters (lr, momentum, weight decay) come from the resumed
 run's configuration, not from the checkpoint: ``--resume PATH --lr 0.01``
 continues with the new rate; the optimizer's *state* (momentum buffers, Adam's
-moments and step counts) comes from the checkpoint.
+moments and step counts) comes from the checkpoint. So may a fixed batch:
+``--resume PATH --batch-size 128`` goes on from the checkpoint's sample at the new
+batch (:func:`batch_plan`), the learning rate following it by ``--lr-scaling``.
 
 :func:`check_resume` runs in the parent before any process starts: it refuses a
 checkpoint that is missing, incomplete or damaged (a file whose size or SHA-256
@@ -60,6 +62,7 @@ from dtrain.workloads.batch import split_batch
 
 if TYPE_CHECKING:
     from dtrain.config.schema import RunConfig
+    from dtrain.optim.large_batch import BatchPlan
 
 __all__ = ["RunCheckpointer", "run_info", "check_resume", "train_steps"]
 
@@ -83,11 +86,33 @@ def run_info(cfg: RunConfig) -> dict[str, Any]:
     return d
 
 
-def train_steps(cfg: RunConfig) -> int:
-    """Steps of ``cfg``'s run (per worker), as :meth:`dtrain.training.TrainContext.total_steps` counts them."""
+def batch_plan(cfg: RunConfig, samples: int) -> BatchPlan:
+    """The global batch of each of ``cfg``'s steps over ``samples`` training samples
+    (:class:`~dtrain.optim.large_batch.BatchPlan`).
+
+    A run resumed at a ``--batch-size`` other than the one in force at its checkpoint's step (population-based
+    training's explore) goes on from the checkpoint's place in the data at the new batch: the plan is the
+    checkpoint's (its first batch and its own changes, from the marker) with a change at that step."""
     from dtrain.optim.large_batch import BatchPlan
 
-    plan = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, len(cfg.load_data().train), cfg.epochs)
+    plan = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, samples, cfg.epochs, every=cfg.auto_every)
+    if not cfg.resume or cfg.batch_schedule:
+        return plan
+    info = read_info(find_checkpoint(cfg.resume))
+    saved = info.get("batches")
+    if not isinstance(saved, dict):  # a checkpoint from before batches were recorded: its own batch throughout
+        saved = {"first": info.get("run", {}).get("batch_size", cfg.batch_size), "changes": []}
+    plan = BatchPlan.of(int(saved["first"]), "", samples, cfg.epochs)
+    plan.changes = [(int(s), int(b)) for s, b in saved["changes"]]
+    step = int(info["step"])
+    if plan.batch_at(step, cfg.opts.batch_shards(cfg.workers)) != cfg.batch_size:
+        plan.change(step, cfg.batch_size, again=True)
+    return plan
+
+
+def train_steps(cfg: RunConfig) -> int:
+    """Steps of ``cfg``'s run (per worker), as :meth:`dtrain.training.TrainContext.total_steps` counts them."""
+    plan = batch_plan(cfg, len(cfg.load_data().train))
     n = plan.total(cfg.opts.batch_shards(cfg.workers))
     return int(min(n, cfg.max_steps) if cfg.max_steps else n)
 
@@ -119,6 +144,9 @@ def check_resume(cfg: RunConfig) -> None:
         mine = {k: v for k, v in mine.items() if k != "workers"}
     keys = sorted(set(saved) | set(mine), key=lambda k: list(mine).index(k) if k in mine else 99)
     diff = [k for k in keys if saved.get(k) != mine.get(k)]
+    rebatch = "batch_size" in diff and "batch_schedule" not in saved and "batch_schedule" not in mine
+    if rebatch:  # a fixed batch may change at the checkpoint's step (batch_plan)
+        diff.remove("batch_size")
     if diff:
         was = ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
         now = ", ".join(f"{k}={mine.get(k)!r}" for k in diff)
@@ -133,6 +161,12 @@ def check_resume(cfg: RunConfig) -> None:
             f"{cfg.num_processes}"
         )
     if reshard and int(info["world_size"]) != cfg.num_processes:
+        if rebatch:
+            raise CheckpointError(
+                f"cannot resume {ckpt} on {cfg.workers} workers at --batch-size {cfg.batch_size}: it was saved by "
+                f"{info['run']['workers']} workers at {saved['batch_size']}; change the batch or the workers, "
+                "not both at once"
+            )
         _check_same_global_batch(cfg, ckpt, saved_workers=int(info["run"]["workers"]))
     total = train_steps(cfg)
     if int(info["step"]) >= total:
@@ -269,9 +303,11 @@ class RunCheckpointer:
         ``sharded``: DTensors each rank holds a part of (see :func:`~dtrain.checkpoint.save_checkpoint`)."""
         blob = dict(rank_state or {})
         blob["rng"] = rng_state()
+        info = {"run": run_info(self.cfg), **facts}
         if self.loop_state:
             blob["loop"] = self.loop_state
-        info = {"run": run_info(self.cfg), **facts}
+            if not self.cfg.batch_schedule:  # a fixed batch (or one a resume changed): a resume at another starts here
+                info["batches"] = {"first": self.loop_state["plan"][0], "changes": self.loop_state["changes"]}
         path = save_checkpoint(self.root, step, model=model, optimizer=optimizer, rank_state=blob, info=info,
                                group=self.group, sharded=sharded)
         self._saved.add(step)
