@@ -27,10 +27,18 @@ on ``--fixed-model`` (gpt-tiny: 137K parameters, about 2 MiB of states) in the s
 collectives' buffers and the allocator's slack, which grow with the model. The harness's ratios are closed
 form + activations (+ the fixed cost) / process, against "within 10%".
 
+``--allocator return`` measures the same with glibc told (``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` in each
+process, before its baseline) to serve every block of 64 KiB or more from its own mapping, so that freeing it
+gives it back to the kernel at once: glibc's default raises that threshold up to 32 MiB as large blocks are
+freed and keeps what is freed below it for reuse, so the resident set's peak also holds freed memory (each
+step's activations and gathered units, the whole model ZeRO-3 built before sharding it). The two runs differ
+only in what the allocator keeps.
+
 Run::
 
     python benchmarks/memory.py                            # gpt-small, 4 processes, every system, 5 rounds
     python benchmarks/memory.py --out benchmarks/results/memory_sharded.json
+    python benchmarks/memory.py --allocator return --out benchmarks/results/memory_sharded_return.json
 """
 
 from __future__ import annotations
@@ -56,6 +64,11 @@ NOTES = ("A system's figure is its largest rank's. Live tensors after the last s
          "flight and the allocator's keeping of freed memory (the whole model built before ZeRO-3 shards it, each "
          "step's activations and gathered units; docs/sharded.md). FSDP2's closed form here is 16 Psi / N without "
          "its gathered units; DDP's buckets are C++-held, outside the census.")  # fmt: skip
+
+NOTES_RETURN = ("The same systems and figures as the default allocator's table, each process with glibc's mmap "
+                "threshold fixed at 64 KiB: a freed block of 64 KiB or more goes back to the kernel at once, so "
+                "the peak holds what was live at one time, not what the allocator kept. The fixed cost is "
+                "measured under the same setting.")  # fmt: skip
 
 
 class _Tensor:
@@ -103,12 +116,25 @@ def tensor_state_bytes(args: dict[str, Any], tp: int) -> float:
     return 16 * (split / tp + replicated)
 
 
+def return_freed_blocks(threshold: int = 64 << 10) -> None:
+    """glibc: serve every block of ``threshold`` bytes or more from its own mapping (``M_MMAP_THRESHOLD``; a
+    fixed threshold also stops glibc raising it as blocks are freed), so that freeing one unmaps it."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if libc.mallopt(-3, threshold) != 1:  # M_MMAP_THRESHOLD; 1 on success
+        raise SystemExit("--allocator return: glibc's mallopt refused M_MMAP_THRESHOLD")
+
+
 def _worker(name: str, args: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from dtrain.measure.memory import ProcessMemory
 
     torch.set_num_threads(1)
+    if args["allocator"] == "return":
+        return_freed_blocks()
     if name in TENSOR:  # every rank the whole batch
         data = sharded._batches({**args, "batch_size": args["tp_batch"]}, 0, 1)
     else:
@@ -184,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--fixed-model", default="gpt-tiny", help="the model whose process memory beyond its closed "
                     "form and activations is the runtime's fixed cost (default: gpt-tiny, 137K parameters)")
+    ap.add_argument("--allocator", choices=("default", "return"), default="default",
+                    help="return: glibc gives every freed block of 64 KiB or more back at once (mallopt)")
     add_result_flags(ap)
     a = ap.parse_args(argv)
     names = [s for s in a.systems.split(",") if s]
@@ -191,13 +219,19 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown system(s) {bad}; choose from {','.join(SYSTEMS)}")
     args = dict(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps, lr=1e-3, seed=0,
-                algorithm="ring", overlap="backward", nprocs=a.nprocs, tp_batch=a.tp_batch)  # fmt: skip
+                algorithm="ring", overlap="backward", nprocs=a.nprocs, tp_batch=a.tp_batch,
+                allocator=a.allocator)  # fmt: skip
     psi = sum(p.numel() for p in sharded._model(args).parameters())
-    bench = Benchmark("memory_sharded", title="Memory as the process sees it: ZeRO, tensor parallelism",
+    returning = a.allocator == "return"
+    bench = Benchmark("memory_sharded_return" if returning else "memory_sharded",
+                      title="Memory as the process sees it: ZeRO, tensor parallelism" + (
+                          ", glibc returning freed blocks" if returning else ""),
                       family="sharded data parallelism",
                       workload=f"{a.model} (Psi = {psi:,} parameters), seq_len {a.seq_len}, global batch "
                                f"{a.batch_size}, Adam, {a.nprocs} processes (tensor parallelism: tp processes, "
-                               f"each the whole batch of {a.tp_batch}); {a.steps} steps in fresh processes",
+                               f"each the whole batch of {a.tp_batch}); {a.steps} steps in fresh processes"
+                               + ("; glibc's mmap threshold fixed at 64 KiB in every process (mallopt)"
+                                  if returning else ""),
                       metric="MiB", higher_is_better=False, repeats=a.rounds, quick=a.quick,
                       command=command("benchmarks/memory.py", argv))  # fmt: skip
     tiny = {**args, "model": a.fixed_model}
@@ -230,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             bench.add_case(f"{what}, process memory", samples={ours: samples[ours]["process"],
                                                                peer: samples[peer]["process"]},
                            compare=[(ours, peer, Bar.at_least(1.0))])  # fmt: skip
-    bench.notes = NOTES
+    bench.notes = NOTES_RETURN if returning else NOTES
     bench.report(a.out)
     return 0
 
