@@ -18,7 +18,9 @@ baseline, in MiB, beside:
 Tensor parallelism (``dtrain tp1``, ``tp2``, ``tp4``, ``tp4 sp``: ``tensor_parallel.py``'s Megatron plan, with
 sequence parallelism for the last) runs in a launch of ``tp`` processes, every rank training the whole batch of
 ``--tp-batch`` samples with Adam; its closed form is 16 bytes a parameter the rank holds (its ``1/tp`` of the
-split ones, all of the replicated ones), plus the activations as above.
+split ones, all of the replicated ones), plus the activations as above. Its optimizer's ``zero_grad`` frees the
+gradients before each forward and backward frees the activations as it makes the gradients, so its step's
+peak is also given as 12 bytes a held parameter plus the larger of the activations and the gradients.
 
 The process holds more than the model states and activations: the runtime's own memory (what a launch
 allocates after the baseline whatever the model: imported code, the process group's and autograd's buffers,
@@ -58,6 +60,10 @@ TENSOR = {"dtrain tp1": (1, False), "dtrain tp2": (2, False), "dtrain tp4": (4, 
 SYSTEMS = ("dtrain dp", "dtrain z1", "dtrain z2", "dtrain z3", "torch ddp", "torch ddp+zero", "torch fsdp2",
            *TENSOR)  # fmt: skip
 MIB = 2**20
+#: tensor parallelism's step-peak form: parameters and Adam's moments (12 bytes a held parameter) and the larger
+#: of the activations (held at the end of forward) and the gradients (at the end of backward): the optimizer's
+#: zero_grad frees the gradients before the forward, and backward frees the activations as it makes them
+PEAK = "parameters + Adam + max(activations, gradients)"
 NOTES = ("A system's figure is its largest rank's. Live tensors after the last step are the closed form's "
          "states, plus dtrain dp's ring piece pool; the fixed cost is what the same system costs on a model of "
          "next to nothing. What the process holds beyond both grows with the model: the gradients of a bucket in "
@@ -189,10 +195,13 @@ def _measure(name: str, args: dict[str, Any], psi: int, nprocs: int) -> dict[str
     else:  # DDP: stage 0's; with ZeroRedundancyOptimizer, stage 1's; FSDP2: stage 3's less its gathered units
         closed = {"torch ddp": 16 * psi, "torch ddp+zero": 8 * psi + 8 * psi / nprocs}.get(name, 16 * psi / nprocs)
     activations = max(v["activations"] for v in ranks.values())
-    return {"process": max(v["process"] for v in ranks.values()) / MIB,
-            "live tensors": max(v["live"] for v in ranks.values()) / MIB,
-            "wrapper": max(counted) / MIB if counted else float("nan"),
-            "closed form": closed / MIB, "closed form + activations": (closed + activations) / MIB}  # fmt: skip
+    out = {"process": max(v["process"] for v in ranks.values()) / MIB,
+           "live tensors": max(v["live"] for v in ranks.values()) / MIB,
+           "wrapper": max(counted) / MIB if counted else float("nan"),
+           "closed form": closed / MIB, "closed form + activations": (closed + activations) / MIB}  # fmt: skip
+    if name in TENSOR:  # zero_grad frees the gradients: a step's peak holds activations or gradients, not both
+        out[PEAK] = (0.75 * closed + max(activations, 0.25 * closed)) / MIB
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,9 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                       command=command("benchmarks/memory.py", argv))  # fmt: skip
     tiny = {**args, "model": a.fixed_model}
     tiny_psi = sum(p.numel() for p in sharded._model(tiny).parameters())
-    kinds = ("process", "live tensors", "wrapper", "closed form", "closed form + activations",
-             "closed form + activations + fixed cost")  # fmt: skip
-    samples: dict[str, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in names}
+    samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     bench.start()
     for r in range(a.rounds):
         k = r % len(names)
@@ -247,17 +254,23 @@ def main(argv: list[str] | None = None) -> int:
             small = _measure(name, tiny, tiny_psi, a.nprocs)  # the runtime's own: a model of next to nothing
             fixed = small["process"] - small["closed form + activations"]
             for kind, v in got.items():
-                samples[name][kind].append(v)
-            samples[name]["closed form + activations + fixed cost"].append(got["closed form + activations"] + fixed)
+                samples[name].setdefault(kind, []).append(v)
+            samples[name].setdefault("closed form + activations + fixed cost", []).append(
+                got["closed form + activations"] + fixed)
+            if PEAK in got:  # its own fixed cost: gpt-tiny's process beyond the same form
+                samples[name].setdefault(f"{PEAK} + fixed cost", []).append(
+                    got[PEAK] + small["process"] - small[PEAK])
             print(f"round {r + 1}/{a.rounds}: {name:<13} process {got['process']:7.1f} MiB, live tensors "
                   f"{got['live tensors']:7.1f}, closed form + activations {got['closed form + activations']:7.1f}, "
                   f"fixed cost ({a.fixed_model}) {fixed:5.1f}", flush=True)  # fmt: skip
     bench.stop()
     for name in names:
         got = {k: v for k, v in samples[name].items() if not any(x != x for x in v)}  # no wrapper count: left out
-        bench.add_case(name, samples=got, compare=[("process", "closed form + activations", Bar.within(0.10)),
-                                                   ("process", "closed form + activations + fixed cost",
-                                                    Bar.within(0.10))], headline=False)  # fmt: skip
+        compare = [("process", "closed form + activations", Bar.within(0.10)),
+                   ("process", "closed form + activations + fixed cost", Bar.within(0.10))]
+        if f"{PEAK} + fixed cost" in got:
+            compare.append(("process", f"{PEAK} + fixed cost", Bar.within(0.10)))
+        bench.add_case(name, samples=got, compare=compare, headline=False)
     for ours, peer, what in (("dtrain dp", "torch ddp", "stage 0"), ("dtrain z1", "torch ddp+zero", "stage 1"),
                              ("dtrain z3", "torch fsdp2", "stage 3")):  # fmt: skip
         if ours in names and peer in names:  # the same rounds: each round's pair ran one after the other
