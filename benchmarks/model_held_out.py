@@ -20,7 +20,7 @@ among the five (each round's) is held against the measured fastest of that round
 Run (root; gpt-small at two rates, 5 rounds: about 25 minutes on 2 cores)::
 
     python benchmarks/model_held_out.py --out benchmarks/results/model_held_out.json
-    python benchmarks/model_held_out.py --models gpt-small,gpt-medium --rounds 5    # about 1.5 hours more
+    python benchmarks/model_held_out.py --models gpt-medium --out benchmarks/results/model_held_out_gpt_medium.json
 """
 
 from __future__ import annotations
@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="hold")
     add_result_flags(ap)
     ns = ap.parse_args(argv)
-    bench = Benchmark("model_held_out", title="The performance model out of sample", family="performance model",
+    tag = "" if ns.models == "gpt-small" else "_" + ns.models.replace(",", "_").replace("-", "_")
+    bench = Benchmark(f"model_held_out{tag}", title="The performance model out of sample" + (
+                          f": {ns.models.replace(',', ', ')}" if tag else ""), family="performance model",
                       workload=f"{ns.models} on pytext, seq_len {ns.seq_len}, global batch {ns.batch}, SGD; "
                                f"{ns.hosts} emulated hosts at {ns.bandwidths.replace(',', ' and ')}; the cluster "
                                f"calibrated on the CNN; at least {ns.steps} steps a run, timed from step {ns.first}",

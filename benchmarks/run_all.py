@@ -63,6 +63,9 @@ ENTRIES = (
           root=True),
     Entry("model_held_out", "model_held_out.py", ("--rounds", "5"),
           ("--rounds", "5", "--bandwidths", "1gbit", "--steps", "5", "--window", "1"), root=True),
+    Entry("model_held_out_gpt_medium", "model_held_out.py", ("--models", "gpt-medium", "--rounds", "5"),
+          ("--models", "gpt-medium", "--rounds", "5", "--bandwidths", "1gbit", "--steps", "5", "--window", "1"),
+          root=True),
     Entry("nodes_launch", "nodes_launch.py", ("--repeats", "9", "--steps", "2000"),
           ("--strategies", "dp", "--steps", "150", "--from", "30", "--repeats", "5"), root=True),
 )  # fmt: skip
