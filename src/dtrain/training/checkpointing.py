@@ -95,9 +95,8 @@ def batch_plan(cfg: RunConfig, samples: int) -> BatchPlan:
     checkpoint's (its first batch and its own changes, from the marker) with a change at that step."""
     from dtrain.optim.large_batch import BatchPlan
 
-    plan = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, samples, cfg.epochs, every=cfg.auto_every)
     if not cfg.resume or cfg.batch_schedule:
-        return plan
+        return BatchPlan.of(cfg.batch_size, cfg.batch_schedule, samples, cfg.epochs, every=cfg.auto_every)
     info = read_info(find_checkpoint(cfg.resume))
     saved = info.get("batches")
     if not isinstance(saved, dict):  # a checkpoint from before batches were recorded: its own batch throughout
