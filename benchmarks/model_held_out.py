@@ -22,6 +22,15 @@ Run (root; gpt-small at two rates, 5 rounds: about 25 minutes on 2 cores)::
     python benchmarks/model_held_out.py --out benchmarks/results/model_held_out.json
     python benchmarks/model_held_out.py --models gpt-medium --out benchmarks/results/model_held_out_gpt_medium.json
     # (about 2.5 hours on 2 cores: 10 minutes a round at 1 Gbit, 19 at 100 Mbit)
+
+A rate's phase is whole in itself (its own cluster, calibration and rounds), and the result file is written
+after each, so a run stopped in its second rate keeps its first. A long model's rates can be run in separate
+launches and kept in one file: ``--merge FILE`` starts from FILE's cases at the other rates, provided FILE
+was measured on the same code (``src/`` of its commit is this checkout's); each launch's command, commit,
+date and load go in the file's ``extra.launches``::
+
+    python benchmarks/model_held_out.py --models gpt-medium --bandwidths 1gbit --out R.json
+    python benchmarks/model_held_out.py --models gpt-medium --bandwidths 100mbit --merge R.json --out R.json
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -120,8 +131,50 @@ def _phase(ns: argparse.Namespace, bw: str, bench: Any) -> None:
         dc.down(cname)
 
 
+def _same_code(commit: str) -> str:
+    """Why a result measured at ``commit`` cannot be merged with this checkout's ("" when it can): its
+    ``src/`` must be this checkout's, unchanged."""
+    if commit.endswith("+changes") or commit == "unknown":
+        return f"it was measured on code no commit holds ({commit})"
+    here = Path(__file__).resolve().parent
+
+    def tree(rev: str) -> str:
+        out = subprocess.run(["git", "rev-parse", f"{rev}:src"], capture_output=True, text=True, cwd=here, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    from dtrain.measure.harness import commit_of
+
+    if commit_of().endswith("+changes"):
+        return "this checkout's code has uncommitted changes"
+    if not tree(commit) or tree(commit) != tree("HEAD"):
+        return f"src/ at its commit {commit} is not this checkout's"
+    return ""
+
+
+def _merge(bench: Any, path: str, ns: argparse.Namespace) -> None:
+    """Start ``bench`` from the result file ``path``: its cases at rates this launch does not run."""
+    from dtrain.measure.harness import Bar, load_result
+
+    old = load_result(path)
+    if old["name"] != bench.name:
+        raise SystemExit(f"--merge {path}: a result of {old['name']!r}, not {bench.name!r}")
+    why = _same_code(old["commit"])
+    if why:
+        raise SystemExit(f"--merge {path}: {why}; measure every rate again")
+    rates = ns.bandwidths.split(",")
+    for c in old["cases"]:
+        if c["name"].rsplit(", ", 1)[-1] in rates:
+            continue
+        samples = {s: v["samples"] for s, v in c["systems"].items()}
+        compare = [(x["ours"], x["peer"], Bar(**x["bar"])) for x in c["comparisons"]]
+        bench.add_case(c["name"], samples=samples, compare=compare, headline=c["headline"])
+    bench.extra["launches"] = old["extra"].get("launches") or [
+        {k: old[k] for k in ("command", "commit", "date", "load")}]
+    bench.notes = old["notes"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.measure.harness import Benchmark, add_result_flags, command
+    from dtrain.measure.harness import Benchmark, add_result_flags, command, commit_of
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="gpt-small", help="held-out models, comma list (default: gpt-small)")
@@ -135,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="time at least this many seconds of steps, at the predicted step time (default: 4)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--name", default="hold")
+    ap.add_argument("--merge", default=None, metavar="FILE",
+                    help="keep FILE's cases at the rates this launch does not run (same code only)")
     add_result_flags(ap)
     ns = ap.parse_args(argv)
     tag = "" if ns.models == "gpt-small" else "_" + ns.models.replace(",", "_").replace("-", "_")
@@ -148,9 +203,16 @@ def main(argv: list[str] | None = None) -> int:
                       notes="The ratio is predicted / measured (1: the model is right). The strategies are the "
                             "planner's own candidates; the first pick is the planner's over these five, each "
                             "round's, against that round's fastest measured.")  # fmt: skip
+    if ns.merge:
+        _merge(bench, ns.merge, ns)
     bench.start()
+    launches = bench.extra.setdefault("launches", [])
+    launches.append({"command": shlex.join(bench.command), "commit": commit_of(), "date": bench.date,
+                     "load": bench.load, "bandwidths": ns.bandwidths})  # fmt: skip
     for bw in ns.bandwidths.split(","):
         _phase(ns, bw, bench)
+        if ns.out:  # a stopped run keeps every rate it finished
+            bench.save(ns.out)
     bench.stop()
     bench.report(ns.out)
     return 0

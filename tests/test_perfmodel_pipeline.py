@@ -229,6 +229,31 @@ def test_candidates_are_pipelines_over_every_worker():
     assert {s.opts.schedule for s in sixteen} == {"gpipe", "1f1b", "2bw"}  # M in (4, 8): no multiple of 16
 
 
+@pytest.mark.parametrize("layers", [4, 6])
+def test_workers_sharing_cores_are_paced_by_the_cores_or_the_critical_path(hooks, layers):
+    """Cores shared by the stages (compute_scale s when all compute at once): the step is the larger of the
+    critical path at full speed and s x the work over the workers, for equal stages (4 layers on 4) as for
+    unequal ones (6 on 4: one stage of 2 layers, the mean 1.5), where scaling the slowest stage by s x the
+    closed-form busy fraction would charge the imbalance twice."""
+    free = _cluster(4, latency=0.0, bandwidth=1e30)
+    per_worker = _profile([4.0] * layers, optimizer_ms=0.0).at_batch(2)  # the pipeline's batch: 8
+    s = choice("pipeline", 4, microbatches=4, schedule="1f1b", balance="time")
+    layer = 3 * MS  # forward + backward of a layer and a micro-batch of 2
+    critical = 7 * (2 if layers == 6 else 1) * layer  # (M + P - 1) cycles of the slowest stage
+    for scale in (1.0, 1.5, 2.62):
+        c = replace(free, device=Device(host="h", compute_scale=scale))
+        pred = predict(per_worker, c, s)
+        work = scale * 4 * layers * layer / 4  # s x M micro-batches x every layer / P workers
+        assert pred.step_s == pytest.approx(max(critical, work)), (layers, scale)
+    # the closed-form busy fraction for the same cores: 4 / 7 of the step, applied to the slowest stage
+    idle = pm.idle_aware(replace(free, device=Device(host="h", compute_scale=2.62)), "1f1b", 4, 4)
+    by_bubble = pm.pipeline_cost(per_worker.at_batch(8), idle, 4, 4, "1f1b").step_s
+    if layers == 4:
+        assert by_bubble == pytest.approx(2.62 * 4 * layer)
+    else:
+        assert by_bubble == pytest.approx(critical * 2.62 * 4 / 7) and by_bubble > 1.3 * pred.step_s
+
+
 def test_prediction_through_the_registry(hooks):
     per_worker = _profile(EQUAL).at_batch(4)  # the planner's profile: global batch / workers
     c = replace(_cluster(), device=Device(host="h", imbalance=1 * MS))

@@ -444,6 +444,31 @@ def idle_aware(c: ClusterSpec, schedule: str, stages: int, microbatches: int, ch
     return replace(c, device=replace(c.device, compute_scale=max(1.0, scale * busy)))
 
 
+def work_aware(prof: ModelProfile, c: ClusterSpec, stages: int, microbatches: int, schedule: str, chunks: int = 1,
+               sizes: Sequence[int] | None = None, checkpoint: str = "never") -> ClusterSpec:  # fmt: skip
+    """The cluster as a pipeline's workers see it when they share cores, from the work each stage does.
+
+    :func:`idle_aware` takes every worker to be as busy as the slowest (the closed-form bubble). With
+    unequal stages, the others idle longer and the slowest gets more of the shared cores: on average a
+    worker computes ``b = M * mean(t_f + t_b + t_r) / T`` of a step ``T`` played at full speed (the
+    transfers and the bubble are idle), so each runs ``max(1, s b)`` slower. The step is then the larger
+    of the critical path at full speed and the work ``s M sum(t_f + t_b + t_r) / P`` the shared cores get
+    through when every worker computes: a 6-block model on 4 stages (one stage with a third of the work,
+    the mean a quarter) is paced by the cores, not by ``s`` times its slowest stage. For equal stages it
+    is :func:`idle_aware` less the transfers' time; on a real cluster (``s = 1``) nothing changes.
+    """
+    scale = c.device.compute_scale
+    if scale <= 1.0 or stages <= 1:
+        return c
+    from dataclasses import replace
+
+    alone = replace(c, device=replace(c.device, compute_scale=1.0))
+    pc = pipeline_cost(prof, alone, stages, microbatches, schedule, chunks, sizes, checkpoint)
+    work = microbatches * math.fsum(f + b + r for f, b, r in zip(pc.fwd_s, pc.bwd_s, pc.recompute_s)) / stages
+    busy = work / pc.pipeline_s if pc.pipeline_s > 0 else 1.0
+    return replace(c, device=replace(c.device, compute_scale=max(1.0, scale * busy)))
+
+
 def predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel, inputs: StepInputs) -> Prediction:
     """The registry's ``predict`` hook: :func:`pipeline_cost` as a :class:`Prediction`.
 
@@ -463,8 +488,8 @@ def predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionMode
     if reason:
         return Prediction(s, math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, inputs.memory, False,
                           f"infeasible: {reason}")  # fmt: skip
-    c = idle_aware(c, o.schedule, s.workers, o.microbatches, o.virtual)
     sizes = stage_cut(whole, s.workers * o.virtual, o.balance, o.microbatches)
+    c = work_aware(whole, c, s.workers, o.microbatches, o.schedule, o.virtual, sizes, o.recompute)
     pc = pipeline_cost(whole, c, s.workers, o.microbatches, o.schedule, o.virtual, sizes, o.recompute)
     m, w = o.microbatches, pc.slowest
     compute = m * (pc.fwd_s[w] + pc.bwd_s[w] + pc.recompute_s[w]) + pc.opt_s
