@@ -108,23 +108,55 @@ def section(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _cells(c: dict[str, Any]) -> list[str]:
+    """Each system's median (IQR), then each comparison's ratio, median (IQR; min-max), with its verdict."""
+    cells = [f"{v['median']:.4g}" + ("" if v["min"] == v["max"] else f" ({v['q1']:.4g}-{v['q3']:.4g})")
+             for v in c["systems"].values()]  # a constant (a closed form): its value alone
+    return cells + [f"{q['median']:.2f} ({q['q1']:.2f}-{q['q3']:.2f}; {q['min']:.2f}-{q['max']:.2f}) "
+                    f"**{x['verdict']}**" for x in c["comparisons"] for q in [x["ratio"]]]  # fmt: skip
+
+
+def _shape(c: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return tuple(c["systems"]), tuple(f"{x['ours']} / {x['peer']}, {_bar(x['bar'])}" for x in c["comparisons"])
+
+
+def _pair(c: dict[str, Any]) -> bool:
+    """Two systems and one comparison between them."""
+    return len(c["systems"]) == 2 and len(c["comparisons"]) == 1
+
+
 def _table(r: dict[str, Any]) -> list[str]:
     """A row a case: each system's median (IQR) of the rounds, then each comparison's ratio, median (IQR;
     min-max) with its verdict against the bar in the column's head; consecutive cases with the same systems
-    and comparisons share a table (every round's figure is in the result file and the plot)."""
+    and comparisons share a table (every round's figure is in the result file and the plot). Consecutive
+    cases of two systems and one comparison that differ in their systems or bar share one table too, each
+    row naming its own."""
     lines: list[str] = []
+    cases, k = r["cases"], 0
     shape: tuple[tuple[str, ...], tuple[str, ...]] | None = None
-    for c in r["cases"]:
-        heads = tuple(f"{x['ours']} / {x['peer']}, {_bar(x['bar'])}" for x in c["comparisons"])
-        if (tuple(c["systems"]), heads) != shape:
-            shape = (tuple(c["systems"]), heads)
-            cols = [f"case: {r['metric']}, median (IQR)", *c["systems"], *heads]
+    while k < len(cases):
+        run = k
+        while run < len(cases) and _pair(cases[run]):
+            run += 1
+        group = cases[k:run]
+        if len({_shape(c) for c in group}) > 1:  # pairs of several kinds: one table, each row its own
+            cols = [f"case: {r['metric']}, median (IQR)", "ours", "peer",
+                    "ratio, above 1 favours ours: median (IQR; min-max)"]
             lines += ["", f"| {' | '.join(cols)} |", "|---" * len(cols) + "|"]
-        cells = [f"{v['median']:.4g}" + ("" if v["min"] == v["max"] else f" ({v['q1']:.4g}-{v['q3']:.4g})")
-                 for v in c["systems"].values()]  # a constant (a closed form): its value alone
-        cells += [f"{q['median']:.2f} ({q['q1']:.2f}-{q['q3']:.2f}; {q['min']:.2f}-{q['max']:.2f}) "
-                  f"**{x['verdict']}**" for x in c["comparisons"] for q in [x["ratio"]]]  # fmt: skip
-        lines.append(f"| {c['name']} | {' | '.join(cells)} |")
+            for c in group:
+                x = c["comparisons"][0]
+                ours, peer = c["systems"][x["ours"]], c["systems"][x["peer"]]
+                a, b, ratio = _cells({"systems": {"o": ours, "p": peer}, "comparisons": [x]})
+                lines.append(f"| {c['name']}: {x['ours']} / {x['peer']}, {_bar(x['bar'])} | {a} | {b} | {ratio} |")
+            k, shape = run, None
+            continue
+        for c in cases[k : max(run, k + 1)]:
+            if _shape(c) != shape:
+                shape = _shape(c)
+                cols = [f"case: {r['metric']}, median (IQR)", *shape[0], *shape[1]]
+                lines += ["", f"| {' | '.join(cols)} |", "|---" * len(cols) + "|"]
+            lines.append(f"| {c['name']} | {' | '.join(_cells(c))} |")
+        k = max(run, k + 1)
     return lines
 
 
