@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from nodes_launch import run_local, seconds_a_step
 
 #: the environment of each setting: glibc's own, and every block of 64 KiB or more from its own mapping
 SETTINGS = {"glibc default": {}, "returning (64 KiB threshold)": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
@@ -29,24 +30,9 @@ SETTINGS = {"glibc default": {}, "returning (64 KiB threshold)": {"MALLOC_MMAP_T
 def step_s(flags: list[str], env: dict[str, str], first: int) -> float:
     """One ``dtrain run`` with ``flags`` in ``env``: seconds a step between rank 0's rows ``first`` and the
     last, by this process's clock as the rows appear."""
-    from nodes_launch import _watch
-
+    base = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "run"
-        out.mkdir()
-        stop, seen, ths = _watch(out)
-        base = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_",)}
-        try:
-            subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *flags, "--out", str(out), "--overwrite"],
-                           env={**base, **env}, check=True, timeout=1800, stdout=subprocess.DEVNULL)  # fmt: skip
-        finally:
-            stop.set()
-            for th in ths:
-                th.join()
-    last = max(seen)
-    if first not in seen or last <= first:
-        raise SystemExit(f"rank 0's rows {sorted(seen)[:3]}...{last}; none past step {first}")
-    return (seen[last] - seen[first]) / (last - first)
+        return seconds_a_step(run_local(flags, Path(d) / "run", env={**base, **env}), first)
 
 
 def main(argv: list[str] | None = None) -> int:

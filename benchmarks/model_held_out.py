@@ -56,7 +56,7 @@ HELD_OUT = ("dp ring 25MiB", "dp ring 25MiB zero-2", "pipeline 1f1b M4 x4", "ten
 def step_s(cfg: Any, cluster: str, first: int) -> float:
     """One run of ``cfg`` on the emulated ``cluster``: seconds a step between rank 0's rows ``first`` and the
     last, by this process's clock as the rows appear."""
-    from nodes_launch import _watch
+    from nodes_launch import _watch, seconds_a_step
 
     from dtrain.cluster import launch_on_cluster
     from dtrain.job.run import worker_main
@@ -74,12 +74,10 @@ def step_s(cfg: Any, cluster: str, first: int) -> float:
             for th in ths:
                 th.join()
         own = [json.loads(x).get("step_s") for x in (out / "metrics.rank0.jsonl").read_text().splitlines() if x]
-    last = max(seen)
-    if first not in seen or last <= first:
-        raise SystemExit(f"{cfg.strategy}: rank 0's rows {sorted(seen)[:3]}...{last}; none past step {first}")
-    loop = [t for t in own[first + 1 : last + 1] if t]
+    seconds = seconds_a_step(seen, first, f"{cfg.strategy}: ")
+    loop = [t for t in own[first + 1 : max(seen) + 1] if t]
     print(f"    (the loop's own step timer over the same steps: {1e3 * sum(loop) / max(1, len(loop)):.1f} ms)")
-    return (seen[last] - seen[first]) / (last - first)
+    return seconds
 
 
 def _phase(ns: argparse.Namespace, bw: str, bench: Any) -> None:

@@ -83,6 +83,36 @@ def _watch(out: Path) -> tuple[threading.Event, dict[int, float], list[threading
 
 
 
+def seconds_a_step(seen: dict[int, float], first: int, who: str = "") -> float:
+    """Seconds a step between rank 0's rows ``first`` and the last, by the watcher's clock."""
+    last = max(seen, default=-1)
+    if first not in seen or last <= first:
+        raise SystemExit(f"{who}rank 0's rows {sorted(seen)[:3]}...{last}; none past step {first}")
+    return (seen[last] - seen[first]) / (last - first)
+
+
+def run_local(flags: list[str], out: Path, env: dict[str, str] | None = None,
+              timeout: float = 1800) -> dict[int, float]:  # fmt: skip
+    """``dtrain run FLAGS`` on this machine into ``out``: when each of rank 0's rows appeared (its own rows
+    file, or the one process's ``metrics.jsonl``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    stop, seen = threading.Event(), dict[int, float]()
+    watch = [threading.Thread(target=_step_times, args=(out / name, stop, seen), daemon=True)
+             for name in ("metrics.rank0.jsonl", "metrics.jsonl")]  # fmt: skip
+    for th in watch:
+        th.start()
+    try:
+        p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *flags, "--out", str(out), "--overwrite"],
+                           capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
+    finally:
+        stop.set()
+        for th in watch:
+            th.join()
+    if p.returncode != 0:
+        raise SystemExit(f"dtrain run failed:\n{p.stderr[-3000:]}")
+    return seen
+
+
 def per_node(c: Any, flags: list[str], out: Path) -> dict[int, float]:
     from dtrain.cluster import node_env
 
@@ -160,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             flags = ["--workers", str(ns.hosts), "--epochs", "1000", "--max-steps", str(ns.steps),
                      "--eval-every", str(ns.steps), "--no-progress", "--no-trace", "--batch-size", "64",
                      *STRATEGIES[strat]]  # fmt: skip
-            seen = system(c, flags, tmp / f"run{next(runs)}")
-            last = max(seen)
-            return (last - ns.first) / (seen[last] - seen[ns.first])
+            return 1.0 / seconds_a_step(system(c, flags, tmp / f"run{next(runs)}"), ns.first)
 
         return one
 

@@ -18,14 +18,12 @@ Run::
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
-from nodes_launch import _step_times
+from nodes_launch import run_local, seconds_a_step
 
 MODELS = {"cnn": ("digits", 200), "gpt-small": ("pytext", 14)}  # dataset, steps a run
 
@@ -34,24 +32,10 @@ def measure(model: str, workers: int, steps: int, first: int) -> float:
     """``dtrain run``'s samples/s from outside: rank 0's rows' arrival times."""
     dataset, _ = MODELS[model]
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-plan-") as d:
-        out = Path(d) / "run"
-        out.mkdir()
-        stop, seen = threading.Event(), {}  # type: ignore[var-annotated]
-        watch = [threading.Thread(target=_step_times, args=(out / name, stop, seen), daemon=True)
-                 for name in ("metrics.rank0.jsonl", "metrics.jsonl")]  # fmt: skip
-        for th in watch:
-            th.start()
-        p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", "--model", model, "--dataset", dataset,
-                            "--workers", str(workers), "--epochs", "1000", "--max-steps", str(steps), "--eval-every",
-                            str(steps), "--eval-samples", "64", "--no-progress", "--no-trace", "--out", str(out),
-                            "--overwrite"], capture_output=True, text=True, timeout=900)  # fmt: skip
-        stop.set()
-        for th in watch:
-            th.join()
-        if p.returncode != 0:
-            raise SystemExit(f"dtrain run failed:\n{p.stderr[-3000:]}")
-    last = max(seen)
-    return 64 * (last - first) / (seen[last] - seen[first])
+        seen = run_local(["--model", model, "--dataset", dataset, "--workers", str(workers), "--epochs", "1000",
+                          "--max-steps", str(steps), "--eval-every", str(steps), "--eval-samples", "64",
+                          "--no-progress", "--no-trace"], Path(d) / "run", timeout=900)  # fmt: skip
+    return 64 / seconds_a_step(seen, first)
 
 
 def predict(model: str, workers: int) -> float:

@@ -14,6 +14,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,10 @@ def _pair(c: dict[str, Any]) -> bool:
     return len(c["systems"]) == 2 and len(c["comparisons"]) == 1
 
 
+def _head(cols: list[str]) -> list[str]:
+    return ["", f"| {' | '.join(cols)} |", "|---" * len(cols) + "|"]
+
+
 def _table(r: dict[str, Any]) -> list[str]:
     """A row a case: each system's median (IQR) of the rounds, then each comparison's ratio, median (IQR;
     min-max) with its verdict against the bar in the column's head; consecutive cases with the same systems
@@ -132,31 +137,23 @@ def _table(r: dict[str, Any]) -> list[str]:
     cases of two systems and one comparison that differ in their systems or bar share one table too, each
     row naming its own."""
     lines: list[str] = []
-    cases, k = r["cases"], 0
     shape: tuple[tuple[str, ...], tuple[str, ...]] | None = None
-    while k < len(cases):
-        run = k
-        while run < len(cases) and _pair(cases[run]):
-            run += 1
-        group = cases[k:run]
-        if len({_shape(c) for c in group}) > 1:  # pairs of several kinds: one table, each row its own
-            cols = [f"case: {r['metric']}, median (IQR)", "ours", "peer",
-                    "ratio, above 1 favours ours: median (IQR; min-max)"]
-            lines += ["", f"| {' | '.join(cols)} |", "|---" * len(cols) + "|"]
+    for pairs, run in itertools.groupby(r["cases"], key=_pair):
+        group = list(run)
+        if pairs and len({_shape(c) for c in group}) > 1:  # pairs of several kinds: one table, each row its own
+            lines += _head([f"case: {r['metric']}, median (IQR)", "ours", "peer",
+                            "ratio, above 1 favours ours: median (IQR; min-max)"])  # fmt: skip
             for c in group:
                 x = c["comparisons"][0]
-                ours, peer = c["systems"][x["ours"]], c["systems"][x["peer"]]
-                a, b, ratio = _cells({"systems": {"o": ours, "p": peer}, "comparisons": [x]})
+                a, b, ratio = _cells({"systems": {s: c["systems"][x[s]] for s in ("ours", "peer")}, "comparisons": [x]})
                 lines.append(f"| {c['name']}: {x['ours']} / {x['peer']}, {_bar(x['bar'])} | {a} | {b} | {ratio} |")
-            k, shape = run, None
+            shape = None
             continue
-        for c in cases[k : max(run, k + 1)]:
+        for c in group:
             if _shape(c) != shape:
                 shape = _shape(c)
-                cols = [f"case: {r['metric']}, median (IQR)", *shape[0], *shape[1]]
-                lines += ["", f"| {' | '.join(cols)} |", "|---" * len(cols) + "|"]
+                lines += _head([f"case: {r['metric']}, median (IQR)", *shape[0], *shape[1]])
             lines.append(f"| {c['name']} | {' | '.join(_cells(c))} |")
-        k = max(run, k + 1)
     return lines
 
 
