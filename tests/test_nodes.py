@@ -99,6 +99,63 @@ def test_differences_name_the_key_and_the_nodes():
     assert differences({0: {"lr": 1}, 1: {"lr": 1}}) == []
 
 
+_NODE0 = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from dtrain.cluster.nodes import Meeting, NodeArgs, NodeError
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=20), wait_for_workers=False)
+print(store.port, flush=True)
+args = NodeArgs(nnodes=2, min_nodes=2, node_rank=0, endpoint=f"127.0.0.1:{store.port}", job="j", rdzv_timeout_s=20)
+m = Meeting(args, store, say=lambda line: None)
+m.open()
+try:
+    m.arrive({"lr": 0.05})
+except NodeError as e:
+    print(e, flush=True)
+    sys.exit(3)  # the store goes with this process, as it goes with node 0's
+"""
+
+
+class _SlowReads:
+    """A store whose reads take a while: node 1 on a loaded machine."""
+
+    def __init__(self, store, delay: float) -> None:
+        self.store, self.delay = store, delay
+
+    def get(self, key):
+        time.sleep(self.delay)
+        return self.store.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+@pytest.mark.procs
+def test_node_0_keeps_the_store_until_a_slow_node_has_read_what_differs():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dtrain.cluster.nodes import Meeting, NodeError
+
+    node0 = subprocess.Popen([sys.executable, "-c", _NODE0], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(node0.stdout.readline())
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
+        args = NodeArgs(nnodes=2, min_nodes=2, node_rank=1, endpoint=f"127.0.0.1:{port}", job="j", rdzv_timeout_s=20)
+        m = Meeting(args, _SlowReads(store, 0.5), say=lambda line: None)
+        m.open()
+        with pytest.raises(NodeError, match="lr: node 0 = 0.05; node 1 = 0.1"):
+            m.arrive({"lr": 0.1})
+        m.close()
+        assert node0.wait(timeout=30) == 3
+        assert "lr: node 0 = 0.05; node 1 = 0.1" in node0.stdout.read()
+    finally:
+        node0.kill()
+        node0.wait()
+
+
 # ---------------------------------------------------------------- what listens
 
 

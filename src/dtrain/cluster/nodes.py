@@ -56,6 +56,7 @@ DEFAULT_PORT = 29400  # torchrun's c10d default
 DEFAULT_RDZV_TIMEOUT_S = 300.0
 MARKER = ".dtrain-job"  # in the run folder: node 0's token, which every node (and a rejoining one) must read back
 BEAT_S = 1.0  # a node's heartbeat period in the job's store
+READ_WAIT_S = 10.0  # how long node 0 keeps the store up for the others to read a disagreement
 
 
 class NodeError(DTrainError):
@@ -383,6 +384,7 @@ class Meeting:
         self._beat.start()
         present = self._wait_for(lambda r: f"{self.ns}/node/{r}", "arrived")
         records = {r: json.loads(self.store.get(f"{self.ns}/node/{r}")) for r in present}
+        self._read("records", present)
         diff = differences({r: {"versions": rec["versions"], **rec["config"]} for r, rec in records.items()})
         if diff:
             hosts = ", ".join(f"node {r} {rec['host']}" for r, rec in sorted(records.items()))
@@ -424,6 +426,7 @@ class Meeting:
         present = self._wait_for(lambda r: f"{self.ns}/check/{r}", "checked the run folder",
                                  among=self._arrived())  # fmt: skip
         bad = {r: self.store.get(f"{self.ns}/check/{r}").decode() for r in present}
+        self._read("checks", present)
         bad = {r: v for r, v in bad.items() if v != "ok"}
         if bad:
             raise NodeError("; ".join(f"node {r}: {v}" for r, v in sorted(bad.items())))
@@ -451,6 +454,19 @@ class Meeting:
         return int(self.store.add(key, 0)) != first
 
     # ------------------------------------------------------------------ helpers
+
+    def _read(self, what: str, present: list[int]) -> None:
+        """Say that this node has read every node's ``what``; node 0 waits (a few seconds at most) until the
+        others have too. Node 0 holds the store: were it to stop at a disagreement before the others had read
+        the records, they would lose the store and never learn what differs."""
+        a = self.args
+        if a.node_rank != 0:
+            self.store.set(f"{self.ns}/read/{what}/{a.node_rank}", "1")
+            return
+        others = [f"{self.ns}/read/{what}/{r}" for r in present if r != 0]
+        deadline = time.monotonic() + min(READ_WAIT_S, a.rdzv_timeout_s)
+        while others and not self.store.check(others) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def _arrived(self) -> list[int]:
         return [r for r in range(self.args.nnodes) if self.store.check([f"{self.ns}/node/{r}"])]
