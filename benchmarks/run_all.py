@@ -2,8 +2,9 @@
 
 Each entry is one benchmark script with the flags of its headline figure; ``--quick`` gives fewer steps
 (still 5 rounds, so that every ratio has a spread and a verdict) and marks the result files as quick, which
-the page shows. The emulated-cluster entries need root (network namespaces); without it, they are left out
-with a line saying so and their result files keep their last figures.
+the page shows. The emulated-cluster entries need root (network namespaces), and the pipeline with a core per
+stage needs 4 physical cores; without them, they are left out with a line saying so and their result files keep
+their last figures.
 
 Run::
 
@@ -25,6 +26,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def physical_cores() -> list[int]:
+    """One logical CPU of each physical core this process may run on."""
+    sys.path.insert(0, str(HERE))
+    from pipeline_bubble_cores import physical_cores as cores
+
+    return cores()
+
+
 @dataclass(frozen=True)
 class Entry:
     name: str  # the result file's name (benchmarks/results/NAME.json)
@@ -32,6 +41,7 @@ class Entry:
     full: tuple[str, ...]
     quick: tuple[str, ...]
     root: bool = False
+    cores: int = 0  # physical cores it needs (pinned stages); left out on a smaller machine
 
 
 ENTRIES = (
@@ -53,6 +63,8 @@ ENTRIES = (
     Entry("local_sgd_vs_torch", "local_sgd_vs_torch.py", ("--repeats", "7"), ("--steps", "80", "--repeats", "5")),
     Entry("pipeline_bubble_sleep", "pipeline_bubble_sleep.py", ("--rounds", "7", "--steps", "2"),
           ("--rounds", "5", "--steps", "1")),
+    Entry("pipeline_bubble_cores", "pipeline_bubble_cores.py", ("--rounds", "7"), ("--rounds", "5", "--steps", "1"),
+          cores=4),
     Entry("memory_sharded", "memory.py", ("--rounds", "5"),
           ("--rounds", "5", "--seq-len", "32", "--steps", "2",
            "--systems", "dtrain dp,dtrain z3,torch ddp,torch fsdp2")),
@@ -90,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if e.root and os.geteuid() != 0:
             print(f"== {e.name}: left out (needs root for network namespaces); its result file is unchanged")
+            continue
+        if e.cores and len(physical_cores()) < e.cores:
+            print(f"== {e.name}: left out (needs {e.cores} physical cores, this machine has "
+                  f"{len(physical_cores())}); its result file is unchanged")
             continue
         # paths relative to the repository's root (the command recorded in the result file is rerunnable there)
         cmd = [sys.executable, f"benchmarks/{e.script}", *(e.quick if a.quick else e.full),

@@ -232,6 +232,23 @@ def test_simulate_durations_and_comm() -> None:
         simulate(split, tb=1.0, tw=2.0)
 
 
+def test_simulate_unequal_stages() -> None:
+    # gpipe, P = 2, M = 2, stage 1 three times stage 0: the slow stage paces the steady part,
+    # sum(tf + tb) + (M - 1) max(tf + tb) = 12 + 9
+    r = simulate(generate("gpipe", 2, 2), tf=[1.0, 3.0], tb=[2.0, 6.0])
+    assert r.makespan == 21
+    assert r.busy == (6.0, 18.0)
+    # a sequence of one value is the scalar; each schedule, interleaved too (one per virtual stage)
+    for name, p, m, v in [("gpipe", 3, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)]:
+        sch = generate(name, p, m, v)
+        same = simulate(sch, tf=[1.5] * sch.stages, tb=[2.5] * sch.stages, comm=0.25)
+        assert same == simulate(sch, tf=1.5, tb=2.5, comm=0.25)
+    with pytest.raises(ScheduleError, match="one per virtual stage \\(4\\); got \\[2\\]"):
+        simulate(generate("interleaved", 2, 2, 2), tf=[1.0, 1.0])
+    with pytest.raises(ScheduleError, match="durations must be >= 0"):
+        simulate(generate("gpipe", 2, 2), tb=[1.0, -1.0])
+
+
 # ---------------------------------------------------------------------------- 2bw
 
 

@@ -19,11 +19,12 @@ Three passes over a :class:`~dtrain.pipeline.actions.Schedule`:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dtrain.pipeline.actions import Action, Schedule
 
-__all__ = ["Invalid", "PlayedSchedule", "check_structure", "play", "check_messages"]
+__all__ = ["Durations", "Invalid", "PlayedSchedule", "check_structure", "play", "check_messages"]
 
 COMPUTE = ("F", "B", "I", "W", "U")
 # a comm action -> (message kind, offset from its stage to the peer stage, True if it sends)
@@ -158,11 +159,16 @@ def _deps(s: Schedule, owner: dict[Key, int], a: Action) -> list[Key]:
     return out
 
 
-def _duration(op: str, tf: float, tb: float, tw: float) -> float:
-    return {"F": tf, "B": tb, "I": tb - tw, "W": tw}.get(op, 0.0)
+Durations = float | Sequence[float]  # one for every virtual stage, or one per virtual stage
 
 
-def play(s: Schedule, owner: dict[Key, int], tf: float, tb: float, tw: float, comm: float) -> PlayedSchedule:
+def _duration(op: str, stage: int, tf: Durations, tb: Durations, tw: Durations) -> float:
+    f, b, w = (x if isinstance(x, (int, float)) else x[stage] for x in (tf, tb, tw))
+    return {"F": f, "B": b, "I": b - w, "W": w}.get(op, 0.0)
+
+
+def play(s: Schedule, owner: dict[Key, int], tf: Durations, tb: Durations, tw: Durations,
+         comm: float) -> PlayedSchedule:  # fmt: skip
     """Play the compute actions of ``s`` (``owner`` from :func:`check_structure`); see the module docstring.
 
     Raises:
@@ -184,7 +190,7 @@ def play(s: Schedule, owner: dict[Key, int], tf: float, tb: float, tw: float, co
                 if any(d not in ends for d in need):
                     break
                 t0 = max([clock[r]] + [ends[d] + (comm if owner.get(d, r) != r else 0.0) for d in need])
-                clock[r] = t0 + _duration(a.op, tf, tb, tw)
+                clock[r] = t0 + _duration(a.op, a.stage, tf, tb, tw)
                 ends[_key(a)] = clock[r]
                 starts[r].append((a, t0, clock[r]))
                 pos[r] += 1

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from math import gcd
 
-from dtrain.pipeline._simulate import Invalid, PlayedSchedule, check_messages, check_structure, play
+from dtrain.pipeline._simulate import Durations, Invalid, PlayedSchedule, check_messages, check_structure, play
 from dtrain.pipeline.actions import COMM_OPS, OPS, Action, Schedule, ScheduleError
 
 __all__ = ["OPS", "COMM_OPS", "GENERATORS", "ScheduleError", "Action", "Schedule", "PlayedSchedule", "parse_schedule",
@@ -280,7 +280,7 @@ def with_comms(schedule: Schedule) -> Schedule:
 # ---------------------------------------------------------------------------- simulation and checks
 
 
-def simulate(schedule: Schedule, tf: float = 1.0, tb: float = 1.0, tw: float = 0.0,
+def simulate(schedule: Schedule, tf: Durations = 1.0, tb: Durations = 1.0, tw: Durations = 0.0,
              comm: float = 0.0) -> PlayedSchedule:  # fmt: skip
     """Play the compute actions of ``schedule`` in time (comm actions are left out of the timing).
 
@@ -293,14 +293,20 @@ def simulate(schedule: Schedule, tf: float = 1.0, tb: float = 1.0, tw: float = 0
     * 2bw, ids below 0: the forward ran in the previous call, and ``B(s+1, m)`` counts as done
       unless this call's lists hold it.
 
-    Durations are per action on one virtual stage: F ``tf``, B ``tb``, I ``tb - tw``, W ``tw``, U 0.
+    Durations are per action on one virtual stage: F ``tf``, B ``tb``, I ``tb - tw``, W ``tw``, U 0;
+    each is one number for every stage, or a sequence with one per virtual stage (unequal stages).
 
     Raises:
         ScheduleError: an action on a rank that does not hold its stage, an id out of range, an
             action twice, a micro-batch without its F or B on a stage, a deadlock (every blocked
             rank's action and what it waits for), or a negative duration.
     """
-    if min(tf, tb, tw, tb - tw, comm) < 0:
+    n = schedule.stages
+    lengths = sorted({len(x) for x in (tf, tb, tw) if not isinstance(x, (int, float))} - {n})
+    if lengths:
+        raise ScheduleError(f"simulate: per-stage durations need one per virtual stage ({n}); got {lengths}")
+    f, b, w = ([float(x)] * n if isinstance(x, (int, float)) else list(x) for x in (tf, tb, tw))
+    if min(min(f), min(b), min(w), min(bk - wk for bk, wk in zip(b, w, strict=True)), comm) < 0:
         raise ScheduleError(f"simulate: durations must be >= 0 with tw <= tb; got tf={tf}, tb={tb}, tw={tw}, "
                             f"comm={comm}")  # fmt: skip
     try:
