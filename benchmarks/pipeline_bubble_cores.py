@@ -42,6 +42,8 @@ from _loopback import launch_loopback
 from pipeline_bubble_sleep import EMPTY, SCHEDULES, _chunks, _key, _latency, sleep_model, valid
 from torch import nn
 
+NONE = ("empty", 1)  # the empty pipeline's place among the cases (a gpipe of one micro-batch, no compute)
+
 
 def physical_cores() -> list[int]:
     """One logical CPU of each physical core this process may run on (the first thread of each core)."""
@@ -128,7 +130,7 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
         pipe = Pipeline(gpt(), microbatches=m, schedule=s, chunks=v, balance=sizes(s, p, args["layers"]), timeout=600)
         pipes[(s, m)] = (pipe, torch.optim.SGD(pipe.parameters(), lr=1e-3))
     empty = sleep_model(p, 0.0, 0.0)
-    pipes[EMPTY[:2]] = (Pipeline(empty, microbatches=1, schedule="gpipe", balance=[1] * p, timeout=600),
+    pipes[NONE] = (Pipeline(empty, microbatches=1, schedule="gpipe", balance=[1] * p, timeout=600),
                         torch.optim.SGD(empty.parameters(), lr=1e-3))  # fmt: skip
     reference = gpt()  # the stages timed alone
     g = torch.Generator().manual_seed(1)
@@ -137,7 +139,7 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
 
     def step(s: str, m: int) -> float:
         pipe, opt = pipes[(s, m)]
-        xs, ys = (torch.randn(16, 8), torch.randint(0, 8, (16,))) if (s, m) == EMPTY[:2] else (x, y)
+        xs, ys = (torch.randn(16, 8), torch.randint(0, 8, (16,))) if (s, m) == NONE else (x, y)
         opt.zero_grad()
         dist.barrier()
         t0 = time.perf_counter()
@@ -147,7 +149,7 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         return dt
 
-    every = [*cases, EMPTY[:2]]
+    every = [*cases, NONE]
     for c in every:
         step(*c)  # warm-up: the first step builds the channels
     out: dict[str, Any] = {_key(s, m, 1): [] for s, m in cases}
@@ -157,8 +159,8 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
     for rnd in range(args["rounds"]):
         k = rnd % len(every)
         for c in every[k:] + every[:k]:
-            n = args["steps"] * (10 if c == EMPTY[:2] else 1)
-            out[_key(*c, 0 if c == EMPTY[:2] else 1)].append(statistics.median(step(*c) for _ in range(n)))
+            n = args["steps"] * (10 if c == NONE else 1)
+            out[_key(*EMPTY) if c == NONE else _key(*c, 1)].append(statistics.median(step(*c) for _ in range(n)))
         for key in out["stages"]:
             m, v = (int(z) for z in key.split("/"))
             if not any(valid(s, p, m) and _chunks(s) == v for s in args["schedules"]):
@@ -253,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{statistics.median(played_s) * 1e3:9.1f} {statistics.median(bubbles):7.3f} {closed:7.3f} "
                   f"{statistics.median(played_b):7.3f} {statistics.median(imbalance):6.3f}")  # fmt: skip
             notes.append(f"{s} M={m}: {statistics.median(imbalance):.3f}")
+            per_stage = [[ranks[k % p]["stages"][f"{m}/{v}"][i][k] for i in range(len(steps))] for k in range(p * v)]
+            bench.extra.setdefault("stage_ms", {})[f"{s}/{m}"] = [
+                [round(statistics.median(t[j] for t in ts) * 1e3, 3) for j in (0, 1)] for ts in per_stage]
             bench.add_case(f"{s}, M = {m}", samples={"measured": bubbles, "closed form": [closed] * len(bubbles),
                                                      "played with the costs": played_b},
                            compare=[("measured", "closed form", Bar.within(0.10)),
@@ -264,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                    f"the costs' is the "
                    f"schedule played by dtrain's simulator with each virtual stage's measured times and both costs. "
                    f"The busiest rank's compute over the mean (1: equal stages): " + "; ".join(notes) + ".")
+    for key, st in bench.extra.get("stage_ms", {}).items():
+        print(f"{key}: each virtual stage's forward / backward ms, medians: "
+              + ", ".join(f"{f:.2f}/{b:.2f}" for f, b in st))
     bench.report(a.out)
     return 0
 
