@@ -100,8 +100,8 @@ def section(r: dict[str, Any]) -> list[str]:
              f"{', a quick run' if r.get('quick') else ''}. "
              f"**Machine**: {_machine(m)}, {m['memory_gib']} GiB, torch {m['torch']}, python {m['python']}; "
              f"load average {load['before'][0]:.1f} before, {load['after'][0]:.1f} after; commit {r['commit']}, "
-             f"{r['date']}.", "",
-             "```bash", r["command"], "```"]  # fmt: skip
+             f"{r['date']}.",
+             f"**Run**: `{r['command']}`"]  # fmt: skip (one paragraph with the workload)
     lines += _table(r)
     lines += ["", f"![every round's ratio, {r['name']}](benchmarks/results/plots/{r['name']}.png)"]
     if r.get("notes"):

@@ -58,7 +58,7 @@ def test_page_shows_each_ratio_with_its_spread_and_an_honest_verdict(tmp_path: P
     assert "| wide: toy / peer, >= 1x | 1 (0.97-1.05) | 1 | 1.00 (0.97-1.05; 0.90-1.10) **straddles** |" in text
     assert "| check: measured / closed form, within 10% | 0.3 | 0.27 | 1.11 (1.11-1.11; 1.11-1.11) **not met** |" \
         in text
-    assert "```bash\npython toy.py\n```" in text
+    assert "**Run**: `python toy.py`" in text
     render.plot(render.load_all(tmp_path)[0], tmp_path / "plots" / "toy.png")
     assert (tmp_path / "plots" / "toy.png").read_bytes()[:4] == b"\x89PNG"
 
