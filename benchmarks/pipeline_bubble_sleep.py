@@ -138,16 +138,8 @@ def _worker(args: dict[str, Any]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {_key(*c): [] for c in cases}
 
     def step(s: str, m: int, e: int) -> float:
-        pipe, opt = pipes[(s, m, e)]
         x, y = torch.randn(args["batch"], 8, generator=g), torch.randint(0, 8, (args["batch"],), generator=g)
-        opt.zero_grad()
-        dist.barrier()
-        t0 = time.perf_counter()
-        pipe.step(x, y)
-        dist.barrier()
-        dt = time.perf_counter() - t0
-        opt.step()
-        return dt
+        return timed_step(*pipes[(s, m, e)], x, y)
 
     for c in cases:  # warm-up: the first step of each builds its channels
         step(*c)
@@ -161,6 +153,36 @@ def _worker(args: dict[str, Any]) -> dict[str, list[float]]:
     for pipe, _ in pipes.values():
         pipe.flush()
     return out
+
+
+def timed_step(pipe: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One training step of ``pipe``; its seconds by this rank's clock over ``step()`` between two barriers."""
+    import torch.distributed as dist
+
+    opt.zero_grad()
+    dist.barrier()
+    t0 = time.perf_counter()
+    pipe.step(x, y)
+    dist.barrier()
+    dt = time.perf_counter() - t0
+    opt.step()
+    return dt
+
+
+def action_cost(empty_s: float, latency_s: float, ranks: int) -> float:
+    """An action's own cost: the empty one-micro-batch pipeline's step, less its ``2 (P - 1)`` messages on the
+    critical path, over its ``2P`` actions."""
+    return max(0.0, (empty_s - 2 * (ranks - 1) * latency_s) / (2 * ranks))
+
+
+def add_bubble_case(bench: Any, name: str, measured: list[float], closed: float, played: list[float]) -> None:
+    """A case of every round's measured bubble against the closed form and the played schedule, within 10%."""
+    from dtrain.measure.harness import Bar
+
+    bench.add_case(name, samples={"measured": measured, "closed form": [closed] * len(measured),
+                                  "played with the costs": played},
+                   compare=[("measured", "closed form", Bar.within(0.10)),
+                            ("measured", "played with the costs", Bar.within(0.10))], headline=False)  # fmt: skip
 
 
 def _latency(numel: int, trips: int = 50) -> float:
@@ -195,7 +217,7 @@ def _iqr_ms(xs: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dtrain.measure.harness import Bar, Benchmark, add_result_flags, command
+    from dtrain.measure.harness import Benchmark, add_result_flags, command
     from dtrain.pipeline.schedules import bubble_closed_form
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -231,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     # rest of the empty one-micro-batch pipeline's step (2P actions, 2 (P - 1) messages on its critical path)
     lat = statistics.median(ranks[0]["latency"])
     empty = statistics.median(ranks[0][_key(*EMPTY)])
-    slot = max(0.0, (empty - 2 * (a.nprocs - 1) * lat) / (2 * a.nprocs))
+    slot = action_cost(empty, lat, a.nprocs)
     print(f"a message {lat * 1e3:.3f} ms (IQR {_iqr_ms(ranks[0]['latency'])}); the empty pipeline's step "
           f"{empty * 1e3:.2f} ms (IQR {_iqr_ms(ranks[0][_key(*EMPTY)])}): {slot * 1e3:.3f} ms an action")
     print(f"{'schedule':<12} {'M':>3} {'step ms':>9} {'ideal ms':>9} {'played':>9} {'bubble':>7} {'closed':>7} "
@@ -252,11 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{s:<12} {m:>3} {statistics.median(steps) * 1e3:9.1f} {ideal * 1e3:9.1f} {played * 1e3:9.1f} "
                   f"{statistics.median(bubbles):7.3f} {closed:7.3f} {with_costs:7.3f} {hop * 1e3:7.2f}")  # fmt: skip
             notes.append(f"{s} M={m}: {hop * 1e3:.2f}")
-            bench.add_case(f"{s}, M = {m}", samples={"measured": bubbles, "closed form": [closed] * len(bubbles),
-                                                     "played with the costs": [with_costs] * len(bubbles)},
-                           compare=[("measured", "closed form", Bar.within(0.10)),
-                                    ("measured", "played with the costs", Bar.within(0.10))],
-                           headline=False)  # fmt: skip
+            add_bubble_case(bench, f"{s}, M = {m}", bubbles, closed, [with_costs] * len(bubbles))
     bench.notes = (f"The ratio is closed form / measured (1: the schedule's own bubble and nothing else). What is "
                    f"not the schedule, measured in the same launch: a message between two ranks, {lat * 1e3:.3f} "
                    f"ms (half a ping-pong's round trip, the median of the rounds), and an action's own cost (the "

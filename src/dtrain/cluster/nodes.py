@@ -384,8 +384,8 @@ class Meeting:
         self._beat.start()
         present = self._wait_for(lambda r: f"{self.ns}/node/{r}", "arrived")
         records = {r: json.loads(self.store.get(f"{self.ns}/node/{r}")) for r in present}
-        self._read("records", present)
         diff = differences({r: {"versions": rec["versions"], **rec["config"]} for r, rec in records.items()})
+        self._read("records", present, stopping=bool(diff))
         if diff:
             hosts = ", ".join(f"node {r} {rec['host']}" for r, rec in sorted(records.items()))
             raise NodeError(f"the nodes of job {a.job!r} disagree ({hosts}): " + " | ".join(diff[:8])
@@ -426,8 +426,8 @@ class Meeting:
         present = self._wait_for(lambda r: f"{self.ns}/check/{r}", "checked the run folder",
                                  among=self._arrived())  # fmt: skip
         bad = {r: self.store.get(f"{self.ns}/check/{r}").decode() for r in present}
-        self._read("checks", present)
         bad = {r: v for r, v in bad.items() if v != "ok"}
+        self._read("checks", present, stopping=bool(bad))
         if bad:
             raise NodeError("; ".join(f"node {r}: {v}" for r, v in sorted(bad.items())))
 
@@ -455,17 +455,17 @@ class Meeting:
 
     # ------------------------------------------------------------------ helpers
 
-    def _read(self, what: str, present: list[int]) -> None:
-        """Say that this node has read every node's ``what``; node 0 waits (a few seconds at most) until the
-        others have too. Node 0 holds the store: were it to stop at a disagreement before the others had read
-        the records, they would lose the store and never learn what differs."""
+    def _read(self, what: str, present: list[int], stopping: bool) -> None:
+        """Say that this node has read every node's ``what``. Node 0 holds the store: before it stops the job
+        (``stopping``) it waits, a few seconds at most, until the others have read too, or they would lose the
+        store before learning why."""
         a = self.args
         if a.node_rank != 0:
             self.store.set(f"{self.ns}/read/{what}/{a.node_rank}", "1")
             return
         others = [f"{self.ns}/read/{what}/{r}" for r in present if r != 0]
         deadline = time.monotonic() + min(READ_WAIT_S, a.rdzv_timeout_s)
-        while others and not self.store.check(others) and time.monotonic() < deadline:
+        while stopping and others and not self.store.check(others) and time.monotonic() < deadline:
             time.sleep(0.02)
 
     def _arrived(self) -> list[int]:
