@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shlex
 import subprocess
 import sys
@@ -180,7 +181,20 @@ def _merge(bench: Any, path: str, ns: argparse.Namespace) -> None:
         bench.add_case(c["name"], samples=samples, compare=compare, headline=c["headline"])
     bench.extra["launches"] = old["extra"].get("launches") or [
         {k: old[k] for k in ("command", "commit", "date", "load")}]
-    bench.notes = old["notes"]
+    bench.notes = old["notes"].split(LAUNCHES)[0]  # this launch's end says every launch again
+
+
+LAUNCHES = " Each rate in its own launch"
+
+
+def merged_text(workload: str, notes: str, rates: list[str], launches: list[dict[str, Any]]) -> tuple[str, str]:
+    """The workload and notes of a result whose rates came from several launches: every rate named, and each
+    launch's command and commit."""
+    workload = re.sub(r"emulated hosts at [^;]+;", f"emulated hosts at {' and '.join(rates)};", workload)
+    if len(launches) > 1:
+        notes += LAUNCHES + ", on the same code: " + "; ".join(
+            f"`{x['command']}` (commit {x['commit']}, {x['date']})" for x in launches) + "."
+    return workload, notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,11 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     launches = bench.extra.setdefault("launches", [])
     launches.append({"command": shlex.join(bench.command), "commit": commit_of(), "date": bench.date,
                      "load": bench.load, "bandwidths": ns.bandwidths})  # fmt: skip
+    rates = list(dict.fromkeys([c.name.rsplit(", ", 1)[-1] for c in bench.cases] + ns.bandwidths.split(",")))
     for bw in ns.bandwidths.split(","):
         _phase(ns, bw, bench)
         if ns.out:  # a stopped run keeps every rate it finished
             bench.save(ns.out)
     bench.stop()
+    bench.workload, bench.notes = merged_text(bench.workload, bench.notes, rates, launches)
     bench.report(ns.out)
     return 0
 
