@@ -72,12 +72,11 @@ def physical_cores() -> list[int]:
     return sorted(seen.values())
 
 
-def sizes(schedule: str, ranks: int, layers: int) -> list[int]:
-    """Children per virtual stage: ``layers / (P v)`` blocks each, the embedding with the first and the final
+def sizes(stages: int, layers: int) -> list[int]:
+    """Children per virtual stage: ``layers / stages`` blocks each, the embedding with the first and the final
     norm and head with the last."""
-    stages = ranks * _chunks(schedule)
     if layers % stages:
-        raise SystemExit(f"--layers {layers} does not cut evenly into {stages} virtual stages ({schedule})")
+        raise SystemExit(f"--layers {layers} does not cut evenly into {stages} virtual stages")
     out = [layers // stages] * stages
     out[0] += 1
     out[-1] += 2
@@ -141,7 +140,7 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
     pipes: dict[tuple[str, int], Any] = {}
     for s, m in cases:
         v = _chunks(s)
-        pipe = Pipeline(gpt(), microbatches=m, schedule=s, chunks=v, balance=sizes(s, p, args["layers"]), timeout=600)
+        pipe = Pipeline(gpt(), microbatches=m, schedule=s, chunks=v, balance=sizes(p * v, args["layers"]), timeout=600)
         pipes[(s, m)] = (pipe, torch.optim.SGD(pipe.parameters(), lr=1e-3))
     empty = sleep_model(p, 0.0, 0.0)
     pipes[NONE] = (Pipeline(empty, microbatches=1, schedule="gpipe", balance=[1] * p, timeout=600),
@@ -168,19 +167,17 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {_key(s, m, 1): [] for s, m in cases}
     out[_key(*EMPTY)] = []
     out["latency"] = {m: [] for m in args["microbatches"]}
-    out["stages"] = {f"{m}/{v}": [] for m in args["microbatches"] for v in {_chunks(s) for s, _ in cases}}
+    shapes = sorted({(m, _chunks(s)) for s, m in cases})  # the stages timed alone: one cut per (M, v)
+    out["stages"] = {f"{m}/{v}": [] for m, v in shapes}
     for rnd in range(args["rounds"]):
         k = rnd % len(every)
         for c in every[k:] + every[:k]:
             n = args["steps"] * (10 if c == NONE else 1)
             out[_key(*EMPTY) if c == NONE else _key(*c, 1)].append(statistics.median(step(*c) for _ in range(n)))
-        for key in out["stages"]:
-            m, v = (int(z) for z in key.split("/"))
-            if not any(valid(s, p, m) and _chunks(s) == v for s in args["schedules"]):
-                continue
-            cut = sizes("interleaved" if v > 1 else "gpipe", p, args["layers"])
+        for m, v in shapes:
             mine = [k for k in range(p * v) if k % p == r]
-            out["stages"][key].append(_stage_times(reference, cut, mine, x[: b // m], y[: b // m]))
+            out["stages"][f"{m}/{v}"].append(_stage_times(reference, sizes(p * v, args["layers"]), mine,
+                                                          x[: b // m], y[: b // m]))  # fmt: skip
         for m in args["microbatches"]:  # a message the size of M's activation
             out["latency"][m].append(_latency(b // m * t * reference.gpt_config.d_model))
     out["inside"] = {_key(s, m, 1): statistics.median(v) for (s, m), v in inside.items()}
@@ -211,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(s not in SCHEDULES for s in scheds) or a.nprocs < 2 or not ms or min(ms) < 1 or a.cores_per_stage < 0:
         ap.error(f"schedules from {SCHEDULES}, --nprocs >= 2, M >= 1, --cores-per-stage >= 0")
     for s in scheds:
-        sizes(s, a.nprocs, a.layers)
+        sizes(a.nprocs * _chunks(s), a.layers)
     batch = a.batch or 2 * max(ms)
     if batch % math.lcm(*ms):
         ap.error(f"--batch {batch} must split into every M ({ms})")

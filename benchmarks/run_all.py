@@ -26,12 +26,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def physical_cores() -> list[int]:
-    """One logical CPU of each physical core this process may run on."""
-    sys.path.insert(0, str(HERE))
+def physical_cores() -> int:
+    """How many physical cores this process may run on."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
     from pipeline_bubble_cores import physical_cores as cores
 
-    return cores()
+    return len(cores())
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         if e.root and os.geteuid() != 0:
             print(f"== {e.name}: left out (needs root for network namespaces); its result file is unchanged")
             continue
-        if e.cores and len(physical_cores()) < e.cores:
-            print(f"== {e.name}: left out (needs {e.cores} physical cores, this machine has "
-                  f"{len(physical_cores())}); its result file is unchanged")
+        if e.cores and (have := physical_cores()) < e.cores:
+            print(f"== {e.name}: left out (needs {e.cores} physical cores, this machine has {have}); its result "
+                  f"file is unchanged")
             continue
         # paths relative to the repository's root (the command recorded in the result file is rerunnable there)
         cmd = [sys.executable, f"benchmarks/{e.script}", *(e.quick if a.quick else e.full),

@@ -162,14 +162,14 @@ def _deps(s: Schedule, owner: dict[Key, int], a: Action) -> list[Key]:
 Durations = float | Sequence[float]  # one for every virtual stage, or one per virtual stage
 
 
-def _duration(op: str, stage: int, tf: Durations, tb: Durations, tw: Durations) -> float:
-    f, b, w = (x if isinstance(x, (int, float)) else x[stage] for x in (tf, tb, tw))
-    return {"F": f, "B": b, "I": b - w, "W": w}.get(op, 0.0)
+def _duration(op: str, stage: int, tf: Sequence[float], tb: Sequence[float], tw: Sequence[float]) -> float:
+    return {"F": tf[stage], "B": tb[stage], "I": tb[stage] - tw[stage], "W": tw[stage]}.get(op, 0.0)
 
 
-def play(s: Schedule, owner: dict[Key, int], tf: Durations, tb: Durations, tw: Durations,
+def play(s: Schedule, owner: dict[Key, int], tf: Sequence[float], tb: Sequence[float], tw: Sequence[float],
          comm: float) -> PlayedSchedule:  # fmt: skip
-    """Play the compute actions of ``s`` (``owner`` from :func:`check_structure`); see the module docstring.
+    """Play the compute actions of ``s`` (``owner`` from :func:`check_structure`; ``tf``, ``tb``, ``tw`` one per
+    virtual stage); see the module docstring.
 
     Raises:
         Invalid: a deadlock, naming every rank's blocked action and what it waits for.

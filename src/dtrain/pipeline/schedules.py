@@ -310,7 +310,7 @@ def simulate(schedule: Schedule, tf: Durations = 1.0, tb: Durations = 1.0, tw: D
         raise ScheduleError(f"simulate: durations must be >= 0 with tw <= tb; got tf={tf}, tb={tb}, tw={tw}, "
                             f"comm={comm}")  # fmt: skip
     try:
-        return play(schedule, check_structure(schedule), tf, tb, tw, comm)
+        return play(schedule, check_structure(schedule), f, b, w, comm)
     except Invalid as e:
         raise ScheduleError(f"schedule {schedule.name!r}: {e}") from None
 
