@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 quick=""
 if [[ "${1:-}" == "--quick" ]]; then quick="--quick"; shift; fi
-bash scripts/setup.sh ".[test,tune]"  # tune: the sweeps on Ray Tune (tests/test_sweep*.py)
+bash scripts/setup.sh ".[test,tune,hf]"  # tune: the sweeps on Ray Tune (tests/test_sweep*.py); hf: users' models and data
 .venv/bin/python -m ruff check src tests benchmarks scripts
 .venv/bin/python -m mypy
 if [[ -n "$quick" ]]; then

@@ -95,7 +95,8 @@ def test_every_field_has_a_flag():
     for name in [f.name for f in RunConfig.shared_fields()] + list(option_fields()):
         assert name in dests, name
     assert {f.name for f in dataclasses.fields(RunConfig)} - {f.name for f in RunConfig.shared_fields()} == {
-        "extra", "options"}
+        "extra", "options", "model_args"}
+    assert "model_arg" in dests  # the table model_args is filled by --model-arg KEY=VALUE, repeated
 
 
 def test_lr_schedule_flag():

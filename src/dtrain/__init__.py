@@ -33,6 +33,8 @@ _EXPORTS: dict[str, str] = {
     "Hybrid": "dtrain.hybrid_parallel.engine",
     "PipelineError": "dtrain.pipeline",
     "Mesh": "dtrain.hybrid_parallel.mesh",
+    # a whole run, as `dtrain run` does it
+    "run": "dtrain.job.api",
     # planning
     "plan": "dtrain.planning",
     # checkpoints

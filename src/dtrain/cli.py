@@ -111,6 +111,10 @@ def _add_run_flags(p: argparse.ArgumentParser, only: str | None = None) -> None:
         for f in group:
             choices = tuple(registered()) if f.name == "strategy" else known.get(f.name)
             _add_flag(g, f.name, f.default, _help(f), choices)
+            if f.name == "model":
+                g.add_argument("--model-arg", dest="model_arg", action="append", metavar="KEY=VALUE",
+                               help="a keyword argument of --model (repeatable; VALUE read as a TOML value: 2, "
+                               "0.1, true, \"gelu\"; a bare word is a string); TOML: a [model_args] table")
     if only is None:
         g = p.add_argument_group("strategy options (each belongs to the strategies named; TOML: a [STRATEGY] table)")
         fields = {name: [f for _, f in owners] for name, owners in option_fields().items()}
@@ -310,6 +314,10 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
                 table = values.get(str(values.get("strategy", "dp")))
                 if isinstance(table, dict):
                     table.pop(old, None)
+    if getattr(ns, "model_arg", None):
+        from dtrain.config.files import parse_model_args
+
+        values["model_args"] = {**dict(values.get("model_args") or {}), **parse_model_args(ns.model_arg)}
     return RunConfig.from_mapping(values)
 
 
@@ -350,7 +358,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
                                                    if t is not None else "not reached"))
     if summary.get("attribution"):  # who the others waited for, what bounds the step (dtrain.observe.attribution)
         print(summary["attribution"]["line"])
-    if (out / "model.pt").is_file():
+    from dtrain.workloads.models.specs import is_builtin
+
+    if (out / "model.pt").is_file() and is_builtin(cfg.model):  # dtrain's gpt on bytes: a few lines of its text
         from dtrain.observe.sample import sample_run
 
         print("sample (dtrain sample RUN_DIR for more):\n" + sample_run(out, tokens=160))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["read_toml", "load_toml", "dump_toml"]
+__all__ = ["read_toml", "load_toml", "dump_toml", "parse_toml_value", "parse_model_args"]
 
 
 def read_toml(path: str | Path, what: str, *, hint: str = "") -> dict[str, Any]:
@@ -43,6 +44,26 @@ def read_toml(path: str | Path, what: str, *, hint: str = "") -> dict[str, Any]:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
 
 
+def parse_toml_value(text: str) -> Any:
+    """``text`` read as one TOML value (``2``, ``0.1``, ``true``, ``"gelu"``, ``[1, 2]``); text that is not one
+    is the string itself (``gelu``)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_model_args(items: Sequence[str]) -> dict[str, Any]:
+    """``--model-arg KEY=VALUE`` flags as a mapping, each VALUE read by :func:`parse_toml_value`."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--model-arg takes KEY=VALUE, e.g. --model-arg n_layer=2; got {item!r}")
+        out[key.strip()] = parse_toml_value(value.strip())
+    return out
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a run config file; a top-level ``[run]`` table (with strategy tables beside it) is unwrapped."""
     data = read_toml(path, "config file")
@@ -50,6 +71,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     if isinstance(run, dict):
         data = {**{k: v for k, v in data.items() if k != "run"}, **run}
     return data
+
+
+def _toml_key(k: str) -> str:
+    return k if k and all(c.isalnum() or c in "_-" for c in k) else json.dumps(k)
 
 
 def _toml_value(v: Any) -> str:
@@ -61,6 +86,8 @@ def _toml_value(v: Any) -> str:
         return json.dumps(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # a model argument that is a table (a transformers config's rope_scaling)
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 
@@ -68,10 +95,10 @@ def dump_toml(cfg: RunConfig) -> str:
     """The resolved configuration as TOML that :func:`load_toml` reads back."""
     lines = ["# dtrain run configuration (resolved); rerun with: dtrain run config.toml"]
     d = cfg.to_dict()
-    tables = {"extra": d.pop("extra"), cfg.strategy: d.pop(cfg.strategy)}
+    tables = {"model_args": d.pop("model_args"), "extra": d.pop("extra"), cfg.strategy: d.pop(cfg.strategy)}
     for k, v in d.items():
         lines.append(f"{k} = {_toml_value(v)}")
     for name, table in tables.items():
         if table or name == cfg.strategy:
-            lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+            lines += ["", f"[{name}]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
     return "\n".join(lines) + "\n"

@@ -58,6 +58,7 @@ NOISE_BETA = 0.99  # the noise scale's moving averages' default decay (dtrain.tr
 LR_SCHEDULES = ("constant", "cosine")
 BACKENDS = ("gloo", "nccl", "mpi")
 DEVICES = ("cpu", "cuda")
+_TABLES = ("model_args", "extra", "options")  # RunConfig fields that are TOML tables, not flags
 _GPT_SHAPE = ("layers", "d_model", "heads", "dropout")  # RunConfig fields that resize a gpt model
 
 
@@ -162,7 +163,17 @@ class RunConfig:
 
     # --- what to train
     model: str = field(default="cnn", metadata={"help": "cnn | mlp (classifiers) | gpt-tiny | gpt-small | gpt-medium | "
-                       "gpt (gpt-small's shape, resized by --layers --d-model --heads) (default: cnn)"})
+                       "gpt (gpt-small's shape, resized by --layers --d-model --heads); or your own: FILE.py:FN / "
+                       "MODULE:FN (FN(**model_args) returns an nn.Module), hf:TYPE (a transformers architecture, "
+                       "e.g. hf:gpt2, hf:llama, built from its config with random weights), hf:DIR (a folder with "
+                       "config.json and its weights) (default: cnn)"})
+    # model_args: a table (TOML [model_args], --model-arg KEY=VALUE), not a flag of its own (see shared_fields)
+    model_args: dict[str, Any] = field(default_factory=dict, metadata={"help": "keyword arguments of a "
+                                       "FILE.py:FN / MODULE:FN model, or fields of an hf: model's transformers "
+                                       "configuration (or of dtrain's own models' options)"})
+    loss: str = field(default="", metadata={"help": "MODULE:FN or FILE.py:FN: FN(output, target) -> the scalar loss, "
+                      "for a model whose output is not logits (default: cross entropy over classes, or over every "
+                      "position of token windows)"})
     dataset: str = field(default="digits", metadata={"help": "digits (scikit-learn's 1,797 8x8 digits) | synthetic (a "
                          "random teacher's labels, --samples) | pytext (the Python documentation text shipped with "
                          "CPython, pydoc_data.topics: about 465 KB of English as byte tokens, 90% train / 10% "
@@ -293,8 +304,9 @@ class RunConfig:
 
     @classmethod
     def shared_fields(cls) -> list[dataclasses.Field[Any]]:
-        """The fields every run shares (all but ``extra`` and ``options``)."""
-        return [f for f in fields(cls) if f.name not in ("extra", "options")]
+        """The fields every run shares that are flags and top-level keys (all but the tables ``model_args``,
+        ``extra`` and ``options``)."""
+        return [f for f in fields(cls) if f.name not in _TABLES]
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -317,7 +329,7 @@ class RunConfig:
         for k, v in values.items():
             if k in shared:
                 kw[k] = _typed(k, _default(shared[k]), v)
-            elif k == "extra" or k == strategy:
+            elif k in _TABLES or k == strategy:
                 continue
             elif any(s == strategy for s, _ in everywhere.get(k, [])):
                 opts[k] = v
@@ -334,7 +346,10 @@ class RunConfig:
         extra = values.get("extra", {})
         if not isinstance(extra, Mapping):
             raise ConfigError(f"[extra] must be a table, got {extra!r}")
-        return cls(**kw, extra=dict(extra), options=build_options(entry, opts))
+        model_args = values.get("model_args", {})
+        if not isinstance(model_args, Mapping):
+            raise ConfigError(f"[model_args] must be a table of the model's keyword arguments, got {model_args!r}")
+        return cls(**kw, model_args=dict(model_args), extra=dict(extra), options=build_options(entry, opts))
 
     @classmethod
     def make(cls, **values: Any) -> RunConfig:
@@ -358,6 +373,7 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """TOML-shaped: shared keys, ``extra``, and the options as a table named for the strategy."""
         d = {f.name: getattr(self, f.name) for f in self.shared_fields()}
+        d["model_args"] = dict(self.model_args)
         d["extra"] = dict(self.extra)
         d[self.strategy] = self.opts.to_table()
         return d

@@ -54,8 +54,10 @@ def validate(cfg: RunConfig) -> RunConfig:
 def _check_names(cfg: RunConfig) -> None:
     from dtrain.workloads.data import DATASETS
     from dtrain.workloads.models import MODELS
+    from dtrain.workloads.models.specs import is_builtin
 
-    check_choice("model", cfg.model, MODELS)
+    if is_builtin(cfg.model):
+        check_choice("model", cfg.model, MODELS)
     check_choice("dataset", cfg.dataset, DATASETS)
     _check_task(cfg)
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
@@ -102,7 +104,14 @@ def _check_device(cfg: RunConfig) -> None:
 def _check_task(cfg: RunConfig) -> None:
     """A language model trains on text, a classifier on images; gpt flags need a gpt model."""
     from dtrain.workloads.models import is_language_model
+    from dtrain.workloads.models.specs import is_builtin
 
+    if not is_builtin(cfg.model):  # a user's model takes the data's task: its checks are check_model's
+        given = [f"--{k.replace('_', '-')}" for k in cfg.gpt_overrides()]
+        if given:
+            raise ConfigError(f"{', '.join(given)} shape(s) dtrain's gpt models; for model {cfg.model} give its "
+                              "own arguments with --model-arg KEY=VALUE")  # fmt: skip
+        return
     lm, text = is_language_model(cfg.model), cfg.dataset == "pytext"
     if lm and not text:
         raise ConfigError(f"model {cfg.model} is a language model; use --dataset pytext")
@@ -112,6 +121,10 @@ def _check_task(cfg: RunConfig) -> None:
         given = [f"--{k.replace('_', '-')}" for k in cfg.gpt_overrides()]
         if given:
             raise ConfigError(f"{', '.join(given)} shape(s) a gpt model; model {cfg.model} has no such option")
+
+
+def _check_target(cfg: RunConfig, lm: bool) -> None:
+    """``--target``: a validation loss for token windows, an accuracy for labelled samples."""
     if lm and cfg.target < 0:
         raise ConfigError(f"target is a validation loss (nats per token) for {cfg.model}; got {cfg.target}")
     if not lm and not 0 <= cfg.target <= 1:
@@ -157,9 +170,14 @@ def _check_numbers(cfg: RunConfig) -> None:
             resolve_gpt_config(cfg.model, **cfg.gpt_overrides(), seq_len=cfg.seq_len)
         except ValueError as e:
             raise ConfigError(f"model {cfg.model}: {e}") from None
-    size = len(cfg.load_data().train)
+    data = cfg.load_data()
+    size = len(data.train)
     if cfg.batch_size > size:
         raise ConfigError(f"batch_size {cfg.batch_size} is larger than the training set ({size} samples)")
+    _check_target(cfg, data.task == "lm")
+    from dtrain.job.model_check import check_model
+
+    check_model(cfg, data)
     _check_large_batch(cfg, size)
 
 

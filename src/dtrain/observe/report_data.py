@@ -216,7 +216,7 @@ def predict(run: RunData) -> dict[str, Any]:
     cfg = RunConfig.from_mapping({k: v for k, v in run.config.items() if k not in ("out", "resume", "overwrite")})
     own = Choice(cfg.strategy, cfg.workers, cfg.options)
     model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, samples=cfg.samples,
-                                     seq_len=cfg.seq_len, **cfg.gpt_overrides())  # fmt: skip
+                                     seq_len=cfg.seq_len, model_args=cfg.model_args, **cfg.gpt_overrides())  # fmt: skip
     spec = cluster_for(cfg.cluster, processes=own.processes) if cfg.cluster else local_cluster(own.processes)
     opt = optimizer_kind(cfg)
     p = plan(model, sample, spec, workers=own.processes, name=name, optimizer=opt, strategies=[own])

@@ -61,11 +61,13 @@ def meta_model(cfg: Any) -> tuple[Any, Any]:
     """``cfg``'s model built on the meta device (shapes only, nothing allocated), and its dataset."""
     import torch
 
-    from dtrain.workloads.models import build_model
+    from dtrain.workloads.models import make_model
 
     data = cfg.load_data()
     with torch.device("meta"):
-        return build_model(cfg.model, data.input_shape, data.num_classes, **cfg.gpt_overrides()), data
+        model = make_model(cfg.model, data.input_shape, data.num_classes, task=data.task,
+                           model_args=cfg.model_args, seq_len=cfg.seq_len, **cfg.gpt_overrides())  # fmt: skip
+        return model, data
 
 
 def model_params(cfg: Any) -> int:

@@ -142,6 +142,7 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
     """Everything about the mesh and the model that would fail in a worker, before any process starts."""
     from dtrain.workloads.models import is_language_model
     from dtrain.workloads.models.gpt import resolve_gpt_config
+    from dtrain.workloads.models.specs import is_builtin
 
     dp, pp, tp = o.mesh_shape(cfg.workers)
     if cfg.precision == "fp16" and isinstance(o, HybridOptions):
@@ -154,6 +155,10 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
         raise ConfigError(f"the batch of {cfg.batch_size} does not divide into {dp} data-parallel shards of "
                           f"{micro} micro-batches; use --batch-size a multiple of {dp * micro}")  # fmt: skip
     if tp > 1 or pp > 1:
+        if not is_builtin(cfg.model):
+            raise ConfigError(f"{cfg.strategy}: the stages and splits of --pp {pp} --tp {tp} are found for dtrain's "
+                              f"own models; model {cfg.model} trains under the strategies that do not cut it: dp, "
+                              "ddp, dp --shard, ps, local_sgd, easgd, gossip (or --pp 1 --tp 1)")  # fmt: skip
         if not is_language_model(cfg.model):
             if tp > 1:
                 raise ConfigError(f"tensor parallelism splits the gpt models' blocks (plans.gpt); --model {cfg.model} "

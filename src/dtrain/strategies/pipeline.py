@@ -116,6 +116,12 @@ class PipelineOptions(StrategyOptions):
 def _model_children(cfg: RunConfig) -> int:
     from dtrain.workloads.models import build_model, is_language_model
     from dtrain.workloads.models.gpt import resolve_gpt_config
+    from dtrain.workloads.models.specs import is_builtin
+
+    if not is_builtin(cfg.model):
+        raise ConfigError(f"pipeline: a pipeline cuts dtrain's own models (an nn.Sequential) between children; "
+                          f"model {cfg.model} trains under the strategies that do not cut it: dp, ddp, dp --shard, "
+                          "ps, local_sgd, easgd, gossip")  # fmt: skip
 
     if is_language_model(cfg.model):
         layers: int = resolve_gpt_config(cfg.model, **cfg.gpt_overrides(), seq_len=cfg.seq_len).layers

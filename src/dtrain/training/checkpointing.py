@@ -79,6 +79,8 @@ def run_info(cfg: RunConfig) -> dict[str, Any]:
         d["batch_schedule"] = cfg.batch_schedule
         if cfg.auto_every:  # auto deciding inside epochs: the batches' cuts
             d["auto_every"] = cfg.auto_every
+    if cfg.model_args:  # the model's shape
+        d["model_args"] = dict(cfg.model_args)
     if cfg.dataset == "synthetic":
         d["samples"] = cfg.samples
     if cfg.dataset == "pytext":  # the windows and the model's shape

@@ -37,7 +37,7 @@ from dtrain.training.lr import LearningRate, lr_factor, schedule_updates
 from dtrain.training.progress import progress_bar
 from dtrain.training.slowdown import Straggler
 from dtrain.workloads.data import DatasetSplit
-from dtrain.workloads.models import task_loss
+from dtrain.workloads.models import run_loss
 
 __all__ = ["TrainContext", "ProcessHooks", "lr_factor", "schedule_updates"]
 
@@ -159,9 +159,15 @@ class TrainContext:
 
     # ---------------------------------------------------------------- the loss
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The training loss: cross entropy over classes (over every position for a language model)."""
-        return task_loss(output, target)
+    @functools.cached_property
+    def loss_fn(self) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+        """``--loss``'s function, or cross entropy (:func:`~dtrain.workloads.models.task_loss`)."""
+        return run_loss(self.cfg)
+
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The training loss: ``--loss``, or cross entropy over classes (over every position for a language
+        model) of the output's logits (a tensor, a tuple's first item, or ``.logits``)."""
+        return self.loss_fn(output, target)
 
     def scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """:meth:`loss` times the step's fp16 loss scale (1 otherwise): what a whole-step engine backpropagates."""

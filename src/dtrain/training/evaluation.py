@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from dtrain.workloads.models import task_loss
+from dtrain.workloads.models import logits_of, run_loss
 
 if TYPE_CHECKING:
     from dtrain.config.schema import RunConfig
@@ -52,6 +54,11 @@ class Evaluation:
             return f"validation loss {metric:.4f} nats/token (perplexity {math.exp(min(metric, 700.0)):.2f})"
         return f"test accuracy {metric:.4f}"
 
+    @functools.cached_property
+    def loss_fn(self) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+        """A language model's validation loss: ``--loss``, or cross entropy per token."""
+        return run_loss(self.cfg)
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> float:
         """The run's metric of ``model`` (:attr:`metric_name`) on the test / validation set.
@@ -70,8 +77,8 @@ class Evaluation:
         for i in range(0, len(y), chunk):
             out, target = model(x[i : i + chunk].to(dev)), y[i : i + chunk].to(dev)
             if self.language_model:
-                total += float(task_loss(out, target)) * target.numel()
+                total += float(self.loss_fn(out, target)) * target.numel()
             else:
-                total += int((out.argmax(1) == target).sum())
+                total += int((logits_of(out).argmax(1) == target).sum())
         model.train(was_training)
         return total / max(1, y.numel())

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dtrain.workloads.models import build_model
+from dtrain.workloads.models import make_model
 
 if TYPE_CHECKING:
     from dtrain.compress.base import Compressor
@@ -38,9 +38,12 @@ class Factories:
     precision: Precision
 
     def model(self) -> nn.Module:
-        """The configured model, initialised identically on every rank (seeded), on :attr:`device`."""
+        """The configured model (any ``--model`` spec), initialised identically on every rank (seeded), on
+        :attr:`device`."""
         torch.manual_seed(self.cfg.seed)
-        model = build_model(self.cfg.model, self.data.input_shape, self.data.num_classes, **self.cfg.gpt_overrides())
+        c = self.cfg
+        model = make_model(c.model, self.data.input_shape, self.data.num_classes, task=self.data.task,
+                           model_args=c.model_args, seq_len=c.seq_len, **c.gpt_overrides())  # fmt: skip
         return model.to(self.device)  # initialised on the CPU: the same weights on any device
 
     def optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:

@@ -1,17 +1,14 @@
 """A model and one batch for it, by name: what the planner and calibration profile.
 
-:func:`load_model` takes a dtrain model name ("cnn", "mlp", ...) built for a
-dataset, or a user's ``FILE.py:FN`` / ``MODULE:FN`` returning
-``(model, sample_batch)``. It starts nothing: the planner (``dtrain plan``,
+:func:`load_model` takes any ``--model`` spec: a dtrain model name ("cnn", "mlp", ...)
+built for a dataset, a user's ``FILE.py:FN`` / ``MODULE:FN`` returning a model or
+``(model, sample_batch)``, or a transformers ``hf:TYPE``. It starts nothing: the planner (``dtrain plan``,
 ``--strategy auto``) and the calibration runners both call it.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,47 +19,44 @@ from dtrain.errors import ConfigError
 __all__ = ["load_model"]
 
 
-def _user_model(spec: str) -> tuple[nn.Module, Any, str]:
-    where, fn_name = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ConfigError(f"model file {where!r} does not exist")
-        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
-        assert mod_spec and mod_spec.loader
-        mod = importlib.util.module_from_spec(mod_spec)
-        sys.modules[path.stem] = mod
-        mod_spec.loader.exec_module(mod)
-    else:
-        mod = importlib.import_module(where)
-    fn = getattr(mod, fn_name, None)
-    if fn is None:
-        raise ConfigError(f"{where} has no function {fn_name!r}")
-    model, sample = fn()
-    return model, sample, fn_name
+def _batch_of(data: Any, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``batch`` training samples of ``data`` (repeated when the set is smaller)."""
+    from torch.utils.data import DataLoader
+
+    x, y = next(iter(DataLoader(data.train, batch_size=min(batch, len(data.train)))))
+    reps = -(-batch // len(y))
+    return x.repeat(reps, *([1] * (x.dim() - 1)))[:batch], y.repeat(reps, *([1] * (y.dim() - 1)))[:batch]
 
 
 def load_model(spec: str, dataset: str = "digits", *, batch: int = 64, seed: int = 0, samples: int = 4096,
-               seq_len: int = 64, **gpt_overrides: Any) -> tuple[nn.Module, Any, str]:  # fmt: skip
-    """A model, one batch for it, and its name, from a dtrain model name or ``FILE.py:FN`` / ``MODULE:FN``.
+               seq_len: int = 64, model_args: Mapping[str, Any] | None = None,
+               **gpt_overrides: Any) -> tuple[nn.Module, Any, str]:  # fmt: skip
+    """A model, one batch for it, and its name, from any ``--model`` spec.
 
-    ``FN()`` must return ``(model, sample_batch)``; dtrain's own names ("cnn",
-    "mlp", "gpt-small", ...) are built for ``dataset`` (a language model always
-    for pytext, with ``seq_len`` and ``gpt_overrides``) and take ``batch`` samples
-    from its training set.
+    ``FILE.py:FN`` / ``MODULE:FN`` is called as ``FN(**model_args)`` and returns ``(model, sample_batch)``, or a
+    model alone, which then gets ``batch`` samples of ``dataset``; ``hf:...`` is built for ``dataset``'s task
+    (:mod:`dtrain.workloads.models.specs`). dtrain's own names ("cnn", "mlp", "gpt-small", ...) are built for
+    ``dataset`` (a language model for pytext unless ``dataset`` is token windows already, with ``seq_len`` and
+    ``gpt_overrides``) and take ``batch`` samples from its training set.
     """
-    if ":" in spec:
-        return _user_model(spec)
     from dtrain.workloads.data import load_dataset
-    from dtrain.workloads.models import MODELS, build_model, is_language_model
+    from dtrain.workloads.models import MODELS, is_language_model, make_model
+    from dtrain.workloads.models.specs import build_spec, is_builtin, is_transformers
 
-    if spec not in MODELS:
-        raise ConfigError(f"model {spec!r} is not known; use one of {', '.join(MODELS)} or FILE.py:FUNCTION")
-    if is_language_model(spec):
+    args = dict(model_args or {})
+    if is_builtin(spec) and spec not in MODELS:
+        raise ConfigError(f"model {spec!r} is not known; use one of {', '.join(MODELS)}, FILE.py:FUNCTION, "
+                          "MODULE:FUNCTION or hf:TYPE")  # fmt: skip
+    if not is_builtin(spec) and not is_transformers(spec):  # a function: its own sample, if it gives one
+        model, sample = build_spec(spec, args, task="classify", input_shape=(), num_classes=0)
+        if sample is not None:
+            return model, sample, spec.rpartition(":")[2]
+        data = load_dataset(dataset, seed=seed, samples=samples, seq_len=seq_len)
+        return model, _batch_of(data, batch), spec.rpartition(":")[2]
+    if is_language_model(spec) and dataset in ("digits", "synthetic"):
         dataset = "pytext"
     data = load_dataset(dataset, seed=seed, samples=samples, seq_len=seq_len)
     torch.manual_seed(seed)
-    model = build_model(spec, data.input_shape, data.num_classes, **gpt_overrides)
-    x, y = data.train.tensors
-    reps = -(-batch // len(y))
-    return model, (x.repeat(reps, *([1] * (x.dim() - 1)))[:batch], y.repeat(reps, *([1] * (y.dim() - 1)))[:batch]), spec
+    model = make_model(spec, tuple(data.input_shape), data.num_classes, task=data.task, model_args=args,
+                       seq_len=seq_len, **gpt_overrides)  # fmt: skip
+    return model, _batch_of(data, batch), spec

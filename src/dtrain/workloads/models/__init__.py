@@ -1,36 +1,64 @@
-"""Reference models: a small CNN (the default), an MLP, and GPT language models.
+"""The models a run trains: dtrain's own (a small CNN, the default; an MLP; GPT language models) and the user's.
 
-Every model is an ``nn.Sequential`` so pipeline partitioning and per-layer
-profiling can walk it child by child.
+dtrain's own models are ``nn.Sequential`` so pipeline partitioning and per-layer
+profiling can walk them child by child.
 
 * ``cnn``, ``mlp`` -- image classifiers (:mod:`dtrain.workloads.models.vision`).
 * ``gpt``, ``gpt-tiny``, ``gpt-small``, ``gpt-medium`` -- decoder-only
   transformers over token ids (:mod:`dtrain.workloads.models.gpt`).
+* a user's ``FILE.py:FN`` / ``MODULE:FN`` and transformers' ``hf:TYPE`` / ``hf:DIR``
+  (:mod:`dtrain.workloads.models.specs`; :func:`make_model` builds any of them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from dtrain.workloads.models.gpt import GPT_MODELS, GPT_PRESETS, GPTConfig, build_gpt, generate, gpt_config
+from dtrain.workloads.models.specs import build_spec, is_builtin, load_function
 from dtrain.workloads.models.vision import VISION_MODELS, build_cnn, build_mlp
 
-__all__ = ["MODELS", "build_model", "task_loss", "GPTConfig", "GPT_PRESETS", "generate", "gpt_config",
-           "is_language_model"]
+__all__ = ["MODELS", "build_model", "make_model", "task_loss", "logits_of", "run_loss", "GPTConfig", "GPT_PRESETS",
+           "generate", "gpt_config", "is_language_model"]
 
 MODELS = (*VISION_MODELS, *GPT_MODELS)
 
 
-def task_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def logits_of(output: Any) -> torch.Tensor:
+    """A model's logits from what its forward returned: a tensor, a tuple or list (its first item), or an object
+    with ``.logits`` (a transformers model's output)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"a model's forward returned a {type(output).__name__}: dtrain takes a tensor of logits, a "
+                    "tuple whose first item is one, or an object with .logits; give --loss MODULE:FN otherwise")
+
+
+def task_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     """The training loss of dtrain's models: cross entropy over classes, or over every position of a
-    language model's ``(batch, seq, vocab)`` logits against ``(batch, seq)`` next tokens."""
+    language model's ``(batch, seq, vocab)`` logits against ``(batch, seq)`` next tokens. ``output`` may be
+    anything :func:`logits_of` reads."""
+    output = logits_of(output)
     if output.dim() == 3 and target.dim() == 2:
         return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
     return nn.functional.cross_entropy(output, target)
+
+
+def run_loss(cfg: Any) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """A run's loss function: ``cfg.loss`` (``MODULE:FN`` / ``FILE.py:FN``, called as ``FN(output, target)``), or
+    :func:`task_loss`."""
+    if not getattr(cfg, "loss", ""):
+        return task_loss
+    fn: Callable[[Any, torch.Tensor], torch.Tensor] = load_function(cfg.loss, what="loss")
+    return fn
 
 
 def is_language_model(name: str) -> bool:
@@ -88,3 +116,25 @@ def build_model(
             raise ValueError(f"cnn needs a (C, H, W) input shape, got {input_shape}")
         return build_cnn(input_shape, num_classes, width)
     return build_mlp(input_shape, num_classes, hidden)
+
+
+def make_model(
+    name: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    *,
+    task: str = "classify",
+    model_args: Mapping[str, Any] | None = None,
+    seq_len: int = 64,
+    **gpt_overrides: Any,
+) -> nn.Module:
+    """The model of any ``--model`` spec (:mod:`dtrain.workloads.models.specs`) for a dataset.
+
+    A dtrain name goes to :func:`build_model` with ``model_args`` and ``gpt_overrides`` as its keywords; a
+    function or transformers spec is built with ``model_args`` for the data's ``task``, shape and classes.
+    """
+    args = dict(model_args or {})
+    if is_builtin(name):
+        return build_model(name, input_shape, num_classes, **{**args, **gpt_overrides})
+    model, _ = build_spec(name, args, task=task, input_shape=input_shape, num_classes=num_classes, seq_len=seq_len)
+    return model
