@@ -1,0 +1,103 @@
+"""Models dtrain did not write, through ``dtrain run``: transformers GPT-2 (its head tied to its embedding) and
+Llama (rotary, grouped-query attention) built from a config with random weights, and a residual CNN in a
+user's file, under dp, ddp, ZeRO 1/2/3 and the parameter server (bsp) at 3 workers: every step's loss equals a
+one-process run on the same global batch. local_sgd, easgd and gossip learn. The first of each model's cases
+runs in the default suite; the rest are ``slow`` (CI runs them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _helpers import dtrain_runs, mean_losses, read_summary
+
+pytestmark = pytest.mark.procs  # every test here starts processes
+
+CNN_FILE = '''
+import torch
+from torch import nn
+
+
+class Residual(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(c, c, 3, padding=1), nn.GroupNorm(2, c)
+
+    def forward(self, x):
+        return torch.relu(x + self.norm(self.conv(x)))
+
+
+def build(width=8, blocks=2):
+    return nn.Sequential(nn.Conv2d(1, width, 3, padding=1), *[Residual(width) for _ in range(blocks)],
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
+'''
+
+# GPT-2 with its dropout off (as dtrain's own models), so a step is the same computation in every process
+GPT2 = ["--model", "hf:gpt2", "--model-arg", "n_layer=2", "--model-arg", "n_embd=64", "--model-arg", "n_head=4",
+        "--model-arg", "n_positions=32", "--model-arg", "resid_pdrop=0.0", "--model-arg", "embd_pdrop=0.0",
+        "--model-arg", "attn_pdrop=0.0"]  # fmt: skip
+LLAMA = ["--model", "hf:llama", "--model-arg", "num_hidden_layers=2", "--model-arg", "hidden_size=64",
+         "--model-arg", "intermediate_size=128", "--model-arg", "num_attention_heads=4",
+         "--model-arg", "num_key_value_heads=2", "--model-arg", "max_position_embeddings=32"]  # fmt: skip
+TEXT = ["--dataset", "pytext", "--seq-len", "16", "--optimizer", "adam", "--lr", "0.003"]
+# a global batch of 12 divides over 1 and 3 workers: the same samples make each step in both
+COMMON = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", "12", "--max-steps", "4"]
+STRATEGIES = {
+    "dp": ["--strategy", "dp"],
+    "ddp": ["--strategy", "ddp"],
+    "zero1": ["--strategy", "dp", "--shard", "optimizer"],
+    "zero2": ["--strategy", "dp", "--shard", "gradients"],
+    "zero3": ["--strategy", "dp", "--shard", "parameters"],
+    "ps": ["--strategy", "ps", "--servers", "1", "--consistency", "bsp"],
+}
+# the first strategies of each model run in the default suite, the rest under -m slow
+QUICK = {"gpt2": ("zero3", "ps"), "llama": ("zero2", "ddp"), "cnn": ("dp", "zero1")}
+
+
+def _model_flags(name: str, tmp: Path) -> list[str]:
+    if name == "cnn":
+        path = tmp / "my_cnn.py"
+        path.write_text(CNN_FILE)
+        return ["--model", f"{path}:build", "--model-arg", "width=8"]
+    pytest.importorskip("transformers")
+    return [*(GPT2 if name == "gpt2" else LLAMA), *TEXT]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, float]]:
+    """Each model's one-process run on the global batch: step -> loss."""
+    root = tmp_path_factory.mktemp("one")
+    runs = {name: [*_model_flags(name, root), "--workers", "1"] for name in QUICK}
+    return {name: mean_losses(out) for name, (out, _) in dtrain_runs(root, COMMON, runs, timeout=400).items()}
+
+
+def _cases() -> list[object]:
+    out: list[object] = []
+    for model, quick in QUICK.items():
+        for strategy in STRATEGIES:
+            marks = () if strategy in quick else (pytest.mark.slow,)
+            out.append(pytest.param(model, strategy, marks=marks, id=f"{model}-{strategy}"))
+    return out
+
+
+@pytest.mark.parametrize("model, strategy", _cases())
+def test_three_workers_train_a_users_model_as_one_process_does(tmp_path: Path, references, model: str,
+                                                              strategy: str) -> None:  # fmt: skip
+    flags = [*_model_flags(model, tmp_path), *STRATEGIES[strategy], "--workers", "3"]
+    (out, text), = dtrain_runs(tmp_path, COMMON, {strategy: flags}, timeout=400).values()
+    got, want = mean_losses(out), references[model]
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3], text[-2000:]
+    for step in want:  # float32 sums in another order: the tolerance of tests/test_sharded_run.py's oracles
+        assert got[step] == pytest.approx(want[step], rel=1e-5), (model, strategy, step, got, want)
+    assert read_summary(out)["steps"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["local_sgd", "easgd", "gossip"])
+def test_model_averaging_learns_a_transformers_model(tmp_path: Path, strategy: str) -> None:
+    flags = [*_model_flags("gpt2", tmp_path), "--strategy", strategy, "--workers", "3"]
+    common = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", "24", "--max-steps", "30"]
+    (out, text), = dtrain_runs(tmp_path, common, {strategy: flags}, timeout=500).values()
+    losses = mean_losses(out)
+    first, last = sum(losses[s] for s in range(3)) / 3, sum(losses[s] for s in range(27, 30)) / 3
+    assert last < 0.8 * first, (strategy, first, last)
