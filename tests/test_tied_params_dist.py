@@ -139,6 +139,12 @@ def _zero(rank: int, world: int, kind: str, stage: str, units: list[str] | None 
     ids = [id(p) for u in dp.units for p in u.params]
     held = {"numel": sum(u.numel for u in dp.units), "distinct": len(ids) == len(set(ids))}
     losses = _train(dp, _opt(dp.parameters()), _mine(_batches(kind, world), rank, world))
+    # ring reduce-scatter and allgather send (P-1) segments of each unit; a step reduces every unit once and
+    # gathers it once (stages 1-2: the stepped shards), stage 3 twice (forward, backward) but the root unit once
+    # (held from its forward to the end of backward)
+    times = {u.name: 2 if stage != "parameters" or u.name == "" else 3 for u in dp.units}
+    held["bytes"] = dp.step_stats()["bytes_sent"]
+    held["want_bytes"] = sum(times[u.name] * (world - 1) * u.seg * 4 for u in dp.units)
     dp.synchronize()
     out = {"losses": losses, "tied": _tied(m), "want_numel": _numel(m), **held}
     dp.close()
@@ -297,6 +303,15 @@ def _zero3_resume(rank: int, world: int, root: str) -> dict[str, Any]:
     dp2.load_full_state_dict(full)
     dp2.synchronize()
     loaded = {"tied": _tied(m2), "diff": float((m2.lm_head.weight - full["lm_head.weight"]).abs().max())}
+    # the weight under one of its keys (as a file that stores a tie once) loads too; two different values do not
+    dp2.load_full_state_dict({k: v for k, v in full.items() if k != "lm_head.weight"})
+    dp2.synchronize()
+    loaded["one_key_diff"] = float((m2.lm_head.weight - full["lm_head.weight"]).abs().max())
+    try:
+        dp2.load_full_state_dict({**full, "lm_head.weight": full["lm_head.weight"] + 1})
+        loaded["conflict"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        loaded["conflict"] = f"{type(e).__name__}: {e}"
     dp2.close()
     return {"whole": whole, "resumed": first + rest, "tied": resumed_tied,
             "keys_equal": bool(torch.equal(full["lm_head.weight"], full["transformer.wte.weight"])), "loaded": loaded}
@@ -310,6 +325,7 @@ def _same_as_one_process(vals: list[dict[str, Any]], ref: list[float]) -> None:
         assert v["tied"], "the embedding and the head no longer share one tensor after training"
         assert v["distinct"], "the engine holds the shared parameter more than once"
         assert v["numel"] == v["want_numel"], (v["numel"], v["want_numel"])
+        assert v.get("bytes") == v.get("want_bytes"), (v.get("bytes"), v.get("want_bytes"))
     mean = [sum(step) / len(vals) for step in zip(*(v["losses"] for v in vals))]
     assert mean == pytest.approx(ref, rel=REL)
 
@@ -373,4 +389,32 @@ def test_zero3_checkpoint_of_a_tied_model_resumes_like_the_uninterrupted_run(tmp
     for v in (_ok(r) for r in res):
         assert v["resumed"] == pytest.approx(v["whole"], rel=REL)
         assert v["tied"] and v["keys_equal"]
-        assert v["loaded"]["tied"] and v["loaded"]["diff"] == 0.0
+        assert v["loaded"]["tied"] and v["loaded"]["diff"] == 0.0 and v["loaded"]["one_key_diff"] == 0.0
+        assert v["loaded"]["conflict"].startswith("ConfigError") and "'lm_head.weight'" in v["loaded"]["conflict"]
+
+
+def _blob(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A replica's state dict in the per-rank part of a checkpoint (what local SGD, EASGD and gossip save)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dtrain.checkpoint import load_checkpoint, save_checkpoint
+
+    m = _model("tiny")
+    opt = _opt(m.parameters())
+    _train(m, opt, _mine(_batches("tiny", world), rank, world))
+    path = save_checkpoint(root, 3, rank_state={"model": m.state_dict(), "optimizer": opt.state_dict()})
+    md = FileSystemReader(str(path)).read_metadata()
+    stored = [k for k in md.state_dict_metadata if k.startswith(f"rank_state.rank{rank}.t.")]
+    _, blob = load_checkpoint(path)
+    fresh = _model("tiny")
+    fresh.load_state_dict(blob["model"])
+    sd = blob["model"]
+    return {"stored": len(stored), "distinct": len({p.data_ptr() for p in m.parameters()}) + len(opt.state_dict()["state"]),
+            "one_tensor": sd["lm_head.weight"] is sd["transformer.wte.weight"], "tied": _tied(fresh),
+            "diff": max(float((a - b).abs().max()) for a, b in zip(fresh.parameters(), m.parameters()))}  # fmt: skip
+
+
+def test_a_tied_state_dict_in_a_per_rank_checkpoint_is_stored_once_and_loads_into_one_tensor(tmp_path: Path) -> None:
+    for v in run_distributed(_blob, 2, str(tmp_path / "ckpt"), timeout=60):
+        assert v["stored"] == v["distinct"], v
+        assert v["one_tensor"] and v["tied"] and v["diff"] == 0.0, v
