@@ -6,13 +6,16 @@ the same weight) and transformers' GPT-2 built from a config (2 layers, width 64
 ``transformer.wte.weight``). Each spawn runs its scenarios one after the other in the same processes and
 returns plain numbers; the tests assert on them:
 
-* ZeRO 1/2/3, DataParallel (ring, and error-fed compression), torch's DDP and the parameter server under bsp:
-  every step's loss (the mean of the ranks' losses on their shards) equals one process on the global batch; the
-  tie holds after training; the engine holds the shared weight once (the elements it shards, buckets or splits
-  over servers are those of ``model.parameters()``, which counts it once);
+* ZeRO 1/2/3 (also with explicit units that part the two holders, and with ``no_sync`` accumulation and a
+  clipped global norm), DataParallel (ring, error-fed compression, priority scheduling with a bucket per
+  parameter), torch's DDP and the parameter server under bsp (1 and 2 servers): every step's loss (the mean
+  of the ranks' losses on their shards) equals one process on the global batch; the tie holds after
+  training; the engine holds the shared weight once (the elements it shards, buckets or splits over servers
+  are those of ``model.parameters()``, which counts it once; ZeRO's bytes per step are those of these units);
 * local SGD, EASGD and gossip: the tie holds and the loss falls; the replicas' average sends the weight once;
 * a ZeRO-3 checkpoint saved after 2 steps and resumed gives the uninterrupted run's last losses, and a full
-  state dict (both tied keys) loads back into one tensor.
+  state dict (both tied keys, or one) loads back into one tensor; a per-rank checkpoint blob holding a tied
+  state dict stores the weight once, and DCP's model and optimizer state dicts round-trip the tie.
 """
 
 from __future__ import annotations
@@ -175,8 +178,11 @@ def _ddp(rank: int, world: int, kind: str) -> dict[str, Any]:
     m = _model(kind)
     dp = DistributedDataParallel(m)
     losses = _train(dp, _opt(dp.parameters()), _mine(_batches(kind, world), rank, world))
-    n = sum(p.numel() for p in dp.parameters())
-    return {"losses": losses, "tied": _tied(m), "want_numel": _numel(m), "numel": n, "distinct": True}
+    log = dp._get_ddp_logging_data()  # torch's own account of its buckets, in bytes
+    n = sum(int(b) for b in str(log["bucket_sizes"]).replace(",", " ").split()) // 4
+    idx = str(log["rebuilt_per_bucket_param_indices"]).replace(",", " ").split()
+    return {"losses": losses, "tied": _tied(m), "want_numel": _numel(m), "numel": n,
+            "distinct": len(idx) == len(set(idx))}  # fmt: skip
 
 
 CLIP = 0.5  # below the gradient norm of every step: the clip scales, so a weight counted twice would show
