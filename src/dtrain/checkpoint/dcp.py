@@ -112,15 +112,33 @@ class _Slot:
         return (_Slot, (self.index,))
 
 
-def _cut(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` with each tensor (in dicts, lists, tuples) replaced by a :class:`_Slot`; tensors appended."""
+def _alias(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors one: the same elements of the same storage, seen the same way (None: empty)."""
+    if t.numel() == 0 or t.untyped_storage().data_ptr() == 0:
+        return None
+    return (t.untyped_storage().data_ptr(), t.device, t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+
+
+def _cut(obj: Any, tensors: list[torch.Tensor], seen: dict[tuple[Any, ...], int] | None = None) -> Any:
+    """``obj`` with each tensor (in dicts, lists, tuples) replaced by a :class:`_Slot`; tensors appended.
+
+    A tensor met again -- the same view of the same storage, as the two keys of a tied
+    parameter in a ``state_dict()`` -- takes the first one's slot: it is written once and
+    comes back as one tensor in both places.
+    """
+    seen = {} if seen is None else seen
     if isinstance(obj, torch.Tensor):
+        key = _alias(obj)
+        if key is not None and key in seen:
+            return _Slot(seen[key])
         tensors.append(obj.detach())
+        if key is not None:
+            seen[key] = len(tensors) - 1
         return _Slot(len(tensors) - 1)
     if isinstance(obj, dict):
-        return {k: _cut(v, tensors) for k, v in obj.items()}
+        return {k: _cut(v, tensors, seen) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_cut(v, tensors) for v in obj)
+        return type(obj)(_cut(v, tensors, seen) for v in obj)
     return obj
 
 

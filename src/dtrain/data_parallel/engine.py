@@ -18,7 +18,9 @@ VLDB 2020):
 2. Trainable parameters are fused into buckets of about ``bucket_mb`` MiB in the
    order backward produces their gradients (reverse registration order at
    first; after the first step, the order actually observed, agreed from rank 0).
-   Each ``.grad`` is a view into its bucket's flat buffer.
+   Each ``.grad`` is a view into its bucket's flat buffer. A parameter that several
+   modules hold (an embedding tied to the LM head) is one of them, as in
+   ``module.parameters()``: one slot in one bucket, one hook, reduced once.
 3. Backward: a post-accumulate-grad hook per parameter counts arrivals; when a
    bucket's last gradient lands, its allreduce starts -- while backward goes on
    computing earlier layers. Buckets start strictly in index order on every rank.

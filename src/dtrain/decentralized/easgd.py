@@ -342,11 +342,11 @@ class EASGD(ReplicaWrapper):
         the allreduce form; the last pulled center in the server form -- the final one after
         :meth:`finish`), everything else (buffers, frozen parameters) this replica's."""
         self._worker_only("center_state_dict")
-        index = {id(p): i for i, p in enumerate(self.params)}
         out = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        center = {id(p): self._center[i].detach().clone() for i, p in enumerate(self.params)}
         for name, p in self.module.named_parameters(remove_duplicate=False):
-            if id(p) in index:
-                out[name] = self._center[index[id(p)]].detach().clone()
+            if id(p) in center:  # a tied parameter: its keys share the one center tensor
+                out[name] = center[id(p)]
         return out
 
     def averaged_state_dict(self) -> dict[str, torch.Tensor]:

@@ -115,8 +115,15 @@ class ReplicaWrapper(nn.Module, abc.ABC):
 
     def averaged_state_dict(self) -> dict[str, torch.Tensor]:
         """The replicas' average as a state dict of ``module`` (collective): floating entries averaged,
-        one allreduce per dtype over the entries flattened end to end."""
-        out = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        one allreduce per dtype over the entries flattened end to end.
+
+        A tensor the state dict lists under several keys (a parameter tied between two modules)
+        is averaged once, and its keys share the one result, as they share one tensor in the module."""
+        own = self.module.state_dict(keep_vars=True)
+        first: dict[int, str] = {}  # id of a tensor -> the first key that lists it
+        for k, t in own.items():
+            first.setdefault(id(t), k)
+        out = {k: own[k].detach().clone() for k in first.values()}
         by_dtype: dict[torch.dtype, list[str]] = {}
         for k, t in out.items():
             if t.is_floating_point():
@@ -129,7 +136,7 @@ class ReplicaWrapper(nn.Module, abc.ABC):
                 n = out[k].numel()
                 out[k] = flat[off : off + n].view_as(out[k]).clone()
                 off += n
-        return out
+        return {k: out[first[id(t)]] for k, t in own.items()}
 
     def stats(self) -> dict[str, Any]:
         """``rounds`` of mixing so far, ``bytes_sent`` and ``messages`` by this rank for them."""

@@ -23,6 +23,9 @@ pieces (:meth:`Shard.gather`) and scatters the parameters it pulls back
 (:meth:`Shard.scatter`); the server keeps each piece as its own tensor, so any
 element-wise optimizer (SGD, momentum, Adam) gives the same result as on whole
 tensors. Optimizers that use whole-tensor norms (LARS, LAMB) see pieces instead.
+The tensors are ``model.parameters()``, where a parameter that several modules hold
+(an embedding tied to the LM head) is listed once: one server owns each of its
+elements, and a worker pushes and pulls it once.
 """
 
 from __future__ import annotations

@@ -2,7 +2,11 @@
 
 A unit is a submodule (a block of ``gpt``, a child of a Sequential, or one the user
 names) with every parameter it holds that no earlier unit took; what no unit takes
-(parameters of the root or of modules left out) forms the root unit, unit 0. Each unit
+(parameters of the root or of modules left out) forms the root unit, unit 0. A parameter
+that several modules hold (an embedding tied to the LM head) is one tensor and goes to one
+unit: the innermost unit whose module holds every one of its users, else the root unit, which
+stage 3 keeps gathered through the whole forward and backward; so no user runs while its
+unit's storage is freed, and it is sharded, gathered and reduced once. Each unit
 owns one flat buffer of ``P * s`` elements (its ``L`` parameter elements, padded to
 a multiple of the world size ``P``) whose views are the module's parameters, so a
 whole unit travels as one message per ring step; rank ``r`` owns segment ``r`` of
@@ -105,6 +109,35 @@ def _default_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
         return [(prefix + n, c) for n, c in kids]
 
 
+def _homes_of_shared(module: nn.Module, quals: Sequence[str]) -> dict[int, int]:
+    """``id(p) -> index in quals`` (or -1, the root unit) for each parameter held under several names.
+
+    Its home is the innermost unit module that contains every module holding it (the
+    holders' common prefix of qualified names); a parameter held once is left to the usual
+    first-come rule.
+    """
+    holders: dict[int, list[list[str]]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), []).append(name.split(".")[:-1])
+    home: dict[int, int] = {}
+    for pid, paths in holders.items():
+        if len(paths) < 2:
+            continue
+        common = paths[0]
+        for path in paths[1:]:
+            k = 0
+            while k < min(len(common), len(path)) and common[k] == path[k]:
+                k += 1
+            common = common[:k]
+        best, depth = -1, -1
+        for i, q in enumerate(quals):
+            parts = q.split(".") if q else []
+            if len(parts) > depth and common[: len(parts)] == parts:
+                best, depth = i, len(parts)
+        home[pid] = best
+    return home
+
+
 def plan_units(module: nn.Module, units: Sequence[str] | None, world: int) -> list[Unit]:
     """Cut ``module``'s trainable parameters into units (see the module docstring).
 
@@ -126,10 +159,11 @@ def plan_units(module: nn.Module, units: Sequence[str] | None, world: int) -> li
                               f"(some it has: {', '.join(repr(n) for n in list(mods)[1:6])})")
         chosen = [(u, mods[u]) for u in units]
     names_of = {id(p): n for n, p in module.named_parameters()}
+    home = _homes_of_shared(module, [q for q, _ in chosen])
     taken: set[int] = set()
     out: list[Unit] = []
-    for qual, m in chosen:
-        ps = [p for p in m.parameters() if p.requires_grad and id(p) not in taken]
+    for i, (qual, m) in enumerate(chosen):
+        ps = [p for p in m.parameters() if p.requires_grad and id(p) not in taken and home.get(id(p), i) == i]
         if not ps:
             continue
         taken.update(id(p) for p in ps)

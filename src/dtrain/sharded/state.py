@@ -98,14 +98,29 @@ def full_state_dict(dp: ShardedEngine) -> dict[str, torch.Tensor]:
 
 
 def load_full_state_dict(dp: ShardedEngine, state: dict[str, torch.Tensor]) -> None:
-    """Load an unsharded state dict (the same on every rank): each rank keeps its segments."""
+    """Load an unsharded state dict (the same on every rank): each rank keeps its segments.
+
+    A parameter the model holds under several keys (tied) is one tensor: the state dict may
+    list it under any of them or all, and where it lists several they must hold the same values.
+    """
     by_id = {id(p): n for u in dp.units for n, p in zip(u.names, u.params)}
     keys = dp.module.state_dict(keep_vars=True)
-    missing = [k for k in keys if k not in state]
+    aliases: dict[int, list[str]] = {}
+    for k, t in keys.items():
+        aliases.setdefault(id(t), []).append(k)
+    missing = [k for k in keys if k not in state and not any(a in state for a in aliases[id(keys[k])])]
     extra = [k for k in state if k not in keys]
     if missing or extra:
         raise ConfigError(f"the state dict does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
-    name_to_key = {by_id[id(t)]: k for k, t in keys.items() if id(t) in by_id}
+    name_to_key: dict[str, str] = {}
+    for group in aliases.values():
+        given = [k for k in group if k in state]
+        for k in given[1:]:
+            if not torch.equal(state[k], state[given[0]]):
+                raise ConfigError(f"{given[0]!r} and {k!r} are one tied parameter of the model but hold different "
+                                  "values in the state dict; give one of them, or the same tensor under both")
+        if id(keys[group[0]]) in by_id:
+            name_to_key[by_id[id(keys[group[0]])]] = given[0]
     with torch.no_grad():
         for u in dp.units:
             flat = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
@@ -121,7 +136,7 @@ def load_full_state_dict(dp: ShardedEngine, state: dict[str, torch.Tensor]) -> N
                 assert u.full is not None
                 u.full.copy_(flat)
         for key, t in keys.items():
-            if id(t) not in by_id:
+            if id(t) not in by_id and key in state:  # a tied buffer listed under another key is copied there
                 t.copy_(state[key])
 
 
