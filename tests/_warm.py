@@ -64,6 +64,11 @@ AFTER_THE_RUN = ("dtrain.cli", "dtrain.strategies.builtin", "dtrain.training.che
                  "matplotlib.pyplot")
 
 
+# the transformers architectures the tests build (hf:gpt2, hf:llama): imported once by the forkserver instead of
+# in each worker of such a run (seconds each); the forkserver skips them where transformers is not installed
+TRANSFORMERS = ("transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama")
+
+
 def serve(fd: int) -> None:
     """The zygote's loop: import, start the forkserver, then fork a child per ``start`` request."""
     import importlib
@@ -76,7 +81,7 @@ def serve(fd: int) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
-    prestart()
+    prestart((*PRELOAD, *TRANSFORMERS))  # the workers fork with transformers' models loaded (several suites use them)
     sock = socket.socket(fileno=fd)
     while True:
         msg = _recv(sock)

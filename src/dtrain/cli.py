@@ -321,6 +321,19 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
     return RunConfig.from_mapping(values)
 
 
+def _model_preload(argv: Sequence[str]) -> tuple[str, ...]:
+    """The modules of ``--model hf:TYPE``'s architecture, for the forkserver to import once for every worker
+    (each would take seconds of its own); nothing for another model."""
+    for i, a in enumerate(argv):
+        spec = a.partition("=")[2] if a.startswith("--model=") else argv[i + 1] if a == "--model" and i + 1 < len(
+            argv) else ""  # fmt: skip
+        if spec.startswith("hf:"):
+            kind = spec[3:].replace("-", "_")
+            return ("transformers", f"transformers.models.{kind}.modeling_{kind}") if kind.isidentifier() else (
+                "transformers",)  # fmt: skip
+    return ()
+
+
 def _delegate(module: str, argv: list[str]) -> int:
     return int(importlib.import_module(module).main(argv))
 
@@ -385,8 +398,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (not for a node of several: its meeting comes first, and a node that fails it starts no forkserver)
     if argv[:1] == ["run"] and not {"-h", "--help", "--cluster", "--nnodes"} & set(argv):
         from dtrain.launch.agent import prestart
+        from dtrain.launch.forkserver import PRELOAD
 
-        prestart()  # the workers' forkserver imports torch while this process reads the configuration
+        # the workers' forkserver imports torch (and transformers for an hf: model) while this process reads the
+        # configuration
+        prestart((*PRELOAD, *_model_preload(argv)))
     if argv[:1] == ["run"]:  # --help last: it shows the strategy that --strategy or CONFIG names, wherever they are
         argv = [a for a in argv if a not in ("-h", "--help")] + [a for a in argv if a in ("-h", "--help")][:1]
     ap = build_parser()
