@@ -240,3 +240,19 @@ def test_readme_forms_are_in_the_model_flag_help() -> None:
     text = textwrap.dedent(RunConfig.__dataclass_fields__["model"].metadata["help"])
     for form in ("FILE.py:FN", "MODULE:FN", "hf:TYPE", "hf:DIR"):
         assert form in text
+
+
+def test_a_model_argument_is_a_sweep_key(user_file: Path) -> None:
+    from dtrain.search.space import parse_space
+    from dtrain.search.trial import trial_config
+
+    base = _cfg(model=f"{user_file}:build", model_args={"width": 4, "blocks": 1})
+    space = parse_space({"blocks": "randint(1, 3)", "model_args.width": "choice([4, 8])", "lr": "uniform(0.01, 0.1)"},
+                        base)  # fmt: skip
+    assert sorted(space) == ["lr", "model_args.blocks", "model_args.width"]
+    cfg = trial_config(base.to_dict(), {"model_args.blocks": 2, "model_args.width": 8, "lr": 0.02})
+    assert cfg.model_args == {"width": 8, "blocks": 2} and cfg.lr == 0.02
+    with pytest.raises(ConfigError, match="unknown model argument"):  # a trial whose argument the model lacks
+        trial_config(base.to_dict(), {"model_args.depth": 2})
+    with pytest.raises(ConfigError, match="not a key of this run's configuration"):  # not given by the base run
+        parse_space({"depth": "randint(1, 3)"}, base)

@@ -359,8 +359,14 @@ class RunConfig:
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with ``changes`` (shared keys, the strategy's option names, or ``options``).
 
-        Changing ``strategy`` starts from the new strategy's default options.
+        Changing ``strategy`` starts from the new strategy's default options; a key ``model_args.KEY`` sets
+        one model argument (a sweep's search key).
         """
+        dotted = {k: changes.pop(k) for k in [k for k in changes if k.startswith("model_args.")]}
+        if dotted:
+            args = dict(changes.pop("model_args", self.model_args))
+            args.update({k[len("model_args."):]: v for k, v in dotted.items()})
+            changes["model_args"] = args
         if "options" in changes:
             opts = changes.pop("options")
             base = dataclasses.replace(self, strategy=changes.pop("strategy", self.strategy), options=opts)

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
+from dtrain.config.files import parse_model_args
 from dtrain.errors import ConfigError, run_command
 from dtrain.perfmodel.profile import profile_model
 from dtrain.perfmodel.ranking import DEFAULT_COMPRESSIONS, parse_memory_limit
@@ -77,7 +78,8 @@ def _simulate(ns: argparse.Namespace) -> int:
 
         spec = local_cluster()
     workers = [int(w) for w in ns.workers.split(",")]
-    model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len)
+    model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len,
+                                     model_args=parse_model_args(ns.model_arg or []))
     strag = Stragglers.parse(ns.stragglers)
     base_batch = sample[0].shape[0] if isinstance(sample, (tuple, list)) else sample.shape[0]
     base = profile_model(model, sample, name=name, measure=not ns.no_measure, threads=spec.device.threads)
@@ -139,8 +141,11 @@ def _plot(curves: dict[str, list[SimResult]], path: str, title: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dtrain plan", description="Rank strategies by predicted step time "
                                  "(or, with --simulate, replay them for many workers).")  # fmt: skip
-    ap.add_argument("--model", default="cnn", help="cnn, mlp, gpt-tiny, gpt-small, gpt-medium (on pytext), or "
-                    "FILE.py:FUNCTION returning (model, batch)")
+    ap.add_argument("--model", default="cnn", help="cnn, mlp, gpt-tiny, gpt-small, gpt-medium (on pytext), "
+                    "FILE.py:FUNCTION / MODULE:FUNCTION returning a model or (model, batch), or hf:TYPE (a "
+                    "transformers architecture built from its config)")
+    ap.add_argument("--model-arg", dest="model_arg", action="append", metavar="KEY=VALUE",
+                    help="a keyword argument of --model, as dtrain run takes it (repeatable)")
     ap.add_argument("--seq-len", type=int, default=64, help="a gpt model's context in tokens (default: 64)")
     ap.add_argument("--dataset", default="digits", help="dataset for dtrain's models (default: digits)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: 64, or the function's batch)")
@@ -177,7 +182,8 @@ def _plan(ns: argparse.Namespace) -> int:
     limit = parse_memory_limit(ns.memory_limit) if ns.memory_limit else None  # before anything is loaded
     spec = _cluster(ns)
     workers = int(ns.workers) if ns.workers else None
-    model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len)
+    model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len,
+                                     model_args=parse_model_args(ns.model_arg or []))
     comps = tuple(c for c in ns.compressions.split(",") if c)
     p = plan(model, sample, spec, batch=ns.batch, workers=workers, name=name, compressions=comps,
              exact_only=ns.exact, measure=not ns.no_measure, averaging=ns.averaging,

@@ -133,8 +133,9 @@ def parse_space(table: Any, base: RunConfig) -> dict[str, Param]:
     """The ``[sweep.space]`` table, each key checked against ``base``'s configuration.
 
     A key must be one that ``dtrain run`` reads (a shared key or an option of ``base``'s strategy, or
-    of any strategy when ``strategy`` is itself in the space), and each of a distribution's values
-    (the listed ones, or a range's ends) must be a value that key takes.
+    of any strategy when ``strategy`` is itself in the space), or a model argument (``model_args.KEY``, or
+    ``KEY`` alone where ``base``'s ``[model_args]`` gives it), and each of a distribution's values (the
+    listed ones, or a range's ends) must be a value that key takes.
 
     Raises:
         ConfigError: an empty space, an unknown key, a bad distribution or a value of the wrong type.
@@ -144,8 +145,12 @@ def parse_space(table: Any, base: RunConfig) -> dict[str, Param]:
     if not isinstance(table, Mapping) or not table:
         raise ConfigError("the search space is empty: give [sweep.space] at least one key, e.g. "
                           "lr = \"loguniform(1e-4, 1e-1)\"")  # fmt: skip
-    space = {str(k): parse_param(str(k), v) for k, v in table.items()}
+    # a model argument: model_args.KEY, or KEY alone where the base run gives it (n_layer = "randint(1, 4)")
+    names = {str(k): f"model_args.{k}" if k in base.model_args and not hasattr(base, str(k)) else str(k)
+             for k in table}  # fmt: skip
+    space = {names[str(k)]: parse_param(names[str(k)], v) for k, v in table.items()}
     shared = {f.name for f in RunConfig.shared_fields()} - {"extra", "out", "resume"}
+    shared |= {name for name in space if name.startswith("model_args.") and len(name) > len("model_args.")}
     options = option_fields()
     own = {name for name, owners in options.items() if any(s == base.strategy for s, _ in owners)}
     keys = shared | (set(options) if "strategy" in space else own)
