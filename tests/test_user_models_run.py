@@ -2,7 +2,8 @@
 Llama (rotary, grouped-query attention) built from a config with random weights, and a residual CNN in a
 user's file, under dp, ddp, ZeRO 1/2/3 and the parameter server (bsp) at 3 workers: every step's loss equals a
 one-process run on the same global batch. local_sgd, easgd and gossip learn. The first of each model's cases
-runs in the default suite; the rest are ``slow`` (CI runs them)."""
+runs in the default suite; the rest are ``slow`` (CI runs them). ``dtrain.run`` takes a script's own function;
+a transformers model resumes from a ZeRO-3 checkpoint step for step and learns in bf16."""
 
 from __future__ import annotations
 
@@ -101,3 +102,55 @@ def test_model_averaging_learns_a_transformers_model(tmp_path: Path, strategy: s
     losses = mean_losses(out)
     first, last = sum(losses[s] for s in range(3)) / 3, sum(losses[s] for s in range(27, 30)) / 3
     assert last < 0.8 * first, (strategy, first, last)
+
+
+SCRIPT = '''
+import sys
+
+import dtrain
+from torch import nn
+
+
+def build(width=8):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+if __name__ == "__main__":  # every worker imports this file to find build
+    summary, out = dtrain.run(model=build, model_args={"width": 16}, strategy="dp", shard="parameters",
+                              workers=2, epochs=1, max_steps=5, batch_size=32, trace=False, quiet=True,
+                              out=sys.argv[1])
+    print("RESULT", summary["strategy"], summary["workers"], summary["steps"], out)
+'''
+
+
+def test_dtrain_run_from_python_takes_a_function_of_the_script(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"RESULT dp 2 5 {tmp_path / 'run'}" in p.stdout, p.stdout
+    from dtrain.config.files import load_toml
+
+    saved = load_toml(tmp_path / "run" / "config.toml")
+    assert saved["model"] == f"{script}:build" and saved["model_args"] == {"width": 16}
+
+
+@pytest.mark.slow
+def test_a_transformers_model_resumes_and_trains_in_bf16(tmp_path: Path) -> None:
+    flags = [*_model_flags("gpt2", tmp_path), "--strategy", "dp", "--shard", "parameters", "--workers", "2"]
+    runs = dtrain_runs(tmp_path, COMMON, {"full": [*flags, "--checkpoint-every", "2"],
+                                          "bf16": [*flags, "--precision", "bf16", "--max-steps", "12"]},
+                       timeout=400)  # fmt: skip
+    full = runs["full"][0]
+    ckpt = full / "checkpoints" / "step_000002"
+    (resumed, _), = dtrain_runs(tmp_path, COMMON, {"resumed": [*flags, "--resume", str(ckpt)]}, timeout=400).values()
+    want, got = mean_losses(full), mean_losses(resumed)
+    assert sorted(got) == [2, 3]
+    for step in got:  # the same steps from the checkpoint on
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    bf16 = mean_losses(runs["bf16"][0])
+    assert bf16[11] < bf16[0] - 0.3, bf16  # learns in 16-bit
