@@ -124,7 +124,7 @@ def plan_for_config(cfg: RunConfig) -> Plan:
 
 def _plan_for_config(cfg: RunConfig) -> Plan:
     model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, samples=cfg.samples,
-                                     seq_len=cfg.seq_len, **cfg.gpt_overrides())
+                                     seq_len=cfg.seq_len, data=cfg.load_data(), **cfg.gpt_overrides())
     spec = cluster_for(cfg.cluster, processes=cfg.workers) if cfg.cluster else local_cluster(cfg.workers)
     spec = spec.with_devices(cfg.workers) if cfg.workers < spec.devices else spec
     cands = candidates(spec, cfg.workers, single=not cfg.cluster)

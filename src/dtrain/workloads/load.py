@@ -12,12 +12,15 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtrain.workloads.data import DatasetSplit
 
 __all__ = ["load_model"]
 
@@ -43,26 +46,28 @@ def _user_model(spec: str) -> tuple[nn.Module, Any, str]:
 
 
 def load_model(spec: str, dataset: str = "digits", *, batch: int = 64, seed: int = 0, samples: int = 4096,
-               seq_len: int = 64, **gpt_overrides: Any) -> tuple[nn.Module, Any, str]:  # fmt: skip
+               seq_len: int = 64, data: DatasetSplit | None = None,
+               **gpt_overrides: Any) -> tuple[nn.Module, Any, str]:  # fmt: skip
     """A model, one batch for it, and its name, from a dtrain model name or ``FILE.py:FN`` / ``MODULE:FN``.
 
     ``FN()`` must return ``(model, sample_batch)``; dtrain's own names ("cnn",
     "mlp", "gpt-small", ...) are built for ``dataset`` (a language model always
     for pytext, with ``seq_len`` and ``gpt_overrides``) and take ``batch`` samples
-    from its training set.
+    from its training set; ``data``: an already loaded split (the user's own data, say) instead of
+    ``dataset``.
     """
     if ":" in spec:
         return _user_model(spec)
-    from dtrain.workloads.data import load_dataset
+    from dtrain.workloads.data import first_samples, load_dataset
     from dtrain.workloads.models import MODELS, build_model, is_language_model
 
     if spec not in MODELS:
         raise ConfigError(f"model {spec!r} is not known; use one of {', '.join(MODELS)} or FILE.py:FUNCTION")
-    if is_language_model(spec):
-        dataset = "pytext"
-    data = load_dataset(dataset, seed=seed, samples=samples, seq_len=seq_len)
+    if data is None:
+        data = load_dataset("pytext" if is_language_model(spec) else dataset, seed=seed, samples=samples,
+                            seq_len=seq_len)  # fmt: skip
     torch.manual_seed(seed)
     model = build_model(spec, data.input_shape, data.num_classes, **gpt_overrides)
-    x, y = data.train.tensors
+    x, y = first_samples(data.train, batch)
     reps = -(-batch // len(y))
     return model, (x.repeat(reps, *([1] * (x.dim() - 1)))[:batch], y.repeat(reps, *([1] * (y.dim() - 1)))[:batch]), spec
