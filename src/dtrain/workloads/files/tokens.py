@@ -24,7 +24,8 @@ from torch.utils.data import Dataset
 from dtrain.errors import ConfigError
 from dtrain.workloads.files.common import Stream, optional
 
-__all__ = ["TokenWindows", "TOKEN_DTYPES", "read_text", "read_tokens", "scan_ids", "CHUNK"]
+__all__ = ["TokenWindows", "TOKEN_DTYPES", "read_text", "read_tokens", "scan_ids", "text_stream", "load_tokenizer",
+           "CHUNK"]
 
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 CHUNK = 1 << 22  # ids read at once when scanning a token file (8 MiB of uint16)
