@@ -102,9 +102,10 @@ def test_the_vocabulary_scan_reads_the_file_in_bounded_chunks(tmp_path, monkeypa
     reads = []
     real = np.frombuffer
 
-    def counted(buf, dtype, count):
-        reads.append(count)
-        return real(buf, dtype=dtype, count=count)
+    def counted(buf, dtype=float, count=-1, offset=0):
+        if count != -1:  # the scan's reads (a memory map's base address is found with no count)
+            reads.append(count)
+        return real(buf, dtype=dtype, count=count, offset=offset)
 
     monkeypatch.setattr(token_files, "CHUNK", 1000)
     monkeypatch.setattr(token_files.np, "frombuffer", counted)
@@ -303,6 +304,44 @@ def test_every_world_size_trains_the_same_global_batch_and_a_resume_restarts_at_
         resumed = _steps(cfg, data, w, start_batch=2)
         assert [b.tolist() for b in resumed] == [b.tolist() for b in steps[2:]]
     assert _as_set(_steps(cfg, data, 1, epoch=1)[0]) != _as_set(one[0])
+
+
+@pytest.mark.parametrize("n", [10, 101, 1000])
+def test_shard_order_is_distributed_samplers_order(n):
+    from torch.utils.data import DistributedSampler
+
+    from dtrain.training.loaders import ShardOrder
+
+    ds = TensorDataset(torch.arange(n))
+    for w in (1, 2, 3):
+        for r in range(w):
+            for epoch in (0, 4):
+                want = DistributedSampler(ds, w, r, shuffle=True, seed=3, drop_last=True)
+                got = ShardOrder(ds, num_replicas=w, rank=r, shuffle=True, seed=3, drop_last=True)
+                want.set_epoch(epoch)
+                got.set_epoch(epoch)
+                assert list(got) == list(want) and len(got) == len(want)
+
+
+def _rss_file_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_drawn_windows_leave_no_file_pages_resident(tmp_path):
+    """A window's pages are let go once it is copied: 400 windows drawn at random from a 64 MiB file (each in
+    its own part of it) leave no more than a few MiB of the file mapped in the process, where a fault alone
+    maps 64 KiB to 2 MiB around each."""
+    np.random.default_rng(0).integers(0, 256, size=32 << 20, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    d = load_dataset(str(tmp_path / "t.bin"), seq_len=64)
+    before = _rss_file_kib()
+    picks = np.random.default_rng(1).permutation(d.train_size)[:400]
+    tokens = np.fromfile(tmp_path / "t.bin", dtype=np.uint16, count=int(picks.max() + 1) * 65)
+    for i in picks:
+        x, y = d.train[int(i)]
+        assert x.tolist() == tokens[i * 65 : i * 65 + 64].tolist() and int(y[-1]) == tokens[i * 65 + 64]
+    assert _rss_file_kib() - before < 4096
 
 
 def test_evaluation_reads_a_memory_mapped_set_in_chunks(tmp_path):

@@ -80,7 +80,8 @@ class ShardLoaders:
 
 class ShardOrder(DistributedSampler[Any]):
     """``DistributedSampler``'s order (shuffled, ``drop_last``), kept as one tensor of indices: the same
-    integers in the same order, without its list of every index of the set."""
+    integers in the same order, without its list of every index of the set (4 bytes an index of the
+    training set, against a Python list's 36)."""
 
     def indices(self) -> torch.Tensor:
         """This shard's indices of the epoch (:meth:`set_epoch`), in order."""
@@ -88,8 +89,10 @@ class ShardOrder(DistributedSampler[Any]):
             raise ValueError("ShardOrder is the shuffled, drop_last order; use DistributedSampler otherwise")
         g = torch.Generator()
         g.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=g)  # type: ignore[arg-type]
-        return order[self.rank : self.total_size : self.num_replicas].clone()
+        n = len(self.dataset)  # type: ignore[arg-type]
+        # int32 where it holds every index: the same permutation from the same generator, half the bytes
+        order = torch.randperm(n, generator=g, dtype=torch.int32 if n < 2**31 else torch.int64)
+        return order[self.rank : self.total_size : self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
         return iter(_Indices(self.indices()))

@@ -96,7 +96,8 @@ def read_source(spec: str, opts: FileOptions) -> Stream | Samples:
 
         return read_user(spec, opts)
     if not path.exists():
-        raise ConfigError(f"dataset {spec!r} does not exist (the bundled datasets are digits, synthetic, pytext)")
+        raise ConfigError(f"dataset {spec!r} does not exist; choose one of digits, synthetic, pytext (bundled) "
+                          "or give the path of your data")  # fmt: skip
     if path.is_dir():
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
             from dtrain.workloads.files.tables import read_arrow_folder

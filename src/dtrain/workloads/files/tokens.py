@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -25,17 +26,23 @@ from dtrain.errors import ConfigError
 from dtrain.workloads.files.common import Stream, optional
 
 __all__ = ["TokenWindows", "TOKEN_DTYPES", "read_text", "read_tokens", "scan_ids", "text_stream", "load_tokenizer",
-           "CHUNK"]
+           "CHUNK", "RELEASE"]
 
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 CHUNK = 1 << 22  # ids read at once when scanning a token file (8 MiB of uint16)
+RELEASE = 2 << 20  # a window's pages are let go in aligned blocks of this many bytes (a large folio's most)
 
 
 class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Non-overlapping windows of ``seq_len + 1`` tokens from ``offset``: sample ``i`` is ``(x, y)``,
     ``x`` its first ``seq_len`` tokens and ``y`` the next token at every position (int64 tensors).
 
-    ``tokens`` is kept as given (a ``np.memmap`` stays one): ``__getitem__`` copies one window only.
+    ``tokens`` is kept as given (a ``np.memmap`` stays one): ``__getitem__`` copies one window only. Of a
+    memory map, it then lets the process's mapping of the pages around the window go
+    (``madvise(MADV_DONTNEED)`` over the :data:`RELEASE` bytes that hold it; the file's pages stay in the
+    kernel's page cache): a fault maps a whole large folio of the page cache (up to 2 MiB on a recent
+    Linux), so without it every window drawn from a large file would leave hundreds of KiB resident in
+    the process, and a long run most of the file.
     """
 
     def __init__(self, tokens: Any, seq_len: int, *, offset: int = 0) -> None:
@@ -43,6 +50,9 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             raise ValueError(f"TokenWindows needs seq_len >= 2 and offset >= 0, got {seq_len}, {offset}")
         self.tokens, self.seq_len, self.offset = tokens, seq_len, offset
         self._n = max(0, (len(tokens) - offset) // (seq_len + 1))
+        self._map: mmap.mmap | None = getattr(tokens, "_mmap", None) if isinstance(tokens, np.memmap) else None
+        if self._map is not None:  # where the mapping starts, to find a window's bytes in it
+            self._base = np.frombuffer(self._map, dtype=np.uint8).ctypes.data
 
     def __len__(self) -> int:
         return self._n
@@ -52,8 +62,19 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         if not -self._n <= i < self._n:
             raise IndexError(f"window {i} of {self._n}")
         start = self.offset + (i % self._n) * (self.seq_len + 1)
-        w = torch.from_numpy(np.array(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        window = self.tokens[start : start + self.seq_len + 1]
+        w = torch.from_numpy(np.array(window, dtype=np.int64))
+        if self._map is not None:
+            self._release(window)
         return w[:-1], w[1:]
+
+    def _release(self, window: np.ndarray) -> None:
+        m = self._map
+        assert m is not None
+        lo = window.ctypes.data - self._base
+        first = lo // RELEASE * RELEASE
+        end = min(len(m), (lo + window.nbytes) // RELEASE * RELEASE + RELEASE)
+        m.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def read_tokens(path: Path, dtype: str) -> Stream:
