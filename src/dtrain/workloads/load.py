@@ -58,14 +58,14 @@ def load_model(spec: str, dataset: str = "digits", *, batch: int = 64, seed: int
     """
     if ":" in spec:
         return _user_model(spec)
-    from dtrain.workloads.data import first_samples, load_dataset
+    from dtrain.workloads.data import DATASETS, first_samples, load_dataset
     from dtrain.workloads.models import MODELS, build_model, is_language_model
 
     if spec not in MODELS:
         raise ConfigError(f"model {spec!r} is not known; use one of {', '.join(MODELS)} or FILE.py:FUNCTION")
     if data is None:
-        data = load_dataset("pytext" if is_language_model(spec) else dataset, seed=seed, samples=samples,
-                            seq_len=seq_len)  # fmt: skip
+        bundled = "pytext" if is_language_model(spec) and dataset in DATASETS else dataset  # a gpt: text
+        data = load_dataset(bundled, seed=seed, samples=samples, seq_len=seq_len)
     torch.manual_seed(seed)
     model = build_model(spec, data.input_shape, data.num_classes, **gpt_overrides)
     x, y = first_samples(data.train, batch)

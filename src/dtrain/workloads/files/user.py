@@ -28,7 +28,7 @@ __all__ = ["read_user"]
 def read_user(spec: str, opts: Any) -> Samples:
     """The samples ``FN()`` returns (with its validation set, when it returns two)."""
     where, fn_name = spec.rsplit(":", 1)
-    fn = getattr(_module(where), fn_name, None)
+    fn = getattr(_module(where, spec), fn_name, None)
     if not callable(fn):
         raise ConfigError(f"dataset {spec}: {where} has no function {fn_name!r}")
     got = fn()
@@ -42,11 +42,11 @@ def read_user(spec: str, opts: Any) -> Samples:
     return _describe(got, f"{spec}()", opts.vocab_size)
 
 
-def _module(where: str) -> Any:
+def _module(where: str, spec: str) -> Any:
     if where.endswith(".py"):
         path = Path(where)
         if not path.is_file():
-            raise ConfigError(f"dataset file {where!r} does not exist")
+            raise ConfigError(f"dataset {spec}: the file {where!r} does not exist")
         spec = importlib.util.spec_from_file_location(path.stem, path)
         assert spec and spec.loader
         mod = importlib.util.module_from_spec(spec)
@@ -56,7 +56,7 @@ def _module(where: str) -> Any:
     try:
         return importlib.import_module(where)
     except ImportError as e:
-        raise ConfigError(f"dataset {where}:...: cannot import {where} ({e})") from None
+        raise ConfigError(f"dataset {spec}: cannot import {where} ({e})") from None
 
 
 def _describe(ds: Dataset[Any], name: str, vocab_size: int) -> Samples:
