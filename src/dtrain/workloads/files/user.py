@@ -47,11 +47,11 @@ def _module(where: str, spec: str) -> Any:
         path = Path(where)
         if not path.is_file():
             raise ConfigError(f"dataset {spec}: the file {where!r} does not exist")
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        assert spec and spec.loader
-        mod = importlib.util.module_from_spec(spec)
+        found = importlib.util.spec_from_file_location(path.stem, path)
+        assert found and found.loader
+        mod = importlib.util.module_from_spec(found)
         sys.modules[path.stem] = mod
-        spec.loader.exec_module(mod)
+        found.loader.exec_module(mod)
         return mod
     try:
         return importlib.import_module(where)
