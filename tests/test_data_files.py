@@ -397,3 +397,16 @@ def test_a_missing_optional_package_says_how_to_install_it(tmp_path, monkeypatch
             images._scan.cache_clear()
             with pytest.raises(ConfigError, match=r"pip install 'dtrain\[hf\]'"):
                 validate(_cfg(**args, model="gpt-tiny" if "a.txt" in args["dataset"] else "mlp"))
+
+
+def test_an_unreadable_file_is_named(tmp_path, monkeypatch):
+    """A file the reader cannot read (here every read refused, as for a file without read permission)."""
+    (tmp_path / "a.txt").write_text(TEXT)
+    import pathlib
+
+    def refused(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", refused)
+    with pytest.raises(ConfigError, match=r"dataset .*a\.txt: cannot read .*a\.txt \(Permission denied\)"):
+        load_dataset(str(tmp_path / "a.txt"))

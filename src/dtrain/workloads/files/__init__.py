@@ -90,6 +90,13 @@ class FileOptions:
 
 def read_source(spec: str, opts: FileOptions) -> Stream | Samples:
     """The data ``spec`` names, read by the reader its path (or ``:FN``) chooses; nothing split yet."""
+    try:
+        return _read(spec, opts)
+    except OSError as e:  # a file the readers reach but cannot open or read (permissions, a device error)
+        raise ConfigError(f"dataset {spec}: cannot read {e.filename or 'it'} ({e.strerror or e})") from None
+
+
+def _read(spec: str, opts: FileOptions) -> Stream | Samples:
     path = Path(spec)
     if ":" in spec and not path.exists():
         from dtrain.workloads.files.user import read_user
