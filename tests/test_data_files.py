@@ -169,6 +169,18 @@ def test_an_image_folder_reads_rgb_images_lazily_by_class(tmp_path):
             assert torch.allclose(x[0], x[1]) and torch.allclose(x[1], x[2])
 
 
+def test_an_image_folder_validates_on_another_with_the_same_classes(tmp_path):
+    pytest.importorskip("PIL")
+    _image_folder(tmp_path / "train", per_class=4)
+    _image_folder(tmp_path / "val", per_class=2)
+    d = load_dataset(str(tmp_path / "train"), image_size=6, val_dataset=str(tmp_path / "val"))
+    assert (d.train_size, d.test_size, d.num_classes) == (12, 6, 3)
+    assert sorted(int(d.test[i][1]) for i in range(6)) == [0, 0, 1, 1, 2, 2]
+    (tmp_path / "val" / "red").rename(tmp_path / "val" / "yellow")
+    with pytest.raises(ConfigError, match="has the classes blue, green, yellow"):
+        load_dataset(str(tmp_path / "train"), image_size=6, val_dataset=str(tmp_path / "val"))
+
+
 def test_npz_split_is_deterministic_by_seed_and_disjoint(tmp_path):
     x = np.random.default_rng(0).normal(size=(50, 2, 3)).astype(np.float32)
     y = np.arange(50) % 4

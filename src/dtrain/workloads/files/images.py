@@ -3,8 +3,8 @@
 The sorted subfolder names are the class ids (0, 1, ...). Each image is read with Pillow, converted to
 RGB, resized to ``image_size x image_size`` (bilinear) and given as a float tensor ``(3, H, W)`` in
 [0, 1]. Loading the folder lists the files and checks that Pillow reads each one (its header and
-data, without decoding it), so a broken image is named before any worker starts; the pixels are read
-only when a sample is drawn.
+data, without decoding it), once per process and version of the folder, so a broken image is named
+before any worker starts; the pixels are read only when a sample is drawn.
 """
 
 from __future__ import annotations
@@ -47,14 +47,18 @@ class ImageFolder(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 def read_image_folder(folder: Path, image_size: int) -> Samples:
     """The images of ``folder``'s class subfolders (every file checked by Pillow, once per process)."""
     optional("PIL", "Pillow", f"the image folder {folder}")
-    classes, files = _scan(str(folder.resolve()))
+    root = folder.resolve()
+    version = tuple(p.stat().st_mtime_ns for p in (root, *sorted(q for q in root.iterdir() if q.is_dir())))
+    classes, files = _scan(str(root), version)
     what = f"{folder}: {len(files)} images of {len(classes)} classes ({', '.join(classes)}), {image_size}x{image_size}"
     return Samples(ImageFolder(list(files), image_size), (3, image_size, image_size), len(classes), "classify",
                    what, labels=classes)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4)
-def _scan(folder: str) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
+def _scan(folder: str, version: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
+    """The classes and files of ``folder``, each file checked; cached per ``version`` (the times its folders last
+    changed: ``dtrain run`` loads its data more than once)."""
     from PIL import Image
 
     root = Path(folder)
