@@ -74,6 +74,8 @@ ENTRIES = (
            "--systems", "dtrain dp,dtrain z3,torch ddp,torch fsdp2")),
     Entry("compression_vs_ddp", "compression_vs_ddp.py", ("--repeats", "5"), ("--repeats", "5", "--max-steps", "300"),
           root=True),
+    Entry("token_file_memory", "token_file_memory.py", ("--rounds", "5"),
+          ("--rounds", "5", "--big-gib", "0.5", "--max-steps", "10")),
     Entry("allocator_cost", "allocator_cost.py", ("--repeats", "5"), ("--steps", "15", "--repeats", "5")),
     Entry("model_held_out", "model_held_out.py", ("--rounds", "5"),
           ("--rounds", "5", "--bandwidths", "1gbit", "--steps", "5", "--window", "1"), root=True),

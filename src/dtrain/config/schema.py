@@ -177,9 +177,27 @@ class RunConfig:
     dataset: str = field(default="digits", metadata={"help": "digits (scikit-learn's 1,797 8x8 digits) | synthetic (a "
                          "random teacher's labels, --samples) | pytext (the Python documentation text shipped with "
                          "CPython, pydoc_data.topics: about 465 KB of English as byte tokens, 90% train / 10% "
-                         "validation; for gpt models) (default: digits)"})
+                         "validation; for gpt models) | your own data, the reader chosen from the path: text "
+                         "(.txt, .jsonl), token ids (.bin, .npy, memory-mapped), a folder of images with one "
+                         "subfolder per class, .npz (x, y), .parquet, a save_to_disk folder, or MODULE:FN / "
+                         "FILE.py:FN returning a torch Dataset or (train, validation) (default: digits)"})
     samples: int = field(default=4096, metadata={"help": "the synthetic dataset's size (default: 4096)"})
     seq_len: int = field(default=64, metadata={"help": "tokens per pytext window and the gpt's context (default: 64)"})
+    # --- the user's own data (--dataset PATH): dtrain.workloads.files
+    text_field: str = field(default="text", metadata={"help": "the text of each .jsonl line, or a table's text column "
+                            "(default: text)"})
+    tokenizer: str = field(default="", metadata={"help": "a Hugging Face tokenizer.json for text files (the "
+                           "tokenizers library; the vocabulary is its size) (default: byte tokens, vocabulary 256)"})
+    token_dtype: str = field(default="uint16", metadata={"help": "the ids' type in a .bin token file: uint16 "
+                             "(nanoGPT's) | uint32 | int32 | int64 (default: uint16)"})
+    vocab_size: int = field(default=0, metadata={"help": "the vocabulary of a token-id file (default: 0, its largest "
+                            "id plus one, read in chunks)"})
+    image_size: int = field(default=32, metadata={"help": "images of an image folder are resized to SIZE x SIZE "
+                            "(default: 32)"})
+    val_fraction: float = field(default=0.1, metadata={"help": "the share of your data held out for validation: the "
+                                "last tokens of text or token ids, samples drawn by --seed otherwise (default: 0.1)"})
+    val_dataset: str = field(default="", metadata={"help": "validate on this path (the same kind as --dataset) "
+                             "instead; all of --dataset then trains (default: none)"})
     layers: int = field(default=0, metadata={"help": "gpt blocks (default: 0, the preset's)"})
     d_model: int = field(default=0, metadata={"help": "gpt width (default: 0, the preset's)"})
     heads: int = field(default=0, metadata={"help": "gpt attention heads (default: 0, the preset's)"})
@@ -424,7 +442,11 @@ class RunConfig:
         return {k: getattr(self, k) for k in _GPT_SHAPE if getattr(self, k)}
 
     def load_data(self) -> DatasetSplit:
-        """This run's dataset (every process loads it; small and deterministic)."""
-        from dtrain.workloads.data import load_dataset
+        """This run's dataset (every process loads it: a bundled set is small and deterministic, the user's
+        own is read lazily, a token file memory-mapped)."""
+        from dtrain.workloads.data import DATASETS, load_dataset
 
-        return load_dataset(self.dataset, seed=self.seed, samples=self.samples, seq_len=self.seq_len)
+        if self.dataset in DATASETS:
+            return load_dataset(self.dataset, seed=self.seed, samples=self.samples, seq_len=self.seq_len)
+        own = ("text_field", "tokenizer", "token_dtype", "vocab_size", "image_size", "val_fraction", "val_dataset")
+        return load_dataset(self.dataset, seed=self.seed, seq_len=self.seq_len, **{k: getattr(self, k) for k in own})

@@ -65,11 +65,9 @@ def _check_size(cfg: RunConfig, data: DatasetSplit) -> None:
 
 
 def _sample(data: DatasetSplit, n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    from torch.utils.data import DataLoader
+    from dtrain.workloads.data import first_samples
 
-    batch = next(iter(DataLoader(data.train, batch_size=min(n, len(data.train)))))
-    x, y = batch
-    return x, y
+    return first_samples(data.train, n)
 
 
 def _check_forward(cfg: RunConfig, data: DatasetSplit) -> None:

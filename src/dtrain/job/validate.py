@@ -9,6 +9,7 @@ checkpoint to resume (read on disk). :func:`dtrain.job.run.run` calls it in the 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from dtrain.config.schema import (
     BACKENDS,
@@ -21,6 +22,9 @@ from dtrain.config.schema import (
     parse_straggler,
 )
 from dtrain.errors import ConfigError, check_choice
+
+if TYPE_CHECKING:
+    from dtrain.workloads.data import DatasetSplit
 
 __all__ = ["validate", "CUDA_STRATEGIES"]
 
@@ -58,8 +62,9 @@ def _check_names(cfg: RunConfig) -> None:
 
     if is_builtin(cfg.model):
         check_choice("model", cfg.model, MODELS)
-    check_choice("dataset", cfg.dataset, DATASETS)
-    _check_task(cfg)
+    if cfg.dataset in DATASETS:  # the user's own data is checked when it is loaded (_check_data)
+        _check_task(cfg, "lm" if cfg.dataset == "pytext" else "classify")
+        _check_bundled(cfg)
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
     check_choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
     check_choice("precision", cfg.precision, PRECISIONS)
@@ -101,8 +106,8 @@ def _check_device(cfg: RunConfig) -> None:
                           "CPU runs only; drop it or use --device cpu")
 
 
-def _check_task(cfg: RunConfig) -> None:
-    """A language model trains on text, a classifier on images; gpt flags need a gpt model."""
+def _check_task(cfg: RunConfig, task: str) -> None:
+    """A language model trains on text (``task`` "lm"), a classifier on images; gpt flags need a gpt model."""
     from dtrain.workloads.models import is_language_model
     from dtrain.workloads.models.specs import is_builtin
 
@@ -112,11 +117,12 @@ def _check_task(cfg: RunConfig) -> None:
             raise ConfigError(f"{', '.join(given)} shape(s) dtrain's gpt models; for model {cfg.model} give its "
                               "own arguments with --model-arg KEY=VALUE")  # fmt: skip
         return
-    lm, text = is_language_model(cfg.model), cfg.dataset == "pytext"
+    lm, text = is_language_model(cfg.model), task == "lm"
     if lm and not text:
-        raise ConfigError(f"model {cfg.model} is a language model; use --dataset pytext")
+        raise ConfigError(f"model {cfg.model} is a language model; use --dataset pytext, or text or token ids "
+                          f"of your own ({cfg.dataset} holds labelled samples)")  # fmt: skip
     if text and not lm:
-        raise ConfigError("dataset pytext is text; use a language model: --model gpt-tiny, gpt-small, ...")
+        raise ConfigError(f"dataset {cfg.dataset} is text; use a language model: --model gpt-tiny, gpt-small, ...")
     if not lm:
         given = [f"--{k.replace('_', '-')}" for k in cfg.gpt_overrides()]
         if given:
@@ -170,15 +176,42 @@ def _check_numbers(cfg: RunConfig) -> None:
             resolve_gpt_config(cfg.model, **cfg.gpt_overrides(), seq_len=cfg.seq_len)
         except ValueError as e:
             raise ConfigError(f"model {cfg.model}: {e}") from None
-    data = cfg.load_data()
-    size = len(data.train)
+    data = _check_data(cfg)
+    size = data.train_size
     if cfg.batch_size > size:
-        raise ConfigError(f"batch_size {cfg.batch_size} is larger than the training set ({size} samples)")
+        raise ConfigError(f"batch_size {cfg.batch_size} is larger than the training set ({size} samples of "
+                          f"{cfg.dataset}): it holds less than one global batch")  # fmt: skip
     _check_target(cfg, data.task == "lm")
     from dtrain.job.model_check import check_model
 
     check_model(cfg, data)
     _check_large_batch(cfg, size)
+
+
+def _check_bundled(cfg: RunConfig) -> None:
+    """The options that read the user's own data, given with a bundled dataset."""
+    defaults = RunConfig()
+    given = [k for k in ("text_field", "tokenizer", "token_dtype", "vocab_size", "image_size", "val_fraction",
+                         "val_dataset") if getattr(cfg, k) != getattr(defaults, k)]  # fmt: skip
+    if given:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+        raise ConfigError(f"{flags} read(s) your own data (--dataset PATH); dataset {cfg.dataset} is bundled")
+
+
+def _check_data(cfg: RunConfig) -> DatasetSplit:
+    """Load the data (the user's: every reader's problem is a ConfigError naming the file) and return it."""
+    from dtrain.workloads.data import DATASETS
+
+    data = cfg.load_data()
+    if cfg.dataset not in DATASETS:
+        _check_task(cfg, data.task)
+        if cfg.model == "cnn" and len(data.input_shape) != 3:
+            raise ConfigError(f"model cnn takes images (C, H, W); dataset {cfg.dataset} has samples of shape "
+                              f"{data.input_shape}: use --model mlp")  # fmt: skip
+    if data.train_size == 0 or data.test_size == 0:
+        raise ConfigError(f"dataset {cfg.dataset} is empty ({data.train_size} training, {data.test_size} "
+                          "validation samples)")  # fmt: skip
+    return data
 
 
 def _check_large_batch(cfg: RunConfig, size: int) -> None:

@@ -10,7 +10,7 @@ decoded as UTF-8 (an incomplete character shows as U+FFFD).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -41,11 +41,27 @@ def sample_run(run_dir: str | Path, prompt: str = "\nThe ", tokens: int = 200, *
         raise DTrainError(f"{d} has no model.pt: the run did not finish")
     if tokens < 0 or temperature <= 0 or not prompt:
         raise DTrainError("sample needs tokens >= 0, temperature > 0 and a non-empty prompt")
-    model = build_model(cfg.model, (cfg.seq_len,), 256, **cfg.gpt_overrides())
-    model.load_state_dict(torch.load(d / "model.pt", weights_only=True))
-    ids = torch.tensor(list(prompt.encode("utf-8")), dtype=torch.long)
+    state = torch.load(d / "model.pt", weights_only=True)
+    vocab = int(state["head.bias"].numel()) if "head.bias" in state else 256  # the run's vocabulary
+    model = build_model(cfg.model, (cfg.seq_len,), vocab, **cfg.gpt_overrides())
+    model.load_state_dict(state)
+    encode, decode = _codec(cfg, vocab)
+    ids = torch.tensor(encode(prompt), dtype=torch.long)
     out = generate(model, ids, tokens, temperature=temperature, top_k=top_k, seed=seed)
-    return bytes(out.tolist()).decode("utf-8", errors="replace")
+    return decode(out.tolist())
+
+
+def _codec(cfg: RunConfig, vocab: int) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+    """How the run's text became tokens and back: bytes, its ``--tokenizer``, or ids written as numbers."""
+    if cfg.tokenizer and Path(cfg.tokenizer).is_file():
+        from dtrain.workloads.files.tokens import load_tokenizer
+
+        tok = load_tokenizer(cfg.tokenizer)
+        return (lambda text: list(tok.encode(text).ids) or [0]), (lambda ids: str(tok.decode(ids)))
+    if vocab == 256:
+        return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    return ((lambda text: [int(w) % vocab for w in text.split() if w.isdigit()] or [0]),
+            (lambda ids: " ".join(map(str, ids))))  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

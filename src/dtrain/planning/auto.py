@@ -124,7 +124,8 @@ def plan_for_config(cfg: RunConfig) -> Plan:
 
 def _plan_for_config(cfg: RunConfig) -> Plan:
     model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, samples=cfg.samples,
-                                     seq_len=cfg.seq_len, model_args=cfg.model_args, **cfg.gpt_overrides())
+                                     seq_len=cfg.seq_len, model_args=cfg.model_args, data=cfg.load_data(),
+                                     **cfg.gpt_overrides())  # fmt: skip
     spec = cluster_for(cfg.cluster, processes=cfg.workers) if cfg.cluster else local_cluster(cfg.workers)
     spec = spec.with_devices(cfg.workers) if cfg.workers < spec.devices else spec
     cands = candidates(spec, cfg.workers, single=not cfg.cluster)

@@ -86,10 +86,11 @@ def model_memory(cfg: Any) -> float:
     from dtrain.planning.auto import optimizer_kind
     from dtrain.registry import Choice
     from dtrain.workloads.batch import split_batch
+    from dtrain.workloads.data import first_samples
 
     model, data = meta_model(cfg)
     b = split_batch(cfg.batch_size, cfg.opts.batch_shards(cfg.workers))[0]
-    x, y = (t[:b].to("meta") for t in data.train.tensors)
+    x, y = (t.to("meta") for t in first_samples(data.train, b))
     prof = profile_model(model, (x, y), name=cfg.model, measure=False, optimizer=optimizer_kind(cfg))
     spec = cfg.opts.compressor_spec()
     comp = compression_model(spec, measure=False) if spec != "none" else None

@@ -29,6 +29,7 @@ from dtrain.perfmodel.hooks import ModelHooks
 from dtrain.registry import Strategy, StrategyOptions, register
 from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.loop import Position, run_loop
+from dtrain.workloads.data import first_samples
 
 if TYPE_CHECKING:
     from dtrain.config.schema import RunConfig
@@ -174,7 +175,7 @@ class PipelineEngine:
         assert isinstance(o, PipelineOptions)
         self.ctx, self.o, self.ckpt = ctx, o, ckpt
         self.model = ctx.make_model()
-        x0 = ctx.data.train.tensors[0][: max(1, ctx.cfg.batch_size // o.microbatches)]
+        x0 = first_samples(ctx.data.train, max(1, ctx.cfg.batch_size // o.microbatches))[0]
         self.pipe: Pipeline = Pipeline(self.model, o.microbatches, o.schedule, loss_fn=ctx.scaled_loss,
                                        balance=self._balance(), checkpoint=o.recompute, chunks=o.chunks,
                                        sample=x0, timeout=ctx.cfg.timeout_s, tracer=ctx.tracer)  # fmt: skip

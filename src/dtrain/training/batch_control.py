@@ -39,7 +39,7 @@ class BatchControl:
         run resumed at another batch changes it at the checkpoint's step)."""
         from dtrain.training.checkpointing import batch_plan
 
-        return batch_plan(self.cfg, len(self.data.train))
+        return batch_plan(self.cfg, self.data.train_size)
 
     @property
     def shards(self) -> int:
@@ -62,7 +62,7 @@ class BatchControl:
     def cap(self) -> int:
         """The largest global batch ``auto`` grows to (``--max-batch``, else a quarter of the training set)."""
         shards = self.shards
-        return self.cfg.max_batch or max(shards, len(self.data.train) // 4 // shards * shards)
+        return self.cfg.max_batch or max(shards, self.data.train_size // 4 // shards * shards)
 
     def observe(self, row: dict[str, Any]) -> None:
         """A written metrics row: its step time and compute feed :attr:`step_cost` (``--auto-rule time``)."""

@@ -113,7 +113,7 @@ def batch_plan(cfg: RunConfig, samples: int) -> BatchPlan:
 
 def train_steps(cfg: RunConfig) -> int:
     """Steps of ``cfg``'s run (per worker), as :meth:`dtrain.training.TrainContext.total_steps` counts them."""
-    plan = batch_plan(cfg, len(cfg.load_data().train))
+    plan = batch_plan(cfg, cfg.load_data().train_size)
     n = plan.total(cfg.opts.batch_shards(cfg.workers))
     return int(min(n, cfg.max_steps) if cfg.max_steps else n)
 
@@ -211,7 +211,7 @@ def _check_min_workers(cfg: RunConfig) -> None:
     if cfg.batch_schedule == "auto":
         raise ConfigError(f"--min-workers {m} with --batch-schedule auto: the batch it chooses need not divide "
                           "over fewer workers; give a fixed batch or a batch schedule")
-    n = len(cfg.load_data().train)
+    n = cfg.load_data().train_size
     steps = {w: _data_steps(cfg, w, n) for w in range(m, cfg.workers + 1)}
     bad = [w for w in range(m, cfg.workers) if steps[w] != steps[cfg.workers]]
     if bad:
@@ -249,7 +249,7 @@ def _check_same_global_batch(cfg: RunConfig, ckpt: Path, saved_workers: int) -> 
             f"batch of {saved}, {cfg.workers} workers would take {cfg.global_batch} (--batch-size "
             f"{cfg.batch_size} does not divide over them); choose a number of workers that divides {saved}"
         )
-    n = len(cfg.load_data().train)
+    n = cfg.load_data().train_size
     was, now = _data_steps(cfg, saved_workers, n), _data_steps(cfg, cfg.workers, n)
     if was != now:  # each shard drops its last partial batch: the steps of an epoch can differ by one
         e = next(i for i in range(0, len(was), 2) if was[i] != now[i]) // 2

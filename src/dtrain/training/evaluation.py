@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Subset
 
 from dtrain.workloads.models import logits_of, run_loss
 
@@ -69,16 +70,23 @@ class Evaluation:
         """
         was_training = model.training
         model.eval()
-        x, y = self.data.test.tensors
-        if self.cfg.eval_samples:
-            x, y = x[: self.cfg.eval_samples], y[: self.cfg.eval_samples]
-        total, chunk = 0.0, 64 if self.language_model else 1024
+        total, count, chunk = 0.0, 0, 64 if self.language_model else 1024
         dev = next(model.parameters()).device  # the data stays on the CPU; a chunk goes where the model is
-        for i in range(0, len(y), chunk):
-            out, target = model(x[i : i + chunk].to(dev)), y[i : i + chunk].to(dev)
+        for x, y in self.batches(chunk):
+            out, target = model(x.to(dev)), y.to(dev)
             if self.language_model:
                 total += float(self.loss_fn(out, target)) * target.numel()
             else:
                 total += int((logits_of(out).argmax(1) == target).sum())
+            count += target.numel()
         model.train(was_training)
-        return total / max(1, y.numel())
+        return total / max(1, count)
+
+    def batches(self, chunk: int) -> DataLoader[Any]:
+        """The evaluated samples in order, ``chunk`` at a time: the first ``--eval-samples`` (default: all) of
+        the test / validation set, read as they are needed (a memory-mapped set is never loaded whole)."""
+        test = self.data.test
+        n = self.data.test_size
+        if self.cfg.eval_samples and self.cfg.eval_samples < n:
+            test = Subset(test, range(self.cfg.eval_samples))
+        return DataLoader(test, batch_size=chunk, shuffle=False)

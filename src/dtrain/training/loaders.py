@@ -1,4 +1,13 @@
-"""A shard's training batches and where a run stands in them: :class:`ShardLoaders`."""
+"""A shard's training batches and where a run stands in them: :class:`ShardLoaders`.
+
+A shard's samples in an epoch are ``DistributedSampler``'s (:class:`ShardOrder` gives the same order
+without making a Python list of every index, which for a memory-mapped token file of millions of
+windows would cost more memory than the batches): the epoch's permutation of the whole training set
+(seeded by ``--seed`` plus the epoch), its first ``total_size`` indices, shard ``r`` taking positions
+``r, r + W, r + 2W, ...``. Batch ``k`` of every shard together is positions ``k B`` to ``(k + 1) B - 1``
+of the permutation for a global batch ``B``, whatever the number of shards ``W`` that divides it: the
+same samples a step at 1, 2 or 3 workers.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 if TYPE_CHECKING:
@@ -13,7 +23,7 @@ if TYPE_CHECKING:
     from dtrain.optim.large_batch import BatchPlan
     from dtrain.workloads.data import DatasetSplit
 
-__all__ = ["ShardLoaders"]
+__all__ = ["ShardLoaders", "ShardOrder"]
 
 
 @dataclass(frozen=True)
@@ -41,18 +51,17 @@ class ShardLoaders:
         as large as the plan's latest decision when the step draws it, and ``start_batch`` counts batches
         of the sizes the plan's changes gave them.
         """
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            self.data.train, num_replicas=num_shards, rank=shard, shuffle=True, seed=self.cfg.seed, drop_last=True
-        )
+        sampler = ShardOrder(self.data.train, num_replicas=num_shards, rank=shard, shuffle=True, seed=self.cfg.seed,
+                             drop_last=True)  # fmt: skip
         sampler.set_epoch(epoch)
         if self.plan.within_epochs:  # --auto-every: each batch as large as the plan's latest decision
-            order = list(sampler)[self.plan.offset(epoch, start_batch, num_shards) :]
+            order = sampler.indices()[self.plan.offset(epoch, start_batch, num_shards) :]
             sizes = _GrowingBatches(order, lambda: self.plan.current // num_shards)
             return DataLoader(self.data.train, batch_sampler=sizes)
         bs = self.plan.batch(epoch) // num_shards
         if start_batch:
-            order = list(sampler)[start_batch * bs :]
-            return DataLoader(self.data.train, batch_size=bs, sampler=order, drop_last=True)
+            rest = _Indices(sampler.indices()[start_batch * bs :])
+            return DataLoader(self.data.train, batch_size=bs, sampler=rest, drop_last=True)
         return DataLoader(self.data.train, batch_size=bs, sampler=sampler, drop_last=True)
 
     def steps_per_epoch(self, num_shards: int, epoch: int = 0) -> int:
@@ -69,12 +78,46 @@ class ShardLoaders:
         return self.plan.locate(step, num_shards)
 
 
+class ShardOrder(DistributedSampler[Any]):
+    """``DistributedSampler``'s order (shuffled, ``drop_last``), kept as one tensor of indices: the same
+    integers in the same order, without its list of every index of the set (4 bytes an index of the
+    training set, against a Python list's 36)."""
+
+    def indices(self) -> torch.Tensor:
+        """This shard's indices of the epoch (:meth:`set_epoch`), in order."""
+        if not (self.shuffle and self.drop_last):
+            raise ValueError("ShardOrder is the shuffled, drop_last order; use DistributedSampler otherwise")
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        n = len(self.dataset)  # type: ignore[arg-type]
+        # int32 where it holds every index: the same permutation from the same generator, half the bytes
+        order = torch.randperm(n, generator=g, dtype=torch.int32 if n < 2**31 else torch.int64)
+        return order[self.rank : self.total_size : self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(_Indices(self.indices()))
+
+
+class _Indices:
+    """A sampler over a tensor of indices: its integers, a block at a time."""
+
+    def __init__(self, order: torch.Tensor) -> None:
+        self.order = order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __iter__(self) -> Iterator[int]:
+        for block in self.order.split(1 << 16):
+            yield from block.tolist()
+
+
 class _GrowingBatches:
     """A batch sampler over ``order`` whose batch size is read (``size()``) as each batch is drawn: the data
     loader draws a step's batch when the step starts, after the decision that sized it. An epoch ends where
     the next batch would not fit (``drop_last``)."""
 
-    def __init__(self, order: list[int], size: Callable[[], int]) -> None:
+    def __init__(self, order: torch.Tensor, size: Callable[[], int]) -> None:
         self.order, self.size = order, size
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -83,5 +126,5 @@ class _GrowingBatches:
             bs = self.size()
             if bs < 1 or i + bs > len(self.order):
                 return
-            yield self.order[i : i + bs]
+            yield self.order[i : i + bs].tolist()
             i += bs

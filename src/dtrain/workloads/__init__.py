@@ -2,6 +2,7 @@
 
 * :mod:`.models` -- the CNN and MLP classifiers and the GPT family;
 * :mod:`.data` -- the bundled datasets (scikit-learn's digits, a synthetic teacher task, text);
+* :mod:`.files` -- the user's own data (``--dataset PATH``): text, token files, images, arrays, tables;
 * :mod:`.batch` -- how a global batch splits over data-parallel shards;
 * :mod:`.load` -- a model and one batch for it, by name (what the planner and calibration profile);
 * :mod:`.sample` -- ``dtrain sample``: text from a trained language model.

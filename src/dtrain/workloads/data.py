@@ -13,17 +13,24 @@ works offline.
   (vocabulary 256). The first 90% of the bytes are for training, the last 10% for
   validation; samples are windows of ``seq_len + 1`` bytes, ``x`` the first
   ``seq_len`` and ``y`` the next byte at every position.
+
+Any other ``--dataset`` is the user's own: a file, a folder or ``MODULE:FN``, read by
+:mod:`dtrain.workloads.files` (text, token ids, images, arrays, tables). :class:`DatasetSplit`
+holds any sized torch ``Dataset`` (a memory-mapped token file is never read whole), so code that
+draws samples from it goes through a ``DataLoader`` or :func:`first_samples`, never ``.tensors``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sized
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-__all__ = ["DatasetSplit", "load_dataset", "DATASETS", "pytext_bytes", "unigram_entropy"]
+__all__ = ["DatasetSplit", "load_dataset", "DATASETS", "pytext_bytes", "unigram_entropy", "first_samples"]
 
 DATASETS = ("digits", "synthetic", "pytext")
 
@@ -33,8 +40,9 @@ class DatasetSplit:
     """A train/test pair and what a model needs to know about it.
 
     Attributes:
-        train: training samples ``(x, y)``.
-        test: held-out samples ``(x, y)`` (the validation split for ``pytext``).
+        train: training samples ``(x, y)``: any torch ``Dataset`` with a length (a ``TensorDataset`` for
+            the bundled sets, a lazily read one for a file).
+        test: held-out samples ``(x, y)`` (the validation split for ``pytext`` and the user's files).
         input_shape: shape of one ``x`` (``(seq_len,)`` for a language-modelling task).
         num_classes: classes, or the vocabulary size for a language-modelling task.
         task: "classify" (one label per sample) or "lm" (``x`` is a token sequence and
@@ -42,12 +50,40 @@ class DatasetSplit:
         source: one line saying where the data comes from and its size.
     """
 
-    train: TensorDataset
-    test: TensorDataset
+    train: Dataset[Any]
+    test: Dataset[Any]
     input_shape: tuple[int, ...]
     num_classes: int
     task: str = "classify"
     source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("train", "test"):
+            if not isinstance(getattr(self, name), Sized):
+                raise TypeError(f"DatasetSplit.{name} must be a Dataset with a length (__len__)")
+
+    @property
+    def train_size(self) -> int:
+        """Samples (or windows) of the training set."""
+        return len(cast(Sized, self.train))
+
+    @property
+    def test_size(self) -> int:
+        """Samples (or windows) of the test / validation set."""
+        return len(cast(Sized, self.test))
+
+
+def first_samples(dataset: Dataset[Any], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` samples of ``dataset`` (all of them when it holds fewer), stacked as ``(x, y)``.
+
+    Reads only those samples (through a ``DataLoader``): a memory-mapped set stays on disk.
+    """
+    size = len(cast(Sized, dataset))
+    if size == 0:
+        raise ValueError("first_samples of an empty dataset")
+    part = Subset(dataset, range(min(n, size)))
+    x, y = next(iter(DataLoader(part, batch_size=len(part))))
+    return x, y
 
 
 def _digits(seed: int) -> DatasetSplit:
@@ -151,22 +187,36 @@ def load_dataset(
     side: int = 8,
     num_classes: int = 10,
     seq_len: int = 64,
+    **file_options: Any,
 ) -> DatasetSplit:
-    """Load a bundled dataset.
+    """Load a bundled dataset, or the user's own (a path or ``MODULE:FN``).
 
     Args:
-        name: "digits", "synthetic" or "pytext" (default: "digits").
+        name: "digits", "synthetic" or "pytext" (default: "digits"); anything else is read by
+            :func:`dtrain.workloads.files.load_files` (the reader chosen from the path).
         seed: fixes the train/test split (digits), the data itself (synthetic), or
             the offset ``seed % seq_len`` of the training windows (pytext; its
             validation windows do not depend on the seed).
         samples: training samples of the synthetic set; the test set is a fifth of it.
         side: synthetic images are ``1 x side x side``.
         num_classes: classes of the synthetic teacher.
-        seq_len: tokens per pytext sample (>= 2).
+        seq_len: tokens per pytext sample (>= 2), and per window of the user's text or tokens.
+        **file_options: the user's data only: :class:`dtrain.workloads.files.FileOptions` fields
+            (``text_field``, ``tokenizer``, ``token_dtype``, ``image_size``, ``val_fraction``,
+            ``val_dataset``, ``vocab_size``).
 
     Returns:
         The train/test split with input shape and class count.
+
+    Raises:
+        ValueError: bad arguments for a bundled set.
+        dtrain.errors.ConfigError: the user's data cannot be read (it names the file and why).
     """
+    if name not in DATASETS:
+        from dtrain.workloads.files import FileOptions, load_files
+
+        p = load_files(name, FileOptions(seed=seed, seq_len=seq_len, **file_options))
+        return DatasetSplit(p.train, p.test, p.input_shape, p.num_classes, task=p.task, source=p.source)
     if name == "digits":
         return _digits(seed)
     if name == "synthetic":
@@ -177,4 +227,4 @@ def load_dataset(
         if seq_len < 2:
             raise ValueError(f"pytext needs seq_len >= 2, got {seq_len}")
         return _pytext(seed, seq_len)
-    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    raise AssertionError(name)  # every other name is the user's (above)
