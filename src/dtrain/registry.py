@@ -137,7 +137,7 @@ PLUGINS_ENV = "DTRAIN_STRATEGY_MODULES"
 
 
 def _load_builtins() -> None:
-    importlib.import_module(_BUILTINS)  # registers dp, ddp, ps, auto
+    importlib.import_module(_BUILTINS)  # registers the built-in strategies (strategies/builtin.py lists them)
     for name in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         try:
             importlib.import_module(name)

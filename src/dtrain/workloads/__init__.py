@@ -3,8 +3,10 @@
 * :mod:`.models` -- the CNN and MLP classifiers and the GPT family;
 * :mod:`.data` -- the bundled datasets (scikit-learn's digits, a synthetic teacher task, text);
 * :mod:`.batch` -- how a global batch splits over data-parallel shards;
-* :mod:`.load` -- a model and one batch for it, by name (what the planner and calibration profile);
-* :mod:`.sample` -- ``dtrain sample``: text from a trained language model.
+* :mod:`.load` -- a model and one batch for it, by name (what the planner and calibration profile).
+
+The models are also ``dtrain.models``. Text from a trained language model (``dtrain sample``)
+is :mod:`dtrain.observe.sample`.
 
 This package imports nothing itself.
 """
