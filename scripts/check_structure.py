@@ -17,14 +17,31 @@ puts that picture into ``docs/architecture.md`` (tests/test_structure.py checks 
 * no import of a private name (``_x``, or anything from a module ``_m``) that belongs to
   another package: a package's private modules and names are for that package's modules
   (and its sub-packages') only;
-* no ``strategy ==`` comparison outside ``dtrain/strategies/`` (strategies are registry
-  entries, not branches).
+* no strategy named outside ``dtrain/strategies/`` and the registry's own module: what differs
+  between strategies is asked of their registry entry, so that a strategy is one module and a
+  new one touches no other file. The names are those registered in the tree (every
+  ``Strategy(name="...")`` with a literal name). A name is an error where it decides something:
+
+  - a comparison (``==``, ``!=``, ``in``, ``not in``) between a registered name (alone, or in a
+    tuple, list or set literal) and an expression whose text holds ``strategy``
+    (``cfg.strategy == "dp"``, ``e["strategy"] in ("ps", "easgd")``), or any such comparison with
+    a registered name inside a function whose name holds ``strategy`` (``parse_strategy``'s
+    ``parts[0] == "dp"``);
+  - a tuple, list or set literal holding two or more registered names (``CUDA = ("dp", "ddp")``),
+    whatever it is compared with later.
+
+  Narrowed so that the same words in other meanings pass: several names are also ordinary
+  values of other options (``--batch-schedule auto``, a ``"pipeline"`` section of the report,
+  ``"tensor"`` of a profile's kind), and those are compared with expressions that do not say
+  ``strategy`` and listed beside words that are not strategy names. A lone name passed as an
+  argument (``Choice("dp", n)``, a CLI default) is not looked at.
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 MAX_MODULE_LINES = 600
@@ -200,6 +217,49 @@ def package_picture(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def strategy_names(trees: Iterable[ast.AST]) -> set[str]:
+    """The strategies registered in ``trees``: the literal ``name=`` of every ``Strategy(...)`` call."""
+    out = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "Strategy":
+                out |= {k.value.value for k in node.keywords if k.arg == "name" and isinstance(k.value, ast.Constant)
+                        and isinstance(k.value.value, str)}  # fmt: skip
+    return out
+
+
+def _may_name_strategies(root: Path, path: Path) -> bool:
+    rel = path.relative_to(root).parts
+    return rel[0] == "strategies" or rel == ("registry.py",)
+
+
+def strategy_names_used(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """Where ``tree`` decides something by a strategy's name (the module docstring's two rules), as
+    ``(line, source)``."""
+    def named(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+
+    def names_in(node: ast.AST) -> int:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return sum(named(e) for e in node.elts)
+        return int(named(node))
+
+    in_strategy_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                            and "strategy" in f.name.lower() for n in ast.walk(f)}  # fmt: skip
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and all(isinstance(o, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                 for o in node.ops):  # fmt: skip
+            sides = [node.left, *node.comparators]
+            if any(names_in(s) and (id(node) in in_strategy_function
+                                    or any("strategy" in ast.unparse(o).lower() for o in sides if o is not s))
+                   for s in sides):  # fmt: skip
+                out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and names_in(node) >= 2:
+            out.append((node.lineno, ast.unparse(node)))
+    return sorted(set(out))
+
+
 def check(root: Path) -> list[str]:
     """Every finding in the tree under ``root`` (a package folder), as lines of text."""
     findings: list[str] = []
@@ -209,6 +269,7 @@ def check(root: Path) -> list[str]:
     known = set(names.values())
     packages = {names[p] for p in files if p.name == "__init__.py"}
     top = [p.name for p in files if p.parent == root and p.name != "__init__.py"]
+    strategies = strategy_names(trees.values())
     if len(top) > MAX_TOP_MODULES:
         findings.append(f"{root}: {len(top)} modules at the top (max {MAX_TOP_MODULES}): {', '.join(top)}")
     graph: dict[str, set[str]] = {}
@@ -221,10 +282,9 @@ def check(root: Path) -> list[str]:
                 n = (node.end_lineno or node.lineno) - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
                     findings.append(f"{p}:{node.lineno}: function {node.name} of {n} lines (max {MAX_FUNCTION_LINES})")
-        if "strategies" not in p.parts:
-            for i, line in enumerate(p.read_text().splitlines(), 1):
-                if "strategy ==" in line:
-                    findings.append(f"{p}:{i}: a strategy branch outside the registry: {line.strip()}")
+        if not _may_name_strategies(root, p):
+            for line, text in strategy_names_used(tree, strategies):
+                findings.append(f"{p}:{line}: a strategy named outside strategies/ (ask its registry entry): {text}")
         graph[names[p]] = _imports(tree, names[p], p.name == "__init__.py", known)
         for what in _private_imports(tree, names[p], p.name == "__init__.py", packages):
             findings.append(f"{p}: imports a private name of another package: {what}")

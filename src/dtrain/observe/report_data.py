@@ -28,13 +28,16 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dtrain.errors import DTrainError
 
+if TYPE_CHECKING:
+    from dtrain.registry import StrategyOptions
+
 __all__ = ["Act", "TraceDigest", "RunData", "COMPUTE_OPS", "DELTA_KEYS", "digest_trace", "step_acts", "span_bubbles",
-           "load_run", "figures", "deltas", "rank_breakdown", "pipeline_bubbles", "schedule_shape", "predict",
-           "number", "after_warmup", "per_step", "by_rank", "mean_or_none"]  # fmt: skip
+           "load_run", "figures", "deltas", "rank_breakdown", "pipeline_bubbles", "schedule_shape", "run_options",
+           "predict", "number", "after_warmup", "per_step", "by_rank", "mean_or_none"]  # fmt: skip
 
 COMPUTE_OPS = ("F", "B", "I", "W")  # the ops that compute; the rest send, receive or step
 DELTA_KEYS = (("step_ms", "step ms (median)", True), ("samples_per_s", "samples/s", True),
@@ -252,19 +255,36 @@ def mean_or_none(vals: Sequence[float]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def schedule_shape(run: RunData) -> tuple[str, int, int, int] | None:
-    """(schedule, P, M, v) of a pipeline run: from the summary's ``pipeline`` and the trace's ranks and stages."""
-    pipe = run.summary.get("pipeline")
-    if not isinstance(pipe, dict) or not isinstance(pipe.get("schedule"), str) or not isinstance(
-            pipe.get("microbatches"), int):  # fmt: skip
+def run_options(run: RunData) -> StrategyOptions | None:
+    """The run's strategy options, as its registry entry builds them from the strategy's table in
+    ``config.toml`` (its defaults where the folder has none); None for a strategy not registered here,
+    or a table its options refuse (a folder of another version)."""
+    from dtrain.config.schema import build_options
+    from dtrain.registry import get
+
+    name = run.config.get("strategy") or run.summary.get("strategy")
+    try:
+        entry = get(str(name))
+        table = run.config.get(entry.name)
+        return build_options(entry, table if isinstance(table, dict) else {})
+    except (DTrainError, TypeError, ValueError):
         return None
+
+
+def schedule_shape(run: RunData) -> tuple[str, int, int, int] | None:
+    """(schedule, P, M, v) of a run whose strategy plays a pipeline schedule (its options'
+    ``pipeline_schedule()``), with P and v from the trace's ranks and stages where it has them."""
+    opts = run_options(run)
+    played = opts.pipeline_schedule() if opts is not None else None
+    if played is None:
+        return None
+    schedule, microbatches, chunks = played
     acts = run.trace.acts if run.trace is not None else []
     ranks = len({a.rank for a in acts}) or int(run.summary.get("workers") or 1)
     stages = len({a.stage for a in acts})
-    table: dict[str, Any] = run.config["pipeline"] if isinstance(run.config.get("pipeline"), dict) else {}
-    chunks = stages // ranks if stages >= ranks and acts else int(table.get("chunks", 1))
-    chunks = chunks if pipe["schedule"] == "interleaved" else 1
-    return pipe["schedule"], ranks, pipe["microbatches"], max(1, chunks)
+    if chunks > 1 and acts and stages >= ranks:
+        chunks = stages // ranks
+    return schedule, ranks, microbatches, max(1, chunks)
 
 
 def pipeline_bubbles(run: RunData) -> dict[str, float | None]:
