@@ -131,7 +131,8 @@ def main() -> int:
                 launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=ns.hosts, cluster=cname,
                                   stream_first=False, timeout_s=900)  # fmt: skip
                 merge_rank_files(out)
-                rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+                from dtrain.rundir.files import read_metrics
+                rows = read_metrics(out)
                 steps = [ns.batch / r["samples_per_s"] * 1e3 for r in rows if r["step"] >= ns.warmup]
                 print(f"traced run: step {statistics.mean(steps):.2f} ms (mean over ranks, steps >= {ns.warmup})")
                 for rank, names in sorted(_spans(out).items()):

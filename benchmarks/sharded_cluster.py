@@ -4,7 +4,7 @@ Brings up an emulated cluster (one network namespace per host, tbf-shaped links;
 run`` (one torchrun node per host) for plain ``dp`` (ring allreduce of buckets overlapped with backward), torch
 DDP, and ``dp --shard optimizer|gradients|parameters`` (stage 2 with ``--overlap forward`` too: the allgather
 of the stepped parameters waited unit by unit in the next forward), in interleaved rounds, and prints the
-median step time of the training loop (``metrics.jsonl``, after warm-up) and its ratio to unsharded dp, with
+median step time of the training loop (its metrics rows, after warm-up) and its ratio to unsharded dp, with
 bytes per step, next to the performance model's prediction for the same cluster (calibrated first).
 
 Run (root; ~10 minutes)::

@@ -14,6 +14,10 @@ puts that picture into ``docs/architecture.md`` (tests/test_structure.py checks 
   with a literal name; importing ``a.b.c`` is an edge to ``a.b.c`` and to the packages ``a.b``
   and ``a`` whose ``__init__`` runs (but not to the importer's own enclosing packages, which
   are initializing already);
+* no import cycle among dtrain's packages (and top modules) either: a package that imports
+  another through one module may not be imported by it through another (``job.run ->
+  observe.report`` while ``observe.report_data -> ... -> job``), so the packages stand in layers,
+  each importing only lower ones; an arrow that points up a layer of the picture is named;
 * no import of a private name (``_x``, or anything from a module ``_m``) that belongs to
   another package: a package's private modules and names are for that package's modules
   (and its sub-packages') only;
@@ -184,13 +188,9 @@ def package_graph(root: Path) -> dict[tuple[str, str], list[str]]:
     return arrows
 
 
-def package_picture(root: Path) -> str:
-    """The packages (and top modules) under ``root`` and their imports, lowest layer first.
-
-    Layers are peeled from the bottom: a package goes in once everything it imports is placed. Where
-    packages import each other (through different modules) none can go first; the one with the fewest
-    module arrows into the rest is placed, and its arrows that point up are listed at the end."""
-    arrows = package_graph(root)
+def _layers(arrows: dict[tuple[str, str], list[str]]
+            ) -> tuple[list[str], dict[str, set[str]], dict[str, int], list[tuple[str, str]]]:  # fmt: skip
+    """The packages, what each imports, each one's layer, and the arrows that point up (see :func:`package_picture`)."""
     names = sorted({a for a, _ in arrows})
     deps = {n: {b for (a, b) in arrows if a == n and b != n} for n in names}
     placed: dict[str, int] = {}
@@ -204,6 +204,27 @@ def package_picture(root: Path) -> str:
             ready = [n]
         for n in ready:
             placed[n] = 1 + max((placed[d] for d in deps[n] if d in placed), default=-1)
+    return names, deps, placed, upward
+
+
+def package_findings(root: Path) -> list[str]:
+    """The package-level rules: no cycle among the packages (and top modules), and so no import that points
+    up a layer of the picture; each named with the module arrows that make it."""
+    arrows = package_graph(root)
+    names, deps, _, upward = _layers(arrows)
+    out = [f"package import cycle among: {', '.join(comp)}" for comp in _cycles(deps)]
+    out += [f"an import points up a layer: {a} -> {b}: " + "; ".join(arrows[(a, b)]) for a, b in upward]
+    return out
+
+
+def package_picture(root: Path) -> str:
+    """The packages (and top modules) under ``root`` and their imports, lowest layer first.
+
+    Layers are peeled from the bottom: a package goes in once everything it imports is placed. Where
+    packages import each other (through different modules) none can go first; the one with the fewest
+    module arrows into the rest is placed, and its arrows that point up are listed at the end."""
+    arrows = package_graph(root)
+    names, deps, placed, upward = _layers(arrows)
     width = max(len(n) for n in names)
     lines = [f"src/{root.name}/: each package (or top module) and what it imports; "
              f"layer 0 imports nothing of {root.name}"]
@@ -290,7 +311,7 @@ def check(root: Path) -> list[str]:
             findings.append(f"{p}: imports a private name of another package: {what}")
     for comp in _cycles(graph):
         findings.append("import cycle among: " + ", ".join(comp))
-    return findings
+    return findings + package_findings(root)
 
 
 PICTURE_START, PICTURE_END = "<!-- package picture: start -->", "<!-- package picture: end -->"

@@ -123,6 +123,29 @@ def test_package_picture_layers_and_names_the_imports_that_point_up(tmp_path: Pa
     assert "    mid -> high: pkg.mid.d -> pkg.high.c" in lines
 
 
+def test_checker_finds_a_package_cycle_and_the_import_that_points_up(tmp_path: Path) -> None:
+    """Three packages in a loop through different modules (no module cycle): the loop is found, and so is the
+    arrow that points up once the packages are layered (the package with the fewest arrows into the loop goes
+    first: low, whose one arrow is the exception); the tree without that arrow passes both rules."""
+    pkg = tmp_path / "pkg"
+    for sub in ("low", "mid", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("")
+    (pkg / "mid" / "b.py").write_text("from pkg.low import a\n")
+    (pkg / "mid" / "e.py").write_text("from pkg.low import a\n")
+    (pkg / "high" / "c.py").write_text("from pkg.mid import b\n")
+    (pkg / "high" / "d.py").write_text("from pkg.mid import e\n")
+    (pkg / "low" / "up.py").write_text("from pkg.high import c\n")  # low -> high: the loop low -> high -> mid -> low
+    found = _checker().check(pkg)
+    assert "package import cycle among: high, low, mid" in found
+    assert "an import points up a layer: low -> high: pkg.low.up -> pkg.high.c" in found
+    assert not any(f.startswith("import cycle") for f in found)  # the modules themselves have no cycle
+    (pkg / "low" / "up.py").unlink()
+    assert _checker().check(pkg) == []
+
+
 @pytest.mark.procs
 def test_perfmodel_imports_nothing_that_starts_processes() -> None:
     folder = ROOT / "src" / "dtrain" / "perfmodel"

@@ -1,7 +1,7 @@
 """What ``dtrain report`` reads from a run folder, reduced to the figures its page shows.
 
-* :func:`load_run` reads ``summary.json``, ``metrics.jsonl``, ``config.toml`` and ``trace.json``
-  (only ``summary.json`` is required) into a :class:`RunData`.
+* :func:`load_run` reads the run folder's summary, metrics rows, configuration and ``trace.json``
+  (only the summary is required; :mod:`dtrain.rundir.files`) into a :class:`RunData`.
 * :func:`digest_trace` keeps of a Chrome trace the "step" spans (track 0) and a pipeline's action
   spans (track 1, args ``stage``/``mb``/``op``); every other event kind (metadata, flows, counters),
   other tracks and unknown keys are ignored, and the raw trace goes no further.
@@ -65,7 +65,7 @@ class TraceDigest:
 
 @dataclass
 class RunData:
-    """One run folder's files: ``summary.json``, ``metrics.jsonl`` rows, ``config.toml`` (``{}`` when
+    """One run folder's files: the summary, the metrics rows, the configuration (``{}`` when
     missing), the digest of ``trace.json`` (None when missing) and a prediction when there is one."""
 
     path: Path
@@ -151,16 +151,13 @@ def after_warmup(keys: Sequence[int]) -> set[int]:
 
 
 def load_run(run_dir: str | Path) -> RunData:
-    """Read a finished run folder (summary.json is required; metrics, config and trace are optional)."""
+    """Read a finished run folder (the summary is required; metrics, config and trace are optional)."""
     from dtrain.config.files import read_toml
+    from dtrain.rundir.files import CONFIG, is_run, read_metrics, read_summary
 
     d = Path(run_dir)
-    if not (d / "summary.json").is_file():
-        raise DTrainError(f"{d} is not a finished run folder (no summary.json)")
-    summary = json.loads((d / "summary.json").read_text())
-    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()] \
-        if (d / "metrics.jsonl").is_file() else []  # fmt: skip
-    config = read_toml(d / "config.toml", "run config") if (d / "config.toml").is_file() else {}
+    summary, rows = read_summary(d), read_metrics(d)
+    config = read_toml(d / CONFIG, "run config") if is_run(d) else {}
     trace = digest_trace(json.loads((d / "trace.json").read_text())) if (d / "trace.json").is_file() else None
     pred = summary.get("prediction") if isinstance(summary.get("prediction"), dict) else None
     return RunData(d, summary, [r for r in rows if isinstance(r, dict) and "step" in r], config, trace, pred)
@@ -257,7 +254,7 @@ def mean_or_none(vals: Sequence[float]) -> float | None:
 
 def run_options(run: RunData) -> StrategyOptions | None:
     """The run's strategy options, as its registry entry builds them from the strategy's table in
-    ``config.toml`` (its defaults where the folder has none); None for a strategy not registered here,
+    configuration (its defaults where the folder has none); None for a strategy not registered here,
     or a table its options refuse (a folder of another version)."""
     from dtrain.config.schema import build_options
     from dtrain.registry import get
