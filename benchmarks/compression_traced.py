@@ -88,9 +88,9 @@ def main() -> int:
     from dtrain.cluster import launch_on_cluster
     from dtrain.config.schema import RunConfig
     from dtrain.job.run import worker_main
-    from dtrain.measure.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.perfmodel._traffic import compressed_traffic
     from dtrain.perfmodel.ranking import plan
+    from dtrain.planning.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.strategies import choice
     from dtrain.trace import merge_rank_files
     from dtrain.workloads.load import load_model

@@ -85,9 +85,9 @@ def _phase(ns: argparse.Namespace, bw: str, bench: Any) -> None:
     """Every model's held-out cases at link rate ``bw``: calibrate, then ``--rounds`` rounds."""
     import dtrain.cluster as dc
     from dtrain.config.schema import RunConfig
-    from dtrain.measure.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.measure.harness import Bar
     from dtrain.perfmodel.ranking import candidates, plan
+    from dtrain.planning.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.workloads.load import load_model
 
     cname = f"{ns.name}_{bw.replace('.', '_')}"[:24]

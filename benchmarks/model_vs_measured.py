@@ -77,8 +77,8 @@ def main() -> int:
 
     import dtrain.cluster as dc
     from dtrain.config.schema import RunConfig
-    from dtrain.measure.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.perfmodel.ranking import candidates, plan
+    from dtrain.planning.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.workloads.load import load_model
 
     print(f"torch {torch.__version__}; model cnn on digits, global batch {ns.batch}, {ns.hosts} emulated hosts, "

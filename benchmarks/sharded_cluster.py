@@ -51,8 +51,8 @@ def main() -> int:
 
     import dtrain.cluster as dc
     from dtrain.config.schema import RunConfig
-    from dtrain.measure.calibrate import calibrate_cluster, summary
     from dtrain.perfmodel.ranking import plan
+    from dtrain.planning.calibrate import calibrate_cluster, summary
     from dtrain.workloads.load import load_model
 
     print(f"torch {torch.__version__}; {ns.model} on pytext, global batch {ns.batch} x {ns.seq_len} tokens, "

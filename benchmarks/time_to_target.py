@@ -166,7 +166,7 @@ def main() -> int:
     import dtrain.cluster as dc
     from dtrain.config.schema import RunConfig
     from dtrain.job.run import run
-    from dtrain.measure.calibrate import calibrate_cluster, summary
+    from dtrain.planning.calibrate import calibrate_cluster, summary
     from dtrain.workloads.data import load_dataset, unigram_entropy
     from dtrain.workloads.load import load_model
 

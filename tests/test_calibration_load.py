@@ -1,5 +1,5 @@
 """A calibration records the load it was made under, and reusing one made under load says so or redoes it
-(dtrain.measure.load, ``[calibrated]`` in the cluster TOML, dtrain.measure.calibrate.local_cluster); and the
+(dtrain.planning.load, ``[calibrated]`` in the cluster TOML, dtrain.planning.calibrate.local_cluster); and the
 test session keeps what it writes out of the user's folders (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.measure import calibrate
-from dtrain.measure.load import cpu_jiffies, load_around, others_cores
 from dtrain.perfmodel.spec import ClusterSpec, Device, Load, dump_cluster, load_cluster, this_host
+from dtrain.planning import calibrate
+from dtrain.planning.load import cpu_jiffies, load_around, others_cores
 
 STAT = """cpu  100 5 50 1000 20 3 2 0 0 0
 cpu0 50 2 25 500 10 2 1 0 0 0
@@ -52,7 +52,7 @@ def test_load_around_measures_before_and_after_and_keeps_the_busier(monkeypatch:
     if not Path("/proc/stat").exists():
         pytest.skip("needs /proc/stat (Linux)")
     readings = iter([0.1, 0.9])
-    monkeypatch.setattr("dtrain.measure.load.others_cores", lambda seconds: next(readings))
+    monkeypatch.setattr("dtrain.planning.load.others_cores", lambda seconds: next(readings))
     out, load = load_around(lambda: "done")
     assert out == "done" and load is not None and load.others_cores == 0.9 and load.loaded
     assert load.cores == cpu_jiffies(Path("/proc/stat").read_text())[2]
@@ -116,7 +116,7 @@ def test_the_session_keeps_the_users_folders_out_of_reach() -> None:
     """tests/conftest.py points the cache, the home folder and matplotlib's folder at the session's own temporary
     folder, and a process a test starts inherits them."""
     base = os.environ["DTRAIN_TEST_FOLDER"]
-    code = "import os, pathlib; from dtrain.measure.calibrate import cache_dir; print(cache_dir(), pathlib.Path.home())"
+    code = "import pathlib; from dtrain.planning.calibrate import cache_dir; print(cache_dir(), pathlib.Path.home())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     cache, home = out.stdout.split()
     assert cache.startswith(base) and home.startswith(base)

@@ -14,7 +14,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "dtrain"
 
 # packages whose docstring is a list of their modules: each public module of the folder is named in it
-LISTED = ("training", "observe", "checkpoint", "pipeline", "measure", "job", "config", "hybrid_parallel", "launch")
+LISTED = ("training", "observe", "checkpoint", "pipeline", "measure", "planning", "job", "config", "hybrid_parallel",
+          "launch", "rundir")
 
 
 def _docstring(package: Path) -> str:

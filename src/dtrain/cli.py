@@ -52,7 +52,7 @@ _RUN_DESCRIPTION = ("Train a model. With no argument: 4 local workers, the CNN o
 # subcommands that live in other packages: name -> module with main(argv) -> int
 _BENCHES = {
     "allreduce": "dtrain.measure.allreduce",
-    "calibrate": "dtrain.measure.calibrate",
+    "calibrate": "dtrain.planning.calibrate",
     "p2p": "dtrain.measure.p2p",
     "train": "dtrain.measure.train",
 }

@@ -204,12 +204,12 @@ def deltas(runs: Sequence[RunData]) -> list[dict[str, Any]]:
 
 def predict(run: RunData) -> dict[str, Any]:
     """The performance model's prediction for the run's own strategy, options and workers, on this
-    machine's calibration (:func:`dtrain.measure.calibrate.local_cluster`: measured once per process
+    machine's calibration (:func:`dtrain.planning.calibrate.local_cluster`: measured once per process
     count and cached, which can take a minute) or the run's emulated cluster's."""
     from dtrain.config.schema import RunConfig
-    from dtrain.measure.calibrate import local_cluster
     from dtrain.perfmodel.ranking import plan
     from dtrain.planning.auto import cluster_for, optimizer_kind
+    from dtrain.planning.calibrate import local_cluster
     from dtrain.registry import Choice
     from dtrain.workloads.load import load_model
 

@@ -66,7 +66,7 @@ def _simulate(ns: argparse.Namespace) -> int:
 
     spec = _cluster(ns)
     if spec is None:
-        from dtrain.measure.calibrate import local_cluster
+        from dtrain.planning.calibrate import local_cluster
 
         spec = local_cluster()
     workers = [int(w) for w in ns.workers.split(",")]

@@ -5,7 +5,7 @@ A calibration measures this machine as it finds it: made while other work keeps 
 machine, and a plan made later on a quiet one from it is off (by 20-40% on the 2-core machine
 here). So a calibration records the load it was made under (:class:`~dtrain.perfmodel.spec.Load`,
 the ``[calibrated]`` table of its TOML), and the planner looks at it before reusing one
-(:func:`dtrain.measure.calibrate.local_cluster`).
+(:func:`dtrain.planning.calibrate.local_cluster`).
 
 The load is the CPU time that processes other than this one took over a short window while this
 one sleeps: the machine's busy time (``/proc/stat``: every state but idle and iowait, over every

@@ -38,7 +38,7 @@ What is measured, and how (every figure is a median over repetitions):
    bare training pass is the loop's own bookkeeping per step (times ``compute_scale``).
 6. **compressors** -- payload ratio and encode/decode time per byte of each spec.
 7. **load** -- what other processes took of the machine in a second before and one after
-   (:mod:`dtrain.measure.load`): the ``[calibrated]`` table, which :func:`local_cluster` reads
+   (:mod:`dtrain.planning.load`): the ``[calibrated]`` table, which :func:`local_cluster` reads
    before reusing a cached calibration.
 
 The result is a cluster TOML (:mod:`dtrain.perfmodel.spec`), printed and written
@@ -47,7 +47,7 @@ cluster, ``~/.cache/dtrain/local-HOST-wN.toml`` for this machine).
 
 This module starts the processes and measures in this one (the loop overhead,
 the FLOP rate, the compressors); what each process of the job measures is
-:mod:`dtrain.measure._probes`, and the arithmetic that turns the measurements
+:mod:`dtrain.planning._probes`, and the arithmetic that turns the measurements
 into the description's terms is :mod:`dtrain.perfmodel.fit` (pure).
 """
 
@@ -67,8 +67,6 @@ from typing import Any
 import torch
 
 from dtrain.errors import DTrainError
-from dtrain.measure._probes import calibration_worker, train_passes
-from dtrain.measure.load import load_around, others_cores
 from dtrain.perfmodel.fit import (
     fit_compute_scale,
     fit_cpu_ratio,
@@ -90,6 +88,8 @@ from dtrain.perfmodel.spec import (
     this_host,
 )
 from dtrain.perfmodel.units import format_rate, format_time
+from dtrain.planning._probes import calibration_worker, train_passes
+from dtrain.planning.load import load_around, others_cores
 
 __all__ = ["main", "calibrate_cluster", "refresh_load", "pool_load", "calibrate_local", "local_cluster", "local_cores",
            "summary", "cache_dir", "cluster_file"]  # fmt: skip
@@ -466,6 +466,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # the workers run dtrain.measure._probes.calibration_worker, which pickles under that importable name
+    # the workers run dtrain.planning._probes.calibration_worker, which pickles under that importable name
     # even when this file runs as __main__
     sys.exit(main())
