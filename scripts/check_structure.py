@@ -1,4 +1,5 @@
-"""Check the source tree's shape: module and function lengths, import cycles, strategy branches.
+"""Check the source tree's shape: module and function lengths, import cycles (of modules and of packages),
+private names, strategy names outside the registry.
 
 Usage: ``python scripts/check_structure.py [SRC_DIR]`` (default ``src/dtrain``); prints
 each finding and exits 1 if there is any. tests/test_structure.py runs it.

@@ -1,8 +1,8 @@
 """The source tree keeps its shape (scripts/check_structure.py): modules <= 600 lines, functions
 <= 80 lines, at most 8 modules at the top, no import cycle (type-only and ``import_module`` arrows
-count), no private name imported from another package, no strategy named outside strategies/;
-and the performance model stays pure (importing it starts nothing: no launcher, cluster, training loop,
-benchmark or planning)."""
+count), no cycle among packages (nor an import pointing up a layer), no private name imported from
+another package, no strategy named outside strategies/; and the performance model stays pure
+(importing it starts nothing: no launcher, cluster, training loop, benchmark or planning)."""
 
 import importlib.util
 import subprocess
