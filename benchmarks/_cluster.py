@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import tempfile
@@ -11,9 +10,10 @@ from typing import Any
 
 
 def run_rows(cfg: Any, cluster: str) -> list[dict[str, Any]]:
-    """The ``metrics.jsonl`` rows (every rank) of one ``dtrain run`` of ``cfg`` on the emulated ``cluster``."""
+    """The metrics rows (every rank) of one ``dtrain run`` of ``cfg`` on the emulated ``cluster``."""
     from dtrain.cluster import launch_on_cluster
     from dtrain.job.run import worker_main
+    from dtrain.rundir.files import read_metrics
     from dtrain.trace import merge_rank_files
 
     with tempfile.TemporaryDirectory() as d:
@@ -28,7 +28,7 @@ def run_rows(cfg: Any, cluster: str) -> list[dict[str, Any]]:
             print(f"the failed run's folder is kept in {kept}", flush=True)
             raise
         merge_rank_files(out)
-        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        return read_metrics(out)
 
 
 def measure(cfg: Any, cluster: str, warmup: int) -> tuple[list[float], float]:

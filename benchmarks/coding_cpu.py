@@ -4,7 +4,7 @@ The performance model charges a compressed bucket's encode, merge and decode as 
 :func:`dtrain.perfmodel._traffic.compressed_traffic` counts: the collective run on ``--workers``
 threads of one process (``time.thread_time`` of the busiest rank's thread), times the compute scale
 and the compressor's ``cpu_ratio``. This script runs the calibration's own probe
-(:func:`dtrain.measure._probes.coding_cpu`: ``--workers`` gloo processes on loopback, each rank's
+(:func:`dtrain.planning._probes.coding_cpu`: ``--workers`` gloo processes on loopback, each rank's
 ``time.thread_time`` over the call, the median of ``--reps``, times the user-mode share of the calls'
 CPU; the CNN's gradient with its parameter shapes as the data-parallel reducer passes them) and prints
 it beside the thread count and their ratio (:func:`dtrain.perfmodel.fit.fit_cpu_ratio`, what a
@@ -31,9 +31,9 @@ def main() -> int:
     import torch
 
     from dtrain.launch.agent import launch
-    from dtrain.measure._probes import coding_cpu
     from dtrain.perfmodel._traffic import compressed_traffic
     from dtrain.perfmodel.fit import fit_cpu_ratio
+    from dtrain.planning._probes import coding_cpu
 
     specs = ns.compressors.split(",")
     probes: dict[int, Any] = launch(coding_cpu, ("cnn", "digits", specs, ns.reps), nprocs=ns.workers, threads=1)

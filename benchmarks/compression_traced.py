@@ -88,9 +88,9 @@ def main() -> int:
     from dtrain.cluster import launch_on_cluster
     from dtrain.config.schema import RunConfig
     from dtrain.job.run import worker_main
-    from dtrain.measure.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.perfmodel._traffic import compressed_traffic
     from dtrain.perfmodel.ranking import plan
+    from dtrain.planning.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.strategies import choice
     from dtrain.trace import merge_rank_files
     from dtrain.workloads.load import load_model
@@ -131,7 +131,8 @@ def main() -> int:
                 launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=ns.hosts, cluster=cname,
                                   stream_first=False, timeout_s=900)  # fmt: skip
                 merge_rank_files(out)
-                rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+                from dtrain.rundir.files import read_metrics
+                rows = read_metrics(out)
                 steps = [ns.batch / r["samples_per_s"] * 1e3 for r in rows if r["step"] >= ns.warmup]
                 print(f"traced run: step {statistics.mean(steps):.2f} ms (mean over ranks, steps >= {ns.warmup})")
                 for rank, names in sorted(_spans(out).items()):

@@ -3,7 +3,7 @@
 
 Each repetition starts ``dtrain run`` (``--workers`` processes on loopback, long enough not to
 finish), waits until every training rank has written ``--after`` metrics rows, sends the signal to
-one worker (found by the ``metrics.rank<R>.jsonl`` it holds open) and times until the launcher
+one worker (found by the metrics file it holds open: ``dtrain.rundir.files.rank_metrics``) and times until the launcher
 exits; it checks that the last line of stderr names the rank. A dead rank is seen by its closed
 connections (torch's agent also sees the exit); a stalled rank only by a wait that runs out after
 ``--timeout-s`` and the heartbeats that say who did not arrive, so its figure is ``--timeout-s``
@@ -54,13 +54,14 @@ def _once(sig: int, rank: int, ranks: range, flags: list[str], timeout_s: float,
         victim = None
         try:
             deadline = time.monotonic() + 120
-            files = [out / f"metrics.rank{r}.jsonl" for r in ranks]
+            from dtrain.rundir.files import rank_metrics
+            files = [out / rank_metrics(r) for r in ranks]
             while time.monotonic() < deadline and not all(f.is_file() and len(f.read_text().splitlines()) >= after
                                                           for f in files):  # fmt: skip
                 time.sleep(0.1)
-            victim = _holder(p.pid, f"metrics.rank{rank}.jsonl")
+            victim = _holder(p.pid, rank_metrics(rank))
             if victim is None:
-                raise SystemExit(f"no process holds metrics.rank{rank}.jsonl")
+                raise SystemExit(f"no process holds {rank_metrics(rank)}")
             os.kill(victim, sig)
             t0 = time.monotonic()
             _, err = p.communicate(timeout=timeout_s + 120)

@@ -169,7 +169,8 @@ def _one(cfg: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         s, out = run(cfg.replace(out=str(Path(d) / "run"), overwrite=True), quiet=True)
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        from dtrain.rundir.files import read_metrics
+        rows = read_metrics(out)
     steps_per_epoch: dict[int, int] = {}
     for r in rows:
         if r.get("rank", 0) == 0:

@@ -4,7 +4,7 @@ planner's first choice vs the measured fastest.
 Brings up an emulated cluster (one network namespace per host, tbf-shaped links; root), calibrates it
 (``dtrain bench calibrate``), asks the planner (``plan(..., mesh=True)`` over the factorizations below) for
 each mesh's predicted step, then runs each with ``dtrain run`` (one torchrun node per host) in interleaved
-rounds and compares the median measured step (``metrics.jsonl`` after warm-up) with the prediction. Ranks of
+rounds and compares the median measured step (the metrics rows after warm-up) with the prediction. Ranks of
 a tp group are consecutive, so on this cluster of one process per host every group crosses the 1 Gbit links.
 
 Run (root; ~10 minutes)::
@@ -55,9 +55,9 @@ def main() -> int:
 
     import dtrain.cluster as dc
     from dtrain.config.schema import RunConfig
-    from dtrain.measure.calibrate import calibrate_cluster, summary
     from dtrain.perfmodel.ranking import plan
     from dtrain.perfmodel.spec import dump_cluster
+    from dtrain.planning.calibrate import calibrate_cluster, summary
     from dtrain.workloads.load import load_model
 
     print(f"torch {torch.__version__}; {ns.model} on pytext, global batch {ns.batch} x {ns.seq_len} tokens, SGD, "

@@ -41,7 +41,6 @@ date and load go in the file's ``extra.launches``::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import shlex
@@ -74,7 +73,8 @@ def step_s(cfg: Any, cluster: str, first: int) -> float:
             stop.set()
             for th in ths:
                 th.join()
-        own = [json.loads(x).get("step_s") for x in (out / "metrics.rank0.jsonl").read_text().splitlines() if x]
+        from dtrain.rundir.files import rank_metrics, read_jsonl
+        own = [r.get("step_s") for r in read_jsonl(out / rank_metrics(0))]
     seconds = seconds_a_step(seen, first, f"{cfg.strategy}: ")
     loop = [t for t in own[first + 1 : max(seen) + 1] if t]
     print(f"    (the loop's own step timer over the same steps: {1e3 * sum(loop) / max(1, len(loop)):.1f} ms)")
@@ -85,9 +85,9 @@ def _phase(ns: argparse.Namespace, bw: str, bench: Any) -> None:
     """Every model's held-out cases at link rate ``bw``: calibrate, then ``--rounds`` rounds."""
     import dtrain.cluster as dc
     from dtrain.config.schema import RunConfig
-    from dtrain.measure.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.measure.harness import Bar
     from dtrain.perfmodel.ranking import candidates, plan
+    from dtrain.planning.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.workloads.load import load_model
 
     cname = f"{ns.name}_{bw.replace('.', '_')}"[:24]

@@ -4,7 +4,7 @@ For each link rate: bring up an emulated cluster (one network namespace per host
 tbf-shaped links), calibrate it (``dtrain bench calibrate``: ping-pong alpha/beta,
 gamma, compute under contention, loop overhead), then run ``dtrain run`` (one
 torchrun node per host, c10d rendezvous on host 0) for each strategy and compare
-the mean step time of the training loop (``metrics.jsonl``, after warm-up) with
+the mean step time of the training loop (its metrics rows, after warm-up) with
 the performance model's prediction: per round, the load-dependent terms are
 re-measured (``refresh_load``: wake, floor, compute scale, duplex rate; ~25 s), every
 strategy is predicted with the medians of the phase's readings so far (``pool_load``: the
@@ -77,8 +77,8 @@ def main() -> int:
 
     import dtrain.cluster as dc
     from dtrain.config.schema import RunConfig
-    from dtrain.measure.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.perfmodel.ranking import candidates, plan
+    from dtrain.planning.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.workloads.load import load_model
 
     print(f"torch {torch.__version__}; model cnn on digits, global batch {ns.batch}, {ns.hosts} emulated hosts, "

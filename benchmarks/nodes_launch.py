@@ -9,7 +9,7 @@ Two ways to run one job on the emulated hosts (network namespaces, shaped links,
   way ``--cluster`` ran before.
 
 Both train with the same workers, so the steps should take the same time. The instrument is outside the
-code under test: this script's clock, reading rank 0's ``metrics.rank0.jsonl`` as it grows (a row a step,
+code under test: this script's clock, reading rank 0's metrics file as it grows (a row a step,
 flushed as written); the time from the row of step ``--from`` to that of the last step, over the steps
 between. The runs are long (1,100 timed steps by default, about 25 s) because the four hosts share two cores
 here: over 350 steps the same launch's rate spread by 15% from run to run, and the ratio's spread straddled the
@@ -75,7 +75,8 @@ def _step_times(rows: Path, stop: threading.Event, seen: dict[int, float]) -> No
 
 def _watch(out: Path) -> tuple[threading.Event, dict[int, float], list[threading.Thread]]:
     stop, seen = threading.Event(), {}
-    ths = [threading.Thread(target=_step_times, args=(out / "metrics.rank0.jsonl", stop, seen), daemon=True)]
+    from dtrain.rundir.files import rank_metrics
+    ths = [threading.Thread(target=_step_times, args=(out / rank_metrics(0), stop, seen), daemon=True)]
     for th in ths:
         th.start()
     return stop, seen, ths
@@ -94,11 +95,12 @@ def seconds_a_step(seen: dict[int, float], first: int, who: str = "") -> float:
 def run_local(flags: list[str], out: Path, env: dict[str, str] | None = None,
               timeout: float = 1800) -> dict[int, float]:  # fmt: skip
     """``dtrain run FLAGS`` on this machine into ``out``: when each of rank 0's rows appeared (its own rows
-    file, or the one process's ``metrics.jsonl``)."""
+    file, or the one process's merged rows)."""
     out.mkdir(parents=True, exist_ok=True)
     stop, seen = threading.Event(), dict[int, float]()
+    from dtrain.rundir.files import METRICS, rank_metrics
     watch = [threading.Thread(target=_step_times, args=(out / name, stop, seen), daemon=True)
-             for name in ("metrics.rank0.jsonl", "metrics.jsonl")]  # fmt: skip
+             for name in (rank_metrics(0), METRICS)]  # fmt: skip
     for th in watch:
         th.start()
     try:

@@ -112,9 +112,9 @@ def _many(cfgs: dict[str, Any], jobs: int, deadline_s: float,
                 if logs is not None:
                     with logs.open("a") as f:
                         f.write(f"===== {key} (exit {p.returncode})\n{text}\n")
-                summary = folder / "run" / "summary.json"
-                if summary.exists():  # written at the end (a run stopped at the deadline may have got there)
-                    out[key] = _record(json.loads(summary.read_text()))
+                from dtrain.rundir.files import is_finished, read_summary
+                if is_finished(folder / "run"):  # the summary, written at the end (a run stopped at the deadline
+                    out[key] = _record(read_summary(folder / "run"))  # may have got there)
                     continue
                 evals = [(int(s), int(e), float(v)) for s, e, v in _EVAL_LINE.findall(text)]
                 if late and evals:  # stopped at the deadline: what it had evaluated

@@ -16,7 +16,7 @@ shared machine hits every configuration alike; figures are medians.
 Columns (left: no straggler, right: with the straggler):
 
 * computed -- samples/s that the workers computed gradients of: samples of all
-  workers over the slowest worker's training time (``summary.json``'s
+  workers over the slowest worker's training time (the summary's
   ``samples_per_s`` = ``computed_samples_per_s``), and the ratio straggler / plain;
 * applied -- samples/s whose gradients the servers applied to the parameters
   (``applied_samples_per_s``; the training throughput), and its ratio. The same as

@@ -89,7 +89,9 @@ def reference_run(folder: Path, part: dict[str, Any], seed: int) -> dict[str, An
                         "--out", str(folder / "ref")], capture_output=True, text=True, timeout=3600)  # fmt: skip
     if p.returncode != 0:
         raise SystemExit(f"reference run failed:\n{p.stderr[-3000:]}")
-    s = json.loads((folder / "ref" / "summary.json").read_text())
+    from dtrain.rundir.files import read_summary
+
+    s = read_summary(folder / "ref")
     return {"metric": s["metric"], "steps": s["steps"]}
 
 

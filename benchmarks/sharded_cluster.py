@@ -4,7 +4,7 @@ Brings up an emulated cluster (one network namespace per host, tbf-shaped links;
 run`` (one torchrun node per host) for plain ``dp`` (ring allreduce of buckets overlapped with backward), torch
 DDP, and ``dp --shard optimizer|gradients|parameters`` (stage 2 with ``--overlap forward`` too: the allgather
 of the stepped parameters waited unit by unit in the next forward), in interleaved rounds, and prints the
-median step time of the training loop (``metrics.jsonl``, after warm-up) and its ratio to unsharded dp, with
+median step time of the training loop (its metrics rows, after warm-up) and its ratio to unsharded dp, with
 bytes per step, next to the performance model's prediction for the same cluster (calibrated first).
 
 Run (root; ~10 minutes)::
@@ -51,8 +51,8 @@ def main() -> int:
 
     import dtrain.cluster as dc
     from dtrain.config.schema import RunConfig
-    from dtrain.measure.calibrate import calibrate_cluster, summary
     from dtrain.perfmodel.ranking import plan
+    from dtrain.planning.calibrate import calibrate_cluster, summary
     from dtrain.workloads.load import load_model
 
     print(f"torch {torch.__version__}; {ns.model} on pytext, global batch {ns.batch} x {ns.seq_len} tokens, "

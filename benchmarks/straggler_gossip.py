@@ -4,7 +4,7 @@ Runs ``dtrain run`` for each strategy twice from the same seed: without a stragg
 one worker made ``FACTOR`` times slower (``--straggler RANK:FACTOR``: it sleeps after its own
 compute so that compute plus sleep take FACTOR times its compute). Throughput is the sum over
 workers of each worker's own step rate (its per-worker batch over its median step time after
-warm-up, from ``metrics.jsonl``): the samples the workers process together per second while
+warm-up, from the metrics rows): the samples the workers process together per second while
 they train. Synchronous data parallelism waits for the straggler in every allreduce, so every
 worker's step takes the straggler's time; asynchronous gossip (AD-PSGD, Lian et al. 2018)
 averages pairwise with no barrier, so only the straggler's own rate falls.
@@ -21,7 +21,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -38,9 +37,10 @@ STRATEGIES = {
 
 def rates(out: Path, workers: int, warmup: int) -> dict[int, float]:
     """Each rank's own samples per second: rows report the global batch's rate (B / step time)."""
+    from dtrain.rundir.files import read_metrics
+
     by_rank: dict[int, list[float]] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
+    for r in read_metrics(out):
         if r["step"] >= warmup and r.get("samples_per_s"):
             by_rank.setdefault(int(r["rank"]), []).append(float(r["samples_per_s"]))
     return {k: statistics.median(v) / workers for k, v in sorted(by_rank.items())}

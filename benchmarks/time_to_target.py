@@ -26,7 +26,6 @@ with an optional ``+COMPRESSOR`` (``dp:ring+powersgd:4``), or model averaging: `
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -72,7 +71,9 @@ def strategy_options(spec: str, hosts: int) -> dict[str, Any]:
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    from dtrain.rundir.files import read_metrics
+
+    return read_metrics(out)
 
 
 def step_figures(cfg: Any, out: Path, warmup: int) -> dict[str, float]:
@@ -165,7 +166,7 @@ def main() -> int:
     import dtrain.cluster as dc
     from dtrain.config.schema import RunConfig
     from dtrain.job.run import run
-    from dtrain.measure.calibrate import calibrate_cluster, summary
+    from dtrain.planning.calibrate import calibrate_cluster, summary
     from dtrain.workloads.data import load_dataset, unigram_entropy
     from dtrain.workloads.load import load_model
 

@@ -31,7 +31,8 @@ def _run(out: Path, flags: list[str]) -> dict[str, Any]:
                        capture_output=True, text=True, timeout=900)  # fmt: skip
     if p.returncode != 0:
         raise SystemExit(f"dtrain run {' '.join(flags)} failed:\n{p.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
+    from dtrain.rundir.files import read_summary
+    summary = read_summary(out)
     res: dict[str, Any] = {"samples_per_s": summary["samples_per_s"]}
     trace = out / "trace.json"
     if trace.is_file():

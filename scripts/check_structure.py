@@ -1,4 +1,5 @@
-"""Check the source tree's shape: module and function lengths, import cycles, strategy branches.
+"""Check the source tree's shape: module and function lengths, import cycles (of modules and of packages),
+private names, strategy names outside the registry.
 
 Usage: ``python scripts/check_structure.py [SRC_DIR]`` (default ``src/dtrain``); prints
 each finding and exits 1 if there is any. tests/test_structure.py runs it.
@@ -14,17 +15,38 @@ puts that picture into ``docs/architecture.md`` (tests/test_structure.py checks 
   with a literal name; importing ``a.b.c`` is an edge to ``a.b.c`` and to the packages ``a.b``
   and ``a`` whose ``__init__`` runs (but not to the importer's own enclosing packages, which
   are initializing already);
+* no import cycle among dtrain's packages (and top modules) either: a package that imports
+  another through one module may not be imported by it through another (``job.run ->
+  observe.report`` while ``observe.report_data -> ... -> job``), so the packages stand in layers,
+  each importing only lower ones; an arrow that points up a layer of the picture is named;
 * no import of a private name (``_x``, or anything from a module ``_m``) that belongs to
   another package: a package's private modules and names are for that package's modules
   (and its sub-packages') only;
-* no ``strategy ==`` comparison outside ``dtrain/strategies/`` (strategies are registry
-  entries, not branches).
+* no strategy named outside ``dtrain/strategies/`` and the registry's own module: what differs
+  between strategies is asked of their registry entry, so that a strategy is one module and a
+  new one touches no other file. The names are those registered in the tree (every
+  ``Strategy(name="...")`` with a literal name). A name is an error where it decides something:
+
+  - a comparison (``==``, ``!=``, ``in``, ``not in``) between a registered name (alone, or in a
+    tuple, list or set literal) and an expression whose text holds ``strategy``
+    (``cfg.strategy == "dp"``, ``e["strategy"] in ("ps", "easgd")``), or any such comparison with
+    a registered name inside a function whose name holds ``strategy`` (``parse_strategy``'s
+    ``parts[0] == "dp"``);
+  - a tuple, list or set literal holding two or more registered names (``CUDA = ("dp", "ddp")``),
+    whatever it is compared with later.
+
+  Narrowed so that the same words in other meanings pass: several names are also ordinary
+  values of other options (``--batch-schedule auto``, a ``"pipeline"`` section of the report,
+  ``"tensor"`` of a profile's kind), and those are compared with expressions that do not say
+  ``strategy`` and listed beside words that are not strategy names. A lone name passed as an
+  argument (``Choice("dp", n)``, a CLI default) is not looked at.
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 MAX_MODULE_LINES = 600
@@ -167,13 +189,9 @@ def package_graph(root: Path) -> dict[tuple[str, str], list[str]]:
     return arrows
 
 
-def package_picture(root: Path) -> str:
-    """The packages (and top modules) under ``root`` and their imports, lowest layer first.
-
-    Layers are peeled from the bottom: a package goes in once everything it imports is placed. Where
-    packages import each other (through different modules) none can go first; the one with the fewest
-    module arrows into the rest is placed, and its arrows that point up are listed at the end."""
-    arrows = package_graph(root)
+def _layers(arrows: dict[tuple[str, str], list[str]]
+            ) -> tuple[list[str], dict[str, set[str]], dict[str, int], list[tuple[str, str]]]:  # fmt: skip
+    """The packages, what each imports, each one's layer, and the arrows that point up (see :func:`package_picture`)."""
     names = sorted({a for a, _ in arrows})
     deps = {n: {b for (a, b) in arrows if a == n and b != n} for n in names}
     placed: dict[str, int] = {}
@@ -187,6 +205,27 @@ def package_picture(root: Path) -> str:
             ready = [n]
         for n in ready:
             placed[n] = 1 + max((placed[d] for d in deps[n] if d in placed), default=-1)
+    return names, deps, placed, upward
+
+
+def package_findings(root: Path) -> list[str]:
+    """The package-level rules: no cycle among the packages (and top modules), and so no import that points
+    up a layer of the picture; each named with the module arrows that make it."""
+    arrows = package_graph(root)
+    names, deps, _, upward = _layers(arrows)
+    out = [f"package import cycle among: {', '.join(comp)}" for comp in _cycles(deps)]
+    out += [f"an import points up a layer: {a} -> {b}: " + "; ".join(arrows[(a, b)]) for a, b in upward]
+    return out
+
+
+def package_picture(root: Path) -> str:
+    """The packages (and top modules) under ``root`` and their imports, lowest layer first.
+
+    Layers are peeled from the bottom: a package goes in once everything it imports is placed. Where
+    packages import each other (through different modules) none can go first; the one with the fewest
+    module arrows into the rest is placed, and its arrows that point up are listed at the end."""
+    arrows = package_graph(root)
+    names, deps, placed, upward = _layers(arrows)
     width = max(len(n) for n in names)
     lines = [f"src/{root.name}/: each package (or top module) and what it imports; "
              f"layer 0 imports nothing of {root.name}"]
@@ -200,6 +239,49 @@ def package_picture(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def strategy_names(trees: Iterable[ast.AST]) -> set[str]:
+    """The strategies registered in ``trees``: the literal ``name=`` of every ``Strategy(...)`` call."""
+    out = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "Strategy":
+                out |= {k.value.value for k in node.keywords if k.arg == "name" and isinstance(k.value, ast.Constant)
+                        and isinstance(k.value.value, str)}  # fmt: skip
+    return out
+
+
+def _may_name_strategies(root: Path, path: Path) -> bool:
+    rel = path.relative_to(root).parts
+    return rel[0] == "strategies" or rel == ("registry.py",)
+
+
+def strategy_names_used(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """Where ``tree`` decides something by a strategy's name (the module docstring's two rules), as
+    ``(line, source)``."""
+    def named(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+
+    def names_in(node: ast.AST) -> int:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return sum(named(e) for e in node.elts)
+        return int(named(node))
+
+    in_strategy_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                            and "strategy" in f.name.lower() for n in ast.walk(f)}  # fmt: skip
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and all(isinstance(o, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                 for o in node.ops):  # fmt: skip
+            sides = [node.left, *node.comparators]
+            if any(names_in(s) and (id(node) in in_strategy_function
+                                    or any("strategy" in ast.unparse(o).lower() for o in sides if o is not s))
+                   for s in sides):  # fmt: skip
+                out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and names_in(node) >= 2:
+            out.append((node.lineno, ast.unparse(node)))
+    return sorted(set(out))
+
+
 def check(root: Path) -> list[str]:
     """Every finding in the tree under ``root`` (a package folder), as lines of text."""
     findings: list[str] = []
@@ -209,6 +291,7 @@ def check(root: Path) -> list[str]:
     known = set(names.values())
     packages = {names[p] for p in files if p.name == "__init__.py"}
     top = [p.name for p in files if p.parent == root and p.name != "__init__.py"]
+    strategies = strategy_names(trees.values())
     if len(top) > MAX_TOP_MODULES:
         findings.append(f"{root}: {len(top)} modules at the top (max {MAX_TOP_MODULES}): {', '.join(top)}")
     graph: dict[str, set[str]] = {}
@@ -221,16 +304,15 @@ def check(root: Path) -> list[str]:
                 n = (node.end_lineno or node.lineno) - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
                     findings.append(f"{p}:{node.lineno}: function {node.name} of {n} lines (max {MAX_FUNCTION_LINES})")
-        if "strategies" not in p.parts:
-            for i, line in enumerate(p.read_text().splitlines(), 1):
-                if "strategy ==" in line:
-                    findings.append(f"{p}:{i}: a strategy branch outside the registry: {line.strip()}")
+        if not _may_name_strategies(root, p):
+            for line, text in strategy_names_used(tree, strategies):
+                findings.append(f"{p}:{line}: a strategy named outside strategies/ (ask its registry entry): {text}")
         graph[names[p]] = _imports(tree, names[p], p.name == "__init__.py", known)
         for what in _private_imports(tree, names[p], p.name == "__init__.py", packages):
             findings.append(f"{p}: imports a private name of another package: {what}")
     for comp in _cycles(graph):
         findings.append("import cycle among: " + ", ".join(comp))
-    return findings
+    return findings + package_findings(root)
 
 
 PICTURE_START, PICTURE_END = "<!-- package picture: start -->", "<!-- package picture: end -->"

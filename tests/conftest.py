@@ -1,4 +1,11 @@
-"""Test-suite set-up: the helpers' folder on the path, and the quick tier.
+"""Test-suite set-up: the helpers' folder on the path, private folders for what tests write, and the quick tier.
+
+Nothing a test does lands outside its temporary folders: before any test runs, the session points the
+user's folders -- ``HOME``, ``XDG_CACHE_HOME`` and ``XDG_CONFIG_HOME``, ``MPLCONFIGDIR`` (matplotlib's
+font cache), ``DTRAIN_CACHE`` (this machine's calibration, which ``dtrain run --strategy auto`` makes
+while the suite keeps every core busy: a user's later ``dtrain plan`` must not reuse it) -- at one fresh
+temporary folder, removed at the end. Every process a test starts inherits them (the pytest-xdist
+workers too: they start after this module is imported in the controller, and reuse its folder).
 
 ``pytest --quick`` (``bash scripts/test.sh --quick``) runs the tests that start no process: unit tests and
 threaded ones, for the edit-test loop. A test that starts a process (``subprocess``, ``multiprocessing``,
@@ -9,10 +16,13 @@ forgotten mark shows up at once instead of slowing the quick tier down.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing.process
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +30,25 @@ import pytest
 
 # tests import helpers as `from _dist import ...`
 sys.path.insert(0, os.path.dirname(__file__))
+
+# the variables pointed into the session's folder, each at its own sub-folder
+PRIVATE = {"HOME": "home", "XDG_CACHE_HOME": "home/.cache", "XDG_CONFIG_HOME": "home/.config",
+           "MPLCONFIGDIR": "matplotlib", "DTRAIN_CACHE": "dtrain-cache"}  # fmt: skip
+
+
+def _private_folders() -> None:
+    """Point :data:`PRIVATE`'s variables at one temporary folder (made once: a worker inherits the controller's)."""
+    base = os.environ.get("DTRAIN_TEST_FOLDER")
+    if not base:
+        base = tempfile.mkdtemp(prefix="dtrain-tests-")
+        os.environ["DTRAIN_TEST_FOLDER"] = base
+        atexit.register(shutil.rmtree, base, True)
+    for var, sub in PRIVATE.items():
+        os.environ[var] = os.path.join(base, sub)
+        os.makedirs(os.environ[var], exist_ok=True)
+
+
+_private_folders()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

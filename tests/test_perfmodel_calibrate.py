@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from dtrain.measure.calibrate import main as calibrate_main
-from dtrain.measure.calibrate import refresh_load
 from dtrain.perfmodel import load_cluster
+from dtrain.planning.calibrate import main as calibrate_main
+from dtrain.planning.calibrate import refresh_load
 
 needs_root = pytest.mark.skipif(
     not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")),
@@ -51,8 +51,8 @@ def test_calibrate_an_emulated_cluster_writes_a_usable_toml(tmp_path, monkeypatc
 
 
 def test_pooled_load_terms_are_the_medians_of_every_reading_and_the_rest_is_the_last_readings():
-    from dtrain.measure.calibrate import pool_load
     from dtrain.perfmodel.spec import ClusterSpec, Device, Link
+    from dtrain.planning.calibrate import pool_load
 
     def reading(scale: float, wake: float, duplex: float | None, p2p: float | None) -> ClusterSpec:
         device = Device(compute_scale=scale, wake=wake, floor=2 * wake, p2p_floor=p2p, imbalance=3 * wake,
@@ -79,7 +79,7 @@ def test_pooled_load_terms_are_the_medians_of_every_reading_and_the_rest_is_the_
 def test_coding_probe_counts_user_cpu_in_calls_agreed_by_every_rank():
     # two real gloo processes: every rank makes the same number of calls (they are collective), enough
     # for the tick-sampled user share or the cap, and a user share in (0, 1] of positive CPU
-    import dtrain.measure._probes as probes
+    import dtrain.planning._probes as probes
     from dtrain.launch.agent import launch
 
     out = launch(probes.coding_cpu, ("cnn", "digits", ["fp16", "topk:0.01"], 3), nprocs=2, threads=1)

@@ -51,7 +51,7 @@ def hooks() -> Iterator[None]:
     """The pipeline entry with this module's hooks (as strategies/pipeline.py registers it)."""
     entry = registry.get("pipeline")
     others = tuple(h for h in entry.hooks if not isinstance(h, ModelHooks))
-    model = ModelHooks(predict=pm.predict, memory=pm.memory, candidates=pm.candidates)
+    model = ModelHooks(predict=pm.predict, memory=pm.memory, candidates=ModelHooks.of(entry).candidates)
     registry.register(replace(entry, hooks=(*others, model)), replace=True)
     yield
     registry.register(entry, replace=True)
@@ -214,18 +214,20 @@ def test_memory_by_schedule_and_recomputation():
 
 
 def test_candidates_are_pipelines_over_every_worker():
-    assert pm.candidates(PlanSpace(_cluster(1), 1, (), (), (), (), pipeline=True)) == []
+    candidates_of = ModelHooks.of(registry.get("pipeline")).candidates  # strategies/pipeline.py's
+    assert candidates_of is not None
+    assert candidates_of(PlanSpace(_cluster(1), 1, (), (), (), (), pipeline=True)) == []
     for w in (2, 4, 8):
         space = PlanSpace(_cluster(8), w, (), (), (), (), pipeline=True)
-        cands = pm.candidates(space)
+        cands = candidates_of(space)
         assert cands and all(isinstance(s, registry.Choice) and s.strategy == "pipeline" and s.workers == w
                              and isinstance(s.options, PipelineOptions) for s in cands)  # fmt: skip
         assert len({s.label() for s in cands}) == len(cands)
         assert {s.opts.schedule for s in cands} == {"gpipe", "1f1b", "interleaved", "2bw"}
         assert all(s.opts.microbatches % w == 0 for s in cands if s.opts.schedule == "interleaved")
-        exact = pm.candidates(replace(space, exact_only=True))
+        exact = candidates_of(replace(space, exact_only=True))
         assert {s.opts.schedule for s in exact} == {"gpipe", "1f1b", "interleaved"}
-    sixteen = pm.candidates(PlanSpace(_cluster(16), 16, (), (), (), (), pipeline=True))
+    sixteen = candidates_of(PlanSpace(_cluster(16), 16, (), (), (), (), pipeline=True))
     assert {s.opts.schedule for s in sixteen} == {"gpipe", "1f1b", "2bw"}  # M in (4, 8): no multiple of 16
 
 

@@ -1,4 +1,4 @@
-"""The performance model of tensor parallelism and the hybrid DP x PP x TP mesh (dtrain.perfmodel.tensor)
+"""The performance model of tensor parallelism and the hybrid DP x PP x TP mesh (dtrain.perfmodel.tensor and .mesh)
 by hand: collective bytes against closed forms, Korthikanti's activation formulas, memory scaling,
 placement, the degenerate meshes against the single-process, data-parallel and pipeline models, and
 the ranked factorizations, on made-up profiles and clusters."""
@@ -11,6 +11,7 @@ import pytest
 
 from dtrain.errors import ConfigError
 from dtrain.perfmodel import ClusterSpec, Device, Link, predict
+from dtrain.perfmodel import mesh as hm
 from dtrain.perfmodel import tensor as tm
 from dtrain.perfmodel.collectives import allreduce_bytes, allreduce_time, ring_allgather_time
 from dtrain.perfmodel.pipeline import pipeline_cost
@@ -182,7 +183,7 @@ def hybrid(prof: ModelProfile, c: ClusterSpec, dp: int, pp: int, tp: int, m: int
     args = dict(microbatches=m, schedule="1f1b", sequence_parallel=False, batch=prof.batch * dp, seq=S, hidden=H,
                 layers=L, heads=A, vocab=V)
     args.update(kw)
-    return tm.predict_hybrid(prof, c, dp=dp, pp=pp, tp=tp, **args)
+    return hm.predict_hybrid(prof, c, dp=dp, pp=pp, tp=tp, **args)
 
 
 def test_one_rank_is_the_single_process_prediction():
@@ -253,14 +254,14 @@ def test_memory_per_rank_shrinks_with_tp_and_pp():
 
 @pytest.mark.parametrize("world, count", [(8, 10), (12, 18), (1, 1), (7, 3)])
 def test_factorizations_are_complete(world, count):
-    got = tm.factorizations(world)
+    got = hm.factorizations(world)
     every = [m for m in itertools.product(range(1, world + 1), repeat=3) if m[0] * m[1] * m[2] == world]
     assert sorted(got) == sorted(every) and len(got) == len(set(got)) == count
 
 
 def test_ranked_factorizations_give_each_infeasible_mesh_its_reason():
     prof, c = gpt_profile(), cluster()
-    ranked = tm.rank_factorizations(prof, c, 8, heads=A, layers=L, vocab=V, batch=16, seq=S, hidden=H,
+    ranked = hm.rank_factorizations(prof, c, 8, heads=A, layers=L, vocab=V, batch=16, seq=S, hidden=H,
                                     microbatches=2)
     assert len(ranked) == 10
     feasible = [r for r in ranked if r.feasible]
@@ -270,13 +271,13 @@ def test_ranked_factorizations_give_each_infeasible_mesh_its_reason():
     assert reasons[(1, 1, 8)] == "tp=8 does not divide the 4 attention heads"
     assert reasons[(1, 8, 1)] == "pp=8 stages for 4 transformer blocks"
     assert all(r.prediction is not None and r.prediction.fits for r in feasible)
-    tight = tm.rank_factorizations(prof, c, 8, heads=A, layers=L, vocab=V, batch=16, seq=S, hidden=H,
+    tight = hm.rank_factorizations(prof, c, 8, heads=A, layers=L, vocab=V, batch=16, seq=S, hidden=H,
                                    microbatches=2, memory_limit=1e5)
     assert not any(r.feasible for r in tight)
     assert all("over the limit" in r.reason for r in tight if r.prediction is not None)
-    odd = tm.rank_factorizations(prof, c, 4, heads=A, layers=L, vocab=V, batch=6, seq=S, hidden=H, microbatches=4)
+    odd = hm.rank_factorizations(prof, c, 4, heads=A, layers=L, vocab=V, batch=6, seq=S, hidden=H, microbatches=4)
     assert {(r.dp, r.pp, r.tp): r.reason for r in odd}[(4, 1, 1)] == "the batch of 6 does not split over dp=4 replicas"
-    assert tm.mesh_reason(2, 2, 2, heads=A, hidden=H, layers=L, batch=16, microbatches=2, devices=4) == \
+    assert hm.mesh_reason(2, 2, 2, heads=A, hidden=H, layers=L, batch=16, microbatches=2, devices=4) == \
         "the mesh needs 8 devices, the cluster has 4"
     with pytest.raises(ConfigError, match="micro-batches do not divide"):
         hybrid(prof, c, 1, 2, 1, 3)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from dtrain.config.schema import RunConfig
+from dtrain.errors import ConfigError
 from dtrain.job.validate import validate
 from dtrain.perfmodel import ClusterSpec, Device, Link, dump_cluster, plan
 from dtrain.perfmodel.ranking import candidates
@@ -160,3 +161,16 @@ def test_strategy_text():
     assert parse_strategy("dp:tree:4+fp16", 8).label() == "dp tree 4MiB fp16"
     assert parse_strategy("ps:ssp:3:2", 8).label() == "ps ssp:3 2 servers"
     assert parse_strategy("ps:asp:1/4", 16).options.servers == 4
+    assert parse_strategy("ddp", 4).strategy == "ddp" and parse_strategy("dp", 4).opts.algorithm == "ring"
+    # read by each strategy's own parse hook: one without one (pipeline) is refused, naming those that read
+    for bad in ("pipeline:1f1b", "dp:ring:many", "nope"):
+        with pytest.raises(ConfigError, match=r"cannot read strategy .*dp:ALG\[:MB\], ddp, ps:CONSISTENCY:SERVERS"):
+            parse_strategy(bad, 4)
+
+
+def test_the_devices_a_strategy_trains_on_are_its_entrys():
+    from dtrain.job.validate import trains_on
+    from dtrain.registry import registered
+
+    assert trains_on("cuda") == ["dp", "ddp"]
+    assert trains_on("cpu") == list(registered())  # every strategy trains on the CPU

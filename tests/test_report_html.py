@@ -28,6 +28,7 @@ from dtrain.observe.report_data import (
     figures,
     pipeline_bubbles,
     rank_breakdown,
+    schedule_shape,
     span_bubbles,
 )
 from dtrain.observe.report_html import build_html, write_report
@@ -99,6 +100,19 @@ def test_the_bubble_from_spans_is_the_idle_share_of_each_step():
     assert got["closed_form"] == pytest.approx(1 / 5)  # (P-1)/(M+P-1), P=2 ranks in the trace, M=4
     assert got["tf_ms"] == pytest.approx(1.5) and got["tb_ms"] == pytest.approx(2.5)
     assert got["plan"] == pytest.approx(0.2)  # equal stages: the simulation meets the closed form
+
+
+def test_the_schedule_drawn_is_the_one_the_runs_options_play():
+    """The report asks the run's strategy (its options, built from config.toml) for the schedule it plays:
+    the folder's table, the trace's ranks and stages where there is a trace, nothing for a strategy that plays
+    none or one not registered here."""
+    table = {"schedule": "interleaved", "microbatches": 8, "chunks": 3}
+    assert schedule_shape(_run("pipeline", 0.01, {}, config={"strategy": "pipeline", "pipeline": table})) == (
+        "interleaved", 2, 8, 3)  # fmt: skip
+    gpipe = {"strategy": "pipeline", "pipeline": {"schedule": "gpipe", "microbatches": 6, "chunks": 3}}
+    assert schedule_shape(_run("pipeline", 0.01, {"workers": 3}, config=gpipe)) == ("gpipe", 3, 6, 1)
+    assert schedule_shape(_run("dp", 0.01, {}, config={"strategy": "dp", "dp": {"algorithm": "ring"}})) is None
+    assert schedule_shape(_run("mine", 0.01, {}, config={"strategy": "mine"})) is None
 
 
 def test_deltas_are_relative_to_the_first_run():

@@ -1,8 +1,8 @@
 """The source tree keeps its shape (scripts/check_structure.py): modules <= 600 lines, functions
 <= 80 lines, at most 8 modules at the top, no import cycle (type-only and ``import_module`` arrows
-count), no private name imported from another package, no strategy branch outside the registry;
-and the performance model stays pure (importing it starts nothing: no launcher, cluster, training loop,
-benchmark or planning)."""
+count), no cycle among packages (nor an import pointing up a layer), no private name imported from
+another package, no strategy named outside strategies/; and the performance model stays pure
+(importing it starts nothing: no launcher, cluster, training loop, benchmark or planning)."""
 
 import importlib.util
 import subprocess
@@ -37,10 +37,35 @@ def test_checker_finds_what_it_looks_for(tmp_path: Path) -> None:
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("def f():\n    from pkg import b\n" + "    x = 1\n" * 90)
-    (pkg / "b.py").write_text("import pkg.a\nif cfg.strategy == 'x':\n    pass\n" + "\n" * 600)
+    (pkg / "b.py").write_text("import pkg.a\n" + "\n" * 602)
     found = "\n".join(_checker().check(pkg))
     assert "function f of 92 lines" in found and "module of 603 lines" in found
-    assert "import cycle among: pkg.a, pkg.b" in found and "strategy branch" in found
+    assert "import cycle among: pkg.a, pkg.b" in found
+
+
+def test_checker_finds_a_strategy_named_outside_strategies(tmp_path: Path) -> None:
+    """A registered name compared with the strategy, listed with another, or compared inside a function about
+    strategies is found outside strategies/; the same words meaning something else, and the registering
+    package itself, pass."""
+    pkg = tmp_path / "pkg"
+    (pkg / "strategies").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "strategies" / "__init__.py"):
+        init.write_text("")
+    (pkg / "strategies" / "mine.py").write_text(
+        "register(Strategy(name='dp', options=O, help=''))\nregister(Strategy(name='auto', options=O, help=''))\n"
+        "register(Strategy(name='pipeline', options=O, help=''))\nif cfg.strategy == 'dp':\n    pass\n")
+    (pkg / "planted.py").write_text(
+        "if cfg.strategy == 'dp':\n    pass\n"                 # 1: compared with the strategy
+        "CUDA = ('dp', 'auto')\n"                              # 3: two names listed
+        "ok = run.summary['strategy'] in ['pipeline']\n"       # 4: in a list, against the strategy
+        "def parse_strategy(parts):\n    return parts[0] != 'pipeline'\n"  # 6: in a function about strategies
+        "if cfg.batch_schedule == 'auto':\n    pass\n"        # another option's value
+        "section('pipeline', 'Pipeline schedule')\n"           # a word, passed along
+        "FLAGS = ('exact_only', 'pipeline', 'mesh')\n"         # one name among other words
+        "if cfg.strategy == 'x':\n    pass\n")                # not a registered name
+    found = [f for f in _checker().check(pkg) if "a strategy named" in f]
+    assert [f.split(":")[1] for f in found if "planted.py" in f] == ["1", "3", "4", "6"], found
+    assert not any("mine.py" in f for f in found)
 
 
 def test_checker_counts_type_only_and_literal_imports_private_names_and_top_modules(tmp_path: Path) -> None:
@@ -96,6 +121,29 @@ def test_package_picture_layers_and_names_the_imports_that_point_up(tmp_path: Pa
     assert " 0  low" in lines and any(line.startswith(" 1  mid") and line.endswith("-> low") for line in lines)
     assert any(line.startswith(" 2  high") and line.endswith("-> mid") for line in lines)
     assert "    mid -> high: pkg.mid.d -> pkg.high.c" in lines
+
+
+def test_checker_finds_a_package_cycle_and_the_import_that_points_up(tmp_path: Path) -> None:
+    """Three packages in a loop through different modules (no module cycle): the loop is found, and so is the
+    arrow that points up once the packages are layered (the package with the fewest arrows into the loop goes
+    first: low, whose one arrow is the exception); the tree without that arrow passes both rules."""
+    pkg = tmp_path / "pkg"
+    for sub in ("low", "mid", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("")
+    (pkg / "mid" / "b.py").write_text("from pkg.low import a\n")
+    (pkg / "mid" / "e.py").write_text("from pkg.low import a\n")
+    (pkg / "high" / "c.py").write_text("from pkg.mid import b\n")
+    (pkg / "high" / "d.py").write_text("from pkg.mid import e\n")
+    (pkg / "low" / "up.py").write_text("from pkg.high import c\n")  # low -> high: the loop low -> high -> mid -> low
+    found = _checker().check(pkg)
+    assert "package import cycle among: high, low, mid" in found
+    assert "an import points up a layer: low -> high: pkg.low.up -> pkg.high.c" in found
+    assert not any(f.startswith("import cycle") for f in found)  # the modules themselves have no cycle
+    (pkg / "low" / "up.py").unlink()
+    assert _checker().check(pkg) == []
 
 
 @pytest.mark.procs

@@ -48,7 +48,7 @@ _EXPORTS: dict[str, str] = {
     "ModelMismatchError": "dtrain.errors",
     "NonFiniteError": "dtrain.errors",
 }
-# sub-packages by their public name (a few live deeper in the tree than their name says)
+# sub-packages and modules by their public name (a few live deeper in the tree than their name says)
 _SUBPACKAGES: dict[str, str] = {
     **{n: f"dtrain.{n}" for n in ("comm", "compress", "perfmodel", "planning", "strategies", "cluster", "param_server",
                                   "data_parallel", "checkpoint", "decentralized", "pipeline", "sharded",
@@ -56,7 +56,7 @@ _SUBPACKAGES: dict[str, str] = {
                                   "hybrid_parallel", "config", "launch")},
     "precision": "dtrain.optim.precision",
     "large_batch": "dtrain.optim.large_batch",
-    "models": "dtrain.workloads.models",
+    "models": "dtrain.models",  # dtrain.workloads.models under its public name
 }
 
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])

@@ -52,7 +52,7 @@ _RUN_DESCRIPTION = ("Train a model. With no argument: 4 local workers, the CNN o
 # subcommands that live in other packages: name -> module with main(argv) -> int
 _BENCHES = {
     "allreduce": "dtrain.measure.allreduce",
-    "calibrate": "dtrain.measure.calibrate",
+    "calibrate": "dtrain.planning.calibrate",
     "p2p": "dtrain.measure.p2p",
     "train": "dtrain.measure.train",
 }
@@ -354,7 +354,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         print("dtrain: interrupted", file=sys.stderr)
         return 130
     if not summary:  # a node other than 0 of a job on several: node 0 writes the summary
-        print(f"node {nodes.node_rank if nodes else 0}: done; node 0 writes the summary to {out / 'summary.json'}")
+        from dtrain.rundir.files import SUMMARY
+
+        print(f"node {nodes.node_rank if nodes else 0}: done; node 0 writes the summary to {out / SUMMARY}")
         return 0
     print(f"strategy {summary['strategy']}, {summary['workers']} workers, {summary['steps']} steps, "
           f"{summary['samples_per_s']:.0f} samples/s, {summary['wall_s']:.1f}s")

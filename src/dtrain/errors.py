@@ -71,7 +71,7 @@ class NonFiniteError(DTrainError):
 
     Args:
         rank: the rank that raises.
-        step: the step (as in ``metrics.jsonl``).
+        step: the step (as in the run's metrics rows).
         detail: what was not finite, e.g. ``"gradient (inf) of parameter '0.weight'; loss 3e+17"``.
         parameter: the first parameter (model order) whose gradient is not finite; None when every
             gradient of this rank is finite (a non-finite loss alone, or another rank's step).

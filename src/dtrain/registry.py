@@ -97,6 +97,11 @@ class StrategyOptions:
         """What the strategy trades against single-process training ("" when it is exact)."""
         return ""
 
+    def pipeline_schedule(self) -> tuple[str, int, int] | None:
+        """``(schedule, micro-batches, virtual stages per worker)`` of a strategy whose workers play one
+        pipeline schedule (what a run's report draws); None for one that does not (the default)."""
+        return None
+
     def label(self, workers: int) -> str:
         """One line naming the strategy and its options, as the planner prints it."""
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
@@ -117,12 +122,14 @@ class Strategy:
         help: one line for ``dtrain run --help``.
         hooks: one hooks object per layer that asks the strategy something (see the module
             docstring); a layer whose hooks are missing uses its defaults.
+        devices: the ``--device`` values it trains on (default: the CPU only).
     """
 
     name: str
     options: type[StrategyOptions]
     help: str
     hooks: tuple[object, ...] = ()
+    devices: tuple[str, ...] = ("cpu",)
 
     def hooks_of(self, kind: type[Hooks]) -> Hooks | None:
         """This strategy's hooks of the layer whose hooks class is ``kind`` (None: it gave none)."""
@@ -137,7 +144,7 @@ PLUGINS_ENV = "DTRAIN_STRATEGY_MODULES"
 
 
 def _load_builtins() -> None:
-    importlib.import_module(_BUILTINS)  # registers dp, ddp, ps, auto
+    importlib.import_module(_BUILTINS)  # registers the built-in strategies (strategies/builtin.py lists them)
     for name in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         try:
             importlib.import_module(name)

@@ -1,8 +1,8 @@
 """Timeline events and per-step metrics of a run.
 
-* :class:`MetricsWriter` appends one JSON object per step to
-  ``metrics.rank<R>.jsonl``; the launcher merges the ranks' files into the run
-  folder's ``metrics.jsonl`` when the run ends (no two processes write one file).
+* :class:`MetricsWriter` appends one JSON object per step to this rank's metrics
+  file; the launcher merges the ranks' files into the run folder's metrics rows when
+  the run ends (no two processes write one file; the names: :mod:`dtrain.rundir.files`).
   With ``--tensorboard`` the evaluating rank's writer also writes the rows' scalars
   (:data:`TENSORBOARD_SCALARS`, as ``train/<key>``) and each evaluation's metric
   (``eval/<metric>``) as TensorBoard event files in ``RUN/tensorboard``, through
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import ConfigError
+from dtrain.rundir.files import METRICS, RANK_METRICS, rank_metrics, read_jsonl
 
 __all__ = ["MetricsWriter", "Tracer", "merge_rank_files", "merge_traces", "METRIC_FIELDS", "TENSORBOARD_SCALARS",
            "require_tensorboard", "align_clock", "activate", "current", "span", "flow_id", "parse_trace_steps"]
@@ -76,7 +77,7 @@ class MetricsWriter:
     :meth:`open_tensorboard` their scalars as TensorBoard events too."""
 
     def __init__(self, out_dir: str | Path, rank: int) -> None:
-        self.path = Path(out_dir) / f"metrics.rank{rank}.jsonl"
+        self.path = Path(out_dir) / rank_metrics(rank)
         self.rank = rank
         self._f = self.path.open("a")
         self._tb: Any = None  # torch.utils.tensorboard.SummaryWriter, once opened
@@ -373,15 +374,15 @@ def _track_name(tid: Any) -> str:
 
 
 def merge_rank_files(out_dir: str | Path) -> None:
-    """Merge ``metrics.rank*.jsonl`` into ``metrics.jsonl`` and ``trace.rank*.json`` into ``trace.json``."""
+    """Merge the ranks' metrics files into the run's metrics rows and ``trace.rank*.json`` into ``trace.json``."""
     out = Path(out_dir)
     rows: list[dict[str, Any]] = []
-    for p in sorted(out.glob("metrics.rank*.jsonl")):
-        rows += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    for p in sorted(out.glob(RANK_METRICS)):
+        rows += read_jsonl(p)
         p.unlink()
     if rows:
         rows.sort(key=lambda r: (r.get("step", 0), r.get("rank", 0)))
-        with (out / "metrics.jsonl").open("w") as f:
+        with (out / METRICS).open("w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
     merge_traces(out)

@@ -15,7 +15,10 @@
   finding the latest complete checkpoint;
 * :mod:`.dcp` -- what is saved and how (model/optimizer through DCP's
   ``state_dict`` helpers, one blob per rank for state that differs per rank);
-* :mod:`.training` -- ``dtrain run --checkpoint-every N`` / ``--resume PATH``.
+* :mod:`.manifest` -- the size and SHA-256 of every file, checked before a load;
+* :mod:`.rng` -- a process's random number generators, captured and restored.
+
+``dtrain run --checkpoint-every N`` / ``--resume PATH`` is :mod:`dtrain.training.checkpointing`.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from typing import IO, Any
 from dtrain.cluster.netns import IFACE, EmulatedCluster, load, require_root
 from dtrain.errors import ConfigError
 from dtrain.launch.agent import LaunchError
+from dtrain.rundir.files import CONFIG
 
 __all__ = ["run_on_cluster", "launch_on_cluster", "node_env", "run_nodes_on_cluster"]
 
@@ -265,14 +266,14 @@ def run_nodes_on_cluster(config_toml: str, out: Path, *, cluster: str, processes
     port = random.randint(20000, 40000)  # inside our own namespaces nothing else listens
     job = f"{c.name}-{uuid.uuid4().hex[:8]}"
     work = Path(tempfile.mkdtemp(prefix=f"dtrain-{c.name}-"))
-    (work / "config.toml").write_text(config_toml)
+    (work / CONFIG).write_text(config_toml)
     penv = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[IO[bytes]] = []
     try:
         for h in range(c.hosts):
             cmd = ["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cli", "run",
-                   str(work / "config.toml"), "--out", str(out), "--nnodes", str(c.hosts), "--node-rank", str(h),
+                   str(work / CONFIG), "--out", str(out), "--nnodes", str(c.hosts), "--node-rank", str(h),
                    "--rdzv-endpoint", f"{c.address(0)}:{port}", "--rdzv-id", job, *(extra or [])]  # fmt: skip
             node_log: IO[bytes] = open(work / f"host{h}.log", "wb")
             logs.append(node_log)

@@ -1,5 +1,5 @@
 """Per-step figures of the data-parallel engines, ``step_stats()`` of :class:`dtrain.DataParallel` and
-:class:`dtrain.ShardedDataParallel` (the metrics.jsonl columns)."""
+:class:`dtrain.ShardedDataParallel` (the metrics rows' columns)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import ConfigError
+from dtrain.rundir.files import CONFIG
 
 if TYPE_CHECKING:
     from dtrain.config.schema import RunConfig
@@ -93,7 +94,7 @@ def _toml_value(v: Any) -> str:
 
 def dump_toml(cfg: RunConfig) -> str:
     """The resolved configuration as TOML that :func:`load_toml` reads back."""
-    lines = ["# dtrain run configuration (resolved); rerun with: dtrain run config.toml"]
+    lines = [f"# dtrain run configuration (resolved); rerun with: dtrain run {CONFIG}"]
     d = cfg.to_dict()
     tables = {"model_args": d.pop("model_args"), "extra": d.pop("extra"), cfg.strategy: d.pop(cfg.strategy)}
     for k, v in d.items():

@@ -9,7 +9,7 @@ one fails and starts them all again; the new workers see ``TORCHELASTIC_RESTART_
    Every rank finds the same one: the agent starts the new attempt only once every worker of the
    failed one has exited, so nothing writes to ``checkpoints/`` while they look.
 2. each worker drops its rows of the steps it will train again from its metrics file before it
-   opens it, so ``metrics.jsonl`` holds one row per step and rank, from the attempt that finished
+   opens it, so the merged metrics hold one row per step and rank, from the attempt that finished
    the step; the failed attempt's ``error.rankN.txt`` is kept as ``error.rankN.attemptK.txt``.
    The trace (``trace.json``) is the last attempt's: a rank's trace file is written when it ends.
 3. in the launcher, :class:`RestartLog` prints one line per restart -- ``dtrain: rank 2 died (SIGKILL)
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtrain.checkpoint.layout import CHECKPOINTS_DIR, CheckpointError, find_checkpoint, read_info
+from dtrain.rundir.files import RANK_METRICS, rank_metrics
 
 if TYPE_CHECKING:
     from dtrain.config.schema import RunConfig
@@ -71,7 +72,7 @@ def resume_after_restart(cfg: RunConfig, out_dir: str | Path, rank: int) -> RunC
         return cfg
     out = Path(out_dir)
     ckpt = restart_checkpoint(cfg, out)
-    _drop_rows(out / f"metrics.rank{rank}.jsonl", _step_of(ckpt))
+    _drop_rows(out / rank_metrics(rank), _step_of(ckpt))
     _keep_error(out, rank, attempt - 1)
     changes: dict[str, Any] = {"resume": str(ckpt) if ckpt is not None else ""}
     world = int(os.environ.get("WORLD_SIZE", cfg.num_processes))
@@ -115,8 +116,8 @@ def _last_step(out: Path, rank: int) -> int:
     def done(rows: list[dict[str, Any]]) -> int:
         return max((int(r["step"]) + 1 for r in rows if isinstance(r.get("step"), int)), default=0)
 
-    return done(_rows(out / f"metrics.rank{rank}.jsonl")) or max(
-        (done(_rows(p)) for p in out.glob("metrics.rank*.jsonl")), default=0)
+    return done(_rows(out / rank_metrics(rank))) or max(
+        (done(_rows(p)) for p in out.glob(RANK_METRICS)), default=0)
 
 
 class RestartLog:
@@ -169,7 +170,7 @@ class RestartLog:
         was, self.workers = self.workers, self.workers - 1
         for r in range(self.cfg.opts.processes(self.workers), self.cfg.opts.processes(was)):
             # no process of the next attempt has rank r: its rows of the steps trained again go here
-            _drop_rows(self.out / f"metrics.rank{r}.jsonl", frm)
+            _drop_rows(self.out / rank_metrics(r), frm)
             _keep_error(self.out, r, len(self.entries))
         self.world_sizes.append({"from_step": frm, "workers": self.workers})
         return f" on {self.workers} workers (was {was}; --min-workers {self.cfg.min_workers})"
@@ -180,7 +181,7 @@ class RestartLog:
         lost ranks wrote of the steps trained again are dropped; ``world_sizes`` records the change."""
         frm = int(self.entries[-1].get("resumed_from") or 0) if self.entries else 0
         for r in range(processes, self.cfg.num_processes):
-            _drop_rows(self.out / f"metrics.rank{r}.jsonl", frm)
+            _drop_rows(self.out / rank_metrics(r), frm)
         self.world_sizes.append({"from_step": frm, "workers": workers})
 
     def add_to(self, summary: dict[str, Any], results: dict[int, dict[str, Any]]) -> None:

@@ -3,7 +3,7 @@
 The parent process (:func:`run`) validates the configuration, lets the strategy
 resolve itself (``auto`` asks the planner), creates the run folder, starts the
 processes through :func:`dtrain.launch.agent.launch`, and when they end merges their
-metrics and writes ``summary.json``. Each process runs :func:`worker_main`,
+metrics and writes the run's summary (:mod:`dtrain.rundir`). Each process runs :func:`worker_main`,
 which builds a :class:`~dtrain.training.context.TrainContext` and hands it to
 the registered strategy's ``run`` hook (:mod:`dtrain.strategies`); the
 strategies' workers share one loop (:func:`dtrain.training.loop.run_loop`).
@@ -19,14 +19,12 @@ server's ``staleness`` under ``summary_extra``).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,9 @@ from dtrain.config.files import dump_toml
 from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
 from dtrain.job.validate import validate
+from dtrain.rundir.attribution import attribute
+from dtrain.rundir.curves import plot_run
+from dtrain.rundir.files import CONFIG, has_metrics, iter_metrics, read_summary, write_summary
 from dtrain.trace import MetricsWriter, Tracer, activate, align_clock, merge_rank_files, parse_trace_steps
 from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.lr import lr_factor, schedule_updates
@@ -69,7 +70,7 @@ def open_run_folder(cfg: RunConfig) -> Path:
 
     A folder that holds files is refused, naming it: an earlier run's metrics, summary and
     curves would be overwritten. ``--overwrite`` deletes its contents first -- only where it
-    holds a run (``config.toml``), and never one that ``--resume`` reads from. A path that
+    holds a run (its configuration), and never one that ``--resume`` reads from. A path that
     cannot be created or written is a one-line :class:`ConfigError` naming it.
     """
     out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
@@ -92,11 +93,11 @@ def _clear(out: Path, held: list[str], cfg: RunConfig) -> None:
     """Empty ``out`` for ``--overwrite``, or refuse (ConfigError saying what to do)."""
     shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
     if not cfg.overwrite:
-        what = "an earlier run" if "config.toml" in held else "files"
+        what = "an earlier run" if CONFIG in held else "files"
         raise ConfigError(f"the run folder {out} holds {what} ({shown}); choose a new --out, or --overwrite "
                           "to replace it")  # fmt: skip
-    if "config.toml" not in held:
-        raise ConfigError(f"--overwrite replaces a run folder, and {out} holds no run (no config.toml; it holds "
+    if CONFIG not in held:
+        raise ConfigError(f"--overwrite replaces a run folder, and {out} holds no run (no {CONFIG}; it holds "
                           f"{shown}); choose an empty or new --out")  # fmt: skip
     if cfg.resume and out.resolve() in (src := Path(cfg.resume).resolve(), *src.parents):
         raise ConfigError(f"--overwrite would delete {out}, which holds the checkpoint --resume {cfg.resume} "
@@ -152,7 +153,7 @@ def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
 
 
 def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """Combine the processes' results into ``summary.json``'s contents.
+    """Combine the processes' results into the run's summary.
 
     ``global_batch`` is the samples a step trains on (:attr:`RunConfig.global_batch`:
     ``--batch-size`` rounded down to a multiple of the workers).
@@ -259,11 +260,11 @@ def _run_on_cluster(cfg: RunConfig, quiet: bool) -> tuple[dict[str, Any], Path]:
     out = (Path(cfg.out) if cfg.out else default_out_dir(cfg)).absolute()
     run_nodes_on_cluster(dump_toml(cfg.replace(out=str(out))), out, cluster=cfg.cluster,
                          processes=cfg.num_processes, quiet=quiet)  # fmt: skip
-    return json.loads((out / "summary.json").read_text()), out
+    return read_summary(out), out
 
 
 def _prepare(cfg: RunConfig, quiet: bool) -> tuple[RunConfig, Path]:
-    """Resolve the strategy, open the run folder, pin the checkpoint to resume from, write config.toml."""
+    """Resolve the strategy, open the run folder, pin the checkpoint to resume from, write its configuration."""
     cfg = cfg.hooks.resolve(cfg)
     if cfg.tensorboard:  # refused before any process starts where the tensorboard package is missing
         from dtrain.trace import require_tensorboard
@@ -274,7 +275,7 @@ def _prepare(cfg: RunConfig, quiet: bool) -> tuple[RunConfig, Path]:
         print(f"dtrain: {note}", file=sys.stderr, flush=True)
     out = open_run_folder(cfg)
     cfg = cfg.replace(out=str(out))
-    if cfg.resume:  # the concrete checkpoint, so every process (and config.toml) names the same one
+    if cfg.resume:  # the concrete checkpoint, so every process (and the written configuration) names the same one
         from dtrain.checkpoint import find_checkpoint
 
         def say(line: str) -> None:  # which checkpoint, how far verified, why a newer one was skipped
@@ -282,26 +283,20 @@ def _prepare(cfg: RunConfig, quiet: bool) -> tuple[RunConfig, Path]:
                 print(f"dtrain: {line}", file=sys.stderr, flush=True)
 
         cfg = cfg.replace(resume=str(find_checkpoint(cfg.resume, checksums=True, report=say).resolve()))
-    # recorded without --overwrite: `dtrain run RUN/config.toml` must not delete the run it comes from
-    (out / "config.toml").write_text(dump_toml(cfg.replace(overwrite=False)))
+    # recorded without --overwrite: `dtrain run` of it must not delete the run it comes from
+    (out / CONFIG).write_text(dump_toml(cfg.replace(overwrite=False)))
     return cfg, out
 
 
 def _finish(cfg: RunConfig, out: Path, results: dict[int, dict[str, Any]], wall_s: float,
             restarts: Any) -> dict[str, Any]:  # fmt: skip
-    """summary.json (with the attribution) and the run's plots, from every process's result."""
+    """The summary (with the attribution) and the run's plots, from every process's result."""
     summary = summarize(cfg, results, wall_s)
     restarts.add_to(summary, results)  # --max-restarts: each restart, and steps over every attempt
-    # --- straggler and bottleneck attribution over every rank's rows (dtrain.observe.attribution)
-    if (out / "metrics.jsonl").is_file():
-        from dtrain.observe.attribution import attribute
-
+    if has_metrics(out):  # straggler and bottleneck attribution over every rank's rows
         summary["attribution"] = attribute(iter_metrics(out)).to_dict()
-    # --- end of attribution
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if (out / "metrics.jsonl").is_file():
-        from dtrain.observe.report import plot_run
-
+    write_summary(out, summary)
+    if has_metrics(out):
         plot_run(out)
     return summary
 
@@ -439,7 +434,7 @@ def _gather_results(store: Any, ns: str, nodes: list[int], own: dict[int, dict[s
 def _interrupted_message(cfg: RunConfig, out: Path, signum: int) -> str:
     """One line for a run a signal stopped: the step it got to, the newest complete checkpoint (of this
     run folder, else the one this run resumed from) and the command that resumes from it (the run's own
-    config.toml; a new run folder, as :func:`open_run_folder` wants for a resumed run).
+    configuration; a new run folder, as :func:`open_run_folder` wants for a resumed run).
 
     The step counts steps completed, as checkpoints do: one more than the last step index any worker
     wrote to its metrics, or the checkpoint's step where that is later (a row may lag its step).
@@ -449,7 +444,7 @@ def _interrupted_message(cfg: RunConfig, out: Path, signum: int) -> str:
 
     from dtrain.checkpoint import CheckpointError, find_checkpoint, read_info
 
-    rows = iter_metrics(out) if (out / "metrics.jsonl").is_file() else iter(())
+    rows = iter_metrics(out)
     done = max((int(r["step"]) + 1 for r in rows if "step" in r), default=0)
     try:
         ckpt: Path | None = find_checkpoint(out)
@@ -466,14 +461,6 @@ def _interrupted_message(cfg: RunConfig, out: Path, signum: int) -> str:
     while to.exists():
         n += 1
         to = base.with_name(f"{base.name}-resumed-{n}")
-    command = ["dtrain", "run", str(out / "config.toml"), "--resume", str(ckpt), "--out", str(to)]
+    command = ["dtrain", "run", str(out / CONFIG), "--resume", str(ckpt), "--out", str(to)]
     return f"{head}; last complete checkpoint: step {saved}; resume with: {shlex.join(command)}"
-
-
-def iter_metrics(out_dir: str | Path) -> Iterator[dict[str, Any]]:
-    """Rows of a finished run's metrics.jsonl."""
-    for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines():
-        if line.strip():
-            yield json.loads(line)
-
 

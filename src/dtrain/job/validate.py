@@ -22,13 +22,17 @@ from dtrain.config.schema import (
     parse_straggler,
 )
 from dtrain.errors import ConfigError, check_choice
+from dtrain.registry import get, registered
 
 if TYPE_CHECKING:
     from dtrain.workloads.data import DatasetSplit
 
-__all__ = ["validate", "CUDA_STRATEGIES"]
+__all__ = ["validate", "trains_on"]
 
-CUDA_STRATEGIES = ("dp", "ddp")  # the strategies that train on --device cuda
+
+def trains_on(device: str) -> list[str]:
+    """The registered strategies that train on ``device`` (their entries' ``devices``)."""
+    return [name for name, entry in registered().items() if device in entry.devices]
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -90,9 +94,9 @@ def _check_device(cfg: RunConfig) -> None:
     if not torch.cuda.is_available():
         raise ConfigError("device cuda: torch sees no CUDA device here "
                           f"(torch {torch.__version__}); use --device cpu")  # fmt: skip
-    if cfg.strategy not in CUDA_STRATEGIES:
+    if "cuda" not in get(cfg.strategy).devices:
         raise ConfigError(f"device cuda: strategy {cfg.strategy} trains on the CPU; --device cuda takes "
-                          f"{' or '.join(CUDA_STRATEGIES)}")  # fmt: skip
+                          f"{' or '.join(trains_on('cuda'))}")  # fmt: skip
     if cfg.cluster:
         raise ConfigError("device cuda: an emulated cluster (--cluster) runs CPU workers; drop one of the two")
     if backend == "mpi":

@@ -1,7 +1,7 @@
 """What ``dtrain report`` reads from a run folder, reduced to the figures its page shows.
 
-* :func:`load_run` reads ``summary.json``, ``metrics.jsonl``, ``config.toml`` and ``trace.json``
-  (only ``summary.json`` is required) into a :class:`RunData`.
+* :func:`load_run` reads the run folder's summary, metrics rows, configuration and ``trace.json``
+  (only the summary is required; :mod:`dtrain.rundir.files`) into a :class:`RunData`.
 * :func:`digest_trace` keeps of a Chrome trace the "step" spans (track 0) and a pipeline's action
   spans (track 1, args ``stage``/``mb``/``op``); every other event kind (metadata, flows, counters),
   other tracks and unknown keys are ignored, and the raw trace goes no further.
@@ -28,13 +28,16 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dtrain.errors import DTrainError
 
+if TYPE_CHECKING:
+    from dtrain.registry import StrategyOptions
+
 __all__ = ["Act", "TraceDigest", "RunData", "COMPUTE_OPS", "DELTA_KEYS", "digest_trace", "step_acts", "span_bubbles",
-           "load_run", "figures", "deltas", "rank_breakdown", "pipeline_bubbles", "schedule_shape", "predict",
-           "number", "after_warmup", "per_step", "by_rank", "mean_or_none"]  # fmt: skip
+           "load_run", "figures", "deltas", "rank_breakdown", "pipeline_bubbles", "schedule_shape", "run_options",
+           "predict", "number", "after_warmup", "per_step", "by_rank", "mean_or_none"]  # fmt: skip
 
 COMPUTE_OPS = ("F", "B", "I", "W")  # the ops that compute; the rest send, receive or step
 DELTA_KEYS = (("step_ms", "step ms (median)", True), ("samples_per_s", "samples/s", True),
@@ -62,7 +65,7 @@ class TraceDigest:
 
 @dataclass
 class RunData:
-    """One run folder's files: ``summary.json``, ``metrics.jsonl`` rows, ``config.toml`` (``{}`` when
+    """One run folder's files: the summary, the metrics rows, the configuration (``{}`` when
     missing), the digest of ``trace.json`` (None when missing) and a prediction when there is one."""
 
     path: Path
@@ -148,16 +151,13 @@ def after_warmup(keys: Sequence[int]) -> set[int]:
 
 
 def load_run(run_dir: str | Path) -> RunData:
-    """Read a finished run folder (summary.json is required; metrics, config and trace are optional)."""
+    """Read a finished run folder (the summary is required; metrics, config and trace are optional)."""
     from dtrain.config.files import read_toml
+    from dtrain.rundir.files import CONFIG, is_run, read_metrics, read_summary
 
     d = Path(run_dir)
-    if not (d / "summary.json").is_file():
-        raise DTrainError(f"{d} is not a finished run folder (no summary.json)")
-    summary = json.loads((d / "summary.json").read_text())
-    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()] \
-        if (d / "metrics.jsonl").is_file() else []  # fmt: skip
-    config = read_toml(d / "config.toml", "run config") if (d / "config.toml").is_file() else {}
+    summary, rows = read_summary(d), read_metrics(d)
+    config = read_toml(d / CONFIG, "run config") if is_run(d) else {}
     trace = digest_trace(json.loads((d / "trace.json").read_text())) if (d / "trace.json").is_file() else None
     pred = summary.get("prediction") if isinstance(summary.get("prediction"), dict) else None
     return RunData(d, summary, [r for r in rows if isinstance(r, dict) and "step" in r], config, trace, pred)
@@ -204,12 +204,12 @@ def deltas(runs: Sequence[RunData]) -> list[dict[str, Any]]:
 
 def predict(run: RunData) -> dict[str, Any]:
     """The performance model's prediction for the run's own strategy, options and workers, on this
-    machine's calibration (:func:`dtrain.measure.calibrate.local_cluster`: measured once per process
+    machine's calibration (:func:`dtrain.planning.calibrate.local_cluster`: measured once per process
     count and cached, which can take a minute) or the run's emulated cluster's."""
     from dtrain.config.schema import RunConfig
-    from dtrain.measure.calibrate import local_cluster
     from dtrain.perfmodel.ranking import plan
     from dtrain.planning.auto import cluster_for, optimizer_kind
+    from dtrain.planning.calibrate import local_cluster
     from dtrain.registry import Choice
     from dtrain.workloads.load import load_model
 
@@ -252,19 +252,36 @@ def mean_or_none(vals: Sequence[float]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def schedule_shape(run: RunData) -> tuple[str, int, int, int] | None:
-    """(schedule, P, M, v) of a pipeline run: from the summary's ``pipeline`` and the trace's ranks and stages."""
-    pipe = run.summary.get("pipeline")
-    if not isinstance(pipe, dict) or not isinstance(pipe.get("schedule"), str) or not isinstance(
-            pipe.get("microbatches"), int):  # fmt: skip
+def run_options(run: RunData) -> StrategyOptions | None:
+    """The run's strategy options, as its registry entry builds them from the strategy's table in
+    configuration (its defaults where the folder has none); None for a strategy not registered here,
+    or a table its options refuse (a folder of another version)."""
+    from dtrain.config.schema import build_options
+    from dtrain.registry import get
+
+    name = run.config.get("strategy") or run.summary.get("strategy")
+    try:
+        entry = get(str(name))
+        table = run.config.get(entry.name)
+        return build_options(entry, table if isinstance(table, dict) else {})
+    except (DTrainError, TypeError, ValueError):
         return None
+
+
+def schedule_shape(run: RunData) -> tuple[str, int, int, int] | None:
+    """(schedule, P, M, v) of a run whose strategy plays a pipeline schedule (its options'
+    ``pipeline_schedule()``), with P and v from the trace's ranks and stages where it has them."""
+    opts = run_options(run)
+    played = opts.pipeline_schedule() if opts is not None else None
+    if played is None:
+        return None
+    schedule, microbatches, chunks = played
     acts = run.trace.acts if run.trace is not None else []
     ranks = len({a.rank for a in acts}) or int(run.summary.get("workers") or 1)
     stages = len({a.stage for a in acts})
-    table: dict[str, Any] = run.config["pipeline"] if isinstance(run.config.get("pipeline"), dict) else {}
-    chunks = stages // ranks if stages >= ranks and acts else int(table.get("chunks", 1))
-    chunks = chunks if pipe["schedule"] == "interleaved" else 1
-    return pipe["schedule"], ranks, pipe["microbatches"], max(1, chunks)
+    if chunks > 1 and acts and stages >= ranks:
+        chunks = stages // ranks
+    return schedule, ranks, microbatches, max(1, chunks)
 
 
 def pipeline_bubbles(run: RunData) -> dict[str, float | None]:

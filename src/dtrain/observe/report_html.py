@@ -216,7 +216,8 @@ def _staleness_part(runs: Sequence[RunData]) -> str:
 
 
 def _options_part(runs: Sequence[RunData]) -> str:
-    """The strategy's table of config.toml (algorithm, bucket size, compression, ...) with bytes per step."""
+    """The strategy's table of the run's configuration (algorithm, bucket size, compression, ...) with bytes
+    per step."""
     keys: list[str] = []
     per_run: list[dict[str, Any]] = []
     for r in runs:

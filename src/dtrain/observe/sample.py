@@ -2,7 +2,7 @@
 
 A run of a language model (``--model gpt-* --dataset pytext``) leaves its final
 weights in ``model.pt`` (the evaluating rank's copy); this module rebuilds the model
-from the run's ``config.toml`` and samples from it with
+from the run's configuration and samples from it with
 :func:`dtrain.workloads.models.generate`. Tokens are bytes, so the text is the sampled bytes
 decoded as UTF-8 (an incomplete character shows as U+FFFD).
 """
@@ -18,6 +18,7 @@ import torch
 from dtrain.config.files import load_toml
 from dtrain.config.schema import RunConfig
 from dtrain.errors import DTrainError
+from dtrain.rundir.files import CONFIG, is_run
 
 __all__ = ["sample_run", "main"]
 
@@ -32,9 +33,9 @@ def sample_run(run_dir: str | Path, prompt: str = "\nThe ", tokens: int = 200, *
     from dtrain.workloads.models import build_model, generate, is_language_model
 
     d = Path(run_dir)
-    if not (d / "config.toml").is_file():
-        raise DTrainError(f"{d} is not a run folder (no config.toml)")
-    cfg = RunConfig.from_mapping(load_toml(d / "config.toml"))
+    if not is_run(d):
+        raise DTrainError(f"{d} is not a run folder (no {CONFIG})")
+    cfg = RunConfig.from_mapping(load_toml(d / CONFIG))
     if not is_language_model(cfg.model):
         raise DTrainError(f"{d} trained {cfg.model}, not a language model; nothing to sample")
     if not (d / "model.pt").is_file():

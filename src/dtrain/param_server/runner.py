@@ -5,7 +5,7 @@ At the end every process publishes its :meth:`ParameterServer.stats` to the c10d
 store (:func:`publish_worker_stats` for workers); the first server (:func:`serve`)
 merges them, writes ``ps_stats.json`` to the run folder, prints a table, and
 returns ``staleness`` and ``clock_lag`` (``{max, mean, hist}`` over all servers'
-applied gradients) for ``summary.json``.
+applied gradients) for the run's summary.
 """
 
 from __future__ import annotations

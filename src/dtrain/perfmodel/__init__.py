@@ -7,9 +7,11 @@
 * :mod:`.hooks` -- what a strategy's performance-model hooks take and return (:class:`ModelHooks`);
 * :mod:`.ranking` -- :func:`plan` ranks the registered strategies' candidates;
 * :mod:`.simulator` -- event-driven replay with stragglers and asynchrony;
-* :mod:`.fit` -- a cluster description's terms fitted to what calibration measured.
+* :mod:`.fit` -- a cluster description's terms fitted to what calibration measured;
+* :mod:`.pipeline`, :mod:`.sharded`, :mod:`.decentralized`, :mod:`.tensor`, :mod:`.mesh` -- the
+  pipelines, ZeRO, model averaging, tensor parallelism and the DP x PP x TP mesh.
 
-Measuring a cluster is :mod:`dtrain.measure.calibrate` (its probes :mod:`dtrain.measure._probes`); planning for a run
+Measuring a cluster is :mod:`dtrain.planning.calibrate` (its probes :mod:`dtrain.planning._probes`); planning for a run
 (``--strategy auto``, ``dtrain plan``, this machine's calibration) is :mod:`dtrain.planning`.
 """
 

@@ -34,7 +34,7 @@ def recount_traffic() -> None:
 
     The CPU time :func:`compressed_traffic` returns is then the median over all
     of this process's counts, this one included: the CPU a count reads moves
-    with the machine's load (:func:`dtrain.measure.calibrate.refresh_load` calls
+    with the machine's load (:func:`dtrain.planning.calibrate.refresh_load` calls
     this each time it re-measures the load). One count forgotten and redone
     each time moved predictions as much as the load did: with the load's terms
     pooled, a model-vs-measured run predicted topk:0.01 at 50 Mbit 20.5, 18.1

@@ -1,6 +1,6 @@
 """Fitting a cluster description's terms to measured points: pure arithmetic, nothing measured here.
 
-:mod:`dtrain.measure.calibrate` runs the probes (:mod:`dtrain.measure._probes`) on a cluster's
+:mod:`dtrain.planning.calibrate` runs the probes (:mod:`dtrain.planning._probes`) on a cluster's
 processes; what they return -- per rank a dict of ping-pong points, ring exchanges,
 payload-free synchronous steps, the backend's small allreduce -- is turned here into
 the numbers of :mod:`dtrain.perfmodel.spec`:
@@ -109,7 +109,7 @@ def fit_duplex_rate(results: dict[int, Any], one_way: Link) -> float | None:
 
 
 def fit_wake(results: dict[int, Any]) -> float:
-    """``wake``: what a payload-free synchronous step (:func:`dtrain.measure._probes.sync_steps`) costs beyond
+    """``wake``: what a payload-free synchronous step (:func:`dtrain.planning._probes.sync_steps`) costs beyond
     the slowest rank's pass and its allreduce's own time, per wake-up that the model charges such a step
     (:data:`dtrain.perfmodel.predict.WAKES_FIRST_BUCKET`).
 
@@ -182,7 +182,7 @@ def fit_compute_scale(results: dict[int, Any], default: float = 1.0) -> float:
 
 def fit_cpu_ratio(spec: str, results: dict[int, Any]) -> float:
     """``cpu_ratio`` of compressor ``spec``: the busiest rank's CPU in its collective, measured in the
-    calibration's processes (:func:`dtrain.measure._probes.coding_cpu`), over the CPU that
+    calibration's processes (:func:`dtrain.planning._probes.coding_cpu`), over the CPU that
     :func:`dtrain.perfmodel._traffic.compressed_traffic` counts on threads for the same gradient and
     shapes. 1.0 where the probe did not run (one rank, a large model, an older calibration).
 

@@ -9,7 +9,7 @@ them, so this package sits above it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from dtrain.perfmodel.spec import ClusterSpec
 from dtrain.registry import Choice, Strategy
 
 __all__ = ["Memory", "Prediction", "StepInputs", "SimResult", "PlanSpace", "ModelHooks", "PredictHook",
-           "MemoryHook", "SimulateHook"]  # fmt: skip
+           "MemoryHook", "SimulateHook", "ParseHook"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,7 @@ class PlanSpace:
 PredictHook = Callable[[ModelProfile, ClusterSpec, Choice, CompressionModel, StepInputs], Prediction]
 MemoryHook = Callable[[ModelProfile, Choice, "CompressionModel | None"], Memory]
 SimulateHook = Callable[..., SimResult]
+ParseHook = Callable[[Sequence[str], str, int], Choice]
 
 
 def _options_themselves(options: Hashable, prof: ModelProfile) -> Hashable:
@@ -154,6 +155,10 @@ class ModelHooks:
         candidates: the choices of this strategy the planner tries in a :class:`PlanSpace`.
         identity: the options' identity for a model profile: choices with equal identities are the
             same strategy for that model, and the planner keeps one (default: the options themselves).
+        parse / text: a ``dtrain plan --simulate --strategies`` item of this strategy: ``parse(args,
+            compression, workers)`` gets the item's ``:``-separated fields after the name and its
+            ``+COMPRESSOR`` ("none" without one); ``text`` is its syntax, for help and errors
+            (``"dp:ALG[:MB]"``). None: the item is not read.
     """
 
     predict: PredictHook | None = None
@@ -161,6 +166,8 @@ class ModelHooks:
     simulate: SimulateHook | None = None
     candidates: Callable[[PlanSpace], list[Choice]] | None = None
     identity: Callable[[Any, ModelProfile], Hashable] = _options_themselves
+    parse: ParseHook | None = None
+    text: str = ""
 
     @classmethod
     def of(cls, entry: Strategy) -> ModelHooks:

@@ -60,19 +60,15 @@ from dtrain.perfmodel.predict import Memory, Prediction, StepInputs, _opt_state,
 from dtrain.pipeline.partition import SPECS, block_partition
 from dtrain.pipeline.pipe import CHECKPOINTS, SCHEDULES
 from dtrain.pipeline.schedules import bubble_closed_form, generate, simulate
-from dtrain.registry import choice
 
 if TYPE_CHECKING:
     from dtrain.perfmodel.collectives import CompressionModel
-    from dtrain.perfmodel.hooks import PlanSpace
     from dtrain.perfmodel.profile import ModelProfile
     from dtrain.perfmodel.spec import ClusterSpec
     from dtrain.registry import Choice
 
 __all__ = ["PipelineCost", "PipelineLike", "pipeline_cost", "pipeline_memory", "in_flight", "stage_cut", "predict",
-           "memory", "candidates"]  # fmt: skip
-
-_CANDIDATE_MICROBATCHES = (4, 8)
+           "memory"]  # fmt: skip
 
 
 @runtime_checkable
@@ -503,26 +499,3 @@ def predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionMode
     sent = math.fsum(pc.bytes_sent) / len(pc.bytes_sent)
     return Prediction(s, step, prof.batch * s.workers / step, compute, comm, comm, wait, sent, inputs.memory,
                       inputs.fits, why, detail)  # fmt: skip
-
-
-def candidates(space: PlanSpace) -> list[Choice]:
-    """The registry's ``candidates`` hook: one pipeline over all ``space.workers`` devices.
-
-    gpipe, 1f1b and 2bw (not exact: left out with ``exact_only``) with ``M`` in (4, 8);
-    interleaved with two chunks where ``M`` is a multiple of the workers (the schedule
-    needs it). Only when the space asks for pipelines (``dtrain plan --pipeline``). Each is cut
-    by time (``balance="time"``). The hook does not see the
-    model: a pipeline with more stages than the model has layers, or an ``M`` that does
-    not divide the batch, is left for :func:`predict` to reject.
-    """
-    w = space.workers
-    if w < 2 or not space.pipeline:
-        return []
-    out: list[Choice] = []
-    for m in _CANDIDATE_MICROBATCHES:
-        out += [choice("pipeline", w, microbatches=m, schedule=sched, balance="time") for sched in ("gpipe", "1f1b")]
-        if m % w == 0:
-            out.append(choice("pipeline", w, microbatches=m, schedule="interleaved", chunks=2, balance="time"))
-        if not space.exact_only:
-            out.append(choice("pipeline", w, microbatches=m, schedule="2bw", balance="time"))
-    return out

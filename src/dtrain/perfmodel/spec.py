@@ -47,6 +47,11 @@ by hand for clusters one does not have. Schema (every key but ``nodes`` and the
     encode_s_per_byte = 3e-9
     decode_s_per_byte = 1e-9
 
+    [calibrated]           # optional: the load the calibration was made under (calibration writes it)
+    others_cores = 0.1     # cores' worth of CPU that other processes took (the busier of a second before and after)
+    loadavg = 0.3          # the machine's 1-minute load average when it started
+    cores = 2              # the machine's cores
+
 A cluster with ``nodes == 1`` uses only ``intra``; a flat job of ``P`` devices
 over ``N`` nodes is placed node by node (ranks ``i*d .. i*d+d-1`` on node ``i``).
 """
@@ -64,7 +69,11 @@ from dtrain.config.files import read_toml
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.units import format_rate, parse_bytes, parse_rate, parse_time
 
-__all__ = ["Link", "Device", "ModelRate", "CompressorCost", "ClusterSpec", "load_cluster", "dump_cluster"]
+__all__ = ["Link", "Device", "ModelRate", "CompressorCost", "Load", "ClusterSpec", "load_cluster", "dump_cluster",
+           "LOADED_CORES"]  # fmt: skip
+
+# a calibration during which other processes took at least this many cores' worth of CPU was made under load
+LOADED_CORES = 0.25
 
 
 @dataclass(frozen=True)
@@ -241,6 +250,36 @@ class CompressorCost:
 
 
 @dataclass(frozen=True)
+class Load:
+    """The load a calibration was made under: what other processes took of the machine meanwhile.
+
+    Attributes:
+        others_cores: cores' worth of CPU time that processes other than the calibration's took, the busier of
+            a second's window before it started and one after it ended (``/proc/stat``'s busy time less the
+            calibrating process's own).
+        loadavg: the 1-minute load average when it started (``os.getloadavg()``).
+        cores: the machine's cores.
+    """
+
+    others_cores: float = 0.0
+    loadavg: float = 0.0
+    cores: int = 1
+
+    def __post_init__(self) -> None:
+        if not (self.others_cores >= 0 and self.loadavg >= 0 and self.cores >= 1):
+            raise ConfigError(f"[calibrated] needs others_cores >= 0, loadavg >= 0 and cores >= 1, got {self}")
+
+    @property
+    def loaded(self) -> bool:
+        """Whether other processes took at least :data:`LOADED_CORES` cores meanwhile."""
+        return self.others_cores >= LOADED_CORES
+
+    def describe(self) -> str:
+        return (f"other processes kept {self.others_cores:.2f} of {self.cores} cores busy "
+                f"(load average {self.loadavg:.2f})")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """The cluster the performance model predicts for (see the module docstring for the TOML)."""
 
@@ -252,6 +291,7 @@ class ClusterSpec:
     models: Mapping[str, ModelRate] = field(default_factory=dict)
     compressors: Mapping[str, CompressorCost] = field(default_factory=dict)
     name: str = "cluster"
+    load: Load | None = None  # what else ran while it was calibrated (None: written by hand, or not known)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -309,7 +349,7 @@ def _link(d: Mapping[str, Any], where: str, default: Link | None) -> Link:
 
 def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> ClusterSpec:
     """Build a :class:`ClusterSpec` from the parsed TOML (see the module docstring)."""
-    known = {"name", "nodes", "devices_per_node", "device", "links", "models", "compressors"}
+    known = {"name", "nodes", "devices_per_node", "device", "links", "models", "compressors", "calibrated"}
     unknown = set(data) - known
     if unknown:
         raise ConfigError(f"{source}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
@@ -339,6 +379,11 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> Cl
     intra = _link(links.get("intra", {}), f"{source}: [links.intra]", Link(parse_rate("40gbit"), 10e-6))
     models = {str(k): ModelRate(**dict(v)) for k, v in dict(data.get("models", {})).items()}
     comps = {str(k): CompressorCost(**dict(v)) for k, v in dict(data.get("compressors", {})).items()}
+    cal = dict(data.get("calibrated", {}))
+    if set(cal) - {"others_cores", "loadavg", "cores"}:
+        raise ConfigError(f"{source}: [calibrated] has unknown key(s) "
+                          f"{', '.join(sorted(set(cal) - {'others_cores', 'loadavg', 'cores'}))}")  # fmt: skip
+    load = Load(float(cal.get("others_cores", 0.0)), float(cal.get("loadavg", 0.0)), int(cal.get("cores", 1)))
     return ClusterSpec(
         name=str(data.get("name", Path(source).stem)),
         nodes=int(data["nodes"]),
@@ -348,6 +393,7 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> Cl
         device=device,
         models=models,
         compressors=comps,
+        load=load if cal else None,
     )
 
 
@@ -393,6 +439,9 @@ def dump_cluster(c: ClusterSpec, comment: str = "") -> str:
         out += [f"[compressors.\"{cname}\"]", f"ratio = {_num(cc.ratio)}",
                 f"encode_s_per_byte = {_num(cc.encode_s_per_byte)}",
                 f"decode_s_per_byte = {_num(cc.decode_s_per_byte)}", f"cpu_ratio = {_num(cc.cpu_ratio)}", ""]
+    if c.load is not None:
+        out += ["[calibrated]", f"others_cores = {_num(c.load.others_cores)}", f"loadavg = {_num(c.load.loadavg)}",
+                f"cores = {c.load.cores}", ""]  # fmt: skip
     return "\n".join(out)
 
 

@@ -1,10 +1,14 @@
 """Pipeline parallelism: a model cut into stages, micro-batches played through a schedule.
 
+* :mod:`.actions` -- what a schedule is made of: :class:`~.actions.Action` (``"1F3"``) and
+  :class:`~.actions.Schedule`;
 * :mod:`.schedules` -- schedules as data (GPipe, 1F1B, interleaved, PipeDream-2BW), a printer,
-  a simulator and a validator.
+  a simulator and a validator (private engine: ``_simulate``);
 * :mod:`.partition` -- balanced cuts of an ``nn.Sequential`` (by layer counts, parameters,
-  memory or measured time).
-* :mod:`.pipe` -- :class:`Pipeline`, the executor that runs a schedule over dtrain's transport.
+  memory or measured time);
+* :mod:`.executor` -- plays one rank's actions (forwards, backwards, sends and receives; the
+  messages between stages are the private ``_channel``);
+* :mod:`.pipe` -- :class:`Pipeline`, which runs a schedule over dtrain's transport.
 """
 
 from __future__ import annotations

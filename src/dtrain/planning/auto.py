@@ -23,11 +23,11 @@ from torch import nn
 
 from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
-from dtrain.measure.calibrate import cache_dir, calibrate_cluster, cluster_file, local_cluster, local_cores
 from dtrain.perfmodel import memo
 from dtrain.perfmodel.ranking import DEFAULT_COMPRESSIONS, DEFAULT_CONSISTENCIES, Plan, candidates
 from dtrain.perfmodel.ranking import plan as rank
 from dtrain.perfmodel.spec import ClusterSpec, dump_cluster, load_cluster, this_host
+from dtrain.planning.calibrate import cache_dir, calibrate_cluster, cluster_file, local_cluster, local_cores
 from dtrain.registry import Choice
 from dtrain.workloads.load import load_model
 

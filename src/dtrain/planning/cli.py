@@ -24,39 +24,32 @@ from dataclasses import replace
 
 from dtrain.config.files import parse_model_args
 from dtrain.errors import ConfigError, run_command
+from dtrain.perfmodel.hooks import ModelHooks
 from dtrain.perfmodel.profile import profile_model
 from dtrain.perfmodel.ranking import DEFAULT_COMPRESSIONS, parse_memory_limit
 from dtrain.perfmodel.simulator import SimResult, Stragglers, simulate
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
 from dtrain.planning.auto import cluster_for, plan
-from dtrain.registry import Choice, choice
+from dtrain.registry import Choice, registered
 from dtrain.workloads.load import load_model
 
 __all__ = ["main", "parse_strategy"]
 
 
 def parse_strategy(text: str, workers: int) -> Choice:
-    """One ``--strategies`` item for ``workers`` workers (see the module docstring)."""
+    """One ``--strategies`` item for ``workers`` workers: ``NAME[:FIELD...][+COMPRESSOR]``, the fields read by
+    the strategy's own ``parse`` hook (:class:`~dtrain.perfmodel.hooks.ModelHooks`; see the module docstring)."""
     body, _, comp = text.partition("+")
-    parts = body.split(":")
-    comp = comp or "none"
-    try:
-        if parts[0] == "dp":
-            alg = parts[1] if len(parts) > 1 else "ring"
-            bucket = float(parts[2]) if len(parts) > 2 else 25.0
-            return choice("dp", workers, alg, bucket_mb=bucket, compression=comp)
-        if parts[0] == "ddp":
-            return choice("ddp", workers)
-        if parts[0] == "ps":
-            cons = parts[1] if len(parts) > 1 else "bsp"
-            if len(parts) > 2 and cons in ("ssp", "softsync", "backup"):  # ps:ssp:3:2 -> ssp:3, 2 servers
-                cons, parts = f"{cons}:{parts[2]}", parts[:2] + parts[3:]
-            srv = parts[2] if len(parts) > 2 else "1"
-            servers = max(1, workers // int(srv[2:])) if srv.startswith("1/") else int(srv)
-            return choice("ps", workers, servers=servers, consistency=cons, compression=comp)
-    except (IndexError, ValueError):
-        pass
-    raise ConfigError(f"cannot read strategy {text!r}; use dp:ALG[:MB], ddp or ps:CONSISTENCY:SERVERS, +COMPRESSOR")
+    name, *args = body.split(":")
+    readable = {n: h for n, e in registered().items() if (h := ModelHooks.of(e)).parse is not None}
+    hooks = readable.get(name)
+    if hooks is not None and hooks.parse is not None:
+        try:
+            return hooks.parse(args, comp or "none", workers)
+        except (IndexError, ValueError):
+            pass
+    syntax = ", ".join(h.text or n for n, h in readable.items())
+    raise ConfigError(f"cannot read strategy {text!r}; use {syntax}, each optionally +COMPRESSOR")
 
 
 def _cluster(ns: argparse.Namespace) -> ClusterSpec | None:
@@ -74,7 +67,7 @@ def _simulate(ns: argparse.Namespace) -> int:
 
     spec = _cluster(ns)
     if spec is None:
-        from dtrain.measure.calibrate import local_cluster
+        from dtrain.planning.calibrate import local_cluster
 
         spec = local_cluster()
     workers = [int(w) for w in ns.workers.split(",")]

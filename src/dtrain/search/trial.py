@@ -1,16 +1,16 @@
 """One trial of a sweep: an ordinary ``dtrain run`` of the trial's configuration, followed as it runs.
 
 A trial is a folder ``SWEEP/trials/<trial id>/`` holding one or more *segments*, each an ordinary run
-folder (``run-0``, ``run-1``, ...: config.toml, metrics, summary, trace, checkpoints). A trial starts
+folder (``run-0``, ``run-1``, ...: configuration, metrics, summary, trace, checkpoints). A trial starts
 ``run-0`` with its sampled configuration; population-based training stops a trial and starts it again
 from another trial's checkpoint with perturbed hyper-parameters: that is a new segment, resumed
 (``--resume``) from a copy of the donor's checkpoint, so the model, the optimizer state and the
 strategy's own state (error-feedback residuals, parameter-server shards) are the donor's.
 
 :func:`run_trial` starts the segment as a separate process (``python -m dtrain.cli run``, its own
-process group), reads its ``evals.jsonl`` as rows appear and hands each evaluation to ``report``
-(with the segment's checkpoint of that step when the sweep checkpoints), and stops the process when
-the caller stops (an early stop raises out of ``report``). It does not import Ray: the Tune side
+process group), reads its evaluations (:data:`dtrain.rundir.files.EVALS`) as rows appear and
+hands each to ``report`` (with the segment's checkpoint of that step when the sweep checkpoints), and
+stops the process when the caller stops (an early stop raises out of ``report``). It does not import Ray: the Tune side
 (:mod:`dtrain.search.tune`) passes ``report`` and the checkpoint to resume from.
 
 Each trial keeps ``trial.json``: its segments, the configuration and, for a resumed one, the donor
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import ConfigError, DTrainError
+from dtrain.rundir.files import EVALS, METRICS, rank_metrics, read_summary
 
 __all__ = ["TRIAL_FILE", "Limits", "Report", "run_trial", "trial_config", "read_trial", "meta_model", "model_params",
            "model_memory"]
@@ -198,7 +199,7 @@ def _go(path: Path, step: int) -> None:
 def _trained_to(run: Path) -> int:
     """The steps a segment's rank 0 finished (its metrics rows), wherever it stopped."""
     last = -1
-    for name in ("metrics.rank0.jsonl", "metrics.jsonl"):
+    for name in (rank_metrics(0), METRICS):
         with contextlib.suppress(OSError):
             for line in (run / name).read_text(errors="replace").splitlines():
                 with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -285,9 +286,7 @@ class _Segment:
 
     def follow(self, proc: subprocess.Popen[bytes], deadline: float) -> int:
         """Report each evaluation as it appears, holding the run until the scheduler has it; the exit code."""
-        from dtrain.training.loop import EVALS_FILE
-
-        for row in _rows(self.run / EVALS_FILE, proc):
+        for row in _rows(self.run / EVALS, proc):
             if time.monotonic() > deadline:
                 raise DTrainError(f"trial {self.folder.name}: {self.run.name} ran past its time")
             step = int(row["step"])
@@ -300,7 +299,7 @@ class _Segment:
         """After a clean exit: the run's own last evaluation (with its last checkpoint), if not reported yet."""
         from dtrain.checkpoint.layout import checkpoint_dir
 
-        summary = json.loads((self.run / "summary.json").read_text())
+        summary = read_summary(self.run)
         last = int(summary.get("start_step") or 0) + int(summary["steps"])
         if not self.entry.get("evals") or self.entry["evals"][-1]["step"] < last:
             ckpt = checkpoint_dir(self.run / "checkpoints", last)  # a trial paused here resumes as done

@@ -10,7 +10,7 @@ on the same loop, the peer every figure is compared with.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dtrain.config.schema import ConfigHooks
@@ -148,15 +148,28 @@ def _ddp_candidates(space: PlanSpace) -> list[Choice]:
     return [Choice("ddp", space.workers, DDPOptions(bucket_mb=max(space.buckets)))]
 
 
+def _parse_dp(args: Sequence[str], compression: str, workers: int) -> Choice:
+    """``dp:ALGORITHM[:BUCKET_MB]`` (default ring, 25 MB)."""
+    alg = args[0] if args else "ring"
+    bucket = float(args[1]) if len(args) > 1 else 25.0
+    return Choice("dp", workers, DPOptions(algorithm=alg, bucket_mb=bucket, compression=compression))
+
+
+def _parse_ddp(args: Sequence[str], compression: str, workers: int) -> Choice:
+    return Choice("ddp", workers, DDPOptions())
+
+
 DP = register(Strategy(
     name="dp", options=DPOptions,
     help="data parallel: dtrain.DataParallel (allreduce algorithm, buckets, overlap, compression)",
     hooks=(ProcessHooks(run=_run_dp), ConfigHooks(check=_check),
            ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_dp_candidates,
-                      identity=_dp_identity))))
+                      identity=_dp_identity, parse=_parse_dp, text="dp:ALG[:MB]")),
+    devices=("cpu", "cuda")))
 DDP = register(Strategy(
     name="ddp", options=DDPOptions,
     help="data parallel through torch DDP (the peer)",
     hooks=(ProcessHooks(run=_run_ddp),
            ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_ddp_candidates,
-                      identity=_ddp_identity))))
+                      identity=_ddp_identity, parse=_parse_ddp, text="ddp")),
+    devices=("cpu", "cuda")))

@@ -310,12 +310,12 @@ def _mesh_of(s: Choice) -> tuple[MeshOptions, tuple[int, int, int], tuple[int, s
 
 
 def _predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel, inputs: StepInputs) -> Prediction:
-    """:func:`dtrain.perfmodel.tensor.predict_hybrid` on the gpt shape the profile recorded; the global batch is
+    """:func:`dtrain.perfmodel.mesh.predict_hybrid` on the gpt shape the profile recorded; the global batch is
     ``prof.batch * workers`` (every hook's profile is at the per-worker batch)."""
     import math
 
+    from dtrain.perfmodel.mesh import predict_hybrid
     from dtrain.perfmodel.predict import Prediction
-    from dtrain.perfmodel.tensor import predict_hybrid
 
     o, (dp, pp, tp), (micro, schedule, balance) = _mesh_of(s)
     g = prof.extra.get("gpt")
@@ -339,8 +339,9 @@ def _memory(prof: ModelProfile, s: Choice, comp: CompressionModel | None) -> Mem
     ``min(M, pp)``), each ``1/pp`` of the model's."""
     import math
 
+    from dtrain.perfmodel.mesh import mesh_reason
     from dtrain.perfmodel.predict import Memory
-    from dtrain.perfmodel.tensor import TransformerShape, mesh_reason, tensor_memory
+    from dtrain.perfmodel.tensor import TransformerShape, tensor_memory
 
     o, (dp, pp, tp), (micro, schedule, _) = _mesh_of(s)
     g = prof.extra.get("gpt")
@@ -364,7 +365,7 @@ def _tensor_candidates(space: PlanSpace) -> list[Choice]:
 
 def _hybrid_candidates(space: PlanSpace) -> list[Choice]:
     """Every factorization of the workers but plain dp (``dp``'s own) and pure tp (``tensor``'s)."""
-    from dtrain.perfmodel.tensor import factorizations
+    from dtrain.perfmodel.mesh import factorizations
 
     w = space.workers
     if not space.mesh or w < 2:

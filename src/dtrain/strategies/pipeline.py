@@ -25,8 +25,8 @@ from dtrain.config.schema import ConfigHooks
 from dtrain.errors import ConfigError, check_choice
 from dtrain.optim.guard import flagged_ranks
 from dtrain.perfmodel import pipeline as pipeline_model
-from dtrain.perfmodel.hooks import ModelHooks
-from dtrain.registry import Strategy, StrategyOptions, register
+from dtrain.perfmodel.hooks import ModelHooks, PlanSpace
+from dtrain.registry import Choice, Strategy, StrategyOptions, register
 from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.loop import Position, run_loop
 from dtrain.workloads.data import first_samples
@@ -108,6 +108,9 @@ class PipelineOptions(StrategyOptions):
 
     def approximation(self) -> str:
         return "approximate: gradients one weight version old (PipeDream-2BW)" if self.schedule == "2bw" else ""
+
+    def pipeline_schedule(self) -> tuple[str, int, int]:
+        return self.schedule, self.microbatches, self.chunks if self.schedule == "interleaved" else 1
 
     def label(self, workers: int) -> str:
         v = f" v{self.chunks}" if self.schedule == "interleaved" else ""
@@ -304,9 +307,32 @@ def _run(ctx: TrainContext) -> dict[str, Any]:
     return run_loop(ctx, PipelineEngine(ctx, ckpt), ckpt)
 
 
+CANDIDATE_MICROBATCHES = (4, 8)  # the micro-batches the planner tries
+
+
+def _candidates(space: PlanSpace) -> list[Choice]:
+    """The registry's ``candidates`` hook: one pipeline over all ``space.workers`` devices.
+
+    gpipe, 1f1b and 2bw (not exact: left out with ``exact_only``) with ``M`` in (4, 8);
+    interleaved with two chunks (the default) where ``M`` is a multiple of the workers (the schedule
+    needs it). Only when the space asks for pipelines (``dtrain plan --pipeline``). Each is cut
+    by time (``balance="time"``). The hook does not see the
+    model: a pipeline with more stages than the model has layers, or an ``M`` that does
+    not divide the batch, is left for :func:`dtrain.perfmodel.pipeline.predict` to reject.
+    """
+    w = space.workers
+    if w < 2 or not space.pipeline:
+        return []
+    out: list[Choice] = []
+    for m in CANDIDATE_MICROBATCHES:
+        schedules = ["gpipe", "1f1b"] + ["interleaved"] * (m % w == 0) + ["2bw"] * (not space.exact_only)
+        out += [Choice("pipeline", w, PipelineOptions(microbatches=m, schedule=s, balance="time")) for s in schedules]
+    return out
+
+
 PIPELINE = register(Strategy(
     name="pipeline", options=PipelineOptions,
     help="pipeline parallel: one stage per worker, micro-batches through gpipe, 1f1b, interleaved or 2bw",
     hooks=(ProcessHooks(run=_run), ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
            ModelHooks(predict=pipeline_model.predict, memory=pipeline_model.memory,
-                      candidates=pipeline_model.candidates))))
+                      candidates=_candidates))))

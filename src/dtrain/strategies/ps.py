@@ -38,7 +38,7 @@ The end-of-run statistics (staleness, clock lag, the per-rank table) are
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -375,8 +375,21 @@ def _candidates(space: PlanSpace) -> list[Choice]:
     return out
 
 
+def _parse(args: Sequence[str], compression: str, workers: int) -> Choice:
+    """``ps:CONSISTENCY:SERVERS``: ``SERVERS`` a number or ``1/K`` (one server per K workers); a consistency
+    with an argument takes it next (``ps:ssp:3:2``: ssp:3, 2 servers)."""
+    parts = list(args)
+    cons = parts[0] if parts else "bsp"
+    if len(parts) > 1 and cons in ("ssp", "softsync", "backup"):
+        cons, parts = f"{cons}:{parts[1]}", parts[:1] + parts[2:]
+    srv = parts[1] if len(parts) > 1 else "1"
+    servers = max(1, workers // int(srv[2:])) if srv.startswith("1/") else int(srv)
+    return Choice("ps", workers, PSOptions(servers=servers, consistency=cons, compression=compression))
+
+
 PS = register(Strategy(
     name="ps", options=PSOptions,
     help="parameter server: sharded servers, consistency bsp | asp | ssp:S | softsync:K | backup:B",
     hooks=(ProcessHooks(run=run_process), ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
-           ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_candidates))))
+           ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_candidates, parse=_parse,
+                      text="ps:CONSISTENCY:SERVERS"))))

@@ -2,15 +2,15 @@
 
 * :mod:`.context` -- :class:`~.context.TrainContext`: what one process of a run gets, composing
   :mod:`.factories` (model, optimizer, compressor), :mod:`.batch_control` (the global batch),
-  :mod:`.lr` (the learning rate), :mod:`.loaders` (a shard's data), :mod:`.evaluation`,
-  :mod:`.progress` and :mod:`.stragglers`;
+  :mod:`.lr` (the learning rate), :mod:`.loaders` (a shard's data), :mod:`.evaluation` (the run's
+  metric), :mod:`.progress` (the progress bar) and :mod:`.slowdown` (emulated stragglers);
 * :mod:`.loop` -- :class:`~.loop.Engine` (what a strategy supplies) and :func:`~.loop.run_loop`
   (epochs, batches, spans, stragglers, metrics rows, checkpoints, evaluation);
-* :mod:`.large_batch` -- the learning rate of a step and the global batch of an epoch;
-* :mod:`.precision` -- mixed precision (autocast, loss scaling) for every strategy;
-* :mod:`.guard`, :mod:`.watchdog`, :mod:`.live`, :mod:`.noise_scale` -- non-finite steps, hangs,
-  live progress and the gradient noise scale.
+* :mod:`.checkpointing` -- ``--checkpoint-every N`` and ``--resume PATH`` for every strategy;
+* :mod:`.watchdog`, :mod:`.live`, :mod:`.noise_scale` -- the rank(s) a timed-out wait waited for,
+  the progress bar's slowest rank, and the gradient noise scale.
 
-Import the modules themselves: this package imports nothing, so that a low module (the
-large-batch rules, precision) can be used without the loop.
+The update's rules (the large-batch rules, mixed precision, the non-finite guard) are
+:mod:`dtrain.optim`'s. Import the modules themselves: this package imports nothing, so that
+one part can be used without the loop.
 """

@@ -1,7 +1,7 @@
 """The progress bar's slowest rank, while the run trains.
 
 Every rank that runs the training loop keeps the mean of its own work per step
-(:func:`dtrain.observe.attribution.own_s`: a step's time less its exchange) over its last rows
+(:func:`dtrain.rundir.attribution.own_s`: a step's time less its exchange) over its last rows
 and, every :data:`EVERY` steps, posts it in the job's key-value store (torch.distributed's
 default store, the rendezvous's; one ``set`` per rank, no collective, so ranks that share
 no group -- a parameter server's workers -- take part alike). The evaluating rank reads
@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from dtrain.observe.attribution import own_s
+from dtrain.rundir.attribution import own_s
 
 __all__ = ["LiveRanks", "EVERY"]
 

@@ -47,12 +47,12 @@ from dtrain.comm.waits import blocked_s
 from dtrain.errors import ConfigError, DTrainError
 from dtrain.optim.guard import NonFiniteGuard
 from dtrain.optim.precision import LossScaler
+from dtrain.rundir.files import EVALS as EVALS_FILE  # one row an evaluation: metric, value, step, epoch, train_s
 from dtrain.training.context import TrainContext
 from dtrain.training.live import EVERY, LiveRanks
 from dtrain.training.slowdown import Straggler
 from dtrain.training.watchdog import Heartbeat, explain
 
-EVALS_FILE = "evals.jsonl"  # one row an evaluation: metric, value, step, epoch, train_s
 # set by dtrain sweep's trials: after each evaluation (and its checkpoint) the evaluating rank waits until the
 # file it names holds that step, so that the scheduler decides on the run where it stands (the others wait
 # for it in their next collective, as they do during the evaluation itself)

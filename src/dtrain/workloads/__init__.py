@@ -4,8 +4,10 @@
 * :mod:`.data` -- the bundled datasets (scikit-learn's digits, a synthetic teacher task, text);
 * :mod:`.files` -- the user's own data (``--dataset PATH``): text, token files, images, arrays, tables;
 * :mod:`.batch` -- how a global batch splits over data-parallel shards;
-* :mod:`.load` -- a model and one batch for it, by name (what the planner and calibration profile);
-* :mod:`.sample` -- ``dtrain sample``: text from a trained language model.
+* :mod:`.load` -- a model and one batch for it, by name (what the planner and calibration profile).
+
+The models are also ``dtrain.models``. Text from a trained language model (``dtrain sample``)
+is :mod:`dtrain.observe.sample`.
 
 This package imports nothing itself.
 """

@@ -2,10 +2,10 @@
 
 Every function here runs inside a launched worker (``torch.distributed`` is
 initialised) except :func:`train_passes`, which the parent's loop-overhead
-measurement uses too. :mod:`dtrain.measure.calibrate` starts the processes and
+measurement uses too. :mod:`dtrain.planning.calibrate` starts the processes and
 :mod:`dtrain.perfmodel.fit` turns what they return into a cluster description.
 The worker is a module-level function of this importable module, so it pickles
-as ``dtrain.measure._probes.calibration_worker`` however the calibration was started.
+as ``dtrain.planning._probes.calibration_worker`` however the calibration was started.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def calibration_worker(pairs: list[tuple[int, int]], model_name: str, dataset: s
     and each of ``compressors``' CPU in its collective (:func:`coding_cpu`).
 
     ``load_only`` skips the ping-pong and keeps what the load moves (the duplex
-    exchange among them), for :func:`dtrain.measure.calibrate.refresh_load`. ``threads``: the intra-op
+    exchange among them), for :func:`dtrain.planning.calibrate.refresh_load`. ``threads``: the intra-op
     threads each worker of the job being calibrated for computes with.
     """
     import torch.distributed as dist

@@ -37,6 +37,9 @@ What is measured, and how (every figure is a median over repetitions):
    per-worker batch, in this process on one thread: its mean step minus the mean
    bare training pass is the loop's own bookkeeping per step (times ``compute_scale``).
 6. **compressors** -- payload ratio and encode/decode time per byte of each spec.
+7. **load** -- what other processes took of the machine in a second before and one after
+   (:mod:`dtrain.planning.load`): the ``[calibrated]`` table, which :func:`local_cluster` reads
+   before reusing a cached calibration.
 
 The result is a cluster TOML (:mod:`dtrain.perfmodel.spec`), printed and written
 to ``--out`` (default: ``~/.cache/dtrain/cluster-NAME.toml`` for an emulated
@@ -44,7 +47,7 @@ cluster, ``~/.cache/dtrain/local-HOST-wN.toml`` for this machine).
 
 This module starts the processes and measures in this one (the loop overhead,
 the FLOP rate, the compressors); what each process of the job measures is
-:mod:`dtrain.measure._probes`, and the arithmetic that turns the measurements
+:mod:`dtrain.planning._probes`, and the arithmetic that turns the measurements
 into the description's terms is :mod:`dtrain.perfmodel.fit` (pure).
 """
 
@@ -64,7 +67,6 @@ from typing import Any
 import torch
 
 from dtrain.errors import DTrainError
-from dtrain.measure._probes import calibration_worker, train_passes
 from dtrain.perfmodel.fit import (
     fit_compute_scale,
     fit_cpu_ratio,
@@ -75,8 +77,19 @@ from dtrain.perfmodel.fit import (
     fit_p2p_floor,
     fit_wake,
 )
-from dtrain.perfmodel.spec import ClusterSpec, CompressorCost, Device, Link, dump_cluster, load_cluster, this_host
+from dtrain.perfmodel.spec import (
+    LOADED_CORES,
+    ClusterSpec,
+    CompressorCost,
+    Device,
+    Link,
+    dump_cluster,
+    load_cluster,
+    this_host,
+)
 from dtrain.perfmodel.units import format_rate, format_time
+from dtrain.planning._probes import calibration_worker, train_passes
+from dtrain.planning.load import load_around, others_cores
 
 __all__ = ["main", "calibrate_cluster", "refresh_load", "pool_load", "calibrate_local", "local_cluster", "local_cores",
            "summary", "cache_dir", "cluster_file"]  # fmt: skip
@@ -200,7 +213,15 @@ def calibrate_cluster(
     name: str, *, model: str = "cnn", dataset: str = "digits", batch: int = 64, quick: bool = False,
     compressions: Sequence[str] = _CAL_COMPRESSIONS,
 ) -> ClusterSpec:  # fmt: skip
-    """Calibrate emulated cluster ``name`` (one process per host; intra level measured locally)."""
+    """Calibrate emulated cluster ``name`` (one process per host; intra level measured locally), recording the
+    load it was made under."""
+    spec, load = load_around(lambda: _calibrate_cluster(name, model=model, dataset=dataset, batch=batch,
+                                                        quick=quick, compressions=compressions))  # fmt: skip
+    return replace(spec, load=load)
+
+
+def _calibrate_cluster(name: str, *, model: str, dataset: str, batch: int, quick: bool,
+                       compressions: Sequence[str]) -> ClusterSpec:  # fmt: skip
     from dtrain.cluster import load, run_on_cluster
     from dtrain.cluster.netns import tbf_burst
     from dtrain.launch.agent import launch
@@ -307,7 +328,15 @@ def calibrate_local(
     with the intra-op threads ``dtrain run`` gives it (:func:`~dtrain.launch.agent.threads_per_worker`).
 
     One process has no link to measure and no one to share its cores with: its compute scale is 1, and
-    only the loop's overhead and the FLOP rate are measured (in this process)."""
+    only the loop's overhead and the FLOP rate are measured (in this process). The load it was made under is
+    recorded (``spec.load``)."""
+    spec, load = load_around(lambda: _calibrate_local(workers, model=model, dataset=dataset, batch=batch,
+                                                      quick=quick, compressions=compressions, progress=progress))
+    return replace(spec, load=load)
+
+
+def _calibrate_local(workers: int, *, model: str, dataset: str, batch: int, quick: bool,
+                     compressions: Sequence[str], progress: bool) -> ClusterSpec:  # fmt: skip
     from dtrain.launch.agent import launch, threads_per_worker
 
     t0, threads = time.perf_counter(), threads_per_worker(workers)
@@ -341,13 +370,37 @@ def local_cores() -> int:
         return os.cpu_count() or 1
 
 
+_now_loaded: list[float | None] = []  # the others' load now, measured once a process (a plan asks per count)
+
+
+def _others_now() -> float | None:
+    if not _now_loaded:
+        _now_loaded.append(others_cores(1.0))
+    return _now_loaded[0]
+
+
 def local_cluster(workers: int | None = None, *, refresh: bool = False) -> ClusterSpec:
     """This machine's description for ``workers`` local processes (default: one a core), from the cache or a
-    quick calibration (saying what it measures as it goes)."""
+    quick calibration (saying what it measures as it goes).
+
+    A cached calibration made under load (other processes took :data:`~dtrain.perfmodel.spec.LOADED_CORES`
+    or more meanwhile) is made again when the machine is quiet now, and otherwise reused with a line on
+    stderr saying what it was made under: its compute and scheduling terms describe the busy machine."""
     w = workers or local_cores()
     path = cache_dir() / f"local-{this_host()}-w{w}.toml"
     if path.exists() and not refresh:
-        return load_cluster(path)
+        spec = load_cluster(path)
+        if spec.load is None or not spec.load.loaded:
+            return spec
+        now = _others_now()
+        if now is None or now >= LOADED_CORES:
+            print(f"dtrain: note: this machine's calibration for {w} process(es) ({path}) was made while "
+                  f"{spec.load.describe()}; now {'unknown' if now is None else f'{now:.2f} cores are busy'}: "
+                  f"predictions assume a machine that busy (`dtrain bench calibrate --workers {w}` measures it "
+                  f"again)", file=sys.stderr)  # fmt: skip
+            return spec
+        print(f"dtrain: this machine's calibration for {w} process(es) was made while {spec.load.describe()}; "
+              f"it is quiet now ({now:.2f} cores busy): calibrating again", file=sys.stderr)  # fmt: skip
     print(f"dtrain: calibrating this machine for {w} local process(es) (once; cached in {path})", file=sys.stderr)
     spec = calibrate_local(w, progress=True)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -374,6 +427,9 @@ def summary(spec: ClusterSpec) -> str:
         lines.append(f"  {s}: ratio {cc.ratio:.4g}, encode {cc.encode_s_per_byte * 1e9:.3g} ns/B, "
                      f"decode {cc.decode_s_per_byte * 1e9:.3g} ns/B, CPU in processes x{cc.cpu_ratio:.2f} "
                      f"the thread count")  # fmt: skip
+    if spec.load is not None:
+        lines.append(f"  calibrated while {spec.load.describe()}"
+                     + (": under load, a plan that reuses it says so" if spec.load.loaded else ""))
     return "\n".join(lines)
 
 
@@ -410,6 +466,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # the workers run dtrain.measure._probes.calibration_worker, which pickles under that importable name
+    # the workers run dtrain.planning._probes.calibration_worker, which pickles under that importable name
     # even when this file runs as __main__
     sys.exit(main())
