@@ -101,6 +101,13 @@ class PSOptions(CompressedOptions):
     def processes(self, workers: int) -> int:
         return workers + self.servers
 
+    def refuses_grad_accum(self, workers: int) -> str:
+        return ""  # a worker pushes once, in its update, the gradient its micro-steps accumulated
+
+    def refuses_clip_grad_norm(self, workers: int) -> str:
+        return ("cannot clip by the global norm: each server applies its own shard of the gradients, and the "
+                "norm would need every server's shard first")
+
     def reshards(self) -> bool:
         # bsp: the servers hold the model and optimizer state and every worker is at one clock at a
         # checkpoint, so any number of workers can take it up, unless a compressor keeps per-worker state
