@@ -1,0 +1,177 @@
+"""``dtrain run --grad-accum N`` and ``--clip-grad-norm MAX`` through the CLI (real gloo processes, 2 workers, 3 steps).
+
+Accumulation: N = 2 micro-steps of B/N per rank train like one step of B (the same per-step losses and the same
+final test accuracy) under dp, ZeRO-2 and ZeRO-3, and dp's and ZeRO-2's bytes per optimizer step are the
+unaccumulated run's (the exchange happens once a step; ZeRO-3 gathers the parameters for every micro-step's
+forward and backward and reduce-scatters once: its closed form is checked). Clipping: dp, ZeRO-3 (with
+accumulation too), a 2-stage pipeline and tensor parallelism over 2 ranks train like a plain torch loop on the
+global batch with ``torch.nn.utils.clip_grad_norm_``, and each row's ``grad_norm`` is that loop's norm before
+clipping; the loop without clipping is checked to be far from it (the clip binds). Bad input is refused before
+any process starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import dtrain_runs, mean_losses, read_metrics, read_summary
+
+from dtrain.config.schema import RunConfig
+from dtrain.errors import ConfigError
+from dtrain.job.validate import validate
+
+STEPS, BATCH, LR = 3, 32, 0.05
+COMMON = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", str(BATCH), "--max-steps", str(STEPS),
+          "--workers", "2", "--lr", str(LR)]  # fmt: skip
+GPT = ["--model", "gpt-tiny", "--dataset", "pytext", "--seq-len", "16", "--lr", "0.1"]
+# the clipped runs: norms far above MAX in each step (0.32, 0.29, 0.19 for the CNN; 3.7, 2.7, 2.2 for gpt-tiny), and a
+# learning rate at which the clip changes the losses 100x more than the tolerance (both checked below)
+CLIP_LR, MAX_NORM = 0.5, 0.05
+GPT_LR, GPT_MAX = 0.1, 0.5
+
+
+def _reference(model: str, clip: float, *, lr: float, dataset: str = "digits",
+               seq_len: int = 64) -> tuple[list[float], list[float]]:  # fmt: skip
+    """A plain torch loop on the global batch, as a one-process ``dtrain run`` draws it: the seeded model, the
+    epoch's shuffled order, SGD (momentum 0.9), ``clip_grad_norm_`` before each step (``clip`` 0: none).
+    The per-step losses and norms before clipping."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from dtrain.workloads.data import load_dataset
+    from dtrain.workloads.models import build_model, task_loss
+
+    ds = load_dataset(dataset, seed=0, seq_len=seq_len)
+    torch.manual_seed(0)
+    net = build_model(model, ds.input_shape, ds.num_classes)
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    sampler: DistributedSampler[object] = DistributedSampler(ds.train, num_replicas=1, rank=0, shuffle=True, seed=0,
+                                                             drop_last=True)  # fmt: skip
+    sampler.set_epoch(0)
+    losses, norms = [], []
+    for _, (x, y) in zip(range(STEPS), DataLoader(ds.train, batch_size=BATCH, sampler=sampler, drop_last=True)):
+        opt.zero_grad()
+        loss = task_loss(net(x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), clip if clip else float("inf"))
+        opt.step()
+        losses.append(float(loss.detach()))
+        norms.append(float(norm))
+    return losses, norms
+
+
+def _norms(out) -> dict[int, set[float]]:
+    got: dict[int, set[float]] = {}
+    for r in read_metrics(out):
+        got.setdefault(r["step"], set()).add(r["grad_norm"])
+    return got
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("accum")
+    return dtrain_runs(root, COMMON, {
+        "dp": [], "dp_n2": ["--grad-accum", "2"],
+        "zero2_n2": ["--shard", "gradients", "--grad-accum", "2"],
+        "zero3_n2": ["--shard", "parameters", "--grad-accum", "2"]}, timeout=400)  # fmt: skip
+
+
+def _cnn_padded(world: int) -> int:
+    from dtrain.sharded._flat_units import plan_units
+    from dtrain.workloads.data import load_dataset
+    from dtrain.workloads.models import build_model
+
+    ds = load_dataset("digits")
+    return sum(u.padded for u in plan_units(build_model("cnn", tuple(ds.input_shape), ds.num_classes), None, world))
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["dp_n2", "zero2_n2", "zero3_n2"])
+def test_two_micro_steps_of_half_the_batch_train_like_one_step(accumulated, name):
+    base, out = accumulated["dp"][0], accumulated[name][0]
+    a, b = mean_losses(base), mean_losses(out)
+    assert sorted(a) == sorted(b) == list(range(STEPS))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+    assert read_summary(out)["metric"] == pytest.approx(read_summary(base)["metric"], abs=1e-9)
+    assert len(read_metrics(out)) == 2 * STEPS  # one row per optimizer step and rank
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(900)
+def test_the_exchange_happens_once_per_optimizer_step(accumulated):
+    sent = {name: {(r["step"], r["rank"]): r["bytes_sent"] for r in read_metrics(accumulated[name][0])}
+            for name in accumulated}  # fmt: skip
+    assert sent["dp_n2"] == sent["dp"] and min(sent["dp"].values()) > 0
+    # ring reduce-scatter and allgather over 2 ranks: one segment of padded / 2 float32s per unit and collective
+    seg = _cnn_padded(2) // 2 * 4
+    later = [k for k in sent["dp"] if k[0] >= 1]  # step 0 of stages 1-2 has no stepped shards to gather yet
+    assert {sent["zero2_n2"][k] for k in later} == {2 * seg}  # the unaccumulated run's closed form
+    # stage 3 gathers every unit for each micro-step's forward and backward, and reduce-scatters once:
+    # 2 x 2 + 1 collectives instead of the unaccumulated 3
+    assert set(sent["zero3_n2"].values()) == {5 * seg}
+
+
+@pytest.fixture(scope="module")
+def clipped(tmp_path_factory):
+    root = tmp_path_factory.mktemp("clip")
+    clip = ["--clip-grad-norm", str(MAX_NORM), "--lr", str(CLIP_LR)]
+    return dtrain_runs(root, COMMON, {
+        "dp": clip, "zero3_n2": [*clip, "--shard", "parameters", "--grad-accum", "2"],
+        "pipeline": [*clip, "--strategy", "pipeline", "--microbatches", "2"],
+        "tensor": ["--clip-grad-norm", str(GPT_MAX), "--strategy", "tensor", *GPT, "--lr", str(GPT_LR)]}, timeout=400)  # fmt: skip
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["dp", "zero3_n2", "pipeline", "tensor"])
+def test_a_clipped_run_trains_like_one_process_clipped(clipped, name):
+    lm = name == "tensor"
+    kw = dict(lr=GPT_LR, dataset="pytext", seq_len=16) if lm else dict(lr=CLIP_LR)
+    model, limit = ("gpt-tiny", GPT_MAX) if lm else ("cnn", MAX_NORM)
+    want, norms = _reference(model, limit, **kw)
+    free, _ = _reference(model, 0.0, **kw)
+    assert min(norms) > 2 * limit  # the clip binds at every step...
+    # ...and changes the training far past the tolerance
+    assert max(abs(f - w) / w for f, w in zip(free, want)) > 100 * 1e-5
+    got = mean_losses(clipped[name][0])
+    assert sorted(got) == list(range(STEPS))
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    for step, seen in _norms(clipped[name][0]).items():  # every rank records the same global norm
+        assert all(v == pytest.approx(norms[step], rel=1e-4) for v in seen), (step, seen, norms[step])
+
+
+# ---------------------------------------------------------------------- refused before any process starts
+
+
+def _cfg(**kw: object) -> RunConfig:
+    return RunConfig.make(epochs=1, workers=2, batch_size=32, **kw)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(grad_accum=0), "grad_accum must be an integer >= 1 (micro-steps per optimizer step), got 0"),
+    (dict(grad_accum=3), "--grad-accum 3: the per-worker batch of 16 (--batch-size 32 over 2 shards) does not split "
+                         "into 3 equal micro-batches; use --batch-size a multiple of 6"),
+    (dict(clip_grad_norm=-1.0), "clip_grad_norm must be >= 0 (0: no clipping), got -1"),
+    (dict(strategy="pipeline", grad_accum=2), "--grad-accum 2: strategy pipeline already accumulates a step's "
+                                              "gradients over its 4 micro-batches"),
+    (dict(strategy="local_sgd", grad_accum=2), "--grad-accum 2: strategy local_sgd has no engine that accumulates"),
+    (dict(strategy="ps", clip_grad_norm=1.0), "--clip-grad-norm 1: strategy ps cannot clip by the global norm"),
+    (dict(overlap="forward", clip_grad_norm=1.0), "--clip-grad-norm 1: strategy dp applies each bucket as soon as"),
+    (dict(clip_grad_norm=1.0, noise_scale=True), "--clip-grad-norm 1: the noise scale"),
+])  # fmt: skip
+def test_bad_input_is_refused_before_any_process_starts(kw, message):
+    with pytest.raises(ConfigError) as e:
+        validate(_cfg(**kw))
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_good_input_passes_and_the_flags_are_in_the_help():
+    validate(_cfg(grad_accum=4, clip_grad_norm=1.0))
+    validate(_cfg(strategy="ps", grad_accum=2))
+    from dtrain.cli import run_help
+
+    text = " ".join(run_help().split())
+    assert "--grad-accum gradient accumulation: each optimizer step" in text, text
+    assert "--clip-grad-norm clip the gradient to global 2-norm MAX" in text, text
