@@ -12,6 +12,8 @@ any process starts.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from _helpers import dtrain_runs, mean_losses, read_metrics, read_summary
@@ -70,7 +72,7 @@ def _norms(out) -> dict[int, set[float]]:
 def accumulated(tmp_path_factory):
     root = tmp_path_factory.mktemp("accum")
     return dtrain_runs(root, COMMON, {
-        "dp": [], "dp_n2": ["--grad-accum", "2"],
+        "dp": [], "dp_n2": ["--grad-accum", "2", "--trace"],
         "zero2_n2": ["--shard", "gradients", "--grad-accum", "2"],
         "zero3_n2": ["--shard", "parameters", "--grad-accum", "2"]}, timeout=400)  # fmt: skip
 
@@ -103,6 +105,14 @@ def test_the_exchange_happens_once_per_optimizer_step(accumulated):
     sent = {name: {(r["step"], r["rank"]): r["bytes_sent"] for r in read_metrics(accumulated[name][0])}
             for name in accumulated}  # fmt: skip
     assert sent["dp_n2"] == sent["dp"] and min(sent["dp"].values()) > 0
+    # dp's row holds the figures of a step's synchronised backward: that there is one a step, and not one a
+    # micro-step, is in the trace (the end of each synchronised backward waits for the buckets, a span)
+    events = json.loads((accumulated["dp_n2"][0] / "trace.json").read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    waits = [e["pid"] for e in events if e.get("name") == "wait for buckets" and e.get("ph") in ("X", "B")]
+    assert sorted(waits) == [0] * STEPS + [1] * STEPS, waits
+    forwards = [e["pid"] for e in events if e.get("name") == "forward" and e.get("ph") in ("X", "B")]
+    assert len(forwards) == 2 * 2 * STEPS  # two micro-steps a step on each rank
     # ring reduce-scatter and allgather over 2 ranks: one segment of padded / 2 float32s per unit and collective
     seg = _cnn_padded(2) // 2 * 4
     later = [k for k in sent["dp"] if k[0] >= 1]  # step 0 of stages 1-2 has no stepped shards to gather yet
