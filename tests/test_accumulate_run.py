@@ -25,7 +25,7 @@ from dtrain.job.validate import validate
 STEPS, BATCH, LR = 3, 32, 0.05
 COMMON = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", str(BATCH), "--max-steps", str(STEPS),
           "--workers", "2", "--lr", str(LR)]  # fmt: skip
-GPT = ["--model", "gpt-tiny", "--dataset", "pytext", "--seq-len", "16", "--lr", "0.1"]
+GPT = ["--model", "gpt-tiny", "--dataset", "pytext", "--seq-len", "16"]
 # the clipped runs: norms far above MAX in each step (0.32, 0.29, 0.19 for the CNN; 3.7, 2.7, 2.2 for gpt-tiny), and a
 # learning rate at which the clip changes the losses 100x more than the tolerance (both checked below)
 CLIP_LR, MAX_NORM = 0.5, 0.05
@@ -68,13 +68,24 @@ def _norms(out) -> dict[int, set[float]]:
     return got
 
 
+N2 = ["--grad-accum", "2", "--trace"]  # the trace shows the micro-steps
+
+
+def _spans(out, name: str) -> list[int]:
+    """The ranks (trace pids) of every span ``name`` in a run's trace."""
+    events = json.loads((out / "trace.json").read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    return sorted(e["pid"] for e in events if e.get("name") == name and e.get("ph") in ("X", "B"))
+
+
 @pytest.fixture(scope="module")
 def accumulated(tmp_path_factory):
     root = tmp_path_factory.mktemp("accum")
     return dtrain_runs(root, COMMON, {
-        "dp": [], "dp_n2": ["--grad-accum", "2", "--trace"],
-        "zero2_n2": ["--shard", "gradients", "--grad-accum", "2"],
-        "zero3_n2": ["--shard", "parameters", "--grad-accum", "2"]}, timeout=400)  # fmt: skip
+        "dp": [], "dp_n2": [*N2], "zero2_n2": ["--shard", "gradients", *N2],
+        "zero3_n2": ["--shard", "parameters", *N2], "ddp_n2": ["--strategy", "ddp", *N2],
+        "dp_forward_n2": ["--overlap", "forward", *N2],
+        "ps": ["--strategy", "ps"], "ps_n2": ["--strategy", "ps", *N2]}, timeout=400)  # fmt: skip
 
 
 def _cnn_padded(world: int) -> int:
@@ -88,15 +99,18 @@ def _cnn_padded(world: int) -> int:
 
 @pytest.mark.procs
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["dp_n2", "zero2_n2", "zero3_n2"])
+@pytest.mark.parametrize("name", ["dp_n2", "zero2_n2", "zero3_n2", "ddp_n2", "dp_forward_n2", "ps_n2"])
 def test_two_micro_steps_of_half_the_batch_train_like_one_step(accumulated, name):
-    base, out = accumulated["dp"][0], accumulated[name][0]
+    base, out = accumulated["ps" if name == "ps_n2" else "dp"][0], accumulated[name][0]
     a, b = mean_losses(base), mean_losses(out)
     assert sorted(a) == sorted(b) == list(range(STEPS))
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
     assert read_summary(out)["metric"] == pytest.approx(read_summary(base)["metric"], abs=1e-9)
-    assert len(read_metrics(out)) == 2 * STEPS  # one row per optimizer step and rank
+    rows = read_metrics(out)
+    assert len(rows) == 2 * STEPS  # one row per optimizer step and rank
+    ranks = sorted({r["rank"] for r in rows})
+    assert _spans(out, "forward") == sorted(ranks * 2 * STEPS)  # two micro-steps a step on each worker
 
 
 @pytest.mark.procs
@@ -105,14 +119,10 @@ def test_the_exchange_happens_once_per_optimizer_step(accumulated):
     sent = {name: {(r["step"], r["rank"]): r["bytes_sent"] for r in read_metrics(accumulated[name][0])}
             for name in accumulated}  # fmt: skip
     assert sent["dp_n2"] == sent["dp"] and min(sent["dp"].values()) > 0
+    assert sent["ps_n2"] == sent["ps"] and min(sent["ps"].values()) > 0  # one push and pull a step
     # dp's row holds the figures of a step's synchronised backward: that there is one a step, and not one a
     # micro-step, is in the trace (the end of each synchronised backward waits for the buckets, a span)
-    events = json.loads((accumulated["dp_n2"][0] / "trace.json").read_text())
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    waits = [e["pid"] for e in events if e.get("name") == "wait for buckets" and e.get("ph") in ("X", "B")]
-    assert sorted(waits) == [0] * STEPS + [1] * STEPS, waits
-    forwards = [e["pid"] for e in events if e.get("name") == "forward" and e.get("ph") in ("X", "B")]
-    assert len(forwards) == 2 * 2 * STEPS  # two micro-steps a step on each rank
+    assert _spans(accumulated["dp_n2"][0], "wait for buckets") == [0] * STEPS + [1] * STEPS
     # ring reduce-scatter and allgather over 2 ranks: one segment of padded / 2 float32s per unit and collective
     seg = _cnn_padded(2) // 2 * 4
     later = [k for k in sent["dp"] if k[0] >= 1]  # step 0 of stages 1-2 has no stepped shards to gather yet
@@ -126,17 +136,19 @@ def test_the_exchange_happens_once_per_optimizer_step(accumulated):
 def clipped(tmp_path_factory):
     root = tmp_path_factory.mktemp("clip")
     clip = ["--clip-grad-norm", str(MAX_NORM), "--lr", str(CLIP_LR)]
+    tensor = ["--clip-grad-norm", str(GPT_MAX), "--strategy", "tensor", *GPT, "--lr", str(GPT_LR)]
     return dtrain_runs(root, COMMON, {
         "dp": clip, "zero3_n2": [*clip, "--shard", "parameters", "--grad-accum", "2"],
         "pipeline": [*clip, "--strategy", "pipeline", "--microbatches", "2"],
-        "tensor": ["--clip-grad-norm", str(GPT_MAX), "--strategy", "tensor", *GPT, "--lr", str(GPT_LR)]}, timeout=400)  # fmt: skip
+        "tensor": tensor, "tensor_n2": [*tensor, "--grad-accum", "2"],
+        "dp_fp16": [*clip, "--precision", "fp16"]}, timeout=400)  # fmt: skip
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["dp", "zero3_n2", "pipeline", "tensor"])
+@pytest.mark.parametrize("name", ["dp", "zero3_n2", "pipeline", "tensor", "tensor_n2"])
 def test_a_clipped_run_trains_like_one_process_clipped(clipped, name):
-    lm = name == "tensor"
+    lm = name.startswith("tensor")
     kw = dict(lr=GPT_LR, dataset="pytext", seq_len=16) if lm else dict(lr=CLIP_LR)
     model, limit = ("gpt-tiny", GPT_MAX) if lm else ("cnn", MAX_NORM)
     want, norms = _reference(model, limit, **kw)
@@ -185,3 +197,15 @@ def test_good_input_passes_and_the_flags_are_in_the_help():
     text = " ".join(run_help().split())
     assert "--grad-accum gradient accumulation: each optimizer step" in text, text
     assert "--clip-grad-norm clip the gradient to global 2-norm MAX" in text, text
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(900)
+def test_fp16_clips_the_unscaled_gradient(clipped):
+    """Under fp16 the loss is scaled (65536 at first) for backward: the norm clipped, and recorded, is the
+    unscaled gradient's, the fp32 loop's up to fp16's rounding (a scaled one would be 65536 times it)."""
+    _, norms = _reference("cnn", MAX_NORM, lr=CLIP_LR)
+    rows = [r for r in read_metrics(clipped["dp_fp16"][0]) if not r.get("overflow")]
+    assert rows and all(r["loss_scale"] > 1 for r in rows)
+    for r in rows:
+        assert r["grad_norm"] == pytest.approx(norms[r["step"]], rel=2e-2), r
