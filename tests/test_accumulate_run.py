@@ -1,13 +1,14 @@
 """``dtrain run --grad-accum N`` and ``--clip-grad-norm MAX`` through the CLI (real gloo processes, 2 workers, 3 steps).
 
-Accumulation: N = 2 micro-steps of B/N per rank train like one step of B (the same per-step losses and the same
-final test accuracy) under dp, ZeRO-2 and ZeRO-3, and dp's and ZeRO-2's bytes per optimizer step are the
-unaccumulated run's (the exchange happens once a step; ZeRO-3 gathers the parameters for every micro-step's
-forward and backward and reduce-scatters once: its closed form is checked). Clipping: dp, ZeRO-3 (with
-accumulation too), a 2-stage pipeline and tensor parallelism over 2 ranks train like a plain torch loop on the
-global batch with ``torch.nn.utils.clip_grad_norm_``, and each row's ``grad_norm`` is that loop's norm before
-clipping; the loop without clipping is checked to be far from it (the clip binds). Bad input is refused before
-any process starts.
+Accumulation: N = 2 micro-steps of B/N per rank train like one step of B (the same per-step losses and final
+test accuracy) under dp (both overlaps), ddp, ZeRO 1-3 and ps bsp; every accumulated run's trace holds two
+forwards a step, dp's one synchronised backward a step; the bytes per optimizer step of dp, ZeRO 1-2 and ps are
+the unaccumulated run's (ZeRO-3 gathers the parameters for every micro-step's forward and backward and
+reduce-scatters once: its closed form is checked). Clipping: dp, ddp, ZeRO-3 (with accumulation too), a 2-stage
+pipeline and tensor parallelism over 2 ranks (with and without accumulation) train like a plain torch loop on
+the global batch with ``torch.nn.utils.clip_grad_norm_``, and each row's ``grad_norm`` is that loop's norm
+before clipping; the loop without clipping is checked to be far from it (the clip binds); under fp16 the norm
+is the unscaled gradient's. Bad input is refused before any process starts.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _spans(out, name: str) -> list[int]:
 def accumulated(tmp_path_factory):
     root = tmp_path_factory.mktemp("accum")
     return dtrain_runs(root, COMMON, {
-        "dp": [], "dp_n2": [*N2], "zero2_n2": ["--shard", "gradients", *N2],
+        "dp": [], "dp_n2": [*N2], "zero1_n2": ["--shard", "optimizer", *N2], "zero2_n2": ["--shard", "gradients", *N2],
         "zero3_n2": ["--shard", "parameters", *N2], "ddp_n2": ["--strategy", "ddp", *N2],
         "dp_forward_n2": ["--overlap", "forward", *N2],
         "ps": ["--strategy", "ps"], "ps_n2": ["--strategy", "ps", *N2]}, timeout=400)  # fmt: skip
@@ -99,7 +100,7 @@ def _cnn_padded(world: int) -> int:
 
 @pytest.mark.procs
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["dp_n2", "zero2_n2", "zero3_n2", "ddp_n2", "dp_forward_n2", "ps_n2"])
+@pytest.mark.parametrize("name", ["dp_n2", "zero1_n2", "zero2_n2", "zero3_n2", "ddp_n2", "dp_forward_n2", "ps_n2"])
 def test_two_micro_steps_of_half_the_batch_train_like_one_step(accumulated, name):
     base, out = accumulated["ps" if name == "ps_n2" else "dp"][0], accumulated[name][0]
     a, b = mean_losses(base), mean_losses(out)
@@ -126,7 +127,8 @@ def test_the_exchange_happens_once_per_optimizer_step(accumulated):
     # ring reduce-scatter and allgather over 2 ranks: one segment of padded / 2 float32s per unit and collective
     seg = _cnn_padded(2) // 2 * 4
     later = [k for k in sent["dp"] if k[0] >= 1]  # step 0 of stages 1-2 has no stepped shards to gather yet
-    assert {sent["zero2_n2"][k] for k in later} == {2 * seg}  # the unaccumulated run's closed form
+    for zero in ("zero1_n2", "zero2_n2"):
+        assert {sent[zero][k] for k in later} == {2 * seg}, zero  # the unaccumulated run's closed form
     # stage 3 gathers every unit for each micro-step's forward and backward, and reduce-scatters once:
     # 2 x 2 + 1 collectives instead of the unaccumulated 3
     assert set(sent["zero3_n2"].values()) == {5 * seg}
@@ -138,7 +140,8 @@ def clipped(tmp_path_factory):
     clip = ["--clip-grad-norm", str(MAX_NORM), "--lr", str(CLIP_LR)]
     tensor = ["--clip-grad-norm", str(GPT_MAX), "--strategy", "tensor", *GPT, "--lr", str(GPT_LR)]
     return dtrain_runs(root, COMMON, {
-        "dp": clip, "zero3_n2": [*clip, "--shard", "parameters", "--grad-accum", "2"],
+        "dp": clip, "ddp": [*clip, "--strategy", "ddp"],
+        "zero3_n2": [*clip, "--shard", "parameters", "--grad-accum", "2"],
         "pipeline": [*clip, "--strategy", "pipeline", "--microbatches", "2"],
         "tensor": tensor, "tensor_n2": [*tensor, "--grad-accum", "2"],
         "dp_fp16": [*clip, "--precision", "fp16"]}, timeout=400)  # fmt: skip
@@ -146,7 +149,7 @@ def clipped(tmp_path_factory):
 
 @pytest.mark.procs
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["dp", "zero3_n2", "pipeline", "tensor", "tensor_n2"])
+@pytest.mark.parametrize("name", ["dp", "ddp", "zero3_n2", "pipeline", "tensor", "tensor_n2"])
 def test_a_clipped_run_trains_like_one_process_clipped(clipped, name):
     lm = name.startswith("tensor")
     kw = dict(lr=GPT_LR, dataset="pytext", seq_len=16) if lm else dict(lr=CLIP_LR)
