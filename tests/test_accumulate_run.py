@@ -5,10 +5,10 @@ test accuracy) under dp (both overlaps), ddp, ZeRO 1-3 and ps bsp; every accumul
 forwards a step, dp's one synchronised backward a step; the bytes per optimizer step of dp, ZeRO 1-2 and ps are
 the unaccumulated run's (ZeRO-3 gathers the parameters for every micro-step's forward and backward and
 reduce-scatters once: its closed form is checked). Clipping: dp, ddp, ZeRO-3 (with accumulation too), a 2-stage
-pipeline and tensor parallelism over 2 ranks (with and without accumulation) train like a plain torch loop on
-the global batch with ``torch.nn.utils.clip_grad_norm_``, and each row's ``grad_norm`` is that loop's norm
-before clipping; the loop without clipping is checked to be far from it (the clip binds); under fp16 the norm
-is the unscaled gradient's. Bad input is refused before any process starts.
+pipeline, ps bsp on 2 servers and tensor parallelism over 2 ranks (with and without accumulation) train like a
+plain torch loop on the global batch with ``torch.nn.utils.clip_grad_norm_``, and each row's ``grad_norm`` is
+that loop's norm before clipping; the loop without clipping is checked to be far from it (the clip binds);
+under fp16 the norm is the unscaled gradient's. Bad input is refused before any process starts.
 """
 
 from __future__ import annotations
@@ -143,13 +143,14 @@ def clipped(tmp_path_factory):
         "dp": clip, "ddp": [*clip, "--strategy", "ddp"],
         "zero3_n2": [*clip, "--shard", "parameters", "--grad-accum", "2"],
         "pipeline": [*clip, "--strategy", "pipeline", "--microbatches", "2"],
+        "ps": [*clip, "--strategy", "ps", "--servers", "2"],
         "tensor": tensor, "tensor_n2": [*tensor, "--grad-accum", "2"],
         "dp_fp16": [*clip, "--precision", "fp16"]}, timeout=400)  # fmt: skip
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["dp", "ddp", "zero3_n2", "pipeline", "tensor", "tensor_n2"])
+@pytest.mark.parametrize("name", ["dp", "ddp", "zero3_n2", "pipeline", "ps", "tensor", "tensor_n2"])
 def test_a_clipped_run_trains_like_one_process_clipped(clipped, name):
     lm = name.startswith("tensor")
     kw = dict(lr=GPT_LR, dataset="pytext", seq_len=16) if lm else dict(lr=CLIP_LR)
@@ -182,7 +183,8 @@ def _cfg(**kw: object) -> RunConfig:
     (dict(strategy="pipeline", grad_accum=2), "--grad-accum 2: strategy pipeline already accumulates a step's "
                                               "gradients over its 4 micro-batches"),
     (dict(strategy="local_sgd", grad_accum=2), "--grad-accum 2: strategy local_sgd has no engine that accumulates"),
-    (dict(strategy="ps", clip_grad_norm=1.0), "--clip-grad-norm 1: strategy ps cannot clip by the global norm"),
+    (dict(strategy="ps", consistency="asp", clip_grad_norm=1.0), "--clip-grad-norm 1: strategy ps --consistency asp "
+                                                                 "clips nothing"),
     (dict(overlap="forward", clip_grad_norm=1.0), "--clip-grad-norm 1: strategy dp applies each bucket as soon as"),
     (dict(clip_grad_norm=1.0, noise_scale=True), "--clip-grad-norm 1: the noise scale"),
 ])  # fmt: skip

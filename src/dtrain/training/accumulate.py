@@ -19,7 +19,8 @@ summed, then (``reduce``) summed over the ranks holding the other pieces; every 
 ``min(1, MAX / (total + 1e-6))``. Each engine that can clip (:class:`ClipsGradients`) says which
 pieces are its own: data parallelism holds the whole averaged gradient (no reduction), ZeRO a shard
 (``ShardedDataParallel.clip_grad_norm_``), a pipeline stage its layers, a tensor-parallel rank its
-slices with the replicated parameters counted once. The loop clips after fp16's unscaling and the
+slices with the replicated parameters counted once; a parameter server's servers clip the aggregated
+gradient, each its shard (:mod:`dtrain.param_server.clipping`). The loop clips after fp16's unscaling and the
 numerics guard, before the optimizer step, and records the norm before clipping as ``grad_norm``.
 """
 
@@ -47,8 +48,9 @@ class Accumulates(Protocol):
 class ClipsGradients(Protocol):
     """An engine that clips the step's gradient by its global 2-norm (every rank of the step calls it)."""
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale the gradients this rank applies so that the global norm is at most ``max_norm``; the norm before."""
+    def clip_grad_norm(self, max_norm: float) -> float | None:
+        """Scale the gradients this rank applies so that the global norm is at most ``max_norm``; the norm before
+        (None: the gradient is clipped after it leaves this rank, as a parameter server's servers do)."""
 
 
 def _chunk(t: Any, n: int) -> list[Any]:

@@ -242,7 +242,9 @@ def _clip(ctx: TrainContext, engine: Engine, row: dict[str, Any]) -> None:
     if not isinstance(engine, ClipsGradients):
         raise ConfigError(f"--clip-grad-norm: strategy {ctx.cfg.strategy}'s engine cannot clip by the global norm")
     with ctx.tracer.span("clip"):
-        row["grad_norm"] = engine.clip_grad_norm(max_norm)
+        norm = engine.clip_grad_norm(max_norm)
+    if norm is not None:  # None: clipped elsewhere (a parameter server's servers); the engine's row has it
+        row["grad_norm"] = norm
 
 
 def _inject_overflow(ctx: TrainContext, engine: Engine, step: int) -> None:
