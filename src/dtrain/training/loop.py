@@ -219,7 +219,12 @@ def _gradients(ctx: TrainContext, engine: Engine, x: Any, y: Any, scaler: LossSc
     ctx.loss_scale = scaler.loss_scale if scaler is not None else 1.0
     n = ctx.cfg.grad_accum
     if isinstance(engine, WholeStep):  # a pipeline interleaves forwards and backwards of micro-batches
-        params = [p for _, p in engine.named_parameters()] if n > 1 and isinstance(engine, SkipsSteps) else []
+        params: list[nn.Parameter] = []
+        if n > 1:
+            if not isinstance(engine, SkipsSteps):
+                raise ConfigError(f"--grad-accum {n}: strategy {ctx.cfg.strategy}'s whole-step engine names no "
+                                  "parameters whose summed gradients the loop could divide by the micro-steps")
+            params = [p for _, p in engine.named_parameters()]
         with ctx.precision.autocast():  # its loss function is ctx.scaled_loss; it returns the unscaled
             return whole_micro_steps(engine.train_step, params, x, y, n)
 
