@@ -9,6 +9,9 @@ pipeline, ps bsp on 2 servers and tensor parallelism over 2 ranks (with and with
 plain torch loop on the global batch with ``torch.nn.utils.clip_grad_norm_``, and each row's ``grad_norm`` is
 that loop's norm before clipping; the loop without clipping is checked to be far from it (the clip binds);
 under fp16 the norm is the unscaled gradient's. Bad input is refused before any process starts.
+
+The default tier runs dp, ZeRO-2/3 and tensor parallelism (7 runs); the other strategies are marked slow
+(10 more runs, about 20 s each on 2 cores): ``pytest -m slow tests/test_accumulate_run.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ GPT = ["--model", "gpt-tiny", "--dataset", "pytext", "--seq-len", "16"]
 # learning rate at which the clip changes the losses 100x more than the tolerance (both checked below)
 CLIP_LR, MAX_NORM = 0.5, 0.05
 GPT_LR, GPT_MAX = 0.1, 0.5
+CLIP = ["--clip-grad-norm", str(MAX_NORM), "--lr", str(CLIP_LR)]
+TENSOR = ["--clip-grad-norm", str(GPT_MAX), "--strategy", "tensor", *GPT, "--lr", str(GPT_LR)]
 
 
 def _reference(model: str, clip: float, *, lr: float, dataset: str = "digits",
@@ -81,12 +86,24 @@ def _spans(out, name: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def accumulated(tmp_path_factory):
+    """The default tier's runs: dp without and with accumulation, ZeRO-2 and ZeRO-3 with it."""
     root = tmp_path_factory.mktemp("accum")
     return dtrain_runs(root, COMMON, {
-        "dp": [], "dp_n2": [*N2], "zero1_n2": ["--shard", "optimizer", *N2], "zero2_n2": ["--shard", "gradients", *N2],
-        "zero3_n2": ["--shard", "parameters", *N2], "ddp_n2": ["--strategy", "ddp", *N2],
+        "dp": [], "dp_n2": [*N2], "zero2_n2": ["--shard", "gradients", *N2],
+        "zero3_n2": ["--shard", "parameters", *N2]}, timeout=400)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def accumulated_more(accumulated, tmp_path_factory):
+    """The slow tier's: ZeRO-1, ddp, dp --overlap forward, ps bsp without and with accumulation."""
+    root = tmp_path_factory.mktemp("accum_more")
+    return {**accumulated, **dtrain_runs(root, COMMON, {
+        "zero1_n2": ["--shard", "optimizer", *N2], "ddp_n2": ["--strategy", "ddp", *N2],
         "dp_forward_n2": ["--overlap", "forward", *N2],
-        "ps": ["--strategy", "ps"], "ps_n2": ["--strategy", "ps", *N2]}, timeout=400)  # fmt: skip
+        "ps": ["--strategy", "ps"], "ps_n2": ["--strategy", "ps", *N2]}, timeout=400)}  # fmt: skip
+
+
+SLOW = pytest.mark.slow  # about 20 s a run on 2 cores: the rest of the strategies in the slow tier
 
 
 def _cnn_padded(world: int) -> int:
@@ -100,9 +117,11 @@ def _cnn_padded(world: int) -> int:
 
 @pytest.mark.procs
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["dp_n2", "zero1_n2", "zero2_n2", "zero3_n2", "ddp_n2", "dp_forward_n2", "ps_n2"])
-def test_two_micro_steps_of_half_the_batch_train_like_one_step(accumulated, name):
-    base, out = accumulated["ps" if name == "ps_n2" else "dp"][0], accumulated[name][0]
+@pytest.mark.parametrize("name", ["dp_n2", "zero2_n2", "zero3_n2", *(pytest.param(n, marks=SLOW) for n in (
+    "zero1_n2", "ddp_n2", "dp_forward_n2", "ps_n2"))])  # fmt: skip
+def test_two_micro_steps_of_half_the_batch_train_like_one_step(request, name):
+    runs = request.getfixturevalue("accumulated" if name in ("dp_n2", "zero2_n2", "zero3_n2") else "accumulated_more")
+    base, out = runs["ps" if name == "ps_n2" else "dp"][0], runs[name][0]
     a, b = mean_losses(base), mean_losses(out)
     assert sorted(a) == sorted(b) == list(range(STEPS))
     for step in a:
@@ -120,38 +139,54 @@ def test_the_exchange_happens_once_per_optimizer_step(accumulated):
     sent = {name: {(r["step"], r["rank"]): r["bytes_sent"] for r in read_metrics(accumulated[name][0])}
             for name in accumulated}  # fmt: skip
     assert sent["dp_n2"] == sent["dp"] and min(sent["dp"].values()) > 0
-    assert sent["ps_n2"] == sent["ps"] and min(sent["ps"].values()) > 0  # one push and pull a step
     # dp's row holds the figures of a step's synchronised backward: that there is one a step, and not one a
     # micro-step, is in the trace (the end of each synchronised backward waits for the buckets, a span)
     assert _spans(accumulated["dp_n2"][0], "wait for buckets") == [0] * STEPS + [1] * STEPS
     # ring reduce-scatter and allgather over 2 ranks: one segment of padded / 2 float32s per unit and collective
     seg = _cnn_padded(2) // 2 * 4
     later = [k for k in sent["dp"] if k[0] >= 1]  # step 0 of stages 1-2 has no stepped shards to gather yet
-    for zero in ("zero1_n2", "zero2_n2"):
-        assert {sent[zero][k] for k in later} == {2 * seg}, zero  # the unaccumulated run's closed form
+    assert {sent["zero2_n2"][k] for k in later} == {2 * seg}  # the unaccumulated run's closed form
     # stage 3 gathers every unit for each micro-step's forward and backward, and reduce-scatters once:
     # 2 x 2 + 1 collectives instead of the unaccumulated 3
     assert set(sent["zero3_n2"].values()) == {5 * seg}
 
 
+@pytest.mark.procs
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_zero1_and_ps_exchange_once_per_optimizer_step(accumulated_more):
+    sent = {name: {(r["step"], r["rank"]): r["bytes_sent"] for r in read_metrics(accumulated_more[name][0])}
+            for name in ("zero1_n2", "ps", "ps_n2")}  # fmt: skip
+    assert sent["ps_n2"] == sent["ps"] and min(sent["ps"].values()) > 0  # one push and pull a step
+    seg = _cnn_padded(2) // 2 * 4
+    assert {v for (step, _), v in sent["zero1_n2"].items() if step >= 1} == {2 * seg}
+
+
 @pytest.fixture(scope="module")
 def clipped(tmp_path_factory):
+    """The default tier's clipped runs: dp, ZeRO-3 with accumulation, tensor parallel."""
     root = tmp_path_factory.mktemp("clip")
-    clip = ["--clip-grad-norm", str(MAX_NORM), "--lr", str(CLIP_LR)]
-    tensor = ["--clip-grad-norm", str(GPT_MAX), "--strategy", "tensor", *GPT, "--lr", str(GPT_LR)]
     return dtrain_runs(root, COMMON, {
-        "dp": clip, "ddp": [*clip, "--strategy", "ddp"],
-        "zero3_n2": [*clip, "--shard", "parameters", "--grad-accum", "2"],
-        "pipeline": [*clip, "--strategy", "pipeline", "--microbatches", "2"],
-        "ps": [*clip, "--strategy", "ps", "--servers", "2"],
-        "tensor": tensor, "tensor_n2": [*tensor, "--grad-accum", "2"],
-        "dp_fp16": [*clip, "--precision", "fp16"]}, timeout=400)  # fmt: skip
+        "dp": CLIP, "zero3_n2": [*CLIP, "--shard", "parameters", "--grad-accum", "2"], "tensor": TENSOR},
+        timeout=400)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def clipped_more(clipped, tmp_path_factory):
+    """The slow tier's: ddp, a 2-stage pipeline, ps bsp on 2 servers, tensor with accumulation, dp under fp16."""
+    root = tmp_path_factory.mktemp("clip_more")
+    return {**clipped, **dtrain_runs(root, COMMON, {
+        "ddp": [*CLIP, "--strategy", "ddp"], "pipeline": [*CLIP, "--strategy", "pipeline", "--microbatches", "2"],
+        "ps": [*CLIP, "--strategy", "ps", "--servers", "2"], "tensor_n2": [*TENSOR, "--grad-accum", "2"],
+        "dp_fp16": [*CLIP, "--precision", "fp16"]}, timeout=400)}  # fmt: skip
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["dp", "ddp", "zero3_n2", "pipeline", "ps", "tensor", "tensor_n2"])
-def test_a_clipped_run_trains_like_one_process_clipped(clipped, name):
+@pytest.mark.parametrize("name", ["dp", "zero3_n2", "tensor", *(pytest.param(n, marks=SLOW) for n in (
+    "ddp", "pipeline", "ps", "tensor_n2"))])  # fmt: skip
+def test_a_clipped_run_trains_like_one_process_clipped(request, name):
+    clipped = request.getfixturevalue("clipped" if name in ("dp", "zero3_n2", "tensor") else "clipped_more")
     lm = name.startswith("tensor")
     kw = dict(lr=GPT_LR, dataset="pytext", seq_len=16) if lm else dict(lr=CLIP_LR)
     model, limit = ("gpt-tiny", GPT_MAX) if lm else ("cnn", MAX_NORM)
@@ -205,12 +240,13 @@ def test_good_input_passes_and_the_flags_are_in_the_help():
 
 
 @pytest.mark.procs
+@pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_fp16_clips_the_unscaled_gradient(clipped):
+def test_fp16_clips_the_unscaled_gradient(clipped_more):
     """Under fp16 the loss is scaled (65536 at first) for backward: the norm clipped, and recorded, is the
     unscaled gradient's, the fp32 loop's up to fp16's rounding (a scaled one would be 65536 times it)."""
     _, norms = _reference("cnn", MAX_NORM, lr=CLIP_LR)
-    rows = [r for r in read_metrics(clipped["dp_fp16"][0]) if not r.get("overflow")]
+    rows = [r for r in read_metrics(clipped_more["dp_fp16"][0]) if not r.get("overflow")]
     assert rows and all(r["loss_scale"] > 1 for r in rows)
     for r in rows:
         assert r["grad_norm"] == pytest.approx(norms[r["step"]], rel=2e-2), r
