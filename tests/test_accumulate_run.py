@@ -10,8 +10,9 @@ plain torch loop on the global batch with ``torch.nn.utils.clip_grad_norm_``, an
 that loop's norm before clipping; the loop without clipping is checked to be far from it (the clip binds);
 under fp16 the norm is the unscaled gradient's. Bad input is refused before any process starts.
 
-The default tier runs dp, ZeRO-2/3 and tensor parallelism (7 runs); the other strategies are marked slow
-(10 more runs, about 20 s each on 2 cores): ``pytest -m slow tests/test_accumulate_run.py``.
+The default tier runs dp, ZeRO-2/3 and tensor parallelism (7 runs, about a minute); the other strategies and
+the final parameters are marked slow (13 more runs, about 3 minutes on 2 cores):
+``pytest -m slow tests/test_accumulate_run.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dtrain.job.validate import validate
 STEPS, BATCH, LR = 3, 32, 0.05
 COMMON = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", str(BATCH), "--max-steps", str(STEPS),
           "--workers", "2", "--lr", str(LR)]  # fmt: skip
-GPT = ["--model", "gpt-tiny", "--dataset", "pytext", "--seq-len", "16"]
+GPT = ["--model", "gpt-tiny", "--dataset", "pytext", "--seq-len", "16", "--eval-samples", "64"]
 # the clipped runs: norms far above MAX in each step (0.32, 0.29, 0.19 for the CNN; 3.7, 2.7, 2.2 for gpt-tiny), and a
 # learning rate at which the clip changes the losses 100x more than the tolerance (both checked below)
 CLIP_LR, MAX_NORM = 0.5, 0.05
@@ -160,6 +161,33 @@ def test_zero1_and_ps_exchange_once_per_optimizer_step(accumulated_more):
     assert sent["ps_n2"] == sent["ps"] and min(sent["ps"].values()) > 0  # one push and pull a step
     seg = _cnn_padded(2) // 2 * 4
     assert {v for (step, _), v in sent["zero1_n2"].items() if step >= 1} == {2 * seg}
+
+
+@pytest.mark.procs
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_final_parameters_of_an_accumulated_run_are_the_unaccumulated_ones(tmp_path):
+    """gpt-tiny (a language model's run leaves its final parameters in model.pt): dp with 2 micro-steps and ZeRO-3
+    with 2 micro-steps end with dp's parameters and validation loss."""
+    runs = dtrain_runs(tmp_path, [*COMMON, *GPT, "--lr", str(GPT_LR)], {
+        "dp": [], "dp_n2": ["--grad-accum", "2"], "zero3_n2": ["--shard", "parameters", "--grad-accum", "2"]},
+        timeout=400)  # fmt: skip
+    want = torch.load(runs["dp"][0] / "model.pt")
+    for name in ("dp_n2", "zero3_n2"):
+        got = torch.load(runs[name][0] / "model.pt")
+        assert sorted(got) == sorted(want), name
+        moved = max(float((want[k] - got[k]).abs().max()) for k in want)
+        assert moved < 1e-5, (name, moved)
+        assert read_summary(runs[name][0])["val_loss"] == pytest.approx(read_summary(runs["dp"][0])["val_loss"],
+                                                                        rel=1e-5)  # fmt: skip
+    from dtrain.workloads.data import load_dataset
+    from dtrain.workloads.models import build_model
+
+    ds = load_dataset("pytext", seed=0, seq_len=16)
+    torch.manual_seed(0)
+    init = build_model("gpt-tiny", ds.input_shape, ds.num_classes).state_dict()
+    # the 1e-5 above can fail: the 3 steps moved the parameters far more than it
+    assert max(float((want[k] - init[k]).abs().max()) for k in want) > 1e-3
 
 
 @pytest.fixture(scope="module")
