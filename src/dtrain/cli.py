@@ -47,8 +47,8 @@ _GROUPS = {"model": "what to train", "strategy": "how to distribute it", "out": 
 _NODES = "several machines (the same command on each node; inside SLURM's srun they come from its environment)"
 _NODES_SHORT = "several machines (the same command on each node)"
 _RUN_USAGE = "dtrain run [-h] [CONFIG] [--strategy NAME] [FLAG ...]"
-_RUN_DESCRIPTION = ("Train a model. With no argument: 4 local workers, the CNN on digits, data parallel with ring "
-                    "allreduce. CONFIG: a TOML file with the flags' keys (the flags override it).")
+_RUN_DESCRIPTION = ("Train a model (no argument: 4 local workers, the CNN on digits, data parallel, ring allreduce). "
+                    "CONFIG: a TOML file of the flags' keys (flags override it).")
 # subcommands that live in other packages: name -> module with main(argv) -> int
 _BENCHES = {
     "allreduce": "dtrain.measure.allreduce",
@@ -177,8 +177,8 @@ def run_help(strategy: str | None = None) -> str:
     def flag(f: dataclasses.Field[Any]) -> str:
         return _flag(f.name).replace("--", "--[no-]") if isinstance(f.default, bool) else _flag(f.name)
 
-    out = [f"usage: {_RUN_USAGE}", "", *textwrap.wrap(f"{_RUN_DESCRIPTION} Each flag in full: dtrain run --strategy "
-                                                      "NAME --help.", width)]  # fmt: skip
+    # (each flag in full: the title of the strategies' options says how)
+    out = [f"usage: {_RUN_USAGE}", "", *textwrap.wrap(_RUN_DESCRIPTION, width)]
     for title, group in _shared_groups():
         out += ["", f"{title}:", *(entry(flag(f), _help(f)) for f in group)]
     out += ["", "strategy options (each in full: dtrain run --strategy NAME --help):"]

@@ -93,6 +93,16 @@ class StrategyOptions:
         """Whether a checkpoint of this strategy resumes on another number of workers (default: no)."""
         return False
 
+    def refuses_grad_accum(self, workers: int) -> str:
+        """Why this strategy cannot accumulate gradients over micro-steps (``--grad-accum``): the end of
+        the line ``strategy NAME ...``; "" when it can (default: it cannot; an engine that can says so)."""
+        return "has no engine that accumulates micro-steps"
+
+    def refuses_clip_grad_norm(self, workers: int) -> str:
+        """Why this strategy cannot clip by the global gradient norm (``--clip-grad-norm``): the end of the
+        line ``strategy NAME ...``; "" when it can (default: it cannot; an engine that can says so)."""
+        return "has no engine that computes the global gradient norm"
+
     def approximation(self) -> str:
         """What the strategy trades against single-process training ("" when it is exact)."""
         return ""

@@ -238,6 +238,14 @@ class RunConfig:
                            "autocast with float32 master weights; fp16 scales the loss (dynamic, the overflow skip "
                            "agreed by every rank of a step); gradients travel in 16 bits (default: fp32)"})
     weight_decay: float = field(default=0.0, metadata={"help": "the optimizer's weight decay (default: 0)"})
+    grad_accum: int = field(default=1, metadata={"help": "gradient accumulation: each optimizer step runs forward "
+                            "and backward on N micro-batches of the per-worker batch / N, each loss divided by N, and "
+                            "the gradients are exchanged once (--batch-size stays the samples per optimizer step) "
+                            "(default: 1)"})
+    clip_grad_norm: float = field(default=0.0, metadata={"help": "clip the gradient to global 2-norm MAX before the "
+                                  "optimizer step, as torch.nn.utils.clip_grad_norm_ on the global batch's averaged "
+                                  "gradient (after fp16 unscaling); metrics.jsonl records the norm before clipping as "
+                                  "grad_norm (default: 0, off)"})
     seed: int = field(default=0, metadata={"help": "seed of the data, the model's initialization and the sampling "
                       "(default: 0)"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many steps (default: 0, no limit)"})

@@ -119,6 +119,20 @@ class Hybrid:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return iter(self.pipe.named_parameters()) if self.pipe is not None else self.model.named_parameters()
 
+    def split_parameters(self) -> set[int]:
+        """The ids of this rank's parameters that are slices split over tp (the column- and row-parallel
+        weights, a column-parallel bias, the vocabulary-split embedding and head); the rest are whole on every
+        tp rank (norms, a row-parallel bias, position embeddings)."""
+        import dtrain.tensor_parallel as tp
+
+        split: set[int] = set()
+        for m in self.model.modules():
+            if isinstance(m, tp.ColumnParallelLinear):
+                split.update(id(p) for p in m.parameters(recurse=False))
+            elif isinstance(m, (tp.RowParallelLinear, tp.VocabParallelEmbedding)):
+                split.add(id(m.weight))
+        return split
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward and backward of this rank's dp shard of the batch; gradients averaged over dp."""
         if self.pipe is not None:

@@ -9,6 +9,7 @@ checkpoint to resume (read on disk). :func:`dtrain.job.run.run` calls it in the 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 from dtrain.config.schema import (
@@ -23,6 +24,7 @@ from dtrain.config.schema import (
 )
 from dtrain.errors import ConfigError, check_choice
 from dtrain.registry import get, registered
+from dtrain.workloads.batch import split_batch
 
 if TYPE_CHECKING:
     from dtrain.workloads.data import DatasetSplit
@@ -190,6 +192,42 @@ def _check_numbers(cfg: RunConfig) -> None:
 
     check_model(cfg, data)
     _check_large_batch(cfg, size)
+    _check_step(cfg)
+
+
+def _check_step(cfg: RunConfig) -> None:
+    """``--grad-accum`` and ``--clip-grad-norm``: their values, the micro-batch, and whether the strategy can."""
+    n, clip = cfg.grad_accum, cfg.clip_grad_norm
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"grad_accum must be an integer >= 1 (micro-steps per optimizer step), got {n!r}")
+    if not (clip >= 0 and math.isfinite(clip)):
+        raise ConfigError(f"clip_grad_norm must be >= 0 (0: no clipping), got {clip:g}")
+    shards = cfg.opts.batch_shards(cfg.workers)
+    if n > 1:
+        why = cfg.opts.refuses_grad_accum(cfg.workers)
+        if why:
+            raise ConfigError(f"--grad-accum {n}: strategy {cfg.strategy} {why}")
+        if cfg.batch_schedule == "auto":
+            raise ConfigError(f"--grad-accum {n} with --batch-schedule auto: the grown batch is not checked to "
+                              "split into micro-batches; drop one of them")  # fmt: skip
+        batches = [cfg.batch_size]
+        if cfg.batch_schedule:
+            from dtrain.optim.large_batch import parse_batch_schedule
+
+            batches = [b for _, b in parse_batch_schedule(cfg.batch_schedule)]
+        for b in batches:
+            per = split_batch(b, shards)[0]
+            if per % n:
+                raise ConfigError(f"--grad-accum {n}: the per-worker batch of {per} (--batch-size {b} over {shards} "
+                                  f"shard{'s' if shards > 1 else ''}) does not split into {n} equal micro-batches; "
+                                  f"use --batch-size a multiple of {shards * n}")  # fmt: skip
+    if clip > 0:
+        why = cfg.opts.refuses_clip_grad_norm(cfg.workers)
+        if why:
+            raise ConfigError(f"--clip-grad-norm {clip:g}: strategy {cfg.strategy} {why}")
+        if cfg.noise_scale or cfg.batch_schedule == "auto":
+            raise ConfigError(f"--clip-grad-norm {clip:g}: the noise scale (--noise-scale, --batch-schedule auto) "
+                              "is measured on the unclipped gradient the optimizer would apply; drop one of them")
 
 
 def _check_bundled(cfg: RunConfig) -> None:

@@ -76,6 +76,21 @@ def reshard_server_state(state: dict[str, Any], workers: Sequence[int], spec: Co
     return {**state, "clock": {int(w): clock for w in workers}, "received": clock * len(workers)}
 
 
+def _check_arguments(model: Any, optimizer_factory: Any, servers: Any, timeout_s: float,
+                     max_gradients: int | None) -> None:  # fmt: skip
+    """:class:`ParameterServer`'s own checks of its arguments (ConfigError naming the one that is wrong)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(optimizer_factory):
+        raise ConfigError("optimizer_factory must be callable: params -> torch.optim.Optimizer")
+    if not isinstance(servers, int) or servers < 1:
+        raise ConfigError(f"servers must be an integer >= 1, got {servers!r}")
+    if not timeout_s > 0:
+        raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
+    if max_gradients is not None and max_gradients < 1:
+        raise ConfigError(f"max_gradients must be >= 1 or None, got {max_gradients}")
+
+
 class ParameterServer:
     """Parameter-server training under a consistency model.
 
@@ -110,6 +125,8 @@ class ParameterServer:
         reshard: ``state`` may come from a run with another number of workers (bsp
             only, as :func:`reshard_server_state` says); a worker then takes any saved
             worker's state (default: False: the same workers, or a ConfigError).
+        clip_grad_norm: bsp only: clip each update's aggregated gradient to this global 2-norm
+            (:mod:`dtrain.param_server.clipping`; :meth:`grad_norm` reads it) (default: 0, off).
     """
 
     def __init__(
@@ -131,18 +148,13 @@ class ParameterServer:
         state: dict[str, Any] | None = None,
         on_update: Callable[[int, bool], None] | None = None,
         reshard: bool = False,
+        clip_grad_norm: float = 0.0,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(optimizer_factory):
-            raise ConfigError("optimizer_factory must be callable: params -> torch.optim.Optimizer")
-        if not isinstance(servers, int) or servers < 1:
-            raise ConfigError(f"servers must be an integer >= 1, got {servers!r}")
-        if not timeout_s > 0:
-            raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
-        if max_gradients is not None and max_gradients < 1:
-            raise ConfigError(f"max_gradients must be >= 1 or None, got {max_gradients}")
+        _check_arguments(model, optimizer_factory, servers, timeout_s, max_gradients)
         self.spec = parse_consistency(consistency, staleness_lr=staleness_lr)
+        if clip_grad_norm and self.spec.kind != "bsp":
+            raise ConfigError(f"clip_grad_norm clips each update's gradient over every server's shard, which bsp "
+                              f"alone applies in step on every server; consistency is {self.spec}")
         self.params = [p for p in model.parameters()]
         if not self.params:
             raise ConfigError("the model has no parameters")
@@ -179,6 +191,10 @@ class ParameterServer:
                 workers, push_c, pull_c, self._live, timeout_s, max_gradients,
             )
             self._server.on_update = on_update
+            if clip_grad_norm:
+                from dtrain.param_server.clipping import ShardClipper
+
+                self._server.clip = ShardClipper(store, prefix, self.rank, servers, clip_grad_norm, timeout_s)
             if state is not None:
                 if reshard and sorted(int(w) for w in state["clock"]) != workers:
                     state = reshard_server_state(state, workers, self.spec)
@@ -262,6 +278,12 @@ class ParameterServer:
             return {"role": "server", **self._server.state_dict()}
         assert self._client is not None
         return {"role": "worker", **self._client.state_dict()}
+
+    def grad_norm(self, version: int) -> float:
+        """``clip_grad_norm``: the global norm of update ``version``'s aggregated gradient, before clipping."""
+        from dtrain.param_server.clipping import read_norm
+
+        return read_norm(self.store, self.store_prefix, version, self.num_servers, self.timeout_s)
 
     @property
     def should_stop(self) -> bool:

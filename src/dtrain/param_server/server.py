@@ -258,6 +258,7 @@ class ShardServer:
         #: called on the main thread as ``on_update(version, budget_spent)`` after an event that applied an
         #: update, once its replies are sent (a checkpoint's hook: under bsp no worker is waiting then)
         self.on_update: Callable[[int, bool], None] | None = None
+        self.clip: Callable[[list[torch.Tensor], int], float] | None = None  # clipping by the global norm
 
     # ------------------------------------------------------------------ public
 
@@ -515,6 +516,8 @@ class ShardServer:
         g = ordered_mean(grads) if self.push_c.mean_combine else self.push_c.combine(grads)
         for p, off in zip(self.pieces, self.offsets):
             p.grad = g[off : off + p.numel()].view_as(p).clone()
+        if self.clip is not None:
+            self.clip([p.grad for p in self.pieces if p.grad is not None], act.version)
         saved = [group["lr"] for group in self.optimizer.param_groups]
         if act.lr_scale != 1.0:
             for group in self.optimizer.param_groups:

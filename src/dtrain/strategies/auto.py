@@ -28,6 +28,12 @@ class AutoOptions(StrategyOptions):
     def label(self, workers: int) -> str:
         return "auto (the planner's first choice)"
 
+    def refuses_grad_accum(self, workers: int) -> str:
+        return ""  # the planner's choice is validated again once picked
+
+    def refuses_clip_grad_norm(self, workers: int) -> str:
+        return ""
+
 
 def _check(options: AutoOptions, cfg: RunConfig) -> None:
     if cfg.resume:

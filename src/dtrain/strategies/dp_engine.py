@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from typing import TYPE_CHECKING, Any
@@ -133,6 +134,16 @@ class DataParallelEngine:
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.model.named_parameters())
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """``--grad-accum``'s micro-steps before the last: the wrapper's ``no_sync()`` (its backward hooks do
+        not reduce; the last micro-step's backward averages the sum); nothing to hold back on one process."""
+        quiet = getattr(self.wrapped, "no_sync", None)
+        return quiet() if quiet is not None else contextlib.nullcontext()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """``--clip-grad-norm``: every rank holds the same averaged gradient, so torch's own rule on it."""
+        return float(nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
     def agree(self, bad: bool) -> list[int]:
         # every rank holds the same averaged gradients, but its loss is its own shard's: one tiny all-reduce

@@ -70,6 +70,15 @@ class DPOptions(CompressedOptions):
         # so any number of workers can take them, unless a compressor keeps per-rank state (residuals)
         return self.sharded or self.compression in STATELESS_WIRE
 
+    def refuses_grad_accum(self, workers: int) -> str:
+        return ""  # no_sync: the micro-steps before the last do not communicate
+
+    def refuses_clip_grad_norm(self, workers: int) -> str:
+        if self.overlap == "forward" and not self.sharded:
+            return ("applies each bucket as soon as it is averaged (--overlap forward), before the global norm "
+                    "of every bucket exists; use --overlap backward")
+        return ""
+
     def label(self, workers: int) -> str:
         ov = "" if self.overlap == "backward" else " fwd-overlap"
         zero = f" zero-{SHARDS.index(self.shard)}" if self.sharded else ""
@@ -98,6 +107,12 @@ class DDPOptions(StrategyOptions):
     @property
     def overlap(self) -> str:
         return "backward"
+
+    def refuses_grad_accum(self, workers: int) -> str:
+        return ""  # torch's no_sync()
+
+    def refuses_clip_grad_norm(self, workers: int) -> str:
+        return ""
 
     def label(self, workers: int) -> str:
         return f"torch DDP {self.bucket_mb:g}MiB"

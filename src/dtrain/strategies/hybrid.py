@@ -71,6 +71,15 @@ class TensorOptions(StrategyOptions):
     def checkpoint_keys(self) -> dict[str, Any]:
         return {"sequence_parallel": self.sequence_parallel}
 
+    def refuses_grad_accum(self, workers: int) -> str:
+        if self.sequence_parallel:
+            return ("--sequence-parallel all-reduces the norms' gradients inside each step, which micro-steps "
+                    "would reduce again; drop one of them")
+        return ""  # micro-steps of the whole step, one after the other (nothing to defer: no data parallelism)
+
+    def refuses_clip_grad_norm(self, workers: int) -> str:
+        return ""  # the sharded parameters' squares summed over the group, the replicated ones counted once
+
 
 @dataclass(frozen=True)
 class HybridOptions(CompressedOptions):
@@ -128,6 +137,13 @@ class HybridOptions(CompressedOptions):
     def checkpoint_keys(self) -> dict[str, Any]:
         keys = ("dp", "pp", "tp", "microbatches", "schedule", "balance", "sequence_parallel")
         return {**super().checkpoint_keys(), **{k: getattr(self, k) for k in keys}}
+
+    def refuses_grad_accum(self, workers: int) -> str:
+        return (f"accumulates over its {self.microbatches} pipeline micro-batches and all-reduces over dp inside "
+                f"each step: use --microbatches {self.microbatches} x N instead")
+
+    def refuses_clip_grad_norm(self, workers: int) -> str:
+        return "has no global norm over a dp x pp x tp mesh yet; use --strategy tensor, pipeline or dp"
 
     def label(self, workers: int) -> str:
         sp = " sp" if self.sequence_parallel else ""
@@ -255,6 +271,23 @@ class HybridEngine:
 
     def skip(self) -> None:
         return None
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """``--clip-grad-norm`` (``--strategy tensor``): the squares of this rank's slices of the split
+        parameters, plus the replicated parameters' (the same on every rank) counted once, summed over the
+        tensor-parallel group (the world: the tensor strategy's mesh is 1 x 1 x tp)."""
+        import torch.distributed as dist
+
+        from dtrain.training.accumulate import clip_
+
+        split = self.h.split_parameters()
+        own: list[torch.Tensor] = []
+        same: list[torch.Tensor] = []
+        for p in self.h.parameters():
+            if p.grad is not None:
+                (own if id(p) in split else same).append(p.grad)
+        tp = self.mesh.size("tp")
+        return clip_(own, max_norm, reduce=dist.all_reduce if tp > 1 else None, once=same, share=tp)
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

@@ -103,6 +103,15 @@ class PipelineOptions(StrategyOptions):
     def checkpoint_keys(self) -> dict[str, Any]:
         return {"schedule": self.schedule, "balance": self.balance, "chunks": self.virtual}
 
+    def refuses_grad_accum(self, workers: int) -> str:
+        return (f"already accumulates a step's gradients over its {self.microbatches} micro-batches: for smaller "
+                f"micro-batches of the same batch use --microbatches {self.microbatches} x N instead")
+
+    def refuses_clip_grad_norm(self, workers: int) -> str:
+        if self.schedule == "2bw":
+            return "--schedule 2bw applies a batch's gradients a step later; clip under gpipe, 1f1b or interleaved"
+        return ""  # each stage's sum of squares, all-reduced over the stages
+
     def to_table(self) -> dict[str, Any]:
         return {k: v for k, v in super().to_table().items() if k != "checkpoint"}  # the old name: never written
 
@@ -233,6 +242,16 @@ class PipelineEngine:
 
     def skip(self) -> None:
         return None  # nothing applied; before_step drops the gradients
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """``--clip-grad-norm``: each stage's sum of squares of its own layers' gradients, all-reduced over the
+        stages (one float64 scalar), the norm of the whole model's gradient."""
+        import torch.distributed as dist
+
+        from dtrain.training.accumulate import clip_, gradients_of
+
+        grads = list(gradients_of(self.pipe.parameters()))
+        return clip_(grads, max_norm, reduce=dist.all_reduce if dist.is_initialized() else None)
 
     def forward(self, x: Any) -> torch.Tensor:
         raise ConfigError("a pipeline runs whole steps (train_step); forward alone is its evaluation")

@@ -101,6 +101,15 @@ class PSOptions(CompressedOptions):
     def processes(self, workers: int) -> int:
         return workers + self.servers
 
+    def refuses_grad_accum(self, workers: int) -> str:
+        return ""  # a worker pushes once, in its update, the gradient its micro-steps accumulated
+
+    def refuses_clip_grad_norm(self, workers: int) -> str:
+        if self.consistency.strip().lower() != "bsp":
+            return (f"--consistency {self.consistency} clips nothing: its servers apply each shard's updates out of "
+                    "step with one another, so no update has one global norm; clip under bsp")
+        return ""  # each update's aggregated gradient, over every server's shard (dtrain.param_server.clipping)
+
     def reshards(self) -> bool:
         # bsp: the servers hold the model and optimizer state and every worker is at one clock at a
         # checkpoint, so any number of workers can take it up, unless a compressor keeps per-worker state
@@ -189,6 +198,11 @@ class PSWorkerEngine:
         for p in self.model.parameters():
             p.grad = None
 
+    def clip_grad_norm(self, max_norm: float) -> float | None:
+        """``--clip-grad-norm``: the servers clip the aggregated gradient (bsp), which no worker holds; the
+        norm comes with the step's row (:meth:`rows`)."""
+        return None
+
     def lr(self) -> float:
         """The rate of this step's update under bsp (the servers count updates: one per step there)."""
         if not self.ctx.learning_rate.changes:
@@ -201,6 +215,8 @@ class PSWorkerEngine:
         comm_s = last["push_s"] + last["pull_s"]
         row.update(compute_s=dt - comm_s - last["wait_s"], comm_s=comm_s, wait_s=last["wait_s"],
                    bytes_sent=sent - self._sent)
+        if self.ctx.cfg.clip_grad_norm:  # the norm of the update this step's gradient went into (bsp: the step's)
+            row["grad_norm"] = self.ps.grad_norm(row["step"])
         self._sent = sent
         return [row]
 
@@ -253,7 +269,7 @@ def run_process(ctx: TrainContext) -> dict[str, Any]:
         model, optimizer_factory, servers=o.servers, consistency=o.consistency, staleness_lr=o.staleness_lr,
         compression=comp, timeout_s=c.timeout_s, max_gradients=workers * steps,
         state=blob["ps"] if blob is not None else None, on_update=on_update if ckpt is not None else None,
-        reshard=o.reshards(),
+        reshard=o.reshards(), clip_grad_norm=c.clip_grad_norm,
     )
     holder.append(ps)
     if ps.is_server:

@@ -102,6 +102,10 @@ class ShardedEngine(DataParallelEngine):
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.sdp.named_parameters())  # the guard checks each rank's reduced shard gradients
 
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """``--clip-grad-norm``: the norm over every rank's shard (the local sum of squares, all-reduced)."""
+        return float(self.sdp.clip_grad_norm_(max_norm))
+
     def save(self, ckpt: RunCheckpointer, step: int, epoch: int, batch: int) -> None:
         """Each rank's segments of the parameters and optimizer state (DTensors), and its RNGs."""
         from dtrain.sharded.state import sharded_state

@@ -12,10 +12,11 @@ when training ends, what a checkpoint holds -- is the engine's.
 Roughly, per step::
 
     engine.before_step(step)              # learning rate, zero gradients
-    loss = ctx.loss(engine.forward(x), y)  # span "forward"
-    loss.backward()                        # span "backward" (overlapped exchange runs here)
+    loss = ctx.loss(engine.forward(x), y)  # span "forward"  } --grad-accum N: N micro-batches, the first
+    loss.backward()                        # span "backward" } N-1 in engine.no_sync() (training/accumulate.py)
     straggler.stretch(own work)            # --straggler: this rank's own work (less its waits) takes FACTOR x
     guard.check(step, loss)                # non-finite loss or gradient: stop, or skip (--skip-nonfinite)
+    engine.clip_grad_norm(MAX)             # --clip-grad-norm: the global norm, before the update
     engine.update()                        # the engine's span: optimizer step, push/pull, ...
     metrics rows <- engine.rows(row)       # the engine adds compute/comm/wait/bytes, the loop step_s
 
@@ -48,6 +49,7 @@ from dtrain.errors import ConfigError, DTrainError
 from dtrain.optim.guard import NonFiniteGuard
 from dtrain.optim.precision import LossScaler
 from dtrain.rundir.files import EVALS as EVALS_FILE  # one row an evaluation: metric, value, step, epoch, train_s
+from dtrain.training.accumulate import Accumulates, ClipsGradients, micro_steps, whole_micro_steps
 from dtrain.training.context import TrainContext
 from dtrain.training.live import EVERY, LiveRanks
 from dtrain.training.slowdown import Straggler
@@ -212,16 +214,42 @@ class _Progress:
 
 def _gradients(ctx: TrainContext, engine: Engine, x: Any, y: Any, scaler: LossScaler | None) -> float:
     """Forward (in the compute precision) and backward of a batch, the gradients left in ``.grad``
-    (times the loss scale under fp16); the batch's mean loss."""
+    (times the loss scale under fp16); the batch's mean loss. ``--grad-accum N``: over ``N`` micro-batches,
+    exchanged once (:mod:`dtrain.training.accumulate`)."""
     ctx.loss_scale = scaler.loss_scale if scaler is not None else 1.0
+    n = ctx.cfg.grad_accum
     if isinstance(engine, WholeStep):  # a pipeline interleaves forwards and backwards of micro-batches
-        with ctx.precision.autocast():
-            return engine.train_step(x, y)  # its loss function is ctx.scaled_loss; it returns the unscaled
-    with ctx.tracer.span("forward"), ctx.precision.autocast():
-        loss = ctx.loss(engine.forward(x), y)
-    with ctx.tracer.span("backward"):
-        (scaler.scale_loss(loss) if scaler is not None else loss).backward()
-    return float(loss.detach())
+        params: list[nn.Parameter] = []
+        if n > 1:
+            if not isinstance(engine, SkipsSteps):
+                raise ConfigError(f"--grad-accum {n}: strategy {ctx.cfg.strategy}'s whole-step engine names no "
+                                  "parameters whose summed gradients the loop could divide by the micro-steps")
+            params = [p for _, p in engine.named_parameters()]
+        with ctx.precision.autocast():  # its loss function is ctx.scaled_loss; it returns the unscaled
+            return whole_micro_steps(engine.train_step, params, x, y, n)
+
+    def step(xi: Any, yi: Any, weight: float) -> float:
+        with ctx.tracer.span("forward"), ctx.precision.autocast():
+            loss = ctx.loss(engine.forward(xi), yi)
+        with ctx.tracer.span("backward"):
+            part = loss * weight if weight != 1.0 else loss
+            (scaler.scale_loss(part) if scaler is not None else part).backward()
+        return float(loss.detach())
+
+    return micro_steps(step, x, y, n, engine.no_sync if isinstance(engine, Accumulates) else None)
+
+
+def _clip(ctx: TrainContext, engine: Engine, row: dict[str, Any]) -> None:
+    """``--clip-grad-norm MAX``: the engine clips the step's gradient by its global norm, recorded in ``row``."""
+    max_norm = ctx.cfg.clip_grad_norm
+    if not max_norm:
+        return
+    if not isinstance(engine, ClipsGradients):
+        raise ConfigError(f"--clip-grad-norm: strategy {ctx.cfg.strategy}'s engine cannot clip by the global norm")
+    with ctx.tracer.span("clip"):
+        norm = engine.clip_grad_norm(max_norm)
+    if norm is not None:  # None: clipped elsewhere (a parameter server's servers); the engine's row has it
+        row["grad_norm"] = norm
 
 
 def _inject_overflow(ctx: TrainContext, engine: Engine, step: int) -> None:
@@ -248,6 +276,7 @@ def _apply(ctx: TrainContext, engine: Engine, tally: _Progress, loss_v: float, r
         overflow = tally.scaler.unscale(tally.step)  # LossScaleCollapsed when it cannot back off further
     applied = not overflow and tally.guard.check(tally.step, loss_v)  # NonFiniteError unless it may skip
     if applied:
+        _clip(ctx, engine, row)
         engine.update()
     else:
         assert isinstance(engine, SkipsSteps)
