@@ -47,7 +47,9 @@ How (units and flat buffers: :mod:`dtrain.sharded._flat_units`):
    gradients are in.
 
 ``no_sync()`` accumulates unsharded gradients locally (as FSDP does) and the next
-synchronised backward reduces the sum.
+synchronised backward reduces the sum. Stage 3 keeps its units gathered from the first
+such micro-step's forward to the synchronised backward's end, so accumulating micro-steps
+cost one step's gathers and reduce-scatters, holding the whole parameters meanwhile.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from dtrain.comm.step_stats import StepStats
 from dtrain.errors import ConfigError, DTrainError
 from dtrain.sharded._flat_units import Unit, plan_units
 from dtrain.sharded._streams import Job, Stream, private_group
-from dtrain.sharded.options import OVERLAPS, SHARD_ALGORITHMS, SHARDS
+from dtrain.sharded.options import SHARDS, check_options
 
 __all__ = ["ShardedDataParallel"]
 
@@ -118,18 +120,7 @@ class ShardedDataParallel(nn.Module):
         grad_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise ConfigError(f"ShardedDataParallel wraps a torch.nn.Module, got {type(module).__name__}")
-        if shard not in SHARDS[1:]:
-            raise ConfigError(f"shard {shard!r} is not a ZeRO level; choose one of {', '.join(SHARDS[1:])} "
-                              "(or use DataParallel for none)")
-        if algorithm not in SHARD_ALGORITHMS:
-            raise ConfigError(f"algorithm {algorithm!r} has no sharded form; choose one of "
-                              f"{', '.join(SHARD_ALGORITHMS)}")
-        if overlap not in OVERLAPS:
-            raise ConfigError(f"overlap {overlap!r}; choose one of {', '.join(OVERLAPS)}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        check_options(module, shard=shard, algorithm=algorithm, overlap=overlap, timeout_s=timeout_s)
         self.module = module
         self.shard, self.stage = shard, SHARDS.index(shard)
         self.algorithm, self.overlap, self.timeout_s = algorithm, overlap, float(timeout_s)
@@ -166,6 +157,7 @@ class ShardedDataParallel(nn.Module):
         self._rs_jobs: list[Job] = []
         self._dirty = False  # stages 1-2: shards stepped since the last gather
         self._summoned = False  # stage 3: every unit held gathered (evaluation, state dicts)
+        self._held = False  # stage 3: units kept gathered since a no_sync micro-step, to the next synced backward
         self._stats = StepStats(step=0)
         self.last_stats = StepStats()
         self._t_fwd: float | None = None
@@ -341,7 +333,8 @@ class ShardedDataParallel(nn.Module):
                         t.register_hook(self._pre_backward_hook(u))
                 if u.name == "":  # the root unit serves the whole forward and backward: freed at backward's end
                     return
-            self._free(u)
+            if self._fwd_sync is not False and not self._held:  # accumulating micro-steps keep it: one gather
+                self._free(u)
 
         return hook
 
@@ -397,7 +390,7 @@ class ShardedDataParallel(nn.Module):
         u.gbuf.zero_()
 
     def _unit_done(self, u: Unit) -> None:
-        if self.stage == 3 and u.name != "" and not self._summoned:
+        if self.stage == 3 and u.name != "" and not self._summoned and self._bw_sync:
             self._free(u)
         if not self._bw_sync:
             return
@@ -422,10 +415,12 @@ class ShardedDataParallel(nn.Module):
             self._t_fwd = None
         self._fwd_sync = None
         if self.stage == 3 and not self._summoned:
+            self._held = not self._bw_sync
             for u in self._units:
                 if u.gathered or u.gjob is not None:
                     self._wait_gather(u)
-                    self._free(u)
+                    if not self._held:
+                        self._free(u)
         for u in self._units:
             u.arrived = 0
         if not self._bw_sync:
