@@ -244,13 +244,13 @@ class RunConfig:
                             "(default: 1)"})
     clip_grad_norm: float = field(default=0.0, metadata={"help": "clip the gradient to global 2-norm MAX before the "
                                   "optimizer step, as torch.nn.utils.clip_grad_norm_ on the global batch's averaged "
-                                  "gradient (after fp16 unscaling); metrics.jsonl records the norm before clipping as "
-                                  "grad_norm (default: 0, off)"})
+                                  "gradient (after fp16 unscaling); each metrics row records the norm before "
+                                  "clipping as grad_norm (default: 0, off)"})
     seed: int = field(default=0, metadata={"help": "seed of the data, the model's initialization and the sampling "
                       "(default: 0)"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many steps (default: 0, no limit)"})
     target: float = field(default=0.0, metadata={"help": "stop when the metric reaches it: test accuracy >= TARGET, or "
-                          "a language model's validation loss (nats/token) <= TARGET; summary.json records "
+                          "a language model's validation loss (nats/token) <= TARGET; the run's summary records "
                           "time_to_target_s (default: 0, no target)"})
     eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (default: 0, after each epoch)"})
     eval_samples: int = field(default=0, metadata={"help": "evaluate on the first N test samples or validation windows "

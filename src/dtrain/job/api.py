@@ -52,7 +52,7 @@ def function_spec(fn: Callable[..., Any], key: str = "model") -> str:
 
 
 def run(config: str | Path | None = None, /, *, quiet: bool = False, **keys: Any) -> tuple[dict[str, Any], Path]:
-    """Train as ``dtrain run`` does; returns the run's summary (``summary.json``) and its run folder.
+    """Train as ``dtrain run`` does; returns the run's summary (the one its run folder holds) and the folder.
 
     Args:
         config: a TOML file of a run (``dtrain run CONFIG``); ``keys`` override it.

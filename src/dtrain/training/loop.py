@@ -5,7 +5,8 @@ shard, a tracer span per step (forward, backward, the engine's update), the
 straggler emulation after backward, one metrics row per step (also written as TensorBoard
 scalars by the evaluating rank under ``--tensorboard``), checkpoints every
 ``checkpoint_every`` steps, the evaluation after each epoch on the evaluating
-rank (each also a row of ``evals.jsonl``), and the result dict that :func:`dtrain.job.run.summarize` merges. What
+rank (each also a row of the run folder's evaluations file), and the result dict that
+:func:`dtrain.job.run.summarize` merges. What
 differs between strategies -- how a step's gradients are exchanged and applied,
 when training ends, what a checkpoint holds -- is the engine's.
 
