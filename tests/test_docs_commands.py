@@ -58,7 +58,8 @@ def check(line: str, tmp: Path) -> None:
 
     A configuration file the page names but does not ship (``my.toml``, ``CONFIG.toml``) is read as an
     empty one (the flags of the line carry the example); a ``--resume`` of a run the page made earlier
-    may not find it (the refusal must say so), nor the reader's own data that a ``--dataset PATH`` names."""
+    may not find it (the refusal must say so), nor the reader's own data that a ``--dataset PATH`` names, nor
+    their own model (``--model FILE.py:FN``, ``--model hf:./DIR``)."""
     words = shlex.split(line)
     key = " ".join(words[:2]) if words[:1] == ["bench"] else words[0]
     if key in PARSERS:
@@ -87,6 +88,10 @@ def check(line: str, tmp: Path) -> None:
                 return  # the run it resumes is the page's earlier command
             if "--dataset" in line and "does not exist" in str(e) and ns.dataset in str(e):
                 return  # the reader's own data, which the page names but does not ship
+            model = ns.model or ""
+            if f"model file {model.rpartition(':')[0]!r} does not exist" in str(e) or (
+                    model.startswith("hf:./") and "nor a folder holding config.json" in str(e)):
+                return  # the reader's own model (a file, a checkpoint folder), which the page names but does not ship
             raise
 
 

@@ -48,7 +48,7 @@ def parse_strategy(text: str, workers: int) -> Choice:
             return hooks.parse(args, comp or "none", workers)
         except (IndexError, ValueError):
             pass
-    syntax = ", ".join(h.text or n for n, h in readable.items())
+    syntax = ", ".join(h.text or n for n, h in sorted(readable.items()))  # by name: not the registration order
     raise ConfigError(f"cannot read strategy {text!r}; use {syntax}, each optionally +COMPRESSOR")
 
 

@@ -6,6 +6,7 @@
   metric), :mod:`.progress` (the progress bar) and :mod:`.slowdown` (emulated stragglers);
 * :mod:`.loop` -- :class:`~.loop.Engine` (what a strategy supplies) and :func:`~.loop.run_loop`
   (epochs, batches, spans, stragglers, metrics rows, checkpoints, evaluation);
+* :mod:`.accumulate` -- ``--grad-accum N`` (micro-steps, one exchange a step) and ``--clip-grad-norm``;
 * :mod:`.checkpointing` -- ``--checkpoint-every N`` and ``--resume PATH`` for every strategy;
 * :mod:`.watchdog`, :mod:`.live`, :mod:`.noise_scale` -- the rank(s) a timed-out wait waited for,
   the progress bar's slowest rank, and the gradient noise scale.
