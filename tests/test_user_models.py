@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from _helpers import dtrain_cli
+from _user_files import RESIDUAL_CNN
 from torch import nn
 
 from dtrain.config.files import dump_toml, load_toml, parse_model_args, parse_toml_value
@@ -20,24 +21,7 @@ from dtrain.job.validate import validate
 from dtrain.workloads.models import logits_of, make_model, task_loss
 from dtrain.workloads.models.specs import build_spec, parameter_count
 
-USER_FILE = '''
-import torch
-from torch import nn
-
-
-class Residual(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv, self.norm = nn.Conv2d(c, c, 3, padding=1), nn.GroupNorm(2, c)
-
-    def forward(self, x):
-        return torch.relu(x + self.norm(self.conv(x)))
-
-
-def build(width=8, blocks=2):
-    return nn.Sequential(nn.Conv2d(1, width, 3, padding=1), *[Residual(width) for _ in range(blocks)],
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
-
+USER_FILE = RESIDUAL_CNN + '''
 
 def with_sample(width=8):
     return build(width), torch.randn(4, 1, 8, 8)

@@ -11,27 +11,11 @@ from pathlib import Path
 
 import pytest
 from _helpers import dtrain_runs, mean_losses, read_summary
+from _user_files import RESIDUAL_CNN
 
 pytestmark = pytest.mark.procs  # every test here starts processes
 
-CNN_FILE = '''
-import torch
-from torch import nn
-
-
-class Residual(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv, self.norm = nn.Conv2d(c, c, 3, padding=1), nn.GroupNorm(2, c)
-
-    def forward(self, x):
-        return torch.relu(x + self.norm(self.conv(x)))
-
-
-def build(width=8, blocks=2):
-    return nn.Sequential(nn.Conv2d(1, width, 3, padding=1), *[Residual(width) for _ in range(blocks)],
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
-'''
+CNN_FILE = RESIDUAL_CNN
 
 # GPT-2 with its dropout off (as dtrain's own models), so a step is the same computation in every process
 GPT2 = ["--model", "hf:gpt2", "--model-arg", "n_layer=2", "--model-arg", "n_embd=64", "--model-arg", "n_head=4",
