@@ -54,6 +54,7 @@ import sharded
 import tensor_parallel
 import torch
 from _loopback import launch_loopback
+from _models import HF_MODELS, LANGUAGE, preload
 
 #: tensor parallelism: (tp, sequence parallel); every rank trains the whole batch of ``--tp-batch`` samples
 TENSOR = {"dtrain tp1": (1, False), "dtrain tp2": (2, False), "dtrain tp4": (4, False), "dtrain tp4 sp": (4, True)}
@@ -141,6 +142,7 @@ def _worker(name: str, args: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     if args["allocator"] == "return":
         return_freed_blocks()
+    preload(args["model"])  # transformers' code before the baseline: the figure is the model's, not the import's
     if name in TENSOR:  # every rank the whole batch
         data = sharded._batches({**args, "batch_size": args["tp_batch"]}, 0, 1)
     else:
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4)
-    ap.add_argument("--model", default="gpt-small")
+    ap.add_argument("--model", default="gpt-small", choices=LANGUAGE,
+                    help="dtrain's gpt-small (default) or a model dtrain did not write (hf-llama-small)")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16, help="global batch (default: 16)")
     ap.add_argument("--steps", type=int, default=3, help="Adam steps in each process (default: 3)")
@@ -232,9 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                 allocator=a.allocator)  # fmt: skip
     psi = sum(p.numel() for p in sharded._model(args).parameters())
     returning = a.allocator == "return"
-    bench = Benchmark("memory_sharded_return" if returning else "memory_sharded",
+    user = f"_{a.model.replace('-', '_')}" if a.model in HF_MODELS else ""  # its own result file
+    bench = Benchmark(("memory_sharded_return" if returning else "memory_sharded") + user,
                       title="Memory as the process sees it: ZeRO, tensor parallelism" + (
-                          ", glibc returning freed blocks" if returning else ""),
+                          ", glibc returning freed blocks" if returning else "") + (f", {a.model}" if user else ""),
                       family="sharded data parallelism",
                       workload=f"{a.model} (Psi = {psi:,} parameters), seq_len {a.seq_len}, global batch "
                                f"{a.batch_size}, Adam, {a.nprocs} processes (tensor parallelism: tp processes, "
