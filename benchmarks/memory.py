@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                 samples[name].setdefault(f"{PEAK} + fixed cost", []).append(
                     got[PEAK] + small["process"] - small[PEAK])
             print(f"round {r + 1}/{a.rounds}: {name:<13} process {got['process']:7.1f} MiB, live tensors "
-                  f"{got['live tensors']:7.1f}, closed form + activations {got['closed form + activations']:7.1f}, "
-                  f"fixed cost ({a.fixed_model}) {fixed:5.1f}", flush=True)  # fmt: skip
+                  f"{got['live tensors']:7.1f}, closed form + activations {got['closed form + activations']:7.1f}"
+                  + (f", fixed cost ({a.fixed_model}) {fixed:5.1f}" if fixing else ""), flush=True)  # fmt: skip
     bench.stop()
     for name in names:
         got = {k: v for k, v in samples[name].items() if not any(x != x for x in v)}  # no wrapper count: left out
