@@ -23,8 +23,8 @@ Run::
     python benchmarks/dp_vs_ddp.py --algorithms ring --repeats 7 --out benchmarks/results/dp_vs_ddp.json
     python benchmarks/dp_vs_ddp.py --model gpt-small --batch-size 16 --algorithms ring --steps 20 --warmup 3 \
         --repeats 7 --out benchmarks/results/dp_vs_ddp_gpt.json
-    python benchmarks/dp_vs_ddp.py --model hf-llama-small --nprocs 2 --seq-len 128 --batch-size 16 --algorithms ring \
-        --steps 8 --warmup 2 --repeats 7 --out benchmarks/results/dp_vs_ddp_hf_llama_small.json
+    python benchmarks/dp_vs_ddp.py --model hf-llama-small --nprocs 2 --seq-len 128 --batch-size 16 \
+        --algorithms ring,native --steps 8 --warmup 2 --repeats 7 --out benchmarks/results/dp_vs_ddp_hf_llama_small.json
 
 ``hf-llama-small`` is a transformers Llama of gpt-small's size that dtrain did not write (``benchmarks/_models.py``).
 

@@ -78,8 +78,8 @@ ENTRIES = (
           ("--allocator", "return", "--rounds", "5", "--seq-len", "32", "--steps", "2",
            "--systems", "dtrain dp,dtrain z3,torch ddp,torch fsdp2")),
     # a model dtrain did not write (a transformers Llama of gpt-small's size), 2 processes of 8 windows of 128 tokens
-    Entry("dp_vs_ddp_hf_llama_small", "dp_vs_ddp.py", (*LLAMA, "--algorithms", "ring", "--steps", "8", "--warmup", "2",
-                                                       "--repeats", "7"),
+    Entry("dp_vs_ddp_hf_llama_small", "dp_vs_ddp.py", (*LLAMA, "--algorithms", "ring,native", "--steps", "8",
+                                                       "--warmup", "2", "--repeats", "7"),
           (*LLAMA_QUICK, "--algorithms", "ring", "--steps", "3", "--warmup", "1", "--repeats", "5")),
     Entry("sharded_vs_torch_hf_llama_small", "sharded.py", (*LLAMA, *LLAMA_SHARDED, "--steps", "14", "--rounds", "7"),
           (*LLAMA_QUICK, *LLAMA_SHARDED, "--steps", "5", "--rounds", "5")),
