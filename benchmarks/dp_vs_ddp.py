@@ -23,6 +23,10 @@ Run::
     python benchmarks/dp_vs_ddp.py --algorithms ring --repeats 7 --out benchmarks/results/dp_vs_ddp.json
     python benchmarks/dp_vs_ddp.py --model gpt-small --batch-size 16 --algorithms ring --steps 20 --warmup 3 \
         --repeats 7 --out benchmarks/results/dp_vs_ddp_gpt.json
+    python benchmarks/dp_vs_ddp.py --model hf-llama-small --nprocs 2 --seq-len 128 --batch-size 16 \
+        --algorithms ring,native --steps 8 --warmup 2 --repeats 7 --out benchmarks/results/dp_vs_ddp_hf_llama_small.json
+
+``hf-llama-small`` is a transformers Llama of gpt-small's size that dtrain did not write (``benchmarks/_models.py``).
 
 ``--out`` writes the harness's result file (:mod:`dtrain.measure.harness`): every round's steps/s of
 both systems, the per-round ratio DataParallel / DDP with its median, interquartile range and min-max,
@@ -41,27 +45,27 @@ import time
 from typing import Any
 
 import torch
+from _models import HF_MODELS, LANGUAGE, build
 
 ALL_ALGORITHMS = ("native", "ring", "tree", "recursive_doubling", "rabenseifner", "hierarchical")
 
 
-VOCAB, SEQ = 256, 64  # a gpt model's vocabulary and context here (random tokens: the step's time, not learning)
+VOCAB = 256  # a language model's vocabulary here (random tokens: the step's time, not learning)
 
 
 def _batches(
-    model: str, batch: int, rank: int, world: int, count: int, seed: int
+    model: str, batch: int, rank: int, world: int, count: int, seed: int, seq: int = 64
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's shard of digits, cut into local batches of ``batch // world`` (cycled to ``count``); for a
-    gpt model, this rank's share of a few global batches of random tokens, cycled."""
+    language model, this rank's share of a few global batches of random tokens (``seq`` a sample), cycled."""
     from dtrain.workloads.data import load_dataset
-    from dtrain.workloads.models import is_language_model
 
-    if is_language_model(model):
+    if model in LANGUAGE:
         g = torch.Generator().manual_seed(seed + 1)
         local = batch // world
         fixed = []
         for _ in range(4):
-            x, y = torch.randint(VOCAB, (batch, SEQ), generator=g), torch.randint(VOCAB, (batch, SEQ), generator=g)
+            x, y = torch.randint(VOCAB, (batch, seq), generator=g), torch.randint(VOCAB, (batch, seq), generator=g)
             fixed.append((x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]))
         return [fixed[k % len(fixed)] for k in range(count)]
 
@@ -84,11 +88,12 @@ def _run_config(cfg: dict[str, Any], args: dict[str, Any], data: list[Any]) -> d
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import dtrain
-    from dtrain.workloads.models import build_model, is_language_model, task_loss
+    from dtrain.workloads.models import build_model, task_loss
 
     torch.manual_seed(args["seed"])
-    if is_language_model(args["model"]):
-        net = build_model(args["model"], seq_len=SEQ, vocab_size=VOCAB)
+    net: torch.nn.Module
+    if args["model"] in LANGUAGE:
+        net = build(args["model"], seq_len=args["seq_len"], vocab_size=VOCAB)
     else:
         net = build_model(args["model"], (1, 8, 8), 10)
 
@@ -141,7 +146,8 @@ def _worker(
     import dtrain
 
     rank, world = dtrain.rank(), dtrain.world_size()
-    data = _batches(args["model"], args["batch_size"], rank, world, args["warmup"] + args["steps"], args["seed"])
+    data = _batches(args["model"], args["batch_size"], rank, world, args["warmup"] + args["steps"], args["seed"],
+                    args["seq_len"])
     ddp = dict(kind="ddp")
     rounds = []
     for k in range(args["repeats"]):
@@ -165,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nprocs", type=int, default=4)
     ap.add_argument("--algorithms", default=",".join(ALL_ALGORITHMS))
     ap.add_argument("--overlap", default="backward", help="comma-separated: backward,forward")
-    ap.add_argument("--model", default="cnn", choices=("cnn", "mlp", "gpt-tiny", "gpt-small"),
-                    help=f"cnn or mlp on digits; a gpt model on random tokens ({SEQ} a sample, vocabulary {VOCAB})")
+    ap.add_argument("--model", default="cnn", choices=("cnn", "mlp", "gpt-tiny", "gpt-small", *HF_MODELS),
+                    help=f"cnn or mlp on digits; a gpt model, or a transformers one dtrain did not write "
+                         f"(hf-llama-small), on random tokens (vocabulary {VOCAB})")
+    ap.add_argument("--seq-len", type=int, default=64, help="a language model's tokens a sample (default: 64)")
     ap.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--steps", type=int, default=200, help="timed steps per configuration")
@@ -190,17 +198,20 @@ def main(argv: list[str] | None = None) -> int:
     configs = [dict(kind="dp", algorithm=al, overlap=ov) for ov in overlaps for al in algorithms]
     args = dict(
         model=a.model, batch_size=a.batch_size, bucket_mb=a.bucket_mb, steps=a.steps, warmup=a.warmup,
-        repeats=a.repeats, lr=a.lr, seed=a.seed,
+        repeats=a.repeats, lr=a.lr, seed=a.seed, seq_len=a.seq_len,
     )
     print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
           f"{a.nprocs} processes x {threads_per_worker(a.nprocs)} intra-op thread(s), "
           f"backend {'nccl' if torch.cuda.is_available() else 'gloo'}")
-    data = f"random tokens, seq_len {SEQ}" if a.model.startswith("gpt") else "digits"  # the model's own inputs
+    lm = a.model in LANGUAGE
+    data = f"random tokens, seq_len {a.seq_len}" if lm else "digits"  # the model's own inputs
     print(f"model {a.model}, {data}, global batch {a.batch_size}, bucket {a.bucket_mb} MiB, "
           f"{a.warmup} warm-up + {a.steps} timed steps, median of {a.repeats} rounds of (DDP, DP) pairs")
-    gpt = a.model.startswith("gpt")
-    bench = Benchmark("dp_vs_ddp_gpt" if gpt else "dp_vs_ddp", family="data parallelism",
-                      title=f"Data parallelism against DDP{', ' + a.model if gpt else ''}",
+    name = "dp_vs_ddp_gpt" if lm else "dp_vs_ddp"
+    if a.model in HF_MODELS:  # a model dtrain did not write: its own result file
+        name = f"dp_vs_ddp_{a.model.replace('-', '_')}"
+    bench = Benchmark(name, family="data parallelism",
+                      title=f"Data parallelism against DDP{', ' + a.model if lm else ''}",
                       workload=f"{a.model} on {data}, global batch {a.batch_size}, {a.nprocs} processes, SGD "
                                f"momentum; {a.steps} timed steps after {a.warmup}",
                       metric="steps/s", higher_is_better=True, repeats=a.repeats, quick=a.quick,

@@ -94,7 +94,7 @@ def headline(results: list[dict[str, Any]]) -> list[str]:
 
 def section(r: dict[str, Any]) -> list[str]:
     m, load = r["machine"], r["load"]
-    lines = [f'<a id="{_anchor(r)}"></a>', "", f"## {r['title']}", "",
+    lines = [f'## <a id="{_anchor(r)}"></a>{r["title"]}', "",  # the anchor in the heading: a line, not three
              f"**Workload**: {r['workload']}. **Metric**: {r['metric']} "
              f"({'higher' if r['higher_is_better'] else 'lower'} is better), {r['repeats']} rounds"
              f"{', a quick run' if r.get('quick') else ''}. "

@@ -45,6 +45,11 @@ class Entry:
     cores: int = 0  # physical cores it needs (pinned stages); left out on a smaller machine
 
 
+LLAMA = ("--model", "hf-llama-small", "--nprocs", "2", "--seq-len", "128", "--batch-size", "16")
+LLAMA_QUICK = ("--model", "hf-llama-small", "--nprocs", "2", "--seq-len", "64", "--batch-size", "16")
+LLAMA_SHARDED = ("--deepspeed", "off", "--systems", "dtrain dp,dtrain z3,torch ddp,torch fsdp2")
+LLAMA_MEMORY = ("--fixed-model", "none", "--systems", "dtrain dp,dtrain z3,torch ddp,torch fsdp2")
+
 ENTRIES = (
     Entry("dp_vs_ddp", "dp_vs_ddp.py", ("--algorithms", "ring", "--repeats", "7"),
           ("--algorithms", "ring", "--steps", "80", "--warmup", "10", "--repeats", "5")),
@@ -72,6 +77,14 @@ ENTRIES = (
     Entry("memory_sharded_return", "memory.py", ("--allocator", "return", "--rounds", "5"),
           ("--allocator", "return", "--rounds", "5", "--seq-len", "32", "--steps", "2",
            "--systems", "dtrain dp,dtrain z3,torch ddp,torch fsdp2")),
+    # a model dtrain did not write (a transformers Llama of gpt-small's size), 2 processes of 8 windows of 128 tokens
+    Entry("dp_vs_ddp_hf_llama_small", "dp_vs_ddp.py", (*LLAMA, "--algorithms", "ring,native", "--steps", "8",
+                                                       "--warmup", "2", "--repeats", "7"),
+          (*LLAMA_QUICK, "--algorithms", "ring", "--steps", "3", "--warmup", "1", "--repeats", "5")),
+    Entry("sharded_vs_torch_hf_llama_small", "sharded.py", (*LLAMA, *LLAMA_SHARDED, "--steps", "14", "--rounds", "7"),
+          (*LLAMA_QUICK, *LLAMA_SHARDED, "--steps", "5", "--rounds", "5")),
+    Entry("memory_sharded_hf_llama_small", "memory.py", (*LLAMA, *LLAMA_MEMORY, "--rounds", "7"),
+          (*LLAMA_QUICK, *LLAMA_MEMORY, "--rounds", "5", "--steps", "2")),
     Entry("compression_vs_ddp", "compression_vs_ddp.py", ("--repeats", "5"), ("--repeats", "5", "--max-steps", "300"),
           root=True),
     Entry("token_file_memory", "token_file_memory.py", ("--rounds", "5"),

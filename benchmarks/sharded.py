@@ -2,9 +2,10 @@
 
 One launch of ``--nprocs`` processes (``dtrain.launch.agent.launch``, MASTER_ADDR 127.0.0.1, gloo on
 loopback, CPU, one intra-op thread each). Inside it every system below is built from the same
-seed (``dtrain.workloads.models.build_model(--model, seq_len, vocab_size=256)``), trained with Adam
+seed (``_models.build(--model, seq_len, vocab_size=256)``: dtrain's gpt-small, or ``hf-llama-small``, a
+transformers Llama dtrain did not write), trained with Adam
 (``--lr``, torch's defaults otherwise) on the same per-rank batches (``--batch-size`` global,
-split over the ranks), loss = cross entropy over ``logits.reshape(-1, vocab)``:
+split over the ranks), loss = cross entropy over ``logits.reshape(-1, vocab)``; ``--systems`` picks some:
 
 * ``dtrain dp``     ``dtrain.DataParallel`` (stage 0, reference row)
 * ``dtrain z1/z2/z3`` ``dtrain.ShardedDataParallel(shard="optimizer"|"gradients"|"parameters")``,
@@ -12,8 +13,8 @@ split over the ranks), loss = cross entropy over ``logits.reshape(-1, vocab)``:
 * ``torch ddp``     ``DistributedDataParallel`` (reference row)
 * ``torch ddp+zero`` DDP with ``torch.distributed.optim.ZeroRedundancyOptimizer(Adam)``: ZeRO-1, its
   usual use. torch has no stage-2-only form, so it is stage 2's torch peer as well.
-* ``torch fsdp2``   ``torch.distributed.fsdp.fully_shard`` on each ``block*`` child, then on the root
-  (embed, ln_f and head fall in the root's group): ZeRO-3
+* ``torch fsdp2``   ``torch.distributed.fsdp.fully_shard`` on each ``block*`` child (a transformers model's
+  decoder layers), then on the root (embed, ln_f and head fall in the root's group): ZeRO-3
 * ``deepspeed z1/z2/z3`` where ``import deepspeed`` works (``--deepspeed auto``): ``deepspeed.initialize``
   with ``zero_optimization.stage`` 1/2/3 and its defaults, fp32, ``Adam`` with ``torch_adam: true,
   adam_w_mode: false`` (``torch.optim.Adam``; DeepSpeed's "Adam" is AdamW with weight decay 0.01
@@ -53,6 +54,9 @@ Run::
     python benchmarks/sharded.py                       # 4 processes, gpt-small, every system
     python benchmarks/sharded.py --steps 6 --rounds 2  # shorter
     python benchmarks/sharded.py --deepspeed off --out benchmarks/results/sharded_vs_torch.json
+    python benchmarks/sharded.py --model hf-llama-small --nprocs 2 --seq-len 128 --deepspeed off \
+        --systems 'dtrain dp,dtrain z3,torch ddp,torch fsdp2' \
+        --out benchmarks/results/sharded_vs_torch_hf_llama_small.json
 
 ``--out`` writes the harness's result file (:mod:`dtrain.measure.harness`): a round's figure is rank 0's
 time for that round's steps of a system (barrier to barrier) per step; the ratio peer / dtrain per round;
@@ -78,12 +82,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _loopback import launch_loopback
+from _models import HF_MODELS, LANGUAGE, blocks, build
 from torch import nn
 
 VOCAB = 256
 DTRAIN = {"dtrain dp": None, "dtrain z1": "optimizer", "dtrain z2": "gradients", "dtrain z3": "parameters"}
 TORCH = ("torch ddp", "torch ddp+zero", "torch fsdp2")
 DEEPSPEED = ("deepspeed z1", "deepspeed z2", "deepspeed z3")
+UNITS_NOTE = (" dtrain's units are its defaults (what --strategy dp --shard parameters uses): the embedding, each "
+              "decoder layer, the final norm and the head.")
 #: (dtrain system, its peer, what the peer is)
 PAIRS = (
     ("dtrain dp", "torch ddp", "stage 0: DDP"),
@@ -107,11 +114,15 @@ def _deepspeed_version() -> str | None:
 # ----------------------------------------------------------------------------- data and counting
 
 
-def _model(args: dict[str, Any]) -> nn.Sequential:
-    from dtrain.workloads.models import build_model
-
+def _model(args: dict[str, Any]) -> nn.Module:
     torch.manual_seed(args["seed"])
-    return build_model(args["model"], seq_len=args["seq_len"], vocab_size=VOCAB)
+    return build(args["model"], seq_len=args["seq_len"], vocab_size=VOCAB)
+
+
+def _loss(output: Any, y: torch.Tensor) -> torch.Tensor:
+    from dtrain.workloads.models import logits_of
+
+    return F.cross_entropy(logits_of(output).reshape(-1, VOCAB), y.reshape(-1))
 
 
 def _batches(args: dict[str, Any], rank: int, world: int, count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -208,9 +219,8 @@ class _System:
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-            for child_name, child in net.named_children():
-                if child_name.startswith("block"):
-                    fully_shard(child, mesh=mesh)
+            for block in blocks(net):
+                fully_shard(block, mesh=mesh)
             fully_shard(net, mesh=mesh)
             self.model, self.opt = net, torch.optim.Adam(net.parameters(), lr=lr)
         elif name in DEEPSPEED:
@@ -230,12 +240,12 @@ class _System:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.engine is not None:
-            loss = F.cross_entropy(self.engine(x).reshape(-1, VOCAB), y.reshape(-1))
+            loss = _loss(self.engine(x), y)
             self.engine.backward(loss)
             self.engine.step()
             return float(loss.detach())
         self.opt.zero_grad()
-        loss = F.cross_entropy(self.model(x).reshape(-1, VOCAB), y.reshape(-1))
+        loss = _loss(self.model(x), y)
         loss.backward()
         self.opt.step()
         return float(loss.detach())
@@ -427,7 +437,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4, help="processes = data-parallel ranks (default: 4)")
-    ap.add_argument("--model", default="gpt-small")
+    ap.add_argument("--model", default="gpt-small", choices=LANGUAGE,
+                    help="dtrain's gpt-small (default) or a model dtrain did not write (hf-llama-small)")
+    ap.add_argument("--systems", default="", help="comma-separated, among them dtrain dp and a ZeRO stage "
+                    "(default: every one)")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16, help="global batch, split over the ranks (default: 16)")
     ap.add_argument("--algorithm", default="ring", help="dtrain's collectives: ring or native (default: ring)")
@@ -449,13 +462,23 @@ def main(argv: list[str] | None = None) -> int:
     a.rounds = min(a.rounds, a.steps)
     ds = _deepspeed_version() if a.deepspeed == "auto" else None
     systems = [*DTRAIN, *TORCH, *(DEEPSPEED if ds else ())]
+    if a.systems:
+        chosen = [x for x in a.systems.split(",") if x]
+        bad = [x for x in chosen if x not in systems]
+        if bad:
+            ap.error(f"unknown system(s) {bad}; choose from {','.join(systems)}")
+        if "dtrain dp" not in chosen or not any(DTRAIN.get(x) for x in chosen):
+            ap.error("--systems must hold dtrain dp (the losses' reference) and a ZeRO stage (the units)")
+        systems = [x for x in systems if x in chosen]
     args = dict(vars(a), systems=systems)
     print(f"torch {torch.__version__}, deepspeed {ds or 'not used'}, python {platform.python_version()}, "
           f"{platform.machine()}, {a.nprocs} processes x 1 intra-op thread, gloo on loopback, CPU")  # fmt: skip
     print(f"{a.model} seq_len {a.seq_len}, global batch {a.batch_size} ({a.batch_size // a.nprocs} per rank), "
           f"Adam lr {a.lr}; dtrain algorithm={a.algorithm} overlap={a.overlap}; {a.warmup} warm-up + {a.steps} "
           f"timed steps per system in {a.rounds} rotating rounds")  # fmt: skip
-    bench = Benchmark("sharded_vs_torch", title="ZeRO stages against torch's sharding",
+    user = a.model in HF_MODELS  # a model dtrain did not write: its own result file
+    bench = Benchmark("sharded_vs_torch" + (f"_{a.model.replace('-', '_')}" if user else ""),
+                      title="ZeRO stages against torch's sharding" + (f", {a.model}" if user else ""),
                       family="sharded data parallelism",
                       workload=f"{a.model}, seq_len {a.seq_len}, global batch {a.batch_size}, Adam, {a.nprocs} "
                                f"processes; {a.steps} timed steps a system in {a.rounds} rounds",
@@ -464,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
                       notes="Every system in one launch, built from the same seed; each round runs every system's "
                             "steps between barriers in a rotated order. Peers: stage 0 DDP, stage 1 DDP with "
                             "ZeroRedundancyOptimizer, stage 2 the same (torch has no stage-2-only form), stage 3 "
-                            "FSDP2 (fully_shard on each block, then the root).")  # fmt: skip
+                            f"FSDP2 (fully_shard on each {'decoder layer' if user else 'block'}, then the root)."
+                            + (UNITS_NOTE if user else ""))  # fmt: skip
     t0 = time.perf_counter()
     bench.start()
     ranks = launch_loopback(_worker, (args,), a.nprocs)

@@ -167,6 +167,31 @@ def test_ring_reuses_its_receive_buffers() -> None:
     assert cached() <= first | set(), "later calls allocated new buffers instead of reusing"
 
 
+def test_ring_scratch_holds_a_piece_per_posted_receive() -> None:
+    from dtrain.comm._reduce import BUFFERS
+
+    opts = AllreduceOptions(piece_bytes=64, max_pieces=4, window=2)  # 999 over 2 ranks: segments of 500, pieces of 125
+    BUFFERS._free.pop((torch.float32, "cpu"), None)
+    run_threads(2, lambda t: allreduce_over(t, torch.ones(999), "sum", "ring", opts))
+    sizes = [b.numel() for b in BUFFERS._free[(torch.float32, "cpu")]]
+    assert len(sizes) == 2 and max(sizes) < 3 * 125, f"each rank's scratch: {sizes} elements, window 2 x 125"
+
+
+def test_buffer_cache_serves_a_slightly_larger_request_from_the_buffer_it_left() -> None:
+    from dtrain.comm._reduce import BufferCache, size_class
+
+    cache = BufferCache()
+    first = cache.take(3_049_344, torch.float32, torch.device("cpu"))
+    ptr = first.data_ptr()
+    cache.give(first)
+    again = cache.take(3_049_728, torch.float32, torch.device("cpu"))  # the same bucket, rebuilt a little larger
+    assert again.data_ptr() == ptr and again.numel() == 3_049_728
+    cache.give(again)
+    assert len(cache._free[(torch.float32, "cpu")]) == 1
+    for n in (1, 16, 17, 1000, 2**20, 2**20 + 1, 3_049_344):
+        assert n <= size_class(n) <= n * 1.125, n
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

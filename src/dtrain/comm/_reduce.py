@@ -30,6 +30,7 @@ __all__ = [
     "average",
     "BufferCache",
     "BUFFERS",
+    "size_class",
     "SubTransport",
     "post_send",
     "post_recv",
@@ -89,13 +90,23 @@ def average(flat: torch.Tensor, world_size: int) -> None:
         flat.copy_(torch.div(flat, world_size, rounding_mode="floor"))
 
 
+def size_class(numel: int) -> int:
+    """``numel`` rounded up to one of 8 sizes between consecutive powers of two (at most 1/8 more)."""
+    if numel <= 16:
+        return numel
+    step = 1 << (numel.bit_length() - 4)  # an eighth of the power of two at or below numel
+    return -(-numel // step) * step
+
+
 class BufferCache:
     """Reusable scratch tensors, one free list per (dtype, device).
 
     ``take`` hands out a buffer of at least ``numel`` elements (the smallest free
-    one that is big enough, else a new one); ``give`` returns it, and the cache
-    keeps the largest few within a byte budget. Buffers that were in flight when
-    an operation failed are simply not given back.
+    one that is big enough, else a new one of :func:`size_class` elements, so that
+    a request a little larger than an earlier one, such as a bucket rebuilt in
+    another order, fits the buffer that one left rather than adding a second);
+    ``give`` returns it, and the cache keeps the largest few within a byte budget.
+    Buffers that were in flight when an operation failed are simply not given back.
     """
 
     def __init__(self, max_bytes: int = 256 << 20, max_count: int = 4) -> None:
@@ -111,7 +122,7 @@ class BufferCache:
             for i in range(len(free) - 1, -1, -1):  # the smallest that fits
                 if free[i].numel() >= numel:
                     return free.pop(i)[:numel]
-        return torch.empty(numel, dtype=dtype, device=device)
+        return torch.empty(size_class(numel), dtype=dtype, device=device)[:numel]
 
     def give(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf

@@ -62,7 +62,8 @@ def ring_kernel(t: Transport, flat: torch.Tensor, op: str, opts: AllreduceOption
 
     window = opts.window
     n_rs = sum(1 for s, _ in recvs if s < P - 1)
-    nbuf = min(window, n_rs) + 1
+    # a scratch piece per posted receive: one is given back (reduced) before the next is posted
+    nbuf = max(1, min(window, n_rs))
     width = plan.max_piece()
     pool = BUFFERS.take(nbuf * width, flat.dtype, flat.device)
     free = [pool[i * width : (i + 1) * width] for i in range(nbuf)]

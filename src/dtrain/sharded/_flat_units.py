@@ -1,7 +1,7 @@
 """Units: the groups of parameters that a sharded engine flattens, shards, gathers and reduces together.
 
-A unit is a submodule (a block of ``gpt``, a child of a Sequential, or one the user
-names) with every parameter it holds that no earlier unit took; what no unit takes
+A unit is a submodule (a block of ``gpt``, a child of a Sequential, a decoder layer of a
+transformers model, or one the user names) with every parameter it holds that no earlier unit took; what no unit takes
 (parameters of the root or of modules left out) forms the root unit, unit 0. A parameter
 that several modules hold (an embedding tied to the LM head) is one tensor and goes to one
 unit: the innermost unit whose module holds every one of its users, else the root unit, which
@@ -96,17 +96,38 @@ class Unit:
         return a, min((rank + 1) * self.seg, self.numel)
 
 
+def _holders(m: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+    """``m``'s children that hold parameters, by qualified name."""
+    return [(prefix + n, c) for n, c in m.named_children() if any(True for _ in c.parameters())]
+
+
+def _cut_at_lists(name: str, m: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``m`` as one unit, or, where a ``nn.ModuleList`` of blocks lies below it (a transformers model's decoder
+    layers), cut down to that list: each block of the list one unit, each other child holding parameters on
+    the way one unit (cut the same way). A module with parameters of its own is not cut, nor is a block."""
+    if any(True for _ in m.parameters(recurse=False)):
+        return [(name, m)]
+    if not any(isinstance(d, nn.ModuleList) for d in m.modules()):
+        return [(name, m)]
+    if isinstance(m, nn.ModuleList):
+        return _holders(m, f"{name}.")
+    return [piece for n, c in _holders(m, f"{name}.") for piece in _cut_at_lists(n, c)]
+
+
 def _default_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Top-level children that hold parameters; a root with one such child and none of its own is descended."""
+    """Top-level children that hold parameters (a root with one such child and none of its own is descended),
+    each cut at the list of blocks below it, if any (:func:`_cut_at_lists`): ``embed``, ``block0``.. of
+    ``gpt``; ``model.embed_tokens``, ``model.layers.0``.., ``model.norm``, ``lm_head`` of a transformers Llama
+    (its whole decoder as one unit would be gathered whole at stage 3)."""
     prefix, m = "", module
     while True:
-        kids = [(n, c) for n, c in m.named_children() if any(True for _ in c.parameters())]
+        kids = _holders(m, prefix)
         own = any(True for _ in m.parameters(recurse=False))
         if len(kids) == 1 and not own:
-            prefix = f"{prefix}{kids[0][0]}."
+            prefix = f"{kids[0][0]}."
             m = kids[0][1]
             continue
-        return [(prefix + n, c) for n, c in kids]
+        return [piece for n, c in kids for piece in _cut_at_lists(n, c)]
 
 
 def _homes_of_shared(module: nn.Module, quals: Sequence[str]) -> dict[int, int]:

@@ -93,8 +93,8 @@ class ShardedDataParallel(nn.Module):
         overlap: stages 1-2: ``"backward"`` gathers every unit before the forward starts,
             ``"forward"`` lets each unit's forward wait only for its own gather (default: "backward").
             Stage 3 always gathers unit by unit with prefetch.
-        units: qualified names of the submodules that are units (default: the top-level
-            children holding parameters, e.g. ``embed``, ``block0``.. of ``gpt``).
+        units: qualified names of the submodules that are units (default: the top-level children
+            holding parameters, cut at a ModuleList's blocks: ``block0``.. of gpt, ``model.layers.0``..).
         group: the data-parallel process group (default: the default group).
         timeout_s: seconds any wait may block before CommTimeoutError naming rank, operation
             and step (default: 300).
