@@ -1,6 +1,7 @@
 """``dtrain run --dataset PATH`` from the command line: 2 workers learn the user's text beyond its byte unigram
 entropy and its images above chance, every format trains, a resumed run continues exactly, and each bad input
-is one line and exit status 2 before any worker starts."""
+is one line and exit status 2 before any worker starts. Every format's run, the resumed runs and the missing
+packages are ``slow`` (CI runs them); the learning and the bad inputs run in the default suite."""
 
 from __future__ import annotations
 
@@ -108,6 +109,7 @@ def _formats(root: Path) -> dict[str, list[str]]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_format_trains_a_few_steps(tmp_path):
     pytest.importorskip("pyarrow")
@@ -126,6 +128,7 @@ def test_every_format_trains_a_few_steps(tmp_path):
 # ---------------------------------------------------------------------- resume
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("kind", ["tokens", "images"])
 def test_a_resumed_run_equals_the_straight_one_from_the_checkpoint_on(tmp_path, kind):
@@ -207,6 +210,7 @@ def test_bad_data_is_one_line_and_exit_2_before_any_worker(tmp_path, case):
     assert not (out / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_missing_hf_package_is_one_line_saying_how_to_install_it(tmp_path):
     """A fresh ``python -m dtrain.cli`` whose path finds stand-ins of tokenizers, Pillow and pyarrow that

@@ -426,12 +426,13 @@ def test_zero_accumulation_and_clipping_count_the_tied_weight_once(tiny_dp: Any,
     _same_as_one_process(vals, tiny_dp[0]["ref-clip"]["losses"])
 
 
+@pytest.mark.slow  # GPT-2's ZeRO-3 is in the default suite through dtrain run (tests/test_user_models_run.py)
 @pytest.mark.parametrize("key", [k for k in DP_KEYS if k not in TINY_ONLY])
 def test_gpt2_under_data_parallel_equals_one_process(gpt2_dp: Any, key: str) -> None:
     _same_as_one_process([_ok(r[key]) for r in gpt2_dp], gpt2_dp[0]["ref"])
 
 
-@pytest.mark.parametrize("kind, world", [("tiny", 3), ("gpt2", 3)])
+@pytest.mark.parametrize("kind, world", [("tiny", 3), pytest.param("gpt2", 3, marks=pytest.mark.slow)])
 def test_parameter_server_bsp_with_a_tied_model_equals_one_process(kind: str, world: int) -> None:
     if kind == "gpt2":
         pytest.importorskip("transformers")
@@ -447,6 +448,7 @@ def decentralized() -> list[dict[str, Any]]:
     return run_distributed(_decentralized_all, 2, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["local_sgd", "easgd", "gossip"])
 def test_decentralized_keep_the_tie_and_train(decentralized: Any, which: str) -> None:
     for v in (_ok(r[which]) for r in decentralized):
