@@ -54,6 +54,11 @@ def vector_loss(output, target):
     return torch.nn.functional.cross_entropy(output, target, reduction="none")
 
 
+def reads_values(width=8):
+    n = width + int(torch.zeros(1).item())  # .item() has no value on the meta device
+    return build(n)
+
+
 def few_classes():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 4))
 '''
@@ -240,3 +245,13 @@ def test_a_model_argument_is_a_sweep_key(user_file: Path) -> None:
         trial_config(base.to_dict(), {"model_args.depth": 2})
     with pytest.raises(ConfigError, match="not a key of this run's configuration"):  # not given by the base run
         parse_space({"depth": "randint(1, 3)"}, base)
+
+
+def test_a_function_that_reads_tensor_values_is_not_counted_on_meta_but_still_checked(user_file: Path) -> None:
+    data = {"task": "classify", "input_shape": (1, 8, 8), "num_classes": 10}
+    assert parameter_count(f"{user_file}:reads_values", {}, **data) is None
+    assert parameter_count(f"{user_file}:build", {}, **data) == sum(
+        p.numel() for p in build_spec(f"{user_file}:build", {}, **data)[0].parameters())
+    validate(_cfg(model=f"{user_file}:reads_values"))  # built for real and run once instead
+    with pytest.raises(ConfigError, match="unknown model argument"):  # what the user gave is still refused
+        parameter_count(f"{user_file}:reads_values", {"depth": 1}, **data)

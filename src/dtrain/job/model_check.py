@@ -32,16 +32,16 @@ _FREE_SHARE = 0.9  # of MemAvailable a run's models may take
 
 def available_memory() -> int:
     """Bytes of memory this machine has free for new allocations (``MemAvailable`` of ``/proc/meminfo``)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
     import os
 
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    except OSError:  # no /proc (not Linux)
+        avail = None
+    if avail is not None:
+        return avail
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))  # free pages, without the page cache
 
 
 def _gib(n: float) -> str:

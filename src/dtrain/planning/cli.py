@@ -47,7 +47,7 @@ def parse_strategy(text: str, workers: int) -> Choice:
         try:
             return hooks.parse(args, comp or "none", workers)
         except (IndexError, ValueError):
-            pass
+            pass  # fields the hook cannot read: the same refusal as an unknown name, with the syntaxes
     syntax = ", ".join(h.text or n for n, h in sorted(readable.items()))  # by name: not the registration order
     raise ConfigError(f"cannot read strategy {text!r}; use {syntax}, each optionally +COMPRESSOR")
 

@@ -118,6 +118,8 @@ def call_function(spec: str, args: Mapping[str, Any]) -> tuple[nn.Module, Any]:
     except ConfigError:
         raise
     except Exception as e:
+        if torch.get_default_device().type == "meta":
+            raise  # a count on the meta device (parameter_count): the real build says what went wrong
         raise ConfigError(f"model {spec} raised {type(e).__name__}: {e}") from None
     sample = None
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module):
@@ -223,16 +225,15 @@ def build_spec(spec: str, model_args: Mapping[str, Any], *, task: str, input_sha
 def parameter_count(spec: str, model_args: Mapping[str, Any], **data: Any) -> int | None:
     """Parameters of the model, counted on the meta device (nothing allocated; a tied tensor counted once).
 
-    None where the model cannot be built on the meta device (a function that reads its tensors' values while it
-    builds); the errors of what the user gave (ConfigError) are raised as they are.
+    None where the function fails on the meta device (one that reads its tensors' values while it builds, or
+    one that fails anywhere: the real build, which :mod:`dtrain.job.model_check` makes next, names its error);
+    the errors of what the user gave (ConfigError: a missing file, an unknown argument) are raised as they are.
     """
     try:
         with torch.device("meta"):
             model, _ = build_spec(spec, model_args, **data)
-    except ConfigError as e:
-        if "meta" in str(e) or "NotImplementedError" in str(e):
-            return None
+    except ConfigError:
         raise
-    except (NotImplementedError, RuntimeError):
+    except Exception:
         return None
     return sum(p.numel() for p in model.parameters())
