@@ -20,8 +20,14 @@ def run_rows(cfg: Any, cluster: str) -> list[dict[str, Any]]:
         out = Path(d)
         cfg = cfg.replace(out=str(out))
         try:
-            launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes, cluster=cluster,
-                              stream_first=False, timeout_s=900)  # fmt: skip
+            launch_on_cluster(
+                worker_main,
+                (cfg.to_dict(), str(out)),
+                nprocs=cfg.num_processes,
+                cluster=cluster,
+                stream_first=False,
+                timeout_s=900,
+            )
         except Exception:  # keep the failed run's folder (error files, metrics) for a look
             kept = Path(tempfile.mkdtemp(prefix="dtrain-failed-run-"))
             shutil.copytree(out, kept, dirs_exist_ok=True)

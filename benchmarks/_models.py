@@ -22,10 +22,19 @@ from torch import nn
 
 #: name -> the transformers model type and the fields of its configuration
 HF_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "hf-llama-small": ("llama", dict(num_hidden_layers=6, hidden_size=256, num_attention_heads=8,
-                                     num_key_value_heads=4, intermediate_size=688, attention_dropout=0.0,
-                                     tie_word_embeddings=False)),
-}  # fmt: skip
+    "hf-llama-small": (
+        "llama",
+        dict(
+            num_hidden_layers=6,
+            hidden_size=256,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=688,
+            attention_dropout=0.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
 GPT = ("gpt-tiny", "gpt-small", "gpt-medium")
 LANGUAGE = (*GPT, *HF_MODELS)
 

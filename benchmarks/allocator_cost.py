@@ -47,21 +47,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     add_result_flags(ap)
     ns = ap.parse_args(argv)
-    flags = ["--model", ns.model, "--dataset", "pytext", "--batch-size", str(ns.batch_size), "--workers",
-             str(ns.workers), "--optimizer", "adam", "--lr", "0.001", "--max-steps", str(ns.steps), "--no-progress",
-             "--no-trace"]  # fmt: skip
-    bench = Benchmark("allocator_cost", title="What returning freed memory at once costs a step",
-                      family="memory", workload=f"{ns.model} on pytext, dp ring, {ns.workers} processes on this "
-                      f"machine, global batch {ns.batch_size}, Adam; {ns.steps} steps a run, timed from step "
-                      f"{ns.first}", metric="ms/step", higher_is_better=False, repeats=ns.repeats, quick=ns.quick,
-                      command=command("benchmarks/allocator_cost.py", argv),
-                      notes="The ratio is the returning allocator's step time over the default's: what the "
-                            "setting under which process memory meets the closed form costs in speed.")  # fmt: skip
+    flags = [
+        "--model",
+        ns.model,
+        "--dataset",
+        "pytext",
+        "--batch-size",
+        str(ns.batch_size),
+        "--workers",
+        str(ns.workers),
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.001",
+        "--max-steps",
+        str(ns.steps),
+        "--no-progress",
+        "--no-trace",
+    ]
+    bench = Benchmark(
+        "allocator_cost",
+        title="What returning freed memory at once costs a step",
+        family="memory",
+        workload=f"{ns.model} on pytext, dp ring, {ns.workers} processes on this "
+        f"machine, global batch {ns.batch_size}, Adam; {ns.steps} steps a run, timed from step "
+        f"{ns.first}",
+        metric="ms/step",
+        higher_is_better=False,
+        repeats=ns.repeats,
+        quick=ns.quick,
+        command=command("benchmarks/allocator_cost.py", argv),
+        notes="The ratio is the returning allocator's step time over the default's: what the "
+        "setting under which process memory meets the closed form costs in speed.",
+    )
     default, returning = SETTINGS
-    bench.add_case(f"{ns.model} dp, {ns.workers} processes",
-                   systems={name: (lambda env=env: 1e3 * step_s(flags, env, ns.first)) for name, env in
-                            SETTINGS.items()},
-                   compare=[(default, returning, Bar.at_least(1.0))], headline=False)  # fmt: skip
+    bench.add_case(
+        f"{ns.model} dp, {ns.workers} processes",
+        systems={name: (lambda env=env: 1e3 * step_s(flags, env, ns.first)) for name, env in SETTINGS.items()},
+        compare=[(default, returning, Bar.at_least(1.0))],
+        headline=False,
+    )
     bench.run()
     bench.report(ns.out)
     return 0

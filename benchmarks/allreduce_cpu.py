@@ -57,13 +57,15 @@ def main() -> int:
     print(f"{ns.workers} processes, {ns.size} float32, {ns.iters} calls back to back; ms per call, mean over ranks")
     print(f"{'algorithm':<28}{'wall ms':>10}{'CPU ms':>10}{'CPU ms, max rank':>18}")
     for alg in ns.algorithms.split(","):
-        for mp in ([int(v) for v in ns.max_pieces.split(",")] if alg == "ring" else [64]):
+        for mp in [int(v) for v in ns.max_pieces.split(",")] if alg == "ring" else [64]:
             res = launch(_calls, (alg, numel, ns.iters, piece, mp), nprocs=ns.workers)
             walls = [w for w, _ in res.values()]
             cpus = [c for _, c in res.values()]
             label = f"{alg} (<= {mp} pieces/segment)" if alg == "ring" else alg
-            print(f"{label:<28}{sum(walls) / len(walls) * 1e3:>10.1f}{sum(cpus) / len(cpus) * 1e3:>10.1f}"
-                  f"{max(cpus) * 1e3:>18.1f}")  # fmt: skip
+            print(
+                f"{label:<28}{sum(walls) / len(walls) * 1e3:>10.1f}{sum(cpus) / len(cpus) * 1e3:>10.1f}"
+                f"{max(cpus) * 1e3:>18.1f}"
+            )
     return 0
 
 

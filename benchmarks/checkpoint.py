@@ -76,8 +76,11 @@ def _bench(root: str, hidden: int, reps: int) -> dict[str, Any]:
         save_checkpoint(base / "dtrain", i, model=model, optimizer=opt, rank_state={"residuals": residual})
 
     def run_dcp(i: int) -> None:
-        sd = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt),
-              f"rank{rank}": residual}
+        sd = {
+            "model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, opt),
+            f"rank{rank}": residual,
+        }
         dcp.save(sd, checkpoint_id=base / "dcp" / str(i))
 
     def run_torch(i: int) -> None:
@@ -90,8 +93,11 @@ def _bench(root: str, hidden: int, reps: int) -> dict[str, Any]:
         load_checkpoint(base / "dtrain", model=model, optimizer=opt)
 
     def load_dcp(i: int) -> None:
-        sd = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt),
-              f"rank{rank}": residual}
+        sd = {
+            "model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, opt),
+            f"rank{rank}": residual,
+        }
         dcp.load(sd, checkpoint_id=base / "dcp" / "0")
         set_model_state_dict(model, sd["model"])
         set_optimizer_state_dict(model, opt, sd["optimizer"])
@@ -115,8 +121,13 @@ def _bench(root: str, hidden: int, reps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, nargs="+", default=[0, 1024],
-                    help="MLP hidden width(s); 0 means the default CNN, -1 gpt-small (default: 0 1024)")
+    ap.add_argument(
+        "--hidden",
+        type=int,
+        nargs="+",
+        default=[0, 1024],
+        help="MLP hidden width(s); 0 means the default CNN, -1 gpt-small (default: 0 1024)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/dtrain_ckpt_bench")
     ns = ap.parse_args(argv)
@@ -124,17 +135,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from dtrain.launch.agent import launch
 
-    print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {ns.workers} processes, gloo, "
-          f"median of {ns.reps} (slowest rank), files under {ns.dir}")
-    print(f"{'model':>10}{'MiB':>8}{'dtrain s':>10}{'dcp s':>9}{'torch.save@0 s':>16}{'dtrain/dcp':>12}"
-          f"{'load dtrain s':>15}{'load dcp s':>12}{'ratio':>7}")
+    print(
+        f"torch {torch.__version__}, python {sys.version.split()[0]}, {ns.workers} processes, gloo, "
+        f"median of {ns.reps} (slowest rank), files under {ns.dir}"
+    )
+    print(
+        f"{'model':>10}{'MiB':>8}{'dtrain s':>10}{'dcp s':>9}{'torch.save@0 s':>16}{'dtrain/dcp':>12}"
+        f"{'load dtrain s':>15}{'load dcp s':>12}{'ratio':>7}"
+    )
     for h in ns.hidden:
         shutil.rmtree(ns.dir, ignore_errors=True)
         res = launch(_bench, (ns.dir, h, ns.reps), nprocs=ns.workers)[0]
         name = "gpt-small" if h < 0 else f"mlp{h}x3" if h else "cnn"
-        print(f"{name:>10}{res['model_mb']:>8.1f}{res['dtrain']:>10.3f}{res['dcp']:>9.3f}{res['torch.save@0']:>16.3f}"
-              f"{res['dtrain'] / res['dcp']:>12.2f}{res['load dtrain']:>15.3f}{res['load dcp']:>12.3f}"
-              f"{res['load dtrain'] / res['load dcp']:>7.2f}")
+        print(
+            f"{name:>10}{res['model_mb']:>8.1f}{res['dtrain']:>10.3f}{res['dcp']:>9.3f}{res['torch.save@0']:>16.3f}"
+            f"{res['dtrain'] / res['dcp']:>12.2f}{res['load dtrain']:>15.3f}{res['load dcp']:>12.3f}"
+            f"{res['load dtrain'] / res['load dcp']:>7.2f}"
+        )
     shutil.rmtree(ns.dir, ignore_errors=True)
     return 0
 

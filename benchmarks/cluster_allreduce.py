@@ -74,13 +74,18 @@ def main() -> int:
         res = dc.run_on_cluster(_bench, (nbytes, ns.reps, algs), cluster=c, timeout_s=600)
     finally:
         dc.down(ns.name)
-    left = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-            if n.startswith(f"dtc-{ns.name}-")]  # fmt: skip
+    left = [
+        n
+        for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        if n.startswith(f"dtc-{ns.name}-")
+    ]
     P, B = ns.hosts, parse_rate(ns.bandwidth)
     bound = 2 * (P - 1) / P * nbytes / B
     size = f"{ns.kib} KiB" if ns.kib else f"{ns.mib} MiB"
-    print(f"torch {torch.__version__}; {P} hosts at {ns.bandwidth}, {size} fp32, MTU {ns.mtu}, {ns.reps} timed reps "
-          f"after 1 warm-up; bound 2(P-1)/P*n/B = {bound:.3f} s")  # fmt: skip
+    print(
+        f"torch {torch.__version__}; {P} hosts at {ns.bandwidth}, {size} fp32, MTU {ns.mtu}, {ns.reps} timed reps "
+        f"after 1 warm-up; bound 2(P-1)/P*n/B = {bound:.3f} s"
+    )
     print(f"{'algorithm':<12}{'median s':>10}{'of bound':>10}{'best':>8}{'vs native':>11}")
     med = {a: statistics.median(max(res[r][a][i] for r in res) for i in range(ns.reps)) for a in algs}
     for a in algs:

@@ -75,13 +75,21 @@ def main() -> int:
     dc.down(ns.name)
     dc.up(ns.name, hosts=ns.hosts, bandwidth=ns.bandwidth)
     try:
-        res = launch_on_cluster(_pingpong, (sizes, ns.reps, ns.idle_ms / 1e3), nprocs=ns.hosts, cluster=ns.name,
-                                stream_first=False, timeout_s=600)  # fmt: skip
+        res = launch_on_cluster(
+            _pingpong,
+            (sizes, ns.reps, ns.idle_ms / 1e3),
+            nprocs=ns.hosts,
+            cluster=ns.name,
+            stream_first=False,
+            timeout_s=600,
+        )
     finally:
         dc.down(ns.name)
     times = res[0]
-    print(f"{ns.hosts} emulated hosts at {ns.bandwidth}; round trip of n bytes + 4-byte reply after "
-          f"{ns.idle_ms:g} ms idle, median of {ns.reps}")  # fmt: skip
+    print(
+        f"{ns.hosts} emulated hosts at {ns.bandwidth}; round trip of n bytes + 4-byte reply after "
+        f"{ns.idle_ms:g} ms idle, median of {ns.reps}"
+    )
     print(f"{'size':>10}{'measured ms':>13}{'n / rate ms':>13}")
     for nbytes in sizes:
         print(f"{format_size(nbytes):>10}{times[nbytes] * 1e3:>13.3f}{nbytes / rate * 1e3:>13.3f}")

@@ -39,8 +39,10 @@ def main() -> int:
     probes: dict[int, Any] = launch(coding_cpu, ("cnn", "digits", specs, ns.reps), nprocs=ns.workers, threads=1)
     results = {r: {"coding_cpu": p} for r, p in probes.items()}
     numel, shapes = probes[0]["numel"], tuple(tuple(sh) for sh in probes[0]["shapes"])
-    print(f"torch {torch.__version__}; the CNN's gradient ({numel} floats, with its shapes), {ns.workers} ranks; "
-          f"CPU ms per call")  # fmt: skip
+    print(
+        f"torch {torch.__version__}; the CNN's gradient ({numel} floats, with its shapes), {ns.workers} ranks; "
+        f"CPU ms per call"
+    )
     print(f"{'compressor':<14}{'threads (model)':>16}{'processes, busiest':>20}{'ratio':>7}{'user shares':>26}")
     for spec in specs:
         counted = compressed_traffic(spec, ns.workers, numel, shapes)[2]

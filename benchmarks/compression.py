@@ -99,8 +99,14 @@ def split_specs(text: str) -> list[str]:
 def parse_row(row: str, args: argparse.Namespace) -> dict[str, Any]:
     """``SPEC[@key=value,...]`` -> {label, spec, lr, momentum, epochs}, the rest from ``args``."""
     spec, _, extra = row.partition("@")
-    out: dict[str, Any] = {"label": row, "spec": spec, "lr": args.lr, "momentum": args.momentum, "epochs": args.epochs,
-                           "batch": args.batch_size}
+    out: dict[str, Any] = {
+        "label": row,
+        "spec": spec,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "epochs": args.epochs,
+        "batch": args.batch_size,
+    }
     for kv in [t for t in extra.split(",") if t]:
         key, eq, value = kv.partition("=")
         if not eq or key not in _KEYS:
@@ -159,8 +165,13 @@ def _evaluate(model: torch.nn.Module, data: Any) -> float:
 
 
 def dp_worker(
-    rows: list[dict[str, Any]], model_name: str, hidden: list[int], seed: int,
-    momentum_after: bool = False, lr_schedule: str = "constant", timeout_s: float = 120.0,
+    rows: list[dict[str, Any]],
+    model_name: str,
+    hidden: list[int],
+    seed: int,
+    momentum_after: bool = False,
+    lr_schedule: str = "constant",
+    timeout_s: float = 120.0,
 ) -> dict[str, Any]:
     """One process of the training table: every row in turn, a fresh model each."""
     from torch.utils.data import DataLoader, DistributedSampler
@@ -219,21 +230,26 @@ def train_table(
 ) -> list[dict[str, Any]]:
     from dtrain.launch.agent import launch
 
-    out = launch(dp_worker, (rows, model, hidden, args.seed, args.momentum_after, args.lr_schedule, args.timeout),
-                 nprocs=args.workers)
+    out = launch(
+        dp_worker,
+        (rows, model, hidden, args.seed, args.momentum_after, args.lr_schedule, args.timeout),
+        nprocs=args.workers,
+    )
     table = []
     for row in rows:
         per_rank = [out[r][row["label"]] for r in sorted(out)]
         hist = per_rank[0]["history"]
-        table.append({
-            **row,
-            "params": per_rank[0]["params"],
-            "bytes_per_step": statistics.mean(r["bytes_per_step"] for r in per_rank),
-            "accuracy": hist[-1][1],
-            "history": [a for _, a in hist],
-            "time_to_target_s": next((t for t, a in hist if a >= args.target), None),
-            "train_s": max(r["train_s"] for r in per_rank),
-        })
+        table.append(
+            {
+                **row,
+                "params": per_rank[0]["params"],
+                "bytes_per_step": statistics.mean(r["bytes_per_step"] for r in per_rank),
+                "accuracy": hist[-1][1],
+                "history": [a for _, a in hist],
+                "time_to_target_s": next((t for t, a in hist if a >= args.target), None),
+                "train_s": max(r["train_s"] for r in per_rank),
+            }
+        )
     return table
 
 
@@ -245,21 +261,34 @@ def ps_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[
     for row in rows:
         with tempfile.TemporaryDirectory() as d:
             cfg = RunConfig.make(
-                strategy="ps", workers=args.workers, servers=args.ps_servers, consistency="bsp",
-                compression=row["spec"], epochs=row["epochs"], batch_size=row["batch"], lr=row["lr"],
-                momentum=row["momentum"], lr_schedule=args.lr_schedule, seed=args.seed, out=d, progress=False,
-                trace=False, timeout_s=args.timeout,
+                strategy="ps",
+                workers=args.workers,
+                servers=args.ps_servers,
+                consistency="bsp",
+                compression=row["spec"],
+                epochs=row["epochs"],
+                batch_size=row["batch"],
+                lr=row["lr"],
+                momentum=row["momentum"],
+                lr_schedule=args.lr_schedule,
+                seed=args.seed,
+                out=d,
+                progress=False,
+                trace=False,
+                timeout_s=args.timeout,
             )
             s, _ = run(cfg, quiet=True)
         hist = s.get("accuracy_history", [])
-        table.append({
-            **row,
-            "bytes_per_step": s["bytes_sent_per_step"],
-            "accuracy": s["test_accuracy"],
-            "history": [h[-1] for h in hist],
-            "time_to_target_s": next((h[0] for h in hist if h[-1] >= args.target), None),
-            "train_s": s.get("train_s"),
-        })
+        table.append(
+            {
+                **row,
+                "bytes_per_step": s["bytes_sent_per_step"],
+                "accuracy": s["test_accuracy"],
+                "history": [h[-1] for h in hist],
+                "time_to_target_s": next((h[0] for h in hist if h[-1] >= args.target), None),
+                "train_s": s.get("train_s"),
+            }
+        )
     return table
 
 
@@ -288,47 +317,68 @@ def _peer(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | Non
 def print_train(title: str, rows: list[dict[str, Any]], target: float) -> None:
     print(f"\n## {title}")
     print("(vs none: against the none row at the same lr, momentum and epochs)")
-    print(f"{'compressor':20s} {'settings':>20s} {'B/step':>10s} {'vs none':>8s} {'final acc':>9s} "
-          f"{'t->' + format(target, '.0%'):>8s} {'vs none':>8s}  accuracy per epoch")
+    print(
+        f"{'compressor':20s} {'settings':>20s} {'B/step':>10s} {'vs none':>8s} {'final acc':>9s} "
+        f"{'t->' + format(target, '.0%'):>8s} {'vs none':>8s}  accuracy per epoch"
+    )
     for r in rows:
         base = _peer(r, rows)
         ratio = r["bytes_per_step"] / base["bytes_per_step"] if base and base["bytes_per_step"] else None
         tt = r["time_to_target_s"]
         tr = tt / base["time_to_target_s"] if base and tt is not None and base["time_to_target_s"] else None
         hist = " ".join(f"{a:.3f}" for a in r["history"])
-        print(f"{r['spec']:20s} {_settings(r):>20s} {r['bytes_per_step']:10.0f} {_fmt(ratio, '8.4f'):>8s} "
-              f"{r['accuracy']:9.4f} {_fmt(tt, '7.2f') + 's' if tt is not None else '-':>8s} {_fmt(tr, '8.2f'):>8s}  "
-              f"{hist}")
+        print(
+            f"{r['spec']:20s} {_settings(r):>20s} {r['bytes_per_step']:10.0f} {_fmt(ratio, '8.4f'):>8s} "
+            f"{r['accuracy']:9.4f} {_fmt(tt, '7.2f') + 's' if tt is not None else '-':>8s} {_fmt(tr, '8.2f'):>8s}  "
+            f"{hist}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--specs", default=",".join(DEFAULT_SPECS),
-                    help="comma-separated rows: SPEC or SPEC@lr=..,momentum=..,epochs=.. (default: the full grid)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--specs",
+        default=",".join(DEFAULT_SPECS),
+        help="comma-separated rows: SPEC or SPEC@lr=..,momentum=..,epochs=.. (default: the full grid)",
+    )
     ap.add_argument("--models", default="cnn,mlp", help="cnn, mlp, both, or '' for none (default: cnn,mlp)")
     ap.add_argument("--mlp-hidden", default="512,512", help="hidden sizes of the larger MLP (default: 512,512)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--momentum", type=float, default=0.9,
-                    help="SGD momentum (default: 0.9): applied after averaging, "
-                         "or before the compressor for sign/onebit")
-    ap.add_argument("--momentum-after", action="store_true",
-                    help="DataParallel only: momentum in the optimizer for every compressor "
-                         "(what sign/onebit did before)")
-    ap.add_argument("--lr-schedule", default="cosine", choices=("constant", "cosine"),
-                    help="learning rate over each row's steps, the same for every row (default: cosine)")
+    ap.add_argument(
+        "--momentum",
+        type=float,
+        default=0.9,
+        help="SGD momentum (default: 0.9): applied after averaging, or before the compressor for sign/onebit",
+    )
+    ap.add_argument(
+        "--momentum-after",
+        action="store_true",
+        help="DataParallel only: momentum in the optimizer for every compressor (what sign/onebit did before)",
+    )
+    ap.add_argument(
+        "--lr-schedule",
+        default="cosine",
+        choices=("constant", "cosine"),
+        help="learning rate over each row's steps, the same for every row (default: cosine)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target", type=float, default=0.95, help="accuracy for time-to-target (default: 0.95)")
     ap.add_argument("--reps", type=int, default=5, help="codec timing repetitions (default: 5)")
     ap.add_argument("--no-train", action="store_true", help="codec table only")
     ap.add_argument("--ps", action="store_true", help="also train the CNN under the parameter server (bsp)")
     ap.add_argument("--ps-servers", type=int, default=1)
-    ap.add_argument("--timeout", type=float, default=900.0,
-                    help="seconds a worker waits for its peers before failing (default: 900; a run that other "
-                         "jobs pause for minutes needs this long)")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds a worker waits for its peers before failing (default: 900; a run that other "
+        "jobs pause for minutes needs this long)",
+    )
     ap.add_argument("--json", help="write all figures to this file")
     args = ap.parse_args(argv)
     rows = [parse_row(r, args) for r in split_specs(args.specs)]
@@ -340,11 +390,16 @@ def main(argv: list[str] | None = None) -> int:
         from_spec(r["spec"])  # bad specs fail here, before any process starts
     specs = list(dict.fromkeys(r["spec"] for r in rows))
     hidden = [int(h) for h in args.mlp_hidden.split(",")]
-    momentum_at = ("after averaging for every compressor" if args.momentum_after
-                   else "before the compressor for sign/onebit, after averaging for the others")
-    print(f"# dtrain compression benchmark: torch {torch.__version__}, python {platform.python_version()}, "
-          f"{args.workers} workers, {args.epochs} epochs, global batch {args.batch_size}, SGD lr {args.lr} "
-          f"momentum {args.momentum} ({momentum_at}), lr schedule {args.lr_schedule} for every row")
+    momentum_at = (
+        "after averaging for every compressor"
+        if args.momentum_after
+        else "before the compressor for sign/onebit, after averaging for the others"
+    )
+    print(
+        f"# dtrain compression benchmark: torch {torch.__version__}, python {platform.python_version()}, "
+        f"{args.workers} workers, {args.epochs} epochs, global batch {args.batch_size}, SGD lr {args.lr} "
+        f"momentum {args.momentum} ({momentum_at}), lr schedule {args.lr_schedule} for every row"
+    )
     tuned = [r for r in rows if "@" in r["label"]]
     if tuned:
         print("# rows at their own settings: " + "; ".join(f"{r['spec']}: {_settings(r)}" for r in tuned))

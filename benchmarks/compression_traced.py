@@ -108,30 +108,51 @@ def main() -> int:
         spec = pool_load([spec, refresh_load(spec, cname, batch=ns.batch)])
         todo = [choice("dp", ns.hosts, "ring", compression=c) for c in specs]
         pr = plan(model, sample, spec, workers=ns.hosts, name=name, strategies=todo)
-        alone: dict[int, Any] = launch_on_cluster(_alone, (numel, shapes, specs), nprocs=ns.hosts, cluster=cname,
-                                                  stream_first=False, timeout_s=600)  # fmt: skip
-        base = RunConfig.make(model="cnn", dataset="digits", batch_size=ns.batch, max_steps=ns.steps, epochs=1000,
-                              trace=True, progress=False, workers=ns.hosts)  # fmt: skip
+        alone: dict[int, Any] = launch_on_cluster(
+            _alone, (numel, shapes, specs), nprocs=ns.hosts, cluster=cname, stream_first=False, timeout_s=600
+        )
+        base = RunConfig.make(
+            model="cnn",
+            dataset="digits",
+            batch_size=ns.batch,
+            max_steps=ns.steps,
+            epochs=1000,
+            trace=True,
+            progress=False,
+            workers=ns.hosts,
+        )
         for s, c in zip(todo, specs):
             f = pr.find(s.label())
             assert f is not None
             msgs, sent, cpu = compressed_traffic(c, ns.hosts, numel)
             print(f"\n== {s.label()} ({ns.bandwidth}, {ns.hosts} hosts, {numel} gradient floats)")
-            print(f"model: step {f.step_s * 1e3:.2f} ms; " + ", ".join(
-                f"{k} {v * 1e3:.2f} ms" for k, v in f.detail.items() if isinstance(v, float)) +
-                f"; counted on a flat bucket: {msgs} messages, {sent} bytes, {cpu * 1e3:.2f} ms CPU unscaled")
-            print("alone on the cluster (median of 20, ms, per rank): flat "
-                  + " ".join(f"{alone[r][c + ' flat'] * 1e3:.2f}" for r in sorted(alone))
-                  + "; with the bucket's shapes "
-                  + " ".join(f"{alone[r][c + ' shapes'] * 1e3:.2f}" for r in sorted(alone)))
+            print(
+                f"model: step {f.step_s * 1e3:.2f} ms; "
+                + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in f.detail.items() if isinstance(v, float))
+                + f"; counted on a flat bucket: {msgs} messages, {sent} bytes, {cpu * 1e3:.2f} ms CPU unscaled"
+            )
+            print(
+                "alone on the cluster (median of 20, ms, per rank): flat "
+                + " ".join(f"{alone[r][c + ' flat'] * 1e3:.2f}" for r in sorted(alone))
+                + "; with the bucket's shapes "
+                + " ".join(f"{alone[r][c + ' shapes'] * 1e3:.2f}" for r in sorted(alone))
+            )
             with tempfile.TemporaryDirectory() as d:
                 out = Path(d)
-                cfg = replace(base.replace(strategy=s.strategy, workers=s.workers, options=s.options, out=str(out)),
-                              cluster=cname)  # fmt: skip
-                launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=ns.hosts, cluster=cname,
-                                  stream_first=False, timeout_s=900)  # fmt: skip
+                cfg = replace(
+                    base.replace(strategy=s.strategy, workers=s.workers, options=s.options, out=str(out)), cluster=cname
+                )
+                launch_on_cluster(
+                    worker_main,
+                    (cfg.to_dict(), str(out)),
+                    nprocs=ns.hosts,
+                    cluster=cname,
+                    stream_first=False,
+                    timeout_s=900,
+                )
                 merge_rank_files(out)
                 from dtrain.rundir.files import read_metrics
+
                 rows = read_metrics(out)
                 steps = [ns.batch / r["samples_per_s"] * 1e3 for r in rows if r["step"] >= ns.warmup]
                 print(f"traced run: step {statistics.mean(steps):.2f} ms (mean over ranks, steps >= {ns.warmup})")
@@ -139,9 +160,11 @@ def main() -> int:
                     w = ns.warmup
                     k = len(names.get("allreduce(ring)", [])) // max(1, len(names.get("step", [])))
                     bucket, ar = _mean(names, "bucket 0", w), _mean(names, "allreduce(ring)", w, k) if k else 0.0
-                    print(f"  rank {rank}: step {_mean(names, 'step', w):.2f}, forward {_mean(names, 'forward', w):.2f}"
-                          f", backward {_mean(names, 'backward', w):.2f}, bucket {bucket:.2f} = {k} ring allreduce(s) "
-                          f"{ar:.2f} + the rest {bucket - ar:.2f}, optimizer {_mean(names, 'optimizer', w):.2f}")
+                    print(
+                        f"  rank {rank}: step {_mean(names, 'step', w):.2f}, forward {_mean(names, 'forward', w):.2f}"
+                        f", backward {_mean(names, 'backward', w):.2f}, bucket {bucket:.2f} = {k} ring allreduce(s) "
+                        f"{ar:.2f} + the rest {bucket - ar:.2f}, optimizer {_mean(names, 'optimizer', w):.2f}"
+                    )
     finally:
         dc.down(cname)
     return 0

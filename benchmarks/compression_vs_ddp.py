@@ -49,9 +49,20 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("DTRAIN_CLUSTER_DIR", tempfile.mkdtemp(prefix="dtrain-bench-clusters-"))
     specs = [s for s in ns.compression.split(",") if s]
-    base = RunConfig.make(model=ns.model, dataset=ns.dataset, batch_size=ns.batch_size, lr=ns.lr, epochs=1000,
-                          max_steps=ns.max_steps, target=ns.target, eval_every=ns.eval_every, trace=False,
-                          progress=False, workers=ns.hosts, timeout_s=600.0)  # fmt: skip
+    base = RunConfig.make(
+        model=ns.model,
+        dataset=ns.dataset,
+        batch_size=ns.batch_size,
+        lr=ns.lr,
+        epochs=1000,
+        max_steps=ns.max_steps,
+        target=ns.target,
+        eval_every=ns.eval_every,
+        trace=False,
+        progress=False,
+        workers=ns.hosts,
+        timeout_s=600.0,
+    )
     validate(base)
     name = f"cv{os.getpid() % 10000}"
     tmp = Path(tempfile.mkdtemp(prefix="dtrain-bench-compression-"))
@@ -74,24 +85,36 @@ def main(argv: list[str] | None = None) -> int:
     systems = {"DDP": system(strategy="ddp")}
     for spec in specs:
         systems[f"dp ring {spec}"] = system(strategy="dp", algorithm="ring", compression=spec)
-    bench = Benchmark("compression_vs_ddp", title="Gradient compression against DDP on a slow network",
-                      family="compression",
-                      workload=f"{ns.model} on {ns.dataset}, batch {ns.batch_size}, SGD lr {ns.lr}, {ns.hosts} "
-                               f"emulated hosts at {ns.bandwidth}, 1 worker a host; to {ns.target:g} (evaluated "
-                               f"every {ns.eval_every} steps)",
-                      metric="seconds to target", higher_is_better=False, repeats=ns.repeats, quick=ns.quick,
-                      command=command("benchmarks/compression_vs_ddp.py", argv))  # fmt: skip
-    bench.add_case(f"{ns.bandwidth}", systems=systems,
-                   compare=[(s, "DDP", Bar.at_least(1.0)) for s in systems if s != "DDP"])  # fmt: skip
+    bench = Benchmark(
+        "compression_vs_ddp",
+        title="Gradient compression against DDP on a slow network",
+        family="compression",
+        workload=f"{ns.model} on {ns.dataset}, batch {ns.batch_size}, SGD lr {ns.lr}, {ns.hosts} "
+        f"emulated hosts at {ns.bandwidth}, 1 worker a host; to {ns.target:g} (evaluated "
+        f"every {ns.eval_every} steps)",
+        metric="seconds to target",
+        higher_is_better=False,
+        repeats=ns.repeats,
+        quick=ns.quick,
+        command=command("benchmarks/compression_vs_ddp.py", argv),
+    )
+    bench.add_case(
+        f"{ns.bandwidth}", systems=systems, compare=[(s, "DDP", Bar.at_least(1.0)) for s in systems if s != "DDP"]
+    )
     dc.up(name, hosts=ns.hosts, bandwidth=ns.bandwidth)
     try:
         bench.run()
     finally:
         dc.down(name)
-    bench.notes = ("Time to target is the run's training time to the evaluation that reached it (evaluations "
-                   "excluded), the same loop and clock for DDP and dtrain. "
-                   + (f"Runs that missed the target (their whole training time counted): {'; '.join(missed)}."
-                      if missed else "Every run reached the target."))  # fmt: skip
+    bench.notes = (
+        "Time to target is the run's training time to the evaluation that reached it (evaluations "
+        "excluded), the same loop and clock for DDP and dtrain. "
+        + (
+            f"Runs that missed the target (their whole training time counted): {'; '.join(missed)}."
+            if missed
+            else "Every run reached the target."
+        )
+    )
     bench.report(ns.out)
     return 0
 

@@ -146,8 +146,9 @@ def _worker(
     import dtrain
 
     rank, world = dtrain.rank(), dtrain.world_size()
-    data = _batches(args["model"], args["batch_size"], rank, world, args["warmup"] + args["steps"], args["seed"],
-                    args["seq_len"])
+    data = _batches(
+        args["model"], args["batch_size"], rank, world, args["warmup"] + args["steps"], args["seed"], args["seq_len"]
+    )
     ddp = dict(kind="ddp")
     rounds = []
     for k in range(args["repeats"]):
@@ -171,9 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nprocs", type=int, default=4)
     ap.add_argument("--algorithms", default=",".join(ALL_ALGORITHMS))
     ap.add_argument("--overlap", default="backward", help="comma-separated: backward,forward")
-    ap.add_argument("--model", default="cnn", choices=("cnn", "mlp", "gpt-tiny", "gpt-small", *HF_MODELS),
-                    help=f"cnn or mlp on digits; a gpt model, or a transformers one dtrain did not write "
-                         f"(hf-llama-small), on random tokens (vocabulary {VOCAB})")
+    ap.add_argument(
+        "--model",
+        default="cnn",
+        choices=("cnn", "mlp", "gpt-tiny", "gpt-small", *HF_MODELS),
+        help=f"cnn or mlp on digits; a gpt model, or a transformers one dtrain did not write "
+        f"(hf-llama-small), on random tokens (vocabulary {VOCAB})",
+    )
     ap.add_argument("--seq-len", type=int, default=64, help="a language model's tokens a sample (default: 64)")
     ap.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
@@ -197,50 +202,77 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown overlap {s!r}; use backward and/or forward")
     configs = [dict(kind="dp", algorithm=al, overlap=ov) for ov in overlaps for al in algorithms]
     args = dict(
-        model=a.model, batch_size=a.batch_size, bucket_mb=a.bucket_mb, steps=a.steps, warmup=a.warmup,
-        repeats=a.repeats, lr=a.lr, seed=a.seed, seq_len=a.seq_len,
+        model=a.model,
+        batch_size=a.batch_size,
+        bucket_mb=a.bucket_mb,
+        steps=a.steps,
+        warmup=a.warmup,
+        repeats=a.repeats,
+        lr=a.lr,
+        seed=a.seed,
+        seq_len=a.seq_len,
     )
-    print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
-          f"{a.nprocs} processes x {threads_per_worker(a.nprocs)} intra-op thread(s), "
-          f"backend {'nccl' if torch.cuda.is_available() else 'gloo'}")
+    print(
+        f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
+        f"{a.nprocs} processes x {threads_per_worker(a.nprocs)} intra-op thread(s), "
+        f"backend {'nccl' if torch.cuda.is_available() else 'gloo'}"
+    )
     lm = a.model in LANGUAGE
     data = f"random tokens, seq_len {a.seq_len}" if lm else "digits"  # the model's own inputs
-    print(f"model {a.model}, {data}, global batch {a.batch_size}, bucket {a.bucket_mb} MiB, "
-          f"{a.warmup} warm-up + {a.steps} timed steps, median of {a.repeats} rounds of (DDP, DP) pairs")
+    print(
+        f"model {a.model}, {data}, global batch {a.batch_size}, bucket {a.bucket_mb} MiB, "
+        f"{a.warmup} warm-up + {a.steps} timed steps, median of {a.repeats} rounds of (DDP, DP) pairs"
+    )
     name = "dp_vs_ddp_gpt" if lm else "dp_vs_ddp"
     if a.model in HF_MODELS:  # a model dtrain did not write: its own result file
         name = f"dp_vs_ddp_{a.model.replace('-', '_')}"
-    bench = Benchmark(name, family="data parallelism",
-                      title=f"Data parallelism against DDP{', ' + a.model if lm else ''}",
-                      workload=f"{a.model} on {data}, global batch {a.batch_size}, {a.nprocs} processes, SGD "
-                               f"momentum; {a.steps} timed steps after {a.warmup}",
-                      metric="steps/s", higher_is_better=True, repeats=a.repeats, quick=a.quick,
-                      command=command("benchmarks/dp_vs_ddp.py", argv),
-                      notes="DataParallel and DDP alternate inside one launch (DDP first in even rounds); bucket "
-                            f"{a.bucket_mb} MiB both.")  # fmt: skip
+    bench = Benchmark(
+        name,
+        family="data parallelism",
+        title=f"Data parallelism against DDP{', ' + a.model if lm else ''}",
+        workload=f"{a.model} on {data}, global batch {a.batch_size}, {a.nprocs} processes, SGD "
+        f"momentum; {a.steps} timed steps after {a.warmup}",
+        metric="steps/s",
+        higher_is_better=True,
+        repeats=a.repeats,
+        quick=a.quick,
+        command=command("benchmarks/dp_vs_ddp.py", argv),
+        notes="DataParallel and DDP alternate inside one launch (DDP first in even rounds); bucket "
+        f"{a.bucket_mb} MiB both.",
+    )
     t0 = time.perf_counter()
     bench.start()
     res = launch(_worker, (configs, args), nprocs=a.nprocs)
     bench.stop()
     rounds = res[0]
     for i, c in enumerate(configs):
-        bench.add_case(f"{c['algorithm']}, overlap {c['overlap']}",
-                       samples={"DataParallel": [r[i][1]["steps_per_s"] for r in rounds],
-                                "DDP": [r[i][0]["steps_per_s"] for r in rounds]},
-                       compare=[("DataParallel", "DDP", Bar.at_least(1.0))])  # fmt: skip
+        bench.add_case(
+            f"{c['algorithm']}, overlap {c['overlap']}",
+            samples={
+                "DataParallel": [r[i][1]["steps_per_s"] for r in rounds],
+                "DDP": [r[i][0]["steps_per_s"] for r in rounds],
+            },
+            compare=[("DataParallel", "DDP", Bar.at_least(1.0))],
+        )
     print()
-    print(f"{'configuration':40} {'DDP steps/s':>12} {'DP steps/s':>11} {'DP/DDP':>7} "
-          f"{'comm ms':>8} {'wait ms':>8} {'bytes/step':>11}")
+    print(
+        f"{'configuration':40} {'DDP steps/s':>12} {'DP steps/s':>11} {'DP/DDP':>7} "
+        f"{'comm ms':>8} {'wait ms':>8} {'bytes/step':>11}"
+    )
     for i, c in enumerate(configs):
         ddp = statistics.median(r[i][0]["steps_per_s"] for r in rounds)
         dp = {k: statistics.median(r[i][1][k] for r in rounds) for k in rounds[0][i][1]}
         ratio = statistics.median(r[i][1]["steps_per_s"] / r[i][0]["steps_per_s"] for r in rounds)
         name = f"{c['algorithm']} (overlap={c['overlap']})"
-        print(f"{name:40} {ddp:12.1f} {dp['steps_per_s']:11.1f} {ratio:7.3f} "
-              f"{dp['comm_ms']:8.3f} {dp['wait_ms']:8.3f} {dp['bytes']:11.0f}")
+        print(
+            f"{name:40} {ddp:12.1f} {dp['steps_per_s']:11.1f} {ratio:7.3f} "
+            f"{dp['comm_ms']:8.3f} {dp['wait_ms']:8.3f} {dp['bytes']:11.0f}"
+        )
     spread = [p[0]["steps_per_s"] for r in rounds for p in r]
-    print(f"\nDDP steps/s over all its runs: min {min(spread):.1f}, median {statistics.median(spread):.1f}, "
-          f"max {max(spread):.1f}; wall {time.perf_counter() - t0:.0f}s")
+    print(
+        f"\nDDP steps/s over all its runs: min {min(spread):.1f}, median {statistics.median(spread):.1f}, "
+        f"max {max(spread):.1f}; wall {time.perf_counter() - t0:.0f}s"
+    )
     bench.report(a.out)
     return 0
 

@@ -47,17 +47,31 @@ def _holder(root: int, name: str) -> int | None:
 def _once(sig: int, rank: int, ranks: range, flags: list[str], timeout_s: float, after: int) -> tuple[float, str]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r"
-        cmd = [sys.executable, "-m", "dtrain.cli", "run", *flags, "--epochs", "500", "--timeout-s", str(timeout_s),
-               "--no-progress", "--no-trace", "--out", str(out)]  # fmt: skip
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "dtrain.cli",
+            "run",
+            *flags,
+            "--epochs",
+            "500",
+            "--timeout-s",
+            str(timeout_s),
+            "--no-progress",
+            "--no-trace",
+            "--out",
+            str(out),
+        ]
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         victim = None
         try:
             deadline = time.monotonic() + 120
             from dtrain.rundir.files import rank_metrics
+
             files = [out / rank_metrics(r) for r in ranks]
-            while time.monotonic() < deadline and not all(f.is_file() and len(f.read_text().splitlines()) >= after
-                                                          for f in files):  # fmt: skip
+            while time.monotonic() < deadline and not all(
+                f.is_file() and len(f.read_text().splitlines()) >= after for f in files
+            ):
                 time.sleep(0.1)
             victim = _holder(p.pid, rank_metrics(rank))
             if victim is None:
@@ -96,8 +110,10 @@ def main(argv: list[str] | None = None) -> None:
             dt, last_line = _once(sig, a.rank, ranks, flags, a.timeout_s, a.after)
             times.append(dt)
             named += f"rank {a.rank}" in last_line
-        print(f"{name:<18} to exit: median {statistics.median(times):.2f} s (min {min(times):.2f}, max "
-              f"{max(times):.2f}); last line names rank {a.rank} in {named} of {a.reps}")
+        print(
+            f"{name:<18} to exit: median {statistics.median(times):.2f} s (min {min(times):.2f}, max "
+            f"{max(times):.2f}); last line names rank {a.rank} in {named} of {a.reps}"
+        )
         print(f"{'':<18} e.g. {last_line[:300]}")
 
 

@@ -188,9 +188,18 @@ def time_train_steps(
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     med = statistics.median(times)
     return {
-        "model": name, "B": B, "S": S, "device": device, "bf16": bf16, "median_s": med,
-        "min_s": min(times), "tokens_per_s": B * S / med, "params": params, "grad_bytes": grad_bytes,
-        "last_loss": losses[-1], "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+        "model": name,
+        "B": B,
+        "S": S,
+        "device": device,
+        "bf16": bf16,
+        "median_s": med,
+        "min_s": min(times),
+        "tokens_per_s": B * S / med,
+        "params": params,
+        "grad_bytes": grad_bytes,
+        "last_loss": losses[-1],
+        "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
         "reps": len(times),
     }
 
@@ -248,32 +257,53 @@ def part_gpt(args: argparse.Namespace) -> None:
             f, b = gpu(name, B, S, False), gpu(name, B, S, True)
             if not f and not b:
                 continue
-            rows.append([
-                name, f"{B}x{S}",
-                f"{f['median_s'] * 1e3:.2f}" if f else "-",
-                f"{b['median_s'] * 1e3:.2f}" if b else "-",
-                f"{f['median_s'] / b['median_s']:.2f}" if f and b else "-",
-                f"{f['tokens_per_s']:,.0f}" if f else "-",
-                f"{b['tokens_per_s']:,.0f}" if b else "-",
-                f"{f['peak_mib']:.0f}" if f else "-",
-                f"{f['last_loss']:.3f}" if f else "-",
-            ])
-    table(["model", "B x S", "fp32 ms", "bf16 ms", "fp32/bf16", "fp32 tok/s", "bf16 tok/s", "peak MiB fp32",
-           "loss (last)"], rows)
+            rows.append(
+                [
+                    name,
+                    f"{B}x{S}",
+                    f"{f['median_s'] * 1e3:.2f}" if f else "-",
+                    f"{b['median_s'] * 1e3:.2f}" if b else "-",
+                    f"{f['median_s'] / b['median_s']:.2f}" if f and b else "-",
+                    f"{f['tokens_per_s']:,.0f}" if f else "-",
+                    f"{b['tokens_per_s']:,.0f}" if b else "-",
+                    f"{f['peak_mib']:.0f}" if f else "-",
+                    f"{f['last_loss']:.3f}" if f else "-",
+                ]
+            )
+    table(
+        [
+            "model",
+            "B x S",
+            "fp32 ms",
+            "bf16 ms",
+            "fp32/bf16",
+            "fp32 tok/s",
+            "bf16 tok/s",
+            "peak MiB fp32",
+            "loss (last)",
+        ],
+        rows,
+    )
 
     print(f"\nCPU ({args.cpu_threads} threads, fp32) against the GPU, B x S = {B0}x{S0}:")
     rows = []
     for c in cpu_rows:
         f, b = gpu(c["model"], B0, S0, False), gpu(c["model"], B0, S0, True)
-        rows.append([
-            c["model"], f"{c['median_s'] * 1e3:.1f}", f"{c['tokens_per_s']:,.0f}",
-            f"{f['median_s'] * 1e3:.2f}" if f else "-",
-            f"{f['median_s'] / c['median_s']:.4f}" if f else "-",
-            f"{c['median_s'] / f['median_s']:.1f}" if f else "-",
-            f"{c['median_s'] / b['median_s']:.1f}" if b else "-",
-        ])
-    table(["model", "CPU ms", "CPU tok/s", "GPU fp32 ms", "GPU/CPU time", "speed-up fp32", "speed-up bf16 vs CPU fp32"],
-          rows)
+        rows.append(
+            [
+                c["model"],
+                f"{c['median_s'] * 1e3:.1f}",
+                f"{c['tokens_per_s']:,.0f}",
+                f"{f['median_s'] * 1e3:.2f}" if f else "-",
+                f"{f['median_s'] / c['median_s']:.4f}" if f else "-",
+                f"{c['median_s'] / f['median_s']:.1f}" if f else "-",
+                f"{c['median_s'] / b['median_s']:.1f}" if b else "-",
+            ]
+        )
+    table(
+        ["model", "CPU ms", "CPU tok/s", "GPU fp32 ms", "GPU/CPU time", "speed-up fp32", "speed-up bf16 vs CPU fp32"],
+        rows,
+    )
 
     print("\nGradients per step and a 4-worker ring allreduce of them, 2(P-1)/P*n/B, against the GPU step:")
     P = 4
@@ -288,16 +318,43 @@ def part_gpt(args: argparse.Namespace) -> None:
             n = ref["grad_bytes"]
             t100 = 2 * (P - 1) / P * n / (100e6 / 8)
             t1g = 2 * (P - 1) / P * n / (1e9 / 8)
-            entry = {"model": name, "B": B, "S": S, "params": ref["params"], "grad_bytes": n,
-                     "allreduce_100mbit_s": t100, "allreduce_1gbit_s": t1g}
+            entry = {
+                "model": name,
+                "B": B,
+                "S": S,
+                "params": ref["params"],
+                "grad_bytes": n,
+                "allreduce_100mbit_s": t100,
+                "allreduce_1gbit_s": t1g,
+            }
             comm.append(entry)
-            rows.append([
-                name, f"{B}x{S}", f"{ref['params']:,}", f"{n / 2**20:.1f}", f"{t100:.2f}", f"{t1g:.3f}",
-                f"{t100 / f['median_s']:,.0f}" if f else "-", f"{t1g / f['median_s']:,.0f}" if f else "-",
-                f"{t1g / b['median_s']:,.0f}" if b else "-",
-            ])
-    table(["model", "B x S", "params", "grad MiB", "100 Mbit s", "1 Gbit s", "100M / fp32 step", "1G / fp32 step",
-           "1G / bf16 step"], rows)
+            rows.append(
+                [
+                    name,
+                    f"{B}x{S}",
+                    f"{ref['params']:,}",
+                    f"{n / 2**20:.1f}",
+                    f"{t100:.2f}",
+                    f"{t1g:.3f}",
+                    f"{t100 / f['median_s']:,.0f}" if f else "-",
+                    f"{t1g / f['median_s']:,.0f}" if f else "-",
+                    f"{t1g / b['median_s']:,.0f}" if b else "-",
+                ]
+            )
+    table(
+        [
+            "model",
+            "B x S",
+            "params",
+            "grad MiB",
+            "100 Mbit s",
+            "1 Gbit s",
+            "100M / fp32 step",
+            "1G / fp32 step",
+            "1G / bf16 step",
+        ],
+        rows,
+    )
     RESULTS["allreduce_estimate"] = comm
 
 
@@ -315,12 +372,20 @@ def part_nccl_one_rank() -> None:
     import dtrain
     from dtrain.comm import get_transport
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+    )
     t0 = time.perf_counter()
     dtrain.init(backend="nccl", timeout_s=60)
-    print(f"dtrain.init(backend='nccl'): initialised={dist.is_initialized()}, backend={dist.get_backend()}, "
-          f"world={dist.get_world_size()}, {time.perf_counter() - t0:.2f}s")
+    print(
+        f"dtrain.init(backend='nccl'): initialised={dist.is_initialized()}, backend={dist.get_backend()}, "
+        f"world={dist.get_world_size()}, {time.perf_counter() - t0:.2f}s"
+    )
     rows, out = [], []
     n = 1 << 20
     for a in ALGORITHMS:
@@ -339,18 +404,49 @@ def part_nccl_one_rank() -> None:
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t1
                 after = get_transport().stats - before
-                row.update(ok=True, same_object=res is t, device=str(res.device), equal=bool(torch.equal(res, ref)),
-                           max_abs_diff=float((res - ref).abs().max()), ms=dt * 1e3,
-                           messages=after.messages, bytes_sent=after.bytes_sent)
+                row.update(
+                    ok=True,
+                    same_object=res is t,
+                    device=str(res.device),
+                    equal=bool(torch.equal(res, ref)),
+                    max_abs_diff=float((res - ref).abs().max()),
+                    ms=dt * 1e3,
+                    messages=after.messages,
+                    bytes_sent=after.bytes_sent,
+                )
             except Exception as e:  # noqa: BLE001
                 row.update(ok=False, error=short_error(e))
                 traceback.print_exc()
             out.append(row)
-            rows.append([a, op, "ok" if row["ok"] else "ERROR", row.get("device", "-"), row.get("equal", "-"),
-                         row.get("max_abs_diff", "-"), f"{row['ms']:.3f}" if "ms" in row else "-",
-                         row.get("messages", "-"), row.get("bytes_sent", "-"), row.get("error", "")])
-    table(["algorithm", "op", "result", "device", "equal to dist.all_reduce", "max |diff|", "ms", "messages",
-           "bytes sent", "error"], rows)
+            rows.append(
+                [
+                    a,
+                    op,
+                    "ok" if row["ok"] else "ERROR",
+                    row.get("device", "-"),
+                    row.get("equal", "-"),
+                    row.get("max_abs_diff", "-"),
+                    f"{row['ms']:.3f}" if "ms" in row else "-",
+                    row.get("messages", "-"),
+                    row.get("bytes_sent", "-"),
+                    row.get("error", ""),
+                ]
+            )
+    table(
+        [
+            "algorithm",
+            "op",
+            "result",
+            "device",
+            "equal to dist.all_reduce",
+            "max |diff|",
+            "ms",
+            "messages",
+            "bytes sent",
+            "error",
+        ],
+        rows,
+    )
     RESULTS["nccl_one_rank"] = out
 
 
@@ -418,25 +514,53 @@ def part_data_parallel() -> None:
             loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
             stats = dp.step_stats()
             ms = statistics.median(times[2:]) * 1e3
-            row.update(ok=True, max_param_diff=diff, max_loss_diff=loss_diff, median_ms=ms, ratio=ms / ref_ms,
-                       buckets=len(dp.buckets), step_stats=stats, repr=repr(dp).split(", module=")[0])
+            row.update(
+                ok=True,
+                max_param_diff=diff,
+                max_loss_diff=loss_diff,
+                median_ms=ms,
+                ratio=ms / ref_ms,
+                buckets=len(dp.buckets),
+                step_stats=stats,
+                repr=repr(dp).split(", module=")[0],
+            )
             dp.close()
         except Exception as e:  # noqa: BLE001
             row.update(ok=False, error=short_error(e))
             traceback.print_exc()
         out.append(row)
         st = row.get("step_stats") or {}
-        rows.append([
-            algorithm, overlap, "ok" if row["ok"] else "ERROR", row.get("max_param_diff", "-"),
-            row.get("max_loss_diff", "-"), f"{row['median_ms']:.2f}" if "median_ms" in row else "-",
-            f"{row['ratio']:.2f}" if "ratio" in row else "-", row.get("buckets", "-"),
-            ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in st.items()) or "-",
-            row.get("error", ""),
-        ])
+        rows.append(
+            [
+                algorithm,
+                overlap,
+                "ok" if row["ok"] else "ERROR",
+                row.get("max_param_diff", "-"),
+                row.get("max_loss_diff", "-"),
+                f"{row['median_ms']:.2f}" if "median_ms" in row else "-",
+                f"{row['ratio']:.2f}" if "ratio" in row else "-",
+                row.get("buckets", "-"),
+                ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in st.items()) or "-",
+                row.get("error", ""),
+            ]
+        )
         if row.get("repr"):
             print(row["repr"])
-    table(["algorithm", "overlap", "result", "max |param diff| vs plain", "max |loss diff|", "median step ms",
-           "DP / plain", "buckets", "step_stats()", "error"], rows)
+    table(
+        [
+            "algorithm",
+            "overlap",
+            "result",
+            "max |param diff| vs plain",
+            "max |loss diff|",
+            "median step ms",
+            "DP / plain",
+            "buckets",
+            "step_stats()",
+            "error",
+        ],
+        rows,
+    )
     RESULTS["data_parallel"] = {"plain_median_ms": ref_ms, "runs": out}
 
 
@@ -452,8 +576,15 @@ def _record(path: str, rank: int, test: str, **kw: Any) -> None:
 def _pair_worker(rank: int, world: int, port: int, mode: str, path: str) -> None:
     """One of two processes on the one GPU; appends one JSON line per test to ``path``."""
     faulthandler.enable()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        GLOO_SOCKET_IFNAME="lo",
+    )
     torch.cuda.set_device(0)
     backend = "nccl" if mode == "nccl" else "gloo"
     try:
@@ -479,33 +610,57 @@ def _pair_worker(rank: int, world: int, port: int, mode: str, path: str) -> None
             if device == "cuda":
                 torch.cuda.synchronize()
             got = res.cpu()
-            _record(path, rank, test, ok=True, device=str(res.device), correct=bool(torch.allclose(got, expect)),
-                    s=time.perf_counter() - t0)
+            _record(
+                path,
+                rank,
+                test,
+                ok=True,
+                device=str(res.device),
+                correct=bool(torch.allclose(got, expect)),
+                s=time.perf_counter() - t0,
+            )
         except Exception as e:  # noqa: BLE001
             _record(path, rank, test, ok=False, error=short_error(e), s=time.perf_counter() - t0)
 
     try:
         if mode == "nccl":
+
             def nccl_allreduce(t: torch.Tensor) -> None:
                 w = dist.all_reduce(t, async_op=True)
                 w.wait(timeout=datetime.timedelta(seconds=30))
+
             check("dist.all_reduce nccl cuda", nccl_allreduce, "cuda")
             import dtrain.comm as comm
-            check("dtrain.comm.allreduce ring nccl cuda",
-                  lambda t: comm.allreduce(t, op="sum", algorithm="ring", timeout=20), "cuda")
+
+            check(
+                "dtrain.comm.allreduce ring nccl cuda",
+                lambda t: comm.allreduce(t, op="sum", algorithm="ring", timeout=20),
+                "cuda",
+            )
         elif mode == "api":
             import dtrain.comm as comm
-            check("dtrain.comm.allreduce ring gloo cpu (control)",
-                  lambda t: comm.allreduce(t, op="sum", algorithm="ring", timeout=20), "cpu")
+
+            check(
+                "dtrain.comm.allreduce ring gloo cpu (control)",
+                lambda t: comm.allreduce(t, op="sum", algorithm="ring", timeout=20),
+                "cpu",
+            )
             check("dist.all_reduce gloo cuda", lambda t: dist.all_reduce(t), "cuda")
             for a in ALGORITHMS:
-                check(f"dtrain.comm.allreduce {a} gloo cuda",
-                      lambda t, a=a: comm.allreduce(t, op="sum", algorithm=a, timeout=20), "cuda")
+                check(
+                    f"dtrain.comm.allreduce {a} gloo cuda",
+                    lambda t, a=a: comm.allreduce(t, op="sum", algorithm=a, timeout=20),
+                    "cuda",
+                )
         elif mode.startswith("over:"):
             a = mode.split(":", 1)[1]
             from dtrain.comm import TorchTransport, allreduce_over
-            check(f"allreduce_over {a} gloo cuda (no device check)",
-                  lambda t: allreduce_over(TorchTransport(None, timeout=20), t, "sum", a), "cuda")
+
+            check(
+                f"allreduce_over {a} gloo cuda (no device check)",
+                lambda t: allreduce_over(TorchTransport(None, timeout=20), t, "sum", a),
+                "cuda",
+            )
         _record(path, rank, "done", ok=True)
     finally:
         try:
@@ -545,8 +700,10 @@ def part_two_processes(deadline_s: float, only: str = "") -> None:
                 killed.append(f"{mode} rank {r}")
                 p.kill()
                 p.join(5)
-    print(f"all pairs finished or were killed after {time.perf_counter() - t0:.1f}s (deadline {deadline_s:.0f}s); "
-          f"killed: {killed or 'none'}")
+    print(
+        f"all pairs finished or were killed after {time.perf_counter() - t0:.1f}s (deadline {deadline_s:.0f}s); "
+        f"killed: {killed or 'none'}"
+    )
 
     def exit_text(code: int | None) -> str:
         if code is None:
@@ -578,8 +735,14 @@ def part_two_processes(deadline_s: float, only: str = "") -> None:
             rows.append([mode, test, res[0], res[1]])
             out.append({"mode": mode, "test": test, "records": per})
         done = {r["rank"] for r in recs if r["test"] == "done"}
-        rows.append([mode, "process exit", f"{codes[0]}{'' if 0 in done else ' (not done)'}",
-                     f"{codes[1]}{'' if 1 in done else ' (not done)'}"])
+        rows.append(
+            [
+                mode,
+                "process exit",
+                f"{codes[0]}{'' if 0 in done else ' (not done)'}",
+                f"{codes[1]}{'' if 1 in done else ' (not done)'}",
+            ]
+        )
         out.append({"mode": mode, "exit": codes, "done": sorted(done)})
     table(["pair", "test", "rank 0", "rank 1"], rows)
     RESULTS["two_processes"] = out

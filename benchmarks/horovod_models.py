@@ -21,10 +21,15 @@ class Bottleneck(nn.Module):
         super().__init__()
         cout = 4 * width
         self.body = nn.Sequential(
-            nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout),
-        )  # fmt: skip
+            nn.Conv2d(cin, width, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, cout, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        )
         self.down = (
             nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
             if stride != 1 or cin != cout
@@ -41,8 +46,9 @@ def _sample(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def resnet101(batch: int = BATCH) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     with torch.device("meta"):
-        layers: list[nn.Module] = [nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
-                                                 nn.MaxPool2d(3, 2, 1))]  # fmt: skip
+        layers: list[nn.Module] = [
+            nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        ]
         cin = 64
         for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 23, 2), (512, 3, 2)):
             for i in range(blocks):
@@ -64,7 +70,13 @@ def vgg16(batch: int = BATCH) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tens
             else:
                 layers += [nn.Conv2d(cin, int(v), 3, padding=1), nn.ReLU()]
                 cin = int(v)
-        layers += [nn.Flatten(), nn.Linear(512 * 7 * 7, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
-                   nn.Linear(4096, 1000)]  # fmt: skip
+        layers += [
+            nn.Flatten(),
+            nn.Linear(512 * 7 * 7, 4096),
+            nn.ReLU(),
+            nn.Linear(4096, 4096),
+            nn.ReLU(),
+            nn.Linear(4096, 1000),
+        ]
         model = nn.Sequential(*layers)
     return model, _sample(batch)

@@ -107,8 +107,14 @@ def cluster_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
     for k in ns.cluster_fixed.split(","):  # more fixed batches: which one is fastest to the target
         if k.strip() and f"{k}x linear+warmup" not in out:
             out[f"{k}x linear+warmup"] = dict(batch_size=int(k) * b, **scaled)
-    within = dict(batch_size=b, batch_schedule="auto", max_batch=8 * b, auto_every=ns.auto_every,
-                  lr_scaling="linear", base_batch=b)  # fmt: skip
+    within = dict(
+        batch_size=b,
+        batch_schedule="auto",
+        max_batch=8 * b,
+        auto_every=ns.auto_every,
+        lr_scaling="linear",
+        base_batch=b,
+    )
     out["auto every"] = dict(within, auto_rule="noise")
     out["auto time"] = dict(within, auto_rule="time")
     out["auto time sqrt"] = dict(within, auto_rule="time", lr_scaling="sqrt")
@@ -120,8 +126,14 @@ def cluster_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
     # auto from the best fixed batch (8x, its rate and warmup), growing past it as the time rule says: with
     # linear scaling (the rate doubles with the batch), or with the rate held (Smith et al. 2018: a larger
     # batch at the same rate is a smaller step's noise, as a decay would give)
-    from8 = dict(batch_size=8 * b, batch_schedule="auto", max_batch=32 * b, auto_every=ns.auto_every,
-                 auto_rule="time", warmup_epochs=w)  # fmt: skip
+    from8 = dict(
+        batch_size=8 * b,
+        batch_schedule="auto",
+        max_batch=32 * b,
+        auto_every=ns.auto_every,
+        auto_rule="time",
+        warmup_epochs=w,
+    )
     out["auto time from 8x linear"] = dict(from8, lr_scaling="linear", base_batch=b)
     out["auto time from 8x rate held"] = dict(from8, lr=8 * ns.lr)
     # the same, capped at 16x (from 8x the time rule reached 32x within the warmup)
@@ -138,8 +150,9 @@ def cluster_gpt_variants(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"1x adam": dict(batch_size=b)}
     for k in (2, 4, 8, 16):
         out[f"{k}x adam sqrt+warmup"] = dict(batch_size=k * b, lr_scaling="sqrt", base_batch=b, warmup_epochs=w)
-    auto = dict(batch_size=b, batch_schedule="auto", auto_every=ns.auto_every, auto_rule="time", lr_scaling="sqrt",
-                base_batch=b)  # fmt: skip
+    auto = dict(
+        batch_size=b, batch_schedule="auto", auto_every=ns.auto_every, auto_rule="time", lr_scaling="sqrt", base_batch=b
+    )
     for k in (8, 16):
         out[f"auto time sqrt max {k}x"] = dict(auto, max_batch=k * b)
     for beta in (0.95, 0.9):  # a shorter memory of the noise scale's averages: less lag while |G|^2 falls fast
@@ -170,6 +183,7 @@ def _one(cfg: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
         s, out = run(cfg.replace(out=str(Path(d) / "run"), overwrite=True), quiet=True)
         from dtrain.rundir.files import read_metrics
+
         rows = read_metrics(out)
     steps_per_epoch: dict[int, int] = {}
     for r in rows:
@@ -239,8 +253,10 @@ def table(db: dict[str, Any], part: str) -> list[str]:
     ref = statistics.mean(r["metric"] for r in by[ref_name].values()) if ref_name else float("nan")
     unit = "val loss" if lm else "test acc %"
     w = max(22, *(len(n) + 1 for n in by))  # the variant column fits the longest name
-    lines = [f"\n{part}: {'variant':<{w}}{unit:>11}{'vs 1x':>10}{'per seed':>26}{'steps':>7}{'train s':>9}"
-             f"{'to target s':>18}{'batches':>18}"]  # fmt: skip
+    lines = [
+        f"\n{part}: {'variant':<{w}}{unit:>11}{'vs 1x':>10}{'per seed':>26}{'steps':>7}{'train s':>9}"
+        f"{'to target s':>18}{'batches':>18}"
+    ]
     for name, seeds in by.items():
         vals = [seeds[s]["metric"] for s in sorted(seeds)]
         mean = statistics.mean(vals)
@@ -258,8 +274,10 @@ def table(db: dict[str, Any], part: str) -> list[str]:
         steps = statistics.mean(seeds[s]["steps"] for s in seeds)
         train = statistics.mean(seeds[s]["train_s"] for s in seeds)
         bs = r0.get("batches_seen") or []
-        lines.append(f"{'':<{len(part) + 2}}{name:<{w}}{shown:>11}{diff:>10}{each:>26}{steps:>7.0f}{train:>9.1f}"
-                     f"{ttt_s:>18}{','.join(map(str, bs)):>18}")  # fmt: skip
+        lines.append(
+            f"{'':<{len(part) + 2}}{name:<{w}}{shown:>11}{diff:>10}{each:>26}{steps:>7.0f}{train:>9.1f}"
+            f"{ttt_s:>18}{','.join(map(str, bs)):>18}"
+        )
     return lines
 
 
@@ -283,11 +301,18 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--bandwidth", default="100mbit")
     ap.add_argument("--hosts", type=int, default=4)
-    ap.add_argument("--target", type=float, default=0.95, help="cluster parts: test accuracy to reach (cluster), "
-                    "validation loss to reach (cluster-gpt)")
+    ap.add_argument(
+        "--target",
+        type=float,
+        default=0.95,
+        help="cluster parts: test accuracy to reach (cluster), validation loss to reach (cluster-gpt)",
+    )
     ap.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (default: after each epoch)")
-    ap.add_argument("--cluster-fixed", default="", help="cluster part: more fixed batches, as multiples of the "
-                    "base, with linear scaling and warmup (e.g. 4,16)")
+    ap.add_argument(
+        "--cluster-fixed",
+        default="",
+        help="cluster part: more fixed batches, as multiples of the base, with linear scaling and warmup (e.g. 4,16)",
+    )
     ap.add_argument("--auto-every", type=int, default=5, help="'auto every' / 'auto time': decide every N steps")
     ap.add_argument("--name", default="lbatch")
     ap.add_argument("--json", default=str(DEFAULT_JSON))
@@ -303,22 +328,41 @@ def main() -> int:
 
     from dtrain.config.schema import RunConfig
 
-    common = dict(trace=False, progress=False, momentum=0.9, lr_schedule="constant", timeout_s=900.0,
-                  eval_every=ns.eval_every)  # fmt: skip
+    common = dict(
+        trace=False, progress=False, momentum=0.9, lr_schedule="constant", timeout_s=900.0, eval_every=ns.eval_every
+    )
     on_cluster = ns.part.startswith("cluster")
     if ns.part in ("gpt", "cluster-gpt"):
-        base = RunConfig.make(model=ns.gpt_model, dataset="pytext", seq_len=ns.seq_len, optimizer="adam",
-                              lr=ns.gpt_lr, epochs=ns.gpt_epochs, workers=ns.hosts if on_cluster else ns.workers,
-                              **common)  # fmt: skip
+        base = RunConfig.make(
+            model=ns.gpt_model,
+            dataset="pytext",
+            seq_len=ns.seq_len,
+            optimizer="adam",
+            lr=ns.gpt_lr,
+            epochs=ns.gpt_epochs,
+            workers=ns.hosts if on_cluster else ns.workers,
+            **common,
+        )
         variants = gpt_variants(ns) if ns.part == "gpt" else cluster_gpt_variants(ns)
-        what = (f"{ns.gpt_model} on pytext (seq {ns.seq_len}), {ns.gpt_epochs} epochs, base batch {ns.gpt_base}, "
-                f"Adam {ns.gpt_lr}, warmup {ns.gpt_warmup_epochs:g} epochs")  # fmt: skip
+        what = (
+            f"{ns.gpt_model} on pytext (seq {ns.seq_len}), {ns.gpt_epochs} epochs, base batch {ns.gpt_base}, "
+            f"Adam {ns.gpt_lr}, warmup {ns.gpt_warmup_epochs:g} epochs"
+        )
     else:
-        base = RunConfig.make(model="cnn", dataset="digits", optimizer="sgd", lr=ns.lr, epochs=ns.epochs,
-                              workers=ns.hosts if ns.part == "cluster" else ns.workers, **common)  # fmt: skip
+        base = RunConfig.make(
+            model="cnn",
+            dataset="digits",
+            optimizer="sgd",
+            lr=ns.lr,
+            epochs=ns.epochs,
+            workers=ns.hosts if ns.part == "cluster" else ns.workers,
+            **common,
+        )
         variants = cnn_variants(ns) if ns.part == "cnn" else cluster_variants(ns)
-        what = (f"CNN on digits, {ns.epochs} epochs, base batch {ns.base}, SGD {ns.lr} momentum 0.9, "
-                f"warmup {ns.warmup_epochs:g} epochs")  # fmt: skip
+        what = (
+            f"CNN on digits, {ns.epochs} epochs, base batch {ns.base}, SGD {ns.lr} momentum 0.9, "
+            f"warmup {ns.warmup_epochs:g} epochs"
+        )
     todo = _selected(variants, ns.only)
     if not _has_auto():
         print("this dtrain has no --batch-schedule auto yet: 'auto' left out")

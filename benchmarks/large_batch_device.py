@@ -81,14 +81,31 @@ def train_one(name: str, keys: dict[str, Any], ns: argparse.Namespace) -> dict[s
 
     torch.set_num_threads(ns.threads)
     dev = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    values: dict[str, Any] = dict(model=ns.model, dataset="pytext", seq_len=ns.seq_len, optimizer="adam", lr=ns.lr,
-                                  epochs=ns.epochs, max_steps=ns.max_steps, workers=1, seed=ns.seed, trace=False,
-                                  progress=False)  # fmt: skip
+    values: dict[str, Any] = dict(
+        model=ns.model,
+        dataset="pytext",
+        seq_len=ns.seq_len,
+        optimizer="adam",
+        lr=ns.lr,
+        epochs=ns.epochs,
+        max_steps=ns.max_steps,
+        workers=1,
+        seed=ns.seed,
+        trace=False,
+        progress=False,
+    )
     values.update(keys)
     cfg = RunConfig.make(**values)
     with tempfile.TemporaryDirectory() as d:
-        ctx = TrainContext(cfg=cfg, rank=0, world_size=1, out_dir=Path(d), data=cfg.load_data(),
-                           metrics=MetricsWriter(d, 0), tracer=Tracer(0, enabled=False))  # fmt: skip
+        ctx = TrainContext(
+            cfg=cfg,
+            rank=0,
+            world_size=1,
+            out_dir=Path(d),
+            data=cfg.load_data(),
+            metrics=MetricsWriter(d, 0),
+            tracer=Tracer(0, enabled=False),
+        )
         model = ctx.make_model().to(dev)
         opt = ctx.make_optimizer(model.parameters())
         prec = Precision(cfg.precision, dev.type)  # autocast on the device; fp16: dtrain's loss scaler
@@ -123,12 +140,21 @@ def train_one(name: str, keys: dict[str, Any], ns: argparse.Namespace) -> dict[s
             torch.cuda.synchronize()
         train_s = time.perf_counter() - t0
     return {
-        "variant": name, "keys": keys, "device": str(dev), "steps": step, "train_s": round(train_s, 1),
-        "val_loss": history[-1], "best_val_loss": min(history), "history": [round(h, 4) for h in history],
-        "losses": losses, "nonfinite": not all(math.isfinite(v) for _, v in losses),
-        "torch": torch.__version__, "precision": cfg.precision, "overflow_steps": overflows,
+        "variant": name,
+        "keys": keys,
+        "device": str(dev),
+        "steps": step,
+        "train_s": round(train_s, 1),
+        "val_loss": history[-1],
+        "best_val_loss": min(history),
+        "history": [round(h, 4) for h in history],
+        "losses": losses,
+        "nonfinite": not all(math.isfinite(v) for _, v in losses),
+        "torch": torch.__version__,
+        "precision": cfg.precision,
+        "overflow_steps": overflows,
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "",
-    }  # fmt: skip
+    }
 
 
 def table(db: dict[str, Any], prefix: str) -> list[str]:
@@ -137,19 +163,27 @@ def table(db: dict[str, Any], prefix: str) -> list[str]:
     rows = {k[len(prefix) :]: v for k, v in db.items() if k.startswith(prefix)}
     if not rows:
         return [f"(no results for {prefix!r})"]
-    base = [r for n, r in rows.items()  # the fp32 runs at the base batch
-            if n.startswith("1x") and r["keys"].get("precision", "fp32") == "fp32" and math.isfinite(r["val_loss"])]
+    base = [
+        r
+        for n, r in rows.items()  # the fp32 runs at the base batch
+        if n.startswith("1x") and r["keys"].get("precision", "fp32") == "fp32" and math.isfinite(r["val_loss"])
+    ]
     last = min((r["val_loss"] for r in base), default=math.nan)
     best = min((r["best_val_loss"] for r in base), default=math.nan)
     r0 = next(iter(rows.values()))
-    out = [f"{prefix}  {r0['device']} {r0['gpu']} torch {r0['torch']}; best 1x: last epoch {last:.4f}, "
-           f"best epoch {best:.4f}", "",
-           "| variant | val loss, last epoch | vs best 1x | best epoch's | vs best 1x | steps | train s |",
-           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        f"{prefix}  {r0['device']} {r0['gpu']} torch {r0['torch']}; best 1x: last epoch {last:.4f}, "
+        f"best epoch {best:.4f}",
+        "",
+        "| variant | val loss, last epoch | vs best 1x | best epoch's | vs best 1x | steps | train s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in rows.items():
-        out.append(f"| {name} | {r['val_loss']:.4f} | {100 * (r['val_loss'] / last - 1):+.2f}% | "
-                   f"{r['best_val_loss']:.4f} | {100 * (r['best_val_loss'] / best - 1):+.2f}% | {r['steps']} | "
-                   f"{r['train_s']} |")  # fmt: skip
+        out.append(
+            f"| {name} | {r['val_loss']:.4f} | {100 * (r['val_loss'] / last - 1):+.2f}% | "
+            f"{r['best_val_loss']:.4f} | {100 * (r['best_val_loss'] / best - 1):+.2f}% | {r['steps']} | "
+            f"{r['train_s']} |"
+        )
     return out
 
 
@@ -204,8 +238,11 @@ def main() -> int:
             db[prefix + name] = r
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(db, indent=1))
-            print(f"  {name}: val loss {r['val_loss']:.4f} (best {r['best_val_loss']:.4f}), {r['steps']} steps, "
-                  f"{r['train_s']} s on {r['device']}", flush=True)  # fmt: skip
+            print(
+                f"  {name}: val loss {r['val_loss']:.4f} (best {r['best_val_loss']:.4f}), {r['steps']} steps, "
+                f"{r['train_s']} s on {r['device']}",
+                flush=True,
+            )
     for seed in sorted({k[len(run) :].split("|")[0] for k in db if k.startswith(run)}):
         print("\n".join(table(db, f"{run}{seed}|")) + "\n")
     return 0

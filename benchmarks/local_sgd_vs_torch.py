@@ -68,8 +68,9 @@ def _run(kind: str, args: dict[str, Any], data: list[Any], solo: Any) -> dict[st
     if kind == "torch":
         model: Any = DDP(net)
         model.register_comm_hook(PostLocalSGDState(None, solo, warm), post_localSGD_hook)
-        opt: Any = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=args["lr"], momentum=0.9),
-                                         PeriodicModelAverager(period, warm))  # fmt: skip
+        opt: Any = PostLocalSGDOptimizer(
+            torch.optim.SGD(model.parameters(), lr=args["lr"], momentum=0.9), PeriodicModelAverager(period, warm)
+        )
     else:
         model = local = LocalSGD(net, period=period, warmup_steps=warm, algorithm=args["algorithm"])
         opt = torch.optim.SGD(net.parameters(), lr=args["lr"], momentum=0.9)
@@ -127,39 +128,65 @@ def main(argv: list[str] | None = None) -> int:
 
     from dtrain.launch.agent import launch, threads_per_worker
 
-    args = dict(model=a.model, algorithm=a.algorithm, period=a.period, warmup_steps=a.warmup_steps,
-                batch_size=a.batch_size, steps=a.steps, repeats=a.repeats, lr=a.lr, seed=a.seed)  # fmt: skip
-    print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
-          f"{a.nprocs} processes x {threads_per_worker(a.nprocs)} intra-op thread(s), "
-          f"backend {'nccl' if torch.cuda.is_available() else 'gloo'}")  # fmt: skip
-    print(f"model {a.model}, digits, global batch {a.batch_size}, period {a.period}, warm-up {a.warmup_steps}, "
-          f"{a.steps} steps per run, median of {a.repeats} rounds; dtrain algorithm {a.algorithm}")  # fmt: skip
-    bench = Benchmark("local_sgd_vs_torch", title="LocalSGD against torch's post-local SGD", family="decentralized",
-                      workload=f"{a.model} on digits, global batch {a.batch_size}, {a.nprocs} processes, period "
-                               f"{a.period} after {a.warmup_steps} synchronous steps; {a.steps} steps a run",
-                      metric="ms/step", higher_is_better=False, repeats=a.repeats, quick=a.quick,
-                      command=command("benchmarks/local_sgd_vs_torch.py", argv),
-                      notes="torch's side: DDP with post_localSGD_hook and PostLocalSGDOptimizer("
-                            "PeriodicModelAverager); dtrain's: LocalSGD with the "
-                            f"{a.algorithm} allreduce. The two alternate inside one launch.")  # fmt: skip
+    args = dict(
+        model=a.model,
+        algorithm=a.algorithm,
+        period=a.period,
+        warmup_steps=a.warmup_steps,
+        batch_size=a.batch_size,
+        steps=a.steps,
+        repeats=a.repeats,
+        lr=a.lr,
+        seed=a.seed,
+    )
+    print(
+        f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
+        f"{a.nprocs} processes x {threads_per_worker(a.nprocs)} intra-op thread(s), "
+        f"backend {'nccl' if torch.cuda.is_available() else 'gloo'}"
+    )
+    print(
+        f"model {a.model}, digits, global batch {a.batch_size}, period {a.period}, warm-up {a.warmup_steps}, "
+        f"{a.steps} steps per run, median of {a.repeats} rounds; dtrain algorithm {a.algorithm}"
+    )
+    bench = Benchmark(
+        "local_sgd_vs_torch",
+        title="LocalSGD against torch's post-local SGD",
+        family="decentralized",
+        workload=f"{a.model} on digits, global batch {a.batch_size}, {a.nprocs} processes, period "
+        f"{a.period} after {a.warmup_steps} synchronous steps; {a.steps} steps a run",
+        metric="ms/step",
+        higher_is_better=False,
+        repeats=a.repeats,
+        quick=a.quick,
+        command=command("benchmarks/local_sgd_vs_torch.py", argv),
+        notes="torch's side: DDP with post_localSGD_hook and PostLocalSGDOptimizer("
+        "PeriodicModelAverager); dtrain's: LocalSGD with the "
+        f"{a.algorithm} allreduce. The two alternate inside one launch.",
+    )
     t0 = time.perf_counter()
     bench.start()
     rounds = launch(_worker, (args,), nprocs=a.nprocs)[0]
     bench.stop()
-    bench.add_case(f"period {a.period}", samples={"LocalSGD": [d["step_ms"] for _, d in rounds],
-                                                  "PostLocalSGDOptimizer": [t["step_ms"] for t, _ in rounds]},
-                   compare=[("LocalSGD", "PostLocalSGDOptimizer", Bar.at_least(1.0))])  # fmt: skip
+    bench.add_case(
+        f"period {a.period}",
+        samples={
+            "LocalSGD": [d["step_ms"] for _, d in rounds],
+            "PostLocalSGDOptimizer": [t["step_ms"] for t, _ in rounds],
+        },
+        compare=[("LocalSGD", "PostLocalSGDOptimizer", Bar.at_least(1.0))],
+    )
     torch_ms = statistics.median(t["step_ms"] for t, _ in rounds)
     dtrain_ms = statistics.median(d["step_ms"] for _, d in rounds)
     ratio = statistics.median(t["step_ms"] / d["step_ms"] for t, d in rounds)
     print()
     print(f"{'torch PostLocalSGDOptimizer + DDP hook':42} {torch_ms:9.3f} ms/step")
-    print(f"{'dtrain LocalSGD (' + a.algorithm + ')':42} {dtrain_ms:9.3f} ms/step   "
-          f"{rounds[0][1]['bytes']:.0f} bytes/step sent")  # fmt: skip
+    print(
+        f"{'dtrain LocalSGD (' + a.algorithm + ')':42} {dtrain_ms:9.3f} ms/step   "
+        f"{rounds[0][1]['bytes']:.0f} bytes/step sent"
+    )
     print(f"{'ratio torch/dtrain (>= 1: dtrain as fast)':42} {ratio:9.3f}")
     per_round = ", ".join(f"{t['step_ms'] / d['step_ms']:.3f}" for t, d in rounds)
-    print(f"per round torch/dtrain: {per_round}; "
-          f"wall {time.perf_counter() - t0:.0f}s")  # fmt: skip
+    print(f"per round torch/dtrain: {per_round}; wall {time.perf_counter() - t0:.0f}s")
     bench.report(a.out)
     return 0
 

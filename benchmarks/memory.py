@@ -61,30 +61,35 @@ from _models import HF_MODELS, LANGUAGE, preload
 
 #: tensor parallelism: (tp, sequence parallel); every rank trains the whole batch of ``--tp-batch`` samples
 TENSOR = {"dtrain tp1": (1, False), "dtrain tp2": (2, False), "dtrain tp4": (4, False), "dtrain tp4 sp": (4, True)}
-SYSTEMS = ("dtrain dp", "dtrain z1", "dtrain z2", "dtrain z3", "torch ddp", "torch ddp+zero", "torch fsdp2",
-           *TENSOR)  # fmt: skip
+SYSTEMS = ("dtrain dp", "dtrain z1", "dtrain z2", "dtrain z3", "torch ddp", "torch ddp+zero", "torch fsdp2", *TENSOR)
 MIB = 2**20
 #: tensor parallelism's step-peak form: parameters and Adam's moments (12 bytes a held parameter) and the larger
 #: of the activations (held at the end of forward) and the gradients (at the end of backward): the optimizer's
 #: zero_grad frees the gradients before the forward, and backward frees the activations as it makes them
 PEAK = "parameters + Adam + max(activations, gradients)"
-NOTES = ("A system's figure is its largest rank's. Live tensors after the last step are the closed form's "
-         "states, plus dtrain dp's ring piece pool; the fixed cost is what the same system costs on a model of "
-         "next to nothing. What the process holds beyond both grows with the model: the gradients of a bucket in "
-         "flight and the allocator's keeping of freed memory (the whole model built before ZeRO-3 shards it, each "
-         "step's activations and gathered units; docs/sharded.md). FSDP2's closed form here is 16 Psi / N without "
-         "its gathered units; DDP's buckets are C++-held, outside the census.")  # fmt: skip
+NOTES = (
+    "A system's figure is its largest rank's. Live tensors after the last step are the closed form's "
+    "states, plus dtrain dp's ring piece pool; the fixed cost is what the same system costs on a model of "
+    "next to nothing. What the process holds beyond both grows with the model: the gradients of a bucket in "
+    "flight and the allocator's keeping of freed memory (the whole model built before ZeRO-3 shards it, each "
+    "step's activations and gathered units; docs/sharded.md). FSDP2's closed form here is 16 Psi / N without "
+    "its gathered units; DDP's buckets are C++-held, outside the census."
+)
 
-NOTES_RETURN = ("The same systems and figures as the default allocator's table, each process with glibc's mmap "
-                "threshold fixed at 64 KiB: a freed block of 64 KiB or more goes back to the kernel at once, so "
-                "the peak holds what was live at one time, not what the allocator kept. The fixed cost is "
-                "measured under the same setting.")  # fmt: skip
+NOTES_RETURN = (
+    "The same systems and figures as the default allocator's table, each process with glibc's mmap "
+    "threshold fixed at 64 KiB: a freed block of 64 KiB or more goes back to the kernel at once, so "
+    "the peak holds what was live at one time, not what the allocator kept. The fixed cost is "
+    "measured under the same setting."
+)
 
 
 NOTES_UNFIXED = " This run measured no fixed cost (--fixed-model none)."
-NOTES_HF = (" The model is a transformers Llama dtrain did not write (benchmarks/_models.py); every process imports "
-            "transformers before its baseline, so its code is not in the figures; FSDP2 shards each decoder layer, "
-            "then the root; dtrain's units are its defaults.")
+NOTES_HF = (
+    " The model is a transformers Llama dtrain did not write (benchmarks/_models.py); every process imports "
+    "transformers before its baseline, so its code is not in the figures; FSDP2 shards each decoder layer, "
+    "then the root; dtrain's units are its defaults."
+)
 
 
 class _Tensor:
@@ -96,8 +101,13 @@ class _Tensor:
 
         self.tp, (size, self.sp) = tp, TENSOR[name]
         self.net = sharded._model(args)
-        self.model = self.net if size == 1 else tp.parallelize(
-            self.net, tp.plans.gpt_sequence_parallel() if self.sp else tp.plans.gpt, None, sequence_parallel=self.sp)
+        self.model = (
+            self.net
+            if size == 1
+            else tp.parallelize(
+                self.net, tp.plans.gpt_sequence_parallel() if self.sp else tp.plans.gpt, None, sequence_parallel=self.sp
+            )
+        )
         self.opt = torch.optim.Adam(self.model.parameters(), lr=args["lr"])
         self.size = size
 
@@ -169,8 +179,14 @@ def _worker(name: str, args: dict[str, Any]) -> dict[str, Any]:
     dp = getattr(s, "dp", None)
     units = [(u.name, u.numel, u.padded) for u in dp.units] if getattr(dp, "units", None) else None
     s.close()
-    return {"process": mem.peak_bytes, "reset": mem.reset, "counted": counted, "units": units,
-            "activations": saved.total, "live": live}
+    return {
+        "process": mem.peak_bytes,
+        "reset": mem.reset,
+        "counted": counted,
+        "units": units,
+        "activations": saved.total,
+        "live": live,
+    }
 
 
 def live_tensor_bytes() -> int:
@@ -206,10 +222,13 @@ def _measure(name: str, args: dict[str, Any], psi: int, nprocs: int) -> dict[str
     else:  # DDP: stage 0's; with ZeroRedundancyOptimizer, stage 1's; FSDP2: stage 3's less its gathered units
         closed = {"torch ddp": 16 * psi, "torch ddp+zero": 8 * psi + 8 * psi / nprocs}.get(name, 16 * psi / nprocs)
     activations = max(v["activations"] for v in ranks.values())
-    out = {"process": max(v["process"] for v in ranks.values()) / MIB,
-           "live tensors": max(v["live"] for v in ranks.values()) / MIB,
-           "wrapper": max(counted) / MIB if counted else float("nan"),
-           "closed form": closed / MIB, "closed form + activations": (closed + activations) / MIB}  # fmt: skip
+    out = {
+        "process": max(v["process"] for v in ranks.values()) / MIB,
+        "live tensors": max(v["live"] for v in ranks.values()) / MIB,
+        "wrapper": max(counted) / MIB if counted else float("nan"),
+        "closed form": closed / MIB,
+        "closed form + activations": (closed + activations) / MIB,
+    }
     if name in TENSOR:  # zero_grad frees the gradients: a step's peak holds activations or gradients, not both
         out[PEAK] = (0.75 * closed + max(activations, 0.25 * closed)) / MIB
     return out
@@ -220,43 +239,74 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4)
-    ap.add_argument("--model", default="gpt-small", choices=LANGUAGE,
-                    help="dtrain's gpt-small (default) or a model dtrain did not write (hf-llama-small)")
+    ap.add_argument(
+        "--model",
+        default="gpt-small",
+        choices=LANGUAGE,
+        help="dtrain's gpt-small (default) or a model dtrain did not write (hf-llama-small)",
+    )
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16, help="global batch (default: 16)")
     ap.add_argument("--steps", type=int, default=3, help="Adam steps in each process (default: 3)")
-    ap.add_argument("--tp-batch", type=int, default=4, help="tensor parallelism: samples every rank trains "
-                    "(default: 4, a ZeRO rank's share of the global batch)")
+    ap.add_argument(
+        "--tp-batch",
+        type=int,
+        default=4,
+        help="tensor parallelism: samples every rank trains (default: 4, a ZeRO rank's share of the global batch)",
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--fixed-model", default="gpt-tiny", help="the model whose process memory beyond its closed "
-                    "form and activations is the runtime's fixed cost (default: gpt-tiny, 137K parameters; none: "
-                    "not measured, half the launches)")
-    ap.add_argument("--allocator", choices=("default", "return"), default="default",
-                    help="return: glibc gives every freed block of 64 KiB or more back at once (mallopt)")
+    ap.add_argument(
+        "--fixed-model",
+        default="gpt-tiny",
+        help="the model whose process memory beyond its closed "
+        "form and activations is the runtime's fixed cost (default: gpt-tiny, 137K parameters; none: "
+        "not measured, half the launches)",
+    )
+    ap.add_argument(
+        "--allocator",
+        choices=("default", "return"),
+        default="default",
+        help="return: glibc gives every freed block of 64 KiB or more back at once (mallopt)",
+    )
     add_result_flags(ap)
     a = ap.parse_args(argv)
     names = [s for s in a.systems.split(",") if s]
     bad = [s for s in names if s not in SYSTEMS]
     if bad:
         ap.error(f"unknown system(s) {bad}; choose from {','.join(SYSTEMS)}")
-    args = dict(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps, lr=1e-3, seed=0,
-                algorithm="ring", overlap="backward", nprocs=a.nprocs, tp_batch=a.tp_batch,
-                allocator=a.allocator)  # fmt: skip
+    args = dict(
+        model=a.model,
+        seq_len=a.seq_len,
+        batch_size=a.batch_size,
+        steps=a.steps,
+        lr=1e-3,
+        seed=0,
+        algorithm="ring",
+        overlap="backward",
+        nprocs=a.nprocs,
+        tp_batch=a.tp_batch,
+        allocator=a.allocator,
+    )
     psi = sum(p.numel() for p in sharded._model(args).parameters())
     returning = a.allocator == "return"
     user = f"_{a.model.replace('-', '_')}" if a.model in HF_MODELS else ""  # its own result file
-    bench = Benchmark(("memory_sharded_return" if returning else "memory_sharded") + user,
-                      title="Memory as the process sees it: ZeRO, tensor parallelism" + (
-                          ", glibc returning freed blocks" if returning else "") + (f", {a.model}" if user else ""),
-                      family="sharded data parallelism",
-                      workload=f"{a.model} (Psi = {psi:,} parameters), seq_len {a.seq_len}, global batch "
-                               f"{a.batch_size}, Adam, {a.nprocs} processes (tensor parallelism: tp processes, "
-                               f"each the whole batch of {a.tp_batch}); {a.steps} steps in fresh processes"
-                               + ("; glibc's mmap threshold fixed at 64 KiB in every process (mallopt)"
-                                  if returning else ""),
-                      metric="MiB", higher_is_better=False, repeats=a.rounds, quick=a.quick,
-                      command=command("benchmarks/memory.py", argv))  # fmt: skip
+    bench = Benchmark(
+        ("memory_sharded_return" if returning else "memory_sharded") + user,
+        title="Memory as the process sees it: ZeRO, tensor parallelism"
+        + (", glibc returning freed blocks" if returning else "")
+        + (f", {a.model}" if user else ""),
+        family="sharded data parallelism",
+        workload=f"{a.model} (Psi = {psi:,} parameters), seq_len {a.seq_len}, global batch "
+        f"{a.batch_size}, Adam, {a.nprocs} processes (tensor parallelism: tp processes, "
+        f"each the whole batch of {a.tp_batch}); {a.steps} steps in fresh processes"
+        + ("; glibc's mmap threshold fixed at 64 KiB in every process (mallopt)" if returning else ""),
+        metric="MiB",
+        higher_is_better=False,
+        repeats=a.rounds,
+        quick=a.quick,
+        command=command("benchmarks/memory.py", argv),
+    )
     tiny = {**args, "model": a.fixed_model}
     fixing = a.fixed_model != "none"
     tiny_psi = sum(p.numel() for p in sharded._model(tiny).parameters()) if fixing else 0
@@ -273,13 +323,16 @@ def main(argv: list[str] | None = None) -> int:
                 small = _measure(name, tiny, tiny_psi, a.nprocs)
                 fixed = small["process"] - small["closed form + activations"]
                 samples[name].setdefault("closed form + activations + fixed cost", []).append(
-                    got["closed form + activations"] + fixed)
+                    got["closed form + activations"] + fixed
+                )
             if fixing and PEAK in got:  # its own fixed cost: gpt-tiny's process beyond the same form
-                samples[name].setdefault(f"{PEAK} + fixed cost", []).append(
-                    got[PEAK] + small["process"] - small[PEAK])
-            print(f"round {r + 1}/{a.rounds}: {name:<13} process {got['process']:7.1f} MiB, live tensors "
-                  f"{got['live tensors']:7.1f}, closed form + activations {got['closed form + activations']:7.1f}"
-                  + (f", fixed cost ({a.fixed_model}) {fixed:5.1f}" if fixing else ""), flush=True)  # fmt: skip
+                samples[name].setdefault(f"{PEAK} + fixed cost", []).append(got[PEAK] + small["process"] - small[PEAK])
+            print(
+                f"round {r + 1}/{a.rounds}: {name:<13} process {got['process']:7.1f} MiB, live tensors "
+                f"{got['live tensors']:7.1f}, closed form + activations {got['closed form + activations']:7.1f}"
+                + (f", fixed cost ({a.fixed_model}) {fixed:5.1f}" if fixing else ""),
+                flush=True,
+            )
     bench.stop()
     for name in names:
         got = {k: v for k, v in samples[name].items() if not any(x != x for x in v)}  # no wrapper count: left out
@@ -289,12 +342,17 @@ def main(argv: list[str] | None = None) -> int:
         if f"{PEAK} + fixed cost" in got:
             compare.append(("process", f"{PEAK} + fixed cost", Bar.within(0.10)))
         bench.add_case(name, samples=got, compare=compare, headline=False)
-    for ours, peer, what in (("dtrain dp", "torch ddp", "stage 0"), ("dtrain z1", "torch ddp+zero", "stage 1"),
-                             ("dtrain z3", "torch fsdp2", "stage 3")):  # fmt: skip
+    for ours, peer, what in (
+        ("dtrain dp", "torch ddp", "stage 0"),
+        ("dtrain z1", "torch ddp+zero", "stage 1"),
+        ("dtrain z3", "torch fsdp2", "stage 3"),
+    ):
         if ours in names and peer in names:  # the same rounds: each round's pair ran one after the other
-            bench.add_case(f"{what}, process memory", samples={ours: samples[ours]["process"],
-                                                               peer: samples[peer]["process"]},
-                           compare=[(ours, peer, Bar.at_least(1.0))])  # fmt: skip
+            bench.add_case(
+                f"{what}, process memory",
+                samples={ours: samples[ours]["process"], peer: samples[peer]["process"]},
+                compare=[(ours, peer, Bar.at_least(1.0))],
+            )
     bench.notes = (NOTES_RETURN if returning else NOTES) + ("" if fixing else NOTES_UNFIXED)
     if a.model in HF_MODELS:
         bench.notes += NOTES_HF

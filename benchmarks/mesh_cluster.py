@@ -33,8 +33,12 @@ def systems(hosts: int) -> list[tuple[str, Choice]]:
 
     out = [("dp ring", choice("dp", hosts, "ring")), (f"tensor tp{hosts}", Choice("tensor", hosts, TensorOptions()))]
     for dp, pp, tp in ((2, 1, 2), (1, 2, 2), (2, 2, 1), (1, hosts, 1)):
-        out.append((f"hybrid dp{dp} pp{pp} tp{tp}",
-                    Choice("hybrid", hosts, HybridOptions(dp=dp, pp=pp, tp=tp, microbatches=4 if pp > 1 else 1))))
+        out.append(
+            (
+                f"hybrid dp{dp} pp{pp} tp{tp}",
+                Choice("hybrid", hosts, HybridOptions(dp=dp, pp=pp, tp=tp, microbatches=4 if pp > 1 else 1)),
+            )
+        )
     return out
 
 
@@ -60,12 +64,24 @@ def main() -> int:
     from dtrain.planning.calibrate import calibrate_cluster, summary
     from dtrain.workloads.load import load_model
 
-    print(f"torch {torch.__version__}; {ns.model} on pytext, global batch {ns.batch} x {ns.seq_len} tokens, SGD, "
-          f"{ns.hosts} emulated hosts at {ns.bandwidth}, {ns.steps} steps (median after {ns.warmup}), "
-          f"{ns.rounds} interleaved rounds")  # fmt: skip
-    base = RunConfig.make(model=ns.model, dataset="pytext", seq_len=ns.seq_len, batch_size=ns.batch,
-                          max_steps=ns.steps, epochs=1000, lr=0.05, trace=False, progress=False, workers=ns.hosts,
-                          eval_samples=16)  # fmt: skip
+    print(
+        f"torch {torch.__version__}; {ns.model} on pytext, global batch {ns.batch} x {ns.seq_len} tokens, SGD, "
+        f"{ns.hosts} emulated hosts at {ns.bandwidth}, {ns.steps} steps (median after {ns.warmup}), "
+        f"{ns.rounds} interleaved rounds"
+    )
+    base = RunConfig.make(
+        model=ns.model,
+        dataset="pytext",
+        seq_len=ns.seq_len,
+        batch_size=ns.batch,
+        max_steps=ns.steps,
+        epochs=1000,
+        lr=0.05,
+        trace=False,
+        progress=False,
+        workers=ns.hosts,
+        eval_samples=16,
+    )
     todo = systems(ns.hosts)
     cname = f"{ns.name}_{ns.bandwidth.replace('.', '_')}"[:24]
     dc.down(cname)
@@ -95,18 +111,39 @@ def main() -> int:
         found = pr.find(s.label())
         pred = found.step_s * 1e3 if found else float("nan")
         med = statistics.median(times[label]) * 1e3
-        rows.append({"system": label, "strategy": s.label(), "predicted_ms": pred, "measured_ms": med,
-                     "error": pred / med - 1, "bytes_per_step": sent[label]})  # fmt: skip
+        rows.append(
+            {
+                "system": label,
+                "strategy": s.label(),
+                "predicted_ms": pred,
+                "measured_ms": med,
+                "error": pred / med - 1,
+                "bytes_per_step": sent[label],
+            }
+        )
         print(f"{label:<28}{pred:>13.1f}{med:>12.1f}{pred / med - 1:>+8.1%}{sent[label] / 1e6:>9.2f}")
     fastest = min(rows, key=lambda r: r["measured_ms"])
     chosen = next(r for r in rows if r["strategy"] == pr.best.strategy.label())
     gap = chosen["measured_ms"] / fastest["measured_ms"] - 1
-    print(f"\nplanner's first choice: {chosen['system']!r}; measured fastest: {fastest['system']!r}; the choice is "
-          f"{gap:+.1%} slower -> {'ok' if gap <= 0.10 else 'MISSED'} (bound 10%)")  # fmt: skip
+    print(
+        f"\nplanner's first choice: {chosen['system']!r}; measured fastest: {fastest['system']!r}; the choice is "
+        f"{gap:+.1%} slower -> {'ok' if gap <= 0.10 else 'MISSED'} (bound 10%)"
+    )
     Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(ns.json).write_text(json.dumps({"bandwidth": ns.bandwidth, "hosts": ns.hosts, "model": ns.model,
-                                         "rows": rows, "planner_choice": chosen["system"],
-                                         "fastest": fastest["system"], "gap": gap}, indent=1))  # fmt: skip
+    Path(ns.json).write_text(
+        json.dumps(
+            {
+                "bandwidth": ns.bandwidth,
+                "hosts": ns.hosts,
+                "model": ns.model,
+                "rows": rows,
+                "planner_choice": chosen["system"],
+                "fastest": fastest["system"],
+                "gap": gap,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

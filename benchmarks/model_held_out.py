@@ -67,13 +67,20 @@ def step_s(cfg: Any, cluster: str, first: int) -> float:
         out.mkdir(parents=True)
         stop, seen, ths = _watch(out)
         try:
-            launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes, cluster=cluster,
-                              stream_first=False, timeout_s=1800)  # fmt: skip
+            launch_on_cluster(
+                worker_main,
+                (cfg.to_dict(), str(out)),
+                nprocs=cfg.num_processes,
+                cluster=cluster,
+                stream_first=False,
+                timeout_s=1800,
+            )
         finally:
             stop.set()
             for th in ths:
                 th.join()
         from dtrain.rundir.files import rank_metrics, read_jsonl
+
         own = [r.get("step_s") for r in read_jsonl(out / rank_metrics(0))]
     seconds = seconds_a_step(seen, first, f"{cfg.strategy}: ")
     loop = [t for t in own[first + 1 : max(seen) + 1] if t]
@@ -96,14 +103,24 @@ def _phase(ns: argparse.Namespace, bw: str, bench: Any) -> None:
     try:
         spec = calibrate_cluster(cname, model="cnn", dataset="digits", batch=64, quick=True)
         print(f"\n=== {bw}: calibration (the CNN)\n{summary(spec)}", flush=True)
-        every = {c.label(): c for c in candidates(spec, ns.hosts, single=False, averaging=True, pipeline=True,
-                                                  mesh=True)}  # fmt: skip
+        every = {
+            c.label(): c for c in candidates(spec, ns.hosts, single=False, averaging=True, pipeline=True, mesh=True)
+        }
         todo = [every[label] for label in HELD_OUT]
         readings = [spec]
         for m in ns.models.split(","):
             model, sample, name = load_model(m, "pytext", batch=ns.batch, seq_len=ns.seq_len)
-            base = RunConfig.make(model=m, dataset="pytext", seq_len=ns.seq_len, batch_size=ns.batch, epochs=1000,
-                                  trace=False, progress=False, workers=ns.hosts, cluster=cname)  # fmt: skip
+            base = RunConfig.make(
+                model=m,
+                dataset="pytext",
+                seq_len=ns.seq_len,
+                batch_size=ns.batch,
+                epochs=1000,
+                trace=False,
+                progress=False,
+                workers=ns.hosts,
+                cluster=cname,
+            )
             measured: dict[str, list[float]] = {s.label(): [] for s in todo}
             predicted: dict[str, list[float]] = {s.label(): [] for s in todo}
             picks: list[str] = []
@@ -111,25 +128,34 @@ def _phase(ns: argparse.Namespace, bw: str, bench: Any) -> None:
                 readings.append(refresh_load(spec, cname, batch=64))
                 p = plan(model, sample, pool_load(readings), workers=ns.hosts, name=name, strategies=todo)
                 picks.append(p.best.strategy.label())
-                for s in todo[r % len(todo):] + todo[: r % len(todo)]:
+                for s in todo[r % len(todo) :] + todo[: r % len(todo)]:
                     pred = p.find(s.label())
                     assert pred is not None, f"the planner has no prediction for {s.label()}"
                     steps = max(ns.steps, ns.first + math.ceil(ns.window / pred.step_s))
                     cfg = base.replace(strategy=s.strategy, workers=s.workers, options=s.options, max_steps=steps)
                     measured[s.label()].append(step_s(cfg, cname, ns.first))
                     predicted[s.label()].append(pred.step_s)
-                    print(f"{bw} {m} round {r + 1}/{ns.rounds}: {s.label():<26} predicted "
-                          f"{pred.step_s * 1e3:8.1f} ms, measured {measured[s.label()][-1] * 1e3:8.1f} ms",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"{bw} {m} round {r + 1}/{ns.rounds}: {s.label():<26} predicted "
+                        f"{pred.step_s * 1e3:8.1f} ms, measured {measured[s.label()][-1] * 1e3:8.1f} ms",
+                        flush=True,
+                    )
             for s in todo:
                 ms = [1e3 * t for t in measured[s.label()]]
-                bench.add_case(f"{m}, {s.label()}, {bw}",
-                               samples={"measured": ms, "predicted": [1e3 * t for t in predicted[s.label()]]},
-                               compare=[("measured", "predicted", Bar.within(0.20))], headline=False)  # fmt: skip
+                bench.add_case(
+                    f"{m}, {s.label()}, {bw}",
+                    samples={"measured": ms, "predicted": [1e3 * t for t in predicted[s.label()]]},
+                    compare=[("measured", "predicted", Bar.within(0.20))],
+                    headline=False,
+                )
             fastest = [min(measured[k][r] for k in measured) * 1e3 for r in range(ns.rounds)]
             chosen = [measured[picks[r]][r] * 1e3 for r in range(ns.rounds)]
-            bench.add_case(f"{m}, the planner's first pick, {bw}", samples={"first pick": chosen, "fastest": fastest},
-                           compare=[("first pick", "fastest", Bar.at_least(1 / 1.1))], headline=False)  # fmt: skip
+            bench.add_case(
+                f"{m}, the planner's first pick, {bw}",
+                samples={"first pick": chosen, "fastest": fastest},
+                compare=[("first pick", "fastest", Bar.at_least(1 / 1.1))],
+                headline=False,
+            )
             bench.notes += f" {m} at {bw}: first picks {', '.join(picks)}."
     finally:
         dc.down(cname)
@@ -180,7 +206,8 @@ def _merge(bench: Any, path: str, ns: argparse.Namespace) -> None:
         compare = [(x["ours"], x["peer"], Bar(**x["bar"])) for x in c["comparisons"]]
         bench.add_case(c["name"], samples=samples, compare=compare, headline=c["headline"])
     bench.extra["launches"] = old["extra"].get("launches") or [
-        {k: old[k] for k in ("command", "commit", "date", "load")}]
+        {k: old[k] for k in ("command", "commit", "date", "load")}
+    ]
     bench.notes = old["notes"].split(LAUNCHES)[0]  # this launch's end says every launch again
 
 
@@ -192,8 +219,12 @@ def merged_text(workload: str, notes: str, rates: list[str], launches: list[dict
     launch's command and commit."""
     workload = re.sub(r"emulated hosts at [^;]+;", f"emulated hosts at {' and '.join(rates)};", workload)
     if len(launches) > 1:
-        notes += LAUNCHES + ", on the same code: " + "; ".join(
-            f"`{x['command']}` (commit {x['commit']}, {x['date']})" for x in launches) + "."
+        notes += (
+            LAUNCHES
+            + ", on the same code: "
+            + "; ".join(f"`{x['command']}` (commit {x['commit']}, {x['date']})" for x in launches)
+            + "."
+        )
     return workload, notes
 
 
@@ -208,32 +239,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8, help="steps a run at the least (default: 8)")
     ap.add_argument("--from", dest="first", type=int, default=3, help="time from this step's row (default: 3)")
-    ap.add_argument("--window", type=float, default=4.0,
-                    help="time at least this many seconds of steps, at the predicted step time (default: 4)")
+    ap.add_argument(
+        "--window",
+        type=float,
+        default=4.0,
+        help="time at least this many seconds of steps, at the predicted step time (default: 4)",
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--name", default="hold")
-    ap.add_argument("--merge", default=None, metavar="FILE",
-                    help="keep FILE's cases at the rates this launch does not run (same code only)")
+    ap.add_argument(
+        "--merge",
+        default=None,
+        metavar="FILE",
+        help="keep FILE's cases at the rates this launch does not run (same code only)",
+    )
     add_result_flags(ap)
     ns = ap.parse_args(argv)
     tag = "" if ns.models == "gpt-small" else "_" + ns.models.replace(",", "_").replace("-", "_")
-    bench = Benchmark(f"model_held_out{tag}", title="The performance model out of sample" + (
-                          f": {ns.models.replace(',', ', ')}" if tag else ""), family="performance model",
-                      workload=f"{ns.models} on pytext, seq_len {ns.seq_len}, global batch {ns.batch}, SGD; "
-                               f"{ns.hosts} emulated hosts at {ns.bandwidths.replace(',', ' and ')}; the cluster "
-                               f"calibrated on the CNN; at least {ns.steps} steps a run, timed from step {ns.first}",
-                      metric="ms/step", higher_is_better=False, repeats=ns.rounds, quick=ns.quick,
-                      command=command("benchmarks/model_held_out.py", argv),
-                      notes="The ratio is predicted / measured (1: the model is right). The strategies are the "
-                            "planner's own candidates; the first pick is the planner's over these five, each "
-                            "round's, against that round's fastest measured.")  # fmt: skip
+    bench = Benchmark(
+        f"model_held_out{tag}",
+        title="The performance model out of sample" + (f": {ns.models.replace(',', ', ')}" if tag else ""),
+        family="performance model",
+        workload=f"{ns.models} on pytext, seq_len {ns.seq_len}, global batch {ns.batch}, SGD; "
+        f"{ns.hosts} emulated hosts at {ns.bandwidths.replace(',', ' and ')}; the cluster "
+        f"calibrated on the CNN; at least {ns.steps} steps a run, timed from step {ns.first}",
+        metric="ms/step",
+        higher_is_better=False,
+        repeats=ns.rounds,
+        quick=ns.quick,
+        command=command("benchmarks/model_held_out.py", argv),
+        notes="The ratio is predicted / measured (1: the model is right). The strategies are the "
+        "planner's own candidates; the first pick is the planner's over these five, each "
+        "round's, against that round's fastest measured.",
+    )
     if ns.merge:
         _merge(bench, ns.merge, ns)
     bench.extra["args"] = _args(ns)
     bench.start()
     launches = bench.extra.setdefault("launches", [])
-    launches.append({"command": shlex.join(bench.command), "commit": commit_of(), "date": bench.date,
-                     "load": bench.load, "bandwidths": ns.bandwidths})  # fmt: skip
+    launches.append(
+        {
+            "command": shlex.join(bench.command),
+            "commit": commit_of(),
+            "date": bench.date,
+            "load": bench.load,
+            "bandwidths": ns.bandwidths,
+        }
+    )
     rates = list(dict.fromkeys([c.name.rsplit(", ", 1)[-1] for c in bench.cases] + ns.bandwidths.split(",")))
     for bw in ns.bandwidths.split(","):
         _phase(ns, bw, bench)

@@ -65,9 +65,12 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--window", type=float, default=2.0,
-                    help="time at least this many seconds of steps after warm-up, at the predicted step time "
-                         "(default: 2)")  # fmt: skip
+    ap.add_argument(
+        "--window",
+        type=float,
+        default=2.0,
+        help="time at least this many seconds of steps after warm-up, at the predicted step time (default: 2)",
+    )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--top", type=int, default=3, help="also measure the planner's first K (default: 3)")
     ap.add_argument("--rounds", type=int, default=3, help="runs per strategy, interleaved (default: 3)")
@@ -81,10 +84,20 @@ def main() -> int:
     from dtrain.planning.calibrate import calibrate_cluster, pool_load, refresh_load, summary
     from dtrain.workloads.load import load_model
 
-    print(f"torch {torch.__version__}; model cnn on digits, global batch {ns.batch}, {ns.hosts} emulated hosts, "
-          f"{ns.steps} steps or {ns.window:g} s of them (mean after {ns.warmup})")  # fmt: skip
-    base = RunConfig.make(model="cnn", dataset="digits", batch_size=ns.batch, max_steps=ns.steps, epochs=1000,
-                     trace=False, progress=False, workers=ns.hosts)  # fmt: skip
+    print(
+        f"torch {torch.__version__}; model cnn on digits, global batch {ns.batch}, {ns.hosts} emulated hosts, "
+        f"{ns.steps} steps or {ns.window:g} s of them (mean after {ns.warmup})"
+    )
+    base = RunConfig.make(
+        model="cnn",
+        dataset="digits",
+        batch_size=ns.batch,
+        max_steps=ns.steps,
+        epochs=1000,
+        trace=False,
+        progress=False,
+        workers=ns.hosts,
+    )
     model, sample, name = load_model("cnn", "digits", batch=ns.batch)
     worst, verdicts = 0.0, []
     for bw in ns.bandwidths.split(","):
@@ -114,12 +127,18 @@ def main() -> int:
                     spec_r = pool_load(readings)
                 pr = plan(model, sample, spec_r, workers=ns.hosts, name=name, strategies=todo)
                 lines, d = summary(readings[-1]).splitlines(), spec_r.device
-                coding = [f"{s.label().split()[-1]} {f.detail['coding_s'] * 1e3:.2f} ms" for s in todo
-                          if getattr(s.options, "compression", "none") not in ("", "none")
-                          and (f := pr.find(s.label())) and "coding_s" in f.detail]  # fmt: skip
-                print(f"round {r}: {lines[1].strip()}; {lines[3].strip()}; pooled over {len(readings)} readings: "
-                      f"x{d.compute_scale:.2f}, loop overhead {d.overhead * 1e3:.3g} ms; encode/decode (scaled) "
-                      f"{', '.join(coding)}")  # fmt: skip
+                coding = [
+                    f"{s.label().split()[-1]} {f.detail['coding_s'] * 1e3:.2f} ms"
+                    for s in todo
+                    if getattr(s.options, "compression", "none") not in ("", "none")
+                    and (f := pr.find(s.label()))
+                    and "coding_s" in f.detail
+                ]
+                print(
+                    f"round {r}: {lines[1].strip()}; {lines[3].strip()}; pooled over {len(readings)} readings: "
+                    f"x{d.compute_scale:.2f}, loop overhead {d.overhead * 1e3:.3g} ms; encode/decode (scaled) "
+                    f"{', '.join(coding)}"
+                )
                 for s in todo:
                     found = pr.find(s.label())
                     preds[s].append(found.step_s if found else float("nan"))
@@ -135,8 +154,10 @@ def main() -> int:
                 # load disturbed does not decide; the error of the means is printed beside it
                 per_round = [a / b - 1 for a, b in zip(preds[s], times[s])]
                 rows.append((s, pred, dt, statistics.median(per_round), pred / dt - 1))
-            print(f"\n{'strategy (' + bw + ')':<34}{'predicted ms':>13}{'measured ms':>12}{'error':>8}"
-                  f"{'of means':>10}   per round: predicted/measured ms")  # fmt: skip
+            print(
+                f"\n{'strategy (' + bw + ')':<34}{'predicted ms':>13}{'measured ms':>12}{'error':>8}"
+                f"{'of means':>10}   per round: predicted/measured ms"
+            )
             for s, pr, dt, err, err_means in rows:
                 per = "  ".join(f"{a * 1e3:.1f}/{b * 1e3:.1f}" for a, b in zip(preds[s], times[s]))
                 print(f"{s.label():<34}{pr * 1e3:>13.3f}{dt * 1e3:>12.3f}{err:>+8.1%}{err_means:>+10.1%}   {per}")
@@ -150,11 +171,15 @@ def main() -> int:
             dc.down(cname)
     print("\nplanner's first choice vs the measured fastest:")
     for bw, chose, fastest, gap, ok in verdicts:
-        print(f"  {bw:>8}: chose {chose!r}; fastest measured {fastest!r}; chosen is {gap:+.1%} slower "
-              f"-> {'ok' if ok else 'MISSED'}")  # fmt: skip
+        print(
+            f"  {bw:>8}: chose {chose!r}; fastest measured {fastest!r}; chosen is {gap:+.1%} slower "
+            f"-> {'ok' if ok else 'MISSED'}"
+        )
     if len(verdicts) == 2:
-        print(f"  choice differs between the bandwidths: {verdicts[0][1] != verdicts[1][1]}; "
-              f"fastest differs: {verdicts[0][2] != verdicts[1][2]}")  # fmt: skip
+        print(
+            f"  choice differs between the bandwidths: {verdicts[0][1] != verdicts[1][1]}; "
+            f"fastest differs: {verdicts[0][2] != verdicts[1][2]}"
+        )
     print(f"largest prediction error: {worst:.1%} (acceptance: within 20%)")
     return 0 if worst <= 0.2 and all(v[4] for v in verdicts) else 1
 

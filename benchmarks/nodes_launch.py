@@ -76,12 +76,11 @@ def _step_times(rows: Path, stop: threading.Event, seen: dict[int, float]) -> No
 def _watch(out: Path) -> tuple[threading.Event, dict[int, float], list[threading.Thread]]:
     stop, seen = threading.Event(), {}
     from dtrain.rundir.files import rank_metrics
+
     ths = [threading.Thread(target=_step_times, args=(out / rank_metrics(0), stop, seen), daemon=True)]
     for th in ths:
         th.start()
     return stop, seen, ths
-
-
 
 
 def seconds_a_step(seen: dict[int, float], first: int, who: str = "") -> float:
@@ -92,20 +91,29 @@ def seconds_a_step(seen: dict[int, float], first: int, who: str = "") -> float:
     return (seen[last] - seen[first]) / (last - first)
 
 
-def run_local(flags: list[str], out: Path, env: dict[str, str] | None = None,
-              timeout: float = 1800) -> dict[int, float]:  # fmt: skip
+def run_local(
+    flags: list[str], out: Path, env: dict[str, str] | None = None, timeout: float = 1800
+) -> dict[int, float]:
     """``dtrain run FLAGS`` on this machine into ``out``: when each of rank 0's rows appeared (its own rows
     file, or the one process's merged rows)."""
     out.mkdir(parents=True, exist_ok=True)
     stop, seen = threading.Event(), dict[int, float]()
     from dtrain.rundir.files import METRICS, rank_metrics
-    watch = [threading.Thread(target=_step_times, args=(out / name, stop, seen), daemon=True)
-             for name in (rank_metrics(0), METRICS)]  # fmt: skip
+
+    watch = [
+        threading.Thread(target=_step_times, args=(out / name, stop, seen), daemon=True)
+        for name in (rank_metrics(0), METRICS)
+    ]
     for th in watch:
         th.start()
     try:
-        p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *flags, "--out", str(out), "--overwrite"],
-                           capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
+        p = subprocess.run(
+            [sys.executable, "-m", "dtrain.cli", "run", *flags, "--out", str(out), "--overwrite"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
     finally:
         stop.set()
         for th in watch:
@@ -120,12 +128,36 @@ def per_node(c: Any, flags: list[str], out: Path) -> dict[int, float]:
 
     port = random.randint(20000, 40000)
     stop, seen, ths = _watch(out)
-    procs = [subprocess.Popen(["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cli", "run",
-                               *flags, "--out", str(out), "--nnodes", str(c.hosts), "--node-rank", str(h),
-                               "--rdzv-endpoint", f"{c.address(0)}:{port}", "--rdzv-id", f"b{port}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                              env={**os.environ, **node_env(c, h)})
-             for h in range(c.hosts)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                c.host_ns(h),
+                sys.executable,
+                "-m",
+                "dtrain.cli",
+                "run",
+                *flags,
+                "--out",
+                str(out),
+                "--nnodes",
+                str(c.hosts),
+                "--node-rank",
+                str(h),
+                "--rdzv-endpoint",
+                f"{c.address(0)}:{port}",
+                "--rdzv-id",
+                f"b{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **node_env(c, h)},
+        )
+        for h in range(c.hosts)
+    ]
     codes = [p.wait(timeout=600) for p in procs]
     stop.set()
     for th in ths:
@@ -145,8 +177,14 @@ def one_launcher(c: Any, flags: list[str], out: Path) -> dict[int, float]:
     out.mkdir(parents=True)
     stop, seen, ths = _watch(out)
     try:
-        launch_on_cluster(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes, cluster=c.name,
-                          stream_first=False, timeout_s=600)  # fmt: skip
+        launch_on_cluster(
+            worker_main,
+            (cfg.to_dict(), str(out)),
+            nprocs=cfg.num_processes,
+            cluster=c.name,
+            stream_first=False,
+            timeout_s=600,
+        )
     finally:
         stop.set()
         for th in ths:
@@ -172,16 +210,22 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("DTRAIN_CLUSTER_DIR", tempfile.mkdtemp(prefix="dtrain-bench-clusters-"))
     name = f"nl{os.getpid() % 10000}"
-    bench = Benchmark("nodes_launch", title="The per-node launch against the one-launcher launch",
-                      family="several machines",
-                      workload=f"the CNN on digits, batch 64, {ns.hosts} emulated hosts at {ns.bandwidth} (network "
-                               f"namespaces), 1 process a host; rank 0's steps {ns.first}..{ns.steps - 1}",
-                      metric="steps/s", higher_is_better=True, repeats=ns.repeats, quick=ns.quick,
-                      command=command("benchmarks/nodes_launch.py", argv),
-                      notes="per-node: on every host its own `dtrain run --nnodes --node-rank --rdzv-endpoint` (what "
-                            "`dtrain run --cluster` starts); one-launcher: one parent starting a torchrun node a "
-                            "host with a pickled function. Timed from outside, by this script's clock as rank 0's "
-                            "metrics rows appear. All hosts share this machine's cores.")  # fmt: skip
+    bench = Benchmark(
+        "nodes_launch",
+        title="The per-node launch against the one-launcher launch",
+        family="several machines",
+        workload=f"the CNN on digits, batch 64, {ns.hosts} emulated hosts at {ns.bandwidth} (network "
+        f"namespaces), 1 process a host; rank 0's steps {ns.first}..{ns.steps - 1}",
+        metric="steps/s",
+        higher_is_better=True,
+        repeats=ns.repeats,
+        quick=ns.quick,
+        command=command("benchmarks/nodes_launch.py", argv),
+        notes="per-node: on every host its own `dtrain run --nnodes --node-rank --rdzv-endpoint` (what "
+        "`dtrain run --cluster` starts); one-launcher: one parent starting a torchrun node a "
+        "host with a pickled function. Timed from outside, by this script's clock as rank 0's "
+        "metrics rows appear. All hosts share this machine's cores.",
+    )
     c = up(name, hosts=ns.hosts, bandwidth=ns.bandwidth)
     tmp = Path(tempfile.mkdtemp(prefix="dtrain-bench-nodes-"))
     runs = iter(range(1 << 30))
@@ -189,9 +233,21 @@ def main(argv: list[str] | None = None) -> int:
     def timed(system: Callable[[Any, list[str], Path], dict[int, float]], strat: str) -> Callable[[], float]:
         def one() -> float:
             # --max-steps ends the run (digits has 28 steps of 64 an epoch); one evaluation, at the end
-            flags = ["--workers", str(ns.hosts), "--epochs", "1000", "--max-steps", str(ns.steps),
-                     "--eval-every", str(ns.steps), "--no-progress", "--no-trace", "--batch-size", "64",
-                     *STRATEGIES[strat]]  # fmt: skip
+            flags = [
+                "--workers",
+                str(ns.hosts),
+                "--epochs",
+                "1000",
+                "--max-steps",
+                str(ns.steps),
+                "--eval-every",
+                str(ns.steps),
+                "--no-progress",
+                "--no-trace",
+                "--batch-size",
+                "64",
+                *STRATEGIES[strat],
+            ]
             return 1.0 / seconds_a_step(system(c, flags, tmp / f"run{next(runs)}"), ns.first)
 
         return one

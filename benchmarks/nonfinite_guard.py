@@ -91,14 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=50, help="discarded steps (default: 50)")
     ap.add_argument("--nprocs", type=int, default=2, help="processes of the agreement all-reduce (default: 2)")
     a = ap.parse_args(argv)
-    print(f"# nonfinite guard: torch {torch.__version__}, python {platform.python_version()}, "
-          f"{torch.get_num_threads()} threads, {platform.machine()}")
+    print(
+        f"# nonfinite guard: torch {torch.__version__}, python {platform.python_version()}, "
+        f"{torch.get_num_threads()} threads, {platform.machine()}"
+    )
     print("model      batch   step (no check)   step (checked)   check alone   overhead")
     for name, batch in (("cnn", 32), ("gpt-tiny", 8)):
         t = _step_times(name, batch, a.steps, a.warmup)
         extra = t["checked"] / t["plain"] - 1
-        print(f"{name:<10} {batch:>5}   {t['plain'] * 1e3:>12.3f} ms   {t['checked'] * 1e3:>11.3f} ms"
-              f"   {t['check'] * 1e6:>8.1f} us   {extra * 100:>+7.1f}% ({t['check'] / t['plain'] * 100:.1f}% alone)")
+        print(
+            f"{name:<10} {batch:>5}   {t['plain'] * 1e3:>12.3f} ms   {t['checked'] * 1e3:>11.3f} ms"
+            f"   {t['check'] * 1e6:>8.1f} us   {extra * 100:>+7.1f}% ({t['check'] / t['plain'] * 100:.1f}% alone)"
+        )
     from dtrain.launch.agent import launch
 
     res: Any = launch(_agreement, (a.steps,), nprocs=a.nprocs)[0]
@@ -110,4 +114,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

@@ -70,8 +70,10 @@ def _model(args: dict[str, Any]) -> nn.Sequential:
     torch.manual_seed(args["seed"])
     w = args["width"]
     layers: list[tuple[str, nn.Module]] = [("inp", nn.Sequential(nn.Linear(IN_FEATURES, w), nn.ReLU()))]
-    layers += [(f"b{i}", nn.Sequential(nn.Linear(w, k * w), nn.ReLU(), nn.Linear(k * w, w), nn.ReLU()))
-               for i, k in enumerate(args["factors"])]  # fmt: skip
+    layers += [
+        (f"b{i}", nn.Sequential(nn.Linear(w, k * w), nn.ReLU(), nn.Linear(k * w, w), nn.ReLU()))
+        for i, k in enumerate(args["factors"])
+    ]
     return nn.Sequential(OrderedDict([*layers, ("head", nn.Linear(w, CLASSES))]))
 
 
@@ -114,8 +116,9 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
 
     pipes, opts = {}, {}
     for cut in args["cuts"]:
-        pipes[cut] = Pipeline(_model(args), microbatches=m, schedule="1f1b", balance=cut, sample=sample,
-                              timeout=args["timeout"])  # fmt: skip
+        pipes[cut] = Pipeline(
+            _model(args), microbatches=m, schedule="1f1b", balance=cut, sample=sample, timeout=args["timeout"]
+        )
         opts[cut] = torch.optim.SGD(pipes[cut].parameters(), lr=args["lr"])
 
     def step(cut: str) -> tuple[float, float]:
@@ -148,9 +151,14 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
         per_rank = pipe.gather_floats([v / args["steps"] for v in busy[cut]])  # collective: every rank
         if rank == 0:
             assert per_rank is not None
-            out[cut] = {"sizes": list(pipe.sizes), "round_s": seconds[cut], "pipeline_predicted_s": pipe.predicted_s,
-                        "compute_s_per_rank": [r[0] for r in per_rank], "wait_s_per_rank": [r[1] for r in per_rank],
-                        "cut_table": pipe.cut_table([r[0] / m for r in per_rank])}  # fmt: skip
+            out[cut] = {
+                "sizes": list(pipe.sizes),
+                "round_s": seconds[cut],
+                "pipeline_predicted_s": pipe.predicted_s,
+                "compute_s_per_rank": [r[0] for r in per_rank],
+                "wait_s_per_rank": [r[1] for r in per_rank],
+                "cut_table": pipe.cut_table([r[0] / m for r in per_rank]),
+            }
     return out
 
 
@@ -170,26 +178,34 @@ def _summarize(r0: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
     opt_s, opt_sizes = best_cut(layer_s, p)
     bp = block_partition(layer_s, p)
     out: dict[str, Any] = {
-        "children": r0["children"], "layer_s": layer_s,
-        "optimum": {"sizes": opt_sizes, "slowest_stage_s": opt_s,
-                    "block_partition_sizes": bp, "block_partition_slowest_s": max(stage_costs(layer_s, bp))},
+        "children": r0["children"],
+        "layer_s": layer_s,
+        "optimum": {
+            "sizes": opt_sizes,
+            "slowest_stage_s": opt_s,
+            "block_partition_sizes": bp,
+            "block_partition_slowest_s": max(stage_costs(layer_s, bp)),
+        },
         "cuts": {},
-    }  # fmt: skip
+    }
     for cut in args["cuts"]:
         r = r0[cut]
         comp = r["compute_s_per_rank"]
         mean = sum(comp) / len(comp)
         pred = stage_costs(layer_s, r["sizes"])
         out["cuts"][cut] = {
-            "sizes": r["sizes"], "round_s": r["round_s"],
+            "sizes": r["sizes"],
+            "round_s": r["round_s"],
             "samples_per_s": args["batch"] * args["steps"] / sum(r["round_s"]),
-            "predicted_stage_s": pred, "predicted_slowest_s": max(pred),
+            "predicted_stage_s": pred,
+            "predicted_slowest_s": max(pred),
             "predicted_over_optimum": max(pred) / opt_s if opt_s > 0 else None,
             "pipeline_predicted_stage_s": r["pipeline_predicted_s"],
-            "compute_s_per_step_per_stage": comp, "wait_s_per_step_per_stage": r["wait_s_per_rank"],
+            "compute_s_per_step_per_stage": comp,
+            "wait_s_per_step_per_stage": r["wait_s_per_rank"],
             "imbalance": max(comp) / mean if mean > 0 else None,
             "cut_table": r["cut_table"],
-        }  # fmt: skip
+        }
     if "equal" in out["cuts"]:
         base = out["cuts"]["equal"]["samples_per_s"]
         for rec in out["cuts"].values():
@@ -200,21 +216,29 @@ def _summarize(r0: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
 def _print(res: dict[str, Any], args: dict[str, Any]) -> None:
     m = args["microbatches"]
     opt = res["optimum"]
-    print("\nper-layer profile (rank 0, ms per micro-batch, fwd+bwd): "
-          + " ".join(f"{n}={t * 1e3:.2f}" for n, t in zip(res["children"], res["layer_s"])))  # fmt: skip
-    print(f"brute-force best cut {opt['sizes']}: slowest stage {opt['slowest_stage_s'] * m * 1e3:.1f} ms/step "
-          f"(block_partition on the same costs: {opt['block_partition_sizes']}, "
-          f"{opt['block_partition_slowest_s'] * m * 1e3:.1f} ms/step)")  # fmt: skip
-    print(f"\n{'cut':<7} {'sizes':<16} {'samples/s':>9} {'vs equal':>8} {'pred slowest':>12} {'optimum':>8} "
-          f"{'pred/opt':>8}  {'measured compute ms/step per stage':<36} {'imbalance':>9}")  # fmt: skip
+    print(
+        "\nper-layer profile (rank 0, ms per micro-batch, fwd+bwd): "
+        + " ".join(f"{n}={t * 1e3:.2f}" for n, t in zip(res["children"], res["layer_s"]))
+    )
+    print(
+        f"brute-force best cut {opt['sizes']}: slowest stage {opt['slowest_stage_s'] * m * 1e3:.1f} ms/step "
+        f"(block_partition on the same costs: {opt['block_partition_sizes']}, "
+        f"{opt['block_partition_slowest_s'] * m * 1e3:.1f} ms/step)"
+    )
+    print(
+        f"\n{'cut':<7} {'sizes':<16} {'samples/s':>9} {'vs equal':>8} {'pred slowest':>12} {'optimum':>8} "
+        f"{'pred/opt':>8}  {'measured compute ms/step per stage':<36} {'imbalance':>9}"
+    )
     for cut, r in res["cuts"].items():
         ratio = f"{r['over_equal']:8.3f}" if "over_equal" in r else f"{'-':>8}"
         po = f"{r['predicted_over_optimum']:7.2f}x" if r["predicted_over_optimum"] is not None else f"{'-':>8}"
         imb = f"{r['imbalance']:8.2f}x" if r["imbalance"] is not None else f"{'-':>9}"
         stages = " ".join(f"{c * 1e3:6.1f}" for c in r["compute_s_per_step_per_stage"])
-        print(f"{cut:<7} {str(r['sizes']):<16} {r['samples_per_s']:9.1f} {ratio} "
-              f"{r['predicted_slowest_s'] * m * 1e3:12.1f} {opt['slowest_stage_s'] * m * 1e3:8.1f} {po}  "
-              f"{'[' + stages + ']':<36} {imb}")  # fmt: skip
+        print(
+            f"{cut:<7} {str(r['sizes']):<16} {r['samples_per_s']:9.1f} {ratio} "
+            f"{r['predicted_slowest_s'] * m * 1e3:12.1f} {opt['slowest_stage_s'] * m * 1e3:8.1f} {po}  "
+            f"{'[' + stages + ']':<36} {imb}"
+        )
     if "time" in res["cuts"]:
         print("\ntime cut (Pipeline.cut_table: dtrain's profile per micro-batch; measured = compute / M):")
         print(res["cuts"]["time"]["cut_table"])
@@ -224,8 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=2, help="processes = pipeline stages P (default: 2, one per core)")
     ap.add_argument("--width", type=int, default=256, help="block width W (default: 256)")
-    ap.add_argument("--factors", default="1,1,1,1,1,10,10,10,1,1",
-                    help="comma-separated hidden-width factor k of each block (default: %(default)s)")  # fmt: skip
+    ap.add_argument(
+        "--factors",
+        default="1,1,1,1,1,10,10,10,1,1",
+        help="comma-separated hidden-width factor k of each block (default: %(default)s)",
+    )
     ap.add_argument("--batch", type=int, default=512, help="samples per step (default: 512)")
     ap.add_argument("--microbatches", type=int, default=8, help="M (default: 8)")
     ap.add_argument("--cuts", default=",".join(CUTS), help=f"comma-separated, of {','.join(CUTS)} (default: all)")
@@ -263,11 +290,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = dict(vars(a), factors=factors, cuts=cuts)
     del args["json"], args["quick"]
-    print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
-          f"{a.nprocs} processes x 1 intra-op thread, gloo on loopback, CPU")  # fmt: skip
-    print(f"MLP: inp {IN_FEATURES}->{a.width}, blocks k = {factors} (Linear(W, kW), Linear(kW, W), W = {a.width}), "
-          f"head; batch {a.batch}, M = {a.microbatches}, 1f1b; {a.warmup} warm-up + {a.steps} timed steps per cut "
-          f"in {a.rounds} alternating rounds")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
+        f"{a.nprocs} processes x 1 intra-op thread, gloo on loopback, CPU"
+    )
+    print(
+        f"MLP: inp {IN_FEATURES}->{a.width}, blocks k = {factors} (Linear(W, kW), Linear(kW, W), W = {a.width}), "
+        f"head; batch {a.batch}, M = {a.microbatches}, 1f1b; {a.warmup} warm-up + {a.steps} timed steps per cut "
+        f"in {a.rounds} alternating rounds"
+    )
     t0 = time.perf_counter()
     ranks = launch_loopback(_worker, (args,), a.nprocs)
     results = _summarize(ranks[0], args)
@@ -276,8 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwall {wall:.0f}s")
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"versions": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
-           "config": args, "results": results, "wall_s": wall}  # fmt: skip
+    doc = {
+        "versions": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
+        "config": args,
+        "results": results,
+        "wall_s": wall,
+    }
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")
     return 0

@@ -60,8 +60,14 @@ def _one(schedule: str, m: int, args: dict[str, Any]) -> dict[str, float]:
     from dtrain.pipeline import Pipeline
 
     world = dist.get_world_size()
-    pipe = Pipeline(_model(args["width"], args["blocks"]), microbatches=m, schedule=schedule, chunks=2,
-                    balance=_cut(schedule, args["blocks"], world), timeout=120)  # fmt: skip
+    pipe = Pipeline(
+        _model(args["width"], args["blocks"]),
+        microbatches=m,
+        schedule=schedule,
+        chunks=2,
+        balance=_cut(schedule, args["blocks"], world),
+        timeout=120,
+    )
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(args["batch"], 64, generator=g), torch.randint(0, 10, (args["batch"],), generator=g)
@@ -113,11 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     for m in ms:
         if a.batch % m or ("interleaved" in scheds and m % a.nprocs):
             ap.error(f"M={m} must divide --batch and (interleaved) be a multiple of --nprocs")
-    args = dict(width=a.width, blocks=a.blocks, batch=a.batch, microbatches=ms, schedules=scheds, steps=a.steps,
-                warmup=a.warmup)  # fmt: skip
-    print(f"torch {torch.__version__}, python {platform.python_version()}, {a.nprocs} processes x 1 thread, gloo "
-          f"on loopback; MLP 64->{a.width}, {a.blocks} x Linear({a.width}, {a.width}), head; batch {a.batch}; "
-          f"{a.warmup} warm-up + {a.steps} timed steps")  # fmt: skip
+    args = dict(
+        width=a.width, blocks=a.blocks, batch=a.batch, microbatches=ms, schedules=scheds, steps=a.steps, warmup=a.warmup
+    )
+    print(
+        f"torch {torch.__version__}, python {platform.python_version()}, {a.nprocs} processes x 1 thread, gloo "
+        f"on loopback; MLP 64->{a.width}, {a.blocks} x Linear({a.width}, {a.width}), head; batch {a.batch}; "
+        f"{a.warmup} warm-up + {a.steps} timed steps"
+    )
     t0 = time.perf_counter()
     ranks = launch_loopback(_worker, (args,), a.nprocs)
     rows = []
@@ -129,10 +138,21 @@ def main(argv: list[str] | None = None) -> int:
             closed = closed_form(s, a.nprocs, m)
             rel = (bubble - closed) / closed if closed > 0 else float("nan")
             step = max(p["step_s"] for p in per)
-            rows.append(dict(schedule=s, microbatches=m, step_s=step, bubble=bubble, closed_form=closed,
-                             relative_error=rel, per_rank=per))  # fmt: skip
-            print(f"{s:<12} {m:>3} {step * 1e3:>9.1f} {bubble:>7.3f} {closed:>7.3f} {rel:>+8.1%}  "
-                  + " ".join(f"{p['bubble']:.3f}" for p in per))
+            rows.append(
+                dict(
+                    schedule=s,
+                    microbatches=m,
+                    step_s=step,
+                    bubble=bubble,
+                    closed_form=closed,
+                    relative_error=rel,
+                    per_rank=per,
+                )
+            )
+            print(
+                f"{s:<12} {m:>3} {step * 1e3:>9.1f} {bubble:>7.3f} {closed:>7.3f} {rel:>+8.1%}  "
+                + " ".join(f"{p['bubble']:.3f}" for p in per)
+            )
     out = dict(torch=torch.__version__, nprocs=a.nprocs, args=args, rows=rows, wall_s=time.perf_counter() - t0)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1))

@@ -83,8 +83,9 @@ def sizes(stages: int, layers: int) -> list[int]:
     return out
 
 
-def _stage_times(model: nn.Sequential, cut: list[int], mine: list[int], x: torch.Tensor, y: torch.Tensor,
-                 reps: int = 5) -> dict[int, tuple[float, float]]:  # fmt: skip
+def _stage_times(
+    model: nn.Sequential, cut: list[int], mine: list[int], x: torch.Tensor, y: torch.Tensor, reps: int = 5
+) -> dict[int, tuple[float, float]]:
     """Each of ``mine``'s virtual stages alone, on the micro-batch ``x``: (forward s, backward s), medians."""
     from dtrain.workloads.models import task_loss
 
@@ -94,11 +95,11 @@ def _stage_times(model: nn.Sequential, cut: list[int], mine: list[int], x: torch
     with torch.no_grad():
         for k in range(len(cut)):
             inputs.append(h)
-            for layer in kids[bounds[k]:bounds[k + 1]]:
+            for layer in kids[bounds[k] : bounds[k + 1]]:
                 h = layer(h)
     out: dict[int, tuple[float, float]] = {}
     for k in mine:
-        stage = nn.Sequential(*kids[bounds[k]:bounds[k + 1]])
+        stage = nn.Sequential(*kids[bounds[k] : bounds[k + 1]])
         last = k == len(cut) - 1
         fs, bs = [], []
         for i in range(reps + 2):
@@ -143,8 +144,10 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
         pipe = Pipeline(gpt(), microbatches=m, schedule=s, chunks=v, balance=sizes(p * v, args["layers"]), timeout=600)
         pipes[(s, m)] = (pipe, torch.optim.SGD(pipe.parameters(), lr=1e-3))
     empty = sleep_model(p, 0.0, 0.0)
-    pipes[NONE] = (Pipeline(empty, microbatches=1, schedule="gpipe", balance=[1] * p, timeout=600),
-                        torch.optim.SGD(empty.parameters(), lr=1e-3))  # fmt: skip
+    pipes[NONE] = (
+        Pipeline(empty, microbatches=1, schedule="gpipe", balance=[1] * p, timeout=600),
+        torch.optim.SGD(empty.parameters(), lr=1e-3),
+    )
     reference = gpt()  # the stages timed alone
     g = torch.Generator().manual_seed(1)
     b, t = args["batch"], args["seq_len"]
@@ -176,8 +179,9 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
             out[_key(*EMPTY) if c == NONE else _key(*c, 1)].append(statistics.median(step(*c) for _ in range(n)))
         for m, v in shapes:
             mine = [k for k in range(p * v) if k % p == r]
-            out["stages"][f"{m}/{v}"].append(_stage_times(reference, sizes(p * v, args["layers"]), mine,
-                                                          x[: b // m], y[: b // m]))  # fmt: skip
+            out["stages"][f"{m}/{v}"].append(
+                _stage_times(reference, sizes(p * v, args["layers"]), mine, x[: b // m], y[: b // m])
+            )
         for m in args["microbatches"]:  # a message the size of M's activation
             out["latency"][m].append(_latency(b // m * t * reference.gpt_config.d_model))
     out["inside"] = {_key(s, m, 1): statistics.median(v) for (s, m), v in inside.items()}
@@ -192,8 +196,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4, help="pipeline ranks P (default: 4)")
-    ap.add_argument("--cores-per-stage", type=int, default=1,
-                    help="physical cores (threads) of each stage, pinned; 0: unpinned (default: 1)")  # fmt: skip
+    ap.add_argument(
+        "--cores-per-stage",
+        type=int,
+        default=1,
+        help="physical cores (threads) of each stage, pinned; 0: unpinned (default: 1)",
+    )
     ap.add_argument("--layers", type=int, default=8, help="GPT blocks, gpt-small's shape otherwise (default: 8)")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=0, help="samples a step (default: 2 x the largest M)")
@@ -215,19 +223,38 @@ def main(argv: list[str] | None = None) -> int:
     phys = physical_cores()
     need = a.nprocs * a.cores_per_stage
     if need > len(phys):
-        ap.error(f"{a.nprocs} stages x {a.cores_per_stage} core(s) need {need} physical cores; this machine has "
-                 f"{len(phys)} ({', '.join(map(str, phys))}); --cores-per-stage 0 runs unpinned (stages share them)")
-    cores = [phys[r * a.cores_per_stage:(r + 1) * a.cores_per_stage] for r in range(a.nprocs)] if need else []
-    args = dict(microbatches=ms, schedules=scheds, layers=a.layers, seq_len=a.seq_len, batch=batch, steps=a.steps,
-                rounds=a.rounds, cores=cores)  # fmt: skip
-    where = (f"each stage pinned to {a.cores_per_stage} physical core(s) of its own ({cores})" if cores
-             else "stages unpinned, sharing the machine's cores")  # fmt: skip
-    bench = Benchmark("pipeline_bubble_cores", title="The pipeline bubble of a real GPT, a core per stage",
-                      family="pipeline parallelism",
-                      workload=f"{a.nprocs} stages of a GPT of gpt-small's shape with {a.layers} blocks, seq_len "
-                               f"{a.seq_len}, batch {batch}; {where}; {a.steps} timed steps a case a round",
-                      metric="bubble", higher_is_better=False, repeats=a.rounds, quick=a.quick,
-                      command=command("benchmarks/pipeline_bubble_cores.py", argv))  # fmt: skip
+        ap.error(
+            f"{a.nprocs} stages x {a.cores_per_stage} core(s) need {need} physical cores; this machine has "
+            f"{len(phys)} ({', '.join(map(str, phys))}); --cores-per-stage 0 runs unpinned (stages share them)"
+        )
+    cores = [phys[r * a.cores_per_stage : (r + 1) * a.cores_per_stage] for r in range(a.nprocs)] if need else []
+    args = dict(
+        microbatches=ms,
+        schedules=scheds,
+        layers=a.layers,
+        seq_len=a.seq_len,
+        batch=batch,
+        steps=a.steps,
+        rounds=a.rounds,
+        cores=cores,
+    )
+    where = (
+        f"each stage pinned to {a.cores_per_stage} physical core(s) of its own ({cores})"
+        if cores
+        else "stages unpinned, sharing the machine's cores"
+    )
+    bench = Benchmark(
+        "pipeline_bubble_cores",
+        title="The pipeline bubble of a real GPT, a core per stage",
+        family="pipeline parallelism",
+        workload=f"{a.nprocs} stages of a GPT of gpt-small's shape with {a.layers} blocks, seq_len "
+        f"{a.seq_len}, batch {batch}; {where}; {a.steps} timed steps a case a round",
+        metric="bubble",
+        higher_is_better=False,
+        repeats=a.rounds,
+        quick=a.quick,
+        command=command("benchmarks/pipeline_bubble_cores.py", argv),
+    )
     bench.start()
     ranks = launch_loopback(_worker, (args,), a.nprocs)
     bench.stop()
@@ -237,10 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     empty = statistics.median(ranks[0][_key(*EMPTY)])
     slot = action_cost(empty, small, p)
     said = ", ".join(f"M={m} {lat[m] * 1e3:.3f}" for m in ms)
-    print(f"{where}\na message, ms: {said}; the empty pipeline's step {empty * 1e3:.2f} ms: {slot * 1e3:.3f} ms an "
-          f"action")
-    print(f"{'schedule':<12} {'M':>3} {'step ms':>9} {'busy ms':>9} {'played':>9} {'bubble':>7} {'closed':>7} "
-          f"{'played':>7} {'imbal':>6}")
+    print(
+        f"{where}\na message, ms: {said}; the empty pipeline's step {empty * 1e3:.2f} ms: {slot * 1e3:.3f} ms an action"
+    )
+    print(
+        f"{'schedule':<12} {'M':>3} {'step ms':>9} {'busy ms':>9} {'played':>9} {'bubble':>7} {'closed':>7} "
+        f"{'played':>7} {'imbal':>6}"
+    )
     notes = []
     for s in scheds:
         v = _chunks(s)
@@ -256,35 +286,50 @@ def main(argv: list[str] | None = None) -> int:
                 tb = [times[k][1] for k in range(p * v)]
                 busy = [m * sum(tf[k] + tb[k] for k in range(r, p * v, p)) for r in range(p)]
                 bubbles.append(1 - statistics.mean(busy) / st)
-                played = simulate(generate(s, p, m, v), tf=[f + slot for f in tf], tb=[b + slot for b in tb],
-                                  comm=lat[m]).makespan  # fmt: skip
+                played = simulate(
+                    generate(s, p, m, v), tf=[f + slot for f in tf], tb=[b + slot for b in tb], comm=lat[m]
+                ).makespan
                 played_b.append(1 - statistics.mean(busy) / played)
                 imbalance.append(max(busy) / statistics.mean(busy))
                 busy_s.append(statistics.mean(busy))
                 played_s.append(played)
-            print(f"{s:<12} {m:>3} {statistics.median(steps) * 1e3:9.1f} {statistics.median(busy_s) * 1e3:9.1f} "
-                  f"{statistics.median(played_s) * 1e3:9.1f} {statistics.median(bubbles):7.3f} {closed:7.3f} "
-                  f"{statistics.median(played_b):7.3f} {statistics.median(imbalance):6.3f}")  # fmt: skip
+            print(
+                f"{s:<12} {m:>3} {statistics.median(steps) * 1e3:9.1f} {statistics.median(busy_s) * 1e3:9.1f} "
+                f"{statistics.median(played_s) * 1e3:9.1f} {statistics.median(bubbles):7.3f} {closed:7.3f} "
+                f"{statistics.median(played_b):7.3f} {statistics.median(imbalance):6.3f}"
+            )
             notes.append(f"{s} M={m}: {statistics.median(imbalance):.3f}")
-            alone = [m * sum(statistics.median(t[k][j] for t in ranks[r]["stages"][f"{m}/{v}"]) for k in
-                             range(r, p * v, p) for j in (0, 1)) for r in range(p)]  # fmt: skip
+            alone = [
+                m
+                * sum(
+                    statistics.median(t[k][j] for t in ranks[r]["stages"][f"{m}/{v}"])
+                    for k in range(r, p * v, p)
+                    for j in (0, 1)
+                )
+                for r in range(p)
+            ]
             ins = [ranks[r]["inside"][_key(s, m, 1)] for r in range(p)]
             bench.extra.setdefault("inside_over_alone", {})[f"{s}/{m}"] = [round(i / o, 3) for i, o in zip(ins, alone)]
             per_stage = [[ranks[k % p]["stages"][f"{m}/{v}"][i][k] for i in range(len(steps))] for k in range(p * v)]
             bench.extra.setdefault("stage_ms", {})[f"{s}/{m}"] = [
-                [round(statistics.median(t[j] for t in ts) * 1e3, 3) for j in (0, 1)] for ts in per_stage]
+                [round(statistics.median(t[j] for t in ts) * 1e3, 3) for j in (0, 1)] for ts in per_stage
+            ]
             add_bubble_case(bench, f"{s}, M = {m}", bubbles, closed, played_b)
-    bench.notes = (f"The ratio is closed form / measured. Each stage's compute is its layers timed alone in its "
-                   f"own process on its own cores each round; a message between two ranks (ms, the size of M's "
-                   f"activation): {said}; an action's own cost (the empty pipeline): {slot * 1e3:.3f} ms; 'played with "
-                   f"the costs' is the "
-                   f"schedule played by dtrain's simulator with each virtual stage's measured times and both costs. "
-                   f"The busiest rank's compute over the mean (1: equal stages): " + "; ".join(notes) + ".")
+    bench.notes = (
+        f"The ratio is closed form / measured. Each stage's compute is its layers timed alone in its "
+        f"own process on its own cores each round; a message between two ranks (ms, the size of M's "
+        f"activation): {said}; an action's own cost (the empty pipeline): {slot * 1e3:.3f} ms; 'played with "
+        f"the costs' is the "
+        f"schedule played by dtrain's simulator with each virtual stage's measured times and both costs. "
+        f"The busiest rank's compute over the mean (1: equal stages): " + "; ".join(notes) + "."
+    )
     for key, st in bench.extra.get("stage_ms", {}).items():
-        print(f"{key}: each virtual stage's forward / backward ms, medians: "
-              + ", ".join(f"{f:.2f}/{b:.2f}" for f, b in st)
-              + "; each rank's compute inside the pipeline (its own count) over the same timed alone: "
-              + ", ".join(f"{x:.2f}" for x in bench.extra["inside_over_alone"][key]))
+        print(
+            f"{key}: each virtual stage's forward / backward ms, medians: "
+            + ", ".join(f"{f:.2f}/{b:.2f}" for f, b in st)
+            + "; each rank's compute inside the pipeline (its own count) over the same timed alone: "
+            + ", ".join(f"{x:.2f}" for x in bench.extra["inside_over_alone"][key])
+        )
     bench.report(a.out)
     return 0
 

@@ -131,8 +131,14 @@ def _worker(args: dict[str, Any]) -> dict[str, list[float]]:
     pipes = {}
     for s, m, e in cases:
         v = _chunks(s)
-        pipe = Pipeline(sleep_model(p * v, tf * e / v, tb * e / v), microbatches=m, schedule=s, chunks=v,
-                        balance=[1] * (p * v), timeout=120)  # fmt: skip
+        pipe = Pipeline(
+            sleep_model(p * v, tf * e / v, tb * e / v),
+            microbatches=m,
+            schedule=s,
+            chunks=v,
+            balance=[1] * (p * v),
+            timeout=120,
+        )
         pipes[(s, m, e)] = (pipe, torch.optim.SGD(pipe.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(1)
     out: dict[str, list[float]] = {_key(*c): [] for c in cases}
@@ -179,10 +185,15 @@ def add_bubble_case(bench: Any, name: str, measured: list[float], closed: float,
     """A case of every round's measured bubble against the closed form and the played schedule, within 10%."""
     from dtrain.measure.harness import Bar
 
-    bench.add_case(name, samples={"measured": measured, "closed form": [closed] * len(measured),
-                                  "played with the costs": played},
-                   compare=[("measured", "closed form", Bar.within(0.10)),
-                            ("measured", "played with the costs", Bar.within(0.10))], headline=False)  # fmt: skip
+    bench.add_case(
+        name,
+        samples={"measured": measured, "closed form": [closed] * len(measured), "played with the costs": played},
+        compare=[
+            ("measured", "closed form", Bar.within(0.10)),
+            ("measured", "played with the costs", Bar.within(0.10)),
+        ],
+        headline=False,
+    )
 
 
 def _latency(numel: int, trips: int = 50) -> float:
@@ -236,15 +247,28 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or a.nprocs < 2 or not ms or min(ms) < 1:
         ap.error(f"schedules from {SCHEDULES}, --nprocs >= 2 and M >= 1 (got {scheds}, {a.nprocs}, {ms})")
     batch = 16 * math.lcm(*ms)
-    args = dict(microbatches=ms, schedules=scheds, forward_ms=a.forward_ms, backward_ms=a.backward_ms,
-                steps=a.steps, rounds=a.rounds, batch=batch)  # fmt: skip
-    bench = Benchmark("pipeline_bubble_sleep", title="The pipeline bubble against its closed form, stages that sleep",
-                      family="pipeline parallelism",
-                      workload=f"{a.nprocs} stages, each {a.forward_ms:g} ms forward and {a.backward_ms:g} ms backward "
-                               f"a micro-batch as sleeps (interleaved: over 2 chunks); {a.steps} timed steps a case "
-                               f"a round",
-                      metric="bubble", higher_is_better=False, repeats=a.rounds, quick=a.quick,
-                      command=command("benchmarks/pipeline_bubble_sleep.py", argv))  # fmt: skip
+    args = dict(
+        microbatches=ms,
+        schedules=scheds,
+        forward_ms=a.forward_ms,
+        backward_ms=a.backward_ms,
+        steps=a.steps,
+        rounds=a.rounds,
+        batch=batch,
+    )
+    bench = Benchmark(
+        "pipeline_bubble_sleep",
+        title="The pipeline bubble against its closed form, stages that sleep",
+        family="pipeline parallelism",
+        workload=f"{a.nprocs} stages, each {a.forward_ms:g} ms forward and {a.backward_ms:g} ms backward "
+        f"a micro-batch as sleeps (interleaved: over 2 chunks); {a.steps} timed steps a case "
+        f"a round",
+        metric="bubble",
+        higher_is_better=False,
+        repeats=a.rounds,
+        quick=a.quick,
+        command=command("benchmarks/pipeline_bubble_sleep.py", argv),
+    )
     bench.start()
     ranks = launch_loopback(_worker, (args,), a.nprocs)
     bench.stop()
@@ -254,10 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     lat = statistics.median(ranks[0]["latency"])
     empty = statistics.median(ranks[0][_key(*EMPTY)])
     slot = action_cost(empty, lat, a.nprocs)
-    print(f"a message {lat * 1e3:.3f} ms (IQR {_iqr_ms(ranks[0]['latency'])}); the empty pipeline's step "
-          f"{empty * 1e3:.2f} ms (IQR {_iqr_ms(ranks[0][_key(*EMPTY)])}): {slot * 1e3:.3f} ms an action")
-    print(f"{'schedule':<12} {'M':>3} {'step ms':>9} {'ideal ms':>9} {'played':>9} {'bubble':>7} {'closed':>7} "
-          f"{'played':>7} {'hop ms':>7}")
+    print(
+        f"a message {lat * 1e3:.3f} ms (IQR {_iqr_ms(ranks[0]['latency'])}); the empty pipeline's step "
+        f"{empty * 1e3:.2f} ms (IQR {_iqr_ms(ranks[0][_key(*EMPTY)])}): {slot * 1e3:.3f} ms an action"
+    )
+    print(
+        f"{'schedule':<12} {'M':>3} {'step ms':>9} {'ideal ms':>9} {'played':>9} {'bubble':>7} {'closed':>7} "
+        f"{'played':>7} {'hop ms':>7}"
+    )
     notes = []
     for s in scheds:
         for m in ms:
@@ -271,18 +299,23 @@ def main(argv: list[str] | None = None) -> int:
             bubbles = [1 - m * (tf + tb) / t for t in steps]
             with_costs = 1 - m * (tf + tb) / played
             hop = (statistics.median(steps) - ideal) / hops(s, a.nprocs, m)
-            print(f"{s:<12} {m:>3} {statistics.median(steps) * 1e3:9.1f} {ideal * 1e3:9.1f} {played * 1e3:9.1f} "
-                  f"{statistics.median(bubbles):7.3f} {closed:7.3f} {with_costs:7.3f} {hop * 1e3:7.2f}")  # fmt: skip
+            print(
+                f"{s:<12} {m:>3} {statistics.median(steps) * 1e3:9.1f} {ideal * 1e3:9.1f} {played * 1e3:9.1f} "
+                f"{statistics.median(bubbles):7.3f} {closed:7.3f} {with_costs:7.3f} {hop * 1e3:7.2f}"
+            )
             notes.append(f"{s} M={m}: {hop * 1e3:.2f}")
             add_bubble_case(bench, f"{s}, M = {m}", bubbles, closed, [with_costs] * len(bubbles))
-    bench.notes = (f"The ratio is closed form / measured (1: the schedule's own bubble and nothing else). What is "
-                   f"not the schedule, measured in the same launch: a message between two ranks, {lat * 1e3:.3f} "
-                   f"ms (half a ping-pong's round trip, the median of the rounds), and an action's own cost (the "
-                   f"Python around a stage's compute, a send and a receive), {slot * 1e3:.3f} ms: the rest of an "
-                   f"empty one-micro-batch pipeline's step ({empty * 1e3:.2f} ms: 2P actions, 2 (P - 1) messages). "
-                   f"'played with the costs' is the schedule played by dtrain's schedule simulator with both. The "
-                   f"step's time beyond the ideal one over the critical path's 2 (vM + P - 1) slots, in ms a slot: "
-                   + "; ".join(notes) + ".")  # fmt: skip
+    bench.notes = (
+        f"The ratio is closed form / measured (1: the schedule's own bubble and nothing else). What is "
+        f"not the schedule, measured in the same launch: a message between two ranks, {lat * 1e3:.3f} "
+        f"ms (half a ping-pong's round trip, the median of the rounds), and an action's own cost (the "
+        f"Python around a stage's compute, a send and a receive), {slot * 1e3:.3f} ms: the rest of an "
+        f"empty one-micro-batch pipeline's step ({empty * 1e3:.2f} ms: 2P actions, 2 (P - 1) messages). "
+        f"'played with the costs' is the schedule played by dtrain's schedule simulator with both. The "
+        f"step's time beyond the ideal one over the critical path's 2 (vM + P - 1) slots, in ms a slot: "
+        + "; ".join(notes)
+        + "."
+    )
     bench.report(a.out)
     return 0
 

@@ -95,8 +95,9 @@ def _build(workload: str, schedule: str, args: dict[str, Any]) -> nn.Sequential:
         layers = args["interleaved_layers"] if schedule == "interleaved" else 0  # 0: the preset's depth
         return build_gpt(args["gpt_model"], seq_len=args["seq_len"], layers=layers)
     w = args["mlp_width"]
-    body: list[tuple[str, nn.Module]] = [(f"l{i}", nn.Sequential(nn.Linear(w, w), nn.ReLU()))
-                                         for i in range(args["mlp_depth"] - 1)]  # fmt: skip
+    body: list[tuple[str, nn.Module]] = [
+        (f"l{i}", nn.Sequential(nn.Linear(w, w), nn.ReLU())) for i in range(args["mlp_depth"] - 1)
+    ]
     return nn.Sequential(OrderedDict([*body, ("head", nn.Linear(w, args["classes"]))]))
 
 
@@ -106,10 +107,14 @@ def _batches(workload: str, model: nn.Sequential, args: dict[str, Any], count: i
     b = args["batch_size"]
     if workload == "gpt":
         vocab, seq = model.gpt_config.vocab_size, args["seq_len"]
-        return [(torch.randint(vocab, (b, seq), generator=g), torch.randint(vocab, (b, seq), generator=g))
-                for _ in range(count)]  # fmt: skip
-    return [(torch.randn(b, args["mlp_width"], generator=g), torch.randint(args["classes"], (b,), generator=g))
-            for _ in range(count)]  # fmt: skip
+        return [
+            (torch.randint(vocab, (b, seq), generator=g), torch.randint(vocab, (b, seq), generator=g))
+            for _ in range(count)
+        ]
+    return [
+        (torch.randn(b, args["mlp_width"], generator=g), torch.randint(args["classes"], (b,), generator=g))
+        for _ in range(count)
+    ]
 
 
 def _cut(model: nn.Sequential, sizes: list[int]) -> list[nn.Sequential]:
@@ -190,8 +195,14 @@ class _System:
         if kind == "dtrain":
             from dtrain.pipeline import Pipeline
 
-            self.pipe = Pipeline(model, microbatches=args["microbatches"], schedule=schedule,
-                                 chunks=_chunks(schedule), balance=sizes, timeout=args["timeout"])  # fmt: skip
+            self.pipe = Pipeline(
+                model,
+                microbatches=args["microbatches"],
+                schedule=schedule,
+                chunks=_chunks(schedule),
+                balance=sizes,
+                timeout=args["timeout"],
+            )
             if list(self.pipe.sizes) != sizes:
                 raise RuntimeError(f"dtrain cut the model as {self.pipe.sizes}, not {sizes}")
             named = list(self.pipe.named_parameters())
@@ -295,8 +306,12 @@ def _run_pair(workload: str, pair: str, args: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
             seconds[i][r] = time.perf_counter() - t0
         step += n
-    out: dict[str, Any] = {"sizes": sizes, "children": [n for n, _ in probe.named_children()],
-                           "grad_diff": _grad_diff(grads[0], grads[1]), "first_loss": first_loss}  # fmt: skip
+    out: dict[str, Any] = {
+        "sizes": sizes,
+        "children": [n for n, _ in probe.named_children()],
+        "grad_diff": _grad_diff(grads[0], grads[1]),
+        "first_loss": first_loss,
+    }
     for i, s in enumerate(systems):
         sent = s.pipe.transport.stats.bytes_sent - s.bytes0 if s.pipe is not None else None
         for k in range(2):  # memory: the peak of the second step (2bw: its first holds the previous batch's graph)
@@ -308,11 +323,14 @@ def _run_pair(workload: str, pair: str, args: dict[str, Any]) -> dict[str, Any]:
         in_flight = dict(s.pipe.last_stats.in_flight) if s.pipe is not None else None
         s.finish()
         out["dtrain" if i == 0 else "peer"] = {
-            "system": s.kind, "schedule": s.schedule, "round_s": seconds[i],
+            "system": s.kind,
+            "schedule": s.schedule,
+            "round_s": seconds[i],
             "bubble": sum(bubbles[i]) / len(bubbles[i]) if bubbles[i] else None,
-            "saved_bytes": s.saved.peak, "bytes_sent_per_step": sent / args["steps"] if sent is not None else None,
+            "saved_bytes": s.saved.peak,
+            "bytes_sent_per_step": sent / args["steps"] if sent is not None else None,
             "in_flight": in_flight,
-        }  # fmt: skip
+        }
     return out
 
 
@@ -352,9 +370,12 @@ def _summarize(ranks: dict[int, dict[str, Any]], args: dict[str, Any]) -> dict[s
         for pair in args["pairs"]:
             key = f"{w}/{pair}"
             r0 = ranks[0][key]
-            rec: dict[str, Any] = {"children": r0["children"], "sizes": r0["sizes"],
-                                   "bubble_closed_form": _closed_form(pair, p, m),
-                                   "bubble_simulated_tb2tf": _simulated(pair, p, m)}  # fmt: skip
+            rec: dict[str, Any] = {
+                "children": r0["children"],
+                "sizes": r0["sizes"],
+                "bubble_closed_form": _closed_form(pair, p, m),
+                "bubble_simulated_tb2tf": _simulated(pair, p, m),
+            }
             diffs = [ranks[r][key]["grad_diff"] for r in ranks if ranks[r][key]["grad_diff"] is not None]
             rec["grad_max_rel_diff"] = max(diffs) if diffs else None
             rec["first_loss"] = ranks[p - 1][key]["first_loss"]
@@ -363,7 +384,8 @@ def _summarize(ranks: dict[int, dict[str, Any]], args: dict[str, Any]) -> dict[s
                 per_rank = [ranks[r][key][side] for r in range(p)]
                 bub = [x["bubble"] for x in per_rank]
                 rec[side] = {
-                    "system": s["system"], "schedule": s["schedule"],
+                    "system": s["system"],
+                    "schedule": s["schedule"],
                     "samples_per_s": b * args["steps"] / sum(s["round_s"]),
                     "round_samples_per_s": [b * n / t for n, t in zip(_round_sizes(args), s["round_s"])],
                     "bubble_per_rank": bub if None not in bub else None,
@@ -371,7 +393,7 @@ def _summarize(ranks: dict[int, dict[str, Any]], args: dict[str, Any]) -> dict[s
                     "saved_mib_per_rank": [x["saved_bytes"] / 2**20 for x in per_rank],
                     "bytes_sent_per_step_per_rank": [x["bytes_sent_per_step"] for x in per_rank],
                     "in_flight_per_rank": [x["in_flight"] for x in per_rank],
-                }  # fmt: skip
+                }
             rec["ratio"] = rec["dtrain"]["samples_per_s"] / rec["peer"]["samples_per_s"]
             out[key] = rec
     return out
@@ -386,19 +408,25 @@ def _print(results: dict[str, Any], args: dict[str, Any]) -> None:
     p = args["nprocs"]
     for w in args["workloads"]:
         print()
-        head = (f"{'pair':<13} {'dtrain':>11} {'peer':>18} {'dtrain/s':>9} {'peer/s':>9} {'ratio':>6} "
-                f"{'bubble':>6} {'closed':>6} {'sim':>6} {'grad diff':>9}")  # fmt: skip
-        print(f"== {w}: batch {args['batch_size']}, M={args['microbatches']}, P={p} (samples/s; ratio dtrain/peer; "
-              f"bubble: dtrain's measured, mean over ranks; sim: tb = 2 tf)")  # fmt: skip
+        head = (
+            f"{'pair':<13} {'dtrain':>11} {'peer':>18} {'dtrain/s':>9} {'peer/s':>9} {'ratio':>6} "
+            f"{'bubble':>6} {'closed':>6} {'sim':>6} {'grad diff':>9}"
+        )
+        print(
+            f"== {w}: batch {args['batch_size']}, M={args['microbatches']}, P={p} (samples/s; ratio dtrain/peer; "
+            f"bubble: dtrain's measured, mean over ranks; sim: tb = 2 tf)"
+        )
         print(head)
         for pair in args["pairs"]:
             r = results[f"{w}/{pair}"]
             d, q = r["dtrain"], r["peer"]
             gd = "n/a" if r["grad_max_rel_diff"] is None else f"{r['grad_max_rel_diff']:.1e}"
-            print(f"{pair:<13} {d['schedule']:>11} {q['system'] + ' ' + q['schedule']:>18} "
-                  f"{d['samples_per_s']:9.1f} {q['samples_per_s']:9.1f} {r['ratio']:6.3f} "
-                  f"{d['bubble_mean']:6.3f} {r['bubble_closed_form']:6.3f} {r['bubble_simulated_tb2tf']:6.3f} "
-                  f"{gd:>9}")  # fmt: skip
+            print(
+                f"{pair:<13} {d['schedule']:>11} {q['system'] + ' ' + q['schedule']:>18} "
+                f"{d['samples_per_s']:9.1f} {q['samples_per_s']:9.1f} {r['ratio']:6.3f} "
+                f"{d['bubble_mean']:6.3f} {r['bubble_closed_form']:6.3f} {r['bubble_simulated_tb2tf']:6.3f} "
+                f"{gd:>9}"
+            )
         print(f"-- {w} per rank: measured bubble; peak MiB autograd saved for backward (params excluded); cut")
         for pair in args["pairs"]:
             r = results[f"{w}/{pair}"]
@@ -418,9 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", default=",".join(PAIRS), help="comma-separated: " + ",".join(PAIRS))
     ap.add_argument("--gpt-model", default="gpt-small")
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--interleaved-layers", type=int, default=8,
-                    help="GPT blocks for the interleaved pair, so that each of the 2P virtual stages gets one "
-                         "(default: 8; 0: the preset's)")  # fmt: skip
+    ap.add_argument(
+        "--interleaved-layers",
+        type=int,
+        default=8,
+        help="GPT blocks for the interleaved pair, so that each of the 2P virtual stages gets one "
+        "(default: 8; 0: the preset's)",
+    )
     ap.add_argument("--mlp-depth", type=int, default=16, help="Linear layers, the last one the head (default: 16)")
     ap.add_argument("--mlp-width", type=int, default=512)
     ap.add_argument("--classes", type=int, default=10, help="MLP outputs (default: 10)")
@@ -458,24 +490,34 @@ def main(argv: list[str] | None = None) -> int:
     a.rounds = min(a.rounds, a.steps)
 
     args = dict(vars(a), workloads=workloads, pairs=pairs)
-    print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
-          f"{a.nprocs} processes x 1 intra-op thread, gloo on loopback, CPU")  # fmt: skip
-    print(f"{a.warmup} warm-up + {a.steps} timed steps per system in {a.rounds} alternating rounds; "
-          f"gpt: {a.gpt_model} seq_len {a.seq_len} (interleaved: {a.interleaved_layers or 'preset'} layers); "
-          f"mlp: {a.mlp_depth} x {a.mlp_width}; cut by {a.balance}")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
+        f"{a.nprocs} processes x 1 intra-op thread, gloo on loopback, CPU"
+    )
+    print(
+        f"{a.warmup} warm-up + {a.steps} timed steps per system in {a.rounds} alternating rounds; "
+        f"gpt: {a.gpt_model} seq_len {a.seq_len} (interleaved: {a.interleaved_layers or 'preset'} layers); "
+        f"mlp: {a.mlp_depth} x {a.mlp_width}; cut by {a.balance}"
+    )
     from dtrain.measure.harness import Bar, Benchmark, command
 
-    bench = Benchmark("pipeline_vs_torch", title="Pipeline schedules against torch.distributed.pipelining",
-                      family="pipeline parallelism",
-                      workload=f"{a.nprocs} stages, batch {a.batch_size} in {a.microbatches} micro-batches; gpt: "
-                               f"{a.gpt_model} seq_len {a.seq_len}; mlp: {a.mlp_depth} x {a.mlp_width}; "
-                               f"{a.steps} timed steps a system in {a.rounds} rounds",
-                      metric="samples/s", higher_is_better=True, repeats=a.rounds, quick=a.quick,
-                      command=command("benchmarks/pipeline_vs_torch.py", argv),
-                      notes="The same cut (by parameters) for both systems; the two alternate round by round inside "
-                            "one launch. 2bw (asynchronous, weight stashing) has no torch peer: it is held against "
-                            "dtrain's own 1f1b. Four stage processes share this machine's cores, so the stages "
-                            "compete for them.")  # fmt: skip
+    bench = Benchmark(
+        "pipeline_vs_torch",
+        title="Pipeline schedules against torch.distributed.pipelining",
+        family="pipeline parallelism",
+        workload=f"{a.nprocs} stages, batch {a.batch_size} in {a.microbatches} micro-batches; gpt: "
+        f"{a.gpt_model} seq_len {a.seq_len}; mlp: {a.mlp_depth} x {a.mlp_width}; "
+        f"{a.steps} timed steps a system in {a.rounds} rounds",
+        metric="samples/s",
+        higher_is_better=True,
+        repeats=a.rounds,
+        quick=a.quick,
+        command=command("benchmarks/pipeline_vs_torch.py", argv),
+        notes="The same cut (by parameters) for both systems; the two alternate round by round inside "
+        "one launch. 2bw (asynchronous, weight stashing) has no torch peer: it is held against "
+        "dtrain's own 1f1b. Four stage processes share this machine's cores, so the stages "
+        "compete for them.",
+    )
     t0 = time.perf_counter()
     bench.start()
     ranks = launch_loopback(_worker, (args,), a.nprocs)
@@ -488,9 +530,11 @@ def main(argv: list[str] | None = None) -> int:
             ours, peer = (f"{r[k]['system']} {r[k]['schedule']}" for k in ("dtrain", "peer"))
             if ours == peer:
                 ours, peer = f"{ours} (dtrain)", f"{peer} (peer)"
-            bench.add_case(f"{w} {pair}", samples={ours: r["dtrain"]["round_samples_per_s"],
-                                                   peer: r["peer"]["round_samples_per_s"]},
-                           compare=[(ours, peer, Bar.at_least(1.0))])  # fmt: skip
+            bench.add_case(
+                f"{w} {pair}",
+                samples={ours: r["dtrain"]["round_samples_per_s"], peer: r["peer"]["round_samples_per_s"]},
+                compare=[(ours, peer, Bar.at_least(1.0))],
+            )
     wall = time.perf_counter() - t0
     rss = [ranks[r]["maxrss_mib"] for r in range(a.nprocs)]
     print(f"\nprocess peak RSS MiB (whole run): {' '.join(f'{x:.0f}' for x in rss)}; wall {wall:.0f}s")
@@ -499,9 +543,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"versions": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
-           "config": {k: v for k, v in args.items() if k != "json"}, "results": results,
-           "maxrss_mib_per_rank": rss, "wall_s": wall}  # fmt: skip
+    doc = {
+        "versions": {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()},
+        "config": {k: v for k, v in args.items() if k != "json"},
+        "results": results,
+        "maxrss_mib_per_rank": rss,
+        "wall_s": wall,
+    }
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")
     return 0

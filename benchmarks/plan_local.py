@@ -32,9 +32,28 @@ def measure(model: str, workers: int, steps: int, first: int) -> float:
     """``dtrain run``'s samples/s from outside: rank 0's rows' arrival times."""
     dataset, _ = MODELS[model]
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-plan-") as d:
-        seen = run_local(["--model", model, "--dataset", dataset, "--workers", str(workers), "--epochs", "1000",
-                          "--max-steps", str(steps), "--eval-every", str(steps), "--eval-samples", "64",
-                          "--no-progress", "--no-trace"], Path(d) / "run", timeout=900)  # fmt: skip
+        seen = run_local(
+            [
+                "--model",
+                model,
+                "--dataset",
+                dataset,
+                "--workers",
+                str(workers),
+                "--epochs",
+                "1000",
+                "--max-steps",
+                str(steps),
+                "--eval-every",
+                str(steps),
+                "--eval-samples",
+                "64",
+                "--no-progress",
+                "--no-trace",
+            ],
+            Path(d) / "run",
+            timeout=900,
+        )
     return 64 / seconds_a_step(seen, first)
 
 
@@ -48,8 +67,7 @@ def predict(model: str, workers: int) -> float:
     dataset, _ = MODELS[model]
     cfg = RunConfig.from_mapping({"model": model, "dataset": dataset, "workers": workers})
     own = Choice(cfg.strategy, cfg.workers, cfg.options)
-    net, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed,
-                                   seq_len=cfg.seq_len)  # fmt: skip
+    net, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, seq_len=cfg.seq_len)
     p = plan(net, sample, None, workers=own.processes, name=name, optimizer=optimizer_kind(cfg), strategies=[own])
     if not p.ranked:
         raise SystemExit(f"{model} at {workers}: no prediction ({p.rejected})")
@@ -66,13 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="rounds (default: 5)")
     add_result_flags(ap)
     ns = ap.parse_args(argv)
-    bench = Benchmark("plan_local", title="dtrain plan on this machine against dtrain run", family="model",
-                      workload="default dtrain run (dp, batch 64) of the CNN on digits and gpt-small on pytext at "
-                               f"{ns.workers} workers; timed steps {ns.first} to the last (CNN 200, gpt-small 14)",
-                      metric="samples/s", higher_is_better=True, repeats=ns.repeats, quick=ns.quick,
-                      command=command("benchmarks/plan_local.py", argv),
-                      notes="predicted: the planner on this machine's calibration for that many processes; "
-                            "measured: dtrain run, by this script's clock as rank 0's rows appear")  # fmt: skip
+    bench = Benchmark(
+        "plan_local",
+        title="dtrain plan on this machine against dtrain run",
+        family="model",
+        workload="default dtrain run (dp, batch 64) of the CNN on digits and gpt-small on pytext at "
+        f"{ns.workers} workers; timed steps {ns.first} to the last (CNN 200, gpt-small 14)",
+        metric="samples/s",
+        higher_is_better=True,
+        repeats=ns.repeats,
+        quick=ns.quick,
+        command=command("benchmarks/plan_local.py", argv),
+        notes="predicted: the planner on this machine's calibration for that many processes; "
+        "measured: dtrain run, by this script's clock as rank 0's rows appear",
+    )
     for model in ns.models.split(","):
         steps = MODELS[model][1]
         for w in (int(x) for x in ns.workers.split(",")):
@@ -80,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                 "predicted": lambda m=model, w=w: predict(m, w),
                 "measured": lambda m=model, w=w, s=steps: measure(m, w, s, ns.first),
             }
-            bench.add_case(f"{model} x{w}", systems=systems, compare=[("predicted", "measured", Bar.within(0.2))],
-                           headline=False)  # fmt: skip
+            bench.add_case(
+                f"{model} x{w}", systems=systems, compare=[("predicted", "measured", Bar.within(0.2))], headline=False
+            )
     bench.run()
     bench.report(ns.out)
     return 0

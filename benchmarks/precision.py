@@ -56,8 +56,18 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "raw" / "precision.
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-KEYS = ("metric", "metric_name", "steps", "train_s", "final_loss", "bytes_sent_per_step", "overflow_steps",
-        "precision", "device", "backend")  # fmt: skip
+KEYS = (
+    "metric",
+    "metric_name",
+    "steps",
+    "train_s",
+    "final_loss",
+    "bytes_sent_per_step",
+    "overflow_steps",
+    "precision",
+    "device",
+    "backend",
+)
 _EVAL_LINE = re.compile(r"^step (\d+) \(epoch (\d+)\): (?:validation loss|test accuracy) ([0-9.]+)", re.M)
 
 
@@ -78,8 +88,9 @@ def _one(cfg: Any) -> dict[str, Any]:
     return _record(s)
 
 
-def _many(cfgs: dict[str, Any], jobs: int, deadline_s: float,
-          logs: Path | None = None) -> dict[str, dict[str, Any] | str]:  # fmt: skip
+def _many(
+    cfgs: dict[str, Any], jobs: int, deadline_s: float, logs: Path | None = None
+) -> dict[str, dict[str, Any] | str]:
     """Each ``key: RunConfig`` as its own ``dtrain run`` process tree, ``jobs`` at a time: key -> its record,
     or why it failed. Runs still going at ``deadline_s`` are stopped and recorded from the evaluations they
     printed (``partial``). ``logs``: every run's output is appended there."""
@@ -113,14 +124,22 @@ def _many(cfgs: dict[str, Any], jobs: int, deadline_s: float,
                     with logs.open("a") as f:
                         f.write(f"===== {key} (exit {p.returncode})\n{text}\n")
                 from dtrain.rundir.files import is_finished, read_summary
+
                 if is_finished(folder / "run"):  # the summary, written at the end (a run stopped at the deadline
                     out[key] = _record(read_summary(folder / "run"))  # may have got there)
                     continue
                 evals = [(int(s), int(e), float(v)) for s, e, v in _EVAL_LINE.findall(text)]
                 if late and evals:  # stopped at the deadline: what it had evaluated
                     hist = [v for _, _, v in evals]
-                    out[key] = {"metric": hist[-1], "metric_name": "val_loss", "steps": evals[-1][0], "history": hist,
-                                "best": min(hist), "partial": True, "precision": cfgs[key].precision}  # fmt: skip
+                    out[key] = {
+                        "metric": hist[-1],
+                        "metric_name": "val_loss",
+                        "steps": evals[-1][0],
+                        "history": hist,
+                        "best": min(hist),
+                        "partial": True,
+                        "precision": cfgs[key].precision,
+                    }
                 else:
                     out[key] = f"exit {p.returncode}: {text[-600:]}"
             if late:
@@ -167,9 +186,11 @@ def table(db: dict[str, Any], part: str) -> list[str]:
         ov = [by[prec][s].get("overflow_steps") for s in sorted(by[prec])]
         ovs = " ".join(str(o) for o in ov) if prec == "fp16" else "-"
         b = mean(prec, "bytes_sent_per_step")
-        lines.append(f"{'':<{len(part) + 2}}{prec:<10}{shown:>11}{diff:>10}{each:>24}{b:>12.0f}"
-                     f"{b / ref_bytes if ref_bytes else 0:>9.3f}{ovs:>16}{mean(prec, 'steps'):>7.0f}"
-                     f"{mean(prec, 'train_s'):>9.1f}")  # fmt: skip
+        lines.append(
+            f"{'':<{len(part) + 2}}{prec:<10}{shown:>11}{diff:>10}{each:>24}{b:>12.0f}"
+            f"{b / ref_bytes if ref_bytes else 0:>9.3f}{ovs:>16}{mean(prec, 'steps'):>7.0f}"
+            f"{mean(prec, 'train_s'):>9.1f}"
+        )
     if all("best" in r for runs in by.values() for r in runs.values()):  # evaluated every epoch: the best too
         ref_best = mean("fp32", "best")
         for prec in by:
@@ -179,8 +200,9 @@ def table(db: dict[str, Any], part: str) -> list[str]:
             lines.append(f"{'':<{len(part) + 2}}{prec + ' best':<10}{m:>11.4f}{diff:>10}{seeds:>24}")
     partial = sorted(f"{p}/{s}" for p, runs in by.items() for s, r in runs.items() if r.get("partial"))
     if partial:
-        lines.append(f"{'':<{len(part) + 2}}stopped at the deadline (their last evaluation counted): "
-                     + ", ".join(partial))
+        lines.append(
+            f"{'':<{len(part) + 2}}stopped at the deadline (their last evaluation counted): " + ", ".join(partial)
+        )
     return lines
 
 
@@ -221,33 +243,59 @@ def main() -> int:
 
         common = dict(trace=False, progress=False, workers=ns.workers, timeout_s=ns.timeout_s, device=ns.device)
         bases = {
-            "cnn": RunConfig.make(model="cnn", dataset="digits", optimizer="sgd", momentum=0.9, lr=ns.cnn_lr,
-                                  batch_size=ns.cnn_batch, epochs=ns.cnn_epochs, **common),
-            "gpt": RunConfig.make(model=ns.gpt_model, dataset="pytext", seq_len=ns.seq_len, optimizer="adam",
-                                  lr=ns.gpt_lr, batch_size=ns.gpt_batch, epochs=ns.gpt_epochs, max_steps=ns.gpt_steps,
-                                  lr_schedule=ns.gpt_schedule, warmup_epochs=ns.gpt_warmup_epochs,
-                                  eval_samples=ns.eval_samples, **common),
-        }  # fmt: skip
-        print(f"torch {torch.__version__}; {ns.workers} workers on {ns.device}, dp ring; cnn: digits, "
-              f"{ns.cnn_epochs} epochs, batch {ns.cnn_batch}, SGD {ns.cnn_lr}; gpt: {ns.gpt_model} on pytext, seq "
-              f"{ns.seq_len}, batch {ns.gpt_batch}, Adam {ns.gpt_lr} {ns.gpt_schedule}, "
-              f"warmup {ns.gpt_warmup_epochs:g} epoch(s), {ns.gpt_epochs} epoch(s), "
-              f"{ns.gpt_steps or 'all'} steps, eval windows {ns.eval_samples or 'all'}")  # fmt: skip
+            "cnn": RunConfig.make(
+                model="cnn",
+                dataset="digits",
+                optimizer="sgd",
+                momentum=0.9,
+                lr=ns.cnn_lr,
+                batch_size=ns.cnn_batch,
+                epochs=ns.cnn_epochs,
+                **common,
+            ),
+            "gpt": RunConfig.make(
+                model=ns.gpt_model,
+                dataset="pytext",
+                seq_len=ns.seq_len,
+                optimizer="adam",
+                lr=ns.gpt_lr,
+                batch_size=ns.gpt_batch,
+                epochs=ns.gpt_epochs,
+                max_steps=ns.gpt_steps,
+                lr_schedule=ns.gpt_schedule,
+                warmup_epochs=ns.gpt_warmup_epochs,
+                eval_samples=ns.eval_samples,
+                **common,
+            ),
+        }
+        print(
+            f"torch {torch.__version__}; {ns.workers} workers on {ns.device}, dp ring; cnn: digits, "
+            f"{ns.cnn_epochs} epochs, batch {ns.cnn_batch}, SGD {ns.cnn_lr}; gpt: {ns.gpt_model} on pytext, seq "
+            f"{ns.seq_len}, batch {ns.gpt_batch}, Adam {ns.gpt_lr} {ns.gpt_schedule}, "
+            f"warmup {ns.gpt_warmup_epochs:g} epoch(s), {ns.gpt_epochs} epoch(s), "
+            f"{ns.gpt_steps or 'all'} steps, eval windows {ns.eval_samples or 'all'}"
+        )
         if ns.device == "cuda":
             print(f"GPU: {torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} device(s)")
         if ns.jobs > 1:
             seeds = {"cnn": ns.seeds, "gpt": ns.gpt_seeds}
-            cfgs = {f"{part}|{prec}|{seed}": bases[part].replace(precision=prec, seed=seed)
-                    for part in parts for seed in (int(s) for s in seeds[part].split(","))
-                    for prec in ns.precisions.split(",")}  # fmt: skip
+            cfgs = {
+                f"{part}|{prec}|{seed}": bases[part].replace(precision=prec, seed=seed)
+                for part in parts
+                for seed in (int(s) for s in seeds[part].split(","))
+                for prec in ns.precisions.split(",")
+            }
             t0 = time.monotonic()
             for key, r in _many(cfgs, ns.jobs, ns.deadline_s, Path(ns.logs) if ns.logs else None).items():
                 if isinstance(r, str):
                     print(f"  {key}: FAILED {r}", flush=True)
                     continue
                 db["runs"][key] = r
-                print(f"  {key}: {r['metric']:.4f} best {r.get('best')}, overflow {r.get('overflow_steps')}, "
-                      f"train {r.get('train_s')}s{' PARTIAL' if r.get('partial') else ''}", flush=True)  # fmt: skip
+                print(
+                    f"  {key}: {r['metric']:.4f} best {r.get('best')}, overflow {r.get('overflow_steps')}, "
+                    f"train {r.get('train_s')}s{' PARTIAL' if r.get('partial') else ''}",
+                    flush=True,
+                )
             print(f"{len(cfgs)} runs, {ns.jobs} at once: {time.monotonic() - t0:.0f} s")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(db, indent=1))
@@ -263,9 +311,12 @@ def main() -> int:
                     db["runs"][f"{part}|{prec}|{seed}"] = r
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_text(json.dumps(db, indent=1))
-                    print(f"  {part} seed {seed} {prec}: {r['metric_name']} {r['metric']:.4f}, "
-                          f"{r['bytes_sent_per_step']:.0f} B/step, overflow {r.get('overflow_steps')}, "
-                          f"train {r['train_s']:.1f}s", flush=True)  # fmt: skip
+                    print(
+                        f"  {part} seed {seed} {prec}: {r['metric_name']} {r['metric']:.4f}, "
+                        f"{r['bytes_sent_per_step']:.0f} B/step, overflow {r.get('overflow_steps')}, "
+                        f"train {r['train_s']:.1f}s",
+                        flush=True,
+                    )
     for part in parts:
         print("\n".join(table(db, part)))
     return 0

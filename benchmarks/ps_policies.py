@@ -104,8 +104,15 @@ def _one(rank: int, world: int, cfg_dict: dict[str, Any], out: str) -> dict[str,
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
     data = load_dataset(cfg.dataset, seed=cfg.seed, samples=cfg.samples)
-    ctx = TrainContext(cfg=cfg, rank=rank, world_size=world, out_dir=d, data=data,
-                       metrics=MetricsWriter(d, rank), tracer=Tracer(rank, enabled=False))
+    ctx = TrainContext(
+        cfg=cfg,
+        rank=rank,
+        world_size=world,
+        out_dir=d,
+        data=data,
+        metrics=MetricsWriter(d, rank),
+        tracer=Tracer(rank, enabled=False),
+    )
     try:
         r = run_process(ctx)
     finally:
@@ -183,21 +190,35 @@ def main(argv: list[str] | None = None) -> int:
         parse_consistency(p)
     world = args.servers + args.workers
     straggler = f"{world - 1}:{args.factor:g}"
-    base = dict(strategy="ps", servers=args.servers, workers=args.workers, epochs=args.epochs,
-                batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, model=args.model,
-                dataset=args.dataset, samples=args.samples, progress=False, timeout_s=120.0,
-                extra={"ps_table": False})
+    base = dict(
+        strategy="ps",
+        servers=args.servers,
+        workers=args.workers,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        momentum=args.momentum,
+        model=args.model,
+        dataset=args.dataset,
+        samples=args.samples,
+        progress=False,
+        timeout_s=120.0,
+        extra={"ps_table": False},
+    )
     plan: list[tuple[str, dict[str, Any]]] = []
     for _ in range(args.repeats):
         for p in policies:
             plan.append((f"{p}|plain", dict(base, consistency=p)))
             plan.append((f"{p}|slow", dict(base, consistency=p, straggler=straggler)))
-    print(f"# dtrain ps_policies: torch {torch.__version__}, python {platform.python_version()}, "
-          f"{os.cpu_count()} cores, {args.servers} servers + {args.workers} workers, {args.model} on {args.dataset}"
-          f"{f' ({args.samples} samples)' if args.dataset == 'synthetic' else ''}, "
-          f"{args.epochs} epochs, global batch {args.batch_size}, SGD lr {args.lr:g} momentum {args.momentum:g}, "
-          f"straggler rank {straggler}, "
-          f"{args.repeats} repeat(s)", flush=True)
+    print(
+        f"# dtrain ps_policies: torch {torch.__version__}, python {platform.python_version()}, "
+        f"{os.cpu_count()} cores, {args.servers} servers + {args.workers} workers, {args.model} on {args.dataset}"
+        f"{f' ({args.samples} samples)' if args.dataset == 'synthetic' else ''}, "
+        f"{args.epochs} epochs, global batch {args.batch_size}, SGD lr {args.lr:g} momentum {args.momentum:g}, "
+        f"straggler rank {straggler}, "
+        f"{args.repeats} repeat(s)",
+        flush=True,
+    )
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
         res = launch(_process, (plan, root), nprocs=world)
@@ -218,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                 "stale_max": max(s["staleness"]["max"] for s in sums),
                 "kb": _median([(s["bytes_sent_per_step"] + s["bytes_received_per_step"]) / 1e3 for s in sums]),
                 "own_share": _median([_workers_median(res, key, k, "own_share") for k in range(len(sums))]),
-                "own_s": _median([_workers_median(res, key, k, "own_s", straggler=mode == "slow")
-                                  for k in range(len(sums))]),
+                "own_s": _median(
+                    [_workers_median(res, key, k, "own_s", straggler=mode == "slow") for k in range(len(sums))]
+                ),
             }
         table.append(row)
     _print(table, args.factor, args.workers)
@@ -232,9 +254,11 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def _print(table: list[dict[str, Any]], factor: float, workers: int) -> None:
     f = f"{factor:g}x"
-    head = (f"{'policy':<11}{'computed':>9}{'(' + f + ')':>7}{'ratio':>6}  {'applied':>8}{'(' + f + ')':>7}{'ratio':>6}"
-            f"  {'t95 s':>6}{'(' + f + ')':>7}  {'acc':>6}{'(' + f + ')':>7}"
-            f"  {'staleness':>10}{'(' + f + ')':>10}  {'KB/step':>8}  {'own':>5}{'slow':>6}")
+    head = (
+        f"{'policy':<11}{'computed':>9}{'(' + f + ')':>7}{'ratio':>6}  {'applied':>8}{'(' + f + ')':>7}{'ratio':>6}"
+        f"  {'t95 s':>6}{'(' + f + ')':>7}  {'acc':>6}{'(' + f + ')':>7}"
+        f"  {'staleness':>10}{'(' + f + ')':>10}  {'KB/step':>8}  {'own':>5}{'slow':>6}"
+    )
     print(head)
     print("-" * len(head))
     bsp_own: float | None = None
@@ -258,13 +282,17 @@ def _print(table: list[dict[str, Any]], factor: float, workers: int) -> None:
         a, b = row["plain"], row["slow"]
         if row["policy"].startswith("backup") and a["sps"] and b["sps"] and a["applied"] and b["applied"]:
             n = workers - int(row["policy"].split(":")[1])
-            print(f"{row['policy']}: applied / computed {a['applied'] / a['sps']:.2f} plain (N / (N + b) = "
-                  f"{n}/{workers} = {n / workers:.2f}), {b['applied'] / b['sps']:.2f} with the {f} straggler")
+            print(
+                f"{row['policy']}: applied / computed {a['applied'] / a['sps']:.2f} plain (N / (N + b) = "
+                f"{n}/{workers} = {n / workers:.2f}), {b['applied'] / b['sps']:.2f} with the {f} straggler"
+            )
     if bsp_own is not None:
         bound = 1.0 / (1.0 + (factor - 1.0) * bsp_own)
-        print(f"bsp: the {f} straggler adds {factor - 1:g} x {bsp_own:.0%} of a plain step to each step, so bsp keeps "
-              f"about 1 / (1 + {factor - 1:g} x {bsp_own:.2f}) = {bound:.2f} of its samples/s; a third needs own >= "
-              f"{2 / (factor - 1):.0%}")
+        print(
+            f"bsp: the {f} straggler adds {factor - 1:g} x {bsp_own:.0%} of a plain step to each step, so bsp keeps "
+            f"about 1 / (1 + {factor - 1:g} x {bsp_own:.2f}) = {bound:.2f} of its samples/s; a third needs own >= "
+            f"{2 / (factor - 1):.0%}"
+        )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,16 @@ PAGE = ROOT / "BENCHMARKS.md"
 PLOTS = RESULTS / "plots"
 
 # the families in the order a reader meets them (a result file's "family"); others follow, by name
-FAMILIES = ["data parallelism", "sharded data parallelism", "pipeline parallelism", "tensor parallelism",
-            "decentralized", "compression", "several machines", "performance model"]  # fmt: skip
+FAMILIES = [
+    "data parallelism",
+    "sharded data parallelism",
+    "pipeline parallelism",
+    "tensor parallelism",
+    "decentralized",
+    "compression",
+    "several machines",
+    "performance model",
+]
 
 INTRO = """\
 # Benchmarks
@@ -72,29 +80,37 @@ def _anchor(r: dict[str, Any]) -> str:
 
 
 def headline(results: list[dict[str, Any]]) -> list[str]:
-    lines = ["## Headline", "",
-             "| family | comparison | ratio, median (IQR) | bar | verdict | rounds | machine |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "## Headline",
+        "",
+        "| family | comparison | ratio, median (IQR) | bar | verdict | rounds | machine |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         quick = " (quick)" if r.get("quick") else ""
         for c in (c for c in r["cases"] if c.get("headline", True)):
             for cmp in c["comparisons"]:
-                lines.append(f"| [{r['family']}](#{_anchor(r)}) | {cmp['ours']} / {cmp['peer']}, {c['name']} | "
-                             f"{_ratio(cmp['ratio'])} | {_bar(cmp['bar'])} | {cmp['verdict']}{quick} | "
-                             f"{cmp['ratio']['n']} | {_machine(r['machine'])} |")  # fmt: skip
+                lines.append(
+                    f"| [{r['family']}](#{_anchor(r)}) | {cmp['ours']} / {cmp['peer']}, {c['name']} | "
+                    f"{_ratio(cmp['ratio'])} | {_bar(cmp['bar'])} | {cmp['verdict']}{quick} | "
+                    f"{cmp['ratio']['n']} | {_machine(r['machine'])} |"
+                )
     return lines
 
 
 def section(r: dict[str, Any]) -> list[str]:
     m, load = r["machine"], r["load"]
-    lines = [f'## <a id="{_anchor(r)}"></a>{r["title"]}', "",  # the anchor in the heading: a line, not three
-             f"**Workload**: {r['workload']}. **Metric**: {r['metric']} "
-             f"({'higher' if r['higher_is_better'] else 'lower'} is better), {r['repeats']} rounds"
-             f"{', a quick run' if r.get('quick') else ''}. "
-             f"**Machine**: {_machine(m)}, {m['memory_gib']} GiB, torch {m['torch']}, python {m['python']}; "
-             f"load average {load['before'][0]:.1f} before, {load['after'][0]:.1f} after; commit {r['commit']}, "
-             f"{r['date']}.",
-             f"**Run**: `{r['command']}`"]  # fmt: skip (one paragraph with the workload)
+    lines = [
+        f'## <a id="{_anchor(r)}"></a>{r["title"]}',
+        "",  # the anchor in the heading: a line, not three
+        f"**Workload**: {r['workload']}. **Metric**: {r['metric']} "
+        f"({'higher' if r['higher_is_better'] else 'lower'} is better), {r['repeats']} rounds"
+        f"{', a quick run' if r.get('quick') else ''}. "
+        f"**Machine**: {_machine(m)}, {m['memory_gib']} GiB, torch {m['torch']}, python {m['python']}; "
+        f"load average {load['before'][0]:.1f} before, {load['after'][0]:.1f} after; commit {r['commit']}, "
+        f"{r['date']}.",
+        f"**Run**: `{r['command']}`",
+    ]  # one paragraph with the workload
     lines += _table(r)
     lines += ["", f"![every round's ratio, {r['name']}](benchmarks/results/plots/{r['name']}.png)"]
     if r.get("notes"):
@@ -104,10 +120,15 @@ def section(r: dict[str, Any]) -> list[str]:
 
 def _cells(c: dict[str, Any]) -> list[str]:
     """Each system's median (IQR), then each comparison's ratio, median (IQR; min-max), with its verdict."""
-    cells = [f"{v['median']:.4g}" + ("" if v["min"] == v["max"] else f" ({v['q1']:.4g}-{v['q3']:.4g})")
-             for v in c["systems"].values()]  # a constant (a closed form): its value alone
-    return cells + [f"{q['median']:.2f} ({q['q1']:.2f}-{q['q3']:.2f}; {q['min']:.2f}-{q['max']:.2f}) "
-                    f"**{x['verdict']}**" for x in c["comparisons"] for q in [x["ratio"]]]  # fmt: skip
+    cells = [
+        f"{v['median']:.4g}" + ("" if v["min"] == v["max"] else f" ({v['q1']:.4g}-{v['q3']:.4g})")
+        for v in c["systems"].values()
+    ]  # a constant (a closed form): its value alone
+    return cells + [
+        f"{q['median']:.2f} ({q['q1']:.2f}-{q['q3']:.2f}; {q['min']:.2f}-{q['max']:.2f}) **{x['verdict']}**"
+        for x in c["comparisons"]
+        for q in [x["ratio"]]
+    ]
 
 
 def _shape(c: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -134,8 +155,14 @@ def _table(r: dict[str, Any]) -> list[str]:
     for pairs, run in itertools.groupby(r["cases"], key=_pair):
         group = list(run)
         if pairs and len({_shape(c) for c in group}) > 1:  # pairs of several kinds: one table, each row its own
-            lines += _head([f"case: {r['metric']}, median (IQR)", "ours", "peer",
-                            "ratio, above 1 favours ours: median (IQR; min-max)"])  # fmt: skip
+            lines += _head(
+                [
+                    f"case: {r['metric']}, median (IQR)",
+                    "ours",
+                    "peer",
+                    "ratio, above 1 favours ours: median (IQR; min-max)",
+                ]
+            )
             for c in group:
                 x = c["comparisons"][0]
                 a, b, ratio = _cells({"systems": {s: c["systems"][x[s]] for s in ("ours", "peer")}, "comparisons": [x]})
@@ -164,8 +191,11 @@ def plot(r: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(c["name"] if len(c["comparisons"]) == 1 else f"{c['name']}: {cmp['ours']} / {cmp['peer']}", cmp)
-            for c in r["cases"] for cmp in c["comparisons"]]  # fmt: skip
+    rows = [
+        (c["name"] if len(c["comparisons"]) == 1 else f"{c['name']}: {cmp['ours']} / {cmp['peer']}", cmp)
+        for c in r["cases"]
+        for cmp in c["comparisons"]
+    ]
     fig, ax = plt.subplots(figsize=(7.0, 0.9 + 0.4 * len(rows)), dpi=80)
     for i, (_, cmp) in enumerate(rows):
         ax.scatter(cmp["ratios"], [i] * len(cmp["ratios"]), s=14, color="tab:blue", alpha=0.6, zorder=3)

@@ -43,23 +43,26 @@ from typing import Any
 
 PARTS = {
     "asha": {
-        "run": 'workers = 1\nepochs = 8\ntrace = false\neval_every = 11\n',
+        "run": "workers = 1\nepochs = 8\ntrace = false\neval_every = 11\n",
         "space": 'lr = "loguniform(1e-3, 0.3)"\nmomentum = "uniform(0.0, 0.95)"\n',
         "sweeps": {"fifo": ["--scheduler", "fifo"], "asha": ["--scheduler", "asha", "--reduction", "2"]},
         "flags": ["--trials", "8", "--concurrent", "1"],
     },
     "pbt": {
-        "run": ('workers = 1\nmodel = "gpt-tiny"\ndataset = "pytext"\nmax_steps = 240\nepochs = 100\n'
-                'eval_every = 40\ntrace = false\n'),
+        "run": (
+            'workers = 1\nmodel = "gpt-tiny"\ndataset = "pytext"\nmax_steps = 240\nepochs = 100\n'
+            "eval_every = 40\ntrace = false\n"
+        ),
         "space": 'lr = "loguniform(1e-3, 0.3)"\nmomentum = "uniform(0.0, 0.95)"\n',
         "sweeps": {"random": ["--scheduler", "fifo"], "pbt": ["--scheduler", "pbt"]},
         "flags": ["--trials", "4", "--concurrent", "4"],
     },
     "arch": {
-        "run": ('workers = 1\nmodel = "gpt-tiny"\ndataset = "pytext"\nmax_steps = 240\nepochs = 100\n'
-                'eval_every = 80\ntrace = false\n'),
-        "space": 'layers = "randint(1, 7)"\nd_model = "choice([32, 48, 64, 96])"\n'
-                 'heads = "choice([1, 2, 4, 8])"\n',
+        "run": (
+            'workers = 1\nmodel = "gpt-tiny"\ndataset = "pytext"\nmax_steps = 240\nepochs = 100\n'
+            "eval_every = 80\ntrace = false\n"
+        ),
+        "space": 'layers = "randint(1, 7)"\nd_model = "choice([32, 48, 64, 96])"\nheads = "choice([1, 2, 4, 8])"\n',
         "sweeps": {"evolution": ["--search", "evolution", "--start-at-base"]},
         "flags": ["--trials", "8", "--concurrent", "2"],
     },
@@ -71,22 +74,58 @@ def sweep(folder: Path, part: dict[str, Any], flags: list[str], seed: int, extra
     (folder / "run.toml").write_text(part["run"] + f"seed = {seed}\n")
     (folder / "space.toml").write_text("[sweep.space]\n" + part["space"])
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(folder / "run.toml"), "--space",
-                        str(folder / "space.toml"), *part["flags"], *flags, *extra, "--seed", str(seed),
-                        "--out", str(folder / "sweep")], capture_output=True, text=True, timeout=7200)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dtrain.cli",
+            "sweep",
+            str(folder / "run.toml"),
+            "--space",
+            str(folder / "space.toml"),
+            *part["flags"],
+            *flags,
+            *extra,
+            "--seed",
+            str(seed),
+            "--out",
+            str(folder / "sweep"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=7200,
+    )
     if p.returncode != 0:
         raise SystemExit(f"sweep failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     doc = json.loads((folder / "sweep" / "sweep.json").read_text())
-    return {"best": doc["best"], "steps_trained": doc["steps_trained"], "wall_s": round(time.monotonic() - t0, 1),
-            "trials": [{k: t[k] for k in ("trial", "config", "fate", "metric", "steps_trained", "exploits")}
-                       for t in doc["trials"]]}  # fmt: skip
+    return {
+        "best": doc["best"],
+        "steps_trained": doc["steps_trained"],
+        "wall_s": round(time.monotonic() - t0, 1),
+        "trials": [
+            {k: t[k] for k in ("trial", "config", "fate", "metric", "steps_trained", "exploits")} for t in doc["trials"]
+        ],
+    }
 
 
 def reference_run(folder: Path, part: dict[str, Any], seed: int) -> dict[str, Any]:
     """The base configuration itself (gpt-tiny's own shape), trained as a run: its validation loss."""
     (folder / "ref.toml").write_text(part["run"] + f"seed = {seed}\n")
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(folder / "ref.toml"), "--no-progress",
-                        "--out", str(folder / "ref")], capture_output=True, text=True, timeout=3600)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dtrain.cli",
+            "run",
+            str(folder / "ref.toml"),
+            "--no-progress",
+            "--out",
+            str(folder / "ref"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if p.returncode != 0:
         raise SystemExit(f"reference run failed:\n{p.stderr[-3000:]}")
     from dtrain.rundir.files import read_summary
@@ -114,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=sorted(PARTS), required=True)
     ap.add_argument("--seeds", default="0,1,2,3,4", help="one round a seed (default: 0-4)")
-    ap.add_argument("--rows", default="", help="write the result files again from a result file's measured rows "
-                    "(its extra.rows), running nothing")  # fmt: skip
+    ap.add_argument(
+        "--rows",
+        default="",
+        help="write the result files again from a result file's measured rows (its extra.rows), running nothing",
+    )
     add_result_flags(ap)
     ns = ap.parse_args(argv)
     part, seeds = PARTS[ns.part], [int(s) for s in ns.seeds.split(",")]
@@ -127,20 +169,35 @@ def main(argv: list[str] | None = None) -> int:
         tiny = model_params(RunConfig.from_mapping(tomllib.loads(part["run"])))
         extra = ["--max-params", str(ARCH_BUDGET)]
     flags = " ".join(part["flags"] + extra)
-    notes = {"asha": "the same seed draws the same 8 configurations for both; steps: as far as each trial's "
-                     "rank 0 trained (its metrics rows), stopped trials included",
-             "pbt": "PBT (synchronous, quantile 1/4, perturbing by 0.8/1.2 or a fresh draw) against FIFO over the "
-                    "same random draws; both train the population's 4 x 240 steps",
-             "arch": f"evolution: Nevergrad's evolution strategy over layers, d_model, heads within "
-                     f"{ARCH_BUDGET:,} parameters; gpt-tiny ({tiny:,} parameters, "
-                     "inside the budget): the base run itself"}[ns.part]
-    bench = Benchmark(f"search_{ns.part}", title={"asha": "ASHA against FIFO", "pbt": "PBT against random search",
-                                                  "arch": "Evolution over gpt shapes against gpt-tiny"}[ns.part],
-                      family="search", workload=f"dtrain sweep {flags}, "
-                      + " against ".join(f"{k} ({' '.join(v)})" for k, v in part["sweeps"].items())
-                      + "; run: " + part["run"].strip().replace("\n", "; ") + "; space: "
-                      + part["space"].strip().replace("\n", "; "), metric=metric, higher_is_better=higher,
-                      repeats=len(seeds), command=command("benchmarks/search.py", argv), notes=notes)  # fmt: skip
+    notes = {
+        "asha": "the same seed draws the same 8 configurations for both; steps: as far as each trial's "
+        "rank 0 trained (its metrics rows), stopped trials included",
+        "pbt": "PBT (synchronous, quantile 1/4, perturbing by 0.8/1.2 or a fresh draw) against FIFO over the "
+        "same random draws; both train the population's 4 x 240 steps",
+        "arch": f"evolution: Nevergrad's evolution strategy over layers, d_model, heads within "
+        f"{ARCH_BUDGET:,} parameters; gpt-tiny ({tiny:,} parameters, "
+        "inside the budget): the base run itself",
+    }[ns.part]
+    bench = Benchmark(
+        f"search_{ns.part}",
+        title={
+            "asha": "ASHA against FIFO",
+            "pbt": "PBT against random search",
+            "arch": "Evolution over gpt shapes against gpt-tiny",
+        }[ns.part],
+        family="search",
+        workload=f"dtrain sweep {flags}, "
+        + " against ".join(f"{k} ({' '.join(v)})" for k, v in part["sweeps"].items())
+        + "; run: "
+        + part["run"].strip().replace("\n", "; ")
+        + "; space: "
+        + part["space"].strip().replace("\n", "; "),
+        metric=metric,
+        higher_is_better=higher,
+        repeats=len(seeds),
+        command=command("benchmarks/search.py", argv),
+        notes=notes,
+    )
     bench.start()
     rows: list[dict[str, Any]] = []
     if ns.rows:  # the measured rows of an earlier run of this part, its date and load with them
@@ -157,8 +214,11 @@ def main(argv: list[str] | None = None) -> int:
             folder.mkdir(parents=True)
             row[name] = sweep(folder, part, sweep_flags, seed, extra)
             b = row[name]["best"]
-            print(f"seed {seed} {name}: best {b['metric']:.4f} {b['config']}, {row[name]['steps_trained']} steps, "
-                  f"{row[name]['wall_s']:.0f}s", flush=True)
+            print(
+                f"seed {seed} {name}: best {b['metric']:.4f} {b['config']}, {row[name]['steps_trained']} steps, "
+                f"{row[name]['wall_s']:.0f}s",
+                flush=True,
+            )
         if ns.part == "arch":
             row["gpt-tiny"] = reference_run(root / f"evolution-{seed}", part, seed)
             print(f"seed {seed} gpt-tiny: {row['gpt-tiny']['metric']:.4f}", flush=True)
@@ -169,17 +229,33 @@ def main(argv: list[str] | None = None) -> int:
     def best(row: dict[str, Any], name: str) -> float:
         return float(row[name]["best"]["metric"] if "best" in row[name] else row[name]["metric"])
 
-    bench.add_case(ns.part, samples={ours: [best(r, ours) for r in rows], peer: [best(r, peer) for r in rows]},
-                   compare=[(ours, peer, Bar.at_least(bar))], headline=False)  # fmt: skip
+    bench.add_case(
+        ns.part,
+        samples={ours: [best(r, ours) for r in rows], peer: [best(r, peer) for r in rows]},
+        compare=[(ours, peer, Bar.at_least(bar))],
+        headline=False,
+    )
     bench.extra = {"seeds": seeds, "rows": rows}
     bench.report(ns.out)
     if ns.part == "asha":  # the other half of the bar, in a result file of its own: at most half of FIFO's steps
-        steps = Benchmark("search_asha_steps", title="ASHA's steps against FIFO's", family="search",
-                          workload=bench.workload, metric="steps trained", higher_is_better=False,
-                          repeats=len(seeds), command=bench.command, notes=notes)  # fmt: skip
+        steps = Benchmark(
+            "search_asha_steps",
+            title="ASHA's steps against FIFO's",
+            family="search",
+            workload=bench.workload,
+            metric="steps trained",
+            higher_is_better=False,
+            repeats=len(seeds),
+            command=bench.command,
+            notes=notes,
+        )
         steps.date, steps.load = bench.date, bench.load
-        steps.add_case("asha", samples={s: [float(r[s]["steps_trained"]) for r in rows] for s in ("asha", "fifo")},
-                       compare=[("asha", "fifo", Bar.at_least(2.0))], headline=False)  # fmt: skip
+        steps.add_case(
+            "asha",
+            samples={s: [float(r[s]["steps_trained"]) for r in rows] for s in ("asha", "fifo")},
+            compare=[("asha", "fifo", Bar.at_least(2.0))],
+            headline=False,
+        )
         steps.report(ns.out and str(Path(ns.out).with_name(Path(ns.out).stem + "_steps.json")))
     return 0
 

@@ -89,8 +89,10 @@ VOCAB = 256
 DTRAIN = {"dtrain dp": None, "dtrain z1": "optimizer", "dtrain z2": "gradients", "dtrain z3": "parameters"}
 TORCH = ("torch ddp", "torch ddp+zero", "torch fsdp2")
 DEEPSPEED = ("deepspeed z1", "deepspeed z2", "deepspeed z3")
-UNITS_NOTE = (" dtrain's units are its defaults (what --strategy dp --shard parameters uses): the embedding, each "
-              "decoder layer, the final norm and the head.")
+UNITS_NOTE = (
+    " dtrain's units are its defaults (what --strategy dp --shard parameters uses): the embedding, each "
+    "decoder layer, the final norm and the head."
+)
 #: (dtrain system, its peer, what the peer is)
 PAIRS = (
     ("dtrain dp", "torch ddp", "stage 0: DDP"),
@@ -200,8 +202,9 @@ class _System:
             if shard is None:
                 self.dp = dtrain.DataParallel(net, algorithm=args["algorithm"])
             else:
-                self.dp = dtrain.ShardedDataParallel(net, shard=shard, algorithm=args["algorithm"],
-                                                     overlap=args["overlap"])  # fmt: skip
+                self.dp = dtrain.ShardedDataParallel(
+                    net, shard=shard, algorithm=args["algorithm"], overlap=args["overlap"]
+                )
             self.model: Any = self.dp
             self.opt: Any = torch.optim.Adam(self.dp.parameters(), lr=lr)
         elif name in ("torch ddp", "torch ddp+zero"):
@@ -226,12 +229,15 @@ class _System:
         elif name in DEEPSPEED:
             import deepspeed
 
-            cfg = {"train_micro_batch_size_per_gpu": args["batch_size"] // dist.get_world_size(),
-                   "gradient_accumulation_steps": 1, "steps_per_print": 10**9, "gradient_clipping": 0.0,
-                   "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True, "adam_w_mode": False}},
-                   "zero_optimization": {"stage": int(name[-1])}}  # fmt: skip
-            self.engine, self.opt, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                                               config=cfg)  # fmt: skip
+            cfg = {
+                "train_micro_batch_size_per_gpu": args["batch_size"] // dist.get_world_size(),
+                "gradient_accumulation_steps": 1,
+                "steps_per_print": 10**9,
+                "gradient_clipping": 0.0,
+                "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True, "adam_w_mode": False}},
+                "zero_optimization": {"stage": int(name[-1])},
+            }
+            self.engine, self.opt, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
             self.model = self.engine
             torch.set_num_threads(1)
         else:
@@ -262,10 +268,12 @@ class _System:
         seen: set[int] = set()
         params = list(self.net.parameters())
         buckets = [b.flat for b in getattr(getattr(self.dp, "_reducer", None), "_buckets", [])]
-        return {"params": _storage_bytes(params, seen),
-                "grads": _storage_bytes([*(p.grad for p in params), *buckets], seen),
-                "optimizer": _storage_bytes([v for s in self.opt.state.values() for v in s.values()], seen),
-                "gathered_peak": 0}  # fmt: skip
+        return {
+            "params": _storage_bytes(params, seen),
+            "grads": _storage_bytes([*(p.grad for p in params), *buckets], seen),
+            "optimizer": _storage_bytes([v for s in self.opt.state.values() for v in s.values()], seen),
+            "gathered_peak": 0,
+        }
 
     def close(self) -> None:
         if self.dp is not None:
@@ -322,8 +330,12 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
         s.close()
     import resource
 
-    return {"systems": res, "units": units, "threads": torch.get_num_threads(),
-            "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # fmt: skip
+    return {
+        "systems": res,
+        "units": units,
+        "threads": torch.get_num_threads(),
+        "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def _round_steps(args: dict[str, Any]) -> list[int]:
@@ -378,13 +390,18 @@ def _summarize(ranks: dict[int, dict[str, Any]], args: dict[str, Any]) -> dict[s
             mem = [x["memory"] for x in per]
             held = [m["params"] + m["grads"] + m["optimizer"] + m["gathered_peak"] for m in mem]
             cm = _closed_memory(name, psi, p, units)
-            rec.update(memory_per_rank=mem, model_state_bytes_per_rank=held, memory_closed_form=cm,
-                       memory_ratio_per_rank=[h / cm for h in held])  # fmt: skip
+            rec.update(
+                memory_per_rank=mem,
+                model_state_bytes_per_rank=held,
+                memory_closed_form=cm,
+                memory_ratio_per_rank=[h / cm for h in held],
+            )
         systems[name] = rec
     ref, last = systems["dtrain dp"]["losses_per_rank"], systems["dtrain dp"]["last_loss_per_rank"]
     for rec in systems.values():
-        rec["loss_max_diff_vs_dtrain_dp"] = max(abs(a - b) for xs, ys in zip(rec["losses_per_rank"], ref)
-                                                for a, b in zip(xs, ys))  # fmt: skip
+        rec["loss_max_diff_vs_dtrain_dp"] = max(
+            abs(a - b) for xs, ys in zip(rec["losses_per_rank"], ref) for a, b in zip(xs, ys)
+        )
         rec["last_loss_max_diff_vs_dtrain_dp"] = max(abs(a - b) for a, b in zip(rec["last_loss_per_rank"], last))
     pairs = []
     for dt, peer, what in PAIRS:
@@ -396,37 +413,57 @@ def _summarize(ranks: dict[int, dict[str, Any]], args: dict[str, Any]) -> dict[s
 
 def _print(out: dict[str, Any], args: dict[str, Any]) -> None:
     sy, p, mib = out["systems"], args["nprocs"], 2**20
-    print(f"\n== step time (median of {args['steps']} steps, rank 0) and bytes per step per rank; "
-          f"Psi {out['psi']:,}, Psi_pad {out['psi_padded']:,}")  # fmt: skip
-    print(f"{'dtrain':<10} {'ms':>7}  {'peer':<15} {'ms':>7} {'speed':>6}  {'MiB sent':>8} {'closed':>7} "
-          f"{'ratio':>6}  peer is")  # fmt: skip
+    print(
+        f"\n== step time (median of {args['steps']} steps, rank 0) and bytes per step per rank; "
+        f"Psi {out['psi']:,}, Psi_pad {out['psi_padded']:,}"
+    )
+    print(
+        f"{'dtrain':<10} {'ms':>7}  {'peer':<15} {'ms':>7} {'speed':>6}  {'MiB sent':>8} {'closed':>7} "
+        f"{'ratio':>6}  peer is"
+    )
     for pr in out["pairs"]:
         d, q = sy[pr["dtrain"]], sy[pr["peer"]]
-        print(f"{pr['dtrain']:<10} {d['ms_median']:7.0f}  {pr['peer']:<15} {q['ms_median']:7.0f} {pr['speed']:6.2f}  "
-              f"{max(d['bytes_sent_per_rank']) / mib:8.2f} {d['bytes_closed_form'] / mib:7.2f} "
-              f"{d['bytes_ratio']:6.3f}  {pr['what']}")  # fmt: skip
+        print(
+            f"{pr['dtrain']:<10} {d['ms_median']:7.0f}  {pr['peer']:<15} {q['ms_median']:7.0f} {pr['speed']:6.2f}  "
+            f"{max(d['bytes_sent_per_rank']) / mib:8.2f} {d['bytes_closed_form'] / mib:7.2f} "
+            f"{d['bytes_ratio']:6.3f}  {pr['what']}"
+        )
     n_last = args["warmup"] + args["steps"] + 1
-    print(f"\n-- losses, rank 0: step 1, step 2 (after one update); max |diff| vs dtrain dp over ranks and both; "
-          f"the same for step {n_last}")  # fmt: skip
+    print(
+        f"\n-- losses, rank 0: step 1, step 2 (after one update); max |diff| vs dtrain dp over ranks and both; "
+        f"the same for step {n_last}"
+    )
     for name, r in sy.items():
         ls = " ".join(f"{x:.6f}" for x in r["losses_per_rank"][0])
-        print(f"  {name:<15} {ls}   {r['loss_max_diff_vs_dtrain_dp']:.1e}   step {n_last}: "
-              f"{r['last_loss_per_rank'][0]:.6f} {r['last_loss_max_diff_vs_dtrain_dp']:.1e}")  # fmt: skip
-    print(f"\n== model-state memory per rank after {args['warmup']} steps, MiB (N = {p}; measured = params + grads "
-          f"+ optimizer [+ gathered_peak, stage 3])")  # fmt: skip
-    print(f"{'system':<10} {'params':>7} {'grads':>7} {'adam':>7} {'gathered':>8} {'measured':>8} {'closed':>7} "
-          f"{'ratio':>6}  closed form")  # fmt: skip
-    forms = {"dtrain dp": "16Psi", "dtrain z1": "8Psi+8Psi/N", "dtrain z2": "4Psi+12Psi/N",
-             "dtrain z3": "16Psi/N+2 units"}  # fmt: skip
+        print(
+            f"  {name:<15} {ls}   {r['loss_max_diff_vs_dtrain_dp']:.1e}   step {n_last}: "
+            f"{r['last_loss_per_rank'][0]:.6f} {r['last_loss_max_diff_vs_dtrain_dp']:.1e}"
+        )
+    print(
+        f"\n== model-state memory per rank after {args['warmup']} steps, MiB (N = {p}; measured = params + grads "
+        f"+ optimizer [+ gathered_peak, stage 3])"
+    )
+    print(
+        f"{'system':<10} {'params':>7} {'grads':>7} {'adam':>7} {'gathered':>8} {'measured':>8} {'closed':>7} "
+        f"{'ratio':>6}  closed form"
+    )
+    forms = {
+        "dtrain dp": "16Psi",
+        "dtrain z1": "8Psi+8Psi/N",
+        "dtrain z2": "4Psi+12Psi/N",
+        "dtrain z3": "16Psi/N+2 units",
+    }
     for name in DTRAIN:
         if name not in sy:
             continue
         r = sy[name]
         m, held = r["memory_per_rank"][0], r["model_state_bytes_per_rank"]
         ratios = r["memory_ratio_per_rank"]
-        print(f"{name:<10} {m['params'] / mib:7.2f} {m['grads'] / mib:7.2f} {m['optimizer'] / mib:7.2f} "
-              f"{m['gathered_peak'] / mib:8.2f} {held[0] / mib:8.2f} {r['memory_closed_form'] / mib:7.2f} "
-              f"{ratios[0]:6.3f}  {forms[name]}  (ratio over ranks {min(ratios):.3f}-{max(ratios):.3f})")  # fmt: skip
+        print(
+            f"{name:<10} {m['params'] / mib:7.2f} {m['grads'] / mib:7.2f} {m['optimizer'] / mib:7.2f} "
+            f"{m['gathered_peak'] / mib:8.2f} {held[0] / mib:8.2f} {r['memory_closed_form'] / mib:7.2f} "
+            f"{ratios[0]:6.3f}  {forms[name]}  (ratio over ranks {min(ratios):.3f}-{max(ratios):.3f})"
+        )
     print("\n-- activations: MiB autograd saves in one forward, per rank (parameters excluded)")
     for name, r in sy.items():
         print(f"  {name:<15} " + " ".join(f"{x:6.2f}" for x in r["saved_mib_per_rank"]))
@@ -437,16 +474,25 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4, help="processes = data-parallel ranks (default: 4)")
-    ap.add_argument("--model", default="gpt-small", choices=LANGUAGE,
-                    help="dtrain's gpt-small (default) or a model dtrain did not write (hf-llama-small)")
-    ap.add_argument("--systems", default="", help="comma-separated, among them dtrain dp and a ZeRO stage "
-                    "(default: every one)")
+    ap.add_argument(
+        "--model",
+        default="gpt-small",
+        choices=LANGUAGE,
+        help="dtrain's gpt-small (default) or a model dtrain did not write (hf-llama-small)",
+    )
+    ap.add_argument(
+        "--systems", default="", help="comma-separated, among them dtrain dp and a ZeRO stage (default: every one)"
+    )
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16, help="global batch, split over the ranks (default: 16)")
     ap.add_argument("--algorithm", default="ring", help="dtrain's collectives: ring or native (default: ring)")
     ap.add_argument("--overlap", default="backward", help="dtrain stages 1-2: backward or forward")
-    ap.add_argument("--deepspeed", default="auto", choices=("auto", "off"),
-                    help="auto: add DeepSpeed ZeRO 1-3 when it imports (default: auto)")  # fmt: skip
+    ap.add_argument(
+        "--deepspeed",
+        default="auto",
+        choices=("auto", "off"),
+        help="auto: add DeepSpeed ZeRO 1-3 when it imports (default: auto)",
+    )
     ap.add_argument("--steps", type=int, default=12, help="timed steps per system (default: 12)")
     ap.add_argument("--warmup", type=int, default=2, help="discarded steps per system (default: 2)")
     ap.add_argument("--rounds", type=int, default=6, help="rotating rounds the timed steps are split into")
@@ -471,49 +517,73 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--systems must hold dtrain dp (the losses' reference) and a ZeRO stage (the units)")
         systems = [x for x in systems if x in chosen]
     args = dict(vars(a), systems=systems)
-    print(f"torch {torch.__version__}, deepspeed {ds or 'not used'}, python {platform.python_version()}, "
-          f"{platform.machine()}, {a.nprocs} processes x 1 intra-op thread, gloo on loopback, CPU")  # fmt: skip
-    print(f"{a.model} seq_len {a.seq_len}, global batch {a.batch_size} ({a.batch_size // a.nprocs} per rank), "
-          f"Adam lr {a.lr}; dtrain algorithm={a.algorithm} overlap={a.overlap}; {a.warmup} warm-up + {a.steps} "
-          f"timed steps per system in {a.rounds} rotating rounds")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, deepspeed {ds or 'not used'}, python {platform.python_version()}, "
+        f"{platform.machine()}, {a.nprocs} processes x 1 intra-op thread, gloo on loopback, CPU"
+    )
+    print(
+        f"{a.model} seq_len {a.seq_len}, global batch {a.batch_size} ({a.batch_size // a.nprocs} per rank), "
+        f"Adam lr {a.lr}; dtrain algorithm={a.algorithm} overlap={a.overlap}; {a.warmup} warm-up + {a.steps} "
+        f"timed steps per system in {a.rounds} rotating rounds"
+    )
     user = a.model in HF_MODELS  # a model dtrain did not write: its own result file
-    bench = Benchmark("sharded_vs_torch" + (f"_{a.model.replace('-', '_')}" if user else ""),
-                      title="ZeRO stages against torch's sharding" + (f", {a.model}" if user else ""),
-                      family="sharded data parallelism",
-                      workload=f"{a.model}, seq_len {a.seq_len}, global batch {a.batch_size}, Adam, {a.nprocs} "
-                               f"processes; {a.steps} timed steps a system in {a.rounds} rounds",
-                      metric="ms/step", higher_is_better=False, repeats=a.rounds, quick=a.quick,
-                      command=command("benchmarks/sharded.py", argv),
-                      notes="Every system in one launch, built from the same seed; each round runs every system's "
-                            "steps between barriers in a rotated order. Peers: stage 0 DDP, stage 1 DDP with "
-                            "ZeroRedundancyOptimizer, stage 2 the same (torch has no stage-2-only form), stage 3 "
-                            f"FSDP2 (fully_shard on each {'decoder layer' if user else 'block'}, then the root)."
-                            + (UNITS_NOTE if user else ""))  # fmt: skip
+    bench = Benchmark(
+        "sharded_vs_torch" + (f"_{a.model.replace('-', '_')}" if user else ""),
+        title="ZeRO stages against torch's sharding" + (f", {a.model}" if user else ""),
+        family="sharded data parallelism",
+        workload=f"{a.model}, seq_len {a.seq_len}, global batch {a.batch_size}, Adam, {a.nprocs} "
+        f"processes; {a.steps} timed steps a system in {a.rounds} rounds",
+        metric="ms/step",
+        higher_is_better=False,
+        repeats=a.rounds,
+        quick=a.quick,
+        command=command("benchmarks/sharded.py", argv),
+        notes="Every system in one launch, built from the same seed; each round runs every system's "
+        "steps between barriers in a rotated order. Peers: stage 0 DDP, stage 1 DDP with "
+        "ZeroRedundancyOptimizer, stage 2 the same (torch has no stage-2-only form), stage 3 "
+        f"FSDP2 (fully_shard on each {'decoder layer' if user else 'block'}, then the root)."
+        + (UNITS_NOTE if user else ""),
+    )
     t0 = time.perf_counter()
     bench.start()
     ranks = launch_loopback(_worker, (args,), a.nprocs)
     bench.stop()
     out = _summarize(ranks, args)
     _print(out, args)
-    per_round = {name: [1e3 * t / n for t, n in zip(ranks[0]["systems"][name]["round_s"], _round_steps(args))]
-                 for name in args["systems"]}  # fmt: skip
+    per_round = {
+        name: [1e3 * t / n for t, n in zip(ranks[0]["systems"][name]["round_s"], _round_steps(args))]
+        for name in args["systems"]
+    }
     for dt, peer, what in PAIRS:
         if dt in per_round and peer in per_round:
-            bench.add_case(what.split(":")[0], samples={dt: per_round[dt], peer: per_round[peer]},
-                           compare=[(dt, peer, Bar.at_least(1.0))])  # fmt: skip
+            bench.add_case(
+                what.split(":")[0],
+                samples={dt: per_round[dt], peer: per_round[peer]},
+                compare=[(dt, peer, Bar.at_least(1.0))],
+            )
     wall = time.perf_counter() - t0
     rss = [ranks[r]["maxrss_mib"] for r in range(a.nprocs)]
-    print(f"\nprocess peak RSS MiB (all systems in one process): {' '.join(f'{x:.0f}' for x in rss)}; "
-          f"intra-op threads at the end {ranks[0]['threads']}; wall {wall:.0f}s")  # fmt: skip
+    print(
+        f"\nprocess peak RSS MiB (all systems in one process): {' '.join(f'{x:.0f}' for x in rss)}; "
+        f"intra-op threads at the end {ranks[0]['threads']}; wall {wall:.0f}s"
+    )
     bench.report(a.out)
     if not a.json:
         return 0
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"versions": {"torch": torch.__version__, "deepspeed": ds, "python": platform.python_version(),
-                        "machine": platform.machine()},
-           "config": {k: v for k, v in args.items() if k != "json"}, "results": out,
-           "maxrss_mib_per_rank": rss, "wall_s": wall}  # fmt: skip
+    doc = {
+        "versions": {
+            "torch": torch.__version__,
+            "deepspeed": ds,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+        },
+        "config": {k: v for k, v in args.items() if k != "json"},
+        "results": out,
+        "maxrss_mib_per_rank": rss,
+        "wall_s": wall,
+    }
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")
     return 0

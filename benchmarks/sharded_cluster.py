@@ -55,12 +55,25 @@ def main() -> int:
     from dtrain.planning.calibrate import calibrate_cluster, summary
     from dtrain.workloads.load import load_model
 
-    print(f"torch {torch.__version__}; {ns.model} on pytext, global batch {ns.batch} x {ns.seq_len} tokens, "
-          f"{ns.hosts} emulated hosts at {ns.bandwidth}, {ns.steps} steps (median after {ns.warmup}), "
-          f"{ns.rounds} interleaved rounds")  # fmt: skip
-    base = RunConfig.make(model=ns.model, dataset="pytext", seq_len=ns.seq_len, batch_size=ns.batch,
-                          max_steps=ns.steps, epochs=1000, optimizer="adam", lr=0.002, trace=False, progress=False,
-                          workers=ns.hosts, eval_samples=16)  # fmt: skip
+    print(
+        f"torch {torch.__version__}; {ns.model} on pytext, global batch {ns.batch} x {ns.seq_len} tokens, "
+        f"{ns.hosts} emulated hosts at {ns.bandwidth}, {ns.steps} steps (median after {ns.warmup}), "
+        f"{ns.rounds} interleaved rounds"
+    )
+    base = RunConfig.make(
+        model=ns.model,
+        dataset="pytext",
+        seq_len=ns.seq_len,
+        batch_size=ns.batch,
+        max_steps=ns.steps,
+        epochs=1000,
+        optimizer="adam",
+        lr=0.002,
+        trace=False,
+        progress=False,
+        workers=ns.hosts,
+        eval_samples=16,
+    )
     systems = [(label, Choice(s.strategy, ns.hosts, s.options)) for label, s in SYSTEMS]
     cname = f"{ns.name}_{ns.bandwidth.replace('.', '_')}"[:24]
     dc.down(cname)
@@ -89,11 +102,19 @@ def main() -> int:
         found = pr.find(s.label())
         pred = found.step_s * 1e3 if found else float("nan")
         print(f"{label:<28}{med * 1e3:>9.1f}{ref / med:>8.3f}{sent[label] / 1e6:>9.2f}{pred:>14.1f}")
-        out.append({"system": label, "ms": med * 1e3, "speed_vs_dp": ref / med, "bytes_per_step": sent[label],
-                    "predicted_ms": pred})  # fmt: skip
+        out.append(
+            {
+                "system": label,
+                "ms": med * 1e3,
+                "speed_vs_dp": ref / med,
+                "bytes_per_step": sent[label],
+                "predicted_ms": pred,
+            }
+        )
     Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(ns.json).write_text(json.dumps({"bandwidth": ns.bandwidth, "hosts": ns.hosts, "model": ns.model,
-                                         "rows": out}, indent=1))  # fmt: skip
+    Path(ns.json).write_text(
+        json.dumps({"bandwidth": ns.bandwidth, "hosts": ns.hosts, "model": ns.model, "rows": out}, indent=1)
+    )
     return 0
 
 

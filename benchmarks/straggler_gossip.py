@@ -74,12 +74,23 @@ def main() -> int:
 
     names = [n for n in ns.strategies.split(",") if n]
     dataset = ns.dataset or ("pytext" if ns.model.startswith("gpt") else "digits")
-    base = RunConfig.make(model=ns.model, dataset=dataset, batch_size=ns.batch, workers=ns.workers, epochs=1000,
-                          max_steps=ns.steps, trace=False, progress=False, cluster=ns.cluster,
-                          timeout_s=600.0)  # fmt: skip
-    print(f"torch {torch.__version__}; {ns.model} on {dataset}, global batch {ns.batch}, {ns.workers} workers, "
-          f"{ns.steps} steps; "
-          f"straggler {ns.straggler}; {'cluster ' + ns.cluster if ns.cluster else 'loopback'}")  # fmt: skip
+    base = RunConfig.make(
+        model=ns.model,
+        dataset=dataset,
+        batch_size=ns.batch,
+        workers=ns.workers,
+        epochs=1000,
+        max_steps=ns.steps,
+        trace=False,
+        progress=False,
+        cluster=ns.cluster,
+        timeout_s=600.0,
+    )
+    print(
+        f"torch {torch.__version__}; {ns.model} on {dataset}, global batch {ns.batch}, {ns.workers} workers, "
+        f"{ns.steps} steps; "
+        f"straggler {ns.straggler}; {'cluster ' + ns.cluster if ns.cluster else 'loopback'}"
+    )
     lines = [f"{'strategy':<30}{'alone samples/s':>16}{'straggler':>11}{'kept':>7}   per-rank samples/s with it"]
     for name in names:
         a = run_one(base, STRATEGIES[name], "", ns.warmup)

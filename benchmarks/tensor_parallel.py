@@ -87,8 +87,17 @@ from torch import nn
 VOCAB = 256
 SYSTEMS = ("dtrain", "dtrain sp", "torch")
 #: parameter names (suffixes) split by the plan; every other parameter is replicated
-SPLIT = ("embed.tok.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "mlp.fc1.weight",
-         "mlp.fc1.bias", "mlp.fc2.weight", "head.weight", "head.bias")  # fmt: skip
+SPLIT = (
+    "embed.tok.weight",
+    "attn.qkv.weight",
+    "attn.qkv.bias",
+    "attn.proj.weight",
+    "mlp.fc1.weight",
+    "mlp.fc1.bias",
+    "mlp.fc2.weight",
+    "head.weight",
+    "head.bias",
+)
 
 
 def _model(args: dict[str, Any]) -> nn.Sequential:
@@ -248,8 +257,12 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
         ref_loss = F.cross_entropy(full(x0).reshape(-1, VOCAB), y0.reshape(-1))
     ref_loss.backward()
     split = sum(p.numel() * p.element_size() for n, p in full.named_parameters() if n.endswith(SPLIT))
-    base = {"loss": float(ref_loss.detach()), "param_bytes": _param_bytes(full), "saved_bytes": ref_saved.total,
-            "split_param_bytes": split}  # fmt: skip
+    base = {
+        "loss": float(ref_loss.detach()),
+        "param_bytes": _param_bytes(full),
+        "saved_bytes": ref_saved.total,
+        "split_param_bytes": split,
+    }
     del full
 
     systems = [_System(name, args) for name in args["systems"]]
@@ -331,54 +344,83 @@ def _summarize(ranks: dict[int, dict[str, Any]], args: dict[str, Any]) -> dict[s
             "saved_bytes_per_rank": [x["saved_bytes"] for x in per],
         }
         if name.startswith("dtrain"):
-            closed = closed_bytes(b=args["batch"], s=args["seq_len"], h=cfg.d_model, layers=cfg.layers, p=p,
-                                  sequence_parallel=name == "dtrain sp")  # fmt: skip
+            closed = closed_bytes(
+                b=args["batch"],
+                s=args["seq_len"],
+                h=cfg.d_model,
+                layers=cfg.layers,
+                p=p,
+                sequence_parallel=name == "dtrain sp",
+            )
             sent = sorted({b for x in per for b in x["bytes"]})
-            rec.update(bytes_per_step_distinct=sent, bytes_closed_form=closed,
-                       bytes_equal_closed_form=sent == [int(closed)] and closed == int(closed))  # fmt: skip
+            rec.update(
+                bytes_per_step_distinct=sent,
+                bytes_closed_form=closed,
+                bytes_equal_closed_form=sent == [int(closed)] and closed == int(closed),
+            )
         systems[name] = rec
     last_d, last_t = systems["dtrain"]["last_loss_per_rank"], systems["torch"]["last_loss_per_rank"]
     return {
-        "one_process": {"loss": base["loss"], "param_bytes": base["param_bytes"], "saved_bytes": base["saved_bytes"],
-                        "split_param_bytes": base["split_param_bytes"], "replicated_param_bytes": replicated},
+        "one_process": {
+            "loss": base["loss"],
+            "param_bytes": base["param_bytes"],
+            "saved_bytes": base["saved_bytes"],
+            "split_param_bytes": base["split_param_bytes"],
+            "replicated_param_bytes": replicated,
+        },
         "systems": systems,
         "speed_torch_over_dtrain": systems["torch"]["ms_median"] / systems["dtrain"]["ms_median"],
         "last_loss_max_diff_dtrain_vs_torch": max(abs(a - b) for a, b in zip(last_d, last_t)),
-    }  # fmt: skip
+    }
 
 
 def _print(out: dict[str, Any], args: dict[str, Any]) -> None:
     sy, p, mib = out["systems"], args["tp"], 2**20
     one = out["one_process"]
-    print(f"\n-- step-0 loss (before any update), rank 0, and max |diff| over ranks from the unsplit model in one "
-          f"process ({one['loss']:.6f}); last step ({args['warmup'] + args['steps'] + 1})")  # fmt: skip
+    print(
+        f"\n-- step-0 loss (before any update), rank 0, and max |diff| over ranks from the unsplit model in one "
+        f"process ({one['loss']:.6f}); last step ({args['warmup'] + args['steps'] + 1})"
+    )
     for name, r in sy.items():
-        print(f"  {name:<10} {r['loss0_per_rank'][0]:.6f}  diff {r['loss0_max_diff_vs_one_process']:.1e}   "
-              f"last {r['last_loss_per_rank'][0]:.6f}")  # fmt: skip
+        print(
+            f"  {name:<10} {r['loss0_per_rank'][0]:.6f}  diff {r['loss0_max_diff_vs_one_process']:.1e}   "
+            f"last {r['last_loss_per_rank'][0]:.6f}"
+        )
     print(f"  last-step |dtrain - torch| max over ranks: {out['last_loss_max_diff_dtrain_vs_torch']:.1e}")
     d, t = sy["dtrain"], sy["torch"]
     print(f"\n== tp {p}: step time (median of {args['steps']} steps, rank 0), bytes per step per rank on the tp group")
     print(f"{'tp':>3} {'dtrain ms':>9} {'torch ms':>8} {'speed':>6}  {'sent MiB':>9} {'closed MiB':>10} {'equal':>5}")
-    print(f"{p:>3} {d['ms_median']:9.1f} {t['ms_median']:8.1f} {out['speed_torch_over_dtrain']:6.2f}  "
-          f"{max(d['bytes_per_step_distinct']) / mib:9.4f} {d['bytes_closed_form'] / mib:10.4f} "
-          f"{str(d['bytes_equal_closed_form']):>5}")  # fmt: skip
+    print(
+        f"{p:>3} {d['ms_median']:9.1f} {t['ms_median']:8.1f} {out['speed_torch_over_dtrain']:6.2f}  "
+        f"{max(d['bytes_per_step_distinct']) / mib:9.4f} {d['bytes_closed_form'] / mib:10.4f} "
+        f"{str(d['bytes_equal_closed_form']):>5}"
+    )
     sp = sy.get("dtrain sp")
     if sp is not None:
-        print(f"  (dtrain sp: {sp['ms_median']:.1f} ms, {max(sp['bytes_per_step_distinct']) / mib:.4f} MiB sent, "
-              f"closed form {sp['bytes_closed_form'] / mib:.4f}, equal {sp['bytes_equal_closed_form']})")  # fmt: skip
-    print(f"\n== memory per rank (rank 0), MiB; tp = 1 is the unsplit model; expected params = split/{p} + replicated "
-          f"({one['split_param_bytes'] / mib:.3f}/{p} + {one['replicated_param_bytes'] / mib:.3f})")  # fmt: skip
-    print(f"{'system':<14} {'params':>7} {'expected':>8} {'ratio':>6}  {'activations':>11} {'vs tp=1':>7} "
-          f"{'vs plain':>8}")  # fmt: skip
-    print(f"{'tp=1':<14} {one['param_bytes'] / mib:7.3f} {one['param_bytes'] / mib:8.3f} {1.0:6.3f}  "
-          f"{one['saved_bytes'] / mib:11.3f} {1.0:7.3f}")  # fmt: skip
+        print(
+            f"  (dtrain sp: {sp['ms_median']:.1f} ms, {max(sp['bytes_per_step_distinct']) / mib:.4f} MiB sent, "
+            f"closed form {sp['bytes_closed_form'] / mib:.4f}, equal {sp['bytes_equal_closed_form']})"
+        )
+    print(
+        f"\n== memory per rank (rank 0), MiB; tp = 1 is the unsplit model; expected params = split/{p} + replicated "
+        f"({one['split_param_bytes'] / mib:.3f}/{p} + {one['replicated_param_bytes'] / mib:.3f})"
+    )
+    print(
+        f"{'system':<14} {'params':>7} {'expected':>8} {'ratio':>6}  {'activations':>11} {'vs tp=1':>7} {'vs plain':>8}"
+    )
+    print(
+        f"{'tp=1':<14} {one['param_bytes'] / mib:7.3f} {one['param_bytes'] / mib:8.3f} {1.0:6.3f}  "
+        f"{one['saved_bytes'] / mib:11.3f} {1.0:7.3f}"
+    )
     plain = d["saved_bytes_per_rank"][0]
     for name, r in sy.items():
         pb, sb = r["param_bytes_per_rank"][0], r["saved_bytes_per_rank"][0]
         label = f"{name} tp={p}"
-        print(f"{label:<14} {pb / mib:7.3f} {r['param_bytes_expected'] / mib:8.3f} "
-              f"{pb / r['param_bytes_expected']:6.3f}  {sb / mib:11.3f} {sb / one['saved_bytes']:7.3f} "
-              f"{sb / plain:8.3f}")  # fmt: skip
+        print(
+            f"{label:<14} {pb / mib:7.3f} {r['param_bytes_expected'] / mib:8.3f} "
+            f"{pb / r['param_bytes_expected']:6.3f}  {sb / mib:11.3f} {sb / one['saved_bytes']:7.3f} "
+            f"{sb / plain:8.3f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,18 +445,28 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--warmup, --steps and --rounds must be >= 1")
     a.rounds = min(a.rounds, a.steps)
     args = dict(vars(a), systems=list(SYSTEMS))
-    print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
-          f"{a.tp} processes x 1 intra-op thread, gloo on loopback, CPU")  # fmt: skip
-    print(f"{a.model} batch {a.batch} x {a.seq_len} tokens on every rank, SGD lr {a.lr}; {a.warmup} warm-up + "
-          f"{a.steps} timed steps per system in {a.rounds} rotating rounds; torch loss: loss_parallel")  # fmt: skip
-    bench = Benchmark(f"tensor_vs_dtensor_tp{a.tp}", title=f"Tensor parallelism at tp {a.tp} against DTensor",
-                      family="tensor parallelism",
-                      workload=f"{a.model}, batch {a.batch} x {a.seq_len} tokens on every rank, SGD, {a.tp} "
-                               f"processes; {a.steps} timed steps a system in {a.rounds} rounds",
-                      metric="ms/step", higher_is_better=False, repeats=a.rounds, quick=a.quick,
-                      command=command("benchmarks/tensor_parallel.py", argv),
-                      notes="torch's side: parallelize_module with the equivalent Megatron plan and loss_parallel; "
-                            "the systems run in rotated rounds inside one launch.")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
+        f"{a.tp} processes x 1 intra-op thread, gloo on loopback, CPU"
+    )
+    print(
+        f"{a.model} batch {a.batch} x {a.seq_len} tokens on every rank, SGD lr {a.lr}; {a.warmup} warm-up + "
+        f"{a.steps} timed steps per system in {a.rounds} rotating rounds; torch loss: loss_parallel"
+    )
+    bench = Benchmark(
+        f"tensor_vs_dtensor_tp{a.tp}",
+        title=f"Tensor parallelism at tp {a.tp} against DTensor",
+        family="tensor parallelism",
+        workload=f"{a.model}, batch {a.batch} x {a.seq_len} tokens on every rank, SGD, {a.tp} "
+        f"processes; {a.steps} timed steps a system in {a.rounds} rounds",
+        metric="ms/step",
+        higher_is_better=False,
+        repeats=a.rounds,
+        quick=a.quick,
+        command=command("benchmarks/tensor_parallel.py", argv),
+        notes="torch's side: parallelize_module with the equivalent Megatron plan and loss_parallel; "
+        "the systems run in rotated rounds inside one launch.",
+    )
     t0 = time.perf_counter()
     bench.start()
     ranks = launch_loopback(_worker, (args,), a.tp)
@@ -422,8 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     out = _summarize(ranks, args)
     _print(out, args)
     per_round = {n: ranks[0]["systems"][n]["round_ms_per_step"] for n in ("dtrain", "torch")}
-    bench.add_case(f"tp {a.tp}", samples={"dtrain": per_round["dtrain"], "DTensor": per_round["torch"]},
-                   compare=[("dtrain", "DTensor", Bar.at_least(1.0))])  # fmt: skip
+    bench.add_case(
+        f"tp {a.tp}",
+        samples={"dtrain": per_round["dtrain"], "DTensor": per_round["torch"]},
+        compare=[("dtrain", "DTensor", Bar.at_least(1.0))],
+    )
     wall = time.perf_counter() - t0
     rss = [ranks[r]["maxrss_mib"] for r in range(a.tp)]
     print(f"\nprocess peak RSS MiB: {' '.join(f'{x:.0f}' for x in rss)}; wall {wall:.0f}s")
@@ -431,10 +486,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         path = Path(a.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"versions": {"torch": torch.__version__, "python": platform.python_version(),
-                            "machine": platform.machine()},
-               "config": {k: v for k, v in args.items() if k != "json"}, "results": out,
-               "maxrss_mib_per_rank": rss, "wall_s": wall}  # fmt: skip
+        doc = {
+            "versions": {
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "machine": platform.machine(),
+            },
+            "config": {k: v for k, v in args.items() if k != "json"},
+            "results": out,
+            "maxrss_mib_per_rank": rss,
+            "wall_s": wall,
+        }
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {path}")
     failed = [n for n, r in out["systems"].items() if r.get("bytes_equal_closed_form") is False]

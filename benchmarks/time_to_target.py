@@ -31,8 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT = ("ddp,dp:ring,dp:ring:forward,dp:tree,dp:ring+fp16,dp:ring+topk:0.01,dp:ring+powersgd:4,"
-           "ps:bsp:2,ps:asp:2")  # fmt: skip
+DEFAULT = "ddp,dp:ring,dp:ring:forward,dp:tree,dp:ring+fp16,dp:ring+topk:0.01,dp:ring+powersgd:4,ps:bsp:2,ps:asp:2"
 
 
 def strategy_options(spec: str, hosts: int) -> dict[str, Any]:
@@ -62,11 +61,16 @@ def strategy_options(spec: str, hosts: int) -> dict[str, Any]:
         return kw
     if parts[0] == "easgd":  # easgd:ALPHA:PERIOD[:SERVERS]
         servers = int(parts[3]) if len(parts) > 3 else 0
-        return dict(strategy="easgd", workers=hosts - servers, alpha=float(parts[1]), period=int(parts[2]),
-                    servers=servers)  # fmt: skip
+        return dict(
+            strategy="easgd", workers=hosts - servers, alpha=float(parts[1]), period=int(parts[2]), servers=servers
+        )
     if parts[0] == "gossip":  # gossip:TOPOLOGY[:async]
-        return dict(strategy="gossip", workers=hosts, topology=parts[1] if len(parts) > 1 else "ring",
-                    mode=parts[2] if len(parts) > 2 else "sync")  # fmt: skip
+        return dict(
+            strategy="gossip",
+            workers=hosts,
+            topology=parts[1] if len(parts) > 1 else "ring",
+            mode=parts[2] if len(parts) > 2 else "sync",
+        )
     raise SystemExit(f"cannot read strategy {spec!r}")
 
 
@@ -96,8 +100,15 @@ def _predictions(spec: Any, model: Any, sample: Any, todo: dict[str, Any], base:
     for name, kw in todo.items():
         cfg = base.replace(**kw)
         choices[name] = Choice(cfg.strategy, cfg.workers, cfg.options)
-    p = plan(model, sample, spec, workers=max(c.workers for c in choices.values()), name=base.model,
-             strategies=list(choices.values()), optimizer="adam")  # fmt: skip
+    p = plan(
+        model,
+        sample,
+        spec,
+        workers=max(c.workers for c in choices.values()),
+        name=base.model,
+        strategies=list(choices.values()),
+        optimizer="adam",
+    )
     out = {}
     for name, c in choices.items():
         found = p.find(c.label())
@@ -126,8 +137,10 @@ def _plot(results: dict[str, dict[str, Any]], path: Path, title: str, target: fl
 
 def _table(bw: str, results: dict[str, dict[str, Any]], preds: dict[str, float], target: float) -> list[str]:
     ddp = results.get("ddp", {}).get("summary", {}).get("time_to_target_s")
-    lines = [f"\n{'strategy (' + bw + ')':<28}{'to target s':>12}{'vs DDP':>8}{'steps':>7}{'MB/step':>9}"
-             f"{'final':>8}{'best':>8}{'pred ms':>9}{'meas ms':>9}{'comp ms':>9}{'comm ms':>9}{'step/max':>9}"]
+    lines = [
+        f"\n{'strategy (' + bw + ')':<28}{'to target s':>12}{'vs DDP':>8}{'steps':>7}{'MB/step':>9}"
+        f"{'final':>8}{'best':>8}{'pred ms':>9}{'meas ms':>9}{'comp ms':>9}{'comm ms':>9}{'step/max':>9}"
+    ]
     for name, r in results.items():
         s, f = r["summary"], r["figures"]
         t = s.get("time_to_target_s")
@@ -136,11 +149,13 @@ def _table(bw: str, results: dict[str, dict[str, Any]], preds: dict[str, float],
         reach = f"{t:.1f}" if t is not None else f"not <={target:g}"
         comp, comm = f.get("compute_s"), f.get("comm_s")
         ratio = f"{f['step_s'] / max(comp, comm):.2f}" if comp and comm and "step_s" in f else "-"
-        lines.append(f"{name:<28}{reach:>12}{speed:>8}{s['steps']:>7}{s['bytes_sent_per_step'] / 1e6:>9.2f}"
-                     f"{s['metric']:>8.3f}{best:>8.3f}{preds.get(name, float('nan')) * 1e3:>9.0f}"
-                     f"{f.get('step_s', float('nan')) * 1e3:>9.0f}"
-                     f"{comp * 1e3 if comp else float('nan'):>9.0f}{comm * 1e3 if comm else float('nan'):>9.0f}"
-                     f"{ratio:>9}")  # fmt: skip
+        lines.append(
+            f"{name:<28}{reach:>12}{speed:>8}{s['steps']:>7}{s['bytes_sent_per_step'] / 1e6:>9.2f}"
+            f"{s['metric']:>8.3f}{best:>8.3f}{preds.get(name, float('nan')) * 1e3:>9.0f}"
+            f"{f.get('step_s', float('nan')) * 1e3:>9.0f}"
+            f"{comp * 1e3 if comp else float('nan'):>9.0f}{comm * 1e3 if comm else float('nan'):>9.0f}"
+            f"{ratio:>9}"
+        )
     return lines
 
 
@@ -171,13 +186,28 @@ def main() -> int:
     from dtrain.workloads.load import load_model
 
     data = load_dataset("pytext", seq_len=ns.seq_len)
-    print(f"torch {torch.__version__}; {ns.model} on pytext ({data.source}); unigram entropy of the train text "
-          f"{unigram_entropy(data.train.tensors[0]):.3f} nats/token; global batch {ns.batch} x {ns.seq_len} tokens; "
-          f"Adam lr {ns.lr}; target validation loss {ns.target} nats/token; {ns.hosts} emulated hosts")  # fmt: skip
-    base = RunConfig.make(model=ns.model, dataset="pytext", seq_len=ns.seq_len, batch_size=ns.batch, lr=ns.lr,
-                          optimizer="adam", epochs=1000, max_steps=ns.max_steps, target=ns.target,
-                          eval_every=ns.eval_every, eval_samples=ns.eval_samples, trace=False, progress=False,
-                          workers=ns.hosts, timeout_s=900.0)  # fmt: skip
+    print(
+        f"torch {torch.__version__}; {ns.model} on pytext ({data.source}); unigram entropy of the train text "
+        f"{unigram_entropy(data.train.tensors[0]):.3f} nats/token; global batch {ns.batch} x {ns.seq_len} tokens; "
+        f"Adam lr {ns.lr}; target validation loss {ns.target} nats/token; {ns.hosts} emulated hosts"
+    )
+    base = RunConfig.make(
+        model=ns.model,
+        dataset="pytext",
+        seq_len=ns.seq_len,
+        batch_size=ns.batch,
+        lr=ns.lr,
+        optimizer="adam",
+        epochs=1000,
+        max_steps=ns.max_steps,
+        target=ns.target,
+        eval_every=ns.eval_every,
+        eval_samples=ns.eval_samples,
+        trace=False,
+        progress=False,
+        workers=ns.hosts,
+        timeout_s=900.0,
+    )
     todo = {s: strategy_options(s, ns.hosts) for s in ns.strategies.split(",")}
     model, sample, _ = load_model(ns.model, "pytext", batch=ns.batch, seq_len=ns.seq_len)
     root = Path(ns.out)
@@ -189,8 +219,9 @@ def main() -> int:
         results: dict[str, dict[str, Any]] = {}
         try:
             comps = sorted({kw["compression"] for kw in todo.values() if "compression" in kw})
-            spec = calibrate_cluster(cname, model=ns.model, dataset="pytext", batch=ns.batch, quick=True,
-                                     compressions=comps or ("fp16",))  # fmt: skip
+            spec = calibrate_cluster(
+                cname, model=ns.model, dataset="pytext", batch=ns.batch, quick=True, compressions=comps or ("fp16",)
+            )
             print(f"\n=== {bw}: calibration\n{summary(spec)}")
             preds = _predictions(spec, model, sample, todo, base)
             for name, kw in todo.items():
@@ -199,8 +230,11 @@ def main() -> int:
                 s, _ = run(cfg, quiet=True)
                 results[name] = {"summary": s, "figures": step_figures(cfg, out, ns.warmup)}
                 t = s.get("time_to_target_s")
-                print(f"  {name}: {f'{t:.1f}s' if t is not None else 'target not reached'}, {s['steps']} steps, "
-                      f"final {s['metric']:.3f}", flush=True)  # fmt: skip
+                print(
+                    f"  {name}: {f'{t:.1f}s' if t is not None else 'target not reached'}, {s['steps']} steps, "
+                    f"final {s['metric']:.3f}",
+                    flush=True,
+                )
         finally:
             dc.down(cname)
         lines = _table(bw, results, preds, ns.target)

@@ -138,44 +138,82 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         write_tokens(files[big], int(a.big_gib * 2**30), seed=0)
         write_tokens(files[small], int(a.small_mib * MIB), seed=1)
-        print(f"wrote {files[big]} ({files[big].stat().st_size / MIB:.0f} MiB) and {files[small]} "
-              f"({files[small].stat().st_size / MIB:.1f} MiB) in {time.monotonic() - t0:.1f}s", flush=True)
-        run = ["--model", "gpt-tiny", "--workers", str(a.workers), "--max-steps", str(a.max_steps), "--eval-samples",
-               "512", "--no-progress", "--no-trace", "--overwrite"]  # fmt: skip
-        bench = Benchmark("token_file_memory", title="A token file is memory-mapped: a worker's peak memory, "
-                          f"{big} against {small}", family="data",
-                          workload=f"dtrain run --model gpt-tiny --dataset FILE.bin --workers {a.workers} "
-                                   f"--max-steps {a.max_steps} (uint16 ids, seq_len 64, global batch 64, "
-                                   "--eval-samples 512)",
-                          metric="MiB", higher_is_better=False, repeats=a.rounds, quick=a.quick,
-                          command=command("benchmarks/token_file_memory.py", argv))  # fmt: skip
+        print(
+            f"wrote {files[big]} ({files[big].stat().st_size / MIB:.0f} MiB) and {files[small]} "
+            f"({files[small].stat().st_size / MIB:.1f} MiB) in {time.monotonic() - t0:.1f}s",
+            flush=True,
+        )
+        run = [
+            "--model",
+            "gpt-tiny",
+            "--workers",
+            str(a.workers),
+            "--max-steps",
+            str(a.max_steps),
+            "--eval-samples",
+            "512",
+            "--no-progress",
+            "--no-trace",
+            "--overwrite",
+        ]
+        bench = Benchmark(
+            "token_file_memory",
+            title=f"A token file is memory-mapped: a worker's peak memory, {big} against {small}",
+            family="data",
+            workload=f"dtrain run --model gpt-tiny --dataset FILE.bin --workers {a.workers} "
+            f"--max-steps {a.max_steps} (uint16 ids, seq_len 64, global batch 64, "
+            "--eval-samples 512)",
+            metric="MiB",
+            higher_is_better=False,
+            repeats=a.rounds,
+            quick=a.quick,
+            command=command("benchmarks/token_file_memory.py", argv),
+        )
         bench.start()
         samples: dict[str, list[float]] = {big: [], small: []}
         per_worker: dict[str, list[list[float]]] = {big: [], small: []}
         order = [big, small]
         for r in range(a.rounds):
             for name in order[r % 2 :] + order[: r % 2]:
-                cmd = [sys.executable, "-m", "dtrain.cli", "run", *run, "--dataset", str(files[name]),
-                       "--out", str(root / "run")]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "dtrain.cli",
+                    "run",
+                    *run,
+                    "--dataset",
+                    str(files[name]),
+                    "--out",
+                    str(root / "run"),
+                ]
                 peaks, secs = watched_run(cmd)
                 if len(peaks) != a.workers:
                     raise RuntimeError(f"watched {len(peaks)} worker(s) of {name}'s run, expected {a.workers}")
                 samples[name].append(max(peaks.values()))
                 per_worker[name].append(sorted(peaks.values()))
-                print(f"round {r + 1}/{a.rounds}: {name}: workers' peaks "
-                      f"{', '.join(f'{v:.1f}' for v in sorted(peaks.values()))} MiB ({secs:.1f}s)", flush=True)
+                print(
+                    f"round {r + 1}/{a.rounds}: {name}: workers' peaks "
+                    f"{', '.join(f'{v:.1f}' for v in sorted(peaks.values()))} MiB ({secs:.1f}s)",
+                    flush=True,
+                )
         bench.stop()
         diffs = [b - s for b, s in zip(samples[big], samples[small])]
         d = summary(diffs)
         verdict = "met" if d["q3"] <= BAR_MIB else "not met" if d["q1"] > BAR_MIB else "straddles"
         bench.add_case("largest worker's peak resident memory (VmHWM)", samples=samples, headline=False)
-        bench.extra = {"difference_mib": {"samples": diffs, **d}, "bar_mib": BAR_MIB, "verdict": verdict,
-                       "per_worker_mib": per_worker,
-                       "files_bytes": {k: v.stat().st_size for k, v in files.items()}}  # fmt: skip
-        bench.notes = (f"Per round, the {big}'s largest worker peak minus the {small}'s: median {d['median']:.1f} "
-                       f"MiB (IQR {d['q1']:.1f}-{d['q3']:.1f}, min-max {d['min']:.1f}-{d['max']:.1f}) against "
-                       f"the bar of at most {BAR_MIB:g} MiB: {verdict}. VmHWM read from /proc by a watcher "
-                       "every 20 ms; a worker is a child of the run's forkserver.")  # fmt: skip
+        bench.extra = {
+            "difference_mib": {"samples": diffs, **d},
+            "bar_mib": BAR_MIB,
+            "verdict": verdict,
+            "per_worker_mib": per_worker,
+            "files_bytes": {k: v.stat().st_size for k, v in files.items()},
+        }
+        bench.notes = (
+            f"Per round, the {big}'s largest worker peak minus the {small}'s: median {d['median']:.1f} "
+            f"MiB (IQR {d['q1']:.1f}-{d['q3']:.1f}, min-max {d['min']:.1f}-{d['max']:.1f}) against "
+            f"the bar of at most {BAR_MIB:g} MiB: {verdict}. VmHWM read from /proc by a watcher "
+            "every 20 ms; a worker is a child of the run's forkserver."
+        )
         print(bench.notes)
         bench.report(a.out)
     finally:

@@ -27,20 +27,29 @@ from typing import Any
 
 
 def _run(out: Path, flags: list[str]) -> dict[str, Any]:
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", "--no-progress", "--out", str(out), *flags],
-                       capture_output=True, text=True, timeout=900)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "dtrain.cli", "run", "--no-progress", "--out", str(out), *flags],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if p.returncode != 0:
         raise SystemExit(f"dtrain run {' '.join(flags)} failed:\n{p.stderr[-3000:]}")
     from dtrain.rundir.files import read_summary
+
     summary = read_summary(out)
     res: dict[str, Any] = {"samples_per_s": summary["samples_per_s"]}
     trace = out / "trace.json"
     if trace.is_file():
         data = json.loads(trace.read_text())
         meta = data["otherData"]
-        res.update(trace_mb=trace.stat().st_size / 2**20, events=len(data["traceEvents"]),
-                   messages=meta["messages"], unmatched=meta["unmatched_messages"],
-                   clock_error_us=meta["clock_error_max_us"])  # fmt: skip
+        res.update(
+            trace_mb=trace.stat().st_size / 2**20,
+            events=len(data["traceEvents"]),
+            messages=meta["messages"],
+            unmatched=meta["unmatched_messages"],
+            clock_error_us=meta["clock_error_max_us"],
+        )
     return res
 
 
@@ -62,15 +71,21 @@ def main(argv: list[str] | None = None) -> None:
             ratios.append(ratio)
             rows.append(got["on"])
             on = got["on"]
-            print(f"round {i}: untraced {got['off']['samples_per_s']:.0f} samples/s, traced "
-                  f"{on['samples_per_s']:.0f} (ratio {ratio:.3f}); trace {on['trace_mb']:.2f} MB, "
-                  f"{on['events']} events, {on['messages']} messages matched, "
-                  f"{on['unmatched']} unmatched, clock error <= {on['clock_error_us']:.0f} us")  # fmt: skip
+            print(
+                f"round {i}: untraced {got['off']['samples_per_s']:.0f} samples/s, traced "
+                f"{on['samples_per_s']:.0f} (ratio {ratio:.3f}); trace {on['trace_mb']:.2f} MB, "
+                f"{on['events']} events, {on['messages']} messages matched, "
+                f"{on['unmatched']} unmatched, clock error <= {on['clock_error_us']:.0f} us"
+            )
         w = _run(Path(tmp) / "window", base + ["--trace-steps", a.window])
-    print(f"median over {a.rounds} rounds: traced/untraced samples/s {statistics.median(ratios):.3f}; "
-          f"trace {statistics.median(r['trace_mb'] for r in rows):.2f} MB for {a.steps} steps x {a.workers} ranks")
-    print(f"--trace-steps {a.window}: {w['trace_mb']:.2f} MB, {w['events']} events, {w['messages']} messages, "
-          f"{w['unmatched']} unmatched")
+    print(
+        f"median over {a.rounds} rounds: traced/untraced samples/s {statistics.median(ratios):.3f}; "
+        f"trace {statistics.median(r['trace_mb'] for r in rows):.2f} MB for {a.steps} steps x {a.workers} ranks"
+    )
+    print(
+        f"--trace-steps {a.window}: {w['trace_mb']:.2f} MB, {w['events']} events, {w['messages']} messages, "
+        f"{w['unmatched']} unmatched"
+    )
 
 
 if __name__ == "__main__":

@@ -80,8 +80,13 @@ def _imported_names(tree: ast.AST, me: str, is_package: bool) -> list[str]:
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(node, me, is_package)
             names += [base] + [f"{base}.{a.name}" for a in node.names]
-        elif (isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func).split(".")[-1] == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             names.append(node.args[0].value)
     return names
 
@@ -167,8 +172,10 @@ def module_graph(root: Path) -> dict[str, set[str]]:
     files = sorted(root.rglob("*.py"))
     names = {p: _module_name(root, p) for p in files}
     known = set(names.values())
-    return {names[p]: _imports(ast.parse(p.read_text(), filename=str(p)), names[p], p.name == "__init__.py", known)
-            for p in files}
+    return {
+        names[p]: _imports(ast.parse(p.read_text(), filename=str(p)), names[p], p.name == "__init__.py", known)
+        for p in files
+    }
 
 
 def package_graph(root: Path) -> dict[tuple[str, str], list[str]]:
@@ -176,8 +183,10 @@ def package_graph(root: Path) -> dict[tuple[str, str], list[str]]:
     arrows that make it (an import of a package whose ``__init__`` imports nothing is not one)."""
     graph = module_graph(root)
     empty_inits = {m for m in graph if (root.parent / m.replace(".", "/") / "__init__.py").exists() and not graph[m]}
+
     def part(m: str) -> str:
         return m.split(".")[1] if m.count(".") else ""
+
     arrows: dict[tuple[str, str], list[str]] = {}
     for mod, targets in graph.items():
         for t in sorted(targets - empty_inits):
@@ -189,8 +198,9 @@ def package_graph(root: Path) -> dict[tuple[str, str], list[str]]:
     return arrows
 
 
-def _layers(arrows: dict[tuple[str, str], list[str]]
-            ) -> tuple[list[str], dict[str, set[str]], dict[str, int], list[tuple[str, str]]]:  # fmt: skip
+def _layers(
+    arrows: dict[tuple[str, str], list[str]],
+) -> tuple[list[str], dict[str, set[str]], dict[str, int], list[tuple[str, str]]]:
     """The packages, what each imports, each one's layer, and the arrows that point up (see :func:`package_picture`)."""
     names = sorted({a for a, _ in arrows})
     deps = {n: {b for (a, b) in arrows if a == n and b != n} for n in names}
@@ -227,8 +237,9 @@ def package_picture(root: Path) -> str:
     arrows = package_graph(root)
     names, deps, placed, upward = _layers(arrows)
     width = max(len(n) for n in names)
-    lines = [f"src/{root.name}/: each package (or top module) and what it imports; "
-             f"layer 0 imports nothing of {root.name}"]
+    lines = [
+        f"src/{root.name}/: each package (or top module) and what it imports; layer 0 imports nothing of {root.name}"
+    ]
     for n in sorted(names, key=lambda n: (placed[n], n)):
         below = sorted((d for d in deps[n] if (n, d) not in upward), key=lambda d: (placed[d], d))
         lines.append(f"{placed[n]:>2}  {n:<{width}}  {'-> ' + ', '.join(below) if below else ''}".rstrip())
@@ -245,8 +256,11 @@ def strategy_names(trees: Iterable[ast.AST]) -> set[str]:
     for tree in trees:
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "Strategy":
-                out |= {k.value.value for k in node.keywords if k.arg == "name" and isinstance(k.value, ast.Constant)
-                        and isinstance(k.value.value, str)}  # fmt: skip
+                out |= {
+                    k.value.value
+                    for k in node.keywords
+                    if k.arg == "name" and isinstance(k.value, ast.Constant) and isinstance(k.value.value, str)
+                }
     return out
 
 
@@ -258,6 +272,7 @@ def _may_name_strategies(root: Path, path: Path) -> bool:
 def strategy_names_used(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
     """Where ``tree`` decides something by a strategy's name (the module docstring's two rules), as
     ``(line, source)``."""
+
     def named(node: ast.AST) -> bool:
         return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
 
@@ -266,16 +281,26 @@ def strategy_names_used(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]
             return sum(named(e) for e in node.elts)
         return int(named(node))
 
-    in_strategy_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                            and "strategy" in f.name.lower() for n in ast.walk(f)}  # fmt: skip
+    in_strategy_function = {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and "strategy" in f.name.lower()
+        for n in ast.walk(f)
+    }
     out: list[tuple[int, str]] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Compare) and all(isinstance(o, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
-                                                 for o in node.ops):  # fmt: skip
+        if isinstance(node, ast.Compare) and all(
+            isinstance(o, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for o in node.ops
+        ):
             sides = [node.left, *node.comparators]
-            if any(names_in(s) and (id(node) in in_strategy_function
-                                    or any("strategy" in ast.unparse(o).lower() for o in sides if o is not s))
-                   for s in sides):  # fmt: skip
+            if any(
+                names_in(s)
+                and (
+                    id(node) in in_strategy_function
+                    or any("strategy" in ast.unparse(o).lower() for o in sides if o is not s)
+                )
+                for s in sides
+            ):
                 out.append((node.lineno, ast.unparse(node)))
         elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and names_in(node) >= 2:
             out.append((node.lineno, ast.unparse(node)))

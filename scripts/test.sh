@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh), lint and type-check, then run the whole default test suite.
-# ruff (pyproject [tool.ruff]) and mypy --strict (pyproject [tool.mypy]) run first;
+# ruff's lint and its formatter (pyproject [tool.ruff]) and mypy --strict (pyproject [tool.mypy]) run first;
 # either failing fails the script before any test starts. Extra arguments go to pytest.
 #   bash scripts/test.sh            everything (the slowest 25 tests listed at the end, so growth shows)
 #   bash scripts/test.sh --quick    the edit-test loop: the tests that start no process (see tests/conftest.py)
@@ -11,6 +11,7 @@ quick=""
 if [[ "${1:-}" == "--quick" ]]; then quick="--quick"; shift; fi
 bash scripts/setup.sh ".[test,tune,hf]"  # tune: the sweeps on Ray Tune (tests/test_sweep*.py); hf: users' models and data
 .venv/bin/python -m ruff check src tests benchmarks scripts
+.venv/bin/python -m ruff format --check src tests benchmarks scripts
 .venv/bin/python -m mypy
 if [[ -n "$quick" ]]; then
     exec .venv/bin/python -m pytest -q --quick -n 2 --durations=10 "$@"  # in-process tests: one per core

@@ -22,9 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MISSING = "chromium not installed: apt-get install chromium"
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-extensions", "--enable-logging=stderr", "--v=0")  # fmt: skip
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-extensions",
+    "--enable-logging=stderr",
+    "--v=0",
+)
 _CONSOLE = re.compile(r":CONSOLE[^\]]*\]\s*(.*)$")
 
 
@@ -54,8 +64,13 @@ def _run(args: list[str], timeout: float) -> tuple[subprocess.CompletedProcess[s
         raise RuntimeError(MISSING)
     with tempfile.TemporaryDirectory(prefix="dtrain-chromium-") as profile:
         t0 = time.perf_counter()
-        done = subprocess.run([exe, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True,
-                              timeout=timeout, check=False)  # fmt: skip
+        done = subprocess.run(
+            [exe, *FLAGS, f"--user-data-dir={profile}", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         return done, time.perf_counter() - t0
 
 
@@ -68,12 +83,15 @@ def load(path: str | Path, *, budget_ms: int = 3000, timeout: float = 60) -> Pag
     return Page(done.stdout, console, wall)
 
 
-def screenshot(path: str | Path, png: str | Path, *, width: int = 1280, height: int = 2000,
-               timeout: float = 60) -> float:  # fmt: skip
+def screenshot(
+    path: str | Path, png: str | Path, *, width: int = 1280, height: int = 2000, timeout: float = 60
+) -> float:
     """Write a PNG of ``path`` at ``width`` x ``height`` CSS pixels; returns the browser's wall seconds."""
     out = Path(png).resolve()
-    done, wall = _run([f"--screenshot={out}", f"--window-size={width},{height}", "--hide-scrollbars",
-                       Path(path).resolve().as_uri()], timeout)  # fmt: skip
+    done, wall = _run(
+        [f"--screenshot={out}", f"--window-size={width},{height}", "--hide-scrollbars", Path(path).resolve().as_uri()],
+        timeout,
+    )
     if done.returncode != 0 or not out.is_file():
         raise RuntimeError(f"chromium screenshot failed ({done.returncode}): {done.stderr[-2000:]}")
     return wall

@@ -29,9 +29,17 @@ from typing import Any
 
 __all__ = ["Outcome", "spawn", "run_distributed", "free_port", "guard", "scenario_result", "PRELOAD"]
 
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint", "sklearn.datasets",
-           "sklearn.model_selection", "tqdm", "dtrain.job.run",
-           "dtrain.launch.agent"]  # _dynamo: optimizers import it
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "sklearn.datasets",
+    "sklearn.model_selection",
+    "tqdm",
+    "dtrain.job.run",
+    "dtrain.launch.agent",
+]  # _dynamo: optimizers import it
 
 
 def free_port() -> int:
@@ -182,4 +190,3 @@ def scenario_result(r: Any) -> Any:
     if isinstance(r, dict) and "error" in r:
         pytest.fail(r["error"] + "\n" + r.get("trace", ""))
     return r
-

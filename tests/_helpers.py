@@ -21,8 +21,16 @@ import _warm
 import torch
 from torch import nn
 
-__all__ = ["FakeClock", "max_diff", "train_steps", "two_phase_residuals", "dtrain_cli", "dtrain_runs",
-           "read_metrics", "read_summary"]
+__all__ = [
+    "FakeClock",
+    "max_diff",
+    "train_steps",
+    "two_phase_residuals",
+    "dtrain_cli",
+    "dtrain_runs",
+    "read_metrics",
+    "read_summary",
+]
 
 
 class FakeClock:
@@ -84,8 +92,9 @@ def two_phase_residuals(comps: list[Any], key: str, n: int) -> tuple[torch.Tenso
     return worker, server
 
 
-def dtrain_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
-               cold: bool = False) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def dtrain_cli(
+    *args: str, timeout: float = 240, env: dict[str, str] | None = None, cold: bool = False
+) -> subprocess.CompletedProcess[str]:
     """``python -m dtrain.cli ARGS`` with a hard timeout; stdout and stderr captured as text.
 
     Run from the warm interpreter (``_warm``: forked, with torch and dtrain imported); ``cold``: in a
@@ -93,12 +102,14 @@ def dtrain_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = No
     ``DTRAIN_TESTS_COLD=1``)."""
     if not (cold or _warm.COLD):
         return _warm.run(list(args), timeout=timeout, env=env)
-    return subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dtrain.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
-def dtrain_runs(root: Path, common: list[str], runs: dict[str, list[str]], timeout: float = 240,
-                at_once: int = 2) -> dict[str, tuple[Path, str]]:  # fmt: skip
+def dtrain_runs(
+    root: Path, common: list[str], runs: dict[str, list[str]], timeout: float = 240, at_once: int = 2
+) -> dict[str, tuple[Path, str]]:
     """``dtrain run COMMON FLAGS --out ROOT/NAME`` for each ``NAME: FLAGS`` of ``runs``, ``at_once`` at a
     time, each within ``timeout`` seconds and exiting 0: name -> (run folder, stdout and stderr)."""
     import time
@@ -109,9 +120,16 @@ def dtrain_runs(root: Path, common: list[str], runs: dict[str, list[str]], timeo
             while todo and len(running) < at_once:
                 name = todo.pop(0)
                 argv = ["run", *common, *runs[name], "--out", str(root / name)]
-                p: Any = (subprocess.Popen([sys.executable, "-m", "dtrain.cli", *argv], stdout=subprocess.PIPE,
-                                           stderr=subprocess.STDOUT, text=True)
-                          if _warm.COLD else _warm.WarmProcess(argv, merge=True))  # fmt: skip
+                p: Any = (
+                    subprocess.Popen(
+                        [sys.executable, "-m", "dtrain.cli", *argv],
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                    )
+                    if _warm.COLD
+                    else _warm.WarmProcess(argv, merge=True)
+                )
                 running[name] = (p, time.monotonic())
             name = next(iter(running))
             p, t0 = running.pop(name)

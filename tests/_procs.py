@@ -35,8 +35,13 @@ class Run:
         self._folder = Path(args[args.index("--out") + 1]).resolve() if "--out" in args else None
         self.p: Any
         if cold or _warm.COLD:
-            self.p = subprocess.Popen([sys.executable, "-m", "dtrain.cli", *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+            self.p = subprocess.Popen(
+                [sys.executable, "-m", "dtrain.cli", *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
             streams: list[tuple[Any, bool]] = [(self.p.stderr, True), (self.p.stdout, False)]
             self._warm = False
         else:
@@ -44,8 +49,9 @@ class Run:
             # the child writes its stdout and stderr to files (WarmProcess's): read as they grow
             streams = [(self.p._err, True), (self.p._out, False)]
             self._warm = True
-        self._readers = [threading.Thread(target=self._read if not self._warm else self._tail, args=s, daemon=True)
-                         for s in streams]  # fmt: skip
+        self._readers = [
+            threading.Thread(target=self._read if not self._warm else self._tail, args=s, daemon=True) for s in streams
+        ]
         for t in self._readers:
             t.start()
 
@@ -201,8 +207,9 @@ def past_checkpoint(out: Path, step: int, rank: int, steps: int = 3) -> Callable
     return ready
 
 
-def kill_rank(out: Path, rank: int, run: Run, after: int | None = None,
-              once: Callable[[], bool] | None = None) -> float:  # fmt: skip
+def kill_rank(
+    out: Path, rank: int, run: Run, after: int | None = None, once: Callable[[], bool] | None = None
+) -> float:
     """SIGKILL the worker of ``rank`` (one that is not ``after``, the pid killed before); with ``once``, as
     soon as that is true (the worker is found before: the signal follows it within a poll, while the steps
     after it run); the time sent."""

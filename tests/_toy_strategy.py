@@ -97,8 +97,19 @@ def _run(ctx: TrainContext) -> dict[str, Any]:
 
 def _predict(prof: Any, c: Any, s: Choice, comp: Any, inp: StepInputs) -> Prediction:
     step = sum(inp.fwd) + sum(inp.bwd) + inp.opt + inp.overhead
-    return Prediction(s, step, prof.batch * s.workers / step, step - inp.overhead, 0.0, 0.0, 0.0, 0.0, inp.memory,
-                      inp.fits, "compute only: every worker alone")
+    return Prediction(
+        s,
+        step,
+        prof.batch * s.workers / step,
+        step - inp.overhead,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        inp.memory,
+        inp.fits,
+        "compute only: every worker alone",
+    )
 
 
 def _memory(prof: Any, s: Choice, comp: Any) -> Memory:
@@ -110,11 +121,14 @@ def _candidates(space: PlanSpace) -> list[Choice]:
     return [] if space.exact_only or space.workers < 2 else [Choice("alone", space.workers)]
 
 
-ALONE = register(Strategy(
-    name="alone", options=AloneOptions,
-    help="every worker trains alone (a test's toy)",
-    hooks=(
-        ProcessHooks(run=_run),
-        ModelHooks(predict=_predict, memory=_memory, candidates=_candidates),
-    ),
-))
+ALONE = register(
+    Strategy(
+        name="alone",
+        options=AloneOptions,
+        help="every worker trains alone (a test's toy)",
+        hooks=(
+            ProcessHooks(run=_run),
+            ModelHooks(predict=_predict, memory=_memory, candidates=_candidates),
+        ),
+    )
+)

@@ -1,7 +1,7 @@
 """The source of a user's model file, as the tests of user models write it to a temporary folder: a residual CNN
 for the 8x8 digits, ``build(width=8, blocks=2)``."""
 
-RESIDUAL_CNN = '''
+RESIDUAL_CNN = """
 import torch
 from torch import nn
 
@@ -18,4 +18,4 @@ class Residual(nn.Module):
 def build(width=8, blocks=2):
     return nn.Sequential(nn.Conv2d(1, width, 3, padding=1), *[Residual(width) for _ in range(blocks)],
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
-'''
+"""

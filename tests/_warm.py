@@ -60,8 +60,13 @@ def _read(sock: socket.socket, n: int) -> bytes | None:
 
 # what the command imports besides its workers' modules: its own, and what it uses once the workers are done
 # (the run's report and curves.png); imported here once instead of in every command's child
-AFTER_THE_RUN = ("dtrain.cli", "dtrain.strategies.builtin", "dtrain.training.checkpointing", "dtrain.observe.report",
-                 "matplotlib.pyplot")
+AFTER_THE_RUN = (
+    "dtrain.cli",
+    "dtrain.strategies.builtin",
+    "dtrain.training.checkpointing",
+    "dtrain.observe.report",
+    "matplotlib.pyplot",
+)
 
 
 # the transformers architectures the tests build (hf:gpt2, hf:llama): imported once by the forkserver instead of
@@ -162,8 +167,12 @@ def _connection() -> socket.socket:
         ours, theirs = socket.socketpair()
         here = str(Path(__file__).parent)
         code = f"import sys; sys.path.insert(0, {here!r}); import _warm; _warm.serve({theirs.fileno()})"
-        proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
         theirs.close()
         _zygote.update(pid=os.getpid(), proc=proc, sock=ours)
         atexit.register(_close, proc, ours)
@@ -192,8 +201,9 @@ class WarmProcess:
         with _lock:
             sock = _connection()
             sock.settimeout(120)
-            _send(sock, ("start", list(args), dict(os.environ if env is None else env), os.getcwd(), self._out,
-                         self._err))  # fmt: skip
+            _send(
+                sock, ("start", list(args), dict(os.environ if env is None else env), os.getcwd(), self._out, self._err)
+            )
             reply = _recv(sock)
         if reply is None or reply[0] != "started":
             raise RuntimeError(f"the warm interpreter did not start {args}: {reply!r}")
@@ -215,8 +225,9 @@ class WarmProcess:
                 sock.settimeout(60)
                 _recv(sock)
                 self.returncode = -9
-                raise subprocess.TimeoutExpired(self.args, timeout or 0, self._text(self._out),
-                                                self._text(self._err)) from None  # fmt: skip
+                raise subprocess.TimeoutExpired(
+                    self.args, timeout or 0, self._text(self._out), self._text(self._err)
+                ) from None
         if reply is None:
             raise RuntimeError(f"the warm interpreter ended while {self.args} ran")
         self.returncode = int(reply[1])

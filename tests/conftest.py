@@ -32,8 +32,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 # the variables pointed into the session's folder, each at its own sub-folder
-PRIVATE = {"HOME": "home", "XDG_CACHE_HOME": "home/.cache", "XDG_CONFIG_HOME": "home/.config",
-           "MPLCONFIGDIR": "matplotlib", "DTRAIN_CACHE": "dtrain-cache"}  # fmt: skip
+PRIVATE = {
+    "HOME": "home",
+    "XDG_CACHE_HOME": "home/.cache",
+    "XDG_CONFIG_HOME": "home/.config",
+    "MPLCONFIGDIR": "matplotlib",
+    "DTRAIN_CACHE": "dtrain-cache",
+}
 
 
 def _private_folders() -> None:
@@ -52,8 +57,11 @@ _private_folders()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--quick", action="store_true",
-                     help="only the tests that start no process (no 'procs' mark); one that does fails")  # fmt: skip
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="only the tests that start no process (no 'procs' mark); one that does fails",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -63,10 +71,24 @@ def pytest_configure(config: pytest.Config) -> None:
 # the modules that take longest (serial seconds, summed over their tests, on the 2-core machine: calibration
 # 63, stalls 46, ...); they run first, so that in two pytest processes (``-n 2 --dist loadfile``) neither
 # process is left with one of them at the end while the other idles. Order only: every test runs as before.
-FIRST = ("test_perfmodel_calibrate.py", "test_faults_stall.py", "test_allreduce.py", "test_allreduce_dist.py",
-         "test_faults_restart.py", "test_sharded_run.py", "test_cluster.py", "test_parallel_checkpoint.py",
-         "test_compress_reduce.py", "test_sharded_dist.py", "test_precision_run.py", "test_data_parallel_dist.py",
-         "test_noise_scale_run.py", "test_attribution.py", "test_param_server_threads.py", "test_faults_signals.py")
+FIRST = (
+    "test_perfmodel_calibrate.py",
+    "test_faults_stall.py",
+    "test_allreduce.py",
+    "test_allreduce_dist.py",
+    "test_faults_restart.py",
+    "test_sharded_run.py",
+    "test_cluster.py",
+    "test_parallel_checkpoint.py",
+    "test_compress_reduce.py",
+    "test_sharded_dist.py",
+    "test_precision_run.py",
+    "test_data_parallel_dist.py",
+    "test_noise_scale_run.py",
+    "test_attribution.py",
+    "test_param_server_threads.py",
+    "test_faults_signals.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -28,8 +28,20 @@ from dtrain.errors import ConfigError
 from dtrain.job.validate import validate
 
 STEPS, BATCH, LR = 3, 32, 0.05
-COMMON = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", str(BATCH), "--max-steps", str(STEPS),
-          "--workers", "2", "--lr", str(LR)]  # fmt: skip
+COMMON = [
+    "--epochs",
+    "1",
+    "--no-progress",
+    "--no-trace",
+    "--batch-size",
+    str(BATCH),
+    "--max-steps",
+    str(STEPS),
+    "--workers",
+    "2",
+    "--lr",
+    str(LR),
+]
 GPT = ["--model", "gpt-tiny", "--dataset", "pytext", "--seq-len", "16", "--eval-samples", "64"]
 # the clipped runs: norms far above MAX in each step (0.32, 0.29, 0.19 for the CNN; 3.7, 2.7, 2.2 for gpt-tiny), and a
 # learning rate at which the clip changes the losses 100x more than the tolerance (both checked below)
@@ -39,8 +51,9 @@ CLIP = ["--clip-grad-norm", str(MAX_NORM), "--lr", str(CLIP_LR)]
 TENSOR = ["--clip-grad-norm", str(GPT_MAX), "--strategy", "tensor", *GPT, "--lr", str(GPT_LR)]
 
 
-def _reference(model: str, clip: float, *, lr: float, dataset: str = "digits",
-               seq_len: int = 64) -> tuple[list[float], list[float]]:  # fmt: skip
+def _reference(
+    model: str, clip: float, *, lr: float, dataset: str = "digits", seq_len: int = 64
+) -> tuple[list[float], list[float]]:
     """A plain torch loop on the global batch, as a one-process ``dtrain run`` draws it: the seeded model, the
     epoch's shuffled order, SGD (momentum 0.9), ``clip_grad_norm_`` before each step (``clip`` 0: none).
     The per-step losses and norms before clipping."""
@@ -53,8 +66,9 @@ def _reference(model: str, clip: float, *, lr: float, dataset: str = "digits",
     torch.manual_seed(0)
     net = build_model(model, ds.input_shape, ds.num_classes)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-    sampler: DistributedSampler[object] = DistributedSampler(ds.train, num_replicas=1, rank=0, shuffle=True, seed=0,
-                                                             drop_last=True)  # fmt: skip
+    sampler: DistributedSampler[object] = DistributedSampler(
+        ds.train, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True
+    )
     sampler.set_epoch(0)
     losses, norms = [], []
     for _, (x, y) in zip(range(STEPS), DataLoader(ds.train, batch_size=BATCH, sampler=sampler, drop_last=True)):
@@ -89,19 +103,38 @@ def _spans(out, name: str) -> list[int]:
 def accumulated(tmp_path_factory):
     """The default tier's runs: dp without and with accumulation, ZeRO-2 and ZeRO-3 with it."""
     root = tmp_path_factory.mktemp("accum")
-    return dtrain_runs(root, COMMON, {
-        "dp": [], "dp_n2": [*N2], "zero2_n2": ["--shard", "gradients", *N2],
-        "zero3_n2": ["--shard", "parameters", *N2]}, timeout=400)  # fmt: skip
+    return dtrain_runs(
+        root,
+        COMMON,
+        {
+            "dp": [],
+            "dp_n2": [*N2],
+            "zero2_n2": ["--shard", "gradients", *N2],
+            "zero3_n2": ["--shard", "parameters", *N2],
+        },
+        timeout=400,
+    )
 
 
 @pytest.fixture(scope="module")
 def accumulated_more(accumulated, tmp_path_factory):
     """The slow tier's: ZeRO-1, ddp, dp --overlap forward, ps bsp without and with accumulation."""
     root = tmp_path_factory.mktemp("accum_more")
-    return {**accumulated, **dtrain_runs(root, COMMON, {
-        "zero1_n2": ["--shard", "optimizer", *N2], "ddp_n2": ["--strategy", "ddp", *N2],
-        "dp_forward_n2": ["--overlap", "forward", *N2],
-        "ps": ["--strategy", "ps"], "ps_n2": ["--strategy", "ps", *N2]}, timeout=400)}  # fmt: skip
+    return {
+        **accumulated,
+        **dtrain_runs(
+            root,
+            COMMON,
+            {
+                "zero1_n2": ["--shard", "optimizer", *N2],
+                "ddp_n2": ["--strategy", "ddp", *N2],
+                "dp_forward_n2": ["--overlap", "forward", *N2],
+                "ps": ["--strategy", "ps"],
+                "ps_n2": ["--strategy", "ps", *N2],
+            },
+            timeout=400,
+        ),
+    }
 
 
 SLOW = pytest.mark.slow  # about 20 s a run on 2 cores: the rest of the strategies in the slow tier
@@ -118,8 +151,15 @@ def _cnn_padded(world: int) -> int:
 
 @pytest.mark.procs
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["dp_n2", "zero2_n2", "zero3_n2", *(pytest.param(n, marks=SLOW) for n in (
-    "zero1_n2", "ddp_n2", "dp_forward_n2", "ps_n2"))])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "dp_n2",
+        "zero2_n2",
+        "zero3_n2",
+        *(pytest.param(n, marks=SLOW) for n in ("zero1_n2", "ddp_n2", "dp_forward_n2", "ps_n2")),
+    ],
+)
 def test_two_micro_steps_of_half_the_batch_train_like_one_step(request, name):
     runs = request.getfixturevalue("accumulated" if name in ("dp_n2", "zero2_n2", "zero3_n2") else "accumulated_more")
     base, out = runs["ps" if name == "ps_n2" else "dp"][0], runs[name][0]
@@ -137,8 +177,10 @@ def test_two_micro_steps_of_half_the_batch_train_like_one_step(request, name):
 @pytest.mark.procs
 @pytest.mark.timeout(900)
 def test_the_exchange_happens_once_per_optimizer_step(accumulated):
-    sent = {name: {(r["step"], r["rank"]): r["bytes_sent"] for r in read_metrics(accumulated[name][0])}
-            for name in accumulated}  # fmt: skip
+    sent = {
+        name: {(r["step"], r["rank"]): r["bytes_sent"] for r in read_metrics(accumulated[name][0])}
+        for name in accumulated
+    }
     assert sent["dp_n2"] == sent["dp"] and min(sent["dp"].values()) > 0
     # dp's row holds the figures of a step's synchronised backward: that there is one a step, and not one a
     # micro-step, is in the trace (the end of each synchronised backward waits for the buckets, a span)
@@ -156,8 +198,10 @@ def test_the_exchange_happens_once_per_optimizer_step(accumulated):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_zero1_and_ps_exchange_once_per_optimizer_step(accumulated_more):
-    sent = {name: {(r["step"], r["rank"]): r["bytes_sent"] for r in read_metrics(accumulated_more[name][0])}
-            for name in ("zero1_n2", "ps", "ps_n2")}  # fmt: skip
+    sent = {
+        name: {(r["step"], r["rank"]): r["bytes_sent"] for r in read_metrics(accumulated_more[name][0])}
+        for name in ("zero1_n2", "ps", "ps_n2")
+    }
     assert sent["ps_n2"] == sent["ps"] and min(sent["ps"].values()) > 0  # one push and pull a step
     seg = _cnn_padded(2) // 2 * 4
     assert {v for (step, _), v in sent["zero1_n2"].items() if step >= 1} == {2 * seg}
@@ -169,17 +213,21 @@ def test_zero1_and_ps_exchange_once_per_optimizer_step(accumulated_more):
 def test_the_final_parameters_of_an_accumulated_run_are_the_unaccumulated_ones(tmp_path):
     """gpt-tiny (a language model's run leaves its final parameters in model.pt): dp with 2 micro-steps and ZeRO-3
     with 2 micro-steps end with dp's parameters and validation loss."""
-    runs = dtrain_runs(tmp_path, [*COMMON, *GPT, "--lr", str(GPT_LR)], {
-        "dp": [], "dp_n2": ["--grad-accum", "2"], "zero3_n2": ["--shard", "parameters", "--grad-accum", "2"]},
-        timeout=400)  # fmt: skip
+    runs = dtrain_runs(
+        tmp_path,
+        [*COMMON, *GPT, "--lr", str(GPT_LR)],
+        {"dp": [], "dp_n2": ["--grad-accum", "2"], "zero3_n2": ["--shard", "parameters", "--grad-accum", "2"]},
+        timeout=400,
+    )
     want = torch.load(runs["dp"][0] / "model.pt")
     for name in ("dp_n2", "zero3_n2"):
         got = torch.load(runs[name][0] / "model.pt")
         assert sorted(got) == sorted(want), name
         moved = max(float((want[k] - got[k]).abs().max()) for k in want)
         assert moved < 1e-5, (name, moved)
-        assert read_summary(runs[name][0])["val_loss"] == pytest.approx(read_summary(runs["dp"][0])["val_loss"],
-                                                                        rel=1e-5)  # fmt: skip
+        assert read_summary(runs[name][0])["val_loss"] == pytest.approx(
+            read_summary(runs["dp"][0])["val_loss"], rel=1e-5
+        )
     from dtrain.workloads.data import load_dataset
     from dtrain.workloads.models import build_model
 
@@ -194,25 +242,40 @@ def test_the_final_parameters_of_an_accumulated_run_are_the_unaccumulated_ones(t
 def clipped(tmp_path_factory):
     """The default tier's clipped runs: dp, ZeRO-3 with accumulation, tensor parallel."""
     root = tmp_path_factory.mktemp("clip")
-    return dtrain_runs(root, COMMON, {
-        "dp": CLIP, "zero3_n2": [*CLIP, "--shard", "parameters", "--grad-accum", "2"], "tensor": TENSOR},
-        timeout=400)  # fmt: skip
+    return dtrain_runs(
+        root,
+        COMMON,
+        {"dp": CLIP, "zero3_n2": [*CLIP, "--shard", "parameters", "--grad-accum", "2"], "tensor": TENSOR},
+        timeout=400,
+    )
 
 
 @pytest.fixture(scope="module")
 def clipped_more(clipped, tmp_path_factory):
     """The slow tier's: ddp, a 2-stage pipeline, ps bsp on 2 servers, tensor with accumulation, dp under fp16."""
     root = tmp_path_factory.mktemp("clip_more")
-    return {**clipped, **dtrain_runs(root, COMMON, {
-        "ddp": [*CLIP, "--strategy", "ddp"], "pipeline": [*CLIP, "--strategy", "pipeline", "--microbatches", "2"],
-        "ps": [*CLIP, "--strategy", "ps", "--servers", "2"], "tensor_n2": [*TENSOR, "--grad-accum", "2"],
-        "dp_fp16": [*CLIP, "--precision", "fp16"]}, timeout=400)}  # fmt: skip
+    return {
+        **clipped,
+        **dtrain_runs(
+            root,
+            COMMON,
+            {
+                "ddp": [*CLIP, "--strategy", "ddp"],
+                "pipeline": [*CLIP, "--strategy", "pipeline", "--microbatches", "2"],
+                "ps": [*CLIP, "--strategy", "ps", "--servers", "2"],
+                "tensor_n2": [*TENSOR, "--grad-accum", "2"],
+                "dp_fp16": [*CLIP, "--precision", "fp16"],
+            },
+            timeout=400,
+        ),
+    }
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["dp", "zero3_n2", "tensor", *(pytest.param(n, marks=SLOW) for n in (
-    "ddp", "pipeline", "ps", "tensor_n2"))])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", ["dp", "zero3_n2", "tensor", *(pytest.param(n, marks=SLOW) for n in ("ddp", "pipeline", "ps", "tensor_n2"))]
+)
 def test_a_clipped_run_trains_like_one_process_clipped(request, name):
     clipped = request.getfixturevalue("clipped" if name in ("dp", "zero3_n2", "tensor") else "clipped_more")
     lm = name.startswith("tensor")
@@ -238,19 +301,29 @@ def _cfg(**kw: object) -> RunConfig:
     return RunConfig.make(epochs=1, workers=2, batch_size=32, **kw)
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(grad_accum=0), "grad_accum must be an integer >= 1 (micro-steps per optimizer step), got 0"),
-    (dict(grad_accum=3), "--grad-accum 3: the per-worker batch of 16 (--batch-size 32 over 2 shards) does not split "
-                         "into 3 equal micro-batches; use --batch-size a multiple of 6"),
-    (dict(clip_grad_norm=-1.0), "clip_grad_norm must be >= 0 (0: no clipping), got -1"),
-    (dict(strategy="pipeline", grad_accum=2), "--grad-accum 2: strategy pipeline already accumulates a step's "
-                                              "gradients over its 4 micro-batches"),
-    (dict(strategy="local_sgd", grad_accum=2), "--grad-accum 2: strategy local_sgd has no engine that accumulates"),
-    (dict(strategy="ps", consistency="asp", clip_grad_norm=1.0), "--clip-grad-norm 1: strategy ps --consistency asp "
-                                                                 "clips nothing"),
-    (dict(overlap="forward", clip_grad_norm=1.0), "--clip-grad-norm 1: strategy dp applies each bucket as soon as"),
-    (dict(clip_grad_norm=1.0, noise_scale=True), "--clip-grad-norm 1: the noise scale"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(grad_accum=0), "grad_accum must be an integer >= 1 (micro-steps per optimizer step), got 0"),
+        (
+            dict(grad_accum=3),
+            "--grad-accum 3: the per-worker batch of 16 (--batch-size 32 over 2 shards) does not split "
+            "into 3 equal micro-batches; use --batch-size a multiple of 6",
+        ),
+        (dict(clip_grad_norm=-1.0), "clip_grad_norm must be >= 0 (0: no clipping), got -1"),
+        (
+            dict(strategy="pipeline", grad_accum=2),
+            "--grad-accum 2: strategy pipeline already accumulates a step's gradients over its 4 micro-batches",
+        ),
+        (dict(strategy="local_sgd", grad_accum=2), "--grad-accum 2: strategy local_sgd has no engine that accumulates"),
+        (
+            dict(strategy="ps", consistency="asp", clip_grad_norm=1.0),
+            "--clip-grad-norm 1: strategy ps --consistency asp clips nothing",
+        ),
+        (dict(overlap="forward", clip_grad_norm=1.0), "--clip-grad-norm 1: strategy dp applies each bucket as soon as"),
+        (dict(clip_grad_norm=1.0, noise_scale=True), "--clip-grad-norm 1: the noise scale"),
+    ],
+)
 def test_bad_input_is_refused_before_any_process_starts(kw, message):
     with pytest.raises(ConfigError) as e:
         validate(_cfg(**kw))

@@ -114,9 +114,14 @@ def test_algorithm_matches_reference(world_size: int, variant: int) -> None:
         except AssertionError as e:
             raise AssertionError(f"{where}: {e}") from None
         expect = cost.traffic(
-            algorithm, world_size, n * first.element_size(), itemsize=first.element_size(),
-            piece_bytes=opts.piece_bytes, max_pieces=opts.max_pieces,
-            node_size=opts.node_size or (world_size if opts.nodes is None else None), nodes=opts.nodes,
+            algorithm,
+            world_size,
+            n * first.element_size(),
+            itemsize=first.element_size(),
+            piece_bytes=opts.piece_bytes,
+            max_pieces=opts.max_pieces,
+            node_size=opts.node_size or (world_size if opts.nodes is None else None),
+            nodes=opts.nodes,
         )
         for r in range(world_size):
             got, msgs, nbytes = results[r][c]

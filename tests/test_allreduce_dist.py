@@ -92,8 +92,9 @@ def _expected(rank: int, P: int, n: int, dt: torch.dtype, op: str, case: int, x:
 
     floating_sum = dt.is_floating_point and op in ("sum", "avg")
     if n <= 64:
-        xs = torch.stack([_input(r, n, dt, case).to(torch.float64 if dt.is_floating_point else torch.int64)
-                          for r in range(P)])
+        xs = torch.stack(
+            [_input(r, n, dt, case).to(torch.float64 if dt.is_floating_point else torch.int64) for r in range(P)]
+        )
         if floating_sum:
             exact, spread = xs.sum(0), xs.abs().sum(0)
             return (None, exact / P, spread / P) if op == "avg" else (None, exact, spread)
@@ -163,8 +164,10 @@ def _check_world(rank: int, P: int, group: object, big_full: bool = False) -> li
         allreduce(torch.ones(BIG), "sum", alg, **kw)
         d = t.stats - before
         if (d.messages, d.bytes_sent) != (expect.messages[rank], expect.bytes_sent[rank]):
-            problems.append(f"P={P} {alg}: counted {d.messages}/{d.bytes_sent}, cost says "
-                            f"{expect.messages[rank]}/{expect.bytes_sent[rank]}")
+            problems.append(
+                f"P={P} {alg}: counted {d.messages}/{d.bytes_sent}, cost says "
+                f"{expect.messages[rank]}/{expect.bytes_sent[rank]}"
+            )
     if get_transport(group, timeout=7.0).stats is not t.stats or get_transport(group) is not t:
         problems.append(f"P={P}: get_transport does not share one counter per group")
 
@@ -262,8 +265,13 @@ def _dying_worker(rank: int, world_size: int, victim: int, timeout: float) -> di
     try:
         allreduce(x, "sum", "ring", timeout=timeout)
     except Exception as e:  # noqa: BLE001 - reported to the test
-        return {"type": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0,
-                "is_comm": _is_comm_error(e), "peer": getattr(e, "peer", None)}
+        return {
+            "type": type(e).__name__,
+            "msg": str(e),
+            "elapsed": time.monotonic() - t0,
+            "is_comm": _is_comm_error(e),
+            "peer": getattr(e, "peer", None),
+        }
     return {"error": "allreduce completed although a rank died", "elapsed": time.monotonic() - t0}
 
 

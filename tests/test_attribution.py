@@ -48,8 +48,10 @@ def test_own_work_is_the_step_less_its_exchange_never_less_than_compute():
 
 
 def test_the_rank_that_waited_least_arrived_last_and_the_others_waited_for_it():
-    rows = [dict(step=0, rank=r, compute_s=MS, wait_s=w, step_s=0.030) for r, w in ((0, 0.020), (1, 0.002),
-                                                                                      (2, 0.012), (3, 0.015))]
+    rows = [
+        dict(step=0, rank=r, compute_s=MS, wait_s=w, step_s=0.030)
+        for r, w in ((0, 0.020), (1, 0.002), (2, 0.012), (3, 0.015))
+    ]
     (a,) = arrivals(rows)
     assert a.last == 1
     assert a.late_s == pytest.approx(0.010)  # behind rank 2, the next-latest
@@ -57,8 +59,9 @@ def test_the_rank_that_waited_least_arrived_last_and_the_others_waited_for_it():
     assert a.step_s == pytest.approx(0.030)
     tied = [dict(step=1, rank=r, wait_s=0.0, compute_s=MS, step_s=0.01) for r in range(3)]  # local SGD's rows
     assert arrivals(tied)[0].last is None
-    assert arrivals([dict(step=2, rank=0, wait_s=None, compute_s=MS), dict(step=2, rank=1, compute_s=MS)])[0].last \
-        is None  # fmt: skip
+    assert (
+        arrivals([dict(step=2, rank=0, wait_s=None, compute_s=MS), dict(step=2, rank=1, compute_s=MS)])[0].last is None
+    )
 
 
 def test_a_dp_straggler_is_named_with_its_share_and_its_slowdown():
@@ -69,8 +72,10 @@ def test_a_dp_straggler_is_named_with_its_share_and_its_slowdown():
     assert top.waited == pytest.approx(12 / 17)  # rank 0 waited 12 ms of each 17 ms step
     assert top.own_ratio == pytest.approx(4.0)
     assert a.ranks[1].own_ratio == pytest.approx(0.25) and a.ranks[1].waited == 0.0
-    assert a.line.startswith("rank 1 made the others wait 71% of the step; it computes 4.0x slower than the median "
-                             "of the others (last in 7 of 7 steps); steps are ")  # fmt: skip
+    assert a.line.startswith(
+        "rank 1 made the others wait 71% of the step; it computes 4.0x slower than the median "
+        "of the others (last in 7 of 7 steps); steps are "
+    )
     # per rank-step: compute 16 + 4, wait 0 + 12, communication 1 + 1 (the exchange with both there)
     assert a.shares == pytest.approx({"compute": 20 / 34, "communication": 2 / 34, "wait": 12 / 34})
     assert a.bound == "compute" and a.bound_steps == {"compute": 7, "communication": 0, "wait": 0}
@@ -94,8 +99,9 @@ def test_ps_workers_ranks_from_one_and_a_wait_bound_run():
         for r in (1, 2, 3):
             compute = 0.030 if r == 2 else 0.005
             wait = 0.002 + (0.030 - compute)  # the reply comes once worker 2 pushed
-            rows.append(dict(step=s, rank=r, compute_s=compute, comm_s=0.001, wait_s=wait,
-                             step_s=compute + 0.001 + wait))  # fmt: skip
+            rows.append(
+                dict(step=s, rank=r, compute_s=compute, comm_s=0.001, wait_s=wait, step_s=compute + 0.001 + wait)
+            )
     a = attribute(rows)
     assert a.straggler == 2 and [r.rank for r in a.ranks][0] == 2
     assert a.ranks[0].own_ratio == pytest.approx(6.0)  # compute_s: the three figures add up to the step
@@ -113,8 +119,10 @@ def test_a_rank_behind_a_slow_link_is_waited_for_but_is_no_straggler():
     assert a.ranks[0].rank == 1 and a.ranks[0].last_steps == 5 and a.ranks[0].waited == pytest.approx(0.6)
     assert a.ranks[0].own_ratio == pytest.approx(1.0)
     assert a.straggler is None
-    assert a.line.startswith("no straggler: rank 1 kept the others waiting most, 60% of the step (last in 5 of 5 "
-                             "steps; its own work 1.0x the median of the others)")  # fmt: skip
+    assert a.line.startswith(
+        "no straggler: rank 1 kept the others waiting most, 60% of the step (last in 5 of 5 "
+        "steps; its own work 1.0x the median of the others)"
+    )
 
 
 def test_noise_names_no_straggler():
@@ -124,16 +132,27 @@ def test_noise_names_no_straggler():
         own = {r: 0.004 * rng.uniform(0.7, 1.4) for r in range(4)}
         arrive = max(own.values())
         for r in range(4):
-            rows.append(dict(step=s, rank=r, compute_s=own[r], comm_s=0.001, wait_s=arrive - own[r] + 0.001,
-                             step_s=arrive + 0.001))  # fmt: skip
+            rows.append(
+                dict(
+                    step=s,
+                    rank=r,
+                    compute_s=own[r],
+                    comm_s=0.001,
+                    wait_s=arrive - own[r] + 0.001,
+                    step_s=arrive + 0.001,
+                )
+            )
     a = attribute(rows)
     assert a.straggler is None and a.timed == 39
     assert max(r.last_steps for r in a.ranks) < 20
 
 
 def test_rows_without_waits_one_rank_and_nothing():
-    hybrid = [dict(step=s, rank=r, compute_s=0.002, comm_s=0.006, wait_s=None, step_s=0.008)
-              for s in range(4) for r in range(2)]  # fmt: skip
+    hybrid = [
+        dict(step=s, rank=r, compute_s=0.002, comm_s=0.006, wait_s=None, step_s=0.008)
+        for s in range(4)
+        for r in range(2)
+    ]
     a = attribute(hybrid)
     assert a.timed == 0 and a.straggler is None and a.bound == "communication"
     assert a.shares["communication"] == pytest.approx(0.75)

@@ -20,16 +20,19 @@ def test_summary_quartiles_stay_within_the_values() -> None:
         summary([])
 
 
-@pytest.mark.parametrize(("bar", "ratios", "verdict"), [
-    (Bar.at_least(1.0), [1.02, 1.05, 1.03, 1.10, 1.04], "met"),
-    (Bar.at_least(1.0), [0.90, 0.95, 0.97, 0.93, 0.96], "not met"),
-    (Bar.at_least(1.0), [0.95, 0.99, 1.02, 1.04, 0.97], "straddles"),
-    (Bar.within(0.05), [0.98, 1.01, 1.03, 0.99, 1.00], "met"),
-    (Bar.within(0.05), [1.10, 1.12, 1.08, 1.20, 1.09], "not met"),
-    (Bar.within(0.05), [0.90, 0.94, 1.00, 1.06, 1.10], "straddles"),
-    # one wild round outside the middle half does not decide (min-max is reported beside it)
-    (Bar.within(0.05), [0.65, 1.00, 1.01, 1.02, 1.03], "met"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("bar", "ratios", "verdict"),
+    [
+        (Bar.at_least(1.0), [1.02, 1.05, 1.03, 1.10, 1.04], "met"),
+        (Bar.at_least(1.0), [0.90, 0.95, 0.97, 0.93, 0.96], "not met"),
+        (Bar.at_least(1.0), [0.95, 0.99, 1.02, 1.04, 0.97], "straddles"),
+        (Bar.within(0.05), [0.98, 1.01, 1.03, 0.99, 1.00], "met"),
+        (Bar.within(0.05), [1.10, 1.12, 1.08, 1.20, 1.09], "not met"),
+        (Bar.within(0.05), [0.90, 0.94, 1.00, 1.06, 1.10], "straddles"),
+        # one wild round outside the middle half does not decide (min-max is reported beside it)
+        (Bar.within(0.05), [0.65, 1.00, 1.01, 1.02, 1.03], "met"),
+    ],
+)
 def test_verdict_judges_the_interquartile_range(bar: Bar, ratios: list[float], verdict: str) -> None:
     assert bar.verdict(summary(ratios)) == verdict
 
@@ -43,10 +46,22 @@ def test_rounds_rotate_and_ratios_pair_rounds(tmp_path: Path) -> None:
         calls.append(name)
         return next(speed[name])
 
-    bench = Benchmark("toy", title="toy", family="test", workload="none", metric="s/step",
-                      higher_is_better=False, repeats=5, command=["bench", "--toy"], log=lambda _: None)  # fmt: skip
-    bench.add_case("a", systems={"ours": lambda: system("ours"), "peer": lambda: system("peer")},
-                   compare=[("ours", "peer", Bar.at_least(1.0))])  # fmt: skip
+    bench = Benchmark(
+        "toy",
+        title="toy",
+        family="test",
+        workload="none",
+        metric="s/step",
+        higher_is_better=False,
+        repeats=5,
+        command=["bench", "--toy"],
+        log=lambda _: None,
+    )
+    bench.add_case(
+        "a",
+        systems={"ours": lambda: system("ours"), "peer": lambda: system("peer")},
+        compare=[("ours", "peer", Bar.at_least(1.0))],
+    )
     bench.run()
     assert calls == ["ours", "peer", "peer", "ours", "ours", "peer", "peer", "ours", "ours", "peer"]
     res = bench.result()
@@ -62,15 +77,33 @@ def test_rounds_rotate_and_ratios_pair_rounds(tmp_path: Path) -> None:
 
 @pytest.mark.procs  # the result records the git commit: runs git
 def test_fewer_than_five_rounds_give_no_verdict() -> None:
-    bench = Benchmark("toy", title="toy", family="test", workload="none", metric="x", higher_is_better=True,
-                      repeats=1, command=["x"], log=lambda _: None)  # fmt: skip
+    bench = Benchmark(
+        "toy",
+        title="toy",
+        family="test",
+        workload="none",
+        metric="x",
+        higher_is_better=True,
+        repeats=1,
+        command=["x"],
+        log=lambda _: None,
+    )
     bench.add_case("a", samples={"ours": [2.0, 2.0], "peer": [1.0, 1.0]}, compare=[("ours", "peer", Bar.at_least(1))])
     assert bench.result()["cases"][0]["comparisons"][0]["verdict"] == "too few repeats"
 
 
 def test_bad_cases_and_files_are_refused(tmp_path: Path) -> None:
-    bench = Benchmark("toy", title="toy", family="test", workload="none", metric="x", higher_is_better=True,
-                      repeats=5, command=["x"], log=lambda _: None)  # fmt: skip
+    bench = Benchmark(
+        "toy",
+        title="toy",
+        family="test",
+        workload="none",
+        metric="x",
+        higher_is_better=True,
+        repeats=5,
+        command=["x"],
+        log=lambda _: None,
+    )
     with pytest.raises(ValueError, match="compares 'ours' with 'nobody'"):
         bench.add_case("a", samples={"ours": [1.0]}, compare=[("ours", "nobody", Bar.at_least(1))])
     with pytest.raises(ValueError, match="different numbers of rounds"):
@@ -85,8 +118,13 @@ def test_bad_cases_and_files_are_refused(tmp_path: Path) -> None:
 @pytest.mark.procs  # the result records the git commit: runs git
 def test_the_commit_is_marked_changed_by_code_not_by_results(tmp_path: Path) -> None:
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
-                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
 
     git("init", "-q")
     (tmp_path / "src").mkdir()

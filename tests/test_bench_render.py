@@ -35,15 +35,33 @@ def test_benchmarks_page_is_rendered_from_the_result_files() -> None:
 
 @pytest.mark.procs  # the result records the git commit: runs git
 def test_page_shows_each_ratio_with_its_spread_and_an_honest_verdict(tmp_path: Path) -> None:
-    bench = Benchmark("toy_vs_peer", title="Toy against its peer", family="data parallelism", workload="toy",
-                      metric="steps/s", higher_is_better=True, repeats=5, command=["python", "toy.py"],
-                      log=lambda _: None)  # fmt: skip
-    bench.add_case("wide", samples={"toy": [1.0, 1.1, 0.9, 1.05, 0.97], "peer": [1.0] * 5},
-                   compare=[("toy", "peer", Bar.at_least(1.0))])  # fmt: skip
-    bench.add_case("narrow", samples={"toy": [1.2, 1.3, 1.25, 1.22, 1.28], "peer": [1.0] * 5},
-                   compare=[("toy", "peer", Bar.at_least(1.0))])  # fmt: skip
-    bench.add_case("check", samples={"measured": [0.3] * 5, "closed form": [0.27] * 5},
-                   compare=[("measured", "closed form", Bar.within(0.1))], headline=False)  # fmt: skip
+    bench = Benchmark(
+        "toy_vs_peer",
+        title="Toy against its peer",
+        family="data parallelism",
+        workload="toy",
+        metric="steps/s",
+        higher_is_better=True,
+        repeats=5,
+        command=["python", "toy.py"],
+        log=lambda _: None,
+    )
+    bench.add_case(
+        "wide",
+        samples={"toy": [1.0, 1.1, 0.9, 1.05, 0.97], "peer": [1.0] * 5},
+        compare=[("toy", "peer", Bar.at_least(1.0))],
+    )
+    bench.add_case(
+        "narrow",
+        samples={"toy": [1.2, 1.3, 1.25, 1.22, 1.28], "peer": [1.0] * 5},
+        compare=[("toy", "peer", Bar.at_least(1.0))],
+    )
+    bench.add_case(
+        "check",
+        samples={"measured": [0.3] * 5, "closed form": [0.27] * 5},
+        compare=[("measured", "closed form", Bar.within(0.1))],
+        headline=False,
+    )
     bench.start()
     bench.stop()
     bench.save(tmp_path / "toy_vs_peer.json")
@@ -56,21 +74,39 @@ def test_page_shows_each_ratio_with_its_spread_and_an_honest_verdict(tmp_path: P
     # pairs of systems of several kinds side by side: one table, each row naming its systems and bar
     assert "| case: steps/s, median (IQR) | ours | peer | ratio, above 1 favours ours: median (IQR; min-max) |" in text
     assert "| wide: toy / peer, >= 1x | 1 (0.97-1.05) | 1 | 1.00 (0.97-1.05; 0.90-1.10) **straddles** |" in text
-    assert "| check: measured / closed form, within 10% | 0.3 | 0.27 | 1.11 (1.11-1.11; 1.11-1.11) **not met** |" \
-        in text
+    assert (
+        "| check: measured / closed form, within 10% | 0.3 | 0.27 | 1.11 (1.11-1.11; 1.11-1.11) **not met** |" in text
+    )
     assert "**Run**: `python toy.py`" in text
     render.plot(render.load_all(tmp_path)[0], tmp_path / "plots" / "toy.png")
     assert (tmp_path / "plots" / "toy.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cases_of_one_kind_share_a_table_headed_by_their_systems(tmp_path: Path) -> None:
-    bench = Benchmark("toy_check", title="Toy against a closed form", family="toy", workload="toy", metric="s",
-                      higher_is_better=False, repeats=5, command=["python", "toy.py"], log=lambda _: None)  # fmt: skip
+    bench = Benchmark(
+        "toy_check",
+        title="Toy against a closed form",
+        family="toy",
+        workload="toy",
+        metric="s",
+        higher_is_better=False,
+        repeats=5,
+        command=["python", "toy.py"],
+        log=lambda _: None,
+    )
     for name, v in (("small", 0.3), ("large", 3.3)):
-        bench.add_case(name, samples={"measured": [v] * 5, "closed form": [0.27] * 5},
-                       compare=[("measured", "closed form", Bar.within(0.1))], headline=False)  # fmt: skip
-    bench.add_case("three", samples={"a": [1.0] * 5, "b": [1.0] * 5, "c": [2.0] * 5},
-                   compare=[("a", "c", Bar.at_least(1.0))], headline=False)  # fmt: skip
+        bench.add_case(
+            name,
+            samples={"measured": [v] * 5, "closed form": [0.27] * 5},
+            compare=[("measured", "closed form", Bar.within(0.1))],
+            headline=False,
+        )
+    bench.add_case(
+        "three",
+        samples={"a": [1.0] * 5, "b": [1.0] * 5, "c": [2.0] * 5},
+        compare=[("a", "c", Bar.at_least(1.0))],
+        headline=False,
+    )
     bench.start()
     bench.stop()
     bench.save(tmp_path / "toy_check.json")

@@ -74,11 +74,21 @@ def _cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, others: float) -> P
     monkeypatch.setenv("DTRAIN_CACHE", str(tmp_path))
     monkeypatch.setattr(calibrate, "_now_loaded", [])
     path = tmp_path / f"local-{this_host()}-w2.toml"
-    old = ClusterSpec(nodes=1, devices_per_node=2, device=Device(compute_scale=3.0), name="old",
-                      load=Load(others_cores=others, loadavg=others, cores=2))  # fmt: skip
+    old = ClusterSpec(
+        nodes=1,
+        devices_per_node=2,
+        device=Device(compute_scale=3.0),
+        name="old",
+        load=Load(others_cores=others, loadavg=others, cores=2),
+    )
     path.write_text(dump_cluster(old))
-    fresh = ClusterSpec(nodes=1, devices_per_node=2, device=Device(compute_scale=1.5), name="fresh",
-                        load=Load(others_cores=0.0, loadavg=0.1, cores=2))  # fmt: skip
+    fresh = ClusterSpec(
+        nodes=1,
+        devices_per_node=2,
+        device=Device(compute_scale=1.5),
+        name="fresh",
+        load=Load(others_cores=0.0, loadavg=0.1, cores=2),
+    )
     monkeypatch.setattr(calibrate, "calibrate_local", lambda w, progress=False: fresh)
     return path
 
@@ -91,8 +101,9 @@ def test_a_calibration_made_under_load_is_made_again_on_a_quiet_machine(tmp_path
     assert load_cluster(path).name == "fresh"  # the cache holds the new one
 
 
-def test_a_calibration_made_under_load_is_reused_with_a_note_while_the_machine_is_busy(tmp_path, monkeypatch,
-                                                                                       capsys) -> None:  # fmt: skip
+def test_a_calibration_made_under_load_is_reused_with_a_note_while_the_machine_is_busy(
+    tmp_path, monkeypatch, capsys
+) -> None:
     path = _cached(tmp_path, monkeypatch, others=1.4)
     monkeypatch.setattr(calibrate, "others_cores", lambda seconds: 1.2)
     got = calibrate.local_cluster(2)

@@ -120,8 +120,13 @@ def one_worker_checkpoint(tmp_path):
     """A real checkpoint as a 1-worker `dtrain run` would write it, at step 10."""
     cfg = _cfg(compression="topk:0.01")
     m, opt = _model_and_opt()
-    save_checkpoint(tmp_path / "run" / "checkpoints", 10, model=m, optimizer=opt,
-                    info={"run": run_info(cfg), "epoch": 0, "batch": 10})
+    save_checkpoint(
+        tmp_path / "run" / "checkpoints",
+        10,
+        model=m,
+        optimizer=opt,
+        info={"run": run_info(cfg), "epoch": 0, "batch": 10},
+    )
     return cfg, tmp_path / "run"
 
 
@@ -131,16 +136,19 @@ def test_resume_checks_pass_for_the_same_run(one_worker_checkpoint):
     validate(cfg.replace(resume=str(run), batch_size=32))  # so may a fixed batch (from the checkpoint's sample)
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(workers=2), "workers=1"),
-    (dict(compression="powersgd:2"), "compression='topk:0.01'"),
-    (dict(compression="none"), "--compression topk:0.01"),
-    (dict(error_feedback=False), "--error-feedback"),
-    (dict(batch_schedule="0:64,1:128"), "batch_schedule='0:64,1:128'"),
-    (dict(model="mlp"), "model='cnn'"),
-    (dict(strategy="ps", workers=1, servers=1), "strategy='dp'"),
-    (dict(max_steps=10), "nothing is left to train"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(workers=2), "workers=1"),
+        (dict(compression="powersgd:2"), "compression='topk:0.01'"),
+        (dict(compression="none"), "--compression topk:0.01"),
+        (dict(error_feedback=False), "--error-feedback"),
+        (dict(batch_schedule="0:64,1:128"), "batch_schedule='0:64,1:128'"),
+        (dict(model="mlp"), "model='cnn'"),
+        (dict(strategy="ps", workers=1, servers=1), "strategy='dp'"),
+        (dict(max_steps=10), "nothing is left to train"),
+    ],
+)
 def test_resume_refuses_a_checkpoint_of_another_run(one_worker_checkpoint, change, words):
     cfg, run = one_worker_checkpoint
     with pytest.raises(ConfigError, match="cannot resume|nothing is left") as e:
@@ -172,8 +180,19 @@ def test_checkpoint_options_are_checked():
 def test_cli_world_size_mismatch_fails_before_launch(one_worker_checkpoint, tmp_path):
     _, run = one_worker_checkpoint
     out = tmp_path / "out"
-    p = dtrain_cli("run", "--workers", "2", "--compression", "topk:0.01", "--resume", str(run), "--out", str(out),
-                   "--no-progress", timeout=120)
+    p = dtrain_cli(
+        "run",
+        "--workers",
+        "2",
+        "--compression",
+        "topk:0.01",
+        "--resume",
+        str(run),
+        "--out",
+        str(out),
+        "--no-progress",
+        timeout=120,
+    )
     assert p.returncode == 2, p.stderr[-2000:]
     assert "cannot resume" in p.stderr and "--workers 1" in p.stderr
     assert not out.exists()
@@ -205,7 +224,7 @@ def _dp_resume_one(rank, world, root, spec, n):
         for t in steps:
             lo = (t * world + rank) * bs
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(dp(x_all[lo:lo + bs]), y_all[lo:lo + bs]).backward()
+            torch.nn.functional.cross_entropy(dp(x_all[lo : lo + bs]), y_all[lo : lo + bs]).backward()
             opt.step()
 
     def params(m):
@@ -277,10 +296,14 @@ RUN = ["--workers", "2", "--batch-size", "256", "--epochs", "2", "--max-steps", 
 
 @pytest.mark.procs
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("extra", [
-    ["--compression", "sign"],
-    ["--strategy", "ps", "--servers", "1", "--compression", "topk:0.01"],
-], ids=["dp-sign", "ps-bsp-topk"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--compression", "sign"],
+        ["--strategy", "ps", "--servers", "1", "--compression", "topk:0.01"],
+    ],
+    ids=["dp-sign", "ps-bsp-topk"],
+)
 def test_dtrain_run_resume_equals_straight_run(tmp_path, extra):
     a, b = tmp_path / "straight", tmp_path / "resumed"
     p = _dtrain(*RUN, *extra, "--out", str(a))
@@ -341,7 +364,17 @@ def test_a_plain_dp_checkpoint_resumes_on_fewer_workers_as_if_nothing_changed(tm
     assert all(abs(la[s] - lb[s]) < 1e-5 for s in lb), (la, lb)
     ca, cb = read_checkpoint(a / "checkpoints" / "step_000008"), read_checkpoint(b)
     assert max((ca["model"][k] - cb["model"][k]).abs().max().item() for k in ca["model"]) < 1e-5
-    p = dtrain_cli("run", *run, "--workers", "3", "--resume", str(a), "--out", str(tmp_path / "three"),
-                   "--no-progress", timeout=120)  # fmt: skip
+    p = dtrain_cli(
+        "run",
+        *run,
+        "--workers",
+        "3",
+        "--resume",
+        str(a),
+        "--out",
+        str(tmp_path / "three"),
+        "--no-progress",
+        timeout=120,
+    )
     assert p.returncode == 2 and "global batch of 256, 3 workers would take 255" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "three").exists()

@@ -93,16 +93,23 @@ def test_a_config_written_with_the_old_name_of_recompute_still_loads(tmp_path):
     """``recompute`` was ``checkpoint`` (activation recomputation, beside ``--checkpoint-every``): a TOML file
     written before, its strategy table or a flat key, loads with the value moved to ``recompute``."""
     old = tmp_path / "old.toml"
-    old.write_text('strategy = "pipeline"\nworkers = 2\n\n[pipeline]\nmicrobatches = 4\ncheckpoint = "except_last"\n',
-                   encoding="utf-8")  # fmt: skip
+    old.write_text(
+        'strategy = "pipeline"\nworkers = 2\n\n[pipeline]\nmicrobatches = 4\ncheckpoint = "except_last"\n',
+        encoding="utf-8",
+    )
     cfg = RunConfig.from_mapping(load_toml(old))
     assert cfg.options.recompute == "except_last"
     assert cfg == RunConfig.make(strategy="pipeline", workers=2, recompute="except_last")
     assert config_from_args(build_parser().parse_args(["run", str(old)])).options.recompute == "except_last"
     # written back under the new name only
     assert 'recompute = "except_last"' in dump_toml(cfg) and "checkpoint =" not in dump_toml(cfg)
-    assert cfg.to_dict()["pipeline"] == {"microbatches": 4, "schedule": "1f1b", "chunks": 2, "balance": "equal",
-                                         "recompute": "except_last"}  # fmt: skip
+    assert cfg.to_dict()["pipeline"] == {
+        "microbatches": 4,
+        "schedule": "1f1b",
+        "chunks": 2,
+        "balance": "equal",
+        "recompute": "except_last",
+    }
     # a flat key, and the old flag
     assert RunConfig.make(strategy="pipeline", checkpoint="always").options.recompute == "always"
     ns = build_parser().parse_args(["run", "--strategy", "pipeline", "--checkpoint", "always"])

@@ -63,10 +63,20 @@ def test_state_round_trips_through_json():
 @pytest.mark.skipif(not IS_ROOT or shutil.which("setpriv") is None, reason="needs root to drop to an unprivileged user")
 def test_non_root_is_told_it_needs_root():
     p = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "dtrain.cluster.cli",
-         "status"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-m",
+            "dtrain.cluster.cli",
+            "status",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2
     assert "needs root" in p.stderr
 
@@ -86,11 +96,19 @@ def test_up_status_down_leaves_nothing(cluster_name):
     assert row["state"] == "up" and row["hosts"] == 3 and row["rate"] == "100mbit"
     # shaping on both ends of every link, at the asked rate
     for i in range(3):
-        q = subprocess.run(["ip", "netns", "exec", c.host_ns(i), "tc", "qdisc", "show", "dev", "eth0"],
-                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+        q = subprocess.run(
+            ["ip", "netns", "exec", c.host_ns(i), "tc", "qdisc", "show", "dev", "eth0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert "tbf" in q and "rate 100Mbit" in q
-        q = subprocess.run(["ip", "netns", "exec", c.switch_ns, "tc", "qdisc", "show", "dev", f"p{i}"],
-                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+        q = subprocess.run(
+            ["ip", "netns", "exec", c.switch_ns, "tc", "qdisc", "show", "dev", f"p{i}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert "tbf" in q and "rate 100Mbit" in q
     # nothing in our own namespace
     assert _root_links() == links_before
@@ -99,14 +117,21 @@ def test_up_status_down_leaves_nothing(cluster_name):
         "import socket,sys; s=socket.socket(); s.bind((sys.argv[1],0)); s.listen(1); "
         "c=socket.create_connection((sys.argv[1], s.getsockname()[1]), timeout=5); print('ok')"
     )
-    p = subprocess.run(["ip", "netns", "exec", c.host_ns(2), sys.executable, "-c", code, c.address(2)],
-                       capture_output=True, text=True, timeout=30)  # fmt: skip
+    p = subprocess.run(
+        ["ip", "netns", "exec", c.host_ns(2), sys.executable, "-c", code, c.address(2)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.stdout.strip() == "ok", p.stderr
-    probe = (
-        "import socket,sys; s=socket.create_connection((sys.argv[1], 9), timeout=3)"
-    )  # nothing listens on port 9: a reachable host answers "connection refused" at once
-    p = subprocess.run(["ip", "netns", "exec", c.host_ns(0), sys.executable, "-c", probe, c.address(2)],
-                       capture_output=True, text=True, timeout=30)  # fmt: skip
+    # nothing listens on port 9: a reachable host answers "connection refused" at once
+    probe = "import socket,sys; s=socket.create_connection((sys.argv[1], 9), timeout=3)"
+    p = subprocess.run(
+        ["ip", "netns", "exec", c.host_ns(0), sys.executable, "-c", probe, c.address(2)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert "ConnectionRefusedError" in p.stderr, p.stderr
 
     removed = down(cluster_name)
@@ -209,7 +234,19 @@ def test_dtrain_run_cluster_trains_over_the_hosts(cluster_name, tmp_path):
     assert s_cluster["final_loss"] == pytest.approx(s_local["final_loss"], rel=1e-5)
     assert s_cluster["test_accuracy"] == pytest.approx(s_local["test_accuracy"], abs=1e-9)
     # a process count that does not spread over the hosts is refused before anything starts
-    p = dtrain_cli("run", "--workers", "3", "--batch-size", "63", "--cluster", cluster_name,
-                   "--out", str(tmp_path / "bad"), "--no-progress", timeout=120, env=env)
+    p = dtrain_cli(
+        "run",
+        "--workers",
+        "3",
+        "--batch-size",
+        "63",
+        "--cluster",
+        cluster_name,
+        "--out",
+        str(tmp_path / "bad"),
+        "--no-progress",
+        timeout=120,
+        env=env,
+    )
     assert p.returncode != 0 and "spread evenly" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()

@@ -64,8 +64,13 @@ def test_hierarchical_time_uses_both_levels() -> None:
 
 
 def test_one_rank_costs_nothing() -> None:
-    for fn in (cost.ring_time, cost.recursive_doubling_time, cost.tree_time, cost.rabenseifner_time,
-               cost.lower_bound_time):
+    for fn in (
+        cost.ring_time,
+        cost.recursive_doubling_time,
+        cost.tree_time,
+        cost.rabenseifner_time,
+        cost.lower_bound_time,
+    ):
         assert fn(1, N, LINK) == 0.0
 
 
@@ -126,8 +131,10 @@ def test_ring_traffic_by_hand() -> None:
     t = cost.ring_traffic(2, 10, itemsize=4, piece_bytes=8, max_pieces=64)
     assert t.messages == (6, 6) and t.bytes_sent == (40, 40)
     # ... or at most 2 pieces (3, 2), the default cap
-    for t in (cost.ring_traffic(2, 10, itemsize=4, piece_bytes=8, max_pieces=2),
-              cost.ring_traffic(2, 10, itemsize=4, piece_bytes=8)):
+    for t in (
+        cost.ring_traffic(2, 10, itemsize=4, piece_bytes=8, max_pieces=2),
+        cost.ring_traffic(2, 10, itemsize=4, piece_bytes=8),
+    ):
         assert t.messages == (4, 4) and t.bytes_sent == (40, 40)
     # 3 elements over 5 ranks: segments (1,1,1,0,0); rank r skips r+1 in RS and r+2 in AG
     t = cost.ring_traffic(5, 3, itemsize=4)
@@ -196,8 +203,15 @@ def test_threaded_runs_send_what_cost_says(
 
         got = run_threads(world_size, fn, timeout=30)
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        expect = cost.traffic(alg, world_size, numel * itemsize, itemsize=itemsize, piece_bytes=opts.piece_bytes,
-                              max_pieces=opts.max_pieces, node_size=opts.node_size if opts.nodes is None else None,
-                              nodes=opts.nodes)
+        expect = cost.traffic(
+            alg,
+            world_size,
+            numel * itemsize,
+            itemsize=itemsize,
+            piece_bytes=opts.piece_bytes,
+            max_pieces=opts.max_pieces,
+            node_size=opts.node_size if opts.nodes is None else None,
+            nodes=opts.nodes,
+        )
         assert [g[0] for g in got] == list(expect.messages), alg
         assert [g[1] for g in got] == list(expect.bytes_sent), alg

@@ -25,8 +25,12 @@ def _inputs(world: int, seg: int, dtype: torch.dtype = torch.float32) -> list[to
 def test_reduce_scatter_leaves_each_rank_its_reduced_segment(world: int, op: str) -> None:
     xs = _inputs(world, 7)
     stacked = torch.stack(xs)
-    want = {"sum": stacked.sum(0), "avg": stacked.sum(0) / world, "max": stacked.max(0).values,
-            "min": stacked.min(0).values}[op]
+    want = {
+        "sum": stacked.sum(0),
+        "avg": stacked.sum(0) / world,
+        "max": stacked.max(0).values,
+        "min": stacked.min(0).values,
+    }[op]
     ts = ThreadTransport.create(world)
     outs = run_threads(world, lambda t: reduce_scatter_over(t, xs[t.rank].clone(), op), transports=ts)
     for r, out in enumerate(outs):

@@ -68,7 +68,10 @@ def test_pack_bits_round_trip(bits: int, n: int) -> None:
 
 def test_payload_wire_format_round_trip() -> None:
     payload = [
-        torch.arange(5, dtype=torch.int32), _x(2, 3).half(), _x(3).bfloat16(), torch.zeros(0, dtype=torch.float64)
+        torch.arange(5, dtype=torch.int32),
+        _x(2, 3).half(),
+        _x(3).bfloat16(),
+        torch.zeros(0, dtype=torch.float64),
     ]
     back = unpack_payload(pack_payload(payload))
     assert [(t.dtype, t.shape) for t in back] == [(t.dtype, t.shape) for t in payload]
@@ -335,7 +338,17 @@ def test_stateless_rejects_state() -> None:
 
 def test_every_registry_name_builds_and_round_trips() -> None:
     expected = {
-        "none", "fp16", "bf16", "qsgd", "terngrad", "sign", "onebit", "topk", "randomk", "threshold", "powersgd"
+        "none",
+        "fp16",
+        "bf16",
+        "qsgd",
+        "terngrad",
+        "sign",
+        "onebit",
+        "topk",
+        "randomk",
+        "threshold",
+        "powersgd",
     }
     assert expected <= set(REGISTRY)
     x = _x(64, 64)
@@ -391,8 +404,14 @@ def test_resolve_gives_none_or_identity_for_none_and_from_spec_otherwise() -> No
 def test_every_registry_name_reachable_from_cli() -> None:
     from dtrain.cli import build_parser, config_from_args
 
-    specs = {"qsgd": "qsgd:8", "topk": "topk:0.02", "randomk": "randomk:0.1", "threshold": "threshold:0.01",
-             "powersgd": "powersgd:1", "sign": "sign:mv"}
+    specs = {
+        "qsgd": "qsgd:8",
+        "topk": "topk:0.02",
+        "randomk": "randomk:0.1",
+        "threshold": "threshold:0.01",
+        "powersgd": "powersgd:1",
+        "sign": "sign:mv",
+    }
     for name in REGISTRY:
         spec = specs.get(name, name)
         for flag, wrapped in (("--error-feedback", True), ("--no-error-feedback", False)):
@@ -420,8 +439,10 @@ def test_powersgd_wire_with_layout_factors_each_matrix() -> None:
     assert buf.numel() <= 4 * floats + 4 * 8 + 1 + 2 * 11 + 4 * 15  # factors, vectors, table, headers
     assert sorted(sender.state_dict()["q"]) == ["ps/shard0/0", "ps/shard0/2"]
     # other compressors ignore the layout
-    assert torch.equal(TopK(0.1).from_wire(TopK(0.1).to_wire(flat, "k", shapes=shapes), flat.shape, flat.dtype),
-                       TopK(0.1).decompress(*TopK(0.1).compress(flat, "k")))
+    assert torch.equal(
+        TopK(0.1).from_wire(TopK(0.1).to_wire(flat, "k", shapes=shapes), flat.shape, flat.dtype),
+        TopK(0.1).decompress(*TopK(0.1).compress(flat, "k")),
+    )
     with pytest.raises(ValueError, match="shapes describe"):
         sender.to_wire(flat, "x", shapes=[(3, 3)])
 

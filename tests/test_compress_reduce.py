@@ -154,11 +154,13 @@ def test_powersgd_with_layout_factors_each_matrix_and_sends_vectors_dense() -> N
 
     def grad(r: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(50 + r)
-        return torch.cat([
-            (a1 @ torch.randn(2, 30, generator=g)).reshape(-1),
-            torch.randn(30, generator=g),
-            (a2 @ torch.randn(2, 36, generator=g)).reshape(-1),
-        ])
+        return torch.cat(
+            [
+                (a1 @ torch.randn(2, 30, generator=g)).reshape(-1),
+                torch.randn(30, generator=g),
+                (a2 @ torch.randn(2, 36, generator=g)).reshape(-1),
+            ]
+        )
 
     comps = [PowerSGD(rank=2) for _ in range(p)]
 

@@ -320,8 +320,16 @@ def _ps_one_step(spec: str, grads: list[torch.Tensor]) -> torch.Tensor:
         m = torch.nn.Linear(grads[0].numel(), 1, bias=False)
         with torch.no_grad():
             m.weight.zero_()
-        ps = ParameterServer(m, lambda p: torch.optim.SGD(p, lr=1.0), servers=1, consistency="bsp", transport=t,
-                             store=store, timeout_s=10.0, compression=from_spec(spec, error_feedback=False))
+        ps = ParameterServer(
+            m,
+            lambda p: torch.optim.SGD(p, lr=1.0),
+            servers=1,
+            consistency="bsp",
+            transport=t,
+            store=store,
+            timeout_s=10.0,
+            compression=from_spec(spec, error_feedback=False),
+        )
         if ps.is_server:
             ps.serve()
             return None
@@ -362,7 +370,9 @@ def test_randomk_memory_is_unscaled_and_gets_error_feedback() -> None:
         assert isinstance(u, RandomK) and u.scale and not u.biased
     assert from_spec("randomk:memory").inner.ratio == 0.01  # type: ignore[attr-defined]
     bad_specs = [
-        ("randomk:0.1:x", "RATIO:memory"), ("randomk:abc", "ratio must be a float"), ("randomk:0", "in \\(0, 1\\]")
+        ("randomk:0.1:x", "RATIO:memory"),
+        ("randomk:abc", "ratio must be a float"),
+        ("randomk:0", "in \\(0, 1\\]"),
     ]
     for bad, msg in bad_specs:
         with pytest.raises(ConfigError, match=msg):

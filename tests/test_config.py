@@ -95,7 +95,10 @@ def test_every_field_has_a_flag():
     for name in [f.name for f in RunConfig.shared_fields()] + list(option_fields()):
         assert name in dests, name
     assert {f.name for f in dataclasses.fields(RunConfig)} - {f.name for f in RunConfig.shared_fields()} == {
-        "extra", "options", "model_args"}
+        "extra",
+        "options",
+        "model_args",
+    }
     assert "model_arg" in dests  # the table model_args is filled by --model-arg KEY=VALUE, repeated
 
 
@@ -130,8 +133,11 @@ def test_device_cuda_without_a_gpu_is_refused_before_any_process_starts(monkeypa
         ({"device": "tpu"}, 0, ["device 'tpu'", "cpu, cuda"]),
         ({"backend": "nccl"}, 1, ["nccl reduces CUDA tensors", "--device cuda"]),
         ({"device": "cuda", "strategy": "ps"}, 1, ["strategy ps trains on the CPU", "dp or ddp"]),
-        ({"device": "cuda", "backend": "nccl", "workers": 4}, 1,
-         ["one GPU per process", "4 processes on 1 GPU(s)", "--backend gloo"]),
+        (
+            {"device": "cuda", "backend": "nccl", "workers": 4},
+            1,
+            ["one GPU per process", "4 processes on 1 GPU(s)", "--backend gloo"],
+        ),
         ({"device": "cuda", "backend": "mpi"}, 1, ["mpi backend carries CPU tensors"]),
         ({"device": "cuda", "compression": "topk:0.01"}, 1, ["without --shard", "topk:0.01"]),
         ({"device": "cuda", "shard": "optimizer"}, 1, ["without --shard", "zero-1"]),

@@ -27,21 +27,36 @@ from dtrain.param_server.consistency import (
 # ---------------------------------------------------------------------- specs
 
 
-@pytest.mark.parametrize("text,kind,arg", [
-    ("bsp", "bsp", 0), ("asp", "asp", 0), ("ssp:3", "ssp", 3), ("SSP:0", "ssp", 0),
-    ("softsync:2", "softsync", 2), ("backup:1", "backup", 1), (" ssp : 4 ", "ssp", 4),
-])
+@pytest.mark.parametrize(
+    "text,kind,arg",
+    [
+        ("bsp", "bsp", 0),
+        ("asp", "asp", 0),
+        ("ssp:3", "ssp", 3),
+        ("SSP:0", "ssp", 0),
+        ("softsync:2", "softsync", 2),
+        ("backup:1", "backup", 1),
+        (" ssp : 4 ", "ssp", 4),
+    ],
+)
 def test_parse(text, kind, arg):
     spec = parse_consistency(text)
     assert (spec.kind, spec.arg) == (kind, arg)
     assert parse_consistency(str(spec)) == spec
 
 
-@pytest.mark.parametrize("text,words", [
-    ("ssp", "needs an integer"), ("bsp:2", "takes no argument"), ("ssp:-1", ">= 0"),
-    ("softsync:0", "k >= 1"), ("backup:-1", "b >= 0"), ("hogwild", "unknown consistency"),
-    ("ssp:x", "cannot read"),
-])
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("ssp", "needs an integer"),
+        ("bsp:2", "takes no argument"),
+        ("ssp:-1", ">= 0"),
+        ("softsync:0", "k >= 1"),
+        ("backup:-1", "b >= 0"),
+        ("hogwild", "unknown consistency"),
+        ("ssp:x", "cannot read"),
+    ],
+)
 def test_parse_errors_say_what_to_write(text, words):
     with pytest.raises(ConfigError, match=words):
         parse_consistency(text)
@@ -82,8 +97,11 @@ def _script(spec, text):
 
 
 def test_bsp_schedule():
-    assert _script("bsp", "w0 pull; w1 pull; w2 pull; w0 push; w1 push; w2 push; w1 push; w0 push; w2 finish; "
-                          "w0 push; w1 push; w0 finish; w1 finish") == [
+    assert _script(
+        "bsp",
+        "w0 pull; w1 pull; w2 pull; w0 push; w1 push; w2 push; w1 push; w0 push; w2 finish; "
+        "w0 push; w1 push; w0 finish; w1 finish",
+    ) == [
         "w0 pull -> release w0@0",
         "w1 pull -> release w1@0",
         "w2 pull -> release w2@0",
@@ -115,8 +133,9 @@ def test_asp_schedule():
 
 
 def test_ssp_schedule_and_lost_worker():
-    assert _script("ssp:1", "w0 pull; w1 pull; w0 push; w0 push; w1 push; w0 push; w1 push; w1 lost; "
-                            "w0 push; w0 finish") == [
+    assert _script(
+        "ssp:1", "w0 pull; w1 pull; w0 push; w0 push; w1 push; w0 push; w1 push; w1 lost; w0 push; w0 finish"
+    ) == [
         "w0 pull -> release w0@0",
         "w0 pull -> release w0@0".replace("w0", "w1"),
         "w0 push -> apply[w0c1]@0, release w0@1 lag1",
@@ -131,8 +150,9 @@ def test_ssp_schedule_and_lost_worker():
 
 
 def test_softsync_schedule_flushes_at_the_end():
-    assert _script("softsync:2", "w0 pull; w1 pull; w0 push; w0 push; w1 push; w0 push; w1 push; w0 finish; "
-                                 "w1 push; w1 finish") == [
+    assert _script(
+        "softsync:2", "w0 pull; w1 pull; w0 push; w0 push; w1 push; w0 push; w1 push; w0 finish; w1 push; w1 finish"
+    ) == [
         "w0 pull -> release w0@0",
         "w1 pull -> release w1@0",
         "w0 push -> release w0@0 lag1",
@@ -149,8 +169,11 @@ def test_softsync_schedule_flushes_at_the_end():
 
 
 def test_backup_schedule():
-    assert _script("backup:1", "w0 pull; w1 pull; w2 pull; w0 push; w1 push; w2 push; w0 push; w2 push; "
-                               "w1 push; w0 finish; w1 finish; w2 finish") == [
+    assert _script(
+        "backup:1",
+        "w0 pull; w1 pull; w2 pull; w0 push; w1 push; w2 push; w0 push; w2 push; "
+        "w1 push; w0 finish; w1 finish; w2 finish",
+    ) == [
         "w0 pull -> release w0@0",
         "w1 pull -> release w1@0",
         "w2 pull -> release w2@0",
@@ -287,7 +310,7 @@ def test_backup_drops_exactly_b_per_step_and_never_a_gradient_twice(workers, b, 
         assert len(applied) == workers - b and len(dropped) == b
         # the first N arrivals are applied, the b late ones dropped
         assert [w for w, _ in applied] == order[: workers - b]
-        assert [w for w, _ in dropped] == order[workers - b:]
+        assert [w for w, _ in dropped] == order[workers - b :]
         seen += applied + dropped
         assert p.version == step + 1 and not p.waiting
     assert len(seen) == len(set(seen)) == 12 * workers
@@ -325,7 +348,7 @@ def test_softsync_applies_after_every_k_arrivals(k, seed):
         applies = [a for a in acts if isinstance(a, Apply)]
         if n % k == 0:
             assert len(applies) == 1
-            assert [(a.worker, a.clock) for a in applies[0].arrivals] == arrivals[n - k:]
+            assert [(a.worker, a.clock) for a in applies[0].arrivals] == arrivals[n - k :]
         else:
             assert not applies
         assert acts[-1] == Release(w, p.version, acts[-1].clock_lag)

@@ -71,8 +71,9 @@ def test_jsonl_text_field_and_a_tokenizer(tmp_path):
         for line in lines:
             f.write(json.dumps({"body": line, "other": 1}) + "\n")
         f.write("\n")  # a blank line is skipped
-    d = load_dataset(str(tmp_path / "a.jsonl"), seq_len=5, text_field="body",
-                     tokenizer=str(tmp_path / "tokenizer.json"))
+    d = load_dataset(
+        str(tmp_path / "a.jsonl"), seq_len=5, text_field="body", tokenizer=str(tmp_path / "tokenizer.json")
+    )
     ids = tok.encode("\n".join(lines)).ids
     n_train = len(ids) - round(len(ids) * 0.1)
     assert d.num_classes == tok.get_vocab_size() and d.task == "lm"
@@ -212,8 +213,10 @@ def test_parquet_text_tokens_and_features(tmp_path):
     assert d.num_classes == 60 and _all(d.train) == _windows(list(range(54)), 5)
 
     f1, f2 = np.arange(20, dtype=np.float64), np.arange(20, dtype=np.int64) * 2
-    pq.write_table(pa.table({"f1": f1, "name": [str(i) for i in range(20)], "f2": f2, "label": np.arange(20) % 2}),
-                   tmp_path / "feat.parquet")  # fmt: skip
+    pq.write_table(
+        pa.table({"f1": f1, "name": [str(i) for i in range(20)], "f2": f2, "label": np.arange(20) % 2}),
+        tmp_path / "feat.parquet",
+    )
     d = load_dataset(str(tmp_path / "feat.parquet"), val_fraction=0.25)
     assert d.input_shape == (2,) and d.num_classes == 2 and d.test_size == 5
     i = d.train.indices[3]
@@ -232,8 +235,7 @@ def _save_to_disk(folder, table):
         names.append(f"data-0000{k}-of-00002.arrow")
         with pa.OSFile(str(folder / names[-1]), "wb") as sink, pa.ipc.new_stream(sink, part.schema) as w:
             w.write_table(part)
-    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names],
-                                                   "_split": None}))  # fmt: skip
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names], "_split": None}))
     (folder / "dataset_info.json").write_text("{}")
 
 
@@ -311,7 +313,8 @@ def test_every_world_size_trains_the_same_global_batch_and_a_resume_restarts_at_
         assert [_as_set(b) for b in steps] == [_as_set(b) for b in one]
         for epoch in (1,):  # another epoch, another order, still the same at every width
             assert [_as_set(b) for b in _steps(cfg, data, w, epoch=epoch)] == [
-                _as_set(b) for b in _steps(cfg, data, 1, epoch=epoch)]
+                _as_set(b) for b in _steps(cfg, data, 1, epoch=epoch)
+            ]
         # resumed after 2 steps: the next batches are exactly the uninterrupted run's
         resumed = _steps(cfg, data, w, start_batch=2)
         assert [b.tolist() for b in resumed] == [b.tolist() for b in steps[2:]]
@@ -397,9 +400,11 @@ def test_a_missing_optional_package_says_how_to_install_it(tmp_path, monkeypatch
     np.savez(tmp_path / "a.npz", x=np.zeros((4, 2)), y=np.zeros(4, dtype=int))
     (tmp_path / "a.parquet").write_bytes(b"PAR1")
     (tmp_path / "imgs" / "a").mkdir(parents=True)
-    for module, args in [("tokenizers", dict(dataset=str(tmp_path / "a.txt"), tokenizer=str(tmp_path / "t.json"))),
-                         ("PIL", dict(dataset=str(tmp_path / "imgs"))),
-                         ("pyarrow", dict(dataset=str(tmp_path / "a.parquet")))]:  # fmt: skip
+    for module, args in [
+        ("tokenizers", dict(dataset=str(tmp_path / "a.txt"), tokenizer=str(tmp_path / "t.json"))),
+        ("PIL", dict(dataset=str(tmp_path / "imgs"))),
+        ("pyarrow", dict(dataset=str(tmp_path / "a.parquet"))),
+    ]:
         with monkeypatch.context() as m:
             for name in [k for k in sys.modules if k == module or k.startswith(module + ".")]:
                 m.delitem(sys.modules, name)

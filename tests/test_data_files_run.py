@@ -27,8 +27,9 @@ def _text(n_words: int, seed: int = 0) -> str:
     """Words of a small vocabulary in a fixed grammar: far more predictable than its byte frequencies."""
     rng = np.random.default_rng(seed)
     subjects, verbs, objects = ["the cat", "a dog", "my bird"], ["sat on", "ran to", "saw"], ["the mat", "a tree"]
-    parts = [f"{subjects[rng.integers(3)]} {verbs[rng.integers(3)]} {objects[rng.integers(2)]}."
-             for _ in range(n_words // 5)]  # fmt: skip
+    parts = [
+        f"{subjects[rng.integers(3)]} {verbs[rng.integers(3)]} {objects[rng.integers(2)]}." for _ in range(n_words // 5)
+    ]
     return " ".join(parts)
 
 
@@ -52,9 +53,31 @@ def test_a_text_file_is_learned_beyond_its_byte_unigram_entropy(tmp_path):
     text = _text(6000)
     (tmp_path / "c.txt").write_text(text)
     out = tmp_path / "run"
-    p = dtrain_cli("run", "--model", "gpt-tiny", "--dataset", str(tmp_path / "c.txt"), "--workers", "2",
-                   "--batch-size", "16", "--seq-len", "32", "--optimizer", "adam", "--lr", "0.003",
-                   "--max-steps", "60", "--epochs", "5", "--out", str(out), *QUIET, timeout=240)  # fmt: skip
+    p = dtrain_cli(
+        "run",
+        "--model",
+        "gpt-tiny",
+        "--dataset",
+        str(tmp_path / "c.txt"),
+        "--workers",
+        "2",
+        "--batch-size",
+        "16",
+        "--seq-len",
+        "32",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.003",
+        "--max-steps",
+        "60",
+        "--epochs",
+        "5",
+        "--out",
+        str(out),
+        *QUIET,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     raw = text.encode()
     val = torch.tensor(list(raw[len(raw) - round(len(raw) * 0.1) :]))
@@ -68,9 +91,29 @@ def test_an_image_folder_is_learned_above_chance(tmp_path):
     pytest.importorskip("PIL")
     _images(tmp_path / "imgs")
     out = tmp_path / "run"
-    p = dtrain_cli("run", "--model", "cnn", "--dataset", str(tmp_path / "imgs"), "--image-size", "8",
-                   "--val-fraction", "0.25", "--workers", "2", "--batch-size", "8", "--lr", "0.05", "--epochs", "4",
-                   "--out", str(out), *QUIET, timeout=240)  # fmt: skip
+    p = dtrain_cli(
+        "run",
+        "--model",
+        "cnn",
+        "--dataset",
+        str(tmp_path / "imgs"),
+        "--image-size",
+        "8",
+        "--val-fraction",
+        "0.25",
+        "--workers",
+        "2",
+        "--batch-size",
+        "8",
+        "--lr",
+        "0.05",
+        "--epochs",
+        "4",
+        "--out",
+        str(out),
+        *QUIET,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert read_summary(out)["test_accuracy"] > 0.8  # chance: 1/3 (18 validation images)
 
@@ -90,8 +133,9 @@ def _formats(root: Path) -> dict[str, list[str]]:
     with open(root / "a.jsonl", "w") as f:
         for i in range(200):
             f.write(json.dumps({"content": f"line {i}: " + _text(10, seed=i)}) + "\n")
-    pq.write_table(pa.table({"input_ids": [list(map(int, ids[i : i + 40])) for i in range(0, 4000, 40)]}),
-                   root / "ids.parquet")  # fmt: skip
+    pq.write_table(
+        pa.table({"input_ids": [list(map(int, ids[i : i + 40])) for i in range(0, 4000, 40)]}), root / "ids.parquet"
+    )
     saved = root / "saved"
     saved.mkdir()
     table = pa.table({"f1": rng.normal(size=200), "f2": rng.normal(size=200), "label": rng.integers(0, 3, 200)})
@@ -140,8 +184,20 @@ def test_a_resumed_run_equals_the_straight_one_from_the_checkpoint_on(tmp_path, 
         pytest.importorskip("PIL")
         _images(tmp_path / "imgs", per_class=22)  # 66 images: 59 train, 4 steps an epoch
         data = ["--model", "cnn", "--dataset", str(tmp_path / "imgs"), "--image-size", "8"]
-    run = [*data, "--workers", "2", "--batch-size", "12", "--epochs", "2", "--max-steps", "8",
-           "--checkpoint-every", "3", *QUIET]  # fmt: skip
+    run = [
+        *data,
+        "--workers",
+        "2",
+        "--batch-size",
+        "12",
+        "--epochs",
+        "2",
+        "--max-steps",
+        "8",
+        "--checkpoint-every",
+        "3",
+        *QUIET,
+    ]
     a, b = tmp_path / "straight", tmp_path / "resumed"
     p = dtrain_cli("run", *run, "--out", str(a), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -178,23 +234,42 @@ def _bad_inputs(root: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "missing": ([*lm, "--dataset", str(root / "nope.txt")], f"dataset '{root / 'nope.txt'}' does not exist"),
         "empty": ([*lm, "--dataset", str(root / "empty.txt")], f"dataset {root / 'empty.txt'} is empty"),
-        "below-one-batch": ([*lm, "--dataset", str(root / "short.txt"), "--seq-len", "8", "--batch-size", "64"],
-                            "batch_size 64 is larger than the training set (12 samples"),
+        "below-one-batch": (
+            [*lm, "--dataset", str(root / "short.txt"), "--seq-len", "8", "--batch-size", "64"],
+            "batch_size 64 is larger than the training set (12 samples",
+        ),
         "corrupt": ([*lm, "--dataset", str(root / "bad.npy")], f"dataset {root / 'bad.npy'}: not a readable .npy"),
-        "jsonl-field": ([*lm, "--dataset", str(root / "a.jsonl")],
-                        f"dataset {root / 'a.jsonl'} line 3 has no 'text' text field"),
-        "image": (["--model", "cnn", "--dataset", str(root / "imgs")],
-                  f"image {root / 'imgs' / 'b' / '1.png'}: Pillow cannot read it"),
+        "jsonl-field": (
+            [*lm, "--dataset", str(root / "a.jsonl")],
+            f"dataset {root / 'a.jsonl'} line 3 has no 'text' text field",
+        ),
+        "image": (
+            ["--model", "cnn", "--dataset", str(root / "imgs")],
+            f"image {root / 'imgs' / 'b' / '1.png'}: Pillow cannot read it",
+        ),
         "extension": ([*lm, "--dataset", str(root / "a.csv")], "unknown extension '.csv'"),
-        "token-dtype": ([*lm, "--dataset", str(root / "t.bin"), "--token-dtype", "float8"],
-                        "token_dtype 'float8' is not known; choose one of uint16, uint32, int32, int64"),
-        "bundled-with-file-flags": (["--dataset", "digits", "--tokenizer", "x.json"],
-                                    "--tokenizer read(s) your own data"),
-    }  # fmt: skip
+        "token-dtype": (
+            [*lm, "--dataset", str(root / "t.bin"), "--token-dtype", "float8"],
+            "token_dtype 'float8' is not known; choose one of uint16, uint32, int32, int64",
+        ),
+        "bundled-with-file-flags": (
+            ["--dataset", "digits", "--tokenizer", "x.json"],
+            "--tokenizer read(s) your own data",
+        ),
+    }
 
 
-BAD = ["missing", "empty", "below-one-batch", "corrupt", "jsonl-field", "image", "extension", "token-dtype",
-       "bundled-with-file-flags"]  # fmt: skip
+BAD = [
+    "missing",
+    "empty",
+    "below-one-batch",
+    "corrupt",
+    "jsonl-field",
+    "image",
+    "extension",
+    "token-dtype",
+    "bundled-with-file-flags",
+]
 
 
 @pytest.mark.timeout(120)
@@ -225,11 +300,13 @@ def test_a_missing_hf_package_is_one_line_saying_how_to_install_it(tmp_path):
     (tmp_path / "imgs" / "a").mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stubs), *sys.path])}
     cases = [
-        (["--model", "gpt-tiny", "--dataset", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "tok.json")],
-         "needs the tokenizers package"),
+        (
+            ["--model", "gpt-tiny", "--dataset", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "tok.json")],
+            "needs the tokenizers package",
+        ),
         (["--model", "cnn", "--dataset", str(tmp_path / "imgs")], "needs the Pillow package"),
         (["--model", "mlp", "--dataset", str(tmp_path / "a.parquet")], "needs the pyarrow package"),
-    ]  # fmt: skip
+    ]
     for args, words in cases:
         p = dtrain_cli("run", *args, "--out", str(tmp_path / "run"), *QUIET, env=env, cold=True, timeout=120)
         assert p.returncode == 2, p.stderr[-2000:]

@@ -315,8 +315,9 @@ def test_priority_scheduler_publishes_the_step_before_wait_all_returns():
         published.append(st.step)
 
     cpu = StreamSync(torch.device("cpu"))
-    sched = PriorityScheduler(lambda flat, key, shapes=None: 4, lambda b: None, None, 0, 5.0, lambda b: cpu,
-                              slow_publish)
+    sched = PriorityScheduler(
+        lambda flat, key, shapes=None: 4, lambda b: None, None, 0, 5.0, lambda b: cpu, slow_publish
+    )
     sched.set_buckets(buckets)
     for step in range(2):
         sched.begin_step(step, StepStats(step=step))

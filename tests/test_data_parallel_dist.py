@@ -78,7 +78,6 @@ def _params(m: nn.Module) -> list[Any]:
     return [p.detach().clone().numpy() for p in m.parameters()]
 
 
-
 # ---------------------------------------------------------------------- references
 
 
@@ -186,8 +185,11 @@ def _unused(rank: int, overlap: str) -> dict[str, Any]:
             opt.step()
     model.synchronize()
     model.close()
-    return dict(diff=max_diff(_params(net), _params(ref)), spare_grad_none=net.spare.weight.grad is None,
-                spare_moved=max_diff(_params(net.spare), _params(_Branchy().spare)))
+    return dict(
+        diff=max_diff(_params(net), _params(ref)),
+        spare_grad_none=net.spare.weight.grad is None,
+        spare_moved=max_diff(_params(net.spare), _params(_Branchy().spare)),
+    )
 
 
 def _unused_error(rank: int) -> str:
@@ -299,7 +301,6 @@ def _all_scenarios(rank: int, world: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
     return run_distributed(_all_scenarios, WORLD, timeout=240)
-
 
 
 # ---------------------------------------------------------------------- tests

@@ -79,8 +79,20 @@ def test_easgd_resumes_with_its_centre(easgd_run, tmp_path):
 
 def test_gossip_sync_sends_degree_times_the_model_every_step(tmp_path):
     out = tmp_path / "g"
-    p = dtrain_cli("run", *COMMON, "--strategy", "gossip", "--topology", "ring", "--workers", "4",
-                   "--max-steps", "6", "--out", str(out))  # fmt: skip
+    p = dtrain_cli(
+        "run",
+        *COMMON,
+        "--strategy",
+        "gossip",
+        "--topology",
+        "ring",
+        "--workers",
+        "4",
+        "--max-steps",
+        "6",
+        "--out",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = read_summary(out)
     assert s["strategy"] == "gossip" and s["steps"] == 6 and s["averaging_rounds"] == 6
@@ -95,8 +107,24 @@ def test_easgd_runs_with_the_centre_by_allreduce_or_on_a_server(request, tmp_pat
         out = request.getfixturevalue("easgd_run")
     else:
         out = tmp_path / f"e{servers}"
-        p = dtrain_cli("run", *COMMON, "--strategy", "easgd", "--alpha", "0.2", "--period", "2", "--workers", "2",
-                       "--servers", str(servers), "--max-steps", "8", "--out", str(out))  # fmt: skip
+        p = dtrain_cli(
+            "run",
+            *COMMON,
+            "--strategy",
+            "easgd",
+            "--alpha",
+            "0.2",
+            "--period",
+            "2",
+            "--workers",
+            "2",
+            "--servers",
+            str(servers),
+            "--max-steps",
+            "8",
+            "--out",
+            str(out),
+        )
         assert p.returncode == 0, p.stderr[-3000:]
     s = read_summary(out)
     assert s["strategy"] == "easgd" and s["workers"] == 2 and s["averaging_rounds"] >= 1
@@ -107,13 +135,16 @@ def test_easgd_runs_with_the_centre_by_allreduce_or_on_a_server(request, tmp_pat
         assert rounds * _model_bytes() < sent <= rounds * (_model_bytes() + 128)
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--strategy", "local_sgd", "--period", "0"], "period must be >= 1, got 0"),
-    (["--strategy", "easgd", "--alpha", "1.5"], "alpha must be in (0, 1), got 1.5"),
-    (["--strategy", "gossip", "--topology", "torus", "--workers", "2"], "torus"),
-    (["--strategy", "local_sgd", "--hierarchy", "2:x"], "'2:x'"),
-    (["--strategy", "local_sgd", "--hierarchy", "3:2,4:4", "--workers", "4"], "3"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--strategy", "local_sgd", "--period", "0"], "period must be >= 1, got 0"),
+        (["--strategy", "easgd", "--alpha", "1.5"], "alpha must be in (0, 1), got 1.5"),
+        (["--strategy", "gossip", "--topology", "torus", "--workers", "2"], "torus"),
+        (["--strategy", "local_sgd", "--hierarchy", "2:x"], "'2:x'"),
+        (["--strategy", "local_sgd", "--hierarchy", "3:2,4:4", "--workers", "4"], "3"),
+    ],
+)
 def test_bad_decentralized_options_are_refused_before_any_process(tmp_path, flags, message):
     out = tmp_path / "bad"
     p = dtrain_cli("run", *flags, "--out", str(out), timeout=60)

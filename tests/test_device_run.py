@@ -19,9 +19,30 @@ from _helpers import dtrain_cli, mean_losses, read_summary
 
 pytestmark = pytest.mark.procs  # every test here starts processes
 
-GPT = ["--model", "gpt-tiny", "--dataset", "pytext", "--seq-len", "16", "--batch-size", "8", "--eval-samples", "16",
-       "--max-steps", "8", "--epochs", "1", "--optimizer", "adam", "--lr", "0.003", "--no-progress", "--no-trace",
-       "--timeout-s", "120"]  # fmt: skip
+GPT = [
+    "--model",
+    "gpt-tiny",
+    "--dataset",
+    "pytext",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "8",
+    "--eval-samples",
+    "16",
+    "--max-steps",
+    "8",
+    "--epochs",
+    "1",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.003",
+    "--no-progress",
+    "--no-trace",
+    "--timeout-s",
+    "120",
+]
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
@@ -50,8 +71,9 @@ def test_dp_on_the_device_takes_the_one_process_steps(tmp_path, device):
 def test_fp16_dp_and_ddp_on_the_device_learn(tmp_path, device):
     workers = "4" if device == "cuda" else "2"
     for strategy in ("dp", "ddp"):
-        losses = _run(tmp_path, strategy, "--device", device, "--workers", workers, "--strategy", strategy,
-                      "--precision", "fp16")  # fmt: skip
+        losses = _run(
+            tmp_path, strategy, "--device", device, "--workers", workers, "--strategy", strategy, "--precision", "fp16"
+        )
         s = read_summary(tmp_path / strategy)
         assert s["precision"] == "fp16" and s["device"] == device, s
         assert losses[7] < losses[0] and s["overflow_steps"] <= 2, (strategy, losses, s["overflow_steps"])

@@ -78,8 +78,9 @@ def broken_paths(md: Path) -> list[str]:
         for one in expand_braces(path):
             if not (ROOT / one).exists():
                 bad.append(f"`{one}`" if one == span else f"`{one}` (from `{span}`)")
-            elif test and not re.search(rf"^\s*(async )?def {re.escape(test.split('[')[0])}\b",
-                                        (ROOT / one).read_text(encoding="utf-8"), re.M):  # fmt: skip
+            elif test and not re.search(
+                rf"^\s*(async )?def {re.escape(test.split('[')[0])}\b", (ROOT / one).read_text(encoding="utf-8"), re.M
+            ):
                 bad.append(f"`{span}` (no such test)")
     return bad
 
@@ -100,12 +101,18 @@ def test_links_and_paths_exist(md: Path) -> None:
 
 def test_path_check_catches_a_broken_link(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("See [x](missing.md), `docs/missing.md` and `scripts/test.sh --quick`; `runs/<folder>`;\n"
-                    "`tests/test_docs.py::test_no_such_test`, `docs/{architecture,nothing}.md`.\n"
-                    "```\n[in a block](also-missing.md)\n```\n", encoding="utf-8")  # fmt: skip
-    assert broken_paths(page) == ["link (missing.md)", "`docs/missing.md`",
-                                  "`tests/test_docs.py::test_no_such_test` (no such test)",
-                                  "`docs/nothing.md` (from `docs/{architecture,nothing}.md`)"]  # fmt: skip
+    page.write_text(
+        "See [x](missing.md), `docs/missing.md` and `scripts/test.sh --quick`; `runs/<folder>`;\n"
+        "`tests/test_docs.py::test_no_such_test`, `docs/{architecture,nothing}.md`.\n"
+        "```\n[in a block](also-missing.md)\n```\n",
+        encoding="utf-8",
+    )
+    assert broken_paths(page) == [
+        "link (missing.md)",
+        "`docs/missing.md`",
+        "`tests/test_docs.py::test_no_such_test` (no such test)",
+        "`docs/nothing.md` (from `docs/{architecture,nothing}.md`)",
+    ]
 
 
 def heading_anchor(heading: str) -> str:
@@ -201,9 +208,20 @@ def test_no_tracked_file_points_at_a_design_document() -> None:
 
 # the team's own bookkeeping, which belongs in commit messages: its issue numbers, its numbered work periods,
 # result files named after when they were made (``_s18``, ``run28``); spelled so that this file matches none
-INTERNAL = re.compile("|".join([r"\bissues?\s+#?\d+", r"\bsessions?\s+#?\d+", r"\bwork\s+periods?\b",
-                                r"\bstops?\s+\d+\b", r"_s\d\d\b", r"\brun\d\d\b", r"_(before|after)\.txt\b"]),
-                      re.I)  # fmt: skip
+INTERNAL = re.compile(
+    "|".join(
+        [
+            r"\bissues?\s+#?\d+",
+            r"\bsessions?\s+#?\d+",
+            r"\bwork\s+periods?\b",
+            r"\bstops?\s+\d+\b",
+            r"_s\d\d\b",
+            r"\brun\d\d\b",
+            r"_(before|after)\.txt\b",
+        ]
+    ),
+    re.I,
+)
 
 
 def internal_numbers(text: str) -> list[str]:
@@ -212,10 +230,19 @@ def internal_numbers(text: str) -> list[str]:
 
 def test_internal_number_check_catches_them() -> None:
     # the bookkeeping words are built from pieces, so that this file itself names none of them
-    bad = ["iss" + "ue 17", "Sess" + "ion 4", "work" + " period", "st" + "op 46", "_s" + "18", "ru" + "n28",
-           "_af" + "ter.txt"]  # fmt: skip
-    text = (f"fixed in {bad[0]}; {bad[1]}'s figures; a {bad[2]}; {bad[3]}; coding_cpu{bad[4]}.txt; {bad[5]}; "
-            f"compression_traced_50mbit{bad[6]}. Fine: pytorch#135712, local_sgd period 8, s16 = 2, run_all.py")
+    bad = [
+        "iss" + "ue 17",
+        "Sess" + "ion 4",
+        "work" + " period",
+        "st" + "op 46",
+        "_s" + "18",
+        "ru" + "n28",
+        "_af" + "ter.txt",
+    ]
+    text = (
+        f"fixed in {bad[0]}; {bad[1]}'s figures; a {bad[2]}; {bad[3]}; coding_cpu{bad[4]}.txt; {bad[5]}; "
+        f"compression_traced_50mbit{bad[6]}. Fine: pytorch#135712, local_sgd period 8, s16 = 2, run_all.py"
+    )
     assert internal_numbers(text) == bad
 
 

@@ -47,10 +47,13 @@ def _delegated(module: str) -> Callable[[], argparse.ArgumentParser]:
 
 
 # subcommands that parse their own arguments: their parsers
-PARSERS = {"plan": _delegated("dtrain.planning.cli"), "cluster": _delegated("dtrain.cluster.cli"),
-           "bench allreduce": _delegated("dtrain.measure.allreduce"),
-           "bench p2p": _delegated("dtrain.measure.p2p"),
-           "sweep": lambda: importlib.import_module("dtrain.search.cli").build_parser()}  # fmt: skip
+PARSERS = {
+    "plan": _delegated("dtrain.planning.cli"),
+    "cluster": _delegated("dtrain.cluster.cli"),
+    "bench allreduce": _delegated("dtrain.measure.allreduce"),
+    "bench p2p": _delegated("dtrain.measure.p2p"),
+    "sweep": lambda: importlib.import_module("dtrain.search.cli").build_parser(),
+}
 
 
 def check(line: str, tmp: Path) -> None:
@@ -90,7 +93,8 @@ def check(line: str, tmp: Path) -> None:
                 return  # the reader's own data, which the page names but does not ship
             model = ns.model or ""
             if f"model file {model.rpartition(':')[0]!r} does not exist" in str(e) or (
-                    model.startswith("hf:./") and "nor a folder holding config.json" in str(e)):
+                model.startswith("hf:./") and "nor a folder holding config.json" in str(e)
+            ):
                 return  # the reader's own model (a file, a checkpoint folder), which the page names but does not ship
             raise
 
@@ -113,12 +117,18 @@ def test_command_is_accepted(md: Path, line: str, tmp_path: Path) -> None:
 
 def test_a_wrong_command_is_refused(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("```bash\ndtrain run --workers 4 --no-such-flag  # x\n"
-                    "sudo dtrain cluster up --hosts 4 --bandwidth 1gbit\n"
-                    "srun --ntasks-per-node=1 dtrain run --lr -1 \\\n  --epochs 2\n```\n", encoding="utf-8")
+    page.write_text(
+        "```bash\ndtrain run --workers 4 --no-such-flag  # x\n"
+        "sudo dtrain cluster up --hosts 4 --bandwidth 1gbit\n"
+        "srun --ntasks-per-node=1 dtrain run --lr -1 \\\n  --epochs 2\n```\n",
+        encoding="utf-8",
+    )
     lines = commands(page)
-    assert lines == ["run --workers 4 --no-such-flag", "cluster up --hosts 4 --bandwidth 1gbit",
-                     "run --lr -1 --epochs 2"]
+    assert lines == [
+        "run --workers 4 --no-such-flag",
+        "cluster up --hosts 4 --bandwidth 1gbit",
+        "run --lr -1 --epochs 2",
+    ]
     with pytest.raises(SystemExit):
         check(lines[0], tmp_path)
     check("run --strategy pipeline --help", tmp_path)

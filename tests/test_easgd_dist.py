@@ -63,8 +63,16 @@ def _rounds(period: int, steps: int = STEPS) -> int:
 Params = list[torch.Tensor]
 
 
-def _reference(momentum: float, nesterov: bool, period: int, center_momentum: float, workers: int = WORLD,
-               steps: int = STEPS, lr: float = LR, alpha: float = ALPHA) -> tuple[list[Params], Params]:  # fmt: skip
+def _reference(
+    momentum: float,
+    nesterov: bool,
+    period: int,
+    center_momentum: float,
+    workers: int = WORLD,
+    steps: int = STEPS,
+    lr: float = LR,
+    alpha: float = ALPHA,
+) -> tuple[list[Params], Params]:
     """The paper's synchronous EASGD (eq. 5-6, tau as in Algorithm 1) on ``workers`` simulated replicas:
 
     x_i <- x_i - lr * s_i(g_i(x_i)) - alpha (x_i - c)   (the elastic term only when t > 0 and period | t)
@@ -111,8 +119,9 @@ def _reference(momentum: float, nesterov: bool, period: int, center_momentum: fl
     return x, c
 
 
-def _train(easgd: Any, model: nn.Module, opt: torch.optim.Optimizer, worker: int, steps: int = STEPS,
-           lockstep: bool = False) -> None:  # fmt: skip
+def _train(
+    easgd: Any, model: nn.Module, opt: torch.optim.Optimizer, worker: int, steps: int = STEPS, lockstep: bool = False
+) -> None:
     import torch.distributed as dist
 
     for t in range(steps):
@@ -128,7 +137,6 @@ def _train(easgd: Any, model: nn.Module, opt: torch.optim.Optimizer, worker: int
 def _center(easgd: Any, model: nn.Module) -> list[Any]:
     sd = easgd.center_state_dict()
     return [sd[n].numpy() for n, _ in model.named_parameters()]
-
 
 
 # ---------------------------------------------------------------------- synchronous: 4 workers
@@ -306,10 +314,18 @@ def _server_invariant(rank: int) -> dict[str, Any]:
     avg = easgd.averaged_state_dict()
     final = _np(model.parameters())
     easgd.finish()
-    return {"role": "worker", "start": start, "start_center": start_center, "final": final,
-            "center": _center(easgd, model), "stats": stats, "expected": easgd.expected_bytes_per_step(),
-            "model_bytes": easgd.model_bytes, "consensus": (dist0, dist1),
-            "averaged": [avg[n].numpy() for n, _ in model.named_parameters()]}  # fmt: skip
+    return {
+        "role": "worker",
+        "start": start,
+        "start_center": start_center,
+        "final": final,
+        "center": _center(easgd, model),
+        "stats": stats,
+        "expected": easgd.expected_bytes_per_step(),
+        "model_bytes": easgd.model_bytes,
+        "consensus": (dist0, dist1),
+        "averaged": [avg[n].numpy() for n, _ in model.named_parameters()],
+    }
 
 
 def _server_training(rank: int) -> dict[str, Any]:
@@ -342,8 +358,9 @@ def _one_worker(rank: int, group: Any, mom: float, period: int, center_mom: floa
     if rank > 1:
         return None
     model = _mlp()
-    easgd = EASGD(model, alpha=ALPHA, period=period, center="server", servers=1, momentum=center_mom,
-                  group=group, timeout=60)  # fmt: skip
+    easgd = EASGD(
+        model, alpha=ALPHA, period=period, center="server", servers=1, momentum=center_mom, group=group, timeout=60
+    )
     if easgd.is_server:
         easgd.serve()
         return None
@@ -496,10 +513,21 @@ def test_server_form_needs_a_worker(server_runs: list[Any]) -> None:
 # ---------------------------------------------------------------------- bad inputs (no process group)
 
 BAD = [
-    ("alpha", 0.0), ("alpha", 1.0), ("alpha", -0.25), ("alpha", 1.5), ("alpha", float("nan")), ("alpha", "0.1"),
-    ("period", 0), ("period", -3), ("period", 2.5), ("servers", 0), ("servers", -1), ("center", "gossip"),
-    ("momentum", 1.0), ("momentum", -0.5),
-]  # fmt: skip
+    ("alpha", 0.0),
+    ("alpha", 1.0),
+    ("alpha", -0.25),
+    ("alpha", 1.5),
+    ("alpha", float("nan")),
+    ("alpha", "0.1"),
+    ("period", 0),
+    ("period", -3),
+    ("period", 2.5),
+    ("servers", 0),
+    ("servers", -1),
+    ("center", "gossip"),
+    ("momentum", 1.0),
+    ("momentum", -0.5),
+]
 
 
 @pytest.mark.parametrize("key,value", BAD, ids=[f"{k}={v!r}" for k, v in BAD])

@@ -34,8 +34,11 @@ def _cli(*args: str, inf: str = "", timeout: float = 90) -> tuple[object, float]
     """``dtrain run ARGS`` (with ``inf`` = "RANK:STEP:PARAM" injected); (process, seconds to exit)."""
     env = dict(os.environ)
     if inf:
-        env.update(DTRAIN_STRATEGY_MODULES="_faults", DTRAIN_TEST_INF=inf,
-                   PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]))  # fmt: skip
+        env.update(
+            DTRAIN_STRATEGY_MODULES="_faults",
+            DTRAIN_TEST_INF=inf,
+            PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]),
+        )
     t0 = time.monotonic()
     p = dtrain_cli("run", *args, timeout=timeout, env=env)
     return p, time.monotonic() - t0
@@ -141,8 +144,9 @@ def test_a_parameter_server_worker_skips_its_push_then_stops_naming_the_paramete
     check skips step 3 (no push; under bsp the servers wait for its next gradient, no hang, no skip
     elsewhere) and stops the run at step 5."""
     out = tmp_path / "ps"
-    p, wall = _cli(*QUICK, "--strategy", "ps", "--max-steps", "8", "--skip-nonfinite", "1", "--out", str(out),
-                   inf="2:3+5:6.weight")  # fmt: skip
+    p, wall = _cli(
+        *QUICK, "--strategy", "ps", "--max-steps", "8", "--skip-nonfinite", "1", "--out", str(out), inf="2:3+5:6.weight"
+    )
     assert p.returncode == 2, p.stderr[-3000:]
     assert wall < 60, wall
     assert "rank 2 at step 3: non-finite gradient (inf) in parameter '6.weight'" in p.stderr  # skipped
@@ -154,12 +158,15 @@ def test_a_parameter_server_worker_skips_its_push_then_stops_naming_the_paramete
     assert max(r["step"] for r in rows if r["rank"] == 2) == 4  # went on after the skip, stopped before 5
 
 
-@pytest.mark.parametrize("options, words", [
-    ({"overlap": "forward"}, "--overlap backward"),
-    ({"compression": "topk:0.1"}, "compressor's state"),
-    ({"strategy": "ps", "checkpoint_every": 2}, "parameter server"),
-    ({"skip_nonfinite": -1}, "skip_nonfinite must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"overlap": "forward"}, "--overlap backward"),
+        ({"compression": "topk:0.1"}, "compressor's state"),
+        ({"strategy": "ps", "checkpoint_every": 2}, "parameter server"),
+        ({"skip_nonfinite": -1}, "skip_nonfinite must be >= 0"),
+    ],
+)
 def test_skip_nonfinite_is_refused_where_a_step_cannot_be_left_out(options, words):
     with pytest.raises(ConfigError, match=words):
         validate(RunConfig.make(**{"skip_nonfinite": 1, **options}))
@@ -183,10 +190,13 @@ def test_a_folder_holding_a_run_is_refused_before_any_worker_and_replaced_with_o
     files = _earlier_run(out)
     p, wall = _cli(*QUICK, "--max-steps", "2", "--out", str(out), timeout=60)
     assert p.returncode == 2 and wall < 30, (wall, p.stderr[-3000:])
-    assert p.stderr.strip() == (f"dtrain: error: the run folder {out} holds an earlier run (checkpoints, config.toml, "
-                                "metrics.jsonl, summary.json); choose a new --out, or --overwrite to replace it")
-    assert {n: (out / n).read_text() for n in files} == files and sorted(os.listdir(out)) == sorted([*files,
-                                                                                                      "checkpoints"])
+    assert p.stderr.strip() == (
+        f"dtrain: error: the run folder {out} holds an earlier run (checkpoints, config.toml, "
+        "metrics.jsonl, summary.json); choose a new --out, or --overwrite to replace it"
+    )
+    assert {n: (out / n).read_text() for n in files} == files and sorted(os.listdir(out)) == sorted(
+        [*files, "checkpoints"]
+    )
     p, _ = _cli(*QUICK, "--max-steps", "2", "--out", str(out), "--overwrite")
     assert p.returncode == 0, p.stderr[-3000:]
     assert read_summary(out)["steps"] == 2 and not (out / "checkpoints").exists()
@@ -194,10 +204,13 @@ def test_a_folder_holding_a_run_is_refused_before_any_worker_and_replaced_with_o
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("where, words", [
-    ("/proc/x/y", "cannot write the run folder /proc/x/y: No such file or directory"),
-    ("FILE", "it is a file"),
-])
+@pytest.mark.parametrize(
+    "where, words",
+    [
+        ("/proc/x/y", "cannot write the run folder /proc/x/y: No such file or directory"),
+        ("FILE", "it is a file"),
+    ],
+)
 def test_an_unwritable_out_is_one_line_before_any_worker(tmp_path, where, words):
     """F3: `--out /proc/x/y` used to end in a FileNotFoundError traceback."""
     if where == "FILE":
@@ -227,6 +240,7 @@ def test_overwrite_replaces_only_a_run_folder_and_never_the_resumed_checkpoint(t
     assert open_run_folder(RunConfig.make(out=str(tmp_path / "empty"))) == tmp_path / "empty"
     assert open_run_folder(RunConfig.make(out=str(tmp_path / "empty"))) == tmp_path / "empty"  # empty: fine
     assert open_run_folder(RunConfig.make(out=str(run), overwrite=True)) == run and os.listdir(run) == []
+
     # the default folder never lands on another run's, even within one second
     class Frozen:
         @staticmethod

@@ -38,13 +38,29 @@ from dtrain.launch.agent import _causes, _failed, _restart
 # so a resume from step 10 or 20 also crosses it; the kill comes 3 steps after the step-10 checkpoint (rows
 # for the restart to drop), with 17 still to run
 STEPS = 30
-RUN = ("run", "--workers", "3", "--batch-size", "48", "--epochs", "2", "--max-steps", str(STEPS),
-       "--checkpoint-every", "10", "--no-progress", "--timeout-s", "60")  # fmt: skip
+RUN = (
+    "run",
+    "--workers",
+    "3",
+    "--batch-size",
+    "48",
+    "--epochs",
+    "2",
+    "--max-steps",
+    str(STEPS),
+    "--checkpoint-every",
+    "10",
+    "--no-progress",
+    "--timeout-s",
+    "60",
+)
 # a death ends the run within seconds (about 1 s on an idle machine; 8.4 s was seen with the other core busy),
 # where a launcher that missed it would wait out the 60 s collective timeout
 EXIT_S = 15
-LINE = re.compile(r"^dtrain: rank (\d+) died \(SIGKILL\) at step (\d+); restarting \(1 of 1\) from the checkpoint "
-                  r"at step (\d+)$")  # fmt: skip
+LINE = re.compile(
+    r"^dtrain: rank (\d+) died \(SIGKILL\) at step (\d+); restarting \(1 of 1\) from the checkpoint "
+    r"at step (\d+)$"
+)
 
 
 def _losses(out: Path) -> dict[tuple[int, int], float]:
@@ -81,7 +97,8 @@ def test_a_sigkilled_worker_restarts_from_the_checkpoint_and_ends_as_the_uninter
     entry = summary["restarts"][0]
     assert len(summary["restarts"]) == 1
     assert {k: entry[k] for k in ("attempt", "rank", "signal", "step", "resumed_from")} == dict(
-        attempt=1, rank=2, signal="SIGKILL", step=step, resumed_from=frm)
+        attempt=1, rank=2, signal="SIGKILL", step=step, resumed_from=frm
+    )
     assert summary["steps"] == want["steps"] == STEPS
     assert summary["final_loss"] == pytest.approx(want["final_loss"], abs=1e-6)
 
@@ -96,8 +113,10 @@ def test_a_sigkilled_worker_restarts_from_the_checkpoint_and_ends_as_the_uninter
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     assert not list(out.glob("error.rank?.txt")), "the failed attempt's error files are kept by attempt"
-    print(f"\nrestart line {said_at - sent:.1f} s after the SIGKILL (rank {rank} at step {step}, resumed from {frm}); "
-          f"exit {took:.1f} s after it; uninterrupted run {plain_s:.1f} s")
+    print(
+        f"\nrestart line {said_at - sent:.1f} s after the SIGKILL (rank {rank} at step {step}, resumed from {frm}); "
+        f"exit {took:.1f} s after it; uninterrupted run {plain_s:.1f} s"
+    )
 
 
 @pytest.mark.procs
@@ -131,18 +150,26 @@ def test_a_death_after_the_last_restart_ends_the_run_naming_the_rank(tmp_path):
     assert took < EXIT_S, f"exit {took:.1f} s after the second SIGKILL"
     lines = run.stderr.strip().splitlines()
     assert sum("restarting" in line for line in lines) == 1, run.stderr[-3000:]
-    assert re.match(r"^dtrain: rank 1 died \(SIGKILL\) at step \d+; restarting \(1 of 1\) from the checkpoint at "
-                    r"step \d+$", next(x for x in lines if "restarting" in x))  # fmt: skip
+    assert re.match(
+        r"^dtrain: rank 1 died \(SIGKILL\) at step \d+; restarting \(1 of 1\) from the checkpoint at "
+        r"step \d+$",
+        next(x for x in lines if "restarting" in x),
+    )
     assert lines[-2:] == ["dtrain: error: worker processes failed:", lines[-1]], run.stderr[-3000:]
     assert lines[-1].startswith("  rank 1: killed by signal 9"), run.stderr[-3000:]
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("flags, words", [
-    (["--max-restarts", "-1"], "max_restarts must be >= 0, got -1"),
-    (["--max-restarts", "2"], "--max-restarts 2 restarts the processes from the run's newest checkpoint: add "
-                              "--checkpoint-every N"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--max-restarts", "-1"], "max_restarts must be >= 0, got -1"),
+        (
+            ["--max-restarts", "2"],
+            "--max-restarts 2 restarts the processes from the run's newest checkpoint: add --checkpoint-every N",
+        ),
+    ],
+)
 def test_bad_max_restarts_is_one_line_before_any_process(tmp_path, flags, words):
     out = tmp_path / "run"
     t0 = time.monotonic()
@@ -153,18 +180,26 @@ def test_bad_max_restarts_is_one_line_before_any_process(tmp_path, flags, words)
     assert not out.exists(), "a process started (the run folder was made)"
 
 
-@pytest.mark.parametrize("flags, words", [
-    (dict(strategy="hybrid", dp=2, compression="topk:0.1", model="gpt-tiny", dataset="pytext"),
-     "--max-restarts 1 restarts from the run's checkpoints, and checkpoints of a hybrid run with --compression "
-     "topk:0.1 are not supported"),
-    (dict(strategy="tensor", model="gpt-tiny", dataset="pytext"), None),  # each rank saves its own slices
-    (dict(strategy="pipeline", schedule="2bw"), "--max-restarts 1 restarts from the run's checkpoints, and "
-                                                "checkpoints of a pipeline run with --schedule 2bw are not supported"),
-    (dict(strategy="pipeline"), None),  # gpipe, 1f1b, interleaved: each stage saves its own layers
-    (dict(cluster="lab"), None),  # the emulated hosts run the per-node command, which restarts across nodes
-    (dict(strategy="ps"), None),  # the parameter server checkpoints under bsp (its default)
-    (dict(), None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (
+            dict(strategy="hybrid", dp=2, compression="topk:0.1", model="gpt-tiny", dataset="pytext"),
+            "--max-restarts 1 restarts from the run's checkpoints, and checkpoints of a hybrid run with --compression "
+            "topk:0.1 are not supported",
+        ),
+        (dict(strategy="tensor", model="gpt-tiny", dataset="pytext"), None),  # each rank saves its own slices
+        (
+            dict(strategy="pipeline", schedule="2bw"),
+            "--max-restarts 1 restarts from the run's checkpoints, and "
+            "checkpoints of a pipeline run with --schedule 2bw are not supported",
+        ),
+        (dict(strategy="pipeline"), None),  # gpipe, 1f1b, interleaved: each stage saves its own layers
+        (dict(cluster="lab"), None),  # the emulated hosts run the per-node command, which restarts across nodes
+        (dict(strategy="ps"), None),  # the parameter server checkpoints under bsp (its default)
+        (dict(), None),
+    ],
+)
 def test_max_restarts_needs_a_strategy_that_checkpoints_on_this_machine(flags, words):
     cfg = RunConfig.make(workers=2, max_restarts=1, checkpoint_every=5, **flags)
     if words is None:
@@ -202,8 +237,10 @@ def test_the_cause_is_the_earliest_error_file_within_the_same_second(tmp_path):
     assert _causes({0: peer, 2: cause}) == {2: cause}  # the peer's error is its consequence: left out
     killed = SimpleNamespace(exitcode=-9, timestamp=1_700_000_001, error_file="", message="")
     assert _causes({0: peer, 1: killed, 2: cause}) == {1: killed}  # a signal first, whenever it came
-    assert str(_failed({0: peer, 2: cause})).splitlines()[1:] == ["  rank 2: rank 2 at step 5: non-finite gradient",
-                                                                 "  rank 0: rank 0: serve: worker rank 2 was lost"]
+    assert str(_failed({0: peer, 2: cause})).splitlines()[1:] == [
+        "  rank 2: rank 2 at step 5: non-finite gradient",
+        "  rank 0: rank 0: serve: worker rank 2 was lost",
+    ]
 
 
 def _rows(out: Path, rank: int, steps: range) -> None:
@@ -226,14 +263,24 @@ def test_restart_log_names_the_rank_step_and_checkpoint_and_the_worker_drops_red
     log(_restart(1, 3, {1: SimpleNamespace(exitcode=-9, timestamp=1)}))  # no checkpoint yet: step 0
     save_checkpoint(out / "checkpoints", 20, model=torch.nn.Linear(2, 2), info={"step": 20})
     log(_restart(2, 3, {1: SimpleNamespace(exitcode=-9, timestamp=1), 0: SimpleNamespace(exitcode=1, timestamp=2)}))
-    assert said == ["rank 1 died (SIGKILL) at step 23; restarting (1 of 3) from step 0 (no complete checkpoint yet)",
-                    "rank 1 died (SIGKILL) at step 23; restarting (2 of 3) from the checkpoint at step 20"]
+    assert said == [
+        "rank 1 died (SIGKILL) at step 23; restarting (1 of 3) from step 0 (no complete checkpoint yet)",
+        "rank 1 died (SIGKILL) at step 23; restarting (2 of 3) from the checkpoint at step 20",
+    ]
     summary: dict[str, object] = {"steps": 5}
     log.add_to(summary, {0: {"role": "worker", "steps": 20, "start_step": 20}})
     assert summary["steps"] == 40 and summary["restarts"] == [
         {"attempt": 1, "rank": 1, "signal": "SIGKILL", "step": 23, "resumed_from": 0, "workers": 2},
-        {"attempt": 2, "rank": 1, "signal": "SIGKILL", "step": 23, "resumed_from": 20,
-         "also_failed": {"0": "exit code 1"}, "workers": 2}]  # fmt: skip
+        {
+            "attempt": 2,
+            "rank": 1,
+            "signal": "SIGKILL",
+            "step": 23,
+            "resumed_from": 20,
+            "also_failed": {"0": "exit code 1"},
+            "workers": 2,
+        },
+    ]
     assert "world_sizes" not in summary  # without --min-workers every restart keeps the workers
     assert summary["last_attempt"] == {"from_step": 20, "steps": 20}  # what train_s and samples_per_s cover
 
@@ -250,8 +297,22 @@ def test_restart_log_names_the_rank_step_and_checkpoint_and_the_worker_drops_red
 # 3 workers that lose one (the same scale-down as 4 -> 3, on fewer processes); 3 epochs at lr 0.06 reach the
 # accuracy (0.92) that 4 at the default 0.05 did, in 87 steps instead of 116, with the same small drift after
 # the scale-down (measured: 8e-7; at lr 0.08 the runs part, 1e-2)
-SCALE = ("run", "--workers", "3", "--batch-size", "48", "--epochs", "3", "--lr", "0.06", "--checkpoint-every", "10",
-         "--no-progress", "--timeout-s", "60")  # fmt: skip
+SCALE = (
+    "run",
+    "--workers",
+    "3",
+    "--batch-size",
+    "48",
+    "--epochs",
+    "3",
+    "--lr",
+    "0.06",
+    "--checkpoint-every",
+    "10",
+    "--no-progress",
+    "--timeout-s",
+    "60",
+)
 
 
 @pytest.mark.procs
@@ -273,8 +334,11 @@ def test_with_min_workers_a_lost_worker_leaves_the_run_on_fewer_that_ends_as_the
     run.finish(timeout=300)
     assert run.p.returncode == 0, run.stderr[-3000:]
     said = [line for _, line in run.lines if "restarting" in line]
-    m = re.match(r"^dtrain: rank 2 died \(SIGKILL\) at step (\d+); restarting \(1 of 1\) from the checkpoint at "
-                 r"step (\d+) on 2 workers \(was 3; --min-workers 2\)$", said[0] if said else "")  # fmt: skip
+    m = re.match(
+        r"^dtrain: rank 2 died \(SIGKILL\) at step (\d+); restarting \(1 of 1\) from the checkpoint at "
+        r"step (\d+) on 2 workers \(was 3; --min-workers 2\)$",
+        said[0] if said else "",
+    )
     assert len(said) == 1 and m, run.stderr[-3000:]
     frm = int(m.group(2))
 
@@ -297,24 +361,37 @@ def test_with_min_workers_a_lost_worker_leaves_the_run_on_fewer_that_ends_as_the
     # restart, 1e-4 30 steps on, a late small loss 6.8% from the other run's; the first ten steps stay within 1e-4
     assert max(drift[:10]) <= 1e-4, f"loss {max(drift[:10]):.2e} from the 3-worker run's in 10 steps"
     assert summary["metric"] >= want["metric"] - 0.01 and summary["metric"] >= 0.9, (summary["metric"], want["metric"])
-    print(f"\nscale-down 3 -> 2 at step {frm}: first step's loss {drift[0]:.1e} from the 3-worker run's, largest "
-          f"{max(drift):.1e} (in 10 steps {max(drift[:10]):.1e}); accuracy {summary['metric']:.4f} vs "
-          f"{want['metric']:.4f}")
+    print(
+        f"\nscale-down 3 -> 2 at step {frm}: first step's loss {drift[0]:.1e} from the 3-worker run's, largest "
+        f"{max(drift):.1e} (in 10 steps {max(drift[:10]):.1e}); accuracy {summary['metric']:.4f} vs "
+        f"{want['metric']:.4f}"
+    )
 
 
-@pytest.mark.parametrize("flags, words", [
-    (dict(min_workers=3), "--min-workers 3 lets a restart go on with fewer workers: add --max-restarts N"),
-    (dict(min_workers=5, max_restarts=1), "--min-workers 5 is more than the run's 4 workers"),
-    (dict(min_workers=3, max_restarts=1, batch_size=64),
-     "--min-workers 3: on 3 workers the run would not train the steps of its 4 (global batch 64, 22 steps an epoch; "
-     "on 3: batch 63, 22 steps), so a scale-down could not resume its checkpoint; choose a --batch-size that every "
-     "count from 3 to 4 divides, e.g. 60 or 72"),
-    (dict(min_workers=2, max_restarts=1, batch_size=48, compression="topk:0.01"),
-     "--min-workers 2: a checkpoint of dp ring 25MiB topk:0.01 does not resume on another number of workers"),
-    (dict(min_workers=2, max_restarts=1, batch_size=48, batch_schedule="auto"), "with --batch-schedule auto"),
-    (dict(min_workers=2, max_restarts=1, batch_size=48), None),
-    (dict(min_workers=2, max_restarts=1, batch_size=48, shard="gradients"), None),  # ZeRO: DCP reshards the segments
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (dict(min_workers=3), "--min-workers 3 lets a restart go on with fewer workers: add --max-restarts N"),
+        (dict(min_workers=5, max_restarts=1), "--min-workers 5 is more than the run's 4 workers"),
+        (
+            dict(min_workers=3, max_restarts=1, batch_size=64),
+            "--min-workers 3: on 3 workers the run would not train the steps of its 4 (global batch 64, 22 steps an "
+            "epoch; on 3: batch 63, 22 steps), so a scale-down could not resume its checkpoint; choose a --batch-size "
+            "that every "
+            "count from 3 to 4 divides, e.g. 60 or 72",
+        ),
+        (
+            dict(min_workers=2, max_restarts=1, batch_size=48, compression="topk:0.01"),
+            "--min-workers 2: a checkpoint of dp ring 25MiB topk:0.01 does not resume on another number of workers",
+        ),
+        (dict(min_workers=2, max_restarts=1, batch_size=48, batch_schedule="auto"), "with --batch-schedule auto"),
+        (dict(min_workers=2, max_restarts=1, batch_size=48), None),
+        (
+            dict(min_workers=2, max_restarts=1, batch_size=48, shard="gradients"),
+            None,
+        ),  # ZeRO: DCP reshards the segments
+    ],
+)
 def test_min_workers_is_checked_before_any_process(flags, words):
     cfg = RunConfig.make(workers=4, checkpoint_every=5, **{"max_restarts": 0, **flags})
     if words is None:
@@ -327,8 +404,16 @@ def test_min_workers_is_checked_before_any_process(flags, words):
 def test_the_restart_log_drops_a_worker_only_while_min_workers_remain_and_never_a_server(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    cfg = RunConfig.make(strategy="ps", servers=1, workers=3, checkpoint_every=10, max_restarts=5, min_workers=2,
-                         batch_size=48, out=str(out))  # fmt: skip
+    cfg = RunConfig.make(
+        strategy="ps",
+        servers=1,
+        workers=3,
+        checkpoint_every=10,
+        max_restarts=5,
+        min_workers=2,
+        batch_size=48,
+        out=str(out),
+    )
     for r in range(4):
         _rows(out, r, range(12))
     (out / "error.rank3.txt").write_text("PeerLostError")
@@ -348,8 +433,25 @@ def test_the_restart_log_drops_a_worker_only_while_min_workers_remain_and_never_
 
 
 # 3 stages (a middle one to kill); as RUN: the kill comes 3 steps after the step-10 checkpoint, 17 before the end
-PIPE = ("run", "--strategy", "pipeline", "--workers", "3", "--epochs", "2", "--max-steps", str(STEPS), "--batch-size",
-        "24", "--checkpoint-every", "10", "--no-progress", "--no-trace", "--timeout-s", "60")  # fmt: skip
+PIPE = (
+    "run",
+    "--strategy",
+    "pipeline",
+    "--workers",
+    "3",
+    "--epochs",
+    "2",
+    "--max-steps",
+    str(STEPS),
+    "--batch-size",
+    "24",
+    "--checkpoint-every",
+    "10",
+    "--no-progress",
+    "--no-trace",
+    "--timeout-s",
+    "60",
+)
 
 
 @pytest.mark.procs

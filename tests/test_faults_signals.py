@@ -27,14 +27,21 @@ from dtrain.config.schema import RunConfig
 from dtrain.job.run import _interrupted_message
 
 LONG_RUN = ("run", "--workers", "2", "--epochs", "200", "--no-progress")
-RESUME_LINE = re.compile(r"^dtrain: interrupted \(SIGINT\) at step (\d+); last complete checkpoint: step (\d+); "
-                         r"resume with: (dtrain run \S+ --resume \S+ --out \S+)$")
+RESUME_LINE = re.compile(
+    r"^dtrain: interrupted \(SIGINT\) at step (\d+); last complete checkpoint: step (\d+); "
+    r"resume with: (dtrain run \S+ --resume \S+ --out \S+)$"
+)
 
 
 def _start(*args: str) -> subprocess.Popen[str]:
     """``dtrain ARGS`` in a new session (its own process group, as a terminal's foreground job is)."""
-    return subprocess.Popen([sys.executable, "-m", "dtrain.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "dtrain.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _session(sid: int) -> list[tuple[int, str]]:
@@ -132,12 +139,16 @@ def test_interrupted_message_takes_only_complete_checkpoints(tmp_path):
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "rank": 0}) + "\n" for s in (1, 8, 9)))
     cfg = RunConfig(out=str(out))
     msg = _interrupted_message(cfg, out, signal.SIGINT)
-    assert msg == (f"interrupted (SIGINT) at step 10; last complete checkpoint: step 4; resume with: "
-                   f"dtrain run {out / 'config.toml'} --resume {out / 'checkpoints' / 'step_000004'} "
-                   f"--out {tmp_path / 'run-resumed'}")
+    assert msg == (
+        f"interrupted (SIGINT) at step 10; last complete checkpoint: step 4; resume with: "
+        f"dtrain run {out / 'config.toml'} --resume {out / 'checkpoints' / 'step_000004'} "
+        f"--out {tmp_path / 'run-resumed'}"
+    )
     (tmp_path / "run-resumed").mkdir()  # taken: the next free name
     assert _interrupted_message(cfg, out, signal.SIGINT).endswith(f"--out {tmp_path / 'run-resumed-2'}")
     (out / "metrics.jsonl").unlink()
     msg = _interrupted_message(cfg, tmp_path / "empty", signal.SIGTERM)
-    assert msg == "interrupted (SIGTERM) before the first step; no checkpoint to resume from " \
-                  "(--checkpoint-every N saves some)"
+    assert (
+        msg == "interrupted (SIGTERM) before the first step; no checkpoint to resume from "
+        "(--checkpoint-every N saves some)"
+    )

@@ -38,7 +38,7 @@ def _rank_of(pid: int) -> int:
         except OSError:
             continue
         if name.startswith("metrics.rank") and name.endswith(".jsonl"):
-            return int(name[len("metrics.rank"):-len(".jsonl")])
+            return int(name[len("metrics.rank") : -len(".jsonl")])
     raise AssertionError(f"worker {pid} holds no metrics file open")
 
 
@@ -64,8 +64,21 @@ STALLS = {  # name: (flags, the training ranks, the rank to stop, words of the l
 def test_a_stopped_worker_ends_the_run_within_the_timeout_naming_it(tmp_path: Path, name: str) -> None:
     flags, ranks, victim_rank, words = STALLS[name]
     out = tmp_path / "r"
-    cmd = [sys.executable, "-m", "dtrain.cli", "run", *flags, "--epochs", "200", "--timeout-s", str(TIMEOUT_S),
-           "--no-progress", "--no-trace", "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dtrain.cli",
+        "run",
+        *flags,
+        "--epochs",
+        "200",
+        "--timeout-s",
+        str(TIMEOUT_S),
+        "--no-progress",
+        "--no-trace",
+        "--out",
+        str(out),
+    ]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     victim = None
     try:
@@ -105,15 +118,20 @@ def test_a_stopped_worker_ends_the_run_within_the_timeout_naming_it(tmp_path: Pa
 
 def test_the_verdict_names_silent_ranks_else_those_behind():
     beats = {0: (40, 0.2), 1: (40, 0.9), 2: (39, 10.4), 3: (40, 0.1)}
-    assert diagnose(beats, me=0) == ("watchdog: it did not arrive: rank 2 (no heartbeat for 10.4 s, last at step 39) "
-                                     "stopped responding")  # fmt: skip
+    assert diagnose(beats, me=0) == (
+        "watchdog: it did not arrive: rank 2 (no heartbeat for 10.4 s, last at step 39) stopped responding"
+    )
     two = diagnose({**beats, 3: (38, 12.0)}, me=1)
     assert "they did not arrive: rank 2 (" in two and "rank 3 (no heartbeat for 12.0 s, last at step 38)" in two
-    assert diagnose({0: (5, 0.1), 1: (4, 0.3), 2: (5, 0.2)}, me=0) == \
-        "watchdog: every rank is alive; behind the others (step 5): rank 1 at step 4"
+    assert (
+        diagnose({0: (5, 0.1), 1: (4, 0.3), 2: (5, 0.2)}, me=0)
+        == "watchdog: every rank is alive; behind the others (step 5): rank 1 at step 4"
+    )
     assert "every rank is alive and at step 5" in diagnose({0: (5, 0.1), 1: (5, 0.3)}, me=1)
-    assert diagnose({0: (5, 30.0)}, me=0) == "watchdog: every rank is alive and at step 5 (a lost message, " \
-        "or a rank waiting on another group)"  # its own age is not judged
+    assert (
+        diagnose({0: (5, 30.0)}, me=0) == "watchdog: every rank is alive and at step 5 (a lost message, "
+        "or a rank waiting on another group)"
+    )  # its own age is not judged
     assert diagnose({}, me=0) == "watchdog: no rank has posted a heartbeat"
 
 
@@ -134,8 +152,10 @@ def test_heartbeats_go_through_the_store_and_explain_keeps_the_error():
     for b in beats:
         b.stop()
     assert isinstance(e, CommTimeoutError) and e.rank == 0 and e.peer == 1 and e.step == 7
-    assert str(e).startswith("rank 0: allreduce(ring) recv with rank 1 at step 7: not completed within 10s; "
-                             "watchdog: it did not arrive: rank 2 (no heartbeat for ")  # fmt: skip
+    assert str(e).startswith(
+        "rank 0: allreduce(ring) recv with rank 1 at step 7: not completed within 10s; "
+        "watchdog: it did not arrive: rank 2 (no heartbeat for "
+    )
     assert "last at step 0) stopped responding" in str(e)
 
 
@@ -153,8 +173,9 @@ def test_explain_names_a_stopped_rank_behind_a_closed_connection_and_leaves_othe
     beats = [Heartbeat(r, 3, store=store, period_s=0.05).start() for r in range(3)]
     try:
         time.sleep(0.3)
-        closed = PipelineError("rank 0, stage 0, micro-batch 1: receiving the gradient from stage 1 failed: "
-                               "Connection closed by peer")  # fmt: skip
+        closed = PipelineError(
+            "rank 0, stage 0, micro-batch 1: receiving the gradient from stage 1 failed: Connection closed by peer"
+        )
         assert explain(closed, beats[0]) is closed  # everyone alive: nothing to add
         beats[2].step = 39
         time.sleep(0.1)

@@ -57,7 +57,6 @@ def _flat(m: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
 
-
 def _gossip_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("dtrain-gossip") and t.is_alive()]
 
@@ -77,9 +76,14 @@ def _sync_one(rank: int, spec: Any) -> dict[str, Any]:
         opt.step()
         g.step()
     avg = g.averaged_state_dict()
-    out = dict(params=_flat(net).numpy().copy(), stats=g.stats(), consensus=g.consensus_distance(),
-               averaged=torch.cat([v.reshape(-1) for v in avg.values()]).numpy().copy(),
-               matrix=g.topology.matrix, out_degree=len(g.topology.out_neighbours(rank)))  # fmt: skip
+    out = dict(
+        params=_flat(net).numpy().copy(),
+        stats=g.stats(),
+        consensus=g.consensus_distance(),
+        averaged=torch.cat([v.reshape(-1) for v in avg.values()]).numpy().copy(),
+        matrix=g.topology.matrix,
+        out_degree=len(g.topology.out_neighbours(rank)),
+    )
     g.finish()
     g.finish()
     return out
@@ -176,8 +180,14 @@ def _async_mean(rank: int) -> dict[str, Any]:
         g.step()
     g.finish()
     after, d1 = _global_sum(_flat(net)), g.consensus_distance()
-    return dict(sum_diff=float((after - before).abs().max()), sum_scale=float(before.abs().max()), d0=d0, d1=d1,
-                stats=g.stats(), threads=_gossip_threads())  # fmt: skip
+    return dict(
+        sum_diff=float((after - before).abs().max()),
+        sum_scale=float(before.abs().max()),
+        d0=d0,
+        d1=d1,
+        stats=g.stats(),
+        threads=_gossip_threads(),
+    )
 
 
 def _async_train(rank: int) -> dict[str, Any]:
@@ -207,8 +217,15 @@ def _async_train(rank: int) -> dict[str, Any]:
     except ConfigError as e:
         after_finish = str(e)
     finite = bool(torch.isfinite(_flat(net)).all())
-    return dict(stats=g.stats(), in_step=in_step, slept=slept, threads=_gossip_threads(), finite=finite,
-                after_finish=after_finish, consensus=g.consensus_distance())  # fmt: skip
+    return dict(
+        stats=g.stats(),
+        in_step=in_step,
+        slept=slept,
+        threads=_gossip_threads(),
+        finite=finite,
+        after_finish=after_finish,
+        consensus=g.consensus_distance(),
+    )
 
 
 def _async_subgroup(rank: int) -> dict[str, Any]:
@@ -231,13 +248,22 @@ def _async_subgroup(rank: int) -> dict[str, Any]:
     after = _flat(net).double()
     dist.all_reduce(after, group=sub)
     st = g.stats()
-    return dict(sum_diff=float((after - before).abs().max()), role=st["role"], rounds=st["rounds"],
-                colouring=st["colouring"], partners=st["partners"], threads=_gossip_threads())  # fmt: skip
+    return dict(
+        sum_diff=float((after - before).abs().max()),
+        role=st["role"],
+        rounds=st["rounds"],
+        colouring=st["colouring"],
+        partners=st["partners"],
+        threads=_gossip_threads(),
+    )
 
 
 def _async_worker(rank: int, world: int) -> dict[str, Any]:
-    return {"mean": _guard(lambda: _async_mean(rank)), "train": _guard(lambda: _async_train(rank)),
-            "subgroup": _guard(lambda: _async_subgroup(rank))}  # fmt: skip
+    return {
+        "mean": _guard(lambda: _async_mean(rank)),
+        "train": _guard(lambda: _async_train(rank)),
+        "subgroup": _guard(lambda: _async_subgroup(rank)),
+    }
 
 
 @pytest.fixture(scope="module")

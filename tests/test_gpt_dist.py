@@ -114,16 +114,46 @@ def test_data_parallel_gpt_small_equals_single_process_and_ddp():
     _check(run_distributed(_scenarios, WORLD, "gpt-small", timeout=900))
 
 
-_LM = ["--model", "gpt-tiny", "--dataset", "pytext", "--workers", "2", "--batch-size", "16", "--seq-len", "32",
-       "--optimizer", "adam", "--lr", "0.003", "--eval-samples", "64", "--no-progress", "--no-trace"]
+_LM = [
+    "--model",
+    "gpt-tiny",
+    "--dataset",
+    "pytext",
+    "--workers",
+    "2",
+    "--batch-size",
+    "16",
+    "--seq-len",
+    "32",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.003",
+    "--eval-samples",
+    "64",
+    "--no-progress",
+    "--no-trace",
+]
 
 
 @pytest.mark.procs
 @pytest.mark.parametrize("strategy", [["dp"], ["ps", "--servers", "1", "--consistency", "asp"]])
 def test_language_model_run_stops_at_its_target(tmp_path, strategy):
     out = tmp_path / "run"
-    p = dtrain_cli("run", *_LM, "--strategy", *strategy, "--max-steps", "400", "--eval-every", "10",
-                   "--target", "3.0", "--out", str(out))
+    p = dtrain_cli(
+        "run",
+        *_LM,
+        "--strategy",
+        *strategy,
+        "--max-steps",
+        "400",
+        "--eval-every",
+        "10",
+        "--target",
+        "3.0",
+        "--out",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = read_summary(out)
     assert s["metric_name"] == "val_loss" and s["test_accuracy"] is None
@@ -150,10 +180,12 @@ def test_language_model_without_target_reports_loss_each_epoch_and_bad_mixes_fai
     s = read_summary(out)
     assert [h["step"] for h in s["metric_history"]] == [6, 12] and "time_to_target_s" not in s
     assert s["val_loss"] < 5.55  # below uniform over 256 bytes (ln 256) after 12 steps
-    for bad, says in ((["--model", "gpt-tiny"], "use --dataset pytext"),
-                      (["--dataset", "pytext"], "use a language model"),
-                      (["--layers", "3"], "shape(s) a gpt model"),
-                      (["--model", "gpt-tiny", "--dataset", "pytext", "--heads", "5"], "divisible"),
-                      (["--target", "1.5"], "test accuracy in (0, 1]")):
+    for bad, says in (
+        (["--model", "gpt-tiny"], "use --dataset pytext"),
+        (["--dataset", "pytext"], "use a language model"),
+        (["--layers", "3"], "shape(s) a gpt model"),
+        (["--model", "gpt-tiny", "--dataset", "pytext", "--heads", "5"], "divisible"),
+        (["--target", "1.5"], "test accuracy in (0, 1]"),
+    ):
         q = dtrain_cli("run", *bad, "--no-progress")
         assert q.returncode == 2 and says in q.stderr, (bad, q.stderr[-500:])

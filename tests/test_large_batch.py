@@ -34,8 +34,9 @@ def _run(*args: str):
 
 def _ctx(tmp_path, **kw) -> TrainContext:
     cfg = validate(RunConfig.make(**kw))
-    return TrainContext(cfg, 0, cfg.num_processes, tmp_path, cfg.load_data(), MetricsWriter(tmp_path, 0),
-                        Tracer(0, enabled=False))  # fmt: skip
+    return TrainContext(
+        cfg, 0, cfg.num_processes, tmp_path, cfg.load_data(), MetricsWriter(tmp_path, 0), Tracer(0, enabled=False)
+    )
 
 
 def _steps(batch: int, shards: int, samples: int = DIGITS_TRAIN) -> int:
@@ -74,8 +75,17 @@ def test_warmup_without_scaling_ramps_from_near_zero(k):
 
 
 def test_lr_multiplier_composes_scaling_warmup_and_cosine_over_a_batch_schedule(tmp_path):
-    ctx = _ctx(tmp_path, workers=2, epochs=2, batch_schedule="0:32,1:64", lr_scaling="linear", base_batch=16,
-               warmup_steps=10, lr_schedule="cosine", lr=0.05)  # fmt: skip
+    ctx = _ctx(
+        tmp_path,
+        workers=2,
+        epochs=2,
+        batch_schedule="0:32,1:64",
+        lr_scaling="linear",
+        base_batch=16,
+        warmup_steps=10,
+        lr_schedule="cosine",
+        lr=0.05,
+    )
     assert len(ctx.data.train) == DIGITS_TRAIN and ctx.cfg.batch_size == 32
     e0, e1 = _steps(32, 2), _steps(64, 2)
     assert (e0, e1) == (44, 22)
@@ -93,8 +103,7 @@ def test_lr_multiplier_composes_scaling_warmup_and_cosine_over_a_batch_schedule(
 
 
 def test_lr_multiplier_sqrt_scaling_with_warmup_epochs_and_no_scaling_ramp(tmp_path):
-    ctx = _ctx(tmp_path, workers=2, epochs=2, batch_schedule="0:32,1:128", lr_scaling="sqrt",
-               warmup_epochs=0.5)  # fmt: skip
+    ctx = _ctx(tmp_path, workers=2, epochs=2, batch_schedule="0:32,1:128", lr_scaling="sqrt", warmup_epochs=0.5)
     e0 = _steps(32, 2)
     assert ctx.learning_rate.warmup_steps == round(0.5 * e0) == 22
     total = ctx.total_steps(2)
@@ -110,15 +119,18 @@ def test_lr_multiplier_sqrt_scaling_with_warmup_epochs_and_no_scaling_ramp(tmp_p
 # ---------------------------------------------------------------------- 2. bad input is refused, naming it
 
 
-@pytest.mark.parametrize("spec, names", [
-    ("0:256,5:128", ["'0:256,5:128'", "not increasing", "128"]),
-    ("0:64,3:128,2:256", ["'0:64,3:128,2:256'", "epochs must increase", "2 follows 3"]),
-    ("0:64,3:64", ["'0:64,3:64'", "not increasing"]),
-    ("1:64,3:128", ["'1:64,3:128'", "epoch 0"]),
-    ("0-256", ["'0-256'", "EPOCH:BATCH"]),
-    ("0:64,2:x", ["'2:x'", "EPOCH:BATCH"]),
-    ("0:0", ["'0:0'", "batch >= 1"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec, names",
+    [
+        ("0:256,5:128", ["'0:256,5:128'", "not increasing", "128"]),
+        ("0:64,3:128,2:256", ["'0:64,3:128,2:256'", "epochs must increase", "2 follows 3"]),
+        ("0:64,3:64", ["'0:64,3:64'", "not increasing"]),
+        ("1:64,3:128", ["'1:64,3:128'", "epoch 0"]),
+        ("0-256", ["'0-256'", "EPOCH:BATCH"]),
+        ("0:64,2:x", ["'2:x'", "EPOCH:BATCH"]),
+        ("0:0", ["'0:0'", "batch >= 1"]),
+    ],
+)
 def test_parse_batch_schedule_refuses_bad_schedules(spec, names):
     with pytest.raises(ConfigError) as e:
         parse_batch_schedule(spec)
@@ -133,26 +145,30 @@ def test_parse_batch_schedule_and_the_first_batch():
     assert RunConfig.make(batch_schedule="0:32,2:128", batch_size=999).batch_size == 32
 
 
-@pytest.mark.parametrize("kw, names", [
-    (dict(workers=4, batch_schedule="0:64,2:66"), ["66", "4 workers", "epoch 2"]),
-    (dict(workers=4, batch_schedule="0:64,1:2048"), ["2048", "larger than the training set", f"{DIGITS_TRAIN}"]),
-    (dict(workers=4, batch_size=2048), ["2048", "larger than the training set"]),
-    (dict(warmup_steps=5, warmup_epochs=1.0), ["warmup_steps (5)", "warmup_epochs (1)", "not both"]),
-    (dict(optimizer="rmsprop"), ["'rmsprop'"]),
-    (dict(precision="fp8"), ["'fp8'", "fp32, bf16, fp16"]),
-    (dict(lr_scaling="cubic"), ["'cubic'", "none, linear, sqrt"]),
-    (dict(strategy="ps", workers=2, batch_schedule="auto"), ["batch_schedule"]),
-    (dict(workers=1, batch_schedule="auto"), ["batch_schedule auto", "2 or more workers"]),
-    (dict(workers=2, shard="optimizer", batch_schedule="auto"), ["batch_schedule auto", "no --shard"]),
-    (dict(strategy="ps", workers=2, noise_scale=True), ["noise_scale", "--strategy dp"]),
-    (dict(strategy="local_sgd", workers=2, noise_scale=True), ["noise_scale", "--strategy dp"]),
-    (dict(workers=1, noise_scale=True), ["noise_scale", "2 or more workers"]),
-    (dict(warmup_steps=-1), ["warmup_steps", "-1"]),
-    (dict(workers=2, auto_every=5), ["--auto-every 5", "--batch-schedule auto"]),
-    (dict(workers=2, auto_rule="time"), ["--auto-rule time", "--batch-schedule auto"]),
-    (dict(workers=2, batch_schedule="auto", auto_rule="fast"), ["auto_rule 'fast'", "noise, time"]),
-    (dict(workers=2, batch_schedule="auto", auto_every=-1), ["auto_every", "-1"]),
-], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None)  # fmt: skip
+@pytest.mark.parametrize(
+    "kw, names",
+    [
+        (dict(workers=4, batch_schedule="0:64,2:66"), ["66", "4 workers", "epoch 2"]),
+        (dict(workers=4, batch_schedule="0:64,1:2048"), ["2048", "larger than the training set", f"{DIGITS_TRAIN}"]),
+        (dict(workers=4, batch_size=2048), ["2048", "larger than the training set"]),
+        (dict(warmup_steps=5, warmup_epochs=1.0), ["warmup_steps (5)", "warmup_epochs (1)", "not both"]),
+        (dict(optimizer="rmsprop"), ["'rmsprop'"]),
+        (dict(precision="fp8"), ["'fp8'", "fp32, bf16, fp16"]),
+        (dict(lr_scaling="cubic"), ["'cubic'", "none, linear, sqrt"]),
+        (dict(strategy="ps", workers=2, batch_schedule="auto"), ["batch_schedule"]),
+        (dict(workers=1, batch_schedule="auto"), ["batch_schedule auto", "2 or more workers"]),
+        (dict(workers=2, shard="optimizer", batch_schedule="auto"), ["batch_schedule auto", "no --shard"]),
+        (dict(strategy="ps", workers=2, noise_scale=True), ["noise_scale", "--strategy dp"]),
+        (dict(strategy="local_sgd", workers=2, noise_scale=True), ["noise_scale", "--strategy dp"]),
+        (dict(workers=1, noise_scale=True), ["noise_scale", "2 or more workers"]),
+        (dict(warmup_steps=-1), ["warmup_steps", "-1"]),
+        (dict(workers=2, auto_every=5), ["--auto-every 5", "--batch-schedule auto"]),
+        (dict(workers=2, auto_rule="time"), ["--auto-rule time", "--batch-schedule auto"]),
+        (dict(workers=2, batch_schedule="auto", auto_rule="fast"), ["auto_rule 'fast'", "noise, time"]),
+        (dict(workers=2, batch_schedule="auto", auto_every=-1), ["auto_every", "-1"]),
+    ],
+    ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None,
+)
 def test_validate_refuses_bad_large_batch_options(kw, names):
     with pytest.raises(ConfigError) as e:
         validate(RunConfig.make(**kw))
@@ -170,13 +186,16 @@ def test_validate_accepts_what_it_should():
 # ---------------------------------------------------------------------- 3. the batch plan
 
 
-@pytest.mark.parametrize("schedule, epochs, shards, batches", [
-    ("0:32,1:64,2:128", 3, 2, [32, 64, 128]),
-    ("0:32,2:128", 5, 2, [32, 32, 128, 128, 128]),
-    ("0:48,1:96", 3, 3, [48, 96, 96]),
-    ("0:64,1:1436", 2, 4, [64, 1436]),
-    ("", 2, 4, [64, 64]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "schedule, epochs, shards, batches",
+    [
+        ("0:32,1:64,2:128", 3, 2, [32, 64, 128]),
+        ("0:32,2:128", 5, 2, [32, 32, 128, 128, 128]),
+        ("0:48,1:96", 3, 3, [48, 96, 96]),
+        ("0:64,1:1436", 2, 4, [64, 1436]),
+        ("", 2, 4, [64, 64]),
+    ],
+)
 def test_batch_plan_steps_total_and_locate_round_trip(schedule, epochs, shards, batches):
     plan = BatchPlan.of(64, schedule, DIGITS_TRAIN, epochs)
     assert plan.batches == batches
@@ -214,14 +233,17 @@ def _walk_by_hand(plan: BatchPlan, shards: int) -> list[tuple[int, int, int]]:
     return out
 
 
-@pytest.mark.parametrize("changes, shards", [
-    ([], 4),
-    ([(10, 32), (20, 64)], 4),  # inside the first epoch
-    ([(89, 32), (100, 128)], 4),  # at the first epoch's end (89 steps at 16), then inside the second
-    ([(3, 32), (4, 64), (5, 128), (6, 256)], 2),  # every step
-    ([(150, 48)], 3),
-    ([(30, 56), (110, 112)], 7),  # 205 samples a shard: 102 steps at 14, then 56 in the second epoch
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "changes, shards",
+    [
+        ([], 4),
+        ([(10, 32), (20, 64)], 4),  # inside the first epoch
+        ([(89, 32), (100, 128)], 4),  # at the first epoch's end (89 steps at 16), then inside the second
+        ([(3, 32), (4, 64), (5, 128), (6, 256)], 2),  # every step
+        ([(150, 48)], 3),
+        ([(30, 56), (110, 112)], 7),  # 205 samples a shard: 102 steps at 14, then 56 in the second epoch
+    ],
+)
 def test_a_plan_deciding_inside_epochs_locates_every_step_as_drawing_them_one_by_one(changes, shards):
     plan = BatchPlan.of({3: 24, 7: 14}.get(shards, 16), "auto", DIGITS_TRAIN, 3, every=1)
     for step, batch in changes:
@@ -273,8 +295,24 @@ def test_the_loader_cuts_each_epoch_as_the_plan_counts(tmp_path):
 # ---------------------------------------------------------------------- 4. and 5. dtrain run with a batch schedule
 
 SCHEDULE = [32, 64, 128]
-RUN = ["--workers", "2", "--model", "cnn", "--dataset", "digits", "--epochs", "3", "--lr", "0.05",
-       "--batch-schedule", "0:32,1:64,2:128", "--lr-scaling", "linear", "--warmup-steps", "5"]  # fmt: skip
+RUN = [
+    "--workers",
+    "2",
+    "--model",
+    "cnn",
+    "--dataset",
+    "digits",
+    "--epochs",
+    "3",
+    "--lr",
+    "0.05",
+    "--batch-schedule",
+    "0:32,1:64,2:128",
+    "--lr-scaling",
+    "linear",
+    "--warmup-steps",
+    "5",
+]
 PER_EPOCH = [_steps(b, 2) for b in SCHEDULE]  # 44, 22, 11
 STOP = PER_EPOCH[0] + 6  # inside the second (batch-64) epoch
 
@@ -328,8 +366,9 @@ def test_a_run_stopped_inside_a_scheduled_epoch_resumes_to_the_uninterrupted_res
     assert info["run"]["batch_schedule"] == "0:32,1:64,2:128" and "max_steps" not in info["run"]
 
     # what --max-steps does to the resume rule: the length may change, the schedule may not
-    base = RunConfig.make(workers=2, epochs=3, lr=0.05, batch_schedule="0:32,1:64,2:128", lr_scaling="linear",
-                          warmup_steps=5)  # fmt: skip
+    base = RunConfig.make(
+        workers=2, epochs=3, lr=0.05, batch_schedule="0:32,1:64,2:128", lr_scaling="linear", warmup_steps=5
+    )
     validate(base.replace(resume=str(cut)))
     with pytest.raises(ConfigError, match="batch_schedule") as e:
         validate(base.replace(resume=str(cut), batch_schedule="0:32,1:64,2:256"))
@@ -369,8 +408,18 @@ def test_a_fixed_batch_run_resumed_at_new_batches_trains_as_the_scheduled_one(st
     for i, (batch, stop) in enumerate(zip(SCHEDULE, cuts)):
         out = tmp_path / f"b{batch}"
         more = ["--resume", str(prev)] if prev else []
-        p = _run(*fixed, "--batch-size", str(batch), "--max-steps", str(stop), "--checkpoint-every", "1000",
-                 *more, "--out", str(out))  # fmt: skip
+        p = _run(
+            *fixed,
+            "--batch-size",
+            str(batch),
+            "--max-steps",
+            str(stop),
+            "--checkpoint-every",
+            "1000",
+            *more,
+            "--out",
+            str(out),
+        )
         assert p.returncode == 0, (batch, p.stderr[-3000:])
         s = read_summary(out)
         start = s.get("start_step", 0)  # a resumed run's summary names its first step
@@ -416,8 +465,26 @@ def _groups(out, step: int) -> list[dict]:
 def test_lars_trains_the_cnn_on_two_workers(tmp_path):
     out = tmp_path / "lars"
     # LARS moves each layer by lr x trust coefficient (0.001) of its norm per step: its lr is 100x SGD's
-    p = _run("--workers", "2", "--optimizer", "lars", "--lr", "5", "--warmup-steps", "10", "--batch-size", "64",
-             "--epochs", "2", "--max-steps", "40", "--checkpoint-every", "1000", "--out", str(out))  # fmt: skip
+    p = _run(
+        "--workers",
+        "2",
+        "--optimizer",
+        "lars",
+        "--lr",
+        "5",
+        "--warmup-steps",
+        "10",
+        "--batch-size",
+        "64",
+        "--epochs",
+        "2",
+        "--max-steps",
+        "40",
+        "--checkpoint-every",
+        "1000",
+        "--out",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     first, last = _falls(out, 8)
     assert last < first - 0.3, (first, last)
@@ -429,9 +496,36 @@ def test_lars_trains_the_cnn_on_two_workers(tmp_path):
 @pytest.mark.timeout(240)
 def test_lamb_trains_a_tiny_gpt(tmp_path):
     out = tmp_path / "lamb"
-    p = _run("--workers", "2", "--model", "gpt-tiny", "--dataset", "pytext", "--layers", "1", "--d-model", "32",
-             "--heads", "2", "--seq-len", "32", "--batch-size", "16", "--optimizer", "lamb", "--lr", "0.01",
-             "--max-steps", "15", "--eval-samples", "32", "--checkpoint-every", "1000", "--out", str(out))  # fmt: skip
+    p = _run(
+        "--workers",
+        "2",
+        "--model",
+        "gpt-tiny",
+        "--dataset",
+        "pytext",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--heads",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "16",
+        "--optimizer",
+        "lamb",
+        "--lr",
+        "0.01",
+        "--max-steps",
+        "15",
+        "--eval-samples",
+        "32",
+        "--checkpoint-every",
+        "1000",
+        "--out",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     first, last = _falls(out, 4)
     assert last < first - 0.2, (first, last)
@@ -444,8 +538,24 @@ def test_lamb_trains_a_tiny_gpt(tmp_path):
 @pytest.mark.timeout(240)
 def test_adamw_trains_the_cnn(tmp_path):
     out = tmp_path / "adamw"
-    p = _run("--workers", "2", "--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01",
-             "--batch-size", "64", "--max-steps", "20", "--checkpoint-every", "1000", "--out", str(out))  # fmt: skip
+    p = _run(
+        "--workers",
+        "2",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.003",
+        "--weight-decay",
+        "0.01",
+        "--batch-size",
+        "64",
+        "--max-steps",
+        "20",
+        "--checkpoint-every",
+        "1000",
+        "--out",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     first, last = _falls(out, 4)
     assert last < first - 0.2, (first, last)

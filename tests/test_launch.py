@@ -57,8 +57,10 @@ def test_workers_take_the_launching_process_environment_at_the_launch(monkeypatc
     monkeypatch.setenv("DTRAIN_TEST_NEW", "after")
     monkeypatch.setenv("RANK", "99")  # a stale rank in the parent never reaches a worker
     out = launch(_env_seen, (["DTRAIN_TEST_GONE", "DTRAIN_TEST_NEW", "RANK", "TORCHELASTIC_RESTART_COUNT"],), nprocs=2)
-    assert out == {r: {"DTRAIN_TEST_GONE": None, "DTRAIN_TEST_NEW": "after", "RANK": str(r),
-                       "TORCHELASTIC_RESTART_COUNT": "0"} for r in (0, 1)}
+    assert out == {
+        r: {"DTRAIN_TEST_GONE": None, "DTRAIN_TEST_NEW": "after", "RANK": str(r), "TORCHELASTIC_RESTART_COUNT": "0"}
+        for r in (0, 1)
+    }
 
 
 def _say(words):
@@ -85,8 +87,10 @@ def test_workers_write_to_the_launching_process_stdout_and_stderr_at_the_launch(
             os.close(old)
     out, err = (sorted(path.read_text().splitlines()) for path in files)
     assert out == ["stdout of rank 0: redirected", "stdout of rank 1: redirected"], (out, err)
-    assert [line for line in err if line.startswith("stderr of rank")] == ["stderr of rank 0: redirected",
-                                                                          "stderr of rank 1: redirected"], err
+    assert [line for line in err if line.startswith("stderr of rank")] == [
+        "stderr of rank 0: redirected",
+        "stderr of rank 1: redirected",
+    ], err
 
 
 @pytest.mark.procs

@@ -43,8 +43,10 @@ def _mlp() -> nn.Module:
 def _data(world: int = WORLD, steps: int = STEPS, seed: int = 7) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """``data[rank][step]``: each worker's own batch, the same lists in every process."""
     g = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(BATCH, 8, generator=g), torch.randint(0, 4, (BATCH,), generator=g)) for _ in range(steps)]
-            for _ in range(world)]  # fmt: skip
+    return [
+        [(torch.randn(BATCH, 8, generator=g), torch.randint(0, 4, (BATCH,), generator=g)) for _ in range(steps)]
+        for _ in range(world)
+    ]
 
 
 def _sgd(params: Any, momentum: float = 0.0) -> torch.optim.Optimizer:
@@ -54,7 +56,6 @@ def _sgd(params: Any, momentum: float = 0.0) -> torch.optim.Optimizer:
 def _params(m: nn.Module) -> list[Any]:
     # numpy: tensors would cross the result queue as shared memory that dies with the worker
     return [p.detach().clone().numpy() for p in m.parameters()]
-
 
 
 def _train_local(local: Any, net: nn.Module, opt: torch.optim.Optimizer, batches: list[Any]) -> None:
@@ -128,8 +129,12 @@ def _local_sgd(rank: int, data: list[Any], momentum: float, **kw: Any) -> dict[s
     net = _mlp()
     local = LocalSGD(net, timeout=60, **kw)
     _train_local(local, net, _sgd(net.parameters(), momentum), data[rank])
-    return dict(params=_params(net), stats=local.stats(), expected=local.expected_bytes_per_step(),
-                model_bytes=local.model_bytes())  # fmt: skip
+    return dict(
+        params=_params(net),
+        stats=local.stats(),
+        expected=local.expected_bytes_per_step(),
+        model_bytes=local.model_bytes(),
+    )
 
 
 def _periodic_peer(rank: int, data: list[Any], period: int, warmup: int, algorithm: str) -> dict[str, Any]:
@@ -148,8 +153,12 @@ def _hierarchical_peer(rank: int, data: list[Any], levels: list[tuple[int, int]]
     averager = HierarchicalModelAverager(OrderedDict((p, g) for g, p in levels), warmup_steps=warmup)
     ref = _torch_post_local(rank, data, averager, warmup, solo)
     mine = _local_sgd(rank, data, 0.9, hierarchy=dict(levels), warmup_steps=warmup, algorithm="ring")
-    return dict(diff=max_diff(mine["params"], ref), stats=mine["stats"], expected=mine["expected"],
-                model_bytes=mine["model_bytes"])  # fmt: skip
+    return dict(
+        diff=max_diff(mine["params"], ref),
+        stats=mine["stats"],
+        expected=mine["expected"],
+        model_bytes=mine["model_bytes"],
+    )
 
 
 BAD_HIERARCHIES: list[tuple[Any, str]] = [
@@ -233,7 +242,6 @@ def _all_scenarios(rank: int, world: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
     return run_distributed(_all_scenarios, WORLD, timeout=300)
-
 
 
 # ---------------------------------------------------------------------- tests

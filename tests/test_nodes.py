@@ -25,8 +25,9 @@ from dtrain.errors import ConfigError
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 HAS_IP = shutil.which("ip") is not None and shutil.which("tc") is not None
-needs_root = pytest.mark.skipif(not (IS_ROOT and HAS_IP),
-                                reason="the emulated hosts need root and iproute2 (network namespaces)")  # fmt: skip
+needs_root = pytest.mark.skipif(
+    not (IS_ROOT and HAS_IP), reason="the emulated hosts need root and iproute2 (network namespaces)"
+)
 HOSTS = 4
 # small and short: the equality holds from the first step, and each run starts 4 nodes of 1 process
 COMMON = ["--epochs", "1", "--max-steps", "3", "--no-progress", "--batch-size", "32", "--no-trace"]
@@ -92,10 +93,15 @@ def test_nproc_per_node_gpu_counts_the_visible_gpus():
 
 
 def test_differences_name_the_key_and_the_nodes():
-    recs = {0: {"lr": 0.05, "dp": {"algorithm": "ring"}}, 1: {"lr": 0.05, "dp": {"algorithm": "ring"}},
-            2: {"lr": 0.1, "dp": {"algorithm": "tree"}}}  # fmt: skip
-    assert differences(recs) == ['dp.algorithm: nodes 0, 1 = "ring"; node 2 = "tree"',
-                                 "lr: nodes 0, 1 = 0.05; node 2 = 0.1"]
+    recs = {
+        0: {"lr": 0.05, "dp": {"algorithm": "ring"}},
+        1: {"lr": 0.05, "dp": {"algorithm": "ring"}},
+        2: {"lr": 0.1, "dp": {"algorithm": "tree"}},
+    }
+    assert differences(recs) == [
+        'dp.algorithm: nodes 0, 1 = "ring"; node 2 = "tree"',
+        "lr: nodes 0, 1 = 0.05; node 2 = 0.1",
+    ]
     assert differences({0: {"lr": 1}, 1: {"lr": 1}}) == []
 
 
@@ -181,7 +187,7 @@ def _tree(root: int) -> set[int]:
 def _addr(hexaddr: str) -> str:
     ip, port = hexaddr.split(":")
     if len(ip) == 8:  # IPv4, little-endian
-        return ".".join(str(int(ip[i:i + 2], 16)) for i in (6, 4, 2, 0)) + f":{int(port, 16)}"
+        return ".".join(str(int(ip[i : i + 2], 16)) for i in (6, 4, 2, 0)) + f":{int(port, 16)}"
     return f"[{ip}]:{int(port, 16)}"  # IPv6, as the kernel writes it (all zeros: every interface)
 
 
@@ -190,8 +196,11 @@ def listening(root: int) -> set[str]:
     found: set[str] = set()
     for pid in _tree(root):
         try:
-            inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
-                      if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}  # fmt: skip
+            inodes = {
+                os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1]
+                for fd in os.listdir(f"/proc/{pid}/fd")
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")
+            }
             for table in ("tcp", "tcp6"):
                 for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
                     f = line.split()
@@ -230,12 +239,18 @@ def _node(c, h: int, argv: list[str], log: Path, env: dict[str, str] | None = No
     """Host ``h``'s node: `python -m dtrain.cli run ARGV` in its namespace and its own session."""
     cmd = ["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cli", "run", *argv]
     # OMP_NUM_THREADS=1: the emulated hosts share this machine's cores (as dtrain run --cluster sets it)
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+    return subprocess.Popen(
+        cmd,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
-def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float,
-            listens: dict[int, set[str]] | None = None) -> list[tuple[int | None, float, str]]:  # fmt: skip
+def _finish(
+    procs: list[subprocess.Popen], logs: list[Path], timeout: float, listens: dict[int, set[str]] | None = None
+) -> list[tuple[int | None, float, str]]:
     """Each node's (exit code, seconds from its arrival at the job's store to its exit, output); past
     ``timeout`` a node is killed (code None). The arrival is when it prints its "dtrain: node R of N" line,
     after its own start-up (an interpreter importing torch). ``listens``: filled with what each node's
@@ -262,17 +277,38 @@ def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float,
     return out
 
 
-def _job(c, out: Path, flags: list[str], *, timeout: float = 150, nnodes: int = HOSTS, nodes: list[int] | None = None,
-         per_node: dict[int, list[str]] | None = None,
-         listens: dict[int, set[str]] | None = None) -> list[tuple[int | None, float, str]]:  # fmt: skip
+def _job(
+    c,
+    out: Path,
+    flags: list[str],
+    *,
+    timeout: float = 150,
+    nnodes: int = HOSTS,
+    nodes: list[int] | None = None,
+    per_node: dict[int, list[str]] | None = None,
+    listens: dict[int, set[str]] | None = None,
+) -> list[tuple[int | None, float, str]]:
     """A job of ``nnodes`` nodes, one per host (``nodes``: only those start); the nodes' (code, seconds, output)."""
     port = random.randint(20000, 40000)
     job = f"t{port}"
     procs, logs = [], []
     for h in nodes if nodes is not None else range(nnodes):
         log = out.parent / f"{out.name}.node{h}.log"
-        argv = [*COMMON, *flags, "--out", str(out), "--nnodes", str(nnodes), "--node-rank", str(h),
-                "--rdzv-endpoint", f"{c.address(0)}:{port}", "--rdzv-id", job, *(per_node or {}).get(h, [])]
+        argv = [
+            *COMMON,
+            *flags,
+            "--out",
+            str(out),
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(h),
+            "--rdzv-endpoint",
+            f"{c.address(0)}:{port}",
+            "--rdzv-id",
+            job,
+            *(per_node or {}).get(h, []),
+        ]
         procs.append(_node(c, h, argv, log))
         logs.append(log)
     return _finish(procs, logs, timeout, listens)
@@ -289,8 +325,12 @@ def _one_machine(name: str, root: Path) -> Path:
     its processes listen on is sampled while it runs (``_LISTENING``)."""
     if name not in _ONE:
         out = root / f"one-{name}"
-        p = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", *COMMON, *STRATEGIES[name], "--out",
-                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        p = subprocess.Popen(
+            [sys.executable, "-m", "dtrain.cli", "run", *COMMON, *STRATEGIES[name], "--out", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         seen: set[str] = set()
         deadline = time.monotonic() + 150
         try:
@@ -309,8 +349,12 @@ def _one_machine(name: str, root: Path) -> Path:
 def _as_uninterrupted(out: Path, flags: list[str], ref: Path, rows: int) -> None:
     """``out``'s losses, step by step and rank by rank, are those of the same run on one machine, uninterrupted;
     ``rows``: every step once (a restart's redone steps' rows were dropped)."""
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", *COMMON, *flags, "--out", str(ref)],
-                       capture_output=True, text=True, timeout=150)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "dtrain.cli", "run", *COMMON, *flags, "--out", str(ref)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = _losses(out), _losses(ref)
     assert a.keys() == b.keys() and len(a) == rows
@@ -362,22 +406,50 @@ def test_four_nodes_of_a_job_by_flags_and_by_slurm_train_as_one_machine(hosts, t
     port = random.randint(20000, 40000)
     job = f"slurm-{port}"
     argv = [*COMMON, *STRATEGIES["dp"], "--out", str(tmp_path / "run")]
-    slurm = {"SLURM_JOB_ID": str(port), "SLURM_JOB_NUM_NODES": "4", "MASTER_PORT": str(port),
-             "SLURM_JOB_NODELIST": ",".join(hosts.address(i) for i in range(4))}  # fmt: skip
+    slurm = {
+        "SLURM_JOB_ID": str(port),
+        "SLURM_JOB_NUM_NODES": "4",
+        "MASTER_PORT": str(port),
+        "SLURM_JOB_NODELIST": ",".join(hosts.address(i) for i in range(4)),
+    }
     logs = [tmp_path / f"node{h}.log" for h in range(4)] + [tmp_path / "intruder.log"]
 
     def start(h: int) -> subprocess.Popen:
         if h < 2:
-            flags = ["--nnodes", "4", "--node-rank", str(h), "--rdzv-endpoint", f"{hosts.address(0)}:{port}",
-                     "--rdzv-id", job]  # fmt: skip
+            flags = [
+                "--nnodes",
+                "4",
+                "--node-rank",
+                str(h),
+                "--rdzv-endpoint",
+                f"{hosts.address(0)}:{port}",
+                "--rdzv-id",
+                job,
+            ]
             return _node(hosts, h, [*argv, *flags], logs[h])
         return _node(hosts, h, argv, logs[h], {**slurm, "SLURM_NODEID": str(h)})
 
     # the intruder needs only its own start-up to be refused; the job needs four nodes' start-up and training
     procs = [start(h) for h in range(4)]
-    intruder = _node(hosts, 3, [*COMMON, *STRATEGIES["dp"], "--out", str(tmp_path / "other"), "--nnodes", "4",
-                                "--node-rank", "3", "--rdzv-endpoint", f"{hosts.address(0)}:{port}", "--rdzv-id",
-                                "another"], logs[4])  # fmt: skip
+    intruder = _node(
+        hosts,
+        3,
+        [
+            *COMMON,
+            *STRATEGIES["dp"],
+            "--out",
+            str(tmp_path / "other"),
+            "--nnodes",
+            "4",
+            "--node-rank",
+            "3",
+            "--rdzv-endpoint",
+            f"{hosts.address(0)}:{port}",
+            "--rdzv-id",
+            "another",
+        ],
+        logs[4],
+    )
     listens: dict[int, set[str]] = {}
     res = _finish(procs, logs[:4], 150, listens)
     assert intruder.wait(30) != 0
@@ -404,8 +476,15 @@ def test_four_nodes_of_a_job_by_flags_and_by_slurm_train_as_one_machine(hosts, t
 @pytest.mark.procs
 @needs_root
 def test_a_node_that_never_starts_stops_the_others_naming_it(hosts, tmp_path):
-    res = _job(hosts, tmp_path / "run", ["--strategy", "dp", "--workers", "3"], nnodes=3, nodes=[0, 2], timeout=60,
-               per_node={h: ["--rdzv-timeout", "5"] for h in range(3)})  # fmt: skip
+    res = _job(
+        hosts,
+        tmp_path / "run",
+        ["--strategy", "dp", "--workers", "3"],
+        nnodes=3,
+        nodes=[0, 2],
+        timeout=60,
+        per_node={h: ["--rdzv-timeout", "5"] for h in range(3)},
+    )
     for code, seconds, log in res:
         assert code not in (0, None), log[-2000:]
         assert seconds < 5 + 10, log[-2000:]  # from its arrival: the timeout, and less than 10 s more
@@ -416,8 +495,14 @@ def test_a_node_that_never_starts_stops_the_others_naming_it(hosts, tmp_path):
 @pytest.mark.procs
 @needs_root
 def test_a_node_with_another_learning_rate_stops_every_node_naming_lr(hosts, tmp_path):
-    res = _job(hosts, tmp_path / "run", ["--strategy", "dp", "--workers", "2"], nnodes=2,
-               per_node={1: ["--lr", "0.1"]}, timeout=60)  # fmt: skip
+    res = _job(
+        hosts,
+        tmp_path / "run",
+        ["--strategy", "dp", "--workers", "2"],
+        nnodes=2,
+        per_node={1: ["--lr", "0.1"]},
+        timeout=60,
+    )
     for code, _, log in res:
         assert code not in (0, None), log[-2000:]
         assert "lr: node 0 = 0.05; node 1 = 0.1" in log, log[-2000:]
@@ -437,9 +522,30 @@ def test_a_worker_killed_on_one_node_restarts_every_node_from_the_checkpoint(hos
     out = tmp_path / "run"
     port = random.randint(20000, 40000)
     logs = [tmp_path / f"node{h}.log" for h in range(2)]
-    procs = [_node(hosts, h, [*COMMON, *flags, "--max-restarts", "2", "--out", str(out), "--nnodes", "2",
-                              "--node-rank", str(h), "--rdzv-endpoint", f"{hosts.address(0)}:{port}",
-                              "--rdzv-id", f"r{port}"], logs[h]) for h in range(2)]  # fmt: skip
+    procs = [
+        _node(
+            hosts,
+            h,
+            [
+                *COMMON,
+                *flags,
+                "--max-restarts",
+                "2",
+                "--out",
+                str(out),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(h),
+                "--rdzv-endpoint",
+                f"{hosts.address(0)}:{port}",
+                "--rdzv-id",
+                f"r{port}",
+            ],
+            logs[h],
+        )
+        for h in range(2)
+    ]
     ready = past_checkpoint(out, 4, 1, steps=2)
     deadline = time.monotonic() + 120
     pid = None
@@ -464,14 +570,47 @@ def test_with_nnodes_3_to_4_a_lost_node_leaves_the_job_on_3(hosts, tmp_path):
     rendezvous round of 3 nodes, from that checkpoint, and finish; the summary records the world sizes."""
     from _procs import holder, past_checkpoint
 
-    flags = ["--strategy", "dp", "--workers", "4", "--batch-size", "48", "--max-steps", "10", "--checkpoint-every",
-             "4", "--max-restarts", "2", "--timeout-s", "60"]  # fmt: skip
+    flags = [
+        "--strategy",
+        "dp",
+        "--workers",
+        "4",
+        "--batch-size",
+        "48",
+        "--max-steps",
+        "10",
+        "--checkpoint-every",
+        "4",
+        "--max-restarts",
+        "2",
+        "--timeout-s",
+        "60",
+    ]
     out = tmp_path / "run"
     port = random.randint(20000, 40000)
     logs = [tmp_path / f"node{h}.log" for h in range(4)]
-    procs = [_node(hosts, h, [*COMMON[:-4], *flags, "--out", str(out), "--nnodes", "3:4", "--node-rank", str(h),
-                              "--rdzv-endpoint", f"{hosts.address(0)}:{port}", "--rdzv-id", f"e{port}"], logs[h])
-             for h in range(4)]  # fmt: skip
+    procs = [
+        _node(
+            hosts,
+            h,
+            [
+                *COMMON[:-4],
+                *flags,
+                "--out",
+                str(out),
+                "--nnodes",
+                "3:4",
+                "--node-rank",
+                str(h),
+                "--rdzv-endpoint",
+                f"{hosts.address(0)}:{port}",
+                "--rdzv-id",
+                f"e{port}",
+            ],
+            logs[h],
+        )
+        for h in range(4)
+    ]
     ready = past_checkpoint(out, 4, 3, steps=2)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (holder((out / "metrics.rank3.jsonl").resolve()) and ready()):
@@ -506,9 +645,27 @@ def test_a_node_killed_and_started_again_rejoins_and_the_job_ends_as_the_uninter
     logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1-again.log"]
 
     def start(h: int, log: Path) -> subprocess.Popen:
-        return _node(hosts, h, [*COMMON, *flags, "--max-restarts", "2", "--out", str(out), "--nnodes", "2",
-                                "--node-rank", str(h), "--rdzv-endpoint", f"{hosts.address(0)}:{port}",
-                                "--rdzv-id", f"k{port}"], log)  # fmt: skip
+        return _node(
+            hosts,
+            h,
+            [
+                *COMMON,
+                *flags,
+                "--max-restarts",
+                "2",
+                "--out",
+                str(out),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(h),
+                "--rdzv-endpoint",
+                f"{hosts.address(0)}:{port}",
+                "--rdzv-id",
+                f"k{port}",
+            ],
+            log,
+        )
 
     procs = [start(0, logs[0]), start(1, logs[1])]
     ready = past_checkpoint(out, 4, 1, steps=2)

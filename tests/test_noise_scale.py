@@ -247,8 +247,9 @@ def test_the_time_rule_doubles_exactly_where_doubling_shortens_the_time_to_a_los
 
 def test_ratio_one_is_the_noise_rule_and_a_bad_ratio_is_refused() -> None:
     for b_simple in (10.0, 63.9, 64.0, 200.0, None):
-        assert next_batch(32, b_simple, maximum=4096, multiple=4) == next_batch(32, b_simple, maximum=4096,
-                                                                                multiple=4, ratio=1.0)  # fmt: skip
+        assert next_batch(32, b_simple, maximum=4096, multiple=4) == next_batch(
+            32, b_simple, maximum=4096, multiple=4, ratio=1.0
+        )
     assert next_batch(32, 20.0, maximum=4096, multiple=4, ratio=4.0) == 64  # 20 x 4 >= 64: a slow network grows it
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="ratio"):

@@ -27,8 +27,9 @@ def _shard_gradients(batch: int, world: int) -> list[torch.Tensor]:
     for rank in range(world):
         torch.manual_seed(0)
         model = build_model("cnn", tuple(ds.input_shape), ds.num_classes)
-        sampler: DistributedSampler = DistributedSampler(ds.train, num_replicas=world, rank=rank, shuffle=True,
-                                                         seed=0, drop_last=True)  # fmt: skip
+        sampler: DistributedSampler = DistributedSampler(
+            ds.train, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True
+        )
         sampler.set_epoch(0)
         x, y = next(iter(DataLoader(ds.train, batch_size=batch // world, sampler=sampler, drop_last=True)))
         task_loss(model(x), y).backward()
@@ -44,8 +45,17 @@ def beta_runs(tmp_path_factory) -> dict[str | None, Path]:
     outs = {}
     for beta in ("0", "0.5", None):
         out = root / f"beta{beta}"
-        p = dtrain_cli("run", *COMMON, "--batch-size", "32", "--max-steps", "2", "--out", str(out),
-                       *(["--noise-beta", beta] if beta else []))  # fmt: skip
+        p = dtrain_cli(
+            "run",
+            *COMMON,
+            "--batch-size",
+            "32",
+            "--max-steps",
+            "2",
+            "--out",
+            str(out),
+            *(["--noise-beta", beta] if beta else []),
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         outs[beta] = out
     return outs
@@ -115,15 +125,17 @@ def test_auto_every_n_steps_with_the_time_rule_grows_the_batch_inside_an_epoch_a
     changes inside the first epoch, the rate follows linear scaling, and the step count is the plan's."""
     out = tmp_path / "time"
     auto = ["--batch-schedule", "auto", "--auto-every", "5", "--auto-rule", "time", "--max-batch", "64"]
-    p = dtrain_cli("run", *COMMON, "--batch-size", "8", "--epochs", "2", *auto, "--lr-scaling", "linear",
-                   "--out", str(out))  # fmt: skip
+    p = dtrain_cli(
+        "run", *COMMON, "--batch-size", "8", "--epochs", "2", *auto, "--lr-scaling", "linear", "--out", str(out)
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = read_summary(out)
     rows = sorted((r for r in read_metrics(out) if r["rank"] == 0), key=lambda r: r["step"])
     other = sorted((r for r in read_metrics(out) if r["rank"] == 1), key=lambda r: r["step"])
     assert [r["batch"] for r in rows] == [r["batch"] for r in other]  # both ranks drew the same sizes
-    assert [r["step_fixed_s"] for r in rows if "step_fixed_s" in r] == [r["step_fixed_s"] for r in other
-                                                                        if "step_fixed_s" in r]  # fmt: skip
+    assert [r["step_fixed_s"] for r in rows if "step_fixed_s" in r] == [
+        r["step_fixed_s"] for r in other if "step_fixed_s" in r
+    ]
     decided = 0
     for r, nxt in zip(rows, rows[1:]):
         if (r["step"] + 1) % 5 or "step_fixed_s" not in r:
@@ -170,8 +182,19 @@ def test_an_auto_every_run_resumed_between_its_decisions_ends_as_the_uninterrupt
     the epoch's start) resumes on the same cuts of the data, makes the same decisions and ends on the same model."""
     # 70 of the 106 steps: the batch grows at steps 10 and 30, the stop at 45 falls between decisions, and the
     # resumed part decides again (50, 60) and crosses the end of epoch 0 (step 62) on the plan's changed cuts
-    flags = [*COMMON, "--batch-size", "8", "--epochs", "2", "--batch-schedule", "auto", "--auto-every", "10",
-             "--max-steps", "70"]  # fmt: skip
+    flags = [
+        *COMMON,
+        "--batch-size",
+        "8",
+        "--epochs",
+        "2",
+        "--batch-schedule",
+        "auto",
+        "--auto-every",
+        "10",
+        "--max-steps",
+        "70",
+    ]
     full, resumed = _full_and_resumed(tmp_path, flags, stop=45, every=15)
     a, b = read_summary(full), read_summary(resumed)
     grown = [d["step"] for d in a["batch_decisions"] if d["step"] > 0]
@@ -179,20 +202,25 @@ def test_an_auto_every_run_resumed_between_its_decisions_ends_as_the_uninterrupt
     assert a["batch_decisions"] == b["batch_decisions"]
     rows_a = {r["step"]: r for r in read_metrics(full) if r["rank"] == 0}
     rows_b = {r["step"]: r for r in read_metrics(resumed) if r["rank"] == 0}
-    assert all(rows_b[k]["batch"] == rows_a[k]["batch"] and rows_b[k]["loss"] == pytest.approx(rows_a[k]["loss"],
-               rel=1e-6) for k in rows_b)  # fmt: skip
+    assert all(
+        rows_b[k]["batch"] == rows_a[k]["batch"] and rows_b[k]["loss"] == pytest.approx(rows_a[k]["loss"], rel=1e-6)
+        for k in rows_b
+    )
     assert b["metric"] == pytest.approx(a["metric"], abs=1e-12)
     assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--strategy", "ps", "--servers", "1", "--batch-schedule", "auto"], "batch_schedule auto"),
-    (["--workers", "1", "--batch-schedule", "auto"], "batch_schedule auto"),
-    (["--shard", "optimizer", "--noise-scale"], "noise_scale"),
-    (["--overlap", "forward", "--noise-scale"], "--overlap forward"),
-    (["--noise-scale", "--noise-beta", "1"], "noise_beta must be in [0, 1), got 1"),
-    (["--noise-beta", "0.9"], "add --noise-scale or --batch-schedule auto"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--strategy", "ps", "--servers", "1", "--batch-schedule", "auto"], "batch_schedule auto"),
+        (["--workers", "1", "--batch-schedule", "auto"], "batch_schedule auto"),
+        (["--shard", "optimizer", "--noise-scale"], "noise_scale"),
+        (["--overlap", "forward", "--noise-scale"], "--overlap forward"),
+        (["--noise-scale", "--noise-beta", "1"], "noise_beta must be in [0, 1), got 1"),
+        (["--noise-beta", "0.9"], "add --noise-scale or --batch-schedule auto"),
+    ],
+)
 def test_bad_noise_scale_input_is_refused_before_any_process_starts(tmp_path, flags, needle):
     p = dtrain_cli("run", "--no-progress", "--workers", "2", *flags, "--out", str(tmp_path / "x"))
     assert p.returncode != 0

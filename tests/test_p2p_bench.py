@@ -30,8 +30,22 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.procs
 def test_four_workers_ping_pong_in_two_pairs(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "p2p.json"
-    rc = main(["--workers", "4", "--sizes", "4B,1KiB,256KiB,16MiB", "--iters", "3", "--warmup", "1", "--timeout", "60",
-               "--json", str(out)])  # fmt: skip
+    rc = main(
+        [
+            "--workers",
+            "4",
+            "--sizes",
+            "4B,1KiB,256KiB,16MiB",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--timeout",
+            "60",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "world size 4 (2 pair(s) at once)" in text

@@ -14,8 +14,19 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "dtrain"
 
 # packages whose docstring is a list of their modules: each public module of the folder is named in it
-LISTED = ("training", "observe", "checkpoint", "pipeline", "measure", "planning", "job", "config", "hybrid_parallel",
-          "launch", "rundir")
+LISTED = (
+    "training",
+    "observe",
+    "checkpoint",
+    "pipeline",
+    "measure",
+    "planning",
+    "job",
+    "config",
+    "hybrid_parallel",
+    "launch",
+    "rundir",
+)
 
 
 def _docstring(package: Path) -> str:
@@ -29,7 +40,8 @@ def _named(doc: str) -> set[str]:
 
 def _modules(package: Path) -> set[str]:
     return {p.stem for p in package.glob("*.py") if p.stem != "__init__"} | {
-        p.name for p in package.iterdir() if (p / "__init__.py").exists()}  # fmt: skip
+        p.name for p in package.iterdir() if (p / "__init__.py").exists()
+    }
 
 
 @pytest.mark.parametrize("package", sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").exists()))

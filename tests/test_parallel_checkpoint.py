@@ -30,8 +30,25 @@ from dtrain.errors import DTrainError
 from dtrain.job.validate import validate
 from dtrain.strategies.pipeline import PipelineEngine, PipelineOptions
 
-RUN = ["run", "--strategy", "pipeline", "--workers", "2", "--epochs", "2", "--max-steps", "30", "--batch-size", "24",
-       "--microbatches", "4", "--checkpoint-every", "10", "--no-progress", "--no-trace"]  # fmt: skip
+RUN = [
+    "run",
+    "--strategy",
+    "pipeline",
+    "--workers",
+    "2",
+    "--epochs",
+    "2",
+    "--max-steps",
+    "30",
+    "--batch-size",
+    "24",
+    "--microbatches",
+    "4",
+    "--checkpoint-every",
+    "10",
+    "--no-progress",
+    "--no-trace",
+]
 
 
 def _losses(out: Path) -> dict[tuple[int, int], float]:
@@ -41,8 +58,9 @@ def _losses(out: Path) -> dict[tuple[int, int], float]:
 
 @pytest.mark.procs
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("flags", [["--schedule", "1f1b"], ["--schedule", "interleaved", "--chunks", "2"]],
-                         ids=["1f1b", "interleaved"])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags", [["--schedule", "1f1b"], ["--schedule", "interleaved", "--chunks", "2"]], ids=["1f1b", "interleaved"]
+)
 def test_a_resumed_pipeline_run_ends_as_the_uninterrupted_one(tmp_path, flags):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     p = dtrain_cli(*RUN, *flags, "--out", str(whole), timeout=240)
@@ -75,15 +93,21 @@ def test_a_resumed_pipeline_cuts_the_model_where_its_checkpoint_did(tmp_path):
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("extra, words", [
-    (["--schedule", "2bw", "--checkpoint-every", "10"],
-     "checkpoints of a pipeline run with --schedule 2bw are not supported: between steps it holds a batch's "
-     "deferred backwards"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (
+            ["--schedule", "2bw", "--checkpoint-every", "10"],
+            "checkpoints of a pipeline run with --schedule 2bw are not supported: between steps it holds a batch's "
+            "deferred backwards",
+        ),
+    ],
+)
 def test_a_pipeline_checkpoint_that_cannot_hold_is_refused_before_any_process(tmp_path, extra, words):
     out = tmp_path / "r"
-    p = dtrain_cli("run", "--strategy", "pipeline", "--workers", "2", "--max-steps", "4", *extra, "--out", str(out),
-                   timeout=60)  # fmt: skip
+    p = dtrain_cli(
+        "run", "--strategy", "pipeline", "--workers", "2", "--max-steps", "4", *extra, "--out", str(out), timeout=60
+    )
     assert p.returncode == 2 and words in p.stderr, p.stderr[-2000:]
     assert not (out / "metrics.jsonl").exists()
 
@@ -94,28 +118,54 @@ def test_resuming_a_pipeline_checkpoint_with_other_chunks_is_refused_naming_them
     first = tmp_path / "first"
     p = dtrain_cli(*RUN, "--max-steps", "10", "--out", str(first), timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
-    cfg = RunConfig.make(strategy="pipeline", workers=2, epochs=2, max_steps=30, batch_size=24, microbatches=4,
-                         schedule="interleaved", chunks=2, resume=str(first / "checkpoints" / "step_000010"))
-    with pytest.raises(DTrainError, match="it was saved with schedule='1f1b', chunks=1; this run has "
-                                          "schedule='interleaved', chunks=2"):  # fmt: skip
+    cfg = RunConfig.make(
+        strategy="pipeline",
+        workers=2,
+        epochs=2,
+        max_steps=30,
+        batch_size=24,
+        microbatches=4,
+        schedule="interleaved",
+        chunks=2,
+        resume=str(first / "checkpoints" / "step_000010"),
+    )
+    with pytest.raises(
+        DTrainError, match="it was saved with schedule='1f1b', chunks=1; this run has schedule='interleaved', chunks=2"
+    ):
         validate(cfg)
 
 
-GPT = ["run", "--model", "gpt-tiny", "--dataset", "pytext", "--epochs", "1", "--max-steps", "20", "--checkpoint-every",
-       "10", "--no-progress", "--no-trace"]  # fmt: skip
+GPT = [
+    "run",
+    "--model",
+    "gpt-tiny",
+    "--dataset",
+    "pytext",
+    "--epochs",
+    "1",
+    "--max-steps",
+    "20",
+    "--checkpoint-every",
+    "10",
+    "--no-progress",
+    "--no-trace",
+]
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mesh", [["--strategy", "tensor", "--workers", "2"],
-                                  ["--strategy", "hybrid", "--workers", "4", "--dp", "2", "--pp", "2"]],
-                         ids=["tp2", "dp2xpp2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "mesh",
+    [["--strategy", "tensor", "--workers", "2"], ["--strategy", "hybrid", "--workers", "4", "--dp", "2", "--pp", "2"]],
+    ids=["tp2", "dp2xpp2"],
+)
 def test_a_resumed_tensor_or_hybrid_run_ends_as_the_uninterrupted_one(tmp_path, mesh):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     p = dtrain_cli(*GPT, *mesh, "--out", str(whole), timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
-    p = dtrain_cli(*GPT, *mesh, "--resume", str(whole / "checkpoints" / "step_000010"), "--out", str(resumed),
-                   timeout=240)  # fmt: skip
+    p = dtrain_cli(
+        *GPT, *mesh, "--resume", str(whole / "checkpoints" / "step_000010"), "--out", str(resumed), timeout=240
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = _losses(whole), _losses(resumed)
     ranks = int(mesh[3])
@@ -127,10 +177,31 @@ def test_a_resumed_tensor_or_hybrid_run_ends_as_the_uninterrupted_one(tmp_path, 
 @pytest.mark.procs
 def test_a_hybrid_checkpoint_resumes_only_on_its_own_mesh(tmp_path):
     root = tmp_path / "run"
-    p = dtrain_cli(*GPT, "--strategy", "hybrid", "--workers", "2", "--dp", "2", "--max-steps", "10", "--out",
-                   str(root), timeout=240)  # fmt: skip
+    p = dtrain_cli(
+        *GPT,
+        "--strategy",
+        "hybrid",
+        "--workers",
+        "2",
+        "--dp",
+        "2",
+        "--max-steps",
+        "10",
+        "--out",
+        str(root),
+        timeout=240,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
-    cfg = RunConfig.make(strategy="hybrid", workers=2, dp=1, tp=2, model="gpt-tiny", dataset="pytext", epochs=1,
-                         max_steps=20, resume=str(root / "checkpoints" / "step_000010"))  # fmt: skip
+    cfg = RunConfig.make(
+        strategy="hybrid",
+        workers=2,
+        dp=1,
+        tp=2,
+        model="gpt-tiny",
+        dataset="pytext",
+        epochs=1,
+        max_steps=20,
+        resume=str(root / "checkpoints" / "step_000010"),
+    )
     with pytest.raises(DTrainError, match="it was saved with dp=2, tp=1; this run has dp=1, tp=2"):
         validate(cfg)

@@ -67,8 +67,9 @@ def _bsp_run(servers, group, opt_name, dtype):
     import dtrain
 
     model = _cnn(dtype)
-    ps = dtrain.ParameterServer(model, _optimizer(opt_name), servers=servers, consistency="bsp", group=group,
-                                timeout_s=60, min_split_bytes=0)
+    ps = dtrain.ParameterServer(
+        model, _optimizer(opt_name), servers=servers, consistency="bsp", group=group, timeout_s=60, min_split_bytes=0
+    )
     if ps.is_server:
         ps.serve()
         return None
@@ -143,10 +144,18 @@ def _accuracy(rank, world, out_dir):
     for pol in POLICIES:
         d = Path(out_dir) / pol.replace(":", "_")
         d.mkdir(parents=True, exist_ok=True)
-        cfg = RunConfig.make(strategy="ps", servers=2, workers=world - 2, consistency=pol, epochs=EPOCHS,
-                        progress=False, timeout_s=60)
-        ctx = TrainContext(cfg=cfg, rank=rank, world_size=world, out_dir=d, data=data,
-                           metrics=MetricsWriter(d, rank), tracer=Tracer(rank, enabled=False))
+        cfg = RunConfig.make(
+            strategy="ps", servers=2, workers=world - 2, consistency=pol, epochs=EPOCHS, progress=False, timeout_s=60
+        )
+        ctx = TrainContext(
+            cfg=cfg,
+            rank=rank,
+            world_size=world,
+            out_dir=d,
+            data=data,
+            metrics=MetricsWriter(d, rank),
+            tracer=Tracer(rank, enabled=False),
+        )
         r = run_process(ctx)
         ctx.metrics.close()
         res[pol] = {k: r[k] for k in ("role", "steps", "test_accuracy", "summary_extra") if k in r}
@@ -326,8 +335,13 @@ def _lost_server_and_rogue_body(rank, a, b):
             try:
                 return ps.serve()
             except dtrain.param_server.ProtocolError as e:
-                return {"error": "ProtocolError", "message": str(e), "peer": e.peer, "updates": ps.stats()["updates"],
-                        "params": ps._server.flat_parameters().numpy().copy()}
+                return {
+                    "error": "ProtocolError",
+                    "message": str(e),
+                    "peer": e.peer,
+                    "updates": ps.stats()["updates"],
+                    "params": ps._server.flat_parameters().numpy().copy(),
+                }
         if rank == 6:
             n = sum(p.numel() for p in model.parameters())
             buf = Identity().to_wire(torch.full((n,), 1e3), "rogue")

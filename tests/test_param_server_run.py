@@ -11,9 +11,26 @@ pytestmark = pytest.mark.procs  # every test here starts processes
 def test_dtrain_run_ps_writes_staleness_and_the_table(tmp_path):
     out = tmp_path / "ps"
     p = dtrain_cli(
-        "run", "--strategy", "ps", "--servers", "1", "--workers", "2", "--consistency", "ssp:1", "--epochs", "1",
-        "--max-steps", "12", "--out", str(out), "--no-progress", "--timeout-s", "60",
-        "--straggler", "2:2",  # the straggler's path runs; its timing is the benchmark's
+        "run",
+        "--strategy",
+        "ps",
+        "--servers",
+        "1",
+        "--workers",
+        "2",
+        "--consistency",
+        "ssp:1",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "12",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--timeout-s",
+        "60",
+        "--straggler",
+        "2:2",  # the straggler's path runs; its timing is the benchmark's
         timeout=300,
     )
     assert p.returncode == 0, p.stderr[-3000:]

@@ -59,8 +59,18 @@ def _reference(opt_factory, steps, workers):
     return [p.detach() for p in m.parameters()]
 
 
-def _train(servers, workers, steps, consistency="bsp", opt_factory=_sgd, timeout_s=5.0, delay=None,
-           worker_fn=None, after=None, **kw):
+def _train(
+    servers,
+    workers,
+    steps,
+    consistency="bsp",
+    opt_factory=_sgd,
+    timeout_s=5.0,
+    delay=None,
+    worker_fn=None,
+    after=None,
+    **kw,
+):
     """Run S servers + W workers as threads; returns per-rank (stats, final params or None).
     ``delay(i, s)``: seconds worker ``i`` waits before its push of step ``s`` (it may block instead and
     return 0); ``after(i, s)``: called once that step has returned."""
@@ -74,8 +84,16 @@ def _train(servers, workers, steps, consistency="bsp", opt_factory=_sgd, timeout
             special = worker_fn(t, m, store)
             if special is not None:
                 return special
-        ps = ParameterServer(m, opt_factory, servers=servers, consistency=consistency, transport=t, store=store,
-                             timeout_s=timeout_s, **kw)
+        ps = ParameterServer(
+            m,
+            opt_factory,
+            servers=servers,
+            consistency=consistency,
+            transport=t,
+            store=store,
+            timeout_s=timeout_s,
+            **kw,
+        )
         if ps.is_server:
             return ps.serve(), None
         i = ps.worker_index
@@ -118,8 +136,10 @@ def test_the_update_does_not_depend_on_the_order_gradients_arrive_in(spec):
     W, steps = 4, 6
     gap = 0.02  # worker i pushes i * gap after the first (or before, reversed)
     if spec == "bsp":
-        runs = [_train(1, W, steps, consistency=spec, opt_factory=_adam, delay=d)
-                for d in (lambda i, s: gap * i, lambda i, s: gap * (W - 1 - i))]
+        runs = [
+            _train(1, W, steps, consistency=spec, opt_factory=_adam, delay=d)
+            for d in (lambda i, s: gap * i, lambda i, s: gap * (W - 1 - i))
+        ]
     else:  # workers 0..2 come first in some order; worker 3 (the backup that is dropped) pushes once their
         runs = []  # step has returned, i.e. once the server has updated without it (an event, not a sleep)
         for first in (lambda i: gap * i, lambda i: gap * (2 - i)):
@@ -198,8 +218,9 @@ def test_staleness_lr_divides_each_step_by_its_staleness():
 
     def rank_fn(t):
         m = _model()
-        ps = ParameterServer(m, plain_sgd, servers=1, consistency="asp", staleness_lr=True, transport=t,
-                             store=store, timeout_s=10)
+        ps = ParameterServer(
+            m, plain_sgd, servers=1, consistency="asp", staleness_lr=True, transport=t, store=store, timeout_s=10
+        )
         if ps.is_server:
             return ps.serve()
         connected.wait(10)
@@ -250,8 +271,7 @@ def _hang_after(n, spec):
     def fn(t, m, store):
         if t.rank != t.world_size - 1:
             return None
-        ps = ParameterServer(m, _sgd, servers=1, consistency=spec, transport=t, store=store,
-                             timeout_s=FAULT_TIMEOUT)
+        ps = ParameterServer(m, _sgd, servers=1, consistency=spec, transport=t, store=store, timeout_s=FAULT_TIMEOUT)
         x, y = _data(n, 1)
         for s in range(n):
             nn.functional.cross_entropy(m(x[s]), y[s]).backward()
@@ -265,8 +285,15 @@ def _hang_after(n, spec):
 
 def test_hung_worker_is_dropped_after_the_timeout_under_asp(caplog):
     with caplog.at_level(logging.WARNING, logger="dtrain.param_server"):
-        out = _train(1, 3, 12, consistency="asp", timeout_s=FAULT_TIMEOUT, worker_fn=_hang_after(3, "asp"),
-                     delay=lambda i, s: 0.05)
+        out = _train(
+            1,
+            3,
+            12,
+            consistency="asp",
+            timeout_s=FAULT_TIMEOUT,
+            worker_fn=_hang_after(3, "asp"),
+            delay=lambda i, s: 0.05,
+        )
     server = out[0][0]
     assert list(server["lost"]) == ["3"] and "no heartbeat" in server["lost"]["3"]
     assert out[3] == "hung"
@@ -282,8 +309,7 @@ def test_a_dropped_worker_that_comes_back_is_told_and_the_run_goes_on():
     def fn(t, m, store):
         if t.rank != t.world_size - 1:
             return None
-        ps = ParameterServer(m, _sgd, servers=1, consistency="asp", transport=t, store=store,
-                             timeout_s=FAULT_TIMEOUT)
+        ps = ParameterServer(m, _sgd, servers=1, consistency="asp", transport=t, store=store, timeout_s=FAULT_TIMEOUT)
         x, y = _data(3, 1)
         for s in range(2):
             nn.functional.cross_entropy(m(x[s]), y[s]).backward()
@@ -334,13 +360,16 @@ def _rogue(kind):
     return fn
 
 
-@pytest.mark.parametrize("kind,words", [
-    ("unknown op", "unknown or unexpected op 99"),
-    ("wrong shape", "does not decode to"),
-    ("wrong clock", "sent clock 5, expected 1"),
-    ("bad magic", "bad magic"),
-    ("wrong version", "read version 3"),
-])
+@pytest.mark.parametrize(
+    "kind,words",
+    [
+        ("unknown op", "unknown or unexpected op 99"),
+        ("wrong shape", "does not decode to"),
+        ("wrong clock", "sent clock 5, expected 1"),
+        ("bad magic", "bad magic"),
+        ("wrong version", "read version 3"),
+    ],
+)
 def test_malformed_message_is_rejected_naming_the_sender(kind, words):
     store = dist.HashStore()
     ts = ThreadTransport.create(2, timeout=2.0)
@@ -403,8 +432,10 @@ def test_roles_are_enforced():
 
     shared = dist.HashStore()
     out = run_threads(2, rank_fn, timeout=10.0)
-    assert out == ["ParameterServer(rank=0, server, servers=1, workers=1, consistency='bsp')",
-                   "ParameterServer(rank=1, worker 0, servers=1, workers=1, consistency='bsp')"]
+    assert out == [
+        "ParameterServer(rank=0, server, servers=1, workers=1, consistency='bsp')",
+        "ParameterServer(rank=1, worker 0, servers=1, workers=1, consistency='bsp')",
+    ]
 
 
 def test_a_hung_server_stops_the_workers_with_its_name():
@@ -414,13 +445,15 @@ def test_a_hung_server_stops_the_workers_with_its_name():
 
     def rank_fn(t):
         if t.rank == 1:
-            ps = ParameterServer(_model(), _sgd, servers=2, consistency="asp", transport=t, store=store,
-                                 timeout_s=FAULT_TIMEOUT)
+            ps = ParameterServer(
+                _model(), _sgd, servers=2, consistency="asp", transport=t, store=store, timeout_s=FAULT_TIMEOUT
+            )
             ps._live.stop()
             return "hung"
         with pytest.raises(CommError) as ei:
-            ps = ParameterServer(_model(), _sgd, servers=2, consistency="asp", transport=t, store=store,
-                                 timeout_s=FAULT_TIMEOUT)
+            ps = ParameterServer(
+                _model(), _sgd, servers=2, consistency="asp", transport=t, store=store, timeout_s=FAULT_TIMEOUT
+            )
             ps.serve()
         return ei.value
 

@@ -107,12 +107,15 @@ def test_header_round_trip_and_size():
     assert Header.decode(t, allowed=(OP_PUSH,)) == h
 
 
-@pytest.mark.parametrize("edit,words", [
-    ({0: 42}, "bad magic"),
-    ({1: 99}, "unknown or unexpected op 99"),
-    ({4: -1}, "negative"),
-    ({7: 5}, "reserved"),
-])
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        ({0: 42}, "bad magic"),
+        ({1: 99}, "unknown or unexpected op 99"),
+        ({4: -1}, "negative"),
+        ({7: 5}, "reserved"),
+    ],
+)
 def test_header_validation(edit, words):
     t = Header(OP_PUSH, 1, 0, 10).encode()
     for k, v in edit.items():
@@ -184,15 +187,39 @@ def test_lr_scale_is_the_linear_rule_per_update_batch():
 
 def test_merged_stats_and_table():
     def server(rank, hist):
-        return {"role": "server", "rank": rank, "consistency": "asp", "servers": 2, "workers": 1, "updates": 4,
-                "applied": {"2": 4}, "dropped": {},
-                "staleness": hist_summary(Counter({int(k): v for k, v in hist.items()})),
-                "clock_lag": hist_summary(Counter({0: 4})),
-                "bytes_in": 10, "bytes_out": 20, "busy_s": 0.5, "wall_s": 1.0, "lost": {"3": "gone"}}
+        return {
+            "role": "server",
+            "rank": rank,
+            "consistency": "asp",
+            "servers": 2,
+            "workers": 1,
+            "updates": 4,
+            "applied": {"2": 4},
+            "dropped": {},
+            "staleness": hist_summary(Counter({int(k): v for k, v in hist.items()})),
+            "clock_lag": hist_summary(Counter({0: 4})),
+            "bytes_in": 10,
+            "bytes_out": 20,
+            "busy_s": 0.5,
+            "wall_s": 1.0,
+            "lost": {"3": "gone"},
+        }
 
-    worker = {"role": "worker", "rank": 2, "consistency": "asp", "servers": 2, "workers": 1, "steps": 4,
-              "compute_s": 1.0, "push_s": 0.1, "wait_s": 0.2, "pull_s": 0.05, "bytes_sent": 400,
-              "bytes_received": 800, "clock_lag_max": 0}
+    worker = {
+        "role": "worker",
+        "rank": 2,
+        "consistency": "asp",
+        "servers": 2,
+        "workers": 1,
+        "steps": 4,
+        "compute_s": 1.0,
+        "push_s": 0.1,
+        "wait_s": 0.2,
+        "pull_s": 0.05,
+        "bytes_sent": 400,
+        "bytes_received": 800,
+        "clock_lag_max": 0,
+    }
     m = merge_stats([server(0, {"0": 2, "3": 2}), server(1, {"1": 4}), worker])
     assert m["staleness"] == {"max": 3, "mean": 1.25, "hist": {"0": 2, "1": 4, "3": 2}}
     assert m["bytes_received_per_step"] == 200 and m["lost_workers"] == {"3": "gone"}
@@ -203,7 +230,11 @@ def test_merged_stats_and_table():
     assert m["samples_computed"] is None  # no batch given
     m = merge_stats([server(0, {"0": 4}), server(1, {"0": 4}), worker], batch_per_worker=16)
     assert (m["gradients_computed"], m["gradients_applied"], m["samples_computed"], m["samples_applied"]) == (
-        4, 4, 64, 64)
+        4,
+        4,
+        64,
+        64,
+    )
     assert "samples: 64 computed, 64 applied" in format_table(m)
 
 

@@ -29,8 +29,13 @@ MiB = 1 << 20
 
 
 def flat(nodes: int, alpha: float, beta: float, gamma: float = 0.0, per_node: int = 1, **kw) -> ClusterSpec:
-    return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=Link(1 / beta, alpha),
-                       intra=kw.pop("intra", Link(1 / beta, alpha)), device=Device(gamma=gamma, host="h", **kw))
+    return ClusterSpec(
+        nodes=nodes,
+        devices_per_node=per_node,
+        inter=Link(1 / beta, alpha),
+        intra=kw.pop("intra", Link(1 / beta, alpha)),
+        device=Device(gamma=gamma, host="h", **kw),
+    )
 
 
 # ---------------------------------------------------------------- units and TOML
@@ -48,11 +53,25 @@ def test_units_parse_tc_style_rates_sizes_and_times():
 
 
 def test_cluster_toml_round_trips_and_rejects_bad_keys(tmp_path):
-    device = Device(kind="P100", flops=9.3e12, memory=16 * 2**30, gamma=2e-11, overhead=1e-3, wake=2e-4,
-                    floor=5e-3, imbalance=4e-4, p2p_floor=3e-3)
-    c = ClusterSpec(nodes=32, devices_per_node=4,
-                    inter=Link(parse_rate("25gbit"), 30e-6, 0.75, duplex_bandwidth=parse_rate("20gbit")),
-                    intra=Link(parse_rate("80gbit"), 5e-6), device=device, name="hvd")
+    device = Device(
+        kind="P100",
+        flops=9.3e12,
+        memory=16 * 2**30,
+        gamma=2e-11,
+        overhead=1e-3,
+        wake=2e-4,
+        floor=5e-3,
+        imbalance=4e-4,
+        p2p_floor=3e-3,
+    )
+    c = ClusterSpec(
+        nodes=32,
+        devices_per_node=4,
+        inter=Link(parse_rate("25gbit"), 30e-6, 0.75, duplex_bandwidth=parse_rate("20gbit")),
+        intra=Link(parse_rate("80gbit"), 5e-6),
+        device=device,
+        name="hvd",
+    )
     p = tmp_path / "c.toml"
     p.write_text(dump_cluster(c))
     assert load_cluster(p) == c
@@ -104,13 +123,15 @@ def test_one_level_costs_are_comm_cost(alg, p):
 @pytest.mark.parametrize("p", [4, 5])
 def test_duplex_rate_charges_the_steps_that_send_and_receive_at_once(p):
     one_way = flat(p, A, B, G)
-    duplex = ClusterSpec(nodes=p, inter=Link(1 / B, A, duplex_bandwidth=1 / (2 * B)), intra=one_way.intra,
-                         device=one_way.device)  # fmt: skip
+    duplex = ClusterSpec(
+        nodes=p, inter=Link(1 / B, A, duplex_bandwidth=1 / (2 * B)), intra=one_way.intra, device=one_way.device
+    )
     # ring, recursive doubling, Rabenseifner: every byte at the duplex rate (beta 2B)
     for alg in ("ring", "native", "recursive_doubling", "rabenseifner"):
         piece = cost.RING_PIECE_BYTES if alg == "ring" else None
         assert allreduce_time(duplex, alg, N, p) == pytest.approx(
-            cost.allreduce_time(alg, p, N, cost.LinkCost(A, 2 * B, G), piece_bytes=piece))  # fmt: skip
+            cost.allreduce_time(alg, p, N, cost.LinkCost(A, 2 * B, G), piece_bytes=piece)
+        )
     # the binomial tree's rounds send one way: unchanged
     assert allreduce_time(duplex, "tree", N, p) == pytest.approx(allreduce_time(one_way, "tree", N, p))
     # ring on 4 ranks by hand: 6 steps of (1e-3 + 250000 * 2e-6) and 3 reductions of 250000 * 1e-9
@@ -132,8 +153,12 @@ def test_token_bucket_by_hand():
     # 4 ranks: 1->0 and 3->2 on fresh buckets (0.601 s, reduce: 0.602); 2->0 finds 0's in-bucket drained
     # at 0.601 and refilled by 1 ms: 1000 B (1.001 s, reduce: 1.603); 0->2 on fresh buckets (0.601 s);
     # 0->1 after it on 0's drained out-link (1.001 s); 2->3 meanwhile (fresh: 0.601 s)
-    t4 = allreduce_time(ClusterSpec(nodes=4, inter=Link(1 / B, A, burst=4e5), intra=Link(1 / B, A),
-                                    device=Device(gamma=G)), "tree", N, 4)  # fmt: skip
+    t4 = allreduce_time(
+        ClusterSpec(nodes=4, inter=Link(1 / B, A, burst=4e5), intra=Link(1 / B, A), device=Device(gamma=G)),
+        "tree",
+        N,
+        4,
+    )
     assert t4 == pytest.approx((A + 0.6 + G * N) + (A + 0.999 + G * N) + (A + 0.6) + (A + 1.0))
     # the exchanges are charged their (duplex) rate throughout
     ring_b = ClusterSpec(nodes=4, inter=Link(1 / B, A, burst=1e5), intra=Link(1 / B, A), device=Device(gamma=G))
@@ -147,8 +172,10 @@ def test_collective_steps_by_hand():
     from dtrain.perfmodel.collectives import collective_steps
 
     c, dense = ClusterSpec(nodes=8), CompressionModel()
-    steps = {a: [collective_steps(c, a, p, dense) for p in (1, 2, 3, 4, 5, 8)]
-             for a in ("ring", "native", "tree", "recursive_doubling", "rabenseifner", "hierarchical")}  # fmt: skip
+    steps = {
+        a: [collective_steps(c, a, p, dense) for p in (1, 2, 3, 4, 5, 8)]
+        for a in ("ring", "native", "tree", "recursive_doubling", "rabenseifner", "hierarchical")
+    }
     assert steps == {
         "ring": [0, 2, 4, 6, 8, 14],  # 2 (P-1)
         "native": [0, 2, 4, 6, 8, 14],
@@ -387,8 +414,12 @@ def test_own_collectives_pay_the_p2p_floor_and_the_backend_its_own():
 def test_imbalance_is_waited_for_by_synchronous_strategies_only():
     prof = made_up_profile()
     c, skew = flat(4, 1e-3, 1e-8, 1e-10), flat(4, 1e-3, 1e-8, 1e-10, imbalance=0.05)
-    for s in (choice("dp", 4, "ring"), choice("ddp", 4), choice("ps", 3, servers=1, consistency="bsp"),
-              choice("ps", 3, servers=1, consistency="backup:1")):  # fmt: skip
+    for s in (
+        choice("dp", 4, "ring"),
+        choice("ddp", 4),
+        choice("ps", 3, servers=1, consistency="bsp"),
+        choice("ps", 3, servers=1, consistency="backup:1"),
+    ):
         base, slow = predict(prof, c, s), predict(prof, skew, s)
         assert slow.step_s == pytest.approx(base.step_s + 0.05), s
         assert slow.wait_s == pytest.approx(base.wait_s + 0.05), s
@@ -405,10 +436,18 @@ def test_imbalance_is_waited_for_by_synchronous_strategies_only():
 def test_compressors_pay_the_floor_per_step():
     prof = made_up_profile()
     floored = flat(2, 0.0, 1e-12, floor=0.25)  # links so fast that every call is floor-bound
-    one = predict(prof, floored, choice("dp", 2, "ring", bucket_mb=25.0, compression="fp16"),
-                  CompressionModel("fp16", "summable", 0.5))  # fmt: skip
-    two = predict(prof, floored, choice("dp", 2, "ring", bucket_mb=25.0, compression="powersgd:2"),
-                  CompressionModel("powersgd:2", "lowrank", 0.01))  # fmt: skip
+    one = predict(
+        prof,
+        floored,
+        choice("dp", 2, "ring", bucket_mb=25.0, compression="fp16"),
+        CompressionModel("fp16", "summable", 0.5),
+    )
+    two = predict(
+        prof,
+        floored,
+        choice("dp", 2, "ring", bucket_mb=25.0, compression="powersgd:2"),
+        CompressionModel("powersgd:2", "lowrank", 0.01),
+    )
     # 2 ranks: fp16's ring has 2 steps (0.5 s), PowerSGD's two allreduces 4 (1.0 s); buckets ready at
     # 0.1 and 0.3: 0.1-0.6, 0.6-1.1 and 0.1-1.1, 1.1-2.1. fp16's encode and decode count toward its floors;
     # PowerSGD's run between its two allreduces, while no message is in flight, and add to them
@@ -609,8 +648,11 @@ def test_duplex_rate_is_the_exchanges_bytes_over_their_time_by_hand():
 
     one_way = Link(bandwidth=1e6, latency=1e-4)
     # two ranks' medians per size; the rate is over the medians across ranks: 3 MB in (1 + 2) s
-    res = {0: {"duplex": [(1_000_000, 1.0), (2_000_000, 2.0)]}, 1: {"duplex": [(1_000_000, 1.2), (2_000_000, 1.8)]},
-           2: {"duplex": [(1_000_000, 0.8), (2_000_000, 2.4)]}}  # fmt: skip
+    res = {
+        0: {"duplex": [(1_000_000, 1.0), (2_000_000, 2.0)]},
+        1: {"duplex": [(1_000_000, 1.2), (2_000_000, 1.8)]},
+        2: {"duplex": [(1_000_000, 0.8), (2_000_000, 2.4)]},
+    }
     assert _duplex_rate(res, Link(bandwidth=5e6)) == pytest.approx(3e6 / 3.0)
     assert _duplex_rate(res, one_way) == 1e6  # never above the one-way rate
     assert _duplex_rate({0: {}}, one_way) is None

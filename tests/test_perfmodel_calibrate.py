@@ -55,10 +55,22 @@ def test_pooled_load_terms_are_the_medians_of_every_reading_and_the_rest_is_the_
     from dtrain.planning.calibrate import pool_load
 
     def reading(scale: float, wake: float, duplex: float | None, p2p: float | None) -> ClusterSpec:
-        device = Device(compute_scale=scale, wake=wake, floor=2 * wake, p2p_floor=p2p, imbalance=3 * wake,
-                        overhead=scale * 1e-4, flops=7e10)  # fmt: skip
-        return ClusterSpec(name="c", nodes=4, devices_per_node=1, device=device,
-                           inter=Link(bandwidth=6e6, latency=8e-5, duplex_bandwidth=duplex))  # fmt: skip
+        device = Device(
+            compute_scale=scale,
+            wake=wake,
+            floor=2 * wake,
+            p2p_floor=p2p,
+            imbalance=3 * wake,
+            overhead=scale * 1e-4,
+            flops=7e10,
+        )
+        return ClusterSpec(
+            name="c",
+            nodes=4,
+            devices_per_node=1,
+            device=device,
+            inter=Link(bandwidth=6e6, latency=8e-5, duplex_bandwidth=duplex),
+        )
 
     calibrated = reading(2.9, 6e-4, 5.4e6, None)
     refreshes = [reading(3.8, 9e-4, 5.0e6, 8e-4), reading(2.7, 5e-4, None, 7e-4)]

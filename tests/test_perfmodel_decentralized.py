@@ -16,8 +16,14 @@ MiB = float(1 << 20)
 
 
 def _cluster(n: int = 4) -> ClusterSpec:
-    return ClusterSpec(nodes=n, devices_per_node=1, intra=Link(1e10, 1e-5), inter=Link(1e7, 1e-3),
-                       device=Device(flops=1e10, host="h"), name="made-up")  # fmt: skip
+    return ClusterSpec(
+        nodes=n,
+        devices_per_node=1,
+        intra=Link(1e10, 1e-5),
+        inter=Link(1e7, 1e-3),
+        device=Device(flops=1e10, host="h"),
+        name="made-up",
+    )
 
 
 def _profile():
@@ -60,8 +66,9 @@ def test_planner_ranks_averaging_only_when_asked():
     asked = {x.strategy for x in candidates(c, 4, averaging=True)}
     assert not plain & {"local_sgd", "easgd", "gossip"}
     assert {"local_sgd", "easgd", "gossip"} <= asked
-    assert not {"local_sgd", "easgd", "gossip"} & {x.strategy for x in candidates(c, 4, averaging=True,
-                                                                                  exact_only=True)}
+    assert not {"local_sgd", "easgd", "gossip"} & {
+        x.strategy for x in candidates(c, 4, averaging=True, exact_only=True)
+    }
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
     p = plan(model, (torch.randn(64, 256), torch.randint(0, 10, (64,))), c, measure=False, averaging=True)

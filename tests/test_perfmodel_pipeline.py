@@ -30,11 +30,22 @@ PARAM = 400
 
 def _profile(fwd_ms: list[float], batch: int = 8, optimizer_ms: float = 4.0) -> ModelProfile:
     """Made-up measured layers: forward as given, backward twice the forward (at ``batch`` samples)."""
-    layers = tuple(LayerProfile(name=f"l{i}", params=PARAM // 4, param_bytes=PARAM, fwd_flops=f, bwd_flops=2 * f,
-                                activation_bytes=ACT, fwd_s=f * MS, bwd_s=2 * f * MS)
-                   for i, f in enumerate(fwd_ms))  # fmt: skip
-    return ModelProfile(name="made-up", batch=batch, layers=layers, optimizer_s=optimizer_ms * MS, input_bytes=800.0,
-                        host="h")  # fmt: skip
+    layers = tuple(
+        LayerProfile(
+            name=f"l{i}",
+            params=PARAM // 4,
+            param_bytes=PARAM,
+            fwd_flops=f,
+            bwd_flops=2 * f,
+            activation_bytes=ACT,
+            fwd_s=f * MS,
+            bwd_s=2 * f * MS,
+        )
+        for i, f in enumerate(fwd_ms)
+    )
+    return ModelProfile(
+        name="made-up", batch=batch, layers=layers, optimizer_s=optimizer_ms * MS, input_bytes=800.0, host="h"
+    )
 
 
 def _cluster(nodes: int = 4, latency: float = 1e-4, bandwidth: float = 1e6) -> ClusterSpec:
@@ -106,8 +117,11 @@ def test_without_transfers_the_step_is_the_schedules_makespan():
     """With free links the closed forms are exact for balanced stages: the schedule played in time agrees."""
     free = _cluster(8, latency=0.0, bandwidth=1e30)
     prof = _profile([3.0] * 12, batch=24, optimizer_ms=0.0)
-    for (schedule, v), p, m in itertools.product([("gpipe", 1), ("1f1b", 1), ("2bw", 1), ("interleaved", 2),
-                                                  ("interleaved", 3)], (1, 2, 3, 4), (1, 2, 3, 4, 6, 8, 12)):
+    for (schedule, v), p, m in itertools.product(
+        [("gpipe", 1), ("1f1b", 1), ("2bw", 1), ("interleaved", 2), ("interleaved", 3)],
+        (1, 2, 3, 4),
+        (1, 2, 3, 4, 6, 8, 12),
+    ):
         if p * v > 12 or 24 % m or (schedule == "interleaved" and m % p):
             continue
         cost = pm.pipeline_cost(prof, free, p, m, schedule, chunks=v)
@@ -148,8 +162,10 @@ def test_the_cut_is_the_minimal_max_partition():
     prof, c = _profile(fwd, batch=4), _cluster()
     for p in (2, 3, 4):
         cut = pm.pipeline_cost(prof, c, p, 2, "1f1b").sizes
-        best = min(max(sum(fwd[a:b]) for a, b in zip((0, *ends), (*ends, len(fwd))))
-                   for ends in itertools.combinations(range(1, len(fwd)), p - 1))  # fmt: skip
+        best = min(
+            max(sum(fwd[a:b]) for a, b in zip((0, *ends), (*ends, len(fwd))))
+            for ends in itertools.combinations(range(1, len(fwd)), p - 1)
+        )
         starts = [sum(cut[:i]) for i in range(p)]
         assert max(sum(fwd[s : s + n]) for s, n in zip(starts, cut)) == pytest.approx(best)
         assert pm.stage_cut(prof, p, "time") == cut  # the hooks' cut from the profile alone: the same here
@@ -159,11 +175,16 @@ def test_the_cut_is_the_minimal_max_partition():
 
 def test_arguments_no_run_would_accept_are_refused():
     prof, c = _profile(EQUAL), _cluster()
-    for kwargs, what in [({"stages": 5}, "fewer than the 5"), ({"microbatches": 3}, "do not divide"),
-                         ({"schedule": "zigzag"}, "not known"), ({"chunks": 2}, "chunks"),
-                         ({"schedule": "interleaved"}, "chunks"), ({"sizes": [3, 2]}, "summing"),
-                         ({"schedule": "interleaved", "chunks": 2, "microbatches": 1}, "multiple"),
-                         ({"checkpoint": "sometimes"}, "not known")]:  # fmt: skip
+    for kwargs, what in [
+        ({"stages": 5}, "fewer than the 5"),
+        ({"microbatches": 3}, "do not divide"),
+        ({"schedule": "zigzag"}, "not known"),
+        ({"chunks": 2}, "chunks"),
+        ({"schedule": "interleaved"}, "chunks"),
+        ({"sizes": [3, 2]}, "summing"),
+        ({"schedule": "interleaved", "chunks": 2, "microbatches": 1}, "multiple"),
+        ({"checkpoint": "sometimes"}, "not known"),
+    ]:
         args = {"stages": 2, "microbatches": 4, "schedule": "1f1b", **kwargs}
         with pytest.raises(ConfigError, match=what):
             pm.pipeline_cost(prof, c, **args)
@@ -178,7 +199,8 @@ def test_in_flight_microbatches_per_schedule():
     assert [pm.in_flight("2bw", 4, 2, 1, w) for w in range(4)] == [3, 3, 2, 1]  # with the deferred ones
     for schedule, p, m in itertools.product(("gpipe", "1f1b", "2bw"), (1, 2, 4, 8), (1, 2, 3, 4, 8)):
         assert [pm.in_flight(schedule, p, m, 1, w) for w in range(p)] == [
-            peak_in_flight_bound(schedule, p, m, w) for w in range(p)]
+            peak_in_flight_bound(schedule, p, m, w) for w in range(p)
+        ]
     for p, v in itertools.product((2, 4, 8), (2, 3)):
         assert pm.in_flight("interleaved", p, 64, v, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
         # the rank's peak at once, never more than its virtual stages' peaks added up
@@ -220,8 +242,13 @@ def test_candidates_are_pipelines_over_every_worker():
     for w in (2, 4, 8):
         space = PlanSpace(_cluster(8), w, (), (), (), (), pipeline=True)
         cands = candidates_of(space)
-        assert cands and all(isinstance(s, registry.Choice) and s.strategy == "pipeline" and s.workers == w
-                             and isinstance(s.options, PipelineOptions) for s in cands)  # fmt: skip
+        assert cands and all(
+            isinstance(s, registry.Choice)
+            and s.strategy == "pipeline"
+            and s.workers == w
+            and isinstance(s.options, PipelineOptions)
+            for s in cands
+        )
         assert len({s.label() for s in cands}) == len(cands)
         assert {s.opts.schedule for s in cands} == {"gpipe", "1f1b", "interleaved", "2bw"}
         assert all(s.opts.microbatches % w == 0 for s in cands if s.opts.schedule == "interleaved")

@@ -31,8 +31,13 @@ SHARDS = ("none", "optimizer", "gradients", "parameters")
 
 def flat(nodes: int, beta: float, alpha: float = 0.0, per_node: int = 1, **kw: float) -> ClusterSpec:
     link = Link(1 / beta, alpha)
-    return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=link, intra=link,
-                       device=Device(gamma=kw.pop("gamma", 0.0), host="h", **kw))  # fmt: skip
+    return ClusterSpec(
+        nodes=nodes,
+        devices_per_node=per_node,
+        inter=link,
+        intra=link,
+        device=Device(gamma=kw.pop("gamma", 0.0), host="h", **kw),
+    )
 
 
 def made_up(optimizer: str = "adam", sizes: tuple[int, ...] = (MiB, MiB, MiB)) -> ModelProfile:
@@ -166,8 +171,13 @@ def test_simulator_replays_the_closed_form_without_stragglers():
 
 
 def spec(memory: float = 8e9) -> ClusterSpec:
-    return ClusterSpec(nodes=4, inter=Link(parse_rate("10gbit"), 1e-5), intra=Link(parse_rate("40gbit"), 5e-6),
-                       device=Device(flops=1e10, memory=memory), name="made-up")  # fmt: skip
+    return ClusterSpec(
+        nodes=4,
+        inter=Link(parse_rate("10gbit"), 1e-5),
+        intra=Link(parse_rate("40gbit"), 5e-6),
+        device=Device(flops=1e10, memory=memory),
+        name="made-up",
+    )
 
 
 def tiny() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -221,10 +231,12 @@ def test_plan_cli_memory_limit(tmp_path, capsys):
     toml = tmp_path / "c.toml"
     toml.write_text(dump_cluster(spec()))
     src = tmp_path / "tiny_model.py"
-    src.write_text("import torch\nfrom torch import nn\n\n\ndef build():\n    torch.manual_seed(0)\n"
-                   "    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),"
-                   " nn.Linear(256, 10))\n"
-                   "    return model, (torch.randn(64, 64), torch.randint(0, 10, (64,)))\n")  # fmt: skip
+    src.write_text(
+        "import torch\nfrom torch import nn\n\n\ndef build():\n    torch.manual_seed(0)\n"
+        "    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),"
+        " nn.Linear(256, 10))\n"
+        "    return model, (torch.randn(64, 64), torch.randint(0, 10, (64,)))\n"
+    )
     model, sample = tiny()
     mem = {p.strategy.label(): p.memory.total for p in plan(model, sample, spec(), measure=False).ranked}
     limit = int((mem["dp ring 25MiB zero-3"] + min(mem["dp ring 25MiB zero-1"], mem["dp ring 25MiB zero-2"])) / 2)

@@ -32,16 +32,44 @@ def gpt_profile(optimizer: str = "sgd", batch: int = B) -> ModelProfile:
     for i, kind in enumerate(KINDS):
         n = sum(counts[kind])
         f = (BLOCK_MS if kind == "block" else 0.2) * 1e-3
-        layers.append(LayerProfile(name=f"{kind}{i}", params=n, param_bytes=4 * n, fwd_flops=1.0, bwd_flops=2.0,
-                                   activation_bytes=4.0 * batch * S * H, fwd_s=f, bwd_s=2 * f))
-    return ModelProfile(name="gpt-made-up", batch=batch, layers=tuple(layers), optimizer_s=1e-3,
-                        input_bytes=8.0 * batch * S, host="h", optimizer=optimizer)
+        layers.append(
+            LayerProfile(
+                name=f"{kind}{i}",
+                params=n,
+                param_bytes=4 * n,
+                fwd_flops=1.0,
+                bwd_flops=2.0,
+                activation_bytes=4.0 * batch * S * H,
+                fwd_s=f,
+                bwd_s=2 * f,
+            )
+        )
+    return ModelProfile(
+        name="gpt-made-up",
+        batch=batch,
+        layers=tuple(layers),
+        optimizer_s=1e-3,
+        input_bytes=8.0 * batch * S,
+        host="h",
+        optimizer=optimizer,
+    )
 
 
-def cluster(nodes: int = 2, per_node: int = 4, alpha: float = 1e-5, beta: float = 1e-8, intra_beta: float = 1e-9,
-            **device: float) -> ClusterSpec:
-    return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=Link(1 / beta, alpha),
-                       intra=Link(1 / intra_beta, alpha / 10), device=Device(host="h", memory=2.0**40, **device))
+def cluster(
+    nodes: int = 2,
+    per_node: int = 4,
+    alpha: float = 1e-5,
+    beta: float = 1e-8,
+    intra_beta: float = 1e-9,
+    **device: float,
+) -> ClusterSpec:
+    return ClusterSpec(
+        nodes=nodes,
+        devices_per_node=per_node,
+        inter=Link(1 / beta, alpha),
+        intra=Link(1 / intra_beta, alpha / 10),
+        device=Device(host="h", memory=2.0**40, **device),
+    )
 
 
 def ring(p: int, nbytes: float) -> float:
@@ -56,8 +84,9 @@ def ring(p: int, nbytes: float) -> float:
 def test_bytes_per_step_are_the_closed_form(tp, m):
     c = cluster(nodes=2, per_node=4)
     n = B // m * S * H * 4  # one micro-batch's activation, float32
-    blocks = tm.tensor_parallel_comm(c, B, S, H, L, tp, sequence_parallel=False, microbatches=m, embedding=False,
-                                     head=False)
+    blocks = tm.tensor_parallel_comm(
+        c, B, S, H, L, tp, sequence_parallel=False, microbatches=m, embedding=False, head=False
+    )
     # 4 allreduces per block (2 forward, 2 backward), per micro-batch: 4 L 2(t-1)/t b s h 4 per step
     assert blocks.bytes == pytest.approx(m * 4 * L * ring(tp, n))
     assert blocks.calls == 4 * L * m
@@ -83,7 +112,8 @@ def test_sequence_parallel_moves_the_same_bytes_in_the_same_time_plus_the_split_
         regathers = 1 + 2 * L + 1
         assert sp.bytes == pytest.approx(plain.bytes + regathers * (tp - 1) / tp * n + ring(tp, replicated))
         assert sp.fwd_s + sp.bwd_s == pytest.approx(
-            plain.fwd_s + plain.bwd_s + regathers * ring_allgather_time(view, "ring", n, tp))
+            plain.fwd_s + plain.bwd_s + regathers * ring_allgather_time(view, "ring", n, tp)
+        )
         assert sp.grads_s == pytest.approx(allreduce_time(view, "ring", replicated, tp))
         assert plain.calls == 4 * L + 1 + 1 + 3
         assert sp.calls == 10 * L + 2 + 3 + 3 + 1  # 10 halves a block, 2 for the embedding, 3 the head, gradients
@@ -99,8 +129,9 @@ def test_a_block_by_hand_on_the_inter_link_and_the_floor():
     # a ring allreduce of n on 2 ranks: 2 steps of alpha + n/2 beta (one piece each); 2 in forward, 2 in backward
     assert one.fwd_s == pytest.approx(2 * 2 * (alpha + n / 2 * beta))
     assert one.bwd_s == pytest.approx(one.fwd_s)
-    floored = tm.tensor_parallel_comm(cluster(nodes=2, per_node=1, floor=0.5), B, S, H, 1, 2,
-                                      sequence_parallel=False, embedding=False, head=False)
+    floored = tm.tensor_parallel_comm(
+        cluster(nodes=2, per_node=1, floor=0.5), B, S, H, 1, 2, sequence_parallel=False, embedding=False, head=False
+    )
     assert floored.fwd_s == pytest.approx(2 * 2 * 0.5)  # each allreduce at least 2(t-1) floors
     assert tm.tensor_parallel_comm(c, B, S, H, L, 1, sequence_parallel=True).bytes == 0.0
 
@@ -110,8 +141,9 @@ def test_a_group_inside_a_node_uses_the_intra_link_and_one_across_nodes_shares_t
     inside = tm.group_cluster(c, tm.mesh_groups("tp", 4, 1, 2))
     assert (inside.nodes, inside.devices_per_node) == (1, 2)
     four = tm.tensor_parallel_comm(c, B, S, H, L, 2, sequence_parallel=False)
-    alone = tm.tensor_parallel_comm(ClusterSpec(nodes=1, devices_per_node=2, intra=c.intra, device=c.device), B, S,
-                                    H, L, 2, sequence_parallel=False)
+    alone = tm.tensor_parallel_comm(
+        ClusterSpec(nodes=1, devices_per_node=2, intra=c.intra, device=c.device), B, S, H, L, 2, sequence_parallel=False
+    )
     assert four.seconds == pytest.approx(alone.seconds)
     # dp groups {0, 2, 4, 6} and {1, 3, 5, 7}: one member on each node, two groups on its interface
     across = tm.group_cluster(c, tm.mesh_groups("dp", 4, 1, 2))
@@ -180,8 +212,17 @@ def test_a_profile_of_another_shape_is_refused():
 
 
 def hybrid(prof: ModelProfile, c: ClusterSpec, dp: int, pp: int, tp: int, m: int = 1, **kw):
-    args = dict(microbatches=m, schedule="1f1b", sequence_parallel=False, batch=prof.batch * dp, seq=S, hidden=H,
-                layers=L, heads=A, vocab=V)
+    args = dict(
+        microbatches=m,
+        schedule="1f1b",
+        sequence_parallel=False,
+        batch=prof.batch * dp,
+        seq=S,
+        hidden=H,
+        layers=L,
+        heads=A,
+        vocab=V,
+    )
     args.update(kw)
     return hm.predict_hybrid(prof, c, dp=dp, pp=pp, tp=tp, **args)
 
@@ -241,8 +282,10 @@ def test_the_step_adds_up_and_tensor_parallelism_costs_collectives():
 
 def test_memory_per_rank_shrinks_with_tp_and_pp():
     prof, c = gpt_profile("adam"), cluster()
-    totals = {mesh: hybrid(prof, c, *mesh, 2 if mesh[1] > 1 else 1).memory for mesh in ((1, 1, 1), (1, 1, 2),
-                                                                                        (1, 2, 1), (1, 2, 2))}
+    totals = {
+        mesh: hybrid(prof, c, *mesh, 2 if mesh[1] > 1 else 1).memory
+        for mesh in ((1, 1, 1), (1, 1, 2), (1, 2, 1), (1, 2, 2))
+    }
     assert totals[(1, 1, 2)].params < totals[(1, 1, 1)].params and totals[(1, 2, 2)].params < totals[(1, 2, 1)].params
     assert totals[(1, 1, 1)].optimizer == pytest.approx(2 * totals[(1, 1, 1)].params)
     assert totals[(1, 1, 1)].params == pytest.approx(prof.param_bytes)
@@ -261,8 +304,7 @@ def test_factorizations_are_complete(world, count):
 
 def test_ranked_factorizations_give_each_infeasible_mesh_its_reason():
     prof, c = gpt_profile(), cluster()
-    ranked = hm.rank_factorizations(prof, c, 8, heads=A, layers=L, vocab=V, batch=16, seq=S, hidden=H,
-                                    microbatches=2)
+    ranked = hm.rank_factorizations(prof, c, 8, heads=A, layers=L, vocab=V, batch=16, seq=S, hidden=H, microbatches=2)
     assert len(ranked) == 10
     feasible = [r for r in ranked if r.feasible]
     assert [r.step_s for r in feasible] == sorted(r.step_s for r in feasible)
@@ -271,13 +313,16 @@ def test_ranked_factorizations_give_each_infeasible_mesh_its_reason():
     assert reasons[(1, 1, 8)] == "tp=8 does not divide the 4 attention heads"
     assert reasons[(1, 8, 1)] == "pp=8 stages for 4 transformer blocks"
     assert all(r.prediction is not None and r.prediction.fits for r in feasible)
-    tight = hm.rank_factorizations(prof, c, 8, heads=A, layers=L, vocab=V, batch=16, seq=S, hidden=H,
-                                   microbatches=2, memory_limit=1e5)
+    tight = hm.rank_factorizations(
+        prof, c, 8, heads=A, layers=L, vocab=V, batch=16, seq=S, hidden=H, microbatches=2, memory_limit=1e5
+    )
     assert not any(r.feasible for r in tight)
     assert all("over the limit" in r.reason for r in tight if r.prediction is not None)
     odd = hm.rank_factorizations(prof, c, 4, heads=A, layers=L, vocab=V, batch=6, seq=S, hidden=H, microbatches=4)
     assert {(r.dp, r.pp, r.tp): r.reason for r in odd}[(4, 1, 1)] == "the batch of 6 does not split over dp=4 replicas"
-    assert hm.mesh_reason(2, 2, 2, heads=A, hidden=H, layers=L, batch=16, microbatches=2, devices=4) == \
-        "the mesh needs 8 devices, the cluster has 4"
+    assert (
+        hm.mesh_reason(2, 2, 2, heads=A, hidden=H, layers=L, batch=16, microbatches=2, devices=4)
+        == "the mesh needs 8 devices, the cluster has 4"
+    )
     with pytest.raises(ConfigError, match="micro-batches do not divide"):
         hybrid(prof, c, 1, 2, 1, 3)

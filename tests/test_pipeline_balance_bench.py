@@ -18,9 +18,30 @@ bench = importlib.import_module("pipeline_balance")
 @pytest.mark.timeout(60)
 def test_two_processes_every_cut(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "balance.json"
-    rc = bench.main(["--nprocs", "2", "--width", "16", "--batch", "8", "--microbatches", "2", "--steps", "2",
-                     "--warmup", "1", "--rounds", "2", "--profile-repeats", "1", "--timeout", "30",
-                     "--json", str(out)])  # fmt: skip
+    rc = bench.main(
+        [
+            "--nprocs",
+            "2",
+            "--width",
+            "16",
+            "--batch",
+            "8",
+            "--microbatches",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--profile-repeats",
+            "1",
+            "--timeout",
+            "30",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "torch 2." in text and "samples/s" in text

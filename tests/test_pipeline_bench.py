@@ -20,9 +20,34 @@ bench = importlib.import_module("pipeline_vs_torch")
 @pytest.mark.timeout(120)
 def test_two_processes_every_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "pipeline.json"
-    rc = bench.main(["--nprocs", "2", "--workloads", "mlp", "--mlp-depth", "4", "--mlp-width", "16",
-                     "--batch-size", "4", "--microbatches", "2", "--steps", "2", "--warmup", "1", "--rounds", "2",
-                     "--timeout", "30", "--json", str(out), "--out", str(tmp_path / "harness.json")])  # fmt: skip
+    rc = bench.main(
+        [
+            "--nprocs",
+            "2",
+            "--workloads",
+            "mlp",
+            "--mlp-depth",
+            "4",
+            "--mlp-width",
+            "16",
+            "--batch-size",
+            "4",
+            "--microbatches",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--timeout",
+            "30",
+            "--json",
+            str(out),
+            "--out",
+            str(tmp_path / "harness.json"),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "torch 2." in text and "== mlp" in text

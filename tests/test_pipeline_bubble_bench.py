@@ -19,8 +19,12 @@ def test_the_bubble_benchmark_reports_each_schedule_beside_its_closed_form(tmp_p
     out = tmp_path / "b.json"
     assert bench.main(["--quick", "--microbatches", "2,4", "--schedules", "1f1b,interleaved", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["schedule"], r["microbatches"]) for r in rows] == [("1f1b", 2), ("interleaved", 2), ("1f1b", 4),
-                                                                 ("interleaved", 4)]
+    assert [(r["schedule"], r["microbatches"]) for r in rows] == [
+        ("1f1b", 2),
+        ("interleaved", 2),
+        ("1f1b", 4),
+        ("interleaved", 4),
+    ]
     for r in rows:
         assert 0.0 <= r["bubble"] <= 1.0 and r["step_s"] > 0 and len(r["per_rank"]) == 2
     closed = {(r["schedule"], r["microbatches"]): r["closed_form"] for r in rows}

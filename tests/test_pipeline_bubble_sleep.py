@@ -32,8 +32,29 @@ def test_two_sleeping_stages_show_the_closed_form_bubble(tmp_path: Path) -> None
     # 100/200 ms a micro-batch: the 6 hand-offs' cost (about 0.5 ms each on this machine when quiet, 1.5 ms
     # under load, 4.3 ms on a loaded CI machine, where 50/100 ms gave 0.369) stays inside the 10% up to about
     # 8 ms a hand-off
-    assert bench.main(["--nprocs", "2", "--microbatches", "2", "--schedules", "1f1b", "--forward-ms", "100",
-                       "--backward-ms", "200", "--steps", "3", "--rounds", "1", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        bench.main(
+            [
+                "--nprocs",
+                "2",
+                "--microbatches",
+                "2",
+                "--schedules",
+                "1f1b",
+                "--forward-ms",
+                "100",
+                "--backward-ms",
+                "200",
+                "--steps",
+                "3",
+                "--rounds",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     case = load_result(out)["cases"][0]
     measured = statistics.median(case["systems"]["measured"]["samples"])
     assert case["systems"]["closed form"]["median"] == pytest.approx(1 / 3)

@@ -67,8 +67,11 @@ def test_a_stage_whose_output_shape_changes_between_steps() -> None:
         for _ in range(2):
             pipe.step(torch.randn(4, 6), torch.randint(0, 6, (4,)))
 
-    with pytest.raises(PipelineError, match=r"rank 0, stage 0, micro-batch 0: the output is .* \[2, 7\] but was "
-                                            r".* \[2, 6\] at the first step"):
+    with pytest.raises(
+        PipelineError,
+        match=r"rank 0, stage 0, micro-batch 0: the output is .* \[2, 7\] but was "
+        r".* \[2, 6\] at the first step",
+    ):
         run_threads(2, rank, timeout=3)
 
 

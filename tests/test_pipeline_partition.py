@@ -136,8 +136,9 @@ def test_balance_equal_and_explicit_counts() -> None:
 
 def test_balance_params_exact() -> None:
     # parameters: 64*64+64 = 4160, 64*4+4 = 260, 0, 4*4+4 = 20, 4*64+64 = 320, 64*64+64 = 4160
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 64),
-                          nn.Linear(64, 64))  # fmt: skip
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.Linear(64, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 64), nn.Linear(64, 64)
+    )
     # 2 stages: [4 | 2] gives 4440 | 4480, the only cut below 4500
     assert balance(model, 2, "params") == [4, 2]
     assert balance(model, 3, "params") == [1, 4, 1]  # 4160 | 600 | 4160
@@ -217,11 +218,20 @@ def test_profile_children_integer_input() -> None:
 @pytest.mark.parametrize(
     ("stages", "spec", "kwargs", "message"),
     [
-        (4, "equal", {}, "cannot cut 3 layers into 4 stages of at least one layer each (model has 3 layers, "
-                         "stages=4, balance='equal')"),
+        (
+            4,
+            "equal",
+            {},
+            "cannot cut 3 layers into 4 stages of at least one layer each (model has 3 layers, "
+            "stages=4, balance='equal')",
+        ),
         (0, "equal", {}, "stages must be a positive int (model has 3 layers, stages=0"),
-        (2, [1, 1, 1], {}, "balance gives 3 layer counts for 2 stages (model has 3 layers, stages=2, "
-                           "balance=[1, 1, 1])"),
+        (
+            2,
+            [1, 1, 1],
+            {},
+            "balance gives 3 layer counts for 2 stages (model has 3 layers, stages=2, balance=[1, 1, 1])",
+        ),
         (2, [0, 3], {}, "each stage needs a whole number of layers >= 1"),
         (2, [1, 1], {}, "layer counts sum to 2, not to the model's 3 layers"),
         (2, "fastest", {}, "unknown balance 'fastest': give one of 'equal', 'params', 'memory', 'time'"),
@@ -229,7 +239,7 @@ def test_profile_children_integer_input() -> None:
         (2, "memory", {}, "balance 'memory' needs a sample micro-batch"),
         (2, "time", {"costs": [LayerCost("0", 1.0, 0, 0)]}, "costs are for layers ['0'], the model's are"),
     ],
-)  # fmt: skip
+)
 def test_balance_errors(stages: int, spec: str | list[int], kwargs: dict[str, object], message: str) -> None:
     model = linear_chain([2, 2, 2, 2])
     with pytest.raises(PartitionError) as info:

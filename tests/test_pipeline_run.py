@@ -20,8 +20,22 @@ def test_a_pipeline_run_trains_exactly_like_one_process(tmp_path):
     single, pipe = tmp_path / "single", tmp_path / "pipe"
     p = dtrain_cli("run", *COMMON, "--strategy", "dp", "--workers", "1", "--out", str(single))
     assert p.returncode == 0, p.stderr[-3000:]
-    p = dtrain_cli("run", *COMMON, "--strategy", "pipeline", "--workers", "3", "--microbatches", "4",
-                   "--schedule", "1f1b", "--balance", "params", "--out", str(pipe))
+    p = dtrain_cli(
+        "run",
+        *COMMON,
+        "--strategy",
+        "pipeline",
+        "--workers",
+        "3",
+        "--microbatches",
+        "4",
+        "--schedule",
+        "1f1b",
+        "--balance",
+        "params",
+        "--out",
+        str(pipe),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = _losses(single), _losses(pipe)
     assert sorted(a) == sorted(b) == list(range(8))
@@ -39,8 +53,20 @@ def test_a_pipeline_run_trains_exactly_like_one_process(tmp_path):
 
 def test_2bw_flushes_the_last_batch_and_holds_p_minus_s_micro_batches(tmp_path):
     out = tmp_path / "r"
-    p = dtrain_cli("run", *COMMON, "--strategy", "pipeline", "--workers", "3", "--microbatches", "6",
-                   "--schedule", "2bw", "--out", str(out))
+    p = dtrain_cli(
+        "run",
+        *COMMON,
+        "--strategy",
+        "pipeline",
+        "--workers",
+        "3",
+        "--microbatches",
+        "6",
+        "--schedule",
+        "2bw",
+        "--out",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = read_summary(out)
     assert s["pipeline"]["flush_updates"] == 1  # the evaluation at the end applied the last batch
@@ -53,8 +79,20 @@ def test_the_trace_has_a_span_per_action_and_each_send_its_receive(tmp_path):
 
     out = tmp_path / "t"
     flags = [a for a in COMMON if a != "--no-trace"]
-    p = dtrain_cli("run", *flags, "--max-steps", "2", "--strategy", "pipeline", "--workers", "2", "--microbatches",
-                   "4", "--out", str(out))
+    p = dtrain_cli(
+        "run",
+        *flags,
+        "--max-steps",
+        "2",
+        "--strategy",
+        "pipeline",
+        "--workers",
+        "2",
+        "--microbatches",
+        "4",
+        "--out",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     events = json.loads((out / "trace.json").read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
@@ -67,14 +105,19 @@ def test_the_trace_has_a_span_per_action_and_each_send_its_receive(tmp_path):
     assert ops.count("SB") == ops.count("RB") == 2 * 4
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--microbatches", "5"], "5 micro-batches do not divide the batch of 24"),
-    (["--workers", "10"], "fewer than the 10 stages"),
-    (["--balance", "2,2"], "must give 3 positive layer counts"),
-    (["--schedule", "interleaved", "--microbatches", "4"], "multiple"),
-    (["--checkpoint-every", "4", "--schedule", "2bw"], "checkpoints of a pipeline run with --schedule 2bw are not "
-                                                       "supported"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--microbatches", "5"], "5 micro-batches do not divide the batch of 24"),
+        (["--workers", "10"], "fewer than the 10 stages"),
+        (["--balance", "2,2"], "must give 3 positive layer counts"),
+        (["--schedule", "interleaved", "--microbatches", "4"], "multiple"),
+        (
+            ["--checkpoint-every", "4", "--schedule", "2bw"],
+            "checkpoints of a pipeline run with --schedule 2bw are not supported",
+        ),
+    ],
+)
 def test_bad_pipeline_input_is_refused_before_any_process_starts(tmp_path, flags, message):
     base = [*COMMON, "--strategy", "pipeline", "--workers", "3", "--out", str(tmp_path / "x")]
     p = dtrain_cli("run", *base, *flags)

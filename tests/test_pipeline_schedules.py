@@ -225,8 +225,12 @@ def test_simulate_durations_and_comm() -> None:
     # a split backward: I takes tb - tw, W takes tw and needs I; U takes no time
     split = parse_schedule("rank 0: 0F0 0I0 0W0 0U\nrank 1: 1F0 1I0 1W0 1U")
     r = simulate(split, tf=1.0, tb=2.0, tw=0.5)
-    assert [(str(a), t0, t1) for a, t0, t1 in r.starts[0]] == [("0F0", 0, 1), ("0I0", 3.5, 5), ("0W0", 5, 5.5),
-                                                               ("0U", 5.5, 5.5)]  # fmt: skip
+    assert [(str(a), t0, t1) for a, t0, t1 in r.starts[0]] == [
+        ("0F0", 0, 1),
+        ("0I0", 3.5, 5),
+        ("0W0", 5, 5.5),
+        ("0U", 5.5, 5.5),
+    ]
     assert r.makespan == 5.5
     with pytest.raises(ScheduleError, match="durations must be >= 0"):
         simulate(split, tb=1.0, tw=2.0)
@@ -292,8 +296,7 @@ def test_negative_ids_only_in_2bw() -> None:
 
 def test_with_comms_placement() -> None:
     s = with_comms(generate("1f1b", 2, 2))
-    assert s.text() == ("rank 0: 0F0 0SF0 0F1 0SF1 0RB0 0B0 0RB1 0B1\n"
-                        "rank 1: 1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1")  # fmt: skip
+    assert s.text() == ("rank 0: 0F0 0SF0 0F1 0SF1 0RB0 0B0 0RB1 0B1\nrank 1: 1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1")
     assert with_comms(s) is s  # already lowered
     assert with_comms(generate("1f1b", 1, 3)) == generate("1f1b", 1, 3)  # one rank: nothing to send
     # interleaved on one rank: every neighbour is local
@@ -334,8 +337,12 @@ def test_cyclic_wait_between_two_ranks() -> None:
 
 def test_message_order_deadlock() -> None:
     # both ranks receive before they send: each blocks on the other
-    _raises("rank 0: 0RB0 0F0 0SF0 0B0\nrank 1: 1RF0 1F0 1B0 1SB0", 0, "0RB0",
-            "message-order deadlock.*rank 1 blocks at 1RF0 waiting for 0SF0 from rank 0")  # fmt: skip
+    _raises(
+        "rank 0: 0RB0 0F0 0SF0 0B0\nrank 1: 1RF0 1F0 1B0 1SB0",
+        0,
+        "0RB0",
+        "message-order deadlock.*rank 1 blocks at 1RF0 waiting for 0SF0 from rank 0",
+    )
 
 
 def test_recv_without_send() -> None:
@@ -379,8 +386,7 @@ def test_schedule_construction_errors() -> None:
 
 
 def test_grid() -> None:
-    assert grid(generate("1f1b", 2, 3)) == ("rank 0: F0 F1 .  B0 F2 B1 .  B2\n"
-                                             "rank 1: .  F0 B0 F1 B1 F2 B2 .")  # fmt: skip
+    assert grid(generate("1f1b", 2, 3)) == ("rank 0: F0 F1 .  B0 F2 B1 .  B2\nrank 1: .  F0 B0 F1 B1 F2 B2 .")
     # tb = 2 tf: a backward fills two slots
     assert grid(generate("gpipe", 2, 1), tf=1.0, tb=2.0) == "rank 0: F0 .  .  .  B0 B0\nrank 1: .  F0 B0 B0 .  ."
     rows = grid(generate("interleaved", 2, 2, 2)).splitlines()

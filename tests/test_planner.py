@@ -20,9 +20,15 @@ from dtrain.planning.cli import parse_strategy
 
 def spec(rate: str, latency: float, nodes: int = 4, per_node: int = 1, memory: float = 8e9) -> ClusterSpec:
     comps = {"fp16": CompressorCost(0.5, 1e-10, 1e-10), "topk:0.01": CompressorCost(0.02, 3e-9, 1e-10)}
-    return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=Link(parse_rate(rate), latency),
-                       intra=Link(parse_rate("40gbit"), 5e-6), device=Device(flops=1e10, memory=memory),
-                       compressors=comps, name=f"made-up {rate}")  # fmt: skip
+    return ClusterSpec(
+        nodes=nodes,
+        devices_per_node=per_node,
+        inter=Link(parse_rate(rate), latency),
+        intra=Link(parse_rate("40gbit"), 5e-6),
+        device=Device(flops=1e10, memory=memory),
+        compressors=comps,
+        name=f"made-up {rate}",
+    )
 
 
 def tiny() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -77,9 +83,15 @@ def _local_cache(tmp_path, monkeypatch, workers: int = 4, **device: object) -> d
     out = {}
     for i, w in enumerate((1, workers)):
         dev = Device(host=this_host(), overhead=2e-4, **{k: v[i] for k, v in device.items()})  # type: ignore[index]
-        out[w] = s = ClusterSpec(nodes=1, devices_per_node=w, intra=Link(parse_rate("10gbit"), 50e-6),
-                                 inter=Link(parse_rate("10gbit"), 50e-6), device=dev,
-                                 compressors=spec("1gbit", 0).compressors, name="local")  # fmt: skip
+        out[w] = s = ClusterSpec(
+            nodes=1,
+            devices_per_node=w,
+            intra=Link(parse_rate("10gbit"), 50e-6),
+            inter=Link(parse_rate("10gbit"), 50e-6),
+            device=dev,
+            compressors=spec("1gbit", 0).compressors,
+            name="local",
+        )
         (tmp_path / f"local-{this_host()}-w{w}.toml").write_text(dump_cluster(s))
     return out
 
@@ -148,8 +160,24 @@ def test_plan_cli_table_and_simulation(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "plan for made-up 100mbit" in out and "  1  " in out and "more" in out
     png = tmp_path / "curve.png"
-    rc = plan_main(["--simulate", "--workers", "2,4,8", "--model", "cnn", "--cluster", str(toml), "--no-measure",
-                    "--strategies", "dp:ring,ps:asp:1/4+fp16", "--stragglers", "lognormal:0.1", "--png", str(png)])
+    rc = plan_main(
+        [
+            "--simulate",
+            "--workers",
+            "2,4,8",
+            "--model",
+            "cnn",
+            "--cluster",
+            str(toml),
+            "--no-measure",
+            "--strategies",
+            "dp:ring,ps:asp:1/4+fp16",
+            "--stragglers",
+            "lognormal:0.1",
+            "--png",
+            str(png),
+        ]
+    )
     assert rc == 0 and png.stat().st_size > 1000
     out = capsys.readouterr().out
     assert out.count("dp:ring") == 3 and "ps:asp:1/4+fp16" in out

@@ -37,8 +37,21 @@ BASE = ["--epochs", "1", "--no-progress", "--no-trace", "--timeout-s", "60", "--
 # the last three steps' loss at 0.51-0.72 of the first three's and 58-78% test accuracy, what 0.003 gave in 30
 CNN = [*BASE, "--lr", "0.01", "--batch-size", "32", "--max-steps", "20"]
 # 12 steps, the fewest the learning test counts: the last three at 0.75 of the first three's loss
-GPT = [*BASE, "--model", "gpt-tiny", "--dataset", "pytext", "--seq-len", "16", "--batch-size", "8",
-       "--eval-samples", "16", "--max-steps", "12"]  # fmt: skip
+GPT = [
+    *BASE,
+    "--model",
+    "gpt-tiny",
+    "--dataset",
+    "pytext",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "8",
+    "--eval-samples",
+    "16",
+    "--max-steps",
+    "12",
+]
 PIPE = ["--strategy", "pipeline", "--workers", "2", "--microbatches", "2"]
 
 # name -> (flags, inject_overflow or ""); each runs once, when a test first needs it
@@ -52,8 +65,10 @@ RUNS: dict[str, tuple[list[str], str]] = {
     "ddp fp16": ([*CNN, "--strategy", "ddp", "--workers", "2", "--precision", "fp16"], ""),
     "ps fp16": ([*CNN, "--strategy", "ps", "--servers", "1", "--workers", "2", "--precision", "fp16"], ""),
     "tensor fp16": ([*GPT, "--strategy", "tensor", "--workers", "2", "--precision", "fp16"], ""),
-    "hybrid fp16": ([*GPT, "--strategy", "hybrid", "--workers", "4", "--dp", "2", "--tp", "2", "--precision", "fp16"],
-                    ""),
+    "hybrid fp16": (
+        [*GPT, "--strategy", "hybrid", "--workers", "4", "--dp", "2", "--tp", "2", "--precision", "fp16"],
+        "",
+    ),
     "local_sgd bf16": ([*CNN, "--strategy", "local_sgd", "--workers", "2", "--period", "4", "--precision", "bf16"], ""),
     "dp --shard parameters fp16": ([*CNN, "--workers", "2", "--shard", "parameters", "--precision", "fp16"], ""),
 }
@@ -246,14 +261,29 @@ def test_pipeline_both_stages_skip_an_overflow_only_the_last_stage_sees(runs):
 def test_every_step_overflowing_collapses_the_loss_scale_on_both_ranks(tmp_path):
     # one update at lr 1e30 leaves weights that are inf in fp16: from then on every step overflows
     out = tmp_path / "collapse"
-    p = dtrain_cli("run", *CNN, "--workers", "2", "--precision", "fp16", "--lr", "1e30", "--max-steps", "30",
-                   "--out", str(out), timeout=240)  # fmt: skip
+    p = dtrain_cli(
+        "run",
+        *CNN,
+        "--workers",
+        "2",
+        "--precision",
+        "fp16",
+        "--lr",
+        "1e30",
+        "--max-steps",
+        "30",
+        "--out",
+        str(out),
+        timeout=240,
+    )
     assert p.returncode != 0
     assert "LossScaleCollapsed" in p.stderr and "collapsed at step 17" in p.stderr, p.stderr[-3000:]
     for rank in (0, 1):  # each rank stopped by itself, at the same step and scale
         err = (out / f"error.rank{rank}.txt").read_text()
-        assert (f"rank {rank}: fp16 loss scaling collapsed at step 17: the gradients overflowed (inf/nan, on "
-                "rank(s) [0, 1]) with the loss scale already at 1 (minimum 1)") in err, err[-2000:]  # fmt: skip
+        assert (
+            f"rank {rank}: fp16 loss scaling collapsed at step 17: the gradients overflowed (inf/nan, on "
+            "rank(s) [0, 1]) with the loss scale already at 1 (minimum 1)"
+        ) in err, err[-2000:]
     rows = _rows(out)
     for rank, rr in rows.items():  # step 0 applied; 1..16 skipped with the scale halving each time
         assert [r["step"] for r in rr] == list(range(17)), rank
@@ -308,10 +338,13 @@ LEARNS = {  # run name -> the step an injected overflow may add to the first ste
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("name", [
-    *LEARNS,
-    pytest.param("hybrid fp16", marks=pytest.mark.slow),  # 4 processes; the engine is tensor fp16's
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        *LEARNS,
+        pytest.param("hybrid fp16", marks=pytest.mark.slow),  # 4 processes; the engine is tensor fp16's
+    ],
+)
 def test_each_strategy_learns_in_16_bits(runs, name):
     out = runs(name)
     precision = "fp16" if "fp16" in name else "bf16"
@@ -346,13 +379,38 @@ def test_each_strategy_learns_in_16_bits(runs, name):
 # ------------------------------------------------------------------------------------- refused up front
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--compression", "topk:0.01"], "--precision fp16 with --compression topk:0.01"),
-    (["--overlap", "forward"], "--precision fp16 cannot skip an overflowing step under --overlap forward"),
-    (["--strategy", "pipeline", "--schedule", "2bw", "--microbatches", "2"], "--precision fp16 with --schedule 2bw"),
-    (["--strategy", "hybrid", "--workers", "4", "--dp", "2", "--tp", "2", "--model", "gpt-tiny", "--dataset",
-      "pytext", "--seq-len", "16", "--compression", "topk:0.01"], "--precision fp16 with --compression topk:0.01"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--compression", "topk:0.01"], "--precision fp16 with --compression topk:0.01"),
+        (["--overlap", "forward"], "--precision fp16 cannot skip an overflowing step under --overlap forward"),
+        (
+            ["--strategy", "pipeline", "--schedule", "2bw", "--microbatches", "2"],
+            "--precision fp16 with --schedule 2bw",
+        ),
+        (
+            [
+                "--strategy",
+                "hybrid",
+                "--workers",
+                "4",
+                "--dp",
+                "2",
+                "--tp",
+                "2",
+                "--model",
+                "gpt-tiny",
+                "--dataset",
+                "pytext",
+                "--seq-len",
+                "16",
+                "--compression",
+                "topk:0.01",
+            ],
+            "--precision fp16 with --compression topk:0.01",
+        ),
+    ],
+)
 def test_what_fp16_cannot_skip_is_refused_naming_the_option(flags, message):
     from dtrain.cli import build_parser, config_from_args
 
@@ -374,4 +432,3 @@ def test_an_unknown_precision_is_refused_naming_it(capsys):
 
     with pytest.raises(ConfigError, match="fp8"):
         validate(RunConfig.make(precision="fp8", workers=2))  # a TOML file's value
-

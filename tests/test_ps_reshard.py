@@ -34,8 +34,7 @@ def test_reshards_where_no_worker_keeps_state_of_its_own():
 
 
 def test_a_server_state_moves_to_new_workers_at_the_common_clock():
-    saved = {"pieces": [torch.ones(3)], "clock": {1: 6, 2: 6, 3: 6, 4: 6}, "version": 6, "received": 24,
-             "updates": 6}  # fmt: skip
+    saved = {"pieces": [torch.ones(3)], "clock": {1: 6, 2: 6, 3: 6, 4: 6}, "version": 6, "received": 24, "updates": 6}
     got = reshard_server_state(saved, [1, 2], parse_consistency("bsp"))
     assert got["clock"] == {1: 6, 2: 6} and got["received"] == 12  # a 2-worker run's count after 6 steps
     assert got["version"] == 6 and got["updates"] == 6 and got["pieces"] is saved["pieces"]
@@ -47,8 +46,9 @@ def test_a_server_state_moves_to_new_workers_at_the_common_clock():
 
 
 def _cfg(**kw):
-    base = dict(strategy="ps", servers=1, workers=4, batch_size=192, epochs=2, max_steps=20, progress=False,
-                trace=False)  # fmt: skip
+    base = dict(
+        strategy="ps", servers=1, workers=4, batch_size=192, epochs=2, max_steps=20, progress=False, trace=False
+    )
     return RunConfig.from_mapping({**base, **kw})
 
 
@@ -58,8 +58,9 @@ def four_worker_marker(tmp_path):
 
     def make(**kw):
         cfg = _cfg(**kw)
-        save_checkpoint(tmp_path / "run" / "checkpoints", 4, rank_state={},
-                        info={"run": run_info(cfg), "epoch": 0, "batch": 4})  # fmt: skip
+        save_checkpoint(
+            tmp_path / "run" / "checkpoints", 4, rank_state={}, info={"run": run_info(cfg), "epoch": 0, "batch": 4}
+        )
         return tmp_path / "run"
 
     return make
@@ -71,13 +72,20 @@ def test_resume_on_other_workers_passes_the_checks(four_worker_marker):
         validate(_cfg(workers=w, resume=str(run)))
 
 
-@pytest.mark.parametrize("saved, change, words", [
-    ({}, dict(workers=5), "global batch of 192, 5 workers would take 190"),
-    ({}, dict(servers=2, workers=2), "servers=1; this run has servers=2"),
-    (dict(compression="topk:0.01"), dict(compression="topk:0.01", workers=2),
-     "saved by 4 workers with --compression topk:0.01, whose state (error-feedback residuals"),
-    (dict(compression="topk:0.01"), dict(compression="none", workers=2), "--compression topk:0.01"),
-], ids=["batch", "servers", "topk", "topk-dropped"])
+@pytest.mark.parametrize(
+    "saved, change, words",
+    [
+        ({}, dict(workers=5), "global batch of 192, 5 workers would take 190"),
+        ({}, dict(servers=2, workers=2), "servers=1; this run has servers=2"),
+        (
+            dict(compression="topk:0.01"),
+            dict(compression="topk:0.01", workers=2),
+            "saved by 4 workers with --compression topk:0.01, whose state (error-feedback residuals",
+        ),
+        (dict(compression="topk:0.01"), dict(compression="none", workers=2), "--compression topk:0.01"),
+    ],
+    ids=["batch", "servers", "topk", "topk-dropped"],
+)
 def test_resume_on_other_workers_refuses_what_would_not_continue_the_run(four_worker_marker, saved, change, words):
     run = four_worker_marker(**saved)
     with pytest.raises(ConfigError, match="cannot resume") as e:
@@ -87,8 +95,26 @@ def test_resume_on_other_workers_refuses_what_would_not_continue_the_run(four_wo
 
 # ---------------------------------------------------------------------- real processes: 4 -> 2 -> 3 workers
 
-RUN = ["--strategy", "ps", "--servers", "1", "--batch-size", "192", "--epochs", "2", "--max-steps", "10",
-       "--checkpoint-every", "4", "--lr", "0.3", "--no-progress", "--no-trace", "--timeout-s", "60"]  # fmt: skip
+RUN = [
+    "--strategy",
+    "ps",
+    "--servers",
+    "1",
+    "--batch-size",
+    "192",
+    "--epochs",
+    "2",
+    "--max-steps",
+    "10",
+    "--checkpoint-every",
+    "4",
+    "--lr",
+    "0.3",
+    "--no-progress",
+    "--no-trace",
+    "--timeout-s",
+    "60",
+]
 
 
 def _dtrain(*args):
@@ -124,8 +150,13 @@ def test_a_ps_checkpoint_resumes_on_fewer_and_on_more_workers_as_if_nothing_chan
     for out, workers in ((b, 2), (c, 3)):
         sb = _server(out / "checkpoints" / "step_000010")
         assert max_diff(sa["pieces"], sb["pieces"]) < 1e-6
-        assert max_diff([x["momentum_buffer"] for x in sa["optimizer"]["state"].values()],
-                        [x["momentum_buffer"] for x in sb["optimizer"]["state"].values()]) < 1e-6  # fmt: skip
+        assert (
+            max_diff(
+                [x["momentum_buffer"] for x in sa["optimizer"]["state"].values()],
+                [x["momentum_buffer"] for x in sb["optimizer"]["state"].values()],
+            )
+            < 1e-6
+        )
         # the clock table of the new workers, and the gradient count a run on them would have
         assert sb["clock"] == {1 + i: 10 for i in range(workers)} and sb["version"] == sb["updates"] == 10
         assert sb["received"] == 10 * workers
@@ -139,12 +170,36 @@ def test_a_ps_checkpoint_resumes_on_fewer_and_on_more_workers_as_if_nothing_chan
 def test_refusals_come_before_any_process_starts(four_worker_marker, tmp_path):
     run = four_worker_marker(compression="topk:0.01")
     out = tmp_path / "out"
-    p = dtrain_cli("run", *RUN, "--workers", "2", "--compression", "topk:0.01", "--resume", str(run),
-                   "--out", str(out), timeout=120)  # fmt: skip
+    p = dtrain_cli(
+        "run",
+        *RUN,
+        "--workers",
+        "2",
+        "--compression",
+        "topk:0.01",
+        "--resume",
+        str(run),
+        "--out",
+        str(out),
+        timeout=120,
+    )
     assert p.returncode == 2 and "saved by 4 workers with --compression topk:0.01" in p.stderr, p.stderr[-2000:]
     assert "resume with --workers 4" in p.stderr and not out.exists()
-    p = dtrain_cli("run", *RUN, "--servers", "2", "--workers", "4", "--compression", "topk:0.01", "--resume",
-                   str(run), "--out", str(out), timeout=120)  # fmt: skip
+    p = dtrain_cli(
+        "run",
+        *RUN,
+        "--servers",
+        "2",
+        "--workers",
+        "4",
+        "--compression",
+        "topk:0.01",
+        "--resume",
+        str(run),
+        "--out",
+        str(out),
+        timeout=120,
+    )
     assert p.returncode == 2 and "(--servers 1)" in p.stderr and not out.exists(), p.stderr[-2000:]
 
 
@@ -157,8 +212,26 @@ def test_with_min_workers_a_ps_run_that_loses_a_worker_goes_on_on_fewer_as_the_r
 
     # 3 workers that lose one (the scale-down of 4 -> 3 on fewer processes); the kill comes 3 steps after the
     # step-10 checkpoint (rows for the restart to drop), 17 before the end
-    scale = ("run", "--strategy", "ps", "--servers", "1", "--workers", "3", "--batch-size", "48", "--epochs", "2",
-             "--max-steps", "30", "--checkpoint-every", "10", "--no-progress", "--timeout-s", "60")  # fmt: skip
+    scale = (
+        "run",
+        "--strategy",
+        "ps",
+        "--servers",
+        "1",
+        "--workers",
+        "3",
+        "--batch-size",
+        "48",
+        "--epochs",
+        "2",
+        "--max-steps",
+        "30",
+        "--checkpoint-every",
+        "10",
+        "--no-progress",
+        "--timeout-s",
+        "60",
+    )
     plain, out = tmp_path / "plain", tmp_path / "scaled"
     p = dtrain_cli(*scale, "--out", str(plain), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -20,8 +20,14 @@ from dtrain.strategies import registered
 from dtrain.training.checkpointing import run_info
 from dtrain.training.context import ProcessHooks
 
-_ARGS = {"qsgd": "qsgd:16", "topk": "topk:0.01", "randomk": "randomk:0.05", "threshold": "threshold:0.001",
-         "powersgd": "powersgd:2", "sign": "sign"}
+_ARGS = {
+    "qsgd": "qsgd:16",
+    "topk": "topk:0.01",
+    "randomk": "randomk:0.05",
+    "threshold": "threshold:0.001",
+    "powersgd": "powersgd:2",
+    "sign": "sign",
+}
 _POLICY_ARGS = {"ssp": "ssp:3", "softsync": "softsync:2", "backup": "backup:1"}
 
 
@@ -30,8 +36,14 @@ def _cfg(*flags):
 
 
 def _cluster() -> ClusterSpec:
-    return ClusterSpec(nodes=2, devices_per_node=4, intra=Link(1e10, 1e-5), inter=Link(1e9, 1e-4),
-                       device=Device(flops=1e10), name="made-up")
+    return ClusterSpec(
+        nodes=2,
+        devices_per_node=4,
+        intra=Link(1e10, 1e-5),
+        inter=Link(1e9, 1e-4),
+        device=Device(flops=1e10),
+        name="made-up",
+    )
 
 
 def test_one_algorithm_registry_for_engine_cost_model_and_cli():

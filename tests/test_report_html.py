@@ -53,11 +53,15 @@ def _pipeline_trace() -> dict[str, Any]:
             ev.append(_x(f"{rank}RB0", rank, 1, base + 3 * MS, 2 * MS, stage=rank, mb=0, op="RB"))
             ev.append(_x(f"{rank}B0", rank, 1, base + 6 * MS, b * MS, stage=rank, mb=0, op="B"))
             ev.append(_x("allreduce", rank, 2, base + 9 * MS, 0.5 * MS, bucket=0, op="F"))  # tid 2: not an action
-    ev += [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0"}},
-           {"name": "send", "ph": "s", "id": 1, "pid": 0, "tid": 1, "ts": 100_500.0},
-           {"name": "send", "ph": "f", "id": 1, "pid": 1, "tid": 1, "ts": 101_000.0, "bp": "e"},
-           _x("0F9", 0, 1, 900_000.0, 1 * MS, stage=0, mb=9, op="F") | {"cat": "new", "sf": 3},  # outside any step
-           "junk", {"ph": "X", "pid": 0, "tid": 1, "name": "no-times"}, _x("step", "r0", 0, 0.0, 1.0, step=0)]
+    ev += [
+        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0"}},
+        {"name": "send", "ph": "s", "id": 1, "pid": 0, "tid": 1, "ts": 100_500.0},
+        {"name": "send", "ph": "f", "id": 1, "pid": 1, "tid": 1, "ts": 101_000.0, "bp": "e"},
+        _x("0F9", 0, 1, 900_000.0, 1 * MS, stage=0, mb=9, op="F") | {"cat": "new", "sf": 3},  # outside any step
+        "junk",
+        {"ph": "X", "pid": 0, "tid": 1, "name": "no-times"},
+        _x("step", "r0", 0, 0.0, 1.0, step=0),
+    ]
     return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": {"clock_offsets_us": {"1": 12.5}}}
 
 
@@ -66,15 +70,37 @@ def _rows(strategy_step_s: float, ranks: int = 2, steps: int = 4, **extra: Any) 
     for s in range(steps):
         for r in range(ranks):
             step = 0.1 if s == 0 else strategy_step_s  # the first step is slow and left out
-            rows.append(dict(step=s, rank=r, loss=2.0 - 0.1 * s, lr=0.05, samples_per_s=64 / step, compute_s=step / 2,
-                             comm_s=step / 4, wait_s=step / 4, bytes_sent=1000, step_s=step, **extra))  # fmt: skip
+            rows.append(
+                dict(
+                    step=s,
+                    rank=r,
+                    loss=2.0 - 0.1 * s,
+                    lr=0.05,
+                    samples_per_s=64 / step,
+                    compute_s=step / 2,
+                    comm_s=step / 4,
+                    wait_s=step / 4,
+                    bytes_sent=1000,
+                    step_s=step,
+                    **extra,
+                )
+            )
     return rows
 
 
 def _run(name: str, step_s: float, summary: dict[str, Any], **kw: Any) -> RunData:
-    base = {"strategy": name, "workers": 2, "steps": 4, "global_batch": 64, "samples_per_s": 64 / step_s,
-            "metric_name": "test_accuracy", "metric": 0.9, "final_loss": 1.7, "bytes_sent_per_step": 1000.0,
-            "metric_history": [{"train_s": 0.1, "step": 4, "epoch": 0, "value": 0.9}]}  # fmt: skip
+    base = {
+        "strategy": name,
+        "workers": 2,
+        "steps": 4,
+        "global_batch": 64,
+        "samples_per_s": 64 / step_s,
+        "metric_name": "test_accuracy",
+        "metric": 0.9,
+        "final_loss": 1.7,
+        "bytes_sent_per_step": 1000.0,
+        "metric_history": [{"train_s": 0.1, "step": 4, "epoch": 0, "value": 0.9}],
+    }
     return RunData(Path(f"/runs/{name}"), {**base, **summary}, kw.pop("rows", _rows(step_s)), **kw)
 
 
@@ -90,10 +116,18 @@ def test_the_digest_keeps_steps_and_actions_and_ignores_every_other_event():
 def test_the_bubble_from_spans_is_the_idle_share_of_each_step():
     b = span_bubbles(digest_trace(_pipeline_trace()))
     assert b == pytest.approx({(0, 0): 0.7, (0, 1): 0.7, (1, 0): 0.5, (1, 1): 0.5})
-    rows = [dict(step=s, rank=r, loss=1.0, step_s=0.01, compute_s=0.003, bubble=0.7 - 0.2 * r)
-            for s in range(2) for r in range(2)]  # fmt: skip
-    run = _run("pipeline", 0.01, {"pipeline": {"schedule": "1f1b", "microbatches": 4}}, rows=rows,
-               trace=digest_trace(_pipeline_trace()))  # fmt: skip
+    rows = [
+        dict(step=s, rank=r, loss=1.0, step_s=0.01, compute_s=0.003, bubble=0.7 - 0.2 * r)
+        for s in range(2)
+        for r in range(2)
+    ]
+    run = _run(
+        "pipeline",
+        0.01,
+        {"pipeline": {"schedule": "1f1b", "microbatches": 4}},
+        rows=rows,
+        trace=digest_trace(_pipeline_trace()),
+    )
     got = pipeline_bubbles(run)
     assert got["spans"] == pytest.approx(0.6)  # step 1 only (the first is warm-up): (0.7 + 0.5) / 2
     assert got["rows"] == pytest.approx(0.6)
@@ -108,7 +142,11 @@ def test_the_schedule_drawn_is_the_one_the_runs_options_play():
     none or one not registered here."""
     table = {"schedule": "interleaved", "microbatches": 8, "chunks": 3}
     assert schedule_shape(_run("pipeline", 0.01, {}, config={"strategy": "pipeline", "pipeline": table})) == (
-        "interleaved", 2, 8, 3)  # fmt: skip
+        "interleaved",
+        2,
+        8,
+        3,
+    )
     gpipe = {"strategy": "pipeline", "pipeline": {"schedule": "gpipe", "microbatches": 6, "chunks": 3}}
     assert schedule_shape(_run("pipeline", 0.01, {"workers": 3}, config=gpipe)) == ("gpipe", 3, 6, 1)
     assert schedule_shape(_run("dp", 0.01, {}, config={"strategy": "dp", "dp": {"algorithm": "ring"}})) is None
@@ -128,8 +166,11 @@ def test_deltas_are_relative_to_the_first_run():
 
 
 def test_the_rank_breakdown_adds_up_to_the_step():
-    rows = [dict(step=s, rank=r, compute_s=0.003, comm_s=0.002 + w, wait_s=0.002 + w, step_s=0.010)
-            for s in range(3) for r, w in ((0, 0.004), (1, 0.0))]  # fmt: skip
+    rows = [
+        dict(step=s, rank=r, compute_s=0.003, comm_s=0.002 + w, wait_s=0.002 + w, step_s=0.010)
+        for s in range(3)
+        for r, w in ((0, 0.004), (1, 0.0))
+    ]
     split = rank_breakdown(rows)
     for r in (0, 1):
         assert sum(split[r]) == pytest.approx(0.010)
@@ -139,13 +180,27 @@ def test_the_rank_breakdown_adds_up_to_the_step():
 
 
 def test_the_page_has_every_section_escaped_and_nothing_external():
-    a = _run("dp", 0.010, {"strategy": "dp<script>alert(1)</script>"}, config={"dp": {"algorithm": "ring",
-                                                                                         "bucket_mb": 25.0}})
-    b = _run("ps", 0.015, {"staleness": {"max": 2, "mean": 0.5, "hist": {"0": 10, "1": 6, "2": 2}}},
-             config={"ps": {"servers": 1, "consistency": "ssp:2"}})
+    a = _run(
+        "dp",
+        0.010,
+        {"strategy": "dp<script>alert(1)</script>"},
+        config={"dp": {"algorithm": "ring", "bucket_mb": 25.0}},
+    )
+    b = _run(
+        "ps",
+        0.015,
+        {"staleness": {"max": 2, "mean": 0.5, "hist": {"0": 10, "1": 6, "2": 2}}},
+        config={"ps": {"servers": 1, "consistency": "ssp:2"}},
+    )
     rows = [r | {"b_simple": 100.0 * (1 + r["step"]), "batch": 64} for r in _rows(0.012)]
-    c = _run("pipeline", 0.012, {"pipeline": {"schedule": "1f1b", "microbatches": 4}}, rows=rows,
-             trace=digest_trace(_pipeline_trace()), prediction={"label": "pipeline 1f1b", "step_s": 0.006})
+    c = _run(
+        "pipeline",
+        0.012,
+        {"pipeline": {"schedule": "1f1b", "microbatches": 4}},
+        rows=rows,
+        trace=digest_trace(_pipeline_trace()),
+        prediction={"label": "pipeline 1f1b", "step_s": 0.006},
+    )
     page = build_html([a, b, c])
     for sid in ("summary", "deltas", "curves", "breakdown", "staleness", "options", "pipeline", "prediction"):
         assert f'<section id="{sid}">' in page, sid
@@ -180,15 +235,19 @@ def test_report_takes_several_runs_and_an_out_path():
 # ---------------------------------------------------------------------------------------------- real runs
 
 RUN = ["--workers", "2", "--epochs", "1", "--max-steps", "10", "--trace", "--no-progress"]
-RUNS = {"dp": [], "ps": ["--strategy", "ps", "--servers", "1"], "pipeline": ["--strategy", "pipeline",
-                                                                             "--schedule", "1f1b"]}
+RUNS = {
+    "dp": [],
+    "ps": ["--strategy", "ps", "--servers", "1"],
+    "pipeline": ["--strategy", "pipeline", "--schedule", "1f1b"],
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The three runs, two at a time: name -> run folder."""
-    return {name: path for name, (path, _) in dtrain_runs(tmp_path_factory.mktemp("report"), RUN, RUNS,
-                                                           timeout=180).items()}
+    return {
+        name: path for name, (path, _) in dtrain_runs(tmp_path_factory.mktemp("report"), RUN, RUNS, timeout=180).items()
+    }
 
 
 @pytest.mark.procs
@@ -209,8 +268,9 @@ def test_dtrain_report_compares_two_runs_and_prints_where_the_page_is(runs, tmp_
 def test_the_comparison_renders_in_headless_chromium_without_errors(runs, tmp_path):
     path = write_report([runs["dp"], runs["ps"]], tmp_path / "two.html")
     page = load(path)
-    print(f"render {page.attr('data-render-ms')} ms in the page, browser {page.wall_s:.2f} s, "
-          f"{path.stat().st_size} bytes")  # fmt: skip
+    print(
+        f"render {page.attr('data-render-ms')} ms in the page, browser {page.wall_s:.2f} s, {path.stat().st_size} bytes"
+    )
     assert page.attr("data-js-errors") == "[]"
     assert page.console == []  # the page logs nothing: no error, no warning
     assert float(page.attr("data-render-ms") or "inf") < 2000

@@ -6,8 +6,16 @@ import pytest
 from _helpers import dtrain_cli, read_metrics, read_summary
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json")
-SUMMARY_KEYS = ("strategy", "world_size", "steps", "wall_s", "samples_per_s", "test_accuracy",
-                "final_loss", "bytes_sent_per_step")
+SUMMARY_KEYS = (
+    "strategy",
+    "world_size",
+    "steps",
+    "wall_s",
+    "samples_per_s",
+    "test_accuracy",
+    "final_loss",
+    "bytes_sent_per_step",
+)
 METRIC_KEYS = ("step", "rank", "loss", "lr", "samples_per_s", "compute_s", "comm_s", "wait_s", "bytes_sent")
 
 
@@ -49,8 +57,20 @@ def test_default_run_reaches_95_percent(tmp_path):
 @pytest.mark.procs
 def test_ddp_peer_and_toml_rerun(tmp_path):
     out = tmp_path / "ddp"
-    p = dtrain_cli("run", "--strategy", "ddp", "--workers", "2", "--epochs", "1", "--max-steps", "5",
-                   "--out", str(out), "--no-progress")
+    p = dtrain_cli(
+        "run",
+        "--strategy",
+        "ddp",
+        "--workers",
+        "2",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "5",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s, _ = _check_folder(out, 2)
     assert s["steps"] == 5
@@ -63,13 +83,16 @@ def test_ddp_peer_and_toml_rerun(tmp_path):
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("args, words", [
-    (["--algorithm", "fancy"], "invalid choice"),
-    (["--batch-size", "2", "--workers", "3"], "at least workers"),
-    (["--compression", "zip:3"], "compress"),
-    (["--straggler", "12:2"], "outside"),
-    (["--dataset", "synthetic", "--samples", "32", "--batch-size", "64"], "larger than the training set"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--algorithm", "fancy"], "invalid choice"),
+        (["--batch-size", "2", "--workers", "3"], "at least workers"),
+        (["--compression", "zip:3"], "compress"),
+        (["--straggler", "12:2"], "outside"),
+        (["--dataset", "synthetic", "--samples", "32", "--batch-size", "64"], "larger than the training set"),
+    ],
+)
 def test_bad_config_fails_before_any_process(tmp_path, args, words):
     out = tmp_path / "bad"
     t0 = time.monotonic()
@@ -83,8 +106,21 @@ def test_bad_config_fails_before_any_process(tmp_path, args, words):
 @pytest.mark.procs
 def test_strategy_auto_runs_the_planners_choice(tmp_path):
     out = tmp_path / "auto"
-    p = dtrain_cli("run", "--strategy", "auto", "--workers", "2", "--epochs", "1", "--max-steps", "5",
-                   "--out", str(out), "--no-progress", timeout=300)
+    p = dtrain_cli(
+        "run",
+        "--strategy",
+        "auto",
+        "--workers",
+        "2",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "5",
+        "--out",
+        str(out),
+        "--no-progress",
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "--strategy auto chose:" in p.stderr
     from dtrain.config.files import load_toml
@@ -167,8 +203,18 @@ def test_lr_schedule_cosine_under_dp_and_ps(tmp_path):
     constant the ps losses differ from these by more than 1e-4 relative from the third step on.)"""
     from dtrain.job.run import lr_factor
 
-    common = ["--workers", "1", "--epochs", "1", "--max-steps", "8", "--no-progress", "--no-trace",
-              "--lr-schedule", "cosine"]
+    common = [
+        "--workers",
+        "1",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "8",
+        "--no-progress",
+        "--no-trace",
+        "--lr-schedule",
+        "cosine",
+    ]
     runs = {}
     for name, extra in {"dp": [], "ps": ["--strategy", "ps"]}.items():
         out = tmp_path / name
@@ -184,8 +230,23 @@ def test_lr_schedule_cosine_under_dp_and_ps(tmp_path):
 @pytest.mark.procs
 def test_classifier_target_stops_at_the_first_evaluation_that_meets_it(tmp_path):
     out = tmp_path / "t"
-    p = dtrain_cli("run", "--workers", "2", "--epochs", "5", "--eval-every", "5", "--target", "0.5", "--no-progress",
-                   "--no-trace", "--checkpoint-every", "1000", "--out", str(out))
+    p = dtrain_cli(
+        "run",
+        "--workers",
+        "2",
+        "--epochs",
+        "5",
+        "--eval-every",
+        "5",
+        "--target",
+        "0.5",
+        "--no-progress",
+        "--no-trace",
+        "--checkpoint-every",
+        "1000",
+        "--out",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = read_summary(out)
     hist = s["metric_history"]

@@ -62,8 +62,15 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: Any, *, clip: float | None = None,
-           accumulate: int = 1, dp: Any = None) -> list[float]:
+def _train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: Any,
+    *,
+    clip: float | None = None,
+    accumulate: int = 1,
+    dp: Any = None,
+) -> list[float]:
     losses = []
     for x, y in batches:
         opt.zero_grad()
@@ -105,8 +112,9 @@ def _scenario(rank: int, world: int, kind: str, optk: str, stage: str, **kw: Any
 
     n = batches[0][0].shape[0] // world
     mine = [(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]) for x, y in batches]
-    dp = ShardedDataParallel(_model(kind), shard=stage, overlap=kw.get("overlap", "backward"),
-                             algorithm=kw.get("algorithm", "ring"))
+    dp = ShardedDataParallel(
+        _model(kind), shard=stage, overlap=kw.get("overlap", "backward"), algorithm=kw.get("algorithm", "ring")
+    )
     opt = _opt(optk, dp.parameters())
     _train(dp, opt, mine, clip=kw.get("clip"), accumulate=kw.get("accumulate", 1), dp=dp)
     full = dp.full_state_dict()
@@ -122,13 +130,19 @@ def _scenario(rank: int, world: int, kind: str, optk: str, stage: str, **kw: Any
         dp_diff = max_diff([full[k] for k in ref_state], list(plain.module.state_dict().values()))
         plain.close()
     odiff = max(
-        max_diff([ostate["state"][i][k] for k in st if isinstance(st[k], torch.Tensor) and st[k].dim() > 0],
-                 [st[k] for k in st if isinstance(st[k], torch.Tensor) and st[k].dim() > 0])
+        max_diff(
+            [ostate["state"][i][k] for k in st if isinstance(st[k], torch.Tensor) and st[k].dim() > 0],
+            [st[k] for k in st if isinstance(st[k], torch.Tensor) and st[k].dim() > 0],
+        )
         for i, st in ref_ostate["state"].items()
     )
-    return {"diff": max(diff, dp_diff), "odiff": odiff, "keys": list(full) == list(ref_state),
-            "shapes": all(full[k].shape == v.shape for k, v in ref_state.items()),
-            "okeys": sorted(ostate["state"]) == sorted(ref_ostate["state"])}
+    return {
+        "diff": max(diff, dp_diff),
+        "odiff": odiff,
+        "keys": list(full) == list(ref_state),
+        "shapes": all(full[k].shape == v.shape for k, v in ref_state.items()),
+        "okeys": sorted(ostate["state"]) == sorted(ref_ostate["state"]),
+    }
 
 
 SCENARIOS = [(kind, optk, stage) for kind in ("cnn", "gpt") for optk in ("adam", "sgd") for stage in STAGES]
@@ -180,8 +194,10 @@ def _mismatch(rank: int, world: int) -> dict[str, Any]:
     wrong = nn.Sequential(nn.Linear(4, 5 if rank == 1 else 4), nn.Linear(5 if rank == 1 else 4, 2))
     for name, build in (
         ("model", lambda: ShardedDataParallel(wrong, shard="gradients", timeout_s=20)),
-        ("options", lambda: ShardedDataParallel(nn.Linear(3, 3), shard="parameters" if rank else "optimizer",
-                                                timeout_s=20)),
+        (
+            "options",
+            lambda: ShardedDataParallel(nn.Linear(3, 3), shard="parameters" if rank else "optimizer", timeout_s=20),
+        ),
         ("unit", lambda: ShardedDataParallel(nn.Sequential(nn.Linear(2, 2)), units=["0", "body"], timeout_s=20)),
     ):
         try:

@@ -85,12 +85,15 @@ def test_plain_dp_with_per_rank_compressor_state_still_refuses_another_worker_co
     assert p.returncode != 0 and "workers=2" in p.stderr, p.stderr[-2000:]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--shard", "gradients", "--algorithm", "tree"], "has no sharded form"),
-    (["--shard", "parameters", "--compression", "topk:0.01"], "does not take --compression"),
-    (["--shard", "everything"], "invalid choice: 'everything'"),
-    (["--strategy", "ps", "--shard", "gradients"], "shard"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--shard", "gradients", "--algorithm", "tree"], "has no sharded form"),
+        (["--shard", "parameters", "--compression", "topk:0.01"], "does not take --compression"),
+        (["--shard", "everything"], "invalid choice: 'everything'"),
+        (["--strategy", "ps", "--shard", "gradients"], "shard"),
+    ],
+)
 def test_bad_sharding_input_is_refused_before_any_process_starts(tmp_path, flags, message):
     out = tmp_path / "x"
     p = dtrain_cli("run", *COMMON, "--workers", "2", *flags, "--out", str(out))

@@ -73,8 +73,10 @@ def _train(rank: int, world: int) -> dict[str, Any]:
     from dtrain.sharded import ShardedDataParallel
 
     g = torch.Generator().manual_seed(3)
-    batches = [(torch.randint(16, (4 * world, 5), generator=g), torch.randint(16, (4 * world, 5), generator=g))
-               for _ in range(3)]  # fmt: skip
+    batches = [
+        (torch.randint(16, (4 * world, 5), generator=g), torch.randint(16, (4 * world, 5), generator=g))
+        for _ in range(3)
+    ]
 
     def steps(model: nn.Module, opt: torch.optim.Optimizer, data: Any) -> None:
         for x, y in data:
@@ -88,12 +90,18 @@ def _train(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     dp = ShardedDataParallel(_LM(), shard="parameters")
     n = 4
-    steps(dp, torch.optim.Adam(dp.parameters(), lr=1e-2),
-          [(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]) for x, y in batches])  # fmt: skip
+    steps(
+        dp,
+        torch.optim.Adam(dp.parameters(), lr=1e-2),
+        [(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]) for x, y in batches],
+    )
     full = dp.full_state_dict()
-    out = {"diff": max_diff([full[k] for k in ref.state_dict()], list(ref.state_dict().values())),
-           "gathered_peak": dp.memory_stats()["gathered_peak"], "units": [u.name for u in dp.units],
-           "largest_two": 4 * sum(sorted((u.padded for u in dp.units), reverse=True)[:2])}  # fmt: skip
+    out = {
+        "diff": max_diff([full[k] for k in ref.state_dict()], list(ref.state_dict().values())),
+        "gathered_peak": dp.memory_stats()["gathered_peak"],
+        "units": [u.name for u in dp.units],
+        "largest_two": 4 * sum(sorted((u.padded for u in dp.units), reverse=True)[:2]),
+    }
     dp.close()
     return out
 

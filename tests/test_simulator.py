@@ -25,8 +25,13 @@ def profile() -> ModelProfile:
 def cluster(nodes: int, rate: str = "1gbit", per_node: int = 1) -> ClusterSpec:
     from dtrain.perfmodel.units import parse_rate
 
-    return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=Link(parse_rate(rate), 50e-6),
-                       intra=Link(parse_rate("40gbit"), 5e-6), device=Device(gamma=1e-10, host="h"))  # fmt: skip
+    return ClusterSpec(
+        nodes=nodes,
+        devices_per_node=per_node,
+        inter=Link(parse_rate(rate), 50e-6),
+        intra=Link(parse_rate("40gbit"), 5e-6),
+        device=Device(gamma=1e-10, host="h"),
+    )
 
 
 @pytest.mark.parametrize(
@@ -98,8 +103,10 @@ def test_a_slow_worker_holds_back_sync_but_not_backup_or_async():
     assert dp_slow == pytest.approx(dp_base + 2 * compute + 2 * 0.004, rel=0.02)  # optimizer also 3x on that one
     asp = simulate(profile(), c, choice("ps", 7, servers=1, consistency="asp"), stragglers=slow, steps=20)
     # the 6 fast workers keep their pace; the slow one's gradients are the stalest
-    assert asp.samples_per_s > 0.8 * simulate(profile(), c, choice("ps", 7, servers=1, consistency="asp"),
-                                              steps=20).samples_per_s  # fmt: skip
+    assert (
+        asp.samples_per_s
+        > 0.8 * simulate(profile(), c, choice("ps", 7, servers=1, consistency="asp"), steps=20).samples_per_s
+    )
     assert asp.staleness_max > 6
 
 
@@ -123,10 +130,17 @@ def test_lognormal_stragglers_cost_sync_dp_the_expected_maximum():
 
 def test_thousands_of_workers_are_quick():
     t0 = time.perf_counter()
-    res = scaling_curve(lambda n: profile(), cluster(4096, "10gbit"), choice("ps", 1, servers=64, consistency="asp"),
-                        [4000], steps=5, stragglers=Stragglers.parse("lognormal:0.1"))  # fmt: skip
-    sync = scaling_curve(lambda n: profile(), cluster(1, "10gbit", per_node=4), choice("dp", 1, "ring"),
-                         [8, 4096], steps=5)  # fmt: skip
+    res = scaling_curve(
+        lambda n: profile(),
+        cluster(4096, "10gbit"),
+        choice("ps", 1, servers=64, consistency="asp"),
+        [4000],
+        steps=5,
+        stragglers=Stragglers.parse("lognormal:0.1"),
+    )
+    sync = scaling_curve(
+        lambda n: profile(), cluster(1, "10gbit", per_node=4), choice("dp", 1, "ring"), [8, 4096], steps=5
+    )
     assert time.perf_counter() - t0 < 30
     assert res[0].workers == 4000 and sum(res[0].staleness.values()) >= 4000 * 4
     assert sync[1].efficiency < sync[0].efficiency
@@ -143,8 +157,9 @@ def test_bad_inputs_are_refused():
         simulate(profile(), cluster(3), choice("ps", 2, servers=1, consistency="backup:2"))
 
 
-@pytest.mark.parametrize("s", [choice("dp", 4, "ring", bucket_mb=1.0), choice("ddp", 4, "native"),
-                               choice("ps", 3, servers=1)], ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "s", [choice("dp", 4, "ring", bucket_mb=1.0), choice("ddp", 4, "native"), choice("ps", 3, servers=1)], ids=str
+)
 def test_wake_latency_enters_closed_form_and_simulation_alike(s):
     c = cluster(4, "100mbit")
     slow_wake = ClusterSpec(nodes=4, inter=c.inter, intra=c.intra, device=Device(gamma=1e-10, host="h", wake=3e-3))
@@ -153,9 +168,16 @@ def test_wake_latency_enters_closed_form_and_simulation_alike(s):
     assert simulate(profile(), slow_wake, s, steps=6).step_s == pytest.approx(closed_wake.step_s, rel=1e-9)
 
 
-@pytest.mark.parametrize("s", [choice("dp", 4, "ring", bucket_mb=1.0), choice("dp", 4, "recursive_doubling"),
-                               choice("ps", 3, servers=1, consistency="asp"),
-                               choice("ps", 3, servers=1, consistency="bsp")], ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "s",
+    [
+        choice("dp", 4, "ring", bucket_mb=1.0),
+        choice("dp", 4, "recursive_doubling"),
+        choice("ps", 3, servers=1, consistency="asp"),
+        choice("ps", 3, servers=1, consistency="bsp"),
+    ],
+    ids=str,
+)
 def test_collective_floor_enters_closed_form_and_simulation_alike(s):
     c = cluster(4, "1gbit")
     floored = ClusterSpec(nodes=4, inter=c.inter, intra=c.intra, device=Device(gamma=1e-10, host="h", floor=0.5))
@@ -166,8 +188,15 @@ def test_collective_floor_enters_closed_form_and_simulation_alike(s):
     assert simulate(profile(), floored, s, steps=60).step_s == pytest.approx(closed_floor.step_s, rel=rel)
 
 
-@pytest.mark.parametrize("s", [choice("dp", 4, "ring", bucket_mb=1.0), choice("dp", 4, "ring", overlap="forward"),
-                               choice("ps", 3, servers=1, consistency="bsp")], ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "s",
+    [
+        choice("dp", 4, "ring", bucket_mb=1.0),
+        choice("dp", 4, "ring", overlap="forward"),
+        choice("ps", 3, servers=1, consistency="bsp"),
+    ],
+    ids=str,
+)
 def test_imbalance_enters_closed_form_and_simulation_alike(s):
     c = cluster(4, "1gbit")
     skew = ClusterSpec(nodes=4, inter=c.inter, intra=c.intra, device=Device(gamma=1e-10, host="h", imbalance=0.03))

@@ -54,10 +54,13 @@ def test_no_slowdown_never_sleeps():
     assert clock.sleeps == [] and s.reference_s is None
 
 
-@pytest.mark.parametrize("kw, words", [
-    ({"factor": 0.5}, "factor must be >= 1"),
-    ({"factor": 4.0, "window": 0}, "window must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"factor": 0.5}, "factor must be >= 1"),
+        ({"factor": 4.0, "window": 0}, "window must be >= 1"),
+    ],
+)
 def test_bad_settings_are_refused(kw, words):
     with pytest.raises(ConfigError, match=words):
         Straggler(**kw)
@@ -93,8 +96,19 @@ def test_every_worker_slowed_keeps_a_steady_step(tmp_path):
     from _helpers import dtrain_cli, read_metrics
 
     out = tmp_path / "run"
-    p = dtrain_cli("run", "--workers", "3", "--max-steps", "40", "--no-progress", "--no-trace", "--out", str(out),
-                   env={**os.environ, "DTRAIN_SLOWDOWN": "10"}, timeout=110)  # fmt: skip
+    p = dtrain_cli(
+        "run",
+        "--workers",
+        "3",
+        "--max-steps",
+        "40",
+        "--no-progress",
+        "--no-trace",
+        "--out",
+        str(out),
+        env={**os.environ, "DTRAIN_SLOWDOWN": "10"},
+        timeout=110,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     steps = [r["step_s"] for r in read_metrics(out) if r["rank"] == 0]
     early, late = statistics.median(steps[3:13]), statistics.median(steps[-10:])

@@ -35,8 +35,20 @@ def _losses(out: Path) -> dict[tuple[int, int], float]:
 
 @pytest.mark.procs
 def test_toy_strategy_runs_checkpoints_and_resumes(toy, tmp_path):
-    common = ["--strategy", "alone", "--workers", "2", "--epochs", "1", "--max-steps", "12", "--no-progress",
-              "--no-trace", "--report-every", "3"]
+    common = [
+        "--strategy",
+        "alone",
+        "--workers",
+        "2",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "12",
+        "--no-progress",
+        "--no-trace",
+        "--report-every",
+        "3",
+    ]
     a = tmp_path / "a"
     p = dtrain_cli("run", *common, "--checkpoint-every", "6", "--out", str(a))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -62,8 +74,14 @@ def test_toy_strategy_in_the_planner_and_the_cli(toy):
     from dtrain.perfmodel import ClusterSpec, Device, Link
     from dtrain.perfmodel.ranking import candidates, plan
 
-    cluster = ClusterSpec(nodes=4, devices_per_node=1, intra=Link(1e9, 1e-5), inter=Link(1e8, 1e-4),
-                          device=Device(flops=1e10), name="made-up")
+    cluster = ClusterSpec(
+        nodes=4,
+        devices_per_node=1,
+        intra=Link(1e9, 1e-5),
+        inter=Link(1e8, 1e-4),
+        device=Device(flops=1e10),
+        name="made-up",
+    )
     labels = [c.label() for c in candidates(cluster, 4)]
     assert "alone x4" in labels
     torch.manual_seed(0)

@@ -15,8 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # what measures or starts processes; dtrain.perfmodel must import none of it
-IMPURE = ("dtrain.job.run", "dtrain.training", "dtrain.launch.agent", "dtrain.cluster", "dtrain.measure",
-          "dtrain.planning")
+IMPURE = (
+    "dtrain.job.run",
+    "dtrain.training",
+    "dtrain.launch.agent",
+    "dtrain.cluster",
+    "dtrain.measure",
+    "dtrain.planning",
+)
 
 
 def _checker() -> ModuleType:
@@ -53,16 +59,18 @@ def test_checker_finds_a_strategy_named_outside_strategies(tmp_path: Path) -> No
         init.write_text("")
     (pkg / "strategies" / "mine.py").write_text(
         "register(Strategy(name='dp', options=O, help=''))\nregister(Strategy(name='auto', options=O, help=''))\n"
-        "register(Strategy(name='pipeline', options=O, help=''))\nif cfg.strategy == 'dp':\n    pass\n")
+        "register(Strategy(name='pipeline', options=O, help=''))\nif cfg.strategy == 'dp':\n    pass\n"
+    )
     (pkg / "planted.py").write_text(
-        "if cfg.strategy == 'dp':\n    pass\n"                 # 1: compared with the strategy
-        "CUDA = ('dp', 'auto')\n"                              # 3: two names listed
-        "ok = run.summary['strategy'] in ['pipeline']\n"       # 4: in a list, against the strategy
+        "if cfg.strategy == 'dp':\n    pass\n"  # 1: compared with the strategy
+        "CUDA = ('dp', 'auto')\n"  # 3: two names listed
+        "ok = run.summary['strategy'] in ['pipeline']\n"  # 4: in a list, against the strategy
         "def parse_strategy(parts):\n    return parts[0] != 'pipeline'\n"  # 6: in a function about strategies
-        "if cfg.batch_schedule == 'auto':\n    pass\n"        # another option's value
-        "section('pipeline', 'Pipeline schedule')\n"           # a word, passed along
-        "FLAGS = ('exact_only', 'pipeline', 'mesh')\n"         # one name among other words
-        "if cfg.strategy == 'x':\n    pass\n")                # not a registered name
+        "if cfg.batch_schedule == 'auto':\n    pass\n"  # another option's value
+        "section('pipeline', 'Pipeline schedule')\n"  # a word, passed along
+        "FLAGS = ('exact_only', 'pipeline', 'mesh')\n"  # one name among other words
+        "if cfg.strategy == 'x':\n    pass\n"
+    )  # not a registered name
     found = [f for f in _checker().check(pkg) if "a strategy named" in f]
     assert [f.split(":")[1] for f in found if "planted.py" in f] == ["1", "3", "4", "6"], found
     assert not any("mine.py" in f for f in found)
@@ -75,8 +83,9 @@ def test_checker_counts_type_only_and_literal_imports_private_names_and_top_modu
     for init in (pkg / "__init__.py", pkg / "sub" / "__init__.py", pkg / "other" / "__init__.py"):
         init.write_text("")
     # a cycle through a type-only import, another through importlib.import_module("...")
-    (pkg / "sub" / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                      "    from pkg.sub import b\n")
+    (pkg / "sub" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub import b\n"
+    )
     (pkg / "sub" / "b.py").write_text("import pkg.sub.a\n")
     (pkg / "other" / "c.py").write_text("import importlib\ndef f():\n    importlib.import_module('pkg.other.d')\n")
     (pkg / "other" / "d.py").write_text("from pkg.other import c\n")
@@ -99,9 +108,10 @@ def test_architecture_page_holds_the_current_package_picture() -> None:
     checker = _checker()
     page = (ROOT / "docs" / "architecture.md").read_text()
     start, end = page.index(checker.PICTURE_START), page.index(checker.PICTURE_END)
-    shown = page[start + len(checker.PICTURE_START):end].strip().removeprefix("```").removesuffix("```").strip()
+    shown = page[start + len(checker.PICTURE_START) : end].strip().removeprefix("```").removesuffix("```").strip()
     assert shown == checker.package_picture(ROOT / "src" / "dtrain").strip(), (
-        "docs/architecture.md's package picture is stale: python scripts/check_structure.py --write-picture")
+        "docs/architecture.md's package picture is stale: python scripts/check_structure.py --write-picture"
+    )
 
 
 def test_package_picture_layers_and_names_the_imports_that_point_up(tmp_path: Path) -> None:
@@ -149,8 +159,9 @@ def test_checker_finds_a_package_cycle_and_the_import_that_points_up(tmp_path: P
 @pytest.mark.procs
 def test_perfmodel_imports_nothing_that_starts_processes() -> None:
     folder = ROOT / "src" / "dtrain" / "perfmodel"
-    modules = ["dtrain.perfmodel"] + sorted(f"dtrain.perfmodel.{p.stem}" for p in folder.glob("*.py")
-                                            if p.stem != "__init__")  # fmt: skip
+    modules = ["dtrain.perfmodel"] + sorted(
+        f"dtrain.perfmodel.{p.stem}" for p in folder.glob("*.py") if p.stem != "__init__"
+    )
     assert "dtrain.perfmodel.predict" in modules and "dtrain.perfmodel.fit" in modules
     code = (
         "import importlib, sys\n"

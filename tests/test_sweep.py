@@ -44,18 +44,34 @@ def ray_head() -> Iterator[str]:
     from dtrain.search.raycluster import auth_env
 
     if importlib.util.find_spec("ray") is None:
-        pytest.fail("the sweeps on Ray Tune need the tune extra: .venv/bin/pip install -e '.[tune]' "
-                    "(bash scripts/test.sh installs it)")  # fmt: skip
+        pytest.fail(
+            "the sweeps on Ray Tune need the tune extra: .venv/bin/pip install -e '.[tune]' "
+            "(bash scripts/test.sh installs it)"
+        )
     auth = auth_env(secrets.token_hex(32))
     mp = pytest.MonkeyPatch()
     for k, v in auth.items():
         mp.setenv(k, v)
     port = free_port()
     ray = Path(sys.executable).parent / "ray"
-    p = subprocess.Popen([str(ray), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-                          "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={100 << 20}"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
+    p = subprocess.Popen(
+        [
+            str(ray),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--object-store-memory={100 << 20}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
     seen = []
     try:
         assert p.stdout is not None
@@ -78,22 +94,33 @@ def ray_head() -> Iterator[str]:
 
 
 def _spec(table: dict[str, Any], base: RunConfig = BASE, **kw: Any) -> Any:
-    args: dict[str, Any] = dict(out="/nonexistent/sweep", search="random", scheduler="fifo", trials=None,
-                                concurrent=2, metric=None, mode=None, seed=0)  # fmt: skip
+    args: dict[str, Any] = dict(
+        out="/nonexistent/sweep",
+        search="random",
+        scheduler="fifo",
+        trials=None,
+        concurrent=2,
+        metric=None,
+        mode=None,
+        seed=0,
+    )
     return build_spec(base, table, **{**args, **kw})
 
 
-@pytest.mark.parametrize("text, says", [
-    ("lognormal(1, 2)", "unknown distribution 'lognormal'"),
-    ("loguniform(0, 1)", "0 < low"),
-    ("uniform(2, 1)", "low < high"),
-    ("randint(1.5, 3)", "integer ends"),
-    ("choice([])", "at least one value"),
-    ("choice([1, 1])", "listed twice"),
-    ("uniform(a, 1)", "literal"),
-    ("1e-3", "not a distribution"),
-    (0.1, "a distribution is a string"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("lognormal(1, 2)", "unknown distribution 'lognormal'"),
+        ("loguniform(0, 1)", "0 < low"),
+        ("uniform(2, 1)", "low < high"),
+        ("randint(1.5, 3)", "integer ends"),
+        ("choice([])", "at least one value"),
+        ("choice([1, 1])", "listed twice"),
+        ("uniform(a, 1)", "literal"),
+        ("1e-3", "not a distribution"),
+        (0.1, "a distribution is a string"),
+    ],
+)
 def test_a_bad_distribution_is_one_line_naming_the_key(text: Any, says: str) -> None:
     with pytest.raises(ConfigError, match="lr") as e:
         parse_param("lr", text)
@@ -107,25 +134,36 @@ def test_the_distributions_parse() -> None:
     assert parse_param("compression", "grid(['none', 'topk:0.01'])").values == ("none", "topk:0.01")
 
 
-@pytest.mark.parametrize("table, kw, says", [
-    ({}, {}, "the search space is empty"),
-    ({"learning_rate": "uniform(0.1, 1)"}, {}, "learning_rate: not a key of this run's configuration"),
-    ({"microbatches": "choice([2, 4])"}, {}, "an option of pipeline, hybrid, not of dp"),
-    ({"batch_size": "choice(['big'])"}, {}, "batch_size"),
-    ({"lr": "uniform(0.01, 0.1)"}, {"metric": "val_loss"}, "reports test_accuracy at each evaluation, not val_loss"),
-    ({"layers": "randint(1, 3)"}, {"scheduler": "pbt", "concurrent": 8}, "layers cannot change there"),
-    ({"batch_size": "randint(16, 128)"}, {"scheduler": "pbt", "concurrent": 8}, "write it as choice([...])"),
-    ({"batch_size": "choice([32, 0])"}, {"scheduler": "pbt", "concurrent": 8}, "batch_size = 0 of the space"),
-    ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "pbt", "trials": 4, "concurrent": 2}, "give --concurrent 4"),
-    ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "pbt", "search": "tpe", "concurrent": 8}, "use --search random"),
-    ({"lr": "uniform(0.01, 0.1)"}, {"search": "grid"}, "lr is a range"),
-    ({"lr": "grid([0.01, 0.1])"}, {"search": "tpe"}, "write choice([...])"),
-    ({"lr": "uniform(0.01, 0.1)"}, {"search": "annealing"}, "--search"),
-    ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "asha", "eval_every": 1000}, "lower --eval-every"),
-    ({"lr": "uniform(0.01, 0.1)"}, {"memory_limit": "lots"}, "cannot read the memory limit 'lots'"),
-    ({"lr": "uniform(0.1, 1)"}, {"start_at_base": True}, "outside the space: lr = 0.05 (the space: uniform(0.1, 1))"),
-    ({"lr": "choice([0.05])"}, {"start_at_base": True, "search": "grid"}, "runs every combination already"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "table, kw, says",
+    [
+        ({}, {}, "the search space is empty"),
+        ({"learning_rate": "uniform(0.1, 1)"}, {}, "learning_rate: not a key of this run's configuration"),
+        ({"microbatches": "choice([2, 4])"}, {}, "an option of pipeline, hybrid, not of dp"),
+        ({"batch_size": "choice(['big'])"}, {}, "batch_size"),
+        (
+            {"lr": "uniform(0.01, 0.1)"},
+            {"metric": "val_loss"},
+            "reports test_accuracy at each evaluation, not val_loss",
+        ),
+        ({"layers": "randint(1, 3)"}, {"scheduler": "pbt", "concurrent": 8}, "layers cannot change there"),
+        ({"batch_size": "randint(16, 128)"}, {"scheduler": "pbt", "concurrent": 8}, "write it as choice([...])"),
+        ({"batch_size": "choice([32, 0])"}, {"scheduler": "pbt", "concurrent": 8}, "batch_size = 0 of the space"),
+        ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "pbt", "trials": 4, "concurrent": 2}, "give --concurrent 4"),
+        ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "pbt", "search": "tpe", "concurrent": 8}, "use --search random"),
+        ({"lr": "uniform(0.01, 0.1)"}, {"search": "grid"}, "lr is a range"),
+        ({"lr": "grid([0.01, 0.1])"}, {"search": "tpe"}, "write choice([...])"),
+        ({"lr": "uniform(0.01, 0.1)"}, {"search": "annealing"}, "--search"),
+        ({"lr": "uniform(0.01, 0.1)"}, {"scheduler": "asha", "eval_every": 1000}, "lower --eval-every"),
+        ({"lr": "uniform(0.01, 0.1)"}, {"memory_limit": "lots"}, "cannot read the memory limit 'lots'"),
+        (
+            {"lr": "uniform(0.1, 1)"},
+            {"start_at_base": True},
+            "outside the space: lr = 0.05 (the space: uniform(0.1, 1))",
+        ),
+        ({"lr": "choice([0.05])"}, {"start_at_base": True, "search": "grid"}, "runs every combination already"),
+    ],
+)
 def test_a_bad_sweep_is_refused_before_anything_starts(table: dict[str, Any], kw: dict[str, Any], says: str) -> None:
     with pytest.raises(ConfigError) as e:
         _spec(table, **kw)
@@ -138,8 +176,12 @@ def test_the_search_can_start_at_the_base_configuration() -> None:
     from dtrain.search.tune import _searcher
 
     tiny = RunConfig.from_mapping({"workers": 1, "model": "gpt-tiny", "dataset": "pytext", "trace": False})
-    table = {"layers": "randint(1, 7)", "d_model": "choice([32, 64])", "heads": "choice([1, 4])",
-             "lr": "loguniform(1e-3, 0.3)"}  # fmt: skip
+    table = {
+        "layers": "randint(1, 7)",
+        "d_model": "choice([32, 64])",
+        "heads": "choice([1, 4])",
+        "lr": "loguniform(1e-3, 0.3)",
+    }
     spec = _spec(table, base=tiny, start_at_base=True, search="evolution")
     assert spec.start == {"layers": 2, "d_model": 64, "heads": 4, "lr": 0.05}
     assert _spec(table, base=tiny).start == {}
@@ -157,8 +199,9 @@ def test_pbt_moves_a_listed_batch_to_a_neighbour() -> None:
 
     from dtrain.search.tune import _mutation, clip
 
-    spec = _spec({"batch_size": "choice([32, 64, 128])", "lr": "uniform(0.01, 0.1)"}, scheduler="pbt", trials=4,
-                 concurrent=4)  # fmt: skip
+    spec = _spec(
+        {"batch_size": "choice([32, 64, 128])", "lr": "uniform(0.01, 0.1)"}, scheduler="pbt", trials=4, concurrent=4
+    )
     mutations = {k: _mutation(p) for k, p in spec.space.items()}
     seen = set()
     for seed in range(40):
@@ -187,7 +230,9 @@ def test_a_sweep_spec_fills_in_what_the_run_implies() -> None:
     g = _spec({"lr": "choice([0.01, 0.1])", "momentum": "grid([0.0, 0.9])"}, search="grid")
     assert (g.trials, g.samples) == (4, 1)
     assert set(parse_space({"lr": "uniform(0.1, 1)", "compression": "choice(['none', 'topk:0.1'])"}, BASE)) == {
-        "lr", "compression"}
+        "lr",
+        "compression",
+    }
 
 
 def test_a_driver_joining_a_cluster_takes_token_authentication_when_a_token_is_at_hand(tmp_path: Path) -> None:
@@ -226,8 +271,9 @@ def test_an_exploited_trial_continues_exactly_where_its_donor_was(tmp_path: Path
     from that step on equal the donor's uninterrupted ones, and its checkpoint is the donor's, byte for byte."""
     from dtrain.search.trial import run_trial
 
-    base = RunConfig.from_mapping({"workers": 2, "epochs": 1, "trace": False, "eval_every": 5, "momentum": 0.9,
-                                   "compression": "topk:0.05"}).to_dict()  # fmt: skip
+    base = RunConfig.from_mapping(
+        {"workers": 2, "epochs": 1, "trace": False, "eval_every": 5, "momentum": 0.9, "compression": "topk:0.05"}
+    ).to_dict()
     seen: list[tuple[dict[str, Any], Path | None]] = []
     donor = tmp_path / "trials" / "t0"  # as a sweep folder holds its trials
     run_trial(donor, base, {"lr": 0.05}, lambda m, c: seen.append((m, c)), metric="test_accuracy", checkpoints=True)
@@ -236,8 +282,9 @@ def test_an_exploited_trial_continues_exactly_where_its_donor_was(tmp_path: Path
     assert at_10 is not None and json.loads((at_10 / "donor.json").read_text())["trial"] == "t0"
     got: list[dict[str, Any]] = []
     taker = tmp_path / "trials" / "t1"
-    rec = run_trial(taker, base, {"lr": 0.05}, lambda m, c: got.append(m), metric="test_accuracy", resume=at_10,
-                    checkpoints=True)  # fmt: skip
+    rec = run_trial(
+        taker, base, {"lr": 0.05}, lambda m, c: got.append(m), metric="test_accuracy", resume=at_10, checkpoints=True
+    )
     assert rec["from"]["trial"] == "t0" and rec["from"]["step"] == 10 and rec["fate"] == "finished"
     copied = taker / "from-0"
     for f in at_10.iterdir():
@@ -254,8 +301,9 @@ def test_an_exploited_trial_continues_exactly_where_its_donor_was(tmp_path: Path
     # PBT's explore may change the batch: from the same checkpoint at 128 (the donor's 64), the trial goes on
     # from the donor's sample (10 steps x 32 of each worker's 718) at 64 a worker, to its epoch's end
     wide = tmp_path / "trials" / "t2"
-    rec = run_trial(wide, base, {"lr": 0.05, "batch_size": 128}, lambda m, c: None, metric="test_accuracy",
-                    resume=at_10)  # fmt: skip
+    rec = run_trial(
+        wide, base, {"lr": 0.05, "batch_size": 128}, lambda m, c: None, metric="test_accuracy", resume=at_10
+    )
     assert rec["fate"] == "finished", rec
     rows = read_metrics(wide / "run-0")
     assert sorted({r["step"] for r in rows}) == list(range(10, 10 + (718 - 10 * 32) // 64))
@@ -281,8 +329,12 @@ def _sweep(tmp_path: Path, run_toml: str, space: str, *flags: str, timeout: floa
     run, space_file, out = tmp_path / "run.toml", tmp_path / "space.toml", tmp_path / "sweep"
     run.write_text(run_toml)
     space_file.write_text("[sweep.space]\n" + space)
-    p = subprocess.run([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space_file), *flags,
-                        "--out", str(out)], capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space_file), *flags, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return p, out
 
 
@@ -292,10 +344,24 @@ def test_population_based_training_on_ray_tune(tmp_path: Path, ray_head: str) ->
     """A real PBT sweep of 2 trials (one epoch, 22 steps, evaluated at 11 and 22: one perturbation, at 11): the
     trial in the bottom half copies the other's checkpoint and goes on with a perturbed learning rate;
     sweep.json records every trial, its history and each exploit, and the best trial."""
-    p, out = _sweep(tmp_path, 'workers = 1\nepochs = 1\ntrace = false\n',
-                    'lr = "loguniform(1e-3, 1e-1)"\n',  # seed 0 draws 0.019 and 0.0035
-                    "--scheduler", "pbt", "--trials", "2", "--concurrent", "2", "--eval-every", "11", "--seed", "0",
-                    "--address", ray_head, timeout=280)  # fmt: skip
+    p, out = _sweep(
+        tmp_path,
+        "workers = 1\nepochs = 1\ntrace = false\n",
+        'lr = "loguniform(1e-3, 1e-1)"\n',  # seed 0 draws 0.019 and 0.0035
+        "--scheduler",
+        "pbt",
+        "--trials",
+        "2",
+        "--concurrent",
+        "2",
+        "--eval-every",
+        "11",
+        "--seed",
+        "0",
+        "--address",
+        ray_head,
+        timeout=280,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads((out / "sweep.json").read_text())
     assert doc["trials_run"] == 2 and doc["scheduler"] == "pbt"
@@ -307,8 +373,9 @@ def test_population_based_training_on_ray_tune(tmp_path: Path, ray_head: str) ->
         assert donor is not taker and ex["at_step"] in (11, 22)  # PBT decides at every evaluation, the last too
         # the taker went on from the donor's evaluation at that step, with a learning rate perturbed from the donor's
         segs = json.loads((out / taker["folder"] / "trial.json").read_text())["segments"]
-        seg = next(s for s in segs if s.get("from", {}).get("trial") == donor["trial"]
-                   and s["from"]["step"] == ex["at_step"])  # fmt: skip
+        seg = next(
+            s for s in segs if s.get("from", {}).get("trial") == donor["trial"] and s["from"]["step"] == ex["at_step"]
+        )
         mine = json.loads((out / donor["folder"] / "trial.json").read_text())["segments"]
         held = next(s for s in mine if any(e["step"] == ex["at_step"] for e in s.get("evals", [])))
         at = next(e for e in held["evals"] if e["step"] == ex["at_step"])
@@ -349,11 +416,16 @@ def test_without_the_tune_extra_the_sweep_names_the_pip_command(tmp_path: Path) 
     """)
     space = tmp_path / "space.toml"
     space.write_text('[sweep.space]\nlr = "uniform(0.01, 0.1)"\n')
-    p = subprocess.run([sys.executable, "-c", hide, "sweep", "--space", str(space), "--out", str(tmp_path / "s")],
-                       capture_output=True, text=True, timeout=50)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", hide, "sweep", "--space", str(space), "--out", str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.strip() == ("dtrain: error: dtrain sweep needs Ray Tune, which is not installed: "
-                                "pip install 'dtrain[tune]'"), p.stderr  # fmt: skip
+    assert p.stderr.strip() == (
+        "dtrain: error: dtrain sweep needs Ray Tune, which is not installed: pip install 'dtrain[tune]'"
+    ), p.stderr
     assert not (tmp_path / "s").exists()
 
 
@@ -363,8 +435,10 @@ def test_a_shape_that_does_not_fit_is_skipped_before_it_starts(tmp_path: Path) -
     (dtrain run's own validation, the budgets on the meta device) and recorded as skipped."""
     from dtrain.search.trial import Limits, model_params, read_trial, run_trial
 
-    base = RunConfig.from_mapping({"workers": 1, "model": "gpt-tiny", "dataset": "pytext", "trace": False,
-                                   "eval_every": 10}).to_dict()  # fmt: skip
+    base = RunConfig.from_mapping(
+        {"workers": 1, "model": "gpt-tiny", "dataset": "pytext", "trace": False, "eval_every": 10}
+    ).to_dict()
+
     def never(m: dict[str, Any], c: Path | None) -> None:
         raise AssertionError("a skipped trial reports nothing itself")
 
@@ -373,10 +447,17 @@ def test_a_shape_that_does_not_fit_is_skipped_before_it_starts(tmp_path: Path) -
     tiny = model_params(RunConfig.from_mapping(base))
     with pytest.raises(ConfigError, match=f"over the sweep's --max-params {tiny:,}"):
         run_trial(tmp_path / "b", base, {"layers": 3}, never, metric="val_loss", limits=Limits(max_params=tiny))
-    with pytest.raises(ConfigError, match="per device by the planner's memory model, over the sweep's "
-                                          "--memory-limit 16 MiB"):  # fmt: skip
-        run_trial(tmp_path / "c", base, {"layers": 4, "d_model": 128}, never, metric="val_loss",
-                  limits=Limits(memory_limit=16 * 2**20))  # fmt: skip
+    with pytest.raises(
+        ConfigError, match="per device by the planner's memory model, over the sweep's --memory-limit 16 MiB"
+    ):
+        run_trial(
+            tmp_path / "c",
+            base,
+            {"layers": 4, "d_model": 128},
+            never,
+            metric="val_loss",
+            limits=Limits(memory_limit=16 * 2**20),
+        )
     for t in ("a", "b", "c"):
         (seg,) = read_trial(tmp_path / t)["segments"]
         assert seg["fate"] == "skipped" and not (tmp_path / t / "run-0").exists()
@@ -392,16 +473,35 @@ def test_the_memory_limit_is_the_planners_figure() -> None:
     from dtrain.search.trial import Limits, model_memory
     from dtrain.workloads.load import load_model
 
-    cfg = RunConfig.from_mapping({"workers": 4, "model": "gpt-tiny", "dataset": "pytext", "optimizer": "adam",
-                                  "dp": {"shard": "gradients"}})  # fmt: skip
+    cfg = RunConfig.from_mapping(
+        {"workers": 4, "model": "gpt-tiny", "dataset": "pytext", "optimizer": "adam", "dp": {"shard": "gradients"}}
+    )
     need = model_memory(cfg)
     model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seq_len=cfg.seq_len)
     own = Choice(cfg.strategy, cfg.workers, cfg.options)
     spec = ClusterSpec(nodes=1, devices_per_node=4)
-    fits = plan(model, sample, spec, workers=4, name=name, optimizer="adam", strategies=[own], measure=False,
-                memory_limit=need * 1.01)  # fmt: skip
-    over = plan(model, sample, spec, workers=4, name=name, optimizer="adam", strategies=[own], measure=False,
-                memory_limit=need * 0.99)  # fmt: skip
+    fits = plan(
+        model,
+        sample,
+        spec,
+        workers=4,
+        name=name,
+        optimizer="adam",
+        strategies=[own],
+        measure=False,
+        memory_limit=need * 1.01,
+    )
+    over = plan(
+        model,
+        sample,
+        spec,
+        workers=4,
+        name=name,
+        optimizer="adam",
+        strategies=[own],
+        measure=False,
+        memory_limit=need * 0.99,
+    )
     assert fits.ranked and fits.ranked[0].memory.total == pytest.approx(need, rel=1e-9)
     assert not over.ranked and "over the memory limit" in over.rejected[0][1]
     entry: dict[str, Any] = {}
@@ -416,9 +516,22 @@ def test_the_memory_limit_is_the_planners_figure() -> None:
 def test_evolution_over_shapes_skips_what_does_not_fit(tmp_path: Path, ray_head: str) -> None:
     """The evolutionary searcher (Nevergrad on Ray Tune) over gpt shapes with a budget no shape meets: every
     trial is skipped before a run starts, the searcher is told the worst value, and the sweep says so."""
-    p, out = _sweep(tmp_path, 'workers = 1\nmodel = "gpt-tiny"\ndataset = "pytext"\ntrace = false\neval_every = 10\n',
-                    'layers = "randint(1, 4)"\nd_model = "choice([32, 64])"\n', "--search", "evolution", "--trials",
-                    "2", "--concurrent", "1", "--max-params", "1000", "--address", ray_head, timeout=170)  # fmt: skip
+    p, out = _sweep(
+        tmp_path,
+        'workers = 1\nmodel = "gpt-tiny"\ndataset = "pytext"\ntrace = false\neval_every = 10\n',
+        'layers = "randint(1, 4)"\nd_model = "choice([32, 64])"\n',
+        "--search",
+        "evolution",
+        "--trials",
+        "2",
+        "--concurrent",
+        "1",
+        "--max-params",
+        "1000",
+        "--address",
+        ray_head,
+        timeout=170,
+    )
     assert p.returncode == 1 and "no trial reported a metric" in p.stderr, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads((out / "sweep.json").read_text())
     assert doc["trials_run"] == 2 and doc["best"] is None and doc["steps_trained"] == 0
@@ -433,9 +546,20 @@ def test_a_trial_that_fails_is_reported_and_the_sweep_goes_on(tmp_path: Path, ra
     """A trial whose run fails (a learning rate that makes the loss non-finite: the run stops naming the step)
     and has no restarts left is recorded as failed with the run's own message; the other trial finishes and
     the sweep names it the best."""
-    p, out = _sweep(tmp_path, 'workers = 1\nepochs = 1\ntrace = false\n', 'lr = "grid([0.05, 1e12])"\n',
-                    "--search", "grid", "--concurrent", "2", "--eval-every", "11", "--address", ray_head,
-                    timeout=170)  # fmt: skip
+    p, out = _sweep(
+        tmp_path,
+        "workers = 1\nepochs = 1\ntrace = false\n",
+        'lr = "grid([0.05, 1e12])"\n',
+        "--search",
+        "grid",
+        "--concurrent",
+        "2",
+        "--eval-every",
+        "11",
+        "--address",
+        ray_head,
+        timeout=170,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     doc = json.loads((out / "sweep.json").read_text())
     fates = {t["config"]["lr"]: t for t in doc["trials"]}

@@ -37,20 +37,42 @@ def _segments(out: Path) -> dict[str, list[dict]]:
 
 
 @pytest.mark.timeout(600)
-def test_trials_spread_over_the_hosts_and_a_lost_hosts_trial_resumes_elsewhere(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trials_spread_over_the_hosts_and_a_lost_hosts_trial_resumes_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     name = f"sw{os.getpid() % 10000}"
     monkeypatch.setenv("DTRAIN_CLUSTER_DIR", str(tmp_path / "state"))
     up(name, hosts=4, bandwidth="1gbit")
     try:
         c = load(name)
         run, space, out = tmp_path / "run.toml", tmp_path / "space.toml", tmp_path / "sweep"
-        run.write_text('workers = 1\nepochs = 4\ntrace = false\neval_every = 11\n')  # 88 steps
+        run.write_text("workers = 1\nepochs = 4\ntrace = false\neval_every = 11\n")  # 88 steps
         space.write_text('[sweep.space]\nlr = "loguniform(1e-3, 1e-1)"\n')
-        sweep = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space),
-                                  "--trials", "4", "--concurrent", "4", "--max-failures", "2", "--cluster", name,
-                                  "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        sweep = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dtrain.cli",
+                "sweep",
+                str(run),
+                "--space",
+                str(space),
+                "--trials",
+                "4",
+                "--concurrent",
+                "4",
+                "--max-failures",
+                "2",
+                "--cluster",
+                name,
+                "--out",
+                str(out),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         try:
             deadline, victim, host = time.monotonic() + 300, None, 0
             while victim is None and time.monotonic() < deadline and sweep.poll() is None:
@@ -59,8 +81,11 @@ def test_trials_spread_over_the_hosts_and_a_lost_hosts_trial_resumes_elsewhere(t
                 if len(on) == 4:  # every trial on its own host
                     # the victim: a trial on a worker host past its first evaluation (and checkpoint) and still
                     # running, the least advanced (a trial of 88 steps may end before the last one starts)
-                    running = [(len(segs[t][-1]["evals"]), h, t) for h in range(1, 4) if (t := on.get(c.address(h)))
-                               and segs[t][-1].get("evals") and "fate" not in segs[t][-1]]  # fmt: skip
+                    running = [
+                        (len(segs[t][-1]["evals"]), h, t)
+                        for h in range(1, 4)
+                        if (t := on.get(c.address(h))) and segs[t][-1].get("evals") and "fate" not in segs[t][-1]
+                    ]
                     if running:
                         _, host, victim = min(running)
                 time.sleep(0.5)

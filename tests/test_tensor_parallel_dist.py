@@ -55,8 +55,7 @@ def _scenario(vocab: int, sp: bool) -> dict[str, Any]:
         loss.backward()
         ro.step()
         ref_losses.append(float(loss))
-    model = tp.parallelize(_gpt(vocab), tp.plans.gpt_sequence_parallel() if sp else tp.plans.gpt,
-                           sequence_parallel=sp)  # fmt: skip
+    model = tp.parallelize(_gpt(vocab), tp.plans.gpt_sequence_parallel() if sp else tp.plans.gpt, sequence_parallel=sp)
     g = tp.tp_group_of(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
@@ -76,7 +75,9 @@ def _scenario(vocab: int, sp: bool) -> dict[str, Any]:
         "keys": sorted(full) == sorted(want),
         "diff": max_diff([full[k] for k in want], list(want.values())),
         "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-        "local_params": local, "params": sum(p.numel() for p in ref.parameters()), "bytes": sent,
+        "local_params": local,
+        "params": sum(p.numel() for p in ref.parameters()),
+        "bytes": sent,
         "partial": sum(p.numel() for p in model.parameters() if getattr(p, "tp_partial_grad", False)),
     }
 
@@ -87,8 +88,9 @@ def _bad(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     out["missing"] = _guard(lambda: tp.parallelize(_gpt(), {"block9.mlp.fc1": "colwise"}))
     out["heads"] = _guard(lambda: tp.parallelize(_gpt(heads=2), tp.plans.gpt))
-    out["width"] = _guard(lambda: tp.parallelize(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)),
-                                                 {"0": "colwise", "1": "rowwise"}))  # fmt: skip
+    out["width"] = _guard(
+        lambda: tp.parallelize(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), {"0": "colwise", "1": "rowwise"})
+    )
     out["differ"] = _guard(lambda: tp.parallelize(_gpt(), {"block*.mlp.fc1": "colwise" if rank else "replicate"}))
     return {k: v["error"] if isinstance(v, dict) and "error" in v else "no error" for k, v in out.items()}
 

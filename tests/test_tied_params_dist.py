@@ -65,8 +65,17 @@ class TinyTied(nn.Module):
 def _gpt2() -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=257, n_positions=128,
-                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    cfg = AutoConfig.for_model(
+        "gpt2",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=257,
+        n_positions=128,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-any-return]
 
 
@@ -163,8 +172,13 @@ def _dp(rank: int, world: int, kind: str, compression: Any = None) -> dict[str, 
     losses = _train(dp, _opt(dp.parameters()), _mine(_batches(kind, world), rank, world))
     dp.synchronize()
     members = [i for b in dp._reducer.bucket_objects for i in b.members]
-    out = {"losses": losses, "tied": _tied(m), "want_numel": _numel(m), "distinct": len(members) == len(set(members)),
-           "numel": sum(v.numel() for b in dp._reducer.bucket_objects for v in b.buffer.views)}  # fmt: skip
+    out = {
+        "losses": losses,
+        "tied": _tied(m),
+        "want_numel": _numel(m),
+        "distinct": len(members) == len(set(members)),
+        "numel": sum(v.numel() for b in dp._reducer.bucket_objects for v in b.buffer.views),
+    }
     if compression is not None:  # error feedback keeps one residual per bucket: the tied weight in it once
         res = dp.compressor.state_dict()["residuals"]
         out["residual_numel"] = sum(v.numel() for v in res.values())
@@ -181,8 +195,13 @@ def _ddp(rank: int, world: int, kind: str) -> dict[str, Any]:
     log = dp._get_ddp_logging_data()  # torch's own account of its buckets, in bytes
     n = sum(int(b) for b in str(log["bucket_sizes"]).replace(",", " ").split()) // 4
     idx = str(log["rebuilt_per_bucket_param_indices"]).replace(",", " ").split()
-    return {"losses": losses, "tied": _tied(m), "want_numel": _numel(m), "numel": n,
-            "distinct": len(idx) == len(set(idx))}  # fmt: skip
+    return {
+        "losses": losses,
+        "tied": _tied(m),
+        "want_numel": _numel(m),
+        "numel": n,
+        "distinct": len(idx) == len(set(idx)),
+    }
 
 
 CLIP = 0.5  # below the gradient norm of every step: the clip scales, so a weight counted twice would show
@@ -232,8 +251,13 @@ def _dp_forward(rank: int, world: int) -> dict[str, Any]:
         losses.append(float(loss.detach()))
     dp.synchronize()
     members = [i for b in dp._reducer.bucket_objects for i in b.members]
-    out = {"losses": losses, "tied": _tied(m), "want_numel": _numel(m), "distinct": len(members) == len(set(members)),
-           "numel": sum(v.numel() for b in dp._reducer.bucket_objects for v in b.buffer.views)}  # fmt: skip
+    out = {
+        "losses": losses,
+        "tied": _tied(m),
+        "want_numel": _numel(m),
+        "distinct": len(members) == len(set(members)),
+        "numel": sum(v.numel() for b in dp._reducer.bucket_objects for v in b.buffer.views),
+    }
     dp.close()
     return out
 
@@ -245,8 +269,9 @@ def _dp_family(rank: int, world: int, kind: str) -> dict[str, Any]:
     for stage in ("optimizer", "gradients", "parameters"):
         out[f"zero-{stage}"] = _guard(lambda: _zero(rank, world, kind, stage))
     if kind == "tiny":  # units that cut the two holders apart: the weight goes to the root unit
-        out["zero-parameters-units"] = _guard(lambda: _zero(rank, world, kind, "parameters",
-                                                            ["transformer.wte", "transformer.mix", "lm_head"]))
+        out["zero-parameters-units"] = _guard(
+            lambda: _zero(rank, world, kind, "parameters", ["transformer.wte", "transformer.mix", "lm_head"])
+        )
     out["dp-ring"] = _guard(lambda: _dp(rank, world, kind))
     # top-k of every element with error feedback: the residual machinery runs and the result stays exact
     out["dp-topk-ef"] = _guard(lambda: _dp(rank, world, kind, ErrorFeedback(TopK(ratio=1.0))))
@@ -267,10 +292,14 @@ def _ps(rank: int, world: int, kind: str, servers: int) -> dict[str, Any] | None
 
     m = _model(kind)
     # min_split_bytes=0: with two servers the tied weight is cut between them, each piece owned once
-    ps = dtrain.ParameterServer(m, lambda p: _opt(p), servers=servers, consistency="bsp", timeout_s=60,
-                                min_split_bytes=0)  # fmt: skip
-    held = {"numel": sum(s.numel for s in ps.shards), "want_numel": _numel(m),
-            "distinct": len(ps.params) == len({id(p) for p in ps.params})}  # fmt: skip
+    ps = dtrain.ParameterServer(
+        m, lambda p: _opt(p), servers=servers, consistency="bsp", timeout_s=60, min_split_bytes=0
+    )
+    held = {
+        "numel": sum(s.numel for s in ps.shards),
+        "want_numel": _numel(m),
+        "distinct": len(ps.params) == len({id(p) for p in ps.params}),
+    }
     if ps.is_server:
         ps.serve()
         return None
@@ -321,8 +350,15 @@ def _decentralized(rank: int, world: int, which: str) -> dict[str, Any]:
     fresh = _model("tiny")
     fresh.load_state_dict(avg)  # both tied keys, into one tensor
     bytes_of = w.model_bytes() if callable(w.model_bytes) else w.model_bytes
-    out = {"losses": losses, "tied": _tied(m), "loaded_tied": _tied(fresh), "avg_sent": sent, "once": once,
-           "model_bytes": bytes_of, "want_bytes": 4 * _numel(m)}  # fmt: skip
+    out = {
+        "losses": losses,
+        "tied": _tied(m),
+        "loaded_tied": _tied(fresh),
+        "avg_sent": sent,
+        "once": once,
+        "model_bytes": bytes_of,
+        "want_bytes": 4 * _numel(m),
+    }
     w.close()
     return out
 
@@ -378,8 +414,13 @@ def _zero3_resume(rank: int, world: int, root: str) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the message is the result
         loaded["conflict"] = f"{type(e).__name__}: {e}"
     dp2.close()
-    return {"whole": whole, "resumed": first + rest, "tied": resumed_tied,
-            "keys_equal": bool(torch.equal(full["lm_head.weight"], full["transformer.wte.weight"])), "loaded": loaded}
+    return {
+        "whole": whole,
+        "resumed": first + rest,
+        "tied": resumed_tied,
+        "keys_equal": bool(torch.equal(full["lm_head.weight"], full["transformer.wte.weight"])),
+        "loaded": loaded,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- the tests
@@ -396,8 +437,15 @@ def _same_as_one_process(vals: list[dict[str, Any]], ref: list[float]) -> None:
     assert mean == pytest.approx(ref, rel=REL)
 
 
-DP_KEYS = ["zero-optimizer", "zero-gradients", "zero-parameters", "zero-parameters-units", "dp-ring", "dp-topk-ef",
-           "ddp"]  # fmt: skip
+DP_KEYS = [
+    "zero-optimizer",
+    "zero-gradients",
+    "zero-parameters",
+    "zero-parameters-units",
+    "dp-ring",
+    "dp-topk-ef",
+    "ddp",
+]
 TINY_ONLY = {"zero-parameters-units"}
 
 
@@ -490,13 +538,19 @@ def _blob(rank: int, world: int, root: str) -> dict[str, Any]:
     again = _model("tiny")
     again_opt = _opt(again.parameters())
     load_checkpoint(root, model=again, optimizer=again_opt)
-    mom = [again_opt.state[p]["momentum_buffer"] - opt.state[q]["momentum_buffer"]
-           for p, q in zip(again.parameters(), m.parameters())]  # fmt: skip
-    return {"stored": len(stored), "distinct": distinct, "tied": _tied(fresh) and _tied(again),
-            "one_tensor": sd["lm_head.weight"] is sd["transformer.wte.weight"],
-            "diff": max(float((a - b).abs().max()) for a, b in zip(fresh.parameters(), m.parameters())),
-            "dcp_diff": max(float((a - b).abs().max()) for a, b in zip(again.parameters(), m.parameters())),
-            "mom_diff": max(float(d.abs().max()) for d in mom)}
+    mom = [
+        again_opt.state[p]["momentum_buffer"] - opt.state[q]["momentum_buffer"]
+        for p, q in zip(again.parameters(), m.parameters())
+    ]
+    return {
+        "stored": len(stored),
+        "distinct": distinct,
+        "tied": _tied(fresh) and _tied(again),
+        "one_tensor": sd["lm_head.weight"] is sd["transformer.wte.weight"],
+        "diff": max(float((a - b).abs().max()) for a, b in zip(fresh.parameters(), m.parameters())),
+        "dcp_diff": max(float((a - b).abs().max()) for a, b in zip(again.parameters(), m.parameters())),
+        "mom_diff": max(float(d.abs().max()) for d in mom),
+    }
 
 
 def test_a_tied_model_in_a_checkpoint_is_stored_once_and_loads_into_one_tensor(tmp_path: Path) -> None:

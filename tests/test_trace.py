@@ -115,8 +115,20 @@ RUNS = {  # name: flags (cnn on digits)
     "ps": ["--workers", "3", "--strategy", "ps", "--servers", "1", "--straggler", "1:3", "--max-steps", "6"],
     "pipeline": ["--workers", "4", "--strategy", "pipeline", "--schedule", "1f1b", "--max-steps", "4"],
     "window": ["--workers", "2", "--max-steps", "12", "--trace-steps", "4-6"],
-    "tensor": ["--workers", "2", "--strategy", "tensor", "--model", "gpt-tiny", "--dataset", "pytext", "--max-steps",
-               "2", "--eval-samples", "8"],
+    "tensor": [
+        "--workers",
+        "2",
+        "--strategy",
+        "tensor",
+        "--model",
+        "gpt-tiny",
+        "--dataset",
+        "pytext",
+        "--max-steps",
+        "2",
+        "--eval-samples",
+        "8",
+    ],
 }
 
 

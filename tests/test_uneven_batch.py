@@ -16,9 +16,17 @@ from dtrain.workloads.batch import batch_note, split_batch
 LINE = "global batch 63 (21 per worker x 3; --batch-size 64 does not divide over 3 workers)"
 
 
-@pytest.mark.parametrize("batch, shards, per, effective", [
-    (64, 3, 21, 63), (64, 4, 16, 64), (64, 1, 64, 64), (10, 4, 2, 8), (3, 3, 1, 3), (7, 5, 1, 5),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "batch, shards, per, effective",
+    [
+        (64, 3, 21, 63),
+        (64, 4, 16, 64),
+        (64, 1, 64, 64),
+        (10, 4, 2, 8),
+        (3, 3, 1, 3),
+        (7, 5, 1, 5),
+    ],
+)
 def test_split_rounds_down_to_a_multiple_of_the_shards(batch, shards, per, effective):
     assert split_batch(batch, shards) == (per, effective)
     assert (batch_note(batch, shards) == "") == (effective == batch)
@@ -49,8 +57,9 @@ def test_planner_ranks_ps_with_three_workers():
 @pytest.mark.procs
 def test_run_with_three_workers_trains_63_a_step(tmp_path):
     out = tmp_path / "w3"
-    p = dtrain_cli("run", "--workers", "3", "--epochs", "1", "--max-steps", "4", "--out", str(out),
-                   "--no-progress", timeout=300)  # fmt: skip
+    p = dtrain_cli(
+        "run", "--workers", "3", "--epochs", "1", "--max-steps", "4", "--out", str(out), "--no-progress", timeout=300
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stderr.count(LINE) == 1
     s = read_summary(out)

@@ -21,7 +21,9 @@ from dtrain.job.validate import validate
 from dtrain.workloads.models import logits_of, make_model, task_loss
 from dtrain.workloads.models.specs import build_spec, parameter_count
 
-USER_FILE = RESIDUAL_CNN + '''
+USER_FILE = (
+    RESIDUAL_CNN
+    + """
 
 def with_sample(width=8):
     return build(width), torch.randn(4, 1, 8, 8)
@@ -61,7 +63,8 @@ def reads_values(width=8):
 
 def few_classes():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 4))
-'''
+"""
+)
 
 
 @pytest.fixture
@@ -76,16 +79,17 @@ def _cfg(**kw: object) -> RunConfig:
 
 
 def test_a_function_gets_its_arguments_and_may_return_a_sample(user_file: Path) -> None:
-    model, sample = build_spec(f"{user_file}:build", {"width": 4, "blocks": 3}, task="classify",
-                               input_shape=(1, 8, 8), num_classes=10)  # fmt: skip
+    model, sample = build_spec(
+        f"{user_file}:build", {"width": 4, "blocks": 3}, task="classify", input_shape=(1, 8, 8), num_classes=10
+    )
     assert sample is None
     assert model[0].out_channels == 4 and len(model) == 1 + 3 + 3  # stem, 3 blocks, pool, flatten, head
-    model, sample = build_spec(f"{user_file}:with_sample", {}, task="classify", input_shape=(1, 8, 8),
-                               num_classes=10)  # fmt: skip
+    model, sample = build_spec(f"{user_file}:with_sample", {}, task="classify", input_shape=(1, 8, 8), num_classes=10)
     assert isinstance(sample, torch.Tensor) and sample.shape == (4, 1, 8, 8)
     # MODULE:FN finds an importable module's function
-    model, _ = build_spec("torch.nn:Linear", {"in_features": 3, "out_features": 2}, task="classify",
-                          input_shape=(3,), num_classes=2)  # fmt: skip
+    model, _ = build_spec(
+        "torch.nn:Linear", {"in_features": 3, "out_features": 2}, task="classify", input_shape=(3,), num_classes=2
+    )
     assert isinstance(model, nn.Linear) and model.weight.shape == (2, 3)
 
 
@@ -114,8 +118,17 @@ def test_meta_count_equals_the_built_model_and_counts_a_tied_tensor_once() -> No
     assert n < sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     assert model.config.vocab_size == 257 and model.config.use_cache is False  # the data's vocabulary
     # a llama's derived fields follow the arguments (head_dim from the width and the heads)
-    llama, _ = build_spec("hf:llama", {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
-                                       "num_attention_heads": 4, "num_key_value_heads": 2}, **data)  # fmt: skip
+    llama, _ = build_spec(
+        "hf:llama",
+        {
+            "num_hidden_layers": 1,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+        **data,
+    )
     assert llama.config.head_dim == 16 and llama(torch.randint(0, 257, (2, 16))).logits.shape == (2, 16, 257)
 
 
@@ -132,16 +145,19 @@ def test_hf_dir_loads_its_config_and_weights(tmp_path: Path) -> None:
     assert bigger.config.n_layer == 2
 
 
-@pytest.mark.parametrize("spec, args, message", [
-    ("nofile.py:build", {}, "model file 'nofile.py' does not exist"),
-    ("{file}:nothere", {}, "has no function 'nothere'"),
-    ("{file}:not_a_module", {}, "returned a int, not an nn.Module"),
-    ("{file}:raises", {}, "raised RuntimeError: the user's own error"),
-    ("{file}:build", {"depth": 3}, "unknown model argument(s) depth; build takes blocks, width"),
-    ("no_such_module_here:fn", {}, "model module 'no_such_module_here' cannot be imported"),
-    ("hf:no-such-architecture", {}, "neither a transformers model type"),
-    ("hf:gpt2", {"nlayer": 2}, "unknown model argument(s) nlayer for GPT2Config"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec, args, message",
+    [
+        ("nofile.py:build", {}, "model file 'nofile.py' does not exist"),
+        ("{file}:nothere", {}, "has no function 'nothere'"),
+        ("{file}:not_a_module", {}, "returned a int, not an nn.Module"),
+        ("{file}:raises", {}, "raised RuntimeError: the user's own error"),
+        ("{file}:build", {"depth": 3}, "unknown model argument(s) depth; build takes blocks, width"),
+        ("no_such_module_here:fn", {}, "model module 'no_such_module_here' cannot be imported"),
+        ("hf:no-such-architecture", {}, "neither a transformers model type"),
+        ("hf:gpt2", {"nlayer": 2}, "unknown model argument(s) nlayer for GPT2Config"),
+    ],
+)
 def test_a_bad_model_spec_is_one_line_naming_it(user_file: Path, spec: str, args: dict, message: str) -> None:
     if spec.startswith("hf:"):
         pytest.importorskip("transformers")
@@ -177,12 +193,21 @@ def test_hf_llama_at_its_default_size_is_refused_with_its_count_before_anything_
 
 def test_model_args_from_flags_and_toml_round_trip(tmp_path: Path) -> None:
     assert parse_model_args(["n_layer=2", "p=0.1", "tie=true", 'act="gelu"', "act2=gelu", "sizes=[1, 2]"]) == {
-        "n_layer": 2, "p": 0.1, "tie": True, "act": "gelu", "act2": "gelu", "sizes": [1, 2]}
-    assert parse_toml_value("{type = \"linear\", factor = 2.0}") == {"type": "linear", "factor": 2.0}
+        "n_layer": 2,
+        "p": 0.1,
+        "tie": True,
+        "act": "gelu",
+        "act2": "gelu",
+        "sizes": [1, 2],
+    }
+    assert parse_toml_value('{type = "linear", factor = 2.0}') == {"type": "linear", "factor": 2.0}
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_model_args(["n_layer"])
-    cfg = _cfg(model="hf:gpt2", dataset="pytext",
-               model_args={"n_layer": 2, "rope": {"type": "linear", "factor": 2.0}, "act": "gelu_new"})
+    cfg = _cfg(
+        model="hf:gpt2",
+        dataset="pytext",
+        model_args={"n_layer": 2, "rope": {"type": "linear", "factor": 2.0}, "act": "gelu_new"},
+    )
     (tmp_path / "c.toml").write_text(dump_toml(cfg))
     again = RunConfig.from_mapping(load_toml(tmp_path / "c.toml"))
     assert again.model_args == cfg.model_args and again.model == "hf:gpt2"
@@ -203,8 +228,9 @@ def test_function_spec_names_an_importable_function(user_file: Path) -> None:
 
 
 @pytest.mark.procs
-def test_bad_input_from_the_command_line_exits_2_with_one_line_and_no_run_folder(tmp_path: Path,
-                                                                                user_file: Path) -> None:
+def test_bad_input_from_the_command_line_exits_2_with_one_line_and_no_run_folder(
+    tmp_path: Path, user_file: Path
+) -> None:
     out = tmp_path / "run"
     for args, message in [
         (["--model", f"{user_file}:raises"], "raised RuntimeError: the user's own error"),
@@ -236,8 +262,9 @@ def test_a_model_argument_is_a_sweep_key(user_file: Path) -> None:
     from dtrain.search.trial import trial_config
 
     base = _cfg(model=f"{user_file}:build", model_args={"width": 4, "blocks": 1})
-    space = parse_space({"blocks": "randint(1, 3)", "model_args.width": "choice([4, 8])", "lr": "uniform(0.01, 0.1)"},
-                        base)  # fmt: skip
+    space = parse_space(
+        {"blocks": "randint(1, 3)", "model_args.width": "choice([4, 8])", "lr": "uniform(0.01, 0.1)"}, base
+    )
     assert sorted(space) == ["lr", "model_args.blocks", "model_args.width"]
     cfg = trial_config(base.to_dict(), {"model_args.blocks": 2, "model_args.width": 8, "lr": 0.02})
     assert cfg.model_args == {"width": 8, "blocks": 2} and cfg.lr == 0.02
@@ -251,7 +278,8 @@ def test_a_function_that_reads_tensor_values_is_not_counted_on_meta_but_still_ch
     data = {"task": "classify", "input_shape": (1, 8, 8), "num_classes": 10}
     assert parameter_count(f"{user_file}:reads_values", {}, **data) is None
     assert parameter_count(f"{user_file}:build", {}, **data) == sum(
-        p.numel() for p in build_spec(f"{user_file}:build", {}, **data)[0].parameters())
+        p.numel() for p in build_spec(f"{user_file}:build", {}, **data)[0].parameters()
+    )
     validate(_cfg(model=f"{user_file}:reads_values"))  # built for real and run once instead
     with pytest.raises(ConfigError, match="unknown model argument"):  # what the user gave is still refused
         parameter_count(f"{user_file}:reads_values", {"depth": 1}, **data)

@@ -19,12 +19,40 @@ pytestmark = pytest.mark.procs  # every test here starts processes
 CNN_FILE = RESIDUAL_CNN
 
 # GPT-2 with its dropout off (as dtrain's own models), so a step is the same computation in every process
-GPT2 = ["--model", "hf:gpt2", "--model-arg", "n_layer=2", "--model-arg", "n_embd=64", "--model-arg", "n_head=4",
-        "--model-arg", "n_positions=32", "--model-arg", "resid_pdrop=0.0", "--model-arg", "embd_pdrop=0.0",
-        "--model-arg", "attn_pdrop=0.0"]  # fmt: skip
-LLAMA = ["--model", "hf:llama", "--model-arg", "num_hidden_layers=2", "--model-arg", "hidden_size=64",
-         "--model-arg", "intermediate_size=128", "--model-arg", "num_attention_heads=4",
-         "--model-arg", "num_key_value_heads=2", "--model-arg", "max_position_embeddings=32"]  # fmt: skip
+GPT2 = [
+    "--model",
+    "hf:gpt2",
+    "--model-arg",
+    "n_layer=2",
+    "--model-arg",
+    "n_embd=64",
+    "--model-arg",
+    "n_head=4",
+    "--model-arg",
+    "n_positions=32",
+    "--model-arg",
+    "resid_pdrop=0.0",
+    "--model-arg",
+    "embd_pdrop=0.0",
+    "--model-arg",
+    "attn_pdrop=0.0",
+]
+LLAMA = [
+    "--model",
+    "hf:llama",
+    "--model-arg",
+    "num_hidden_layers=2",
+    "--model-arg",
+    "hidden_size=64",
+    "--model-arg",
+    "intermediate_size=128",
+    "--model-arg",
+    "num_attention_heads=4",
+    "--model-arg",
+    "num_key_value_heads=2",
+    "--model-arg",
+    "max_position_embeddings=32",
+]
 TEXT = ["--dataset", "pytext", "--seq-len", "16", "--optimizer", "adam", "--lr", "0.003"]
 # a global batch of 12 divides over 1 and 3 workers: the same samples make each step in both
 COMMON = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", "12", "--max-steps", "4"]
@@ -67,10 +95,11 @@ def _cases() -> list[object]:
 
 
 @pytest.mark.parametrize("model, strategy", _cases())
-def test_three_workers_train_a_users_model_as_one_process_does(tmp_path: Path, references, model: str,
-                                                              strategy: str) -> None:  # fmt: skip
+def test_three_workers_train_a_users_model_as_one_process_does(
+    tmp_path: Path, references, model: str, strategy: str
+) -> None:
     flags = [*_model_flags(model, tmp_path), *STRATEGIES[strategy], "--workers", "3"]
-    (out, text), = dtrain_runs(tmp_path, COMMON, {strategy: flags}, timeout=400).values()
+    ((out, text),) = dtrain_runs(tmp_path, COMMON, {strategy: flags}, timeout=400).values()
     got, want = mean_losses(out), references[model]
     assert sorted(got) == sorted(want) == [0, 1, 2, 3], text[-2000:]
     for step in want:  # float32 sums in another order: the tolerance of tests/test_sharded_run.py's oracles
@@ -83,13 +112,13 @@ def test_three_workers_train_a_users_model_as_one_process_does(tmp_path: Path, r
 def test_model_averaging_learns_a_transformers_model(tmp_path: Path, strategy: str) -> None:
     flags = [*_model_flags("gpt2", tmp_path), "--strategy", strategy, "--workers", "3"]
     common = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", "24", "--max-steps", "30"]
-    (out, text), = dtrain_runs(tmp_path, common, {strategy: flags}, timeout=500).values()
+    ((out, text),) = dtrain_runs(tmp_path, common, {strategy: flags}, timeout=500).values()
     losses = mean_losses(out)
     first, last = sum(losses[s] for s in range(3)) / 3, sum(losses[s] for s in range(27, 30)) / 3
     assert last < 0.8 * first, (strategy, first, last)
 
 
-SCRIPT = '''
+SCRIPT = """
 import sys
 
 import dtrain
@@ -105,7 +134,7 @@ if __name__ == "__main__":  # every worker imports this file to find build
                               workers=2, epochs=1, max_steps=5, batch_size=32, trace=False, quiet=True,
                               out=sys.argv[1])
     print("RESULT", summary["strategy"], summary["workers"], summary["steps"], out)
-'''
+"""
 
 
 def test_dtrain_run_from_python_takes_a_function_of_the_script(tmp_path: Path) -> None:
@@ -114,8 +143,9 @@ def test_dtrain_run_from_python_takes_a_function_of_the_script(tmp_path: Path) -
 
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    p = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
-                       timeout=300, cwd=tmp_path)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"RESULT dp 2 5 {tmp_path / 'run'}" in p.stdout, p.stdout
     from dtrain.config.files import load_toml
@@ -127,12 +157,15 @@ def test_dtrain_run_from_python_takes_a_function_of_the_script(tmp_path: Path) -
 @pytest.mark.slow
 def test_a_transformers_model_resumes_and_trains_in_bf16(tmp_path: Path) -> None:
     flags = [*_model_flags("gpt2", tmp_path), "--strategy", "dp", "--shard", "parameters", "--workers", "2"]
-    runs = dtrain_runs(tmp_path, COMMON, {"full": [*flags, "--checkpoint-every", "2"],
-                                          "bf16": [*flags, "--precision", "bf16", "--max-steps", "12"]},
-                       timeout=400)  # fmt: skip
+    runs = dtrain_runs(
+        tmp_path,
+        COMMON,
+        {"full": [*flags, "--checkpoint-every", "2"], "bf16": [*flags, "--precision", "bf16", "--max-steps", "12"]},
+        timeout=400,
+    )
     full = runs["full"][0]
     ckpt = full / "checkpoints" / "step_000002"
-    (resumed, _), = dtrain_runs(tmp_path, COMMON, {"resumed": [*flags, "--resume", str(ckpt)]}, timeout=400).values()
+    ((resumed, _),) = dtrain_runs(tmp_path, COMMON, {"resumed": [*flags, "--resume", str(ckpt)]}, timeout=400).values()
     want, got = mean_losses(full), mean_losses(resumed)
     assert sorted(got) == [2, 3]
     for step in got:  # the same steps from the checkpoint on

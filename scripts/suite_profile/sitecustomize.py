@@ -36,9 +36,17 @@ class _Record:
             return
         self.written = True
         self.torch_s = self.torch_s if self.torch_s is not None else (None if "torch" not in sys.modules else -1.0)
-        line = {"pid": self.pid, "ppid": os.getppid(), "how": self.how, "argv": " ".join(sys.argv)[:300], "t0": self.t0,
-                "wall_s": time.time() - self.t0, "cpu_s": time.process_time() - self.cpu0,
-                "torch_import_s": self.torch_s, "slept_s": self.slept}
+        line = {
+            "pid": self.pid,
+            "ppid": os.getppid(),
+            "how": self.how,
+            "argv": " ".join(sys.argv)[:300],
+            "t0": self.t0,
+            "wall_s": time.time() - self.t0,
+            "cpu_s": time.process_time() - self.cpu0,
+            "torch_import_s": self.torch_s,
+            "slept_s": self.slept,
+        }
         with open(os.path.join(_DIR, f"{self.pid}.jsonl"), "a") as f:
             f.write(json.dumps(line) + "\n")
 

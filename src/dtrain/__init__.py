@@ -50,10 +50,33 @@ _EXPORTS: dict[str, str] = {
 }
 # sub-packages and modules by their public name (a few live deeper in the tree than their name says)
 _SUBPACKAGES: dict[str, str] = {
-    **{n: f"dtrain.{n}" for n in ("comm", "compress", "perfmodel", "planning", "strategies", "cluster", "param_server",
-                                  "data_parallel", "checkpoint", "decentralized", "pipeline", "sharded",
-                                  "tensor_parallel", "optim", "training", "job", "workloads", "observe", "measure",
-                                  "hybrid_parallel", "config", "launch")},
+    **{
+        n: f"dtrain.{n}"
+        for n in (
+            "comm",
+            "compress",
+            "perfmodel",
+            "planning",
+            "strategies",
+            "cluster",
+            "param_server",
+            "data_parallel",
+            "checkpoint",
+            "decentralized",
+            "pipeline",
+            "sharded",
+            "tensor_parallel",
+            "optim",
+            "training",
+            "job",
+            "workloads",
+            "observe",
+            "measure",
+            "hybrid_parallel",
+            "config",
+            "launch",
+        )
+    },
     "precision": "dtrain.optim.precision",
     "large_batch": "dtrain.optim.large_batch",
     "models": "dtrain.models",  # dtrain.workloads.models under its public name

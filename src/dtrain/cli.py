@@ -38,8 +38,14 @@ def _choices() -> dict[str, Sequence[str]]:
     from dtrain.config.schema import DEVICES, LR_SCHEDULES, OPTIMIZERS, PRECISIONS
     from dtrain.optim.large_batch import AUTO_RULES, LR_SCALINGS
 
-    return {"optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES, "precision": PRECISIONS, "device": DEVICES,
-            "lr_scaling": LR_SCALINGS, "auto_rule": AUTO_RULES}
+    return {
+        "optimizer": OPTIMIZERS,
+        "lr_schedule": LR_SCHEDULES,
+        "precision": PRECISIONS,
+        "device": DEVICES,
+        "lr_scaling": LR_SCALINGS,
+        "auto_rule": AUTO_RULES,
+    }
 
 
 # the groups of RunConfig's shared fields in `dtrain run --help`: the first field of each, in RunConfig's order
@@ -47,8 +53,10 @@ _GROUPS = {"model": "what to train", "strategy": "how to distribute it", "out": 
 _NODES = "several machines (the same command on each node; inside SLURM's srun they come from its environment)"
 _NODES_SHORT = "several machines (the same command on each node)"
 _RUN_USAGE = "dtrain run [-h] [CONFIG] [--strategy NAME] [FLAG ...]"
-_RUN_DESCRIPTION = ("Train a model (no argument: 4 local workers, the CNN on digits, data parallel, ring allreduce). "
-                    "CONFIG: a TOML file of the flags' keys (flags override it).")
+_RUN_DESCRIPTION = (
+    "Train a model (no argument: 4 local workers, the CNN on digits, data parallel, ring allreduce). "
+    "CONFIG: a TOML file of the flags' keys (flags override it)."
+)
 # subcommands that live in other packages: name -> module with main(argv) -> int
 _BENCHES = {
     "allreduce": "dtrain.measure.allreduce",
@@ -62,14 +70,22 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _add_flag(p: argparse._ActionsContainer, name: str, default: Any, helptext: str,
-              choices: Sequence[str] | None) -> None:  # fmt: skip
+def _add_flag(
+    p: argparse._ActionsContainer, name: str, default: Any, helptext: str, choices: Sequence[str] | None
+) -> None:
     helptext = helptext.replace("%", "%%") if helptext != argparse.SUPPRESS else helptext  # argparse formats help
     if isinstance(default, bool):
         p.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
     else:
-        p.add_argument(_flag(name), dest=name, type=type(default), default=None, choices=choices,
-                       metavar=None if choices else name.upper(), help=helptext)  # fmt: skip
+        p.add_argument(
+            _flag(name),
+            dest=name,
+            type=type(default),
+            default=None,
+            choices=choices,
+            metavar=None if choices else name.upper(),
+            help=helptext,
+        )
 
 
 def _help(f: dataclasses.Field[Any]) -> str:
@@ -102,8 +118,13 @@ def _add_run_flags(p: argparse.ArgumentParser, only: str | None = None) -> None:
     from dtrain.config.schema import option_fields
     from dtrain.registry import registered
 
-    p.add_argument("-h", "--help", action=_RunHelp, help="this help; with --strategy NAME (or a CONFIG that names "
-                   "one): the flags of a NAME run, each with its full help")  # fmt: skip
+    p.add_argument(
+        "-h",
+        "--help",
+        action=_RunHelp,
+        help="this help; with --strategy NAME (or a CONFIG that names "
+        "one): the flags of a NAME run, each with its full help",
+    )
     p.add_argument("config", nargs="?", metavar="CONFIG", help="a TOML file with the same keys as the flags")
     known = _choices()
     for title, group in _shared_groups():
@@ -112,9 +133,14 @@ def _add_run_flags(p: argparse.ArgumentParser, only: str | None = None) -> None:
             choices = tuple(registered()) if f.name == "strategy" else known.get(f.name)
             _add_flag(g, f.name, f.default, _help(f), choices)
             if f.name == "model":
-                g.add_argument("--model-arg", dest="model_arg", action="append", metavar="KEY=VALUE",
-                               help="a keyword argument of --model (repeatable; VALUE read as a TOML value: 2, "
-                               "0.1, true, \"gelu\"; a bare word is a string); TOML: a [model_args] table")
+                g.add_argument(
+                    "--model-arg",
+                    dest="model_arg",
+                    action="append",
+                    metavar="KEY=VALUE",
+                    help="a keyword argument of --model (repeatable; VALUE read as a TOML value: 2, "
+                    '0.1, true, "gelu"; a bare word is a string); TOML: a [model_args] table',
+                )
     if only is None:
         g = p.add_argument_group("strategy options (each belongs to the strategies named; TOML: a [STRATEGY] table)")
         fields = {name: [f for _, f in owners] for name, owners in option_fields().items()}
@@ -167,8 +193,13 @@ def run_help(strategy: str | None = None) -> str:
     width = max(min(shutil.get_terminal_size().columns, 120) - 2, 60)
 
     def wrap(text: str, indent: int, first: str = "") -> list[str]:
-        return textwrap.wrap(text, width, initial_indent=f"  {first:<{indent - 3}} " if first else " " * indent,
-                             subsequent_indent=" " * indent, break_on_hyphens=False)  # fmt: skip
+        return textwrap.wrap(
+            text,
+            width,
+            initial_indent=f"  {first:<{indent - 3}} " if first else " " * indent,
+            subsequent_indent=" " * indent,
+            break_on_hyphens=False,
+        )
 
     def entry(flag: str, text: str) -> str:
         head = f"  {flag:<21} " if len(flag) <= 21 else f"  {flag} "
@@ -184,13 +215,23 @@ def run_help(strategy: str | None = None) -> str:
     out += ["", "strategy options (each in full: dtrain run --strategy NAME --help):"]
     indent = max(map(len, registered())) + 4
     for name in registered():
-        flags = [flag(f) + (f" --{f.metadata['switch'][0]}" if "switch" in f.metadata else "")
-                 for f in _strategy_fields(name) if "renamed_to" not in f.metadata]  # fmt: skip
+        flags = [
+            flag(f) + (f" --{f.metadata['switch'][0]}" if "switch" in f.metadata else "")
+            for f in _strategy_fields(name)
+            if "renamed_to" not in f.metadata
+        ]
         out += wrap(" ".join(flags) or "(none)", indent, name)
     nodes = argparse.ArgumentParser(add_help=False)
     _add_node_flags(nodes)
-    out += ["", *textwrap.wrap(f"{_NODES_SHORT}: " + " ".join(a.option_strings[0] for a in nodes._actions), width,
-                               subsequent_indent="  ", break_on_hyphens=False)]  # fmt: skip
+    out += [
+        "",
+        *textwrap.wrap(
+            f"{_NODES_SHORT}: " + " ".join(a.option_strings[0] for a in nodes._actions),
+            width,
+            subsequent_indent="  ",
+            break_on_hyphens=False,
+        ),
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -210,12 +251,22 @@ def _fit(text: str, width: int) -> str:
 class _RunHelp(argparse.Action):
     """``dtrain run --help``: the overview, or a strategy's flags where ``--strategy`` or CONFIG names one."""
 
-    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
-                 default: Any = argparse.SUPPRESS, help: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        option_strings: Sequence[str],
+        dest: str = argparse.SUPPRESS,
+        default: Any = argparse.SUPPRESS,
+        help: str | None = None,
+    ) -> None:
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:  # fmt: skip
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         parser._print_message(run_help(_strategy_of(namespace)), sys.stdout)
         parser.exit()
 
@@ -223,20 +274,44 @@ class _RunHelp(argparse.Action):
 def _add_node_flags(p: argparse.ArgumentParser) -> None:
     """torchrun's launch flags, with its meaning (per node, so not keys of the configuration)."""
     g = p.add_argument_group(_NODES)
-    g.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes in the job; MIN:MAX lets it go on with fewer "
-                   "(default: 1, this machine alone)")
-    g.add_argument("--node-rank", type=int, metavar="R", help="this node, 0..N-1; node 0 hosts the job's store "
-                   "on --rdzv-endpoint, and node R holds global ranks R*k..R*k+k-1 (default: 0)")
-    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and a free port there "
-                   "(default port: 29400)")
-    g.add_argument("--rdzv-id", metavar="JOB", help="the job's id, the same on every node; a node with another is "
-                   "refused (default: dtrain)")
-    g.add_argument("--nproc-per-node", metavar="K|gpu", help="processes per node, or gpu: one per visible GPU "
-                   "(with --device cuda; NCCL) (default: the run's processes over the nodes, which must divide evenly)")
-    g.add_argument("--rdzv-timeout", type=float, metavar="S", help="how long a node waits for the others to "
-                   "arrive before it stops, naming the missing node ranks (default: 300)")
-    g.add_argument("--iface", metavar="NAME", help="the network interface for gloo and NCCL (default: the one "
-                   "that routes to the endpoint)")
+    g.add_argument(
+        "--nnodes",
+        metavar="N|MIN:MAX",
+        help="nodes in the job; MIN:MAX lets it go on with fewer (default: 1, this machine alone)",
+    )
+    g.add_argument(
+        "--node-rank",
+        type=int,
+        metavar="R",
+        help="this node, 0..N-1; node 0 hosts the job's store "
+        "on --rdzv-endpoint, and node R holds global ranks R*k..R*k+k-1 (default: 0)",
+    )
+    g.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and a free port there (default port: 29400)"
+    )
+    g.add_argument(
+        "--rdzv-id",
+        metavar="JOB",
+        help="the job's id, the same on every node; a node with another is refused (default: dtrain)",
+    )
+    g.add_argument(
+        "--nproc-per-node",
+        metavar="K|gpu",
+        help="processes per node, or gpu: one per visible GPU "
+        "(with --device cuda; NCCL) (default: the run's processes over the nodes, which must divide evenly)",
+    )
+    g.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        metavar="S",
+        help="how long a node waits for the others to "
+        "arrive before it stops, naming the missing node ranks (default: 300)",
+    )
+    g.add_argument(
+        "--iface",
+        metavar="NAME",
+        help="the network interface for gloo and NCCL (default: the one that routes to the endpoint)",
+    )
 
 
 def nodes_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -> NodeArgs | None:
@@ -246,20 +321,24 @@ def nodes_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -
     from dtrain.cluster.nodes import DEFAULT_RDZV_TIMEOUT_S, NodeArgs, from_slurm, parse_nnodes, parse_nproc
 
     base = from_slurm(os.environ if env is None else env)
-    given = {k: getattr(ns, k, None) for k in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_node",
-                                               "rdzv_timeout", "iface")}  # fmt: skip
+    given = {
+        k: getattr(ns, k, None)
+        for k in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "nproc_per_node", "rdzv_timeout", "iface")
+    }
     if base is None and given["nnodes"] is None:
         if any(v is not None for v in given.values()):
             flags = ", ".join("--" + k.replace("_", "-") for k, v in given.items() if v is not None)
             from dtrain.errors import ConfigError
 
-            raise ConfigError(f"{flags} belong to a job on several nodes: add --nnodes N (and --node-rank, "
-                              "--rdzv-endpoint)")  # fmt: skip
+            raise ConfigError(
+                f"{flags} belong to a job on several nodes: add --nnodes N (and --node-rank, --rdzv-endpoint)"
+            )
         return None
     a = base or NodeArgs()
     lo, hi = parse_nnodes(given["nnodes"]) if given["nnodes"] is not None else (a.min_nodes, a.nnodes)
     return NodeArgs(
-        nnodes=hi, min_nodes=lo,
+        nnodes=hi,
+        min_nodes=lo,
         node_rank=given["node_rank"] if given["node_rank"] is not None else a.node_rank,
         endpoint=given["rdzv_endpoint"] or a.endpoint,
         job=given["rdzv_id"] or a.job,
@@ -267,14 +346,19 @@ def nodes_from_args(ns: argparse.Namespace, env: dict[str, str] | None = None) -
         rdzv_timeout_s=given["rdzv_timeout"] if given["rdzv_timeout"] is not None else DEFAULT_RDZV_TIMEOUT_S,
         iface=given["iface"] or "",
         source=a.source if base is not None else "flags",
-    ).check()  # fmt: skip
+    ).check()
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dtrain", description="Distributed training strategies for PyTorch.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    r = sub.add_parser("run", help="train a model (no argument: the embedded default)", add_help=False,
-                       usage=_RUN_USAGE, description=_RUN_DESCRIPTION)  # fmt: skip
+    r = sub.add_parser(
+        "run",
+        help="train a model (no argument: the embedded default)",
+        add_help=False,
+        usage=_RUN_USAGE,
+        description=_RUN_DESCRIPTION,
+    )
     _add_run_flags(r)
     b = sub.add_parser("bench", help="side-by-side benchmarks: " + ", ".join(_BENCHES))
     b.add_argument("name", choices=sorted(_BENCHES))
@@ -283,16 +367,23 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("args", nargs=argparse.REMAINDER)
     cl = sub.add_parser("cluster", help="emulated cluster: up | down | status", add_help=False)
     cl.add_argument("args", nargs=argparse.REMAINDER)
-    rp = sub.add_parser("report", help="summary of finished runs and report.html (several: compared with the first; "
-                        "a sweep folder: its trials)")
+    rp = sub.add_parser(
+        "report",
+        help="summary of finished runs and report.html (several: compared with the first; a sweep folder: its trials)",
+    )
     rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     rp.add_argument("--out", help="where report.html goes: a file or a folder (default: the first run folder)")
-    rp.add_argument("--predict", action="store_true", help="add the performance model's predicted step for each "
-                    "run's strategy (calibrates this machine once per process count, then a few seconds)")
+    rp.add_argument(
+        "--predict",
+        action="store_true",
+        help="add the performance model's predicted step for each "
+        "run's strategy (calibrates this machine once per process count, then a few seconds)",
+    )
     sm = sub.add_parser("sample", help="text from a finished language-model run", add_help=False)
     sm.add_argument("args", nargs=argparse.REMAINDER)
-    sw = sub.add_parser("sweep", help="search hyper-parameters on Ray Tune, each trial a run (the tune extra)",
-                        add_help=False)  # fmt: skip
+    sw = sub.add_parser(
+        "sweep", help="search hyper-parameters on Ray Tune, each trial a run (the tune extra)", add_help=False
+    )
     sw.add_argument("args", nargs=argparse.REMAINDER)
     return ap
 
@@ -325,12 +416,20 @@ def _model_preload(argv: Sequence[str]) -> tuple[str, ...]:
     """The modules of ``--model hf:TYPE``'s architecture, for the forkserver to import once for every worker
     (each would take seconds of its own); nothing for another model."""
     for i, a in enumerate(argv):
-        spec = a.partition("=")[2] if a.startswith("--model=") else argv[i + 1] if a == "--model" and i + 1 < len(
-            argv) else ""  # fmt: skip
+        spec = (
+            a.partition("=")[2]
+            if a.startswith("--model=")
+            else argv[i + 1]
+            if a == "--model" and i + 1 < len(argv)
+            else ""
+        )
         if spec.startswith("hf:"):
             kind = spec[3:].replace("-", "_")
-            return ("transformers", f"transformers.models.{kind}.modeling_{kind}") if kind.isidentifier() else (
-                "transformers",)  # fmt: skip
+            return (
+                ("transformers", f"transformers.models.{kind}.modeling_{kind}")
+                if kind.isidentifier()
+                else ("transformers",)
+            )
     return ()
 
 
@@ -358,19 +457,25 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
         print(f"node {nodes.node_rank if nodes else 0}: done; node 0 writes the summary to {out / SUMMARY}")
         return 0
-    print(f"strategy {summary['strategy']}, {summary['workers']} workers, {summary['steps']} steps, "
-          f"{summary['samples_per_s']:.0f} samples/s, {summary['wall_s']:.1f}s")
+    print(
+        f"strategy {summary['strategy']}, {summary['workers']} workers, {summary['steps']} steps, "
+        f"{summary['samples_per_s']:.0f} samples/s, {summary['wall_s']:.1f}s"
+    )
     if "applied_samples_per_s" in summary:
-        print(f"parameter server: {summary['computed_samples_per_s']:.0f} samples/s computed, "
-              f"{summary['applied_samples_per_s']:.0f} applied to the parameters")
+        print(
+            f"parameter server: {summary['computed_samples_per_s']:.0f} samples/s computed, "
+            f"{summary['applied_samples_per_s']:.0f} applied to the parameters"
+        )
     if summary.get("val_loss") is not None:
         print(f"validation loss: {summary['val_loss']:.4f} nats/token (perplexity {summary['perplexity']:.2f})")
     elif summary.get("test_accuracy") is not None:
         print(f"test accuracy: {summary['test_accuracy']:.4f}")
     if summary.get("target") is not None:
         t = summary.get("time_to_target_s")
-        print(f"target {summary['target']:g}: " + (f"reached at step {summary['target_step']} after {t:.1f}s"
-                                                   if t is not None else "not reached"))
+        print(
+            f"target {summary['target']:g}: "
+            + (f"reached at step {summary['target_step']} after {t:.1f}s" if t is not None else "not reached")
+        )
     if summary.get("attribution"):  # who the others waited for, what bounds the step (dtrain.observe.attribution)
         print(summary["attribution"]["line"])
     from dtrain.workloads.models.specs import is_builtin
@@ -412,8 +517,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.print_help()
         return 0
     # delegated subcommands parse their own arguments (argparse's REMAINDER would swallow no --help)
-    delegated = {"plan": "dtrain.planning.cli", "cluster": "dtrain.cluster.cli", "sample": "dtrain.observe.sample",
-                 "sweep": "dtrain.search.cli"}
+    delegated = {
+        "plan": "dtrain.planning.cli",
+        "cluster": "dtrain.cluster.cli",
+        "sample": "dtrain.observe.sample",
+        "sweep": "dtrain.search.cli",
+    }
     if argv[0] in delegated or (argv[0] == "bench" and len(argv) > 1 and argv[1] in _BENCHES):
         module = delegated.get(argv[0]) or _BENCHES[argv[1]]
         rest = argv[1:] if argv[0] in delegated else argv[2:]

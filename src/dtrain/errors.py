@@ -12,8 +12,14 @@ import sys
 from collections.abc import Callable
 
 __all__ = [
-    "DTrainError", "ConfigError", "CommError", "CommTimeoutError", "ModelMismatchError", "NonFiniteError",
-    "check_choice", "run_command",
+    "DTrainError",
+    "ConfigError",
+    "CommError",
+    "CommTimeoutError",
+    "ModelMismatchError",
+    "NonFiniteError",
+    "check_choice",
+    "run_command",
 ]
 
 
@@ -42,9 +48,7 @@ class CommError(DTrainError):
         step: the training step, when known.
     """
 
-    def __init__(
-        self, rank: int, op: str, cause: str, *, peer: int | None = None, step: int | None = None
-    ) -> None:
+    def __init__(self, rank: int, op: str, cause: str, *, peer: int | None = None, step: int | None = None) -> None:
         self.rank = rank
         self.op = op
         self.cause = cause

@@ -21,8 +21,16 @@ from dtrain.workloads.models import (
     task_loss,
 )
 
-__all__ = ["MODELS", "build_model", "task_loss", "GPTConfig", "GPT_PRESETS", "generate", "gpt_config",
-           "is_language_model"]  # fmt: skip
+__all__ = [
+    "MODELS",
+    "build_model",
+    "task_loss",
+    "GPTConfig",
+    "GPT_PRESETS",
+    "generate",
+    "gpt_config",
+    "is_language_model",
+]
 
 
 def __getattr__(name: str) -> Any:

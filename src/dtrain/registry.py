@@ -45,8 +45,18 @@ from dtrain.errors import ConfigError
 if TYPE_CHECKING:
     from dtrain.compress.base import Compressor
 
-__all__ = ["PLUGINS_ENV", "options_for", "StrategyOptions", "Strategy", "Choice", "register", "unregister", "get",
-           "registered", "choice"]
+__all__ = [
+    "PLUGINS_ENV",
+    "options_for",
+    "StrategyOptions",
+    "Strategy",
+    "Choice",
+    "register",
+    "unregister",
+    "get",
+    "registered",
+    "choice",
+]
 
 Hooks = TypeVar("Hooks")
 
@@ -238,7 +248,7 @@ class Choice:
 
     @property
     def kind(self) -> str:
-        """"single" for one process with nothing to exchange, else the strategy's name."""
+        """ "single" for one process with nothing to exchange, else the strategy's name."""
         return "single" if self.processes == 1 else self.strategy
 
     def label(self) -> str:

@@ -33,8 +33,21 @@ from typing import Any
 from dtrain.errors import ConfigError
 from dtrain.rundir.files import METRICS, RANK_METRICS, rank_metrics, read_jsonl
 
-__all__ = ["MetricsWriter", "Tracer", "merge_rank_files", "merge_traces", "METRIC_FIELDS", "TENSORBOARD_SCALARS",
-           "require_tensorboard", "align_clock", "activate", "current", "span", "flow_id", "parse_trace_steps"]
+__all__ = [
+    "MetricsWriter",
+    "Tracer",
+    "merge_rank_files",
+    "merge_traces",
+    "METRIC_FIELDS",
+    "TENSORBOARD_SCALARS",
+    "require_tensorboard",
+    "align_clock",
+    "activate",
+    "current",
+    "span",
+    "flow_id",
+    "parse_trace_steps",
+]
 
 MAX_EVENTS = 100_000  # per rank, without --trace-steps: a long run's trace stays under ~20 MB a rank
 MSG_TID = 100  # the first "messages" track
@@ -54,8 +67,17 @@ def parse_trace_steps(text: str) -> tuple[int, int] | None:
         raise ConfigError(f"--trace-steps {text!r}: need 0 <= FIRST <= LAST")
     return a, b
 
+
 METRIC_FIELDS = (
-    "step", "rank", "loss", "lr", "samples_per_s", "compute_s", "comm_s", "wait_s", "bytes_sent",
+    "step",
+    "rank",
+    "loss",
+    "lr",
+    "samples_per_s",
+    "compute_s",
+    "comm_s",
+    "wait_s",
+    "bytes_sent",
 )
 # a row's keys written as TensorBoard scalars under --tensorboard (those a row holds: loss_scale under fp16,
 # b_simple under --noise-scale)
@@ -68,8 +90,10 @@ def require_tensorboard() -> None:
     import importlib.util
 
     if importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("--tensorboard needs the tensorboard package, which is not installed: "
-                          "pip install tensorboard (it comes with dtrain's test extra), or run without it")
+        raise ConfigError(
+            "--tensorboard needs the tensorboard package, which is not installed: "
+            "pip install tensorboard (it comes with dtrain's test extra), or run without it"
+        )
 
 
 class MetricsWriter:
@@ -130,8 +154,9 @@ class Tracer:
             stated in the trace's metadata), so that a long run's trace stays bounded.
     """
 
-    def __init__(self, rank: int, enabled: bool = True, steps: tuple[int, int] | None = None,
-                 max_events: int = MAX_EVENTS) -> None:  # fmt: skip
+    def __init__(
+        self, rank: int, enabled: bool = True, steps: tuple[int, int] | None = None, max_events: int = MAX_EVENTS
+    ) -> None:
         self.rank = rank
         self.enabled = enabled
         self.steps = steps
@@ -184,8 +209,17 @@ class Tracer:
     def add(self, name: str, start: float, dur: float, tid: int | None = None, **args: Any) -> None:
         """A span that began at ``start`` (a ``time.perf_counter()`` reading) and lasted ``dur`` seconds."""
         if self.recording:
-            self._keep({"name": name, "ph": "X", "pid": self.rank, "tid": self._tid() if tid is None else tid,
-                        "ts": (self._wall0 + start - self._t0) * 1e6, "dur": dur * 1e6, "args": args})
+            self._keep(
+                {
+                    "name": name,
+                    "ph": "X",
+                    "pid": self.rank,
+                    "tid": self._tid() if tid is None else tid,
+                    "ts": (self._wall0 + start - self._t0) * 1e6,
+                    "dur": dur * 1e6,
+                    "args": args,
+                }
+            )
 
     def _keep(self, event: dict[str, Any]) -> None:
         self.events.append(event)
@@ -207,15 +241,29 @@ class Tracer:
             return
         end = time.perf_counter()
         arrow = "→" if op == "send" else "←"
-        self._keep({"name": f"{op} {arrow} {peer}", "ph": "X", "pid": self.rank, "tid": "msg",
-                    "ts": (self._wall0 + start - self._t0) * 1e6, "dur": (end - start) * 1e6,
-                    "bind_id": flow_id(key), "flow_out" if op == "send" else "flow_in": True,
-                    "args": {"peer": peer, "bytes": nbytes, "msg": key, "step": self.step}})
+        self._keep(
+            {
+                "name": f"{op} {arrow} {peer}",
+                "ph": "X",
+                "pid": self.rank,
+                "tid": "msg",
+                "ts": (self._wall0 + start - self._t0) * 1e6,
+                "dur": (end - start) * 1e6,
+                "bind_id": flow_id(key),
+                "flow_out" if op == "send" else "flow_in": True,
+                "args": {"peer": peer, "bytes": nbytes, "msg": key, "step": self.step},
+            }
+        )
 
     def dump(self, out_dir: str | Path) -> None:
         if self.enabled:
-            data = {"rank": self.rank, "events": _lanes(self.events), "clock": self.clock,
-                    "truncated_at_step": self.truncated_at, "steps": list(self.steps) if self.steps else None}
+            data = {
+                "rank": self.rank,
+                "events": _lanes(self.events),
+                "clock": self.clock,
+                "truncated_at_step": self.truncated_at,
+                "steps": list(self.steps) if self.steps else None,
+            }
             final = Path(out_dir) / f"trace.rank{self.rank}.json"  # whole or absent: a worker killed while it
             tmp = final.with_suffix(f".tmp{os.getpid()}")  # writes leaves no half file for the merge
             tmp.write_text(json.dumps(data))
@@ -310,8 +358,11 @@ def merge_traces(out_dir: Path) -> None:
     """Merge ``trace.rank*.json`` into ``trace.json``: each rank's events shifted by its clock
     offset, track names, and the alignment in ``otherData``."""
     events: list[dict[str, Any]] = []
-    meta: dict[str, Any] = {"clock": "offsets from a ping exchange with rank 0 (NTP's estimate); error <= half "
-                                     "the shortest round trip", "clock_offset_us": {}, "clock_error_us": {}}
+    meta: dict[str, Any] = {
+        "clock": "offsets from a ping exchange with rank 0 (NTP's estimate); error <= half the shortest round trip",
+        "clock_offset_us": {},
+        "clock_error_us": {},
+    }
     for p in sorted(out_dir.glob("trace.rank*.json")):
         try:
             data = _load_rank(p)
@@ -319,7 +370,7 @@ def merge_traces(out_dir: Path) -> None:
             meta.setdefault("unreadable", {})[p.name] = str(bad)
             continue
         p.unlink()
-        rank = data.get("rank", int(p.name[len("trace.rank"):-len(".json")]))
+        rank = data.get("rank", int(p.name[len("trace.rank") : -len(".json")]))
         clock = data.get("clock") or {}
         off = float(clock.get("offset_s", 0.0)) * 1e6
         meta["clock_offset_us"][str(rank)] = round(off, 3)
@@ -335,14 +386,16 @@ def merge_traces(out_dir: Path) -> None:
             events.append(e)
         events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
         for tid in sorted(tids, key=str):
-            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
-                           "args": {"name": _track_name(tid)}})
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": _track_name(tid)}}
+            )
     if events:
         errors = list(meta["clock_error_us"].values())
         meta["clock_error_max_us"] = max(errors) if errors else 0.0
         _match_flows(events, meta, windowed="trace_steps" in meta or "truncated_at_step" in meta)
-        (out_dir / "trace.json").write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
-                                                         "otherData": meta}))
+        (out_dir / "trace.json").write_text(
+            json.dumps({"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta})
+        )
 
 
 def _match_flows(events: list[dict[str, Any]], meta: dict[str, Any], windowed: bool) -> None:
@@ -351,8 +404,11 @@ def _match_flows(events: list[dict[str, Any]], meta: dict[str, Any], windowed: b
     end outside it: its arrow is dropped (``messages_cut_at_window_edge``)."""
     out = {e["bind_id"] for e in events if e.get("flow_out")}
     into = {e["bind_id"] for e in events if e.get("flow_in")}
-    alone = [e for e in events if ("flow_out" in e and e["bind_id"] not in into)
-             or ("flow_in" in e and e["bind_id"] not in out)]  # fmt: skip
+    alone = [
+        e
+        for e in events
+        if ("flow_out" in e and e["bind_id"] not in into) or ("flow_in" in e and e["bind_id"] not in out)
+    ]
     if windowed:
         for e in alone:
             for k in ("bind_id", "flow_in", "flow_out"):

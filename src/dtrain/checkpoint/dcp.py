@@ -65,13 +65,13 @@ from dtrain.errors import CommError
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "FORMAT"]
 
 
-
 def _dcp() -> Any:
     """torch.distributed.checkpoint, imported where a checkpoint is read or written: it loads DTensor's modules,
     about a second of every process's start-up otherwise."""
     import torch.distributed.checkpoint as dcp
 
     return dcp
+
 
 #: version of what a checkpoint holds; bumped when the layout changes
 FORMAT = 1
@@ -88,8 +88,7 @@ def _barrier(group: Any, rank: int, what: str, step: int | None) -> None:
     try:
         dist.barrier(group=group)
     except Exception as e:  # noqa: BLE001 - the backend's timeout or a lost peer
-        raise CommError(rank, what, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                        step=step) from e
+        raise CommError(rank, what, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", step=step) from e
 
 
 @contextlib.contextmanager
@@ -177,7 +176,7 @@ def _rank_slots(ckpt: Path, rank: int) -> dict[str, Any]:
     md = FileSystemReader(str(ckpt)).read_metadata()
     prefix = f"rank_state.rank{rank}.t."
     slots = {
-        k[len(prefix):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        k[len(prefix) :]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
         for k, m in md.state_dict_metadata.items()
         if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)
     }
@@ -266,8 +265,14 @@ def save_checkpoint(
     final = checkpoint_dir(root, step)
     if rank == 0:
         meta = dict(info or {})
-        meta.update(step=int(step), world_size=world, format=FORMAT, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                    torch=torch.__version__, has=sorted(k for k in state if k != "rank_state"))
+        meta.update(
+            step=int(step),
+            world_size=world,
+            format=FORMAT,
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+            torch=torch.__version__,
+            has=sorted(k for k in state if k != "rank_state"),
+        )
         final = commit_folder(tmp, meta)
     if distributed:
         _barrier(group, rank, op, step)
@@ -321,8 +326,9 @@ def load_checkpoint(
     if blob_rank is None or not reshard:
         blob_rank = rank % saved_world if reshard else rank
     if not 0 <= blob_rank < saved_world:
-        raise CheckpointError(f"rank {rank}: {ckpt} has no per-rank state of rank {blob_rank} (saved by "
-                              f"{saved_world} processes)")
+        raise CheckpointError(
+            f"rank {rank}: {ckpt} has no per-rank state of rank {blob_rank} (saved by {saved_world} processes)"
+        )
     if saved_world != world and not reshard:
         raise CheckpointError(
             f"{ckpt} was saved by {info['world_size']} processes; this job has {world}. Per-rank state (compressor "
@@ -371,6 +377,6 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     buf.seek(0)
     full: dict[str, Any] = torch.load(buf, weights_only=False)
     blobs = full.pop("rank_state", {})
-    full["rank_state"] = {int(k[len("rank"):]): _unpack(v) for k, v in blobs.items()}
+    full["rank_state"] = {int(k[len("rank") :]): _unpack(v) for k, v in blobs.items()}
     full["info"] = read_info(ckpt)
     return full

@@ -185,8 +185,7 @@ def _damaged(p: Path, bad: str) -> CheckpointError:
     return CheckpointError(f"resume: {bad}; {hint}")
 
 
-def find_checkpoint(path: str | Path, *, checksums: bool = False,
-                    report: Callable[[str], None] | None = None) -> Path:
+def find_checkpoint(path: str | Path, *, checksums: bool = False, report: Callable[[str], None] | None = None) -> Path:
     """Resolve a ``--resume`` path to a complete checkpoint folder whose files match its manifest.
 
     Args:

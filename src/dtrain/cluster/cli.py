@@ -40,8 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--hosts", type=int, required=True, help="number of emulated hosts (2..64)")
     u.add_argument("--bandwidth", required=True, help="each host link's rate, tc style: 100mbit, 1gbit")
     u.add_argument("--name", default="default", help="cluster name (default: default)")
-    u.add_argument("--slow", action="append", default=[], metavar="HOST:FACTOR",
-                   help="make a host's compute FACTOR times slower (straggler); repeatable")
+    u.add_argument(
+        "--slow",
+        action="append",
+        default=[],
+        metavar="HOST:FACTOR",
+        help="make a host's compute FACTOR times slower (straggler); repeatable",
+    )
     u.add_argument("--latency", default=None, help="per-link delay (needs netem; refused where the kernel lacks it)")
     u.add_argument("--mtu", type=int, default=1500, help="link MTU (default: 1500)")
     d = sub.add_parser("down", help="remove a cluster (idempotent, also after a crash)")
@@ -54,8 +59,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cluster(ns: argparse.Namespace) -> int:
     if ns.cmd == "up":
-        c = up(ns.name, hosts=ns.hosts, bandwidth=ns.bandwidth, slow=parse_slow(ns.slow),
-               latency=ns.latency, mtu=ns.mtu)  # fmt: skip
+        c = up(
+            ns.name, hosts=ns.hosts, bandwidth=ns.bandwidth, slow=parse_slow(ns.slow), latency=ns.latency, mtu=ns.mtu
+        )
         print(f"up: {c.describe()}")
         print(f"run on it: dtrain run --cluster {c.name} --workers {c.hosts}")
     elif ns.cmd == "down":

@@ -42,8 +42,12 @@ def node_env(c: EmulatedCluster, host: int) -> dict[str, str]:
     """Environment of the workers on one emulated host (interface, host index, slowdown)."""
     # the hosts share this machine's cores: one intra-op thread a worker (spinning OpenMP threads of several
     # hosts on the same cores slowed steps tenfold)
-    env = {"GLOO_SOCKET_IFNAME": IFACE, "DTRAIN_CLUSTER": c.name, "DTRAIN_CLUSTER_HOST": str(host),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        "GLOO_SOCKET_IFNAME": IFACE,
+        "DTRAIN_CLUSTER": c.name,
+        "DTRAIN_CLUSTER_HOST": str(host),
+        "OMP_NUM_THREADS": "1",
+    }
     if host in c.slow:
         env["DTRAIN_SLOWDOWN"] = f"{c.slow[host]:g}"
     return env
@@ -125,8 +129,16 @@ def _clean_up(procs: list[subprocess.Popen[bytes]], logs: list[IO[bytes]], work:
         work.rmdir()
 
 
-def _start_node(c: EmulatedCluster, h: int, payload: dict[str, Any], work: Path, penv: dict[str, str],
-                logs: list[IO[bytes]], *, stream: bool) -> subprocess.Popen[bytes]:  # fmt: skip
+def _start_node(
+    c: EmulatedCluster,
+    h: int,
+    payload: dict[str, Any],
+    work: Path,
+    penv: dict[str, str],
+    logs: list[IO[bytes]],
+    *,
+    stream: bool,
+) -> subprocess.Popen[bytes]:
     """Start host ``h``'s node (``python -m dtrain.cluster._node``) in its namespace, logging to ``work``.
 
     The log file is appended to ``logs`` before the node starts, so the caller closes it whatever happens.
@@ -137,10 +149,10 @@ def _start_node(c: EmulatedCluster, h: int, payload: dict[str, Any], work: Path,
     log = open(work / f"host{h}.log", "wb")
     logs.append(log)
     out = None if stream else log
-    cmd = ["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cluster._node", str(pfile),
-           main_file]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
-                            env=penv)  # fmt: skip
+    cmd = ["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cluster._node", str(pfile), main_file]
+    return subprocess.Popen(
+        cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True, env=penv
+    )
 
 
 def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> tuple[list[int], bool]:
@@ -163,8 +175,14 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> tuple[list[
     return late, gave_up
 
 
-def _collect(c: EmulatedCluster, procs: list[subprocess.Popen[bytes]], work: Path, late: list[int], gave_up: bool,
-             timeout_s: float) -> dict[int, Any]:  # fmt: skip
+def _collect(
+    c: EmulatedCluster,
+    procs: list[subprocess.Popen[bytes]],
+    work: Path,
+    late: list[int],
+    gave_up: bool,
+    timeout_s: float,
+) -> dict[int, Any]:
     """Every host's results, merged, or a :class:`LaunchError` that names each host that failed and why."""
     results: dict[int, Any] = {}
     failures = []
@@ -177,8 +195,7 @@ def _collect(c: EmulatedCluster, procs: list[subprocess.Popen[bytes]], work: Pat
                 continue
             failures.append(f"host {h}: {value}")
         elif h in late:
-            why = ("killed after another host failed" if gave_up
-                   else f"still running after {timeout_s:.0f} s (killed)")
+            why = "killed after another host failed" if gave_up else f"still running after {timeout_s:.0f} s (killed)"
             failures.append(f"host {h}: {why}; log: {_tail(work, h)}")
         else:
             failures.append(f"host {h}: node exited with code {p.returncode}; log: {_tail(work, h)}")
@@ -238,12 +255,14 @@ def launch_on_cluster(
             f"{nprocs} processes cannot be spread evenly over the {c.hosts} hosts of cluster {c.name!r}; "
             f"use a multiple of {c.hosts} (workers, plus servers for the parameter server)"
         )
-    return run_on_cluster(fn, args, cluster=c, nprocs_per_host=nprocs // c.hosts, timeout_s=timeout_s,
-                          stream_first=stream_first)  # fmt: skip
+    return run_on_cluster(
+        fn, args, cluster=c, nprocs_per_host=nprocs // c.hosts, timeout_s=timeout_s, stream_first=stream_first
+    )
 
 
-def run_nodes_on_cluster(config_toml: str, out: Path, *, cluster: str, processes: int, quiet: bool = False,
-                         extra: list[str] | None = None) -> None:  # fmt: skip
+def run_nodes_on_cluster(
+    config_toml: str, out: Path, *, cluster: str, processes: int, quiet: bool = False, extra: list[str] | None = None
+) -> None:
     """``dtrain run --cluster NAME``: on every host, in its namespace, the per-node command a user runs on a
     real machine (``dtrain run CONFIG --nnodes H --node-rank i --rdzv-endpoint HOST0:PORT --rdzv-id JOB``).
 
@@ -272,15 +291,41 @@ def run_nodes_on_cluster(config_toml: str, out: Path, *, cluster: str, processes
     logs: list[IO[bytes]] = []
     try:
         for h in range(c.hosts):
-            cmd = ["ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cli", "run",
-                   str(work / CONFIG), "--out", str(out), "--nnodes", str(c.hosts), "--node-rank", str(h),
-                   "--rdzv-endpoint", f"{c.address(0)}:{port}", "--rdzv-id", job, *(extra or [])]  # fmt: skip
+            cmd = [
+                "ip",
+                "netns",
+                "exec",
+                c.host_ns(h),
+                sys.executable,
+                "-m",
+                "dtrain.cli",
+                "run",
+                str(work / CONFIG),
+                "--out",
+                str(out),
+                "--nnodes",
+                str(c.hosts),
+                "--node-rank",
+                str(h),
+                "--rdzv-endpoint",
+                f"{c.address(0)}:{port}",
+                "--rdzv-id",
+                job,
+                *(extra or []),
+            ]
             node_log: IO[bytes] = open(work / f"host{h}.log", "wb")
             logs.append(node_log)
             shown = h == 0 and not quiet
             # host 0's progress and messages (stderr) come through; its closing lines are the caller's to print
-            procs.append(subprocess.Popen(cmd, stdout=node_log, stderr=None if shown else subprocess.STDOUT,
-                                          start_new_session=True, env={**penv, **node_env(c, h)}))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=node_log,
+                    stderr=None if shown else subprocess.STDOUT,
+                    start_new_session=True,
+                    env={**penv, **node_env(c, h)},
+                )
+            )
         try:
             failed = _wait_nodes(procs)
         except KeyboardInterrupt:

@@ -125,9 +125,7 @@ def state_dir() -> Path:
 def require_root() -> None:
     """Raise :class:`ClusterError` unless this process can create network namespaces."""
     if os.geteuid() != 0:
-        raise ClusterError(
-            "the emulated cluster needs root (network namespaces, veth, tc); run as root or with sudo"
-        )
+        raise ClusterError("the emulated cluster needs root (network namespaces, veth, tc); run as root or with sudo")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise ClusterError(f"the emulated cluster needs the '{tool}' command (package iproute2)")
@@ -209,9 +207,21 @@ def _shape(ns: str, dev: str, rate_bps: float, mtu: int) -> None:
     # queue: up to 100 ms of traffic (TCP needs room for a window, or it loses rate to drops).
     burst = tbf_burst(rate_bps, mtu)
     _ns(
-        ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-        "rate", f"{rate_bps * 8:.0f}bit", "burst", str(burst), "latency", "100ms",
-    )  # fmt: skip
+        ns,
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        f"{rate_bps * 8:.0f}bit",
+        "burst",
+        str(burst),
+        "latency",
+        "100ms",
+    )
 
 
 def up(
@@ -263,8 +273,9 @@ def up(
     if existing or (state_dir() / f"{name}.json").exists():
         raise ClusterError(f"a cluster named {name!r} already exists; run `dtrain cluster down --name {name}` first")
 
-    c = EmulatedCluster(name=name, hosts=hosts, rate_bps=rate, subnet=_pick_subnet(), slow=slow, mtu=mtu,
-                        created=time.time())  # fmt: skip
+    c = EmulatedCluster(
+        name=name, hosts=hosts, rate_bps=rate, subnet=_pick_subnet(), slow=slow, mtu=mtu, created=time.time()
+    )
     state_dir().mkdir(parents=True, exist_ok=True)
     (state_dir() / f"{name}.json").write_text(c.to_json())  # written first: down() can always clean up
     try:
@@ -278,8 +289,25 @@ def up(
             _run("ip", "netns", "add", ns)
             _ns(ns, "ip", "link", "set", "lo", "up")
             # Both ends are born inside the namespaces: nothing appears in ours.
-            _run("ip", "link", "add", IFACE, "netns", ns, "mtu", str(mtu), "type", "veth",
-                 "peer", "name", f"p{i}", "netns", sw, "mtu", str(mtu))  # fmt: skip
+            _run(
+                "ip",
+                "link",
+                "add",
+                IFACE,
+                "netns",
+                ns,
+                "mtu",
+                str(mtu),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"p{i}",
+                "netns",
+                sw,
+                "mtu",
+                str(mtu),
+            )
             _ns(sw, "ip", "link", "set", f"p{i}", "master", "br0")
             _ns(sw, "ip", "link", "set", f"p{i}", "up")
             _ns(ns, "ip", "addr", "add", f"{c.address(i)}/24", "dev", IFACE)
@@ -359,10 +387,26 @@ def status() -> list[dict[str, object]]:
         if path.exists():
             c = EmulatedCluster.from_json(path.read_text())
             ok = set(c.namespaces) <= set(have)
-            rows.append({"name": cname, "state": "up" if ok else "broken", "hosts": c.hosts,
-                         "rate": format_rate(c.rate_bps), "namespaces": have, "description": c.describe()})  # fmt: skip
+            rows.append(
+                {
+                    "name": cname,
+                    "state": "up" if ok else "broken",
+                    "hosts": c.hosts,
+                    "rate": format_rate(c.rate_bps),
+                    "namespaces": have,
+                    "description": c.describe(),
+                }
+            )
         else:
             orphan = f"{cname}: namespaces without a state file (crash?); `dtrain cluster down --name {cname}`"
-            rows.append({"name": cname, "state": "orphaned", "hosts": None, "rate": None, "namespaces": have,
-                         "description": orphan})  # fmt: skip
+            rows.append(
+                {
+                    "name": cname,
+                    "state": "orphaned",
+                    "hosts": None,
+                    "rate": None,
+                    "namespaces": have,
+                    "description": orphan,
+                }
+            )
     return rows

@@ -48,9 +48,20 @@ from typing import Any
 
 from dtrain.errors import ConfigError, DTrainError
 
-__all__ = ["NodeArgs", "NodeError", "Meeting", "from_slurm", "expand_nodelist", "parse_endpoint", "parse_nnodes",
-           "parse_nproc",
-           "route_iface", "connect_store", "DEFAULT_PORT", "DEFAULT_RDZV_TIMEOUT_S"]
+__all__ = [
+    "NodeArgs",
+    "NodeError",
+    "Meeting",
+    "from_slurm",
+    "expand_nodelist",
+    "parse_endpoint",
+    "parse_nnodes",
+    "parse_nproc",
+    "route_iface",
+    "connect_store",
+    "DEFAULT_PORT",
+    "DEFAULT_RDZV_TIMEOUT_S",
+]
 
 DEFAULT_PORT = 29400  # torchrun's c10d default
 DEFAULT_RDZV_TIMEOUT_S = 300.0
@@ -99,8 +110,10 @@ def parse_nproc(text: str | int | None, gpus: int | None = None) -> int:
 
             gpus = torch.cuda.device_count()
         if gpus < 1:
-            raise ConfigError("--nproc-per-node gpu starts one process per visible GPU, and this machine has none "
-                              "(CUDA_VISIBLE_DEVICES, the driver); give a number instead")
+            raise ConfigError(
+                "--nproc-per-node gpu starts one process per visible GPU, and this machine has none "
+                "(CUDA_VISIBLE_DEVICES, the driver); give a number instead"
+            )
         return gpus
     if not s.isdigit() or int(s) < 1:
         raise ConfigError(f"--nproc-per-node takes a number >= 1 or gpu, got {s!r}")
@@ -149,8 +162,10 @@ class NodeArgs:
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} is outside the {self.nnodes} nodes (0..{self.nnodes - 1})")
         if self.multi and not self.endpoint:
-            raise ConfigError("a job on several nodes needs --rdzv-endpoint HOST:PORT (node 0's address, where it "
-                              "hosts the job's store)")
+            raise ConfigError(
+                "a job on several nodes needs --rdzv-endpoint HOST:PORT (node 0's address, where it "
+                "hosts the job's store)"
+            )
         if self.endpoint:
             parse_endpoint(self.endpoint)
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.job):
@@ -164,14 +179,18 @@ class NodeArgs:
     def processes(self, total: int) -> int:
         """This node's processes for a run of ``total``: the same on every node (torchrun's rule)."""
         if total % self.nnodes:
-            raise ConfigError(f"{total} processes cannot be spread evenly over {self.nnodes} nodes; use a multiple "
-                              f"of {self.nnodes} (workers, plus servers for the parameter server)")
+            raise ConfigError(
+                f"{total} processes cannot be spread evenly over {self.nnodes} nodes; use a multiple "
+                f"of {self.nnodes} (workers, plus servers for the parameter server)"
+            )
         k = total // self.nnodes
         if self.nproc_per_node and self.nproc_per_node != k:
-            raise ConfigError(f"--nproc-per-node {self.nproc_per_node} on {self.nnodes} nodes starts "
-                              f"{self.nproc_per_node * self.nnodes} processes, and the run has {total}: set "
-                              f"--workers so that the run has {self.nproc_per_node * self.nnodes}, or drop "
-                              "--nproc-per-node")
+            raise ConfigError(
+                f"--nproc-per-node {self.nproc_per_node} on {self.nnodes} nodes starts "
+                f"{self.nproc_per_node * self.nnodes} processes, and the run has {total}: set "
+                f"--workers so that the run has {self.nproc_per_node * self.nnodes}, or drop "
+                "--nproc-per-node"
+            )
         return k
 
 
@@ -214,8 +233,14 @@ def from_slurm(env: Mapping[str, str], port: int = DEFAULT_PORT) -> NodeArgs | N
     if not host:
         raise ConfigError("SLURM's environment names no host (SLURM_JOB_NODELIST is empty): pass --rdzv-endpoint")
     p = int(env.get("MASTER_PORT") or port)
-    return NodeArgs(nnodes=nnodes, min_nodes=nnodes, node_rank=int(env["SLURM_NODEID"]), endpoint=f"{host}:{p}",
-                    job=f"slurm-{env['SLURM_JOB_ID']}", source="slurm")
+    return NodeArgs(
+        nnodes=nnodes,
+        min_nodes=nnodes,
+        node_rank=int(env["SLURM_NODEID"]),
+        endpoint=f"{host}:{p}",
+        job=f"slurm-{env['SLURM_JOB_ID']}",
+        source="slurm",
+    )
 
 
 # ---------------------------------------------------------------------- network
@@ -241,8 +266,10 @@ def route_iface(host: str, port: int = DEFAULT_PORT, iface: str = "") -> tuple[s
     addrs = _iface_addresses()
     if iface:
         if iface not in addrs:
-            raise NodeError(f"--iface {iface}: no such interface with an IPv4 address here (have: "
-                            f"{', '.join(f'{n} {a}' for n, a in sorted(addrs.items())) or 'none'})")
+            raise NodeError(
+                f"--iface {iface}: no such interface with an IPv4 address here (have: "
+                f"{', '.join(f'{n} {a}' for n, a in sorted(addrs.items())) or 'none'})"
+            )
         return iface, addrs[iface]
     try:
         ip = socket.gethostbyname(host)
@@ -259,8 +286,10 @@ def route_iface(host: str, port: int = DEFAULT_PORT, iface: str = "") -> tuple[s
     for name, a in addrs.items():
         if a == local:
             return name, a
-    raise NodeError(f"--rdzv-endpoint {host}:{port}: the route to {ip} leaves from {local}, which no interface "
-                    "holds; name one with --iface")
+    raise NodeError(
+        f"--rdzv-endpoint {host}:{port}: the route to {ip} leaves from {local}, which no interface "
+        "holds; name one with --iface"
+    )
 
 
 # ---------------------------------------------------------------------- the job's store
@@ -280,9 +309,11 @@ def connect_store(host: str, port: int, timeout_s: float) -> Any:
         return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
     except (RuntimeError, TimeoutError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise NodeError(f"cannot reach the job's store at {host}:{port} within {timeout_s:.0f} s: node 0 (which "
-                        f"hosts it) has not started there, or the endpoint is wrong; missing node rank(s): 0 "
-                        f"({first[:200]})") from None
+        raise NodeError(
+            f"cannot reach the job's store at {host}:{port} within {timeout_s:.0f} s: node 0 (which "
+            f"hosts it) has not started there, or the endpoint is wrong; missing node rank(s): 0 "
+            f"({first[:200]})"
+        ) from None
 
 
 # ---------------------------------------------------------------------- the meeting
@@ -293,8 +324,11 @@ def _versions() -> dict[str, str]:
 
     import dtrain
 
-    return {"dtrain": str(getattr(dtrain, "__version__", "?")), "torch": torch.__version__,
-            "python": ".".join(map(str, sys.version_info[:3]))}
+    return {
+        "dtrain": str(getattr(dtrain, "__version__", "?")),
+        "torch": torch.__version__,
+        "python": ".".join(map(str, sys.version_info[:3])),
+    }
 
 
 def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -355,8 +389,10 @@ class Meeting:
         if job != a.job:
             n = self.store.add("dtrain/refused", 1)
             self.store.set(f"dtrain/refused/{n}", f"host {self.host}, node rank {a.node_rank}, --rdzv-id {a.job}")
-            raise NodeError(f"the store at {a.endpoint} serves job {job!r}, and this node was started with --rdzv-id "
-                            f"{a.job!r}: refused (give it the job's --rdzv-id, or another --rdzv-endpoint)")
+            raise NodeError(
+                f"the store at {a.endpoint} serves job {job!r}, and this node was started with --rdzv-id "
+                f"{a.job!r}: refused (give it the job's --rdzv-id, or another --rdzv-endpoint)"
+            )
 
     def arrive(self, config: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
         """Post this node's record, wait for the others, and check that every node runs the same job.
@@ -368,18 +404,25 @@ class Meeting:
             NodeError: the node rank is taken, nodes are missing at the timeout, or the records differ.
         """
         a = self.args
-        me = json.dumps({"host": self.host, "pid": os.getpid(), "versions": _versions(), "config": dict(config)},
-                        sort_keys=True, default=str)
+        me = json.dumps(
+            {"host": self.host, "pid": os.getpid(), "versions": _versions(), "config": dict(config)},
+            sort_keys=True,
+            default=str,
+        )
         key = f"{self.ns}/node/{a.node_rank}"
         got = self.store.compare_set(key, "", me).decode()
         if got != me:
             other = json.loads(got)
             if self._alive(a.node_rank):
-                raise NodeError(f"node rank {a.node_rank} of job {a.job!r} is taken by host {other['host']} (pid "
-                                f"{other['pid']}), which is running; give every node its own --node-rank")
+                raise NodeError(
+                    f"node rank {a.node_rank} of job {a.job!r} is taken by host {other['host']} (pid "
+                    f"{other['pid']}), which is running; give every node its own --node-rank"
+                )
             self.store.set(key, me)  # its holder is gone: this node takes its place in the running job
-            self.say(f"node {a.node_rank} of job {a.job!r} rejoins it (its earlier process, host {other['host']} "
-                     f"pid {other['pid']}, is gone)")  # fmt: skip
+            self.say(
+                f"node {a.node_rank} of job {a.job!r} rejoins it (its earlier process, host {other['host']} "
+                f"pid {other['pid']}, is gone)"
+            )
         self._beat = threading.Thread(target=self._heartbeat, name="dtrain-node-beat", daemon=True)
         self._beat.start()
         present = self._wait_for(lambda r: f"{self.ns}/node/{r}", "arrived")
@@ -388,8 +431,11 @@ class Meeting:
         self._read("records", present, stopping=bool(diff))
         if diff:
             hosts = ", ".join(f"node {r} {rec['host']}" for r, rec in sorted(records.items()))
-            raise NodeError(f"the nodes of job {a.job!r} disagree ({hosts}): " + " | ".join(diff[:8])
-                            + (f" | and {len(diff) - 8} more" if len(diff) > 8 else ""))
+            raise NodeError(
+                f"the nodes of job {a.job!r} disagree ({hosts}): "
+                + " | ".join(diff[:8])
+                + (f" | and {len(diff) - 8} more" if len(diff) > 8 else "")
+            )
         return records
 
     def publish_plan(self, config: Mapping[str, Any], out: Path) -> None:
@@ -423,8 +469,7 @@ class Meeting:
         except OSError as e:
             problem = f"cannot write the run folder {out}: {e.strerror or e}"
         self.store.set(f"{self.ns}/check/{a.node_rank}", problem or "ok")
-        present = self._wait_for(lambda r: f"{self.ns}/check/{r}", "checked the run folder",
-                                 among=self._arrived())  # fmt: skip
+        present = self._wait_for(lambda r: f"{self.ns}/check/{r}", "checked the run folder", among=self._arrived())
         bad = {r: self.store.get(f"{self.ns}/check/{r}").decode() for r in present}
         bad = {r: v for r, v in bad.items() if v != "ok"}
         self._read("checks", present, stopping=bool(bad))
@@ -488,9 +533,11 @@ class Meeting:
                     if among is None and len(present) >= a.min_nodes:
                         return present  # elastic: the job starts on those that came
                     missing = [r for r in ranks if r not in present]
-                    message = (f"rendezvous at {a.endpoint} (job {a.job!r}): {len(present)} of {len(ranks)} nodes "
-                               f"{what} within {a.rdzv_timeout_s:.0f} s; missing node rank(s): "
-                               f"{', '.join(map(str, missing))}")
+                    message = (
+                        f"rendezvous at {a.endpoint} (job {a.job!r}): {len(present)} of {len(ranks)} nodes "
+                        f"{what} within {a.rdzv_timeout_s:.0f} s; missing node rank(s): "
+                        f"{', '.join(map(str, missing))}"
+                    )
                     if a.node_rank == 0:  # the store goes with this node: leave the verdict for the others
                         self.store.set(verdict, message)
                         time.sleep(1.0)
@@ -499,9 +546,10 @@ class Meeting:
         except (RuntimeError, OSError) as e:
             if isinstance(e, NodeError):
                 raise
-            raise NodeError(f"lost the job's store at {a.endpoint} while {len(ranks)} nodes {what}: node 0 "
-                            f"stopped ({str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__})"
-                            ) from None
+            raise NodeError(
+                f"lost the job's store at {a.endpoint} while {len(ranks)} nodes {what}: node 0 "
+                f"stopped ({str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__})"
+            ) from None
 
     def _watch_refused(self) -> None:
         seen = 0
@@ -510,8 +558,10 @@ class Meeting:
                 n = int(self.store.add("dtrain/refused", 0))
                 for i in range(seen + 1, n + 1):
                     who = self.store.get(f"dtrain/refused/{i}").decode()
-                    self.say(f"refused a node of another job at {self.args.endpoint}: {who} (this job's --rdzv-id is "
-                             f"{self.args.job})")
+                    self.say(
+                        f"refused a node of another job at {self.args.endpoint}: {who} (this job's --rdzv-id is "
+                        f"{self.args.job})"
+                    )
                 seen = max(seen, n)
             except Exception:  # noqa: BLE001 - the store is going away with the job
                 return

@@ -59,6 +59,7 @@ def recursive_doubling(t: Transport, flat: torch.Tensor, op: str, opts: Allreduc
         while d < fold.core:
             peers.append(fold.real(fold.new_rank ^ d))
             d <<= 1
+
         # each round's receive is posted a round ahead: a message finds its buffer waiting (gloo
         # otherwise holds a send until the receiver posts: a rendezvous per round)
         def half(rnd: int) -> torch.Tensor:

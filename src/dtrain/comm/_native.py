@@ -25,8 +25,9 @@ def native(t: Transport, flat: torch.Tensor, op: str, opts: AllreduceOptions) ->
     Needs a :class:`TorchTransport`.
     """
     if not isinstance(t, TorchTransport):
-        raise ConfigError("algorithm 'native' runs the backend's own allreduce and needs a TorchTransport, "
-                          f"got {type(t).__name__}")
+        raise ConfigError(
+            f"algorithm 'native' runs the backend's own allreduce and needs a TorchTransport, got {type(t).__name__}"
+        )
     import torch.distributed as dist
 
     red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]

@@ -197,4 +197,3 @@ def post_recv(t: Transport, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         return t.irecv(tensor, peer, tag)
     except RuntimeError as e:
         raise _as_comm_error(t, "recv", peer, e) from e
-

@@ -87,9 +87,7 @@ def _check_algorithm(algorithm: str) -> AlgorithmFn:
     try:
         return ALGORITHMS[algorithm]
     except (KeyError, TypeError):
-        raise ConfigError(
-            f"unknown allreduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}"
-        ) from None
+        raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}") from None
 
 
 def allreduce_over(

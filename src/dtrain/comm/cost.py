@@ -294,8 +294,12 @@ def traffic(
     if nbytes % max(1, itemsize):
         raise ConfigError(f"nbytes={nbytes} is not a whole number of {itemsize}-byte elements")
     numel = nbytes // max(1, itemsize)
-    plain = {"native": native_traffic, "tree": tree_traffic, "recursive_doubling": recursive_doubling_traffic,
-             "rabenseifner": rabenseifner_traffic}  # the algorithms with no option of their own
+    plain = {
+        "native": native_traffic,
+        "tree": tree_traffic,
+        "recursive_doubling": recursive_doubling_traffic,
+        "rabenseifner": rabenseifner_traffic,
+    }  # the algorithms with no option of their own
     if algorithm in plain:
         return plain[algorithm](world_size, numel, itemsize)
     if algorithm == "ring":
@@ -304,7 +308,12 @@ def traffic(
         if node_size is None and nodes is None:
             node_size = world_size
         return hierarchical_traffic(
-            world_size, numel, itemsize, node_size=node_size, nodes=nodes, piece_bytes=piece_bytes,
+            world_size,
+            numel,
+            itemsize,
+            node_size=node_size,
+            nodes=nodes,
+            piece_bytes=piece_bytes,
             max_pieces=max_pieces,
         )
     raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
@@ -448,8 +457,13 @@ def allreduce_time(
             return 1
         return RingPlan.build(int(nbytes) // itemsize, ranks, max(1, piece_bytes // itemsize), max_pieces).pieces
 
-    plain = {"native": ring_time, "tree": tree_time, "recursive_doubling": recursive_doubling_time,
-             "rabenseifner": rabenseifner_time, "lower_bound": lower_bound_time}  # native: an unpipelined ring
+    plain = {
+        "native": ring_time,
+        "tree": tree_time,
+        "recursive_doubling": recursive_doubling_time,
+        "rabenseifner": rabenseifner_time,
+        "lower_bound": lower_bound_time,
+    }  # native: an unpipelined ring
     if algorithm in plain:
         return plain[algorithm](P, nbytes, link)
     if algorithm == "ring":

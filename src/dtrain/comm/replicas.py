@@ -67,6 +67,7 @@ def _explain(descs: Sequence[list[Entry]], ranks: Sequence[int]) -> str:
     at = [d[first] if first < len(d) else None for d in descs]
     name = next(e[1] for e in at if e is not None)
     differ = [ranks[k] for k in range(1, len(descs)) if at[k] != at[0]]
+
     def renamed(e: Entry | None) -> str:
         return "" if e is None or e[1] == name else f" named {e[1]!r}"
 

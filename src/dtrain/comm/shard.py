@@ -181,8 +181,12 @@ def reduce_scatter(
     mine = segment(flat, dist.get_rank(group), P)
     out = torch.empty_like(mine)
     red = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    _native(group, timeout, "reduce_scatter(native)",
-            lambda: dist.reduce_scatter_tensor(out, flat, op=red[op], group=group, async_op=True))  # fmt: skip
+    _native(
+        group,
+        timeout,
+        "reduce_scatter(native)",
+        lambda: dist.reduce_scatter_tensor(out, flat, op=red[op], group=group, async_op=True),
+    )
     mine.copy_(out)
     if op == "avg":
         average(mine, P)
@@ -213,6 +217,7 @@ def allgather(
 
         return allgather_over(get_transport(group, timeout), flat)
     mine = segment(flat, dist.get_rank(group), P).clone()
-    _native(group, timeout, "allgather(native)",
-            lambda: dist.all_gather_into_tensor(flat, mine, group=group, async_op=True))  # fmt: skip
+    _native(
+        group, timeout, "allgather(native)", lambda: dist.all_gather_into_tensor(flat, mine, group=group, async_op=True)
+    )
     return tensor

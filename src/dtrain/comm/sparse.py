@@ -154,8 +154,9 @@ def _check_pairs(indices: torch.Tensor, values: torch.Tensor, numel: int | None,
         raise CommError(rank, op, "indices and values must be torch.Tensors")
     if indices.dim() != 1 or values.dim() != 1 or indices.numel() != values.numel():
         raise CommError(
-            rank, op,
-            f"need 1-D indices and values of equal length, got {tuple(indices.shape)} and {tuple(values.shape)}"
+            rank,
+            op,
+            f"need 1-D indices and values of equal length, got {tuple(indices.shape)} and {tuple(values.shape)}",
         )
     if indices.dtype not in (torch.int32, torch.int64):
         raise CommError(rank, op, f"indices must be int32 or int64, got {indices.dtype}")

@@ -124,8 +124,15 @@ _Traced = tuple[_trace.Tracer, str, float, int]  # (tracer, flow key, posted at,
 
 
 class _TorchWork:
-    def __init__(self, work: Any, transport: TorchTransport, op: str, peer: int, traced: _Traced | None = None,
-                 staged: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        work: Any,
+        transport: TorchTransport,
+        op: str,
+        peer: int,
+        traced: _Traced | None = None,
+        staged: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> None:
         self._work = work
         self._t = transport
         self._op = op
@@ -196,8 +203,12 @@ class TorchTransport(Transport):
         if tracer is None:
             return None
         g = self.global_ranks
-        return tracer, tracer.channel(self.group_name, g[src], g[dst], tag), time.perf_counter(), \
-            tensor.numel() * tensor.element_size()
+        return (
+            tracer,
+            tracer.channel(self.group_name, g[src], g[dst], tag),
+            time.perf_counter(),
+            tensor.numel() * tensor.element_size(),
+        )
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         _check_tensor(tensor, self.rank, "isend")

@@ -187,8 +187,10 @@ def resolve(compression: object, *, none_is_off: bool, what: str = "compression"
     if compression is None or (isinstance(compression, str) and compression.strip().lower() == "none"):
         return None if none_is_off else Identity()
     if not isinstance(compression, (str, Compressor)):
-        raise ConfigError(f"{what} must be a spec string like 'topk:0.01', a dtrain.compress.Compressor or None, "
-                          f"got {type(compression).__name__}")
+        raise ConfigError(
+            f"{what} must be a spec string like 'topk:0.01', a dtrain.compress.Compressor or None, "
+            f"got {type(compression).__name__}"
+        )
     return from_spec(compression)
 
 

@@ -306,8 +306,9 @@ class BucketReducer:
         compressor: a :class:`~dtrain.compress.Compressor`, or None.
     """
 
-    def __init__(self, algorithm: str, group: Any, world: int, timeout_s: float,
-                 compressor: Compressor | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, algorithm: str, group: Any, world: int, timeout_s: float, compressor: Compressor | None = None
+    ) -> None:
         self.algorithm = algorithm
         self.group = group
         self.world = world

@@ -113,8 +113,7 @@ def build_options(entry: Strategy, values: Mapping[str, Any]) -> StrategyOptions
     known = {f.name: f for f in fields(entry.options)}
     unknown = sorted(set(values) - set(known))
     if unknown:
-        raise ConfigError(f"[{entry.name}] has no option(s) {', '.join(unknown)}; "
-                          f"valid: {', '.join(known) or 'none'}")  # fmt: skip
+        raise ConfigError(f"[{entry.name}] has no option(s) {', '.join(unknown)}; valid: {', '.join(known) or 'none'}")
     kw = {k: _typed(k, _default(known[k]), v) for k, v in values.items()}
     try:
         return entry.options(**kw)
@@ -162,42 +161,85 @@ class RunConfig:
     """
 
     # --- what to train
-    model: str = field(default="cnn", metadata={"help": "cnn | mlp (classifiers) | gpt-tiny | gpt-small | gpt-medium | "
-                       "gpt (gpt-small's shape, resized by --layers --d-model --heads); or your own: FILE.py:FN / "
-                       "MODULE:FN (FN(**model_args) returns an nn.Module), hf:TYPE (a transformers architecture, "
-                       "e.g. hf:gpt2, hf:llama, built from its config with random weights), hf:DIR (a folder with "
-                       "config.json and its weights) (default: cnn)"})
+    model: str = field(
+        default="cnn",
+        metadata={
+            "help": "cnn | mlp (classifiers) | gpt-tiny | gpt-small | gpt-medium | "
+            "gpt (gpt-small's shape, resized by --layers --d-model --heads); or your own: FILE.py:FN / "
+            "MODULE:FN (FN(**model_args) returns an nn.Module), hf:TYPE (a transformers architecture, "
+            "e.g. hf:gpt2, hf:llama, built from its config with random weights), hf:DIR (a folder with "
+            "config.json and its weights) (default: cnn)"
+        },
+    )
     # model_args: a table (TOML [model_args], --model-arg KEY=VALUE), not a flag of its own (see shared_fields)
-    model_args: dict[str, Any] = field(default_factory=dict, metadata={"help": "keyword arguments of a "
-                                       "FILE.py:FN / MODULE:FN model, or fields of an hf: model's transformers "
-                                       "configuration (or of dtrain's own models' options)"})
-    loss: str = field(default="", metadata={"help": "MODULE:FN or FILE.py:FN: FN(output, target) -> the scalar loss, "
-                      "for a model whose output is not logits (default: cross entropy over classes, or over every "
-                      "position of token windows)"})
-    dataset: str = field(default="digits", metadata={"help": "digits (scikit-learn's 1,797 8x8 digits) | synthetic (a "
-                         "random teacher's labels, --samples) | pytext (the Python documentation text shipped with "
-                         "CPython, pydoc_data.topics: about 465 KB of English as byte tokens, 90% train / 10% "
-                         "validation; for gpt models) | your own data, the reader chosen from the path: text "
-                         "(.txt, .jsonl), token ids (.bin, .npy, memory-mapped), a folder of images with one "
-                         "subfolder per class, .npz (x, y), .parquet, a save_to_disk folder, or MODULE:FN / "
-                         "FILE.py:FN returning a torch Dataset or (train, validation) (default: digits)"})
+    model_args: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "keyword arguments of a "
+            "FILE.py:FN / MODULE:FN model, or fields of an hf: model's transformers "
+            "configuration (or of dtrain's own models' options)"
+        },
+    )
+    loss: str = field(
+        default="",
+        metadata={
+            "help": "MODULE:FN or FILE.py:FN: FN(output, target) -> the scalar loss, "
+            "for a model whose output is not logits (default: cross entropy over classes, or over every "
+            "position of token windows)"
+        },
+    )
+    dataset: str = field(
+        default="digits",
+        metadata={
+            "help": "digits (scikit-learn's 1,797 8x8 digits) | synthetic (a "
+            "random teacher's labels, --samples) | pytext (the Python documentation text shipped with "
+            "CPython, pydoc_data.topics: about 465 KB of English as byte tokens, 90% train / 10% "
+            "validation; for gpt models) | your own data, the reader chosen from the path: text "
+            "(.txt, .jsonl), token ids (.bin, .npy, memory-mapped), a folder of images with one "
+            "subfolder per class, .npz (x, y), .parquet, a save_to_disk folder, or MODULE:FN / "
+            "FILE.py:FN returning a torch Dataset or (train, validation) (default: digits)"
+        },
+    )
     samples: int = field(default=4096, metadata={"help": "the synthetic dataset's size (default: 4096)"})
     seq_len: int = field(default=64, metadata={"help": "tokens per pytext window and the gpt's context (default: 64)"})
     # --- the user's own data (--dataset PATH): dtrain.workloads.files
-    text_field: str = field(default="text", metadata={"help": "the text of each .jsonl line, or a table's text column "
-                            "(default: text)"})
-    tokenizer: str = field(default="", metadata={"help": "a Hugging Face tokenizer.json for text files (the "
-                           "tokenizers library; the vocabulary is its size) (default: byte tokens, vocabulary 256)"})
-    token_dtype: str = field(default="uint16", metadata={"help": "the ids' type in a .bin token file: uint16 "
-                             "(nanoGPT's) | uint32 | int32 | int64 (default: uint16)"})
-    vocab_size: int = field(default=0, metadata={"help": "the vocabulary of a token-id file (default: 0, its largest "
-                            "id plus one, read in chunks)"})
-    image_size: int = field(default=32, metadata={"help": "images of an image folder are resized to SIZE x SIZE "
-                            "(default: 32)"})
-    val_fraction: float = field(default=0.1, metadata={"help": "the share of your data held out for validation: the "
-                                "last tokens of text or token ids, samples drawn by --seed otherwise (default: 0.1)"})
-    val_dataset: str = field(default="", metadata={"help": "validate on this path (the same kind as --dataset) "
-                             "instead; all of --dataset then trains (default: none)"})
+    text_field: str = field(
+        default="text", metadata={"help": "the text of each .jsonl line, or a table's text column (default: text)"}
+    )
+    tokenizer: str = field(
+        default="",
+        metadata={
+            "help": "a Hugging Face tokenizer.json for text files (the "
+            "tokenizers library; the vocabulary is its size) (default: byte tokens, vocabulary 256)"
+        },
+    )
+    token_dtype: str = field(
+        default="uint16",
+        metadata={
+            "help": "the ids' type in a .bin token file: uint16 (nanoGPT's) | uint32 | int32 | int64 (default: uint16)"
+        },
+    )
+    vocab_size: int = field(
+        default=0,
+        metadata={"help": "the vocabulary of a token-id file (default: 0, its largest id plus one, read in chunks)"},
+    )
+    image_size: int = field(
+        default=32, metadata={"help": "images of an image folder are resized to SIZE x SIZE (default: 32)"}
+    )
+    val_fraction: float = field(
+        default=0.1,
+        metadata={
+            "help": "the share of your data held out for validation: the "
+            "last tokens of text or token ids, samples drawn by --seed otherwise (default: 0.1)"
+        },
+    )
+    val_dataset: str = field(
+        default="",
+        metadata={
+            "help": "validate on this path (the same kind as --dataset) "
+            "instead; all of --dataset then trains (default: none)"
+        },
+    )
     layers: int = field(default=0, metadata={"help": "gpt blocks (default: 0, the preset's)"})
     d_model: int = field(default=0, metadata={"help": "gpt width (default: 0, the preset's)"})
     heads: int = field(default=0, metadata={"help": "gpt attention heads (default: 0, the preset's)"})
@@ -206,100 +248,231 @@ class RunConfig:
     batch_size: int = field(default=64, metadata={"help": "global batch size, summed over workers (default: 64)"})
     lr: float = field(default=0.05, metadata={"help": "learning rate (default: 0.05)"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum (default: 0.9)"})
-    optimizer: str = field(default="sgd", metadata={"help": "sgd | adam | adamw | lars (You et al. 2017) | lamb (You "
-                           "et al. 2019) (default: sgd)"})
-    lr_schedule: str = field(default="constant", metadata={"help": "learning rate over the run: constant, or cosine "
-                             "from --lr down to 0 at the last step (default: constant)"})
-    lr_scaling: str = field(default="none", metadata={"help": "scale --lr with the global batch: linear (lr x B / base "
-                            "batch, Goyal et al. 2017), sqrt, or none (default: none)"})
-    base_batch: int = field(default=0, metadata={"help": "the global batch --lr was tuned for (default: 0, the run's "
-                            "first global batch)"})
-    warmup_steps: int = field(default=0, metadata={"help": "gradual warmup over N steps (--warmup-epochs E: E times "
-                              "the first epoch's steps): from --lr to the scaled rate (Goyal et al.), or from near 0 "
-                              "without scaling (default: 0)"})
+    optimizer: str = field(
+        default="sgd",
+        metadata={"help": "sgd | adam | adamw | lars (You et al. 2017) | lamb (You et al. 2019) (default: sgd)"},
+    )
+    lr_schedule: str = field(
+        default="constant",
+        metadata={
+            "help": "learning rate over the run: constant, or cosine "
+            "from --lr down to 0 at the last step (default: constant)"
+        },
+    )
+    lr_scaling: str = field(
+        default="none",
+        metadata={
+            "help": "scale --lr with the global batch: linear (lr x B / base "
+            "batch, Goyal et al. 2017), sqrt, or none (default: none)"
+        },
+    )
+    base_batch: int = field(
+        default=0, metadata={"help": "the global batch --lr was tuned for (default: 0, the run's first global batch)"}
+    )
+    warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "gradual warmup over N steps (--warmup-epochs E: E times "
+            "the first epoch's steps): from --lr to the scaled rate (Goyal et al.), or from near 0 "
+            "without scaling (default: 0)"
+        },
+    )
     warmup_epochs: float = field(default=0.0, metadata={"help": "the warmup in epochs instead (default: 0)"})
-    batch_schedule: str = field(default="", metadata={"help": 'grow the global batch: "0:256,5:512" (from epoch: '
-                                "batch), or auto (double it while the measured gradient noise scale exceeds it; dp) "
-                                "(default: none)"})
-    max_batch: int = field(default=0, metadata={"help": "the largest batch --batch-schedule auto grows to (default: 0, "
-                           "a quarter of the training set)"})
-    auto_every: int = field(default=0, metadata={"help": "--batch-schedule auto decides every N steps, inside epochs "
-                            "too (default: 0, at the start of each epoch)"})
-    auto_rule: str = field(default="noise", metadata={"help": "--batch-schedule auto doubles the batch while the noise "
-                           "scale exceeds twice it (noise), or while the noise scale times the step's fixed time over "
-                           "its batch's compute time does (time: the batch that reaches a loss soonest; McCandlish et "
-                           "al.'s step count times the step time) (default: noise)"})
-    noise_scale: bool = field(default=False, metadata={"help": "log the gradient noise scale B_simple every step "
-                              "(McCandlish et al. 2018; dp, 2+ workers; one extra scalar all-reduce) (default: off)"})
-    noise_beta: float = field(default=NOISE_BETA, metadata={"help": "the decay of the noise scale's moving averages of "
-                              "|G|^2 and tr(Sigma), a memory of about 1/(1-BETA) steps: a long one lags where |G|^2 "
-                              "falls fast, early in training (default: 0.99)"})
-    precision: str = field(default="fp32", metadata={"help": "compute precision: fp32, or bf16 / fp16 under torch "
-                           "autocast with float32 master weights; fp16 scales the loss (dynamic, the overflow skip "
-                           "agreed by every rank of a step); gradients travel in 16 bits (default: fp32)"})
+    batch_schedule: str = field(
+        default="",
+        metadata={
+            "help": 'grow the global batch: "0:256,5:512" (from epoch: '
+            "batch), or auto (double it while the measured gradient noise scale exceeds it; dp) "
+            "(default: none)"
+        },
+    )
+    max_batch: int = field(
+        default=0,
+        metadata={
+            "help": "the largest batch --batch-schedule auto grows to (default: 0, a quarter of the training set)"
+        },
+    )
+    auto_every: int = field(
+        default=0,
+        metadata={
+            "help": "--batch-schedule auto decides every N steps, inside epochs "
+            "too (default: 0, at the start of each epoch)"
+        },
+    )
+    auto_rule: str = field(
+        default="noise",
+        metadata={
+            "help": "--batch-schedule auto doubles the batch while the noise "
+            "scale exceeds twice it (noise), or while the noise scale times the step's fixed time over "
+            "its batch's compute time does (time: the batch that reaches a loss soonest; McCandlish et "
+            "al.'s step count times the step time) (default: noise)"
+        },
+    )
+    noise_scale: bool = field(
+        default=False,
+        metadata={
+            "help": "log the gradient noise scale B_simple every step "
+            "(McCandlish et al. 2018; dp, 2+ workers; one extra scalar all-reduce) (default: off)"
+        },
+    )
+    noise_beta: float = field(
+        default=NOISE_BETA,
+        metadata={
+            "help": "the decay of the noise scale's moving averages of "
+            "|G|^2 and tr(Sigma), a memory of about 1/(1-BETA) steps: a long one lags where |G|^2 "
+            "falls fast, early in training (default: 0.99)"
+        },
+    )
+    precision: str = field(
+        default="fp32",
+        metadata={
+            "help": "compute precision: fp32, or bf16 / fp16 under torch "
+            "autocast with float32 master weights; fp16 scales the loss (dynamic, the overflow skip "
+            "agreed by every rank of a step); gradients travel in 16 bits (default: fp32)"
+        },
+    )
     weight_decay: float = field(default=0.0, metadata={"help": "the optimizer's weight decay (default: 0)"})
-    grad_accum: int = field(default=1, metadata={"help": "gradient accumulation: each optimizer step runs forward "
-                            "and backward on N micro-batches of the per-worker batch / N, each loss divided by N, and "
-                            "the gradients are exchanged once (--batch-size stays the samples per optimizer step) "
-                            "(default: 1)"})
-    clip_grad_norm: float = field(default=0.0, metadata={"help": "clip the gradient to global 2-norm MAX before the "
-                                  "optimizer step, as torch.nn.utils.clip_grad_norm_ on the global batch's averaged "
-                                  "gradient (after fp16 unscaling); each metrics row records the norm before "
-                                  "clipping as grad_norm (default: 0, off)"})
-    seed: int = field(default=0, metadata={"help": "seed of the data, the model's initialization and the sampling "
-                      "(default: 0)"})
+    grad_accum: int = field(
+        default=1,
+        metadata={
+            "help": "gradient accumulation: each optimizer step runs forward "
+            "and backward on N micro-batches of the per-worker batch / N, each loss divided by N, and "
+            "the gradients are exchanged once (--batch-size stays the samples per optimizer step) "
+            "(default: 1)"
+        },
+    )
+    clip_grad_norm: float = field(
+        default=0.0,
+        metadata={
+            "help": "clip the gradient to global 2-norm MAX before the "
+            "optimizer step, as torch.nn.utils.clip_grad_norm_ on the global batch's averaged "
+            "gradient (after fp16 unscaling); each metrics row records the norm before "
+            "clipping as grad_norm (default: 0, off)"
+        },
+    )
+    seed: int = field(
+        default=0, metadata={"help": "seed of the data, the model's initialization and the sampling (default: 0)"}
+    )
     max_steps: int = field(default=0, metadata={"help": "stop after this many steps (default: 0, no limit)"})
-    target: float = field(default=0.0, metadata={"help": "stop when the metric reaches it: test accuracy >= TARGET, or "
-                          "a language model's validation loss (nats/token) <= TARGET; the run's summary records "
-                          "time_to_target_s (default: 0, no target)"})
+    target: float = field(
+        default=0.0,
+        metadata={
+            "help": "stop when the metric reaches it: test accuracy >= TARGET, or "
+            "a language model's validation loss (nats/token) <= TARGET; the run's summary records "
+            "time_to_target_s (default: 0, no target)"
+        },
+    )
     eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (default: 0, after each epoch)"})
-    eval_samples: int = field(default=0, metadata={"help": "evaluate on the first N test samples or validation windows "
-                              "(default: 0, all)"})
+    eval_samples: int = field(
+        default=0, metadata={"help": "evaluate on the first N test samples or validation windows (default: 0, all)"}
+    )
     # --- how to distribute it
-    strategy: str = field(default="dp", metadata={"help": "how to distribute: one of the registered strategies "
-                          "(default: dp)"})
+    strategy: str = field(
+        default="dp", metadata={"help": "how to distribute: one of the registered strategies (default: dp)"}
+    )
     workers: int = field(default=4, metadata={"help": "worker processes (default: 4)"})
-    straggler: str = field(default="", metadata={"help": "RANK:FACTOR: that rank's own work per step (data, forward, "
-                           "backward) takes FACTOR times its usual time (median of its last 50 steps); communication "
-                           "is not slowed"})
-    cluster: str = field(default="", metadata={"help": "run on an emulated cluster made by `dtrain cluster up --name "
-                         "NAME`"})
-    backend: str = field(default="", metadata={"help": "the process group's backend: gloo | nccl | mpi (default: nccl "
-                         "for --device cuda with a GPU per process, else gloo)"})
-    device: str = field(default="cpu", metadata={"help": "cpu, or cuda: each worker on GPU (local rank mod the GPUs); "
-                        "dp and ddp. NCCL where every worker has a GPU of its own, else gloo, whose collectives carry "
-                        "CUDA tensors through host memory (so 4 workers can share one GPU) (default: cpu)"})
+    straggler: str = field(
+        default="",
+        metadata={
+            "help": "RANK:FACTOR: that rank's own work per step (data, forward, "
+            "backward) takes FACTOR times its usual time (median of its last 50 steps); communication "
+            "is not slowed"
+        },
+    )
+    cluster: str = field(
+        default="", metadata={"help": "run on an emulated cluster made by `dtrain cluster up --name NAME`"}
+    )
+    backend: str = field(
+        default="",
+        metadata={
+            "help": "the process group's backend: gloo | nccl | mpi (default: nccl "
+            "for --device cuda with a GPU per process, else gloo)"
+        },
+    )
+    device: str = field(
+        default="cpu",
+        metadata={
+            "help": "cpu, or cuda: each worker on GPU (local rank mod the GPUs); "
+            "dp and ddp. NCCL where every worker has a GPU of its own, else gloo, whose collectives carry "
+            "CUDA tensors through host memory (so 4 workers can share one GPU) (default: cpu)"
+        },
+    )
     # --- the run itself
-    out: str = field(default="", metadata={"help": "run folder (default: runs/<timestamp>-<strategy>); one that holds "
-                     "files is refused unless --overwrite"})
-    overwrite: bool = field(default=False, metadata={"help": "replace the earlier run in --out: everything in that "
-                            "folder is deleted first (default: off)"})
-    timeout_s: float = field(default=300.0, metadata={"help": "seconds a collective, a message or a wait between "
-                             "ranks may block before the run stops (default: 300)"})
-    trace: bool = field(default=True, metadata={"help": "write trace.json, a Chrome trace of every rank's steps "
-                        "(default: on; --no-trace to skip)"})
-    trace_steps: str = field(default="", metadata={"help": "trace only steps FIRST-LAST, e.g. 20-40 (default: all "
-                             "steps, up to 100,000 events a rank)"})
-    tensorboard: bool = field(default=False, metadata={"help": "write the evaluating rank's per-step loss, lr, "
-                              "samples/s (loss scale, noise scale when present) and each evaluation's metric as "
-                              "TensorBoard event files in RUN/tensorboard (needs the tensorboard package) (default: "
-                              "off)"})
+    out: str = field(
+        default="",
+        metadata={
+            "help": "run folder (default: runs/<timestamp>-<strategy>); one that holds "
+            "files is refused unless --overwrite"
+        },
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata={
+            "help": "replace the earlier run in --out: everything in that folder is deleted first (default: off)"
+        },
+    )
+    timeout_s: float = field(
+        default=300.0,
+        metadata={
+            "help": "seconds a collective, a message or a wait between "
+            "ranks may block before the run stops (default: 300)"
+        },
+    )
+    trace: bool = field(
+        default=True,
+        metadata={"help": "write trace.json, a Chrome trace of every rank's steps (default: on; --no-trace to skip)"},
+    )
+    trace_steps: str = field(
+        default="",
+        metadata={"help": "trace only steps FIRST-LAST, e.g. 20-40 (default: all steps, up to 100,000 events a rank)"},
+    )
+    tensorboard: bool = field(
+        default=False,
+        metadata={
+            "help": "write the evaluating rank's per-step loss, lr, "
+            "samples/s (loss scale, noise scale when present) and each evaluation's metric as "
+            "TensorBoard event files in RUN/tensorboard (needs the tensorboard package) (default: "
+            "off)"
+        },
+    )
     progress: bool = field(default=True, metadata={"help": "a progress bar on the terminal (default: on)"})
-    checkpoint_every: int = field(default=0, metadata={"help": "save a checkpoint to RUN/checkpoints every N steps and "
-                                  "at the end (default: 0, never)"})
-    resume: str = field(default="", metadata={"help": "continue from a checkpoint folder, or a run folder's newest "
-                        "intact checkpoint (its files checked against the checkpoint's manifest)"})
-    skip_nonfinite: int = field(default=0, metadata={"help": "skip up to N steps whose loss or gradients are not "
-                                "finite, on every rank that shares the step (no optimizer step); the next one stops "
-                                "the run (default: 0, stop at the first)"})
-    max_restarts: int = field(default=0, metadata={"help": "when a process dies, restart every process from the run "
-                              "folder's newest complete checkpoint, up to N times (torch's elastic agent; needs "
-                              "--checkpoint-every) (default: 0, the run fails)"})
-    min_workers: int = field(default=0, metadata={"help": "with --max-restarts: a restart leaves out the worker that "
-                             "failed (its host taken as lost, as Horovod's elastic mode blacklists it) while at least "
-                             "N workers remain, and the run goes on with fewer from the newest checkpoint, resharded; "
-                             "the global batch stays (it must divide over every count from N up) (default: 0, "
-                             "restart on every worker)"})
+    checkpoint_every: int = field(
+        default=0,
+        metadata={"help": "save a checkpoint to RUN/checkpoints every N steps and at the end (default: 0, never)"},
+    )
+    resume: str = field(
+        default="",
+        metadata={
+            "help": "continue from a checkpoint folder, or a run folder's newest "
+            "intact checkpoint (its files checked against the checkpoint's manifest)"
+        },
+    )
+    skip_nonfinite: int = field(
+        default=0,
+        metadata={
+            "help": "skip up to N steps whose loss or gradients are not "
+            "finite, on every rank that shares the step (no optimizer step); the next one stops "
+            "the run (default: 0, stop at the first)"
+        },
+    )
+    max_restarts: int = field(
+        default=0,
+        metadata={
+            "help": "when a process dies, restart every process from the run "
+            "folder's newest complete checkpoint, up to N times (torch's elastic agent; needs "
+            "--checkpoint-every) (default: 0, the run fails)"
+        },
+    )
+    min_workers: int = field(
+        default=0,
+        metadata={
+            "help": "with --max-restarts: a restart leaves out the worker that "
+            "failed (its host taken as lost, as Horovod's elastic mode blacklists it) while at least "
+            "N workers remain, and the run goes on with fewer from the newest checkpoint, resharded; "
+            "the global batch stays (it must divide over every count from N up) (default: 0, "
+            "restart on every worker)"
+        },
+    )
     extra: dict[str, Any] = field(default_factory=dict)
     options: StrategyOptions | None = None  # the strategy's (default: its defaults)
 
@@ -361,8 +534,10 @@ class RunConfig:
                 opts[k] = v
             elif k in everywhere:
                 owners = sorted({s for s, _ in everywhere[k]} | ({k} if k in registered() else set()))
-                raise ConfigError(f"option {k} belongs to strategy {' / '.join(owners)} ([{owners[0]}] in TOML); "
-                                  f"this run's strategy is {strategy}")  # fmt: skip
+                raise ConfigError(
+                    f"option {k} belongs to strategy {' / '.join(owners)} ([{owners[0]}] in TOML); "
+                    f"this run's strategy is {strategy}"
+                )
             elif k in registered():
                 raise ConfigError(f"[{k}] holds options of strategy {k}; this run's strategy is {strategy}")
             else:
@@ -391,7 +566,7 @@ class RunConfig:
         dotted = {k: changes.pop(k) for k in [k for k in changes if k.startswith("model_args.")]}
         if dotted:
             args = dict(changes.pop("model_args", self.model_args))
-            args.update({k[len("model_args."):]: v for k, v in dotted.items()})
+            args.update({k[len("model_args.") :]: v for k, v in dotted.items()})
             changes["model_args"] = args
         if "options" in changes:
             opts = changes.pop("options")

@@ -361,8 +361,13 @@ class Reducer:
         used = self._used
         if self._world > 1:
             flags = torch.tensor(used, dtype=torch.int32)
-            wait_work(dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._ctl_group, async_op=True),
-                      self.cfg.timeout_s, self._rank, "DataParallel used-parameter agreement", self.step)
+            wait_work(
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._ctl_group, async_op=True),
+                self.cfg.timeout_s,
+                self._rank,
+                "DataParallel used-parameter agreement",
+                self.step,
+            )
             used = [bool(f) for f in flags.tolist()]
         with torch.no_grad():
             for i in missing:
@@ -394,8 +399,13 @@ class Reducer:
         order = observed + [i for i in reversed(range(len(self._params))) if i not in seen]
         if self._world > 1:
             t = torch.tensor(order, dtype=torch.int64)
-            wait_work(dist.broadcast(t, src=self._src, group=self._ctl_group, async_op=True),
-                      self.cfg.timeout_s, self._rank, "DataParallel bucket order agreement", self.step)
+            wait_work(
+                dist.broadcast(t, src=self._src, group=self._ctl_group, async_op=True),
+                self.cfg.timeout_s,
+                self._rank,
+                "DataParallel bucket order agreement",
+                self.step,
+            )
             order = [int(x) for x in t.tolist()]
         if order != self._order_now:
             self._pending_order = order
@@ -424,15 +434,22 @@ class Reducer:
             order, version = self._pending_order, self._version
         else:
             order, version = self._order_now, self._version - 1
-        return {"order": list(order), "version": version, "step": self.step,
-                "order_agreed": self._record_order is None, "names": list(self._names)}
+        return {
+            "order": list(order),
+            "version": version,
+            "step": self.step,
+            "order_agreed": self._record_order is None,
+            "names": list(self._names),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Install the saved bucket layout and step count (before the first step of a resumed run)."""
         names = list(state["names"])
         if names != self._names:
-            raise ValueError(f"the saved bucket layout is for parameters {names[:5]}..., this model has "
-                             f"{self._names[:5]}...; resume with the same model")
+            raise ValueError(
+                f"the saved bucket layout is for parameters {names[:5]}..., this model has "
+                f"{self._names[:5]}...; resume with the same model"
+            )
         order = [int(i) for i in state["order"]]
         if sorted(order) != list(range(len(self._params))):
             raise ValueError(f"the saved bucket order is not a permutation of the {len(self._params)} parameters")

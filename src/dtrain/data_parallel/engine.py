@@ -154,8 +154,10 @@ class DataParallel(nn.Module):
             return super().__new__(cls)
         unknown = sorted(set(kwargs) - {"algorithm", "overlap", "group", "timeout_s", "broadcast_buffers"})
         if args or unknown:
-            raise ConfigError(f"DataParallel(shard={shard!r}) takes algorithm, overlap, group, timeout_s and "
-                              f"broadcast_buffers; not {', '.join(unknown) or 'positional options'}")
+            raise ConfigError(
+                f"DataParallel(shard={shard!r}) takes algorithm, overlap, group, timeout_s and "
+                f"broadcast_buffers; not {', '.join(unknown) or 'positional options'}"
+            )
         return ShardedDataParallel(module, shard=shard, **kwargs)
 
     def __init__(
@@ -227,8 +229,15 @@ class DataParallel(nn.Module):
         if self._world > 1:
             self._agree_at_wrap(module, named)
         self._reducer = Reducer(
-            module, named, cfg, group=group, world=self._world, rank=self._rank, ranks=self._ranks,
-            compressor=self.compressor, optimizer=opt,
+            module,
+            named,
+            cfg,
+            group=group,
+            world=self._world,
+            rank=self._rank,
+            ranks=self._ranks,
+            compressor=self.compressor,
+            optimizer=opt,
         )
 
     def _agree_at_wrap(self, module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
@@ -237,20 +246,30 @@ class DataParallel(nn.Module):
         devs = {p.device.type for _, p in named}
         backend = str(dist.get_backend(group)).lower()
         if backend == "gloo" and devs not in ({"cpu"}, {"cuda"}):
-            raise ConfigError(f"a gloo group reduces CPU tensors, or CUDA tensors through host memory; the module "
-                              f"has parameters on {sorted(devs)}: put all of them on one device")
+            raise ConfigError(
+                f"a gloo group reduces CPU tensors, or CUDA tensors through host memory; the module "
+                f"has parameters on {sorted(devs)}: put all of them on one device"
+            )
         if backend == "nccl" and devs != {"cuda"}:
             raise ConfigError(
                 f"an NCCL group reduces CUDA tensors; move the module to CUDA first (found {sorted(devs)})"
             )
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         check_same_everywhere(
-            describe_module(module), cfg.describe(), group=group, device=device, ranks=self._ranks,
+            describe_module(module),
+            cfg.describe(),
+            group=group,
+            device=device,
+            ranks=self._ranks,
             timeout_s=cfg.timeout_s,
         )
         broadcast_tensors(
             [*[p.detach() for p in module.parameters()], *self._buffers_list],
-            src=self._src, group=group, rank=self._rank, cap_bytes=cfg.cap_bytes, timeout_s=cfg.timeout_s,
+            src=self._src,
+            group=group,
+            rank=self._rank,
+            cap_bytes=cfg.cap_bytes,
+            timeout_s=cfg.timeout_s,
             op="DataParallel broadcast of rank 0's parameters",
         )
 
@@ -261,8 +280,12 @@ class DataParallel(nn.Module):
         r.begin_forward()
         if self.config.broadcast_buffers and self._buffers_list and self._world > 1:
             broadcast_tensors(
-                self._buffers_list, src=self._src, group=self._group, rank=self._rank,
-                cap_bytes=self.config.cap_bytes, timeout_s=self.config.timeout_s,
+                self._buffers_list,
+                src=self._src,
+                group=self._group,
+                rank=self._rank,
+                cap_bytes=self.config.cap_bytes,
+                timeout_s=self.config.timeout_s,
                 op=f"DataParallel broadcast of buffers at step {r.step}",
             )
         out = self.module(*args, **kwargs)
@@ -323,8 +346,10 @@ class DataParallel(nn.Module):
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"DataParallel(algorithm={c.algorithm!r}, overlap={c.overlap!r}, world={self._world}, "
-                f"buckets={len(self._reducer.buckets)}, module={self.module!r})")
+        return (
+            f"DataParallel(algorithm={c.algorithm!r}, overlap={c.overlap!r}, world={self._world}, "
+            f"buckets={len(self._reducer.buckets)}, module={self.module!r})"
+        )
 
     # ------------------------------------------------------------------ DDP/Horovod-style API
 

@@ -177,9 +177,18 @@ class EASGD(ReplicaWrapper):
         ConfigError: a bad value, named (before any collective).
     """
 
-    def __init__(self, module: nn.Module, alpha: float = 0.1, period: int = 1, center: str = "allreduce",
-                 servers: int = 1, momentum: float = 0.0, *, group: Any = None,
-                 timeout: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        alpha: float = 0.1,
+        period: int = 1,
+        center: str = "allreduce",
+        servers: int = 1,
+        momentum: float = 0.0,
+        *,
+        group: Any = None,
+        timeout: float | None = None,
+    ) -> None:
         check_args(alpha, period, center, servers, momentum)
         if not isinstance(module, nn.Module):
             raise ConfigError(f"EASGD needs a torch.nn.Module, got {type(module).__name__}")
@@ -218,14 +227,23 @@ class EASGD(ReplicaWrapper):
 
         n, me = dist.get_world_size(group), dist.get_rank(group)
         if n - servers < 1:
-            raise ConfigError(f"EASGD servers={servers!r}: {n} processes cannot hold {servers} servers and a worker; "
-                              "start more processes or use fewer servers")  # fmt: skip
+            raise ConfigError(
+                f"EASGD servers={servers!r}: {n} processes cannot hold {servers} servers and a worker; "
+                "start more processes or use fewer servers"
+            )
         check_workers(self.alpha, n - servers, synchronous=False, stacklevel=4)
         t_out = float(timeout) if timeout is not None else 300.0
         src = dist.get_global_rank(group, 0) if group is not None else 0
         tensors = [p.data for p in module.parameters()] + list(module.buffers())
-        broadcast_tensors(tensors, src=src, group=group, rank=dist.get_rank(), cap_bytes=25 << 20,
-                          timeout_s=t_out, op="EASGD initial broadcast")  # fmt: skip
+        broadcast_tensors(
+            tensors,
+            src=src,
+            group=group,
+            rank=dist.get_rank(),
+            cap_bytes=25 << 20,
+            timeout_s=t_out,
+            op="EASGD initial broadcast",
+        )
         ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(servers, n)]
         if me < servers:
             workers_group = None
@@ -246,8 +264,14 @@ class EASGD(ReplicaWrapper):
         self.worker_index = -1 if self.is_server else me - servers
         self._center = [nn.Parameter(p.detach().clone()) for p in self.params]
         self._center_opt = None
-        self.ps = ParameterServer(_CenterModule(self._center), self._center_optimizer, servers=servers,
-                                  consistency="asp", group=group, timeout_s=t_out)  # fmt: skip
+        self.ps = ParameterServer(
+            _CenterModule(self._center),
+            self._center_optimizer,
+            servers=servers,
+            consistency="asp",
+            group=group,
+            timeout_s=t_out,
+        )
         if not self.is_server:  # the worker pulled the center on connecting: start there
             assign_flat(self.params, flatten_params(self._center))
 
@@ -301,8 +325,9 @@ class EASGD(ReplicaWrapper):
     def serve(self) -> dict[str, Any]:
         """Servers of the server form: serve the center until every worker has finished; returns the PS stats."""
         if not self.is_server:
-            raise DTrainError(f"rank {self.global_rank} is an EASGD worker (center={self.center_kind!r}); "
-                              "only server ranks serve()")  # fmt: skip
+            raise DTrainError(
+                f"rank {self.global_rank} is an EASGD worker (center={self.center_kind!r}); only server ranks serve()"
+            )
         return dict(self.ps.serve())
 
     def close(self) -> None:
@@ -315,8 +340,11 @@ class EASGD(ReplicaWrapper):
         replica kept for the next round (a resumed run continues the same elastic rounds)."""
         out = super().wrapper_state()
         if self._center_opt is not None:
-            out.update(center=flatten_params(self._center).clone(), center_opt=self._center_opt.state_dict(),
-                       snap=None if self._snap is None else self._snap.clone())  # fmt: skip
+            out.update(
+                center=flatten_params(self._center).clone(),
+                center_opt=self._center_opt.state_dict(),
+                snap=None if self._snap is None else self._snap.clone(),
+            )
         return out
 
     def load_wrapper_state(self, state: dict[str, Any]) -> None:
@@ -383,8 +411,10 @@ class EASGD(ReplicaWrapper):
 
     def _worker_only(self, what: str) -> None:
         if self.is_server:
-            raise DTrainError(f"rank {self.global_rank} is an EASGD server (ranks 0..{self.num_servers - 1} of the "
-                              f"group); call serve(), not {what}()")  # fmt: skip
+            raise DTrainError(
+                f"rank {self.global_rank} is an EASGD server (ranks 0..{self.num_servers - 1} of the "
+                f"group); call serve(), not {what}()"
+            )
 
     def extra_repr(self) -> str:
         role = "server" if self.is_server else f"worker {self.worker_index}/{self.num_workers}"

@@ -86,9 +86,17 @@ class Gossip(ReplicaWrapper):
         ConfigError: an unknown mode; a bad topology; async with fewer than 2 workers.
     """
 
-    def __init__(self, module: nn.Module, topology: TopologySpec = "ring", mode: str = "sync", *,
-                 group: Any = None, seed: int = 0, timeout: float | None = None,
-                 idle_timeout: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        topology: TopologySpec = "ring",
+        mode: str = "sync",
+        *,
+        group: Any = None,
+        seed: int = 0,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+    ) -> None:
         if mode not in MODES:
             raise ConfigError(f"Gossip mode must be one of {', '.join(MODES)}, got mode={mode!r}")
         if not dist.is_initialized():
@@ -131,8 +139,9 @@ class Gossip(ReplicaWrapper):
             self._pub = flat.clone()  # what requests are averaged with: live params as of step() + answers
             self._base = flat.clone()  # _pub as of the last step(); live += _pub - _base applies the answers
             for a in self.partners:
-                th = threading.Thread(target=self._serve, args=(a,), name=f"dtrain-gossip-r{self.rank}-from{a}",
-                                      daemon=True)  # fmt: skip
+                th = threading.Thread(
+                    target=self._serve, args=(a,), name=f"dtrain-gossip-r{self.rank}-from{a}", daemon=True
+                )
                 th.start()
                 self._threads.append(th)
 
@@ -259,8 +268,12 @@ class Gossip(ReplicaWrapper):
         with self._lock:
             missing = sorted(set(self.partners) - self._stopped)
         if missing:
-            raise CommTimeoutError(self.rank, "Gossip.finish", f"no stop message from active ranks {missing} within "
-                                   f"{self.timeout_s:.0f}s (did they call finish()?)", step=self.steps)  # fmt: skip
+            raise CommTimeoutError(
+                self.rank,
+                "Gossip.finish",
+                f"no stop message from active ranks {missing} within {self.timeout_s:.0f}s (did they call finish()?)",
+                step=self.steps,
+            )
         self._raise_errors()
         if self._threads:
             self._apply_answers()
@@ -312,12 +325,20 @@ class Gossip(ReplicaWrapper):
         and, async, this rank's role, partners and the split's colouring."""
         with self._lock:
             out = super().stats()
-        out.update(mode=self.mode, topology=self.topology.name, spectral_gap=self.topology.spectral_gap,
-                   degree=self.topology.degree, model_bytes=self.model_bytes(),
-                   expected_bytes_per_step=self.expected_bytes_per_step())  # fmt: skip
+        out.update(
+            mode=self.mode,
+            topology=self.topology.name,
+            spectral_gap=self.topology.spectral_gap,
+            degree=self.topology.degree,
+            model_bytes=self.model_bytes(),
+            expected_bytes_per_step=self.expected_bytes_per_step(),
+        )
         if self.mode == "async":
-            out.update(role="active" if self.active else "passive", partners=list(self.partners),
-                       colouring=self.roles.colouring)  # fmt: skip
+            out.update(
+                role="active" if self.active else "passive",
+                partners=list(self.partners),
+                colouring=self.roles.colouring,
+            )
         return out
 
 

@@ -77,30 +77,39 @@ def parse_hierarchy(hierarchy: Any, world: int) -> list[Level]:
     """
     pairs = list(hierarchy.items()) if isinstance(hierarchy, Mapping) else hierarchy
     if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or not pairs:
-        raise ConfigError(f"LocalSGD hierarchy={hierarchy!r}: give a non-empty list of (group_size, period) "
-                          "pairs, e.g. [(2, 2), (WORLD, 8)]")  # fmt: skip
+        raise ConfigError(
+            f"LocalSGD hierarchy={hierarchy!r}: give a non-empty list of (group_size, period) "
+            "pairs, e.g. [(2, 2), (WORLD, 8)]"
+        )
     levels: list[Level] = []
     for item in pairs:
         if not (isinstance(item, Sequence) and len(item) == 2 and all(_is_int(v) for v in item)):
             raise ConfigError(f"LocalSGD hierarchy level {item!r}: each level is a pair of ints (group_size, period)")
         size, period = int(item[0]), int(item[1])
         if size < 1 or world % size:
-            raise ConfigError(f"LocalSGD hierarchy group_size={size}: must be >= 1 and divide the group's "
-                              f"{world} ranks")  # fmt: skip
+            raise ConfigError(
+                f"LocalSGD hierarchy group_size={size}: must be >= 1 and divide the group's {world} ranks"
+            )
         if period < 1:
             raise ConfigError(f"LocalSGD hierarchy period={period} (group_size {size}): must be >= 1")
         if levels:
             psize, pperiod = levels[-1]
             if size <= psize or size % psize:
-                raise ConfigError(f"LocalSGD hierarchy group_size={size} after {psize}: group sizes must "
-                                  "increase, each a multiple of the one before (the blocks nest)")  # fmt: skip
+                raise ConfigError(
+                    f"LocalSGD hierarchy group_size={size} after {psize}: group sizes must "
+                    "increase, each a multiple of the one before (the blocks nest)"
+                )
             if period <= pperiod:
-                raise ConfigError(f"LocalSGD hierarchy period={period} after {pperiod}: periods must increase "
-                                  "with the group size (the whole group averages least often)")  # fmt: skip
+                raise ConfigError(
+                    f"LocalSGD hierarchy period={period} after {pperiod}: periods must increase "
+                    "with the group size (the whole group averages least often)"
+                )
         levels.append((size, period))
     if levels[-1][0] != world:
-        raise ConfigError(f"LocalSGD hierarchy: the last group_size={levels[-1][0]} must be the whole group "
-                          f"({world} ranks); add a level ({world}, PERIOD)")  # fmt: skip
+        raise ConfigError(
+            f"LocalSGD hierarchy: the last group_size={levels[-1][0]} must be the whole group "
+            f"({world} ranks); add a level ({world}, PERIOD)"
+        )
     return levels
 
 
@@ -142,10 +151,18 @@ class LocalSGD(ReplicaWrapper):
         ConfigError: a bad value (named in the message), before any communication.
     """
 
-    def __init__(self, module: nn.Module, period: int = 8, warmup_steps: int = 0, hierarchy: Any = None,
-                 algorithm: str = "ring", compression: str | Compressor | None = None,
-                 average_buffers: bool = False, group: Any = None,
-                 timeout: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        period: int = 8,
+        warmup_steps: int = 0,
+        hierarchy: Any = None,
+        algorithm: str = "ring",
+        compression: str | Compressor | None = None,
+        average_buffers: bool = False,
+        group: Any = None,
+        timeout: float | None = None,
+    ) -> None:
         _check_options(period, warmup_steps, algorithm)
         try:
             # None averages exactly; any spec, "none" too, goes through compressed_allreduce
@@ -215,9 +232,11 @@ class LocalSGD(ReplicaWrapper):
             names = {id(p): n for n, p in self.module.named_parameters()}
             missing = [names.get(id(p), "?") for p in self.params if id(p) not in self._landed]
             self._landed.clear()
-            raise ConfigError(f"LocalSGD warm-up (step {self.steps}): parameters {missing} got no gradient in "
-                              "this backward, so the gradients were not averaged; every trainable parameter "
-                              "must take part in the loss during warm-up (or set requires_grad=False)")  # fmt: skip
+            raise ConfigError(
+                f"LocalSGD warm-up (step {self.steps}): parameters {missing} got no gradient in "
+                "this backward, so the gradients were not averaged; every trainable parameter "
+                "must take part in the loss during warm-up (or set requires_grad=False)"
+            )
 
     # -- the step -------------------------------------------------------------------------
     def _due_level(self, s: int) -> int | None:
@@ -257,8 +276,14 @@ class LocalSGD(ReplicaWrapper):
             self._allreduce(flat, "avg", transport)
         else:
             before = transport.stats.snapshot()
-            compressed_allreduce(flat, self.compressor, f"local_sgd/{size}", transport, algorithm=self.algorithm,
-                                 shapes=[tuple(p.shape) for p in self.params])  # fmt: skip
+            compressed_allreduce(
+                flat,
+                self.compressor,
+                f"local_sgd/{size}",
+                transport,
+                algorithm=self.algorithm,
+                shapes=[tuple(p.shape) for p in self.params],
+            )
             self.count_sent(transport.stats.snapshot() - before)
         assign_flat(self.params, flat)
         if self.average_buffers:
@@ -298,8 +323,12 @@ class LocalSGD(ReplicaWrapper):
         index, from 0, of the last average; None before the first), ``warmup_rounds`` (gradient
         averages) and, under ``hierarchy``, ``level_rounds`` per ``group_size``."""
         out = super().stats()
-        out.update(period=self.period, warmup_steps=self.warmup_steps, last_average_step=self.last_average_step,
-                   warmup_rounds=self.warmup_rounds)  # fmt: skip
+        out.update(
+            period=self.period,
+            warmup_steps=self.warmup_steps,
+            last_average_step=self.last_average_step,
+            warmup_rounds=self.warmup_rounds,
+        )
         if self.hierarchy is not None:
             out["level_rounds"] = {size: n for (size, _, _), n in zip(self._levels, self._level_rounds)}
         return out

@@ -47,7 +47,7 @@ def assign_flat(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     with torch.no_grad():
         for p in params:
             n = p.numel()
-            p.copy_(flat[off:off + n].view_as(p))
+            p.copy_(flat[off : off + n].view_as(p))
             off += n
 
 
@@ -61,8 +61,9 @@ class ReplicaWrapper(nn.Module, abc.ABC):
         timeout: seconds any wait may block before a CommTimeoutError naming rank and operation.
     """
 
-    def __init__(self, module: nn.Module, *, group: Any = None, algorithm: str = "ring",
-                 timeout: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, module: nn.Module, *, group: Any = None, algorithm: str = "ring", timeout: float | None = None
+    ) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise ConfigError(f"{type(self).__name__} needs torch.distributed initialized (call dtrain.init() first)")
@@ -80,8 +81,15 @@ class ReplicaWrapper(nn.Module, abc.ABC):
         self._sent = CommStats()
         src = dist.get_global_rank(group, 0) if group is not None else 0
         tensors = [p.data for p in module.parameters()] + [b for b in module.buffers()]
-        broadcast_tensors(tensors, src=src, group=group, rank=self.global_rank, cap_bytes=25 << 20,
-                          timeout_s=self.timeout_s, op=f"{type(self).__name__} initial broadcast")  # fmt: skip
+        broadcast_tensors(
+            tensors,
+            src=src,
+            group=group,
+            rank=self.global_rank,
+            cap_bytes=25 << 20,
+            timeout_s=self.timeout_s,
+            op=f"{type(self).__name__} initial broadcast",
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -140,8 +148,12 @@ class ReplicaWrapper(nn.Module, abc.ABC):
 
     def stats(self) -> dict[str, Any]:
         """``rounds`` of mixing so far, ``bytes_sent`` and ``messages`` by this rank for them."""
-        return {"steps": self.steps, "rounds": self.rounds, "bytes_sent": self._sent.bytes_sent,
-                "messages": self._sent.messages}  # fmt: skip
+        return {
+            "steps": self.steps,
+            "rounds": self.rounds,
+            "bytes_sent": self._sent.bytes_sent,
+            "messages": self._sent.messages,
+        }
 
     def close(self) -> None:
         """Release what the wrapper holds (background threads of a subclass); idempotent."""

@@ -52,8 +52,17 @@ import torch
 from dtrain.comm.transport import Transport
 from dtrain.errors import ConfigError
 
-__all__ = ["Topology", "Bipartition", "TopologySpec", "topology", "bipartition", "mix_round",
-           "metropolis_hastings", "TAG_MIX", "STOCHASTIC_TOL"]  # fmt: skip
+__all__ = [
+    "Topology",
+    "Bipartition",
+    "TopologySpec",
+    "topology",
+    "bipartition",
+    "mix_round",
+    "metropolis_hastings",
+    "TAG_MIX",
+    "STOCHASTIC_TOL",
+]
 
 STOCHASTIC_TOL = 1e-6  # rows and columns must sum to 1 within this
 TAG_MIX = 0x6A0000  # transport tag of a gossip round (distinct from the collectives' tags)
@@ -150,10 +159,12 @@ class Topology:
 
     def describe(self) -> str:
         """Printable summary: name, n, degree, spectral gap, then ``W`` row by row."""
-        lines = [f"topology {self.name}: n={self.n} degree={self.degree} "
-                 f"spectral_gap={self.spectral_gap:.4f} (|lambda_2|={self.lambda2:.4f})"
-                 f"{'' if self.symmetric else ' [non-symmetric W: sigma_2 used]'}",
-                 "W (row i: the weights node i gives to nodes 0..n-1):"]  # fmt: skip
+        lines = [
+            f"topology {self.name}: n={self.n} degree={self.degree} "
+            f"spectral_gap={self.spectral_gap:.4f} (|lambda_2|={self.lambda2:.4f})"
+            f"{'' if self.symmetric else ' [non-symmetric W: sigma_2 used]'}",
+            "W (row i: the weights node i gives to nodes 0..n-1):",
+        ]
         width = len(str(self.n - 1))
         for i, row in enumerate(self.matrix):
             lines.append(f"  {i:>{width}}: " + " ".join(f"{w:.4f}" for w in row))
@@ -294,8 +305,10 @@ def _ring(n: int) -> list[set[int]]:
 def _torus_shape(n: int) -> tuple[int, int]:
     a = max((d for d in range(1, math.isqrt(n) + 1) if n % d == 0), default=1)
     if n < 4 or a < 2:
-        raise ConfigError(f"topology 'torus' needs n = a x b nodes with a, b >= 2; n={n} has no such "
-                          "factorisation (prime or < 4); use 'ring' or 'exponential', or 4, 6, 8, 9, ...")  # fmt: skip
+        raise ConfigError(
+            f"topology 'torus' needs n = a x b nodes with a, b >= 2; n={n} has no such "
+            "factorisation (prime or < 4); use 'ring' or 'exponential', or 4, 6, 8, 9, ..."
+        )
     return a, n // a
 
 
@@ -347,8 +360,10 @@ def _ring_in_order(order: list[int]) -> list[set[int]]:
 def _named(spec: str, n: int, seed: int) -> Topology:
     base, _, arg = spec.strip().lower().partition(":")
     if base not in NAMES or (arg and base != "random"):
-        raise ConfigError(f"unknown topology {spec!r}: use one of {', '.join(NAMES)} ('random:D' for degree D), "
-                          "a mixing matrix or a list of edges")  # fmt: skip
+        raise ConfigError(
+            f"unknown topology {spec!r}: use one of {', '.join(NAMES)} ('random:D' for degree D), "
+            "a mixing matrix or a list of edges"
+        )
     if base == "complete":
         return Topology("complete", n, tuple(tuple(1.0 / n for _ in range(n)) for _ in range(n)))
     if base == "torus":
@@ -359,8 +374,11 @@ def _named(spec: str, n: int, seed: int) -> Topology:
             degree = int(arg) if arg else None
         except ValueError:
             raise ConfigError(f"topology {spec!r}: the degree after 'random:' must be an integer") from None
-        return Topology(f"random(seed={seed})" if not arg else f"random:{degree}(seed={seed})", n,
-                        metropolis_hastings(_random(n, degree, seed)))  # fmt: skip
+        return Topology(
+            f"random(seed={seed})" if not arg else f"random:{degree}(seed={seed})",
+            n,
+            metropolis_hastings(_random(n, degree, seed)),
+        )
     return Topology(base, n, metropolis_hastings(_ring(n) if base == "ring" else _exponential(n)))
 
 
@@ -429,14 +447,17 @@ def _as_rows(matrix: Any, n: int, name: str) -> Matrix:
     if not isinstance(matrix, Sequence) or isinstance(matrix, str):
         raise ConfigError(f"topology {name!r}: expected an n x n matrix, got {type(matrix).__name__}")
     if len(matrix) != n:
-        raise ConfigError(f"topology {name!r}: the mixing matrix must be {n} x {n} for a world of n={n} workers, "
-                          f"got {len(matrix)} rows")  # fmt: skip
+        raise ConfigError(
+            f"topology {name!r}: the mixing matrix must be {n} x {n} for a world of n={n} workers, "
+            f"got {len(matrix)} rows"
+        )
     rows: list[tuple[float, ...]] = []
     for i, row in enumerate(matrix):
         if not isinstance(row, Sequence) or isinstance(row, str) or len(row) != n:
             got = len(row) if isinstance(row, Sequence) else type(row).__name__
-            raise ConfigError(f"topology {name!r}: the mixing matrix must be {n} x {n} (not square): "
-                              f"row {i} has {got} entries")  # fmt: skip
+            raise ConfigError(
+                f"topology {name!r}: the mixing matrix must be {n} x {n} (not square): row {i} has {got} entries"
+            )
         try:
             rows.append(tuple(float(v) for v in row))
         except (TypeError, ValueError):
@@ -449,18 +470,23 @@ def _check_stochastic(rows: Matrix, name: str) -> None:
     for i, row in enumerate(rows):
         for j, w in enumerate(row):
             if not math.isfinite(w) or w < 0:
-                raise ConfigError(f"topology {name!r}: W[{i}, {j}] = {w} is negative or not finite; "
-                                  "mixing weights must be >= 0")  # fmt: skip
+                raise ConfigError(
+                    f"topology {name!r}: W[{i}, {j}] = {w} is negative or not finite; mixing weights must be >= 0"
+                )
     for i, row in enumerate(rows):
         s = math.fsum(row)
         if abs(s - 1.0) > STOCHASTIC_TOL:
-            raise ConfigError(f"topology {name!r}: W is not doubly stochastic: row {i} sums to {s:.9g} "
-                              f"(every row and column must sum to 1 within {STOCHASTIC_TOL:g})")  # fmt: skip
+            raise ConfigError(
+                f"topology {name!r}: W is not doubly stochastic: row {i} sums to {s:.9g} "
+                f"(every row and column must sum to 1 within {STOCHASTIC_TOL:g})"
+            )
     for j in range(n):
         s = math.fsum(rows[i][j] for i in range(n))
         if abs(s - 1.0) > STOCHASTIC_TOL:
-            raise ConfigError(f"topology {name!r}: W is not doubly stochastic: column {j} sums to {s:.9g} "
-                              f"(every row and column must sum to 1 within {STOCHASTIC_TOL:g})")  # fmt: skip
+            raise ConfigError(
+                f"topology {name!r}: W is not doubly stochastic: column {j} sums to {s:.9g} "
+                f"(every row and column must sum to 1 within {STOCHASTIC_TOL:g})"
+            )
 
 
 def _undirected(rows: Matrix) -> list[set[int]]:
@@ -484,8 +510,10 @@ def _check_connected(rows: Matrix, name: str) -> None:
     # permutations), so the undirected graph decides
     missing = _unreachable(_undirected(rows))
     if missing:
-        raise ConfigError(f"topology {name!r}: the graph of W is not connected: nodes {missing} are unreachable "
-                          "from node 0 (their vectors would never mix with the others)")  # fmt: skip
+        raise ConfigError(
+            f"topology {name!r}: the graph of W is not connected: nodes {missing} are unreachable "
+            "from node 0 (their vectors would never mix with the others)"
+        )
 
 
 # ----------------------------------------------------------------------------- one round
@@ -504,8 +532,9 @@ def mix_round(transport: Transport, tensor: torch.Tensor, topo: Topology, *, tag
         CommError / CommTimeoutError: from the transport (naming rank, operation and peer).
     """
     if transport.world_size != topo.n:
-        raise ConfigError(f"topology {topo.name!r} has n={topo.n} nodes but the transport has "
-                          f"{transport.world_size} ranks")  # fmt: skip
+        raise ConfigError(
+            f"topology {topo.name!r} has n={topo.n} nodes but the transport has {transport.world_size} ranks"
+        )
     if not tensor.is_contiguous():
         raise ConfigError("mix_round needs a contiguous tensor (call .contiguous() or flatten first)")
     me = transport.rank

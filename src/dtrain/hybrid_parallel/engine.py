@@ -57,12 +57,23 @@ class Hybrid:
             loss times it and :meth:`step` returns the unscaled loss (default: None, no scaling).
     """
 
-    def __init__(self, model: nn.Module, mesh: Mesh, *, plan: Any = None, microbatches: int = 1,
-                 schedule: str = "1f1b", balance: Any = "equal",
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 sequence_parallel: bool = False, algorithm: str = "ring", timeout_s: float = 300.0,
-                 tracer: Any = None, compressor: Any = None,
-                 loss_scale: Callable[[], float] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        *,
+        plan: Any = None,
+        microbatches: int = 1,
+        schedule: str = "1f1b",
+        balance: Any = "equal",
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        sequence_parallel: bool = False,
+        algorithm: str = "ring",
+        timeout_s: float = 300.0,
+        tracer: Any = None,
+        compressor: Any = None,
+        loss_scale: Callable[[], float] | None = None,
+    ) -> None:
         import dtrain.tensor_parallel as tp
         from dtrain.comm.allreduce import ALGORITHMS
         from dtrain.workloads.models import task_loss
@@ -74,15 +85,17 @@ class Hybrid:
         self.mesh, self.model, self.algorithm, self.timeout_s = mesh, model, algorithm, timeout_s
         self.tp_group: tp.TPGroup | None = None
         if mesh.size("tp") > 1:
-            chosen = plan if plan is not None else (tp.plans.gpt_sequence_parallel() if sequence_parallel
-                                                    else tp.plans.gpt)  # fmt: skip
+            chosen = (
+                plan if plan is not None else (tp.plans.gpt_sequence_parallel() if sequence_parallel else tp.plans.gpt)
+            )
             tp.parallelize(model, chosen, mesh.group("tp"), sequence_parallel=sequence_parallel, timeout_s=timeout_s)
             self.tp_group = tp.tp_group_of(model)
         heads = [m for m in model.modules() if isinstance(m, tp.VocabParallelHead)]
         head = heads[-1] if heads else None
         if head is not None:
-            self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
-                lambda out, y: tp.vocab_parallel_cross_entropy(out, y, head))
+            self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda out, y: (
+                tp.vocab_parallel_cross_entropy(out, y, head)
+            )
         else:
             self.loss_fn = loss_fn or task_loss
         self._scale = loss_scale or (lambda: 1.0)
@@ -95,16 +108,29 @@ class Hybrid:
 
             if schedule not in ("gpipe", "1f1b"):
                 raise ConfigError(f"hybrid pipelines run gpipe or 1f1b, not {schedule!r}")
-            self.pipe = Pipeline(model, microbatches, schedule, loss_fn=self.loss_fn, balance=balance,
-                                 group=mesh.group("pp"), timeout=timeout_s, tracer=tracer)  # fmt: skip
+            self.pipe = Pipeline(
+                model,
+                microbatches,
+                schedule,
+                loss_fn=self.loss_fn,
+                balance=balance,
+                group=mesh.group("pp"),
+                timeout=timeout_s,
+                tracer=tracer,
+            )
         self._partial = [p for p in self.parameters() if getattr(p, "tp_partial_grad", False)]
         self._reducer: Any = None
         if mesh.size("dp") > 1:  # averages one flat buffer over dp: an algorithm, or a compressor's collective
             from dtrain.compress import resolve
             from dtrain.compress.reduce import BucketReducer
 
-            self._reducer = BucketReducer(algorithm, mesh.group("dp"), mesh.size("dp"), timeout_s,
-                                          resolve(compressor, none_is_off=True, what="compressor"))  # fmt: skip
+            self._reducer = BucketReducer(
+                algorithm,
+                mesh.group("dp"),
+                mesh.size("dp"),
+                timeout_s,
+                resolve(compressor, none_is_off=True, what="compressor"),
+            )
             self._shapes = tuple(tuple(p.shape) for p in self.parameters())
         self._dp_bytes = 0
         self._dp_s = 0.0
@@ -148,8 +174,9 @@ class Hybrid:
             self._average_over_dp()
         return loss
 
-    def _allreduce(self, grads: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor],
-                   scale: float | None) -> None:  # fmt: skip
+    def _allreduce(
+        self, grads: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor], scale: float | None
+    ) -> None:
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -182,9 +209,11 @@ class Hybrid:
 
     def bytes_by_dim(self) -> dict[str, int]:
         """Bytes this rank has sent so far on each mesh dimension: tp collectives, pp transfers, dp allreduces."""
-        return {"tp": self.tp_group.bytes_sent() if self.tp_group is not None else 0,
-                "pp": int(self.pipe.transport.stats.bytes_sent) if self.pipe is not None else 0,
-                "dp": self._dp_bytes}  # fmt: skip
+        return {
+            "tp": self.tp_group.bytes_sent() if self.tp_group is not None else 0,
+            "pp": int(self.pipe.transport.stats.bytes_sent) if self.pipe is not None else 0,
+            "dp": self._dp_bytes,
+        }
 
     def seconds_by_dim(self) -> dict[str, float]:
         """Seconds in tp collectives and the dp allreduce since the last call (both on the critical path)."""
@@ -199,8 +228,11 @@ class Hybrid:
 
         import dtrain.tensor_parallel as tp
 
-        whole = tp.full_state_dict(self.model) if self.tp_group is not None else {
-            k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        whole = (
+            tp.full_state_dict(self.model)
+            if self.tp_group is not None
+            else {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        )
         mine = list(self.pipe.state_dict()) if self.pipe is not None else list(whole)
         first = self.mesh.index("dp") == 0 and self.mesh.index("tp") == 0
         part = {k: whole[k] for k in mine} if first else None

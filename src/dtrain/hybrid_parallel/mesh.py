@@ -50,9 +50,7 @@ def _positive_int(name: str, value: Any) -> int:
     try:
         n = operator.index(value)
     except TypeError:
-        raise ConfigError(
-            f"mesh size {name} must be a positive int, got {value!r} ({type(value).__name__})"
-        ) from None
+        raise ConfigError(f"mesh size {name} must be a positive int, got {value!r} ({type(value).__name__})") from None
     if n < 1:
         raise ConfigError(f"mesh size {name} must be a positive int, got {n}; use 1 for no {name} parallelism")
     return n

@@ -36,13 +36,17 @@ def function_spec(fn: Callable[..., Any], key: str = "model") -> str:
     name = getattr(fn, "__qualname__", "")
     module = getattr(fn, "__module__", None)
     if not name or "<" in name or "." in name or module is None:
-        raise ConfigError(f"{key}: {fn!r} is not a top-level function of a module, so a worker process cannot "
-                          "import it; define it at the top level of a module or of your script")  # fmt: skip
+        raise ConfigError(
+            f"{key}: {fn!r} is not a top-level function of a module, so a worker process cannot "
+            "import it; define it at the top level of a module or of your script"
+        )
     if module == "__main__":
         main = getattr(sys.modules.get("__main__"), "__file__", None)
         if not main:
-            raise ConfigError(f"{key}: {name} is defined in an interactive session, which a worker process "
-                              "cannot import; put it in a file and pass FILE.py:FN")  # fmt: skip
+            raise ConfigError(
+                f"{key}: {name} is defined in an interactive session, which a worker process "
+                "cannot import; put it in a file and pass FILE.py:FN"
+            )
         return f"{Path(main).resolve()}:{name}"
     if module.startswith("dtrain_user_"):  # a function of a file dtrain loaded itself (FILE.py:FN)
         path = getattr(sys.modules.get(module), "__file__", None)

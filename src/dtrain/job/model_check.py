@@ -51,17 +51,25 @@ def _gib(n: float) -> str:
 def _check_size(cfg: RunConfig, data: DatasetSplit) -> None:
     from dtrain.workloads.models.specs import parameter_count
 
-    n = parameter_count(cfg.model, cfg.model_args, task=data.task, input_shape=tuple(data.input_shape),
-                        num_classes=data.num_classes, seq_len=cfg.seq_len)  # fmt: skip
+    n = parameter_count(
+        cfg.model,
+        cfg.model_args,
+        task=data.task,
+        input_shape=tuple(data.input_shape),
+        num_classes=data.num_classes,
+        seq_len=cfg.seq_len,
+    )
     if n is None:
         return
     procs = cfg.local_processes
     need, free = 4 * n * procs, available_memory()
     if need > _FREE_SHARE * free:
-        raise ConfigError(f"model {cfg.model} has {n:,} parameters (counted on the meta device): {procs} "
-                          f"process(es) building it in float32 take {_gib(need)}, and this machine has "
-                          f"{_gib(free)} free; make it smaller with --model-arg (e.g. num_hidden_layers, "
-                          "hidden_size) or run fewer processes per machine")  # fmt: skip
+        raise ConfigError(
+            f"model {cfg.model} has {n:,} parameters (counted on the meta device): {procs} "
+            f"process(es) building it in float32 take {_gib(need)}, and this machine has "
+            f"{_gib(free)} free; make it smaller with --model-arg (e.g. num_hidden_layers, "
+            "hidden_size) or run fewer processes per machine"
+        )
 
 
 def _sample(data: DatasetSplit, n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,14 +82,22 @@ def _check_forward(cfg: RunConfig, data: DatasetSplit) -> None:
     from dtrain.workloads.models import logits_of, make_model, run_loss
 
     torch.manual_seed(cfg.seed)
-    model = make_model(cfg.model, tuple(data.input_shape), data.num_classes, task=data.task,
-                       model_args=cfg.model_args, seq_len=cfg.seq_len)  # fmt: skip
+    model = make_model(
+        cfg.model,
+        tuple(data.input_shape),
+        data.num_classes,
+        task=data.task,
+        model_args=cfg.model_args,
+        seq_len=cfg.seq_len,
+    )
     x, y = _sample(data)
     try:
         out = model(x)
     except Exception as e:
-        raise ConfigError(f"model {cfg.model} cannot take the dataset's samples (a batch of shape "
-                          f"{tuple(x.shape)}, {x.dtype}): {type(e).__name__}: {e}") from None  # fmt: skip
+        raise ConfigError(
+            f"model {cfg.model} cannot take the dataset's samples (a batch of shape "
+            f"{tuple(x.shape)}, {x.dtype}): {type(e).__name__}: {e}"
+        ) from None
     if not cfg.loss:
         try:
             logits = logits_of(out)
@@ -90,22 +106,26 @@ def _check_forward(cfg: RunConfig, data: DatasetSplit) -> None:
         classes = logits.shape[-1] if logits.dim() else 0
         if classes < data.num_classes:
             what = "token ids up to" if data.task == "lm" else "labels up to"
-            raise ConfigError(f"model {cfg.model} gives {classes} logits a position, and the dataset has "
-                              f"{what} {data.num_classes - 1}: the ids must lie below the model's "
-                              f"vocabulary or classes ({classes})")  # fmt: skip
+            raise ConfigError(
+                f"model {cfg.model} gives {classes} logits a position, and the dataset has "
+                f"{what} {data.num_classes - 1}: the ids must lie below the model's "
+                f"vocabulary or classes ({classes})"
+            )
     try:
         loss = run_loss(cfg)(out, y)
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(f"the loss of model {cfg.model} on the dataset's samples fails: "
-                          f"{type(e).__name__}: {e}") from None  # fmt: skip
+        raise ConfigError(
+            f"the loss of model {cfg.model} on the dataset's samples fails: {type(e).__name__}: {e}"
+        ) from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() > 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ConfigError(f"loss {cfg.loss or 'cross entropy'} returned {shape}, not a scalar tensor")
     if not torch.isfinite(loss.detach()).all():
-        raise ConfigError(f"loss {cfg.loss or 'cross entropy'} of model {cfg.model} is {float(loss)} on the "
-                          "dataset's first samples")  # fmt: skip
+        raise ConfigError(
+            f"loss {cfg.loss or 'cross entropy'} of model {cfg.model} is {float(loss)} on the dataset's first samples"
+        )
 
 
 def check_model(cfg: RunConfig, data: DatasetSplit) -> None:

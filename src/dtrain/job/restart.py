@@ -113,11 +113,11 @@ def _drop_rows(path: Path, step: int) -> None:
 def _last_step(out: Path, rank: int) -> int:
     """Steps completed by ``rank`` by its metrics rows (one more than its last row's step); a rank
     without rows (a server, or one that died before its first step): the furthest of any rank."""
+
     def done(rows: list[dict[str, Any]]) -> int:
         return max((int(r["step"]) + 1 for r in rows if isinstance(r.get("step"), int)), default=0)
 
-    return done(_rows(out / rank_metrics(rank))) or max(
-        (done(_rows(p)) for p in out.glob(RANK_METRICS)), default=0)
+    return done(_rows(out / rank_metrics(rank))) or max((done(_rows(p)) for p in out.glob(RANK_METRICS)), default=0)
 
 
 class RestartLog:
@@ -156,8 +156,10 @@ class RestartLog:
         self.entries.append(entry)
         verb = "died" if code < 0 else "failed"
         where = f"the checkpoint at step {frm}" if ckpt is not None else "step 0 (no complete checkpoint yet)"
-        self.say(f"rank {restart.rank} {verb} ({cause}) at step {step}; restarting ({restart.attempt} of "
-                 f"{restart.max_restarts}) from {where}{on}")  # fmt: skip
+        self.say(
+            f"rank {restart.rank} {verb} ({cause}) at step {step}; restarting ({restart.attempt} of "
+            f"{restart.max_restarts}) from {where}{on}"
+        )
         return self.cfg.opts.processes(self.workers)
 
     def _scale_down(self, failed: int, frm: int) -> str:

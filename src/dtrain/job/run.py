@@ -44,8 +44,17 @@ from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.lr import lr_factor, schedule_updates
 from dtrain.workloads.batch import batch_note
 
-__all__ = ["TrainContext", "run", "run_node", "worker_main", "default_out_dir", "open_run_folder", "summarize",
-           "lr_factor", "iter_metrics"]
+__all__ = [
+    "TrainContext",
+    "run",
+    "run_node",
+    "worker_main",
+    "default_out_dir",
+    "open_run_folder",
+    "summarize",
+    "lr_factor",
+    "iter_metrics",
+]
 
 _schedule_updates = schedule_updates  # the name tests and older scripts import
 
@@ -94,14 +103,19 @@ def _clear(out: Path, held: list[str], cfg: RunConfig) -> None:
     shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
     if not cfg.overwrite:
         what = "an earlier run" if CONFIG in held else "files"
-        raise ConfigError(f"the run folder {out} holds {what} ({shown}); choose a new --out, or --overwrite "
-                          "to replace it")  # fmt: skip
+        raise ConfigError(
+            f"the run folder {out} holds {what} ({shown}); choose a new --out, or --overwrite to replace it"
+        )
     if CONFIG not in held:
-        raise ConfigError(f"--overwrite replaces a run folder, and {out} holds no run (no {CONFIG}; it holds "
-                          f"{shown}); choose an empty or new --out")  # fmt: skip
+        raise ConfigError(
+            f"--overwrite replaces a run folder, and {out} holds no run (no {CONFIG}; it holds "
+            f"{shown}); choose an empty or new --out"
+        )
     if cfg.resume and out.resolve() in (src := Path(cfg.resume).resolve(), *src.parents):
-        raise ConfigError(f"--overwrite would delete {out}, which holds the checkpoint --resume {cfg.resume} "
-                          "reads; write the resumed run to a new --out")  # fmt: skip
+        raise ConfigError(
+            f"--overwrite would delete {out}, which holds the checkpoint --resume {cfg.resume} "
+            "reads; write the resumed run to a new --out"
+        )
     for name in held:
         p = out / name
         if p.is_dir() and not p.is_symlink():
@@ -126,7 +140,10 @@ def worker_main(cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
 
         torch.cuda.set_device(runtime.local_rank() % torch.cuda.device_count())
     ctx = TrainContext(
-        cfg=cfg, rank=rank, world_size=world, out_dir=out,
+        cfg=cfg,
+        rank=rank,
+        world_size=world,
+        out_dir=out,
         data=cfg.load_data(),
         metrics=MetricsWriter(out, rank),
         tracer=Tracer(rank, enabled=cfg.trace, steps=parse_trace_steps(cfg.trace_steps)),
@@ -241,9 +258,14 @@ def run(cfg: RunConfig, *, quiet: bool = False, nodes: NodeArgs | None = None) -
     restarts = RestartLog(cfg, out, say=(lambda line: None) if quiet else None)
     t0 = time.perf_counter()
     try:
-        results = launch(worker_main, (cfg.to_dict(), str(out)), nprocs=cfg.num_processes,
-                         backend=cfg.process_backend(), max_restarts=cfg.max_restarts,
-                         on_restart=restarts if cfg.max_restarts else None)
+        results = launch(
+            worker_main,
+            (cfg.to_dict(), str(out)),
+            nprocs=cfg.num_processes,
+            backend=cfg.process_backend(),
+            max_restarts=cfg.max_restarts,
+            on_restart=restarts if cfg.max_restarts else None,
+        )
     except LaunchInterrupted as e:  # the workers are gone: say where the run stopped and how to go on
         merge_rank_files(out)
         raise LaunchInterrupted(e.signum, _interrupted_message(cfg, out, e.signum)) from None
@@ -258,8 +280,9 @@ def _run_on_cluster(cfg: RunConfig, quiet: bool) -> tuple[dict[str, Any], Path]:
     from dtrain.cluster.multinode import run_nodes_on_cluster
 
     out = (Path(cfg.out) if cfg.out else default_out_dir(cfg)).absolute()
-    run_nodes_on_cluster(dump_toml(cfg.replace(out=str(out))), out, cluster=cfg.cluster,
-                         processes=cfg.num_processes, quiet=quiet)  # fmt: skip
+    run_nodes_on_cluster(
+        dump_toml(cfg.replace(out=str(out))), out, cluster=cfg.cluster, processes=cfg.num_processes, quiet=quiet
+    )
     return read_summary(out), out
 
 
@@ -288,8 +311,9 @@ def _prepare(cfg: RunConfig, quiet: bool) -> tuple[RunConfig, Path]:
     return cfg, out
 
 
-def _finish(cfg: RunConfig, out: Path, results: dict[int, dict[str, Any]], wall_s: float,
-            restarts: Any) -> dict[str, Any]:  # fmt: skip
+def _finish(
+    cfg: RunConfig, out: Path, results: dict[int, dict[str, Any]], wall_s: float, restarts: Any
+) -> dict[str, Any]:
     """The summary (with the attribution) and the run's plots, from every process's result."""
     summary = summarize(cfg, results, wall_s)
     restarts.add_to(summary, results)  # --max-restarts: each restart, and steps over every attempt
@@ -327,8 +351,10 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
             print(f"dtrain: {line}", file=sys.stderr, flush=True)
 
     store = _job_store(nodes)
-    say(f"node {R} of {nodes.nnodes}: {k} process(es), interface {iface} ({addr}), job {nodes.job!r} at "
-        f"{nodes.endpoint}" + (" (from SLURM)" if nodes.source == "slurm" else ""))
+    say(
+        f"node {R} of {nodes.nnodes}: {k} process(es), interface {iface} ({addr}), job {nodes.job!r} at "
+        f"{nodes.endpoint}" + (" (from SLURM)" if nodes.source == "slurm" else "")
+    )
     meeting = Meeting(nodes, store, say=say)
     ns = f"dtrain/{nodes.job}"
     try:
@@ -341,9 +367,17 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
             cfg = RunConfig.from_mapping(meeting.plan())
             out = Path(cfg.out)
         meeting.check_paths(out, cfg.resume)
-        spec = NodeSpec(nnodes=nodes.nnodes, min_nodes=nodes.min_nodes, rdzv_endpoint=f"{host}:{port}", is_host=False,
-                        local_addr=addr, env={"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface},
-                        job_store=f"{host}:{port}", node_rank=R, rdzv_timeout_s=nodes.rdzv_timeout_s)  # fmt: skip
+        spec = NodeSpec(
+            nnodes=nodes.nnodes,
+            min_nodes=nodes.min_nodes,
+            rdzv_endpoint=f"{host}:{port}",
+            is_host=False,
+            local_addr=addr,
+            env={"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface},
+            job_store=f"{host}:{port}",
+            node_rank=R,
+            rdzv_timeout_s=nodes.rdzv_timeout_s,
+        )
         restarts = RestartLog(cfg.replace(min_workers=0), out, say=(lambda line: None) if quiet else None)
 
         def on_restart(restart: Any) -> None:  # said and logged; the node keeps its processes (the rendezvous
@@ -351,9 +385,16 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
 
         t0 = time.perf_counter()
         try:
-            results = launch(worker_main, (cfg.to_dict(), str(out)), nprocs=k, node=spec, backend=cfg.process_backend(),
-                             run_id=nodes.job, max_restarts=cfg.max_restarts,
-                             on_restart=on_restart if cfg.max_restarts else None)  # fmt: skip
+            results = launch(
+                worker_main,
+                (cfg.to_dict(), str(out)),
+                nprocs=k,
+                node=spec,
+                backend=cfg.process_backend(),
+                run_id=nodes.job,
+                max_restarts=cfg.max_restarts,
+                on_restart=on_restart if cfg.max_restarts else None,
+            )
         except BaseException as e:
             store.set(f"{ns}/results/{R}", pickle.dumps((False, f"{type(e).__name__}: {e}")))
             raise
@@ -372,17 +413,23 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
 def _check_nodes(cfg: RunConfig, nodes: NodeArgs) -> tuple[NodeArgs, int]:
     """The node flags against the configuration, before anything connects; (nodes, this node's processes)."""
     if cfg.cluster and os.environ.get("DTRAIN_CLUSTER") != cfg.cluster:  # (set on the nodes --cluster starts)
-        raise ConfigError("--cluster starts one node per emulated host itself: drop --nnodes, --node-rank and "
-                          "--rdzv-endpoint, or --cluster")  # fmt: skip
+        raise ConfigError(
+            "--cluster starts one node per emulated host itself: drop --nnodes, --node-rank and "
+            "--rdzv-endpoint, or --cluster"
+        )
     if not cfg.out:
-        raise ConfigError("a job on several nodes needs --out: a run folder on a filesystem every node shares "
-                          "(the default name differs from node to node)")  # fmt: skip
+        raise ConfigError(
+            "a job on several nodes needs --out: a run folder on a filesystem every node shares "
+            "(the default name differs from node to node)"
+        )
     nodes = nodes.check()
     k = nodes.processes(cfg.num_processes)
     if nodes.min_nodes < nodes.nnodes:  # elastic: a lost node's processes are left out at the restart
         if cfg.max_restarts < 1:
-            raise ConfigError(f"--nnodes {nodes.min_nodes}:{nodes.nnodes} goes on without a lost node by restarting "
-                              "the others from the newest checkpoint: add --max-restarts N and --checkpoint-every K")
+            raise ConfigError(
+                f"--nnodes {nodes.min_nodes}:{nodes.nnodes} goes on without a lost node by restarting "
+                "the others from the newest checkpoint: add --max-restarts N and --checkpoint-every K"
+            )
         servers = cfg.num_processes - cfg.workers
         validate(cfg.replace(min_workers=nodes.min_nodes * k - servers))  # every count from MIN up must train
     return nodes, k
@@ -405,8 +452,9 @@ def _job_store(nodes: NodeArgs) -> Any:
     return host_store(ip, port, nodes.rdzv_timeout_s)
 
 
-def _gather_results(store: Any, ns: str, nodes: list[int], own: dict[int, dict[str, Any]],
-                    timeout_s: float) -> dict[int, dict[str, Any]]:  # fmt: skip
+def _gather_results(
+    store: Any, ns: str, nodes: list[int], own: dict[int, dict[str, Any]], timeout_s: float
+) -> dict[int, dict[str, Any]]:
     """Node 0: every node's processes' results, until they cover the world the processes ran in."""
     import pickle
 
@@ -425,8 +473,10 @@ def _gather_results(store: Any, ns: str, nodes: list[int], own: dict[int, dict[s
                 merged.update(value)
                 pending.remove(r)
         if time.monotonic() > deadline:
-            raise LaunchError(f"node 0 has the results of {len(merged)} of {world} processes; node(s) "
-                              f"{', '.join(map(str, pending))} posted none within {timeout_s:.0f} s")
+            raise LaunchError(
+                f"node 0 has the results of {len(merged)} of {world} processes; node(s) "
+                f"{', '.join(map(str, pending))} posted none within {timeout_s:.0f} s"
+            )
         time.sleep(0.05)
     return merged
 
@@ -463,4 +513,3 @@ def _interrupted_message(cfg: RunConfig, out: Path, signum: int) -> str:
         to = base.with_name(f"{base.name}-resumed-{n}")
     command = ["dtrain", "run", str(out / CONFIG), "--resume", str(ckpt), "--out", str(to)]
     return f"{head}; last complete checkpoint: step {saved}; resume with: {shlex.join(command)}"
-

@@ -47,8 +47,9 @@ def validate(cfg: RunConfig) -> RunConfig:
 
         parse_trace_steps(cfg.trace_steps)
         if not cfg.trace:
-            raise ConfigError("--trace-steps chooses the steps of the trace, and --no-trace turns it off: "
-                              "drop one of them")
+            raise ConfigError(
+                "--trace-steps chooses the steps of the trace, and --no-trace turns it off: drop one of them"
+            )
     if cfg.straggler:
         rank, _ = parse_straggler(cfg.straggler)
         if rank >= cfg.num_processes:
@@ -58,7 +59,6 @@ def validate(cfg: RunConfig) -> RunConfig:
 
     check_resume(cfg)
     return cfg
-
 
 
 def _check_names(cfg: RunConfig) -> None:
@@ -88,28 +88,35 @@ def _check_device(cfg: RunConfig) -> None:
     backend = cfg.process_backend()
     if cfg.device == "cpu":
         if backend == "nccl":
-            raise ConfigError("backend nccl reduces CUDA tensors, and this run trains on the CPU: add "
-                              "--device cuda, or use --backend gloo")  # fmt: skip
+            raise ConfigError(
+                "backend nccl reduces CUDA tensors, and this run trains on the CPU: add "
+                "--device cuda, or use --backend gloo"
+            )
         return
     import torch
 
     if not torch.cuda.is_available():
-        raise ConfigError("device cuda: torch sees no CUDA device here "
-                          f"(torch {torch.__version__}); use --device cpu")  # fmt: skip
+        raise ConfigError(f"device cuda: torch sees no CUDA device here (torch {torch.__version__}); use --device cpu")
     if "cuda" not in get(cfg.strategy).devices:
-        raise ConfigError(f"device cuda: strategy {cfg.strategy} trains on the CPU; --device cuda takes "
-                          f"{' or '.join(trains_on('cuda'))}")  # fmt: skip
+        raise ConfigError(
+            f"device cuda: strategy {cfg.strategy} trains on the CPU; --device cuda takes "
+            f"{' or '.join(trains_on('cuda'))}"
+        )
     if cfg.cluster:
         raise ConfigError("device cuda: an emulated cluster (--cluster) runs CPU workers; drop one of the two")
     if backend == "mpi":
         raise ConfigError("device cuda: the mpi backend carries CPU tensors; use --backend gloo or nccl")
     gpus = torch.cuda.device_count()
     if backend == "nccl" and cfg.local_processes > gpus:
-        raise ConfigError(f"backend nccl takes one GPU per process: {cfg.local_processes} processes on {gpus} "
-                          f"GPU(s); use --backend gloo (CUDA tensors through host memory) or fewer workers")
+        raise ConfigError(
+            f"backend nccl takes one GPU per process: {cfg.local_processes} processes on {gpus} "
+            f"GPU(s); use --backend gloo (CUDA tensors through host memory) or fewer workers"
+        )
     if cfg.noise_scale or cfg.batch_schedule == "auto":
-        raise ConfigError("device cuda: the noise scale (--noise-scale, --batch-schedule auto) is measured on "
-                          "CPU runs only; drop it or use --device cpu")
+        raise ConfigError(
+            "device cuda: the noise scale (--noise-scale, --batch-schedule auto) is measured on "
+            "CPU runs only; drop it or use --device cpu"
+        )
 
 
 def _check_task(cfg: RunConfig, task: str) -> None:
@@ -120,13 +127,17 @@ def _check_task(cfg: RunConfig, task: str) -> None:
     if not is_builtin(cfg.model):  # a user's model takes the data's task: its checks are check_model's
         given = [f"--{k.replace('_', '-')}" for k in cfg.gpt_overrides()]
         if given:
-            raise ConfigError(f"{', '.join(given)} shape(s) dtrain's gpt models; for model {cfg.model} give its "
-                              "own arguments with --model-arg KEY=VALUE")  # fmt: skip
+            raise ConfigError(
+                f"{', '.join(given)} shape(s) dtrain's gpt models; for model {cfg.model} give its "
+                "own arguments with --model-arg KEY=VALUE"
+            )
         return
     lm, text = is_language_model(cfg.model), task == "lm"
     if lm and not text:
-        raise ConfigError(f"model {cfg.model} is a language model; use --dataset pytext, or text or token ids "
-                          f"of your own ({cfg.dataset} holds labelled samples)")  # fmt: skip
+        raise ConfigError(
+            f"model {cfg.model} is a language model; use --dataset pytext, or text or token ids "
+            f"of your own ({cfg.dataset} holds labelled samples)"
+        )
     if text and not lm:
         raise ConfigError(f"dataset {cfg.dataset} is text; use a language model: --model gpt-tiny, gpt-small, ...")
     if not lm:
@@ -150,9 +161,7 @@ def _check_numbers(cfg: RunConfig) -> None:
         raise ConfigError(f"epochs must be >= 1, got {cfg.epochs}")
     shards = cfg.opts.batch_shards(cfg.workers)
     if cfg.batch_size < shards:
-        raise ConfigError(
-            f"batch_size is global ({cfg.batch_size}) and must be at least workers ({cfg.workers})"
-        )
+        raise ConfigError(f"batch_size is global ({cfg.batch_size}) and must be at least workers ({cfg.workers})")
     # a batch that does not divide is trained as batch // shards per shard (global_batch)
     if not cfg.lr > 0:
         raise ConfigError(f"lr must be > 0, got {cfg.lr}")
@@ -164,9 +173,21 @@ def _check_numbers(cfg: RunConfig) -> None:
         raise ConfigError(f"max_steps must be >= 0, got {cfg.max_steps}")
     if cfg.samples < 16:
         raise ConfigError(f"samples must be >= 16, got {cfg.samples}")
-    for k in ("eval_every", "eval_samples", "layers", "d_model", "heads", "skip_nonfinite", "base_batch",
-              "warmup_steps", "warmup_epochs", "max_batch", "auto_every", "max_restarts",
-              "min_workers"):
+    for k in (
+        "eval_every",
+        "eval_samples",
+        "layers",
+        "d_model",
+        "heads",
+        "skip_nonfinite",
+        "base_batch",
+        "warmup_steps",
+        "warmup_epochs",
+        "max_batch",
+        "auto_every",
+        "max_restarts",
+        "min_workers",
+    ):
         if getattr(cfg, k) < 0:
             raise ConfigError(f"{k} must be >= 0, got {getattr(cfg, k)}")
     if cfg.seq_len < 2:
@@ -185,8 +206,10 @@ def _check_numbers(cfg: RunConfig) -> None:
     data = _check_data(cfg)
     size = data.train_size
     if cfg.batch_size > size:
-        raise ConfigError(f"batch_size {cfg.batch_size} is larger than the training set ({size} samples of "
-                          f"{cfg.dataset}): it holds less than one global batch")  # fmt: skip
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is larger than the training set ({size} samples of "
+            f"{cfg.dataset}): it holds less than one global batch"
+        )
     _check_target(cfg, data.task == "lm")
     from dtrain.job.model_check import check_model
 
@@ -208,8 +231,10 @@ def _check_step(cfg: RunConfig) -> None:
         if why:
             raise ConfigError(f"--grad-accum {n}: strategy {cfg.strategy} {why}")
         if cfg.batch_schedule == "auto":
-            raise ConfigError(f"--grad-accum {n} with --batch-schedule auto: the grown batch is not checked to "
-                              "split into micro-batches; drop one of them")  # fmt: skip
+            raise ConfigError(
+                f"--grad-accum {n} with --batch-schedule auto: the grown batch is not checked to "
+                "split into micro-batches; drop one of them"
+            )
         batches = [cfg.batch_size]
         if cfg.batch_schedule:
             from dtrain.optim.large_batch import parse_batch_schedule
@@ -218,23 +243,30 @@ def _check_step(cfg: RunConfig) -> None:
         for b in batches:
             per = split_batch(b, shards)[0]
             if per % n:
-                raise ConfigError(f"--grad-accum {n}: the per-worker batch of {per} (--batch-size {b} over {shards} "
-                                  f"shard{'s' if shards > 1 else ''}) does not split into {n} equal micro-batches; "
-                                  f"use --batch-size a multiple of {shards * n}")  # fmt: skip
+                raise ConfigError(
+                    f"--grad-accum {n}: the per-worker batch of {per} (--batch-size {b} over {shards} "
+                    f"shard{'s' if shards > 1 else ''}) does not split into {n} equal micro-batches; "
+                    f"use --batch-size a multiple of {shards * n}"
+                )
     if clip > 0:
         why = cfg.opts.refuses_clip_grad_norm(cfg.workers)
         if why:
             raise ConfigError(f"--clip-grad-norm {clip:g}: strategy {cfg.strategy} {why}")
         if cfg.noise_scale or cfg.batch_schedule == "auto":
-            raise ConfigError(f"--clip-grad-norm {clip:g}: the noise scale (--noise-scale, --batch-schedule auto) "
-                              "is measured on the unclipped gradient the optimizer would apply; drop one of them")
+            raise ConfigError(
+                f"--clip-grad-norm {clip:g}: the noise scale (--noise-scale, --batch-schedule auto) "
+                "is measured on the unclipped gradient the optimizer would apply; drop one of them"
+            )
 
 
 def _check_bundled(cfg: RunConfig) -> None:
     """The options that read the user's own data, given with a bundled dataset."""
     defaults = RunConfig()
-    given = [k for k in ("text_field", "tokenizer", "token_dtype", "vocab_size", "image_size", "val_fraction",
-                         "val_dataset") if getattr(cfg, k) != getattr(defaults, k)]  # fmt: skip
+    given = [
+        k
+        for k in ("text_field", "tokenizer", "token_dtype", "vocab_size", "image_size", "val_fraction", "val_dataset")
+        if getattr(cfg, k) != getattr(defaults, k)
+    ]
     if given:
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
         raise ConfigError(f"{flags} read(s) your own data (--dataset PATH); dataset {cfg.dataset} is bundled")
@@ -248,19 +280,21 @@ def _check_data(cfg: RunConfig) -> DatasetSplit:
     if cfg.dataset not in DATASETS:
         _check_task(cfg, data.task)
         if cfg.model == "cnn" and len(data.input_shape) != 3:
-            raise ConfigError(f"model cnn takes images (C, H, W); dataset {cfg.dataset} has samples of shape "
-                              f"{data.input_shape}: use --model mlp")  # fmt: skip
+            raise ConfigError(
+                f"model cnn takes images (C, H, W); dataset {cfg.dataset} has samples of shape "
+                f"{data.input_shape}: use --model mlp"
+            )
     if data.train_size == 0 or data.test_size == 0:
-        raise ConfigError(f"dataset {cfg.dataset} is empty ({data.train_size} training, {data.test_size} "
-                          "validation samples)")  # fmt: skip
+        raise ConfigError(
+            f"dataset {cfg.dataset} is empty ({data.train_size} training, {data.test_size} validation samples)"
+        )
     return data
 
 
 def _check_large_batch(cfg: RunConfig, size: int) -> None:
     """Warmup, the batch schedule and the noise scale (:mod:`dtrain.optim.large_batch`)."""
     if cfg.warmup_steps and cfg.warmup_epochs:
-        raise ConfigError(f"give warmup_steps ({cfg.warmup_steps}) or warmup_epochs ({cfg.warmup_epochs:g}), "
-                          "not both")  # fmt: skip
+        raise ConfigError(f"give warmup_steps ({cfg.warmup_steps}) or warmup_epochs ({cfg.warmup_epochs:g}), not both")
     shards = cfg.opts.batch_shards(cfg.workers)
     if cfg.batch_schedule == "auto":
         if not cfg.opts.measures_noise_scale(cfg.workers):
@@ -269,29 +303,42 @@ def _check_large_batch(cfg: RunConfig, size: int) -> None:
                 "data parallelism measures: use --strategy dp (no --shard) with 2 or more workers"
             )
         if cfg.max_batch and (cfg.max_batch > size or cfg.max_batch % shards):
-            raise ConfigError(f"max_batch {cfg.max_batch} must be a multiple of the {shards} workers and at "
-                              f"most the training set ({size} samples)")  # fmt: skip
+            raise ConfigError(
+                f"max_batch {cfg.max_batch} must be a multiple of the {shards} workers and at "
+                f"most the training set ({size} samples)"
+            )
         if cfg.batch_size % shards:
-            raise ConfigError(f"batch_schedule auto doubles the batch: batch_size {cfg.batch_size} must be a "
-                              f"multiple of the {shards} workers")  # fmt: skip
+            raise ConfigError(
+                f"batch_schedule auto doubles the batch: batch_size {cfg.batch_size} must be a "
+                f"multiple of the {shards} workers"
+            )
     elif cfg.auto_every or cfg.auto_rule != "noise":
         given = f"--auto-every {cfg.auto_every}" if cfg.auto_every else f"--auto-rule {cfg.auto_rule}"
-        raise ConfigError(f"{given} tells --batch-schedule auto when and how to grow the batch; add "
-                          "--batch-schedule auto or drop it")  # fmt: skip
+        raise ConfigError(
+            f"{given} tells --batch-schedule auto when and how to grow the batch; add --batch-schedule auto or drop it"
+        )
     elif cfg.batch_schedule:
         from dtrain.optim.large_batch import parse_batch_schedule
 
         for epoch, batch in parse_batch_schedule(cfg.batch_schedule):
             if batch % shards:
-                raise ConfigError(f"batch_schedule: the batch {batch} (from epoch {epoch}) does not divide "
-                                  f"into the {shards} workers' shards; use a multiple of {shards}")  # fmt: skip
+                raise ConfigError(
+                    f"batch_schedule: the batch {batch} (from epoch {epoch}) does not divide "
+                    f"into the {shards} workers' shards; use a multiple of {shards}"
+                )
             if batch > size:
-                raise ConfigError(f"batch_schedule: the batch {batch} (from epoch {epoch}) is larger than "
-                                  f"the training set ({size} samples)")  # fmt: skip
+                raise ConfigError(
+                    f"batch_schedule: the batch {batch} (from epoch {epoch}) is larger than "
+                    f"the training set ({size} samples)"
+                )
             cfg.hooks.check(cfg.opts, dataclasses.replace(cfg, batch_schedule="", batch_size=batch))
     if cfg.noise_beta != NOISE_BETA and not (cfg.noise_scale or cfg.batch_schedule == "auto"):
-        raise ConfigError(f"noise_beta {cfg.noise_beta:g} sets how the noise scale is averaged; add --noise-scale "
-                          "or --batch-schedule auto, or drop it")  # fmt: skip
+        raise ConfigError(
+            f"noise_beta {cfg.noise_beta:g} sets how the noise scale is averaged; add --noise-scale "
+            "or --batch-schedule auto, or drop it"
+        )
     if cfg.noise_scale and not cfg.opts.measures_noise_scale(cfg.workers):
-        raise ConfigError("noise_scale compares each worker's gradient with their average: use --strategy dp "
-                          "(no --shard) with 2 or more workers")  # fmt: skip
+        raise ConfigError(
+            "noise_scale compares each worker's gradient with their average: use --strategy dp "
+            "(no --shard) with 2 or more workers"
+        )

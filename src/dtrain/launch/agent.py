@@ -42,8 +42,17 @@ from dtrain.launch.forkserver import (
 )
 from dtrain.launch.store import host_store, init_from_job_store, round_of
 
-__all__ = ["LaunchError", "LaunchInterrupted", "NodeSpec", "Restart", "launch", "free_port", "host_store",
-           "prestart", "threads_per_worker"]  # host_store: from dtrain.launch.store
+__all__ = [
+    "LaunchError",
+    "LaunchInterrupted",
+    "NodeSpec",
+    "Restart",
+    "launch",
+    "free_port",
+    "host_store",
+    "prestart",
+    "threads_per_worker",
+]  # host_store: from dtrain.launch.store
 
 # the signals torch's elastic agent turns into a shutdown of the workers (its default set)
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -230,8 +239,9 @@ def _restarting_agent(base: type) -> type:
                 spec.args[2]["DTRAIN_ROUND"] = round_of(spec.rdzv_handler)
                 if group_world_size > 1:
                     store.set(f"dtrain/node_rank/{group_rank}", str(node.node_rank))
-                    ranks = sorted(int(v) for v in store.multi_get(
-                        [f"dtrain/node_rank/{g}" for g in range(group_world_size)]))  # fmt: skip
+                    ranks = sorted(
+                        int(v) for v in store.multi_get([f"dtrain/node_rank/{g}" for g in range(group_world_size)])
+                    )
                     group_rank = ranks.index(node.node_rank)
             return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
 
@@ -271,8 +281,9 @@ def _failures(agent: Any, worker_group: Any) -> dict[int, Any]:
         code = p.exitcode
         if code is not None and code != 0 and code != -signal.SIGTERM and local < len(worker_group.workers):
             error_file = error_files.get(local, "") if code > 0 else ""
-            out[worker_group.workers[local].global_rank] = ProcessFailure(local_rank=local, pid=p.pid, exitcode=code,
-                                                                          error_file=error_file)
+            out[worker_group.workers[local].global_rank] = ProcessFailure(
+                local_rank=local, pid=p.pid, exitcode=code, error_file=error_file
+            )
     return out
 
 
@@ -415,10 +426,19 @@ def _launch_config(node: NodeSpec, nprocs: int, run_id: str | None, max_restarts
 
     # last_call: after MIN nodes are in, how long a rendezvous waits for more (torch's default is 30 s)
     rdzv = {"is_host": node.is_host, "join_timeout": node.rdzv_timeout_s, "last_call_timeout": 5}
-    return LaunchConfig(min_nodes=node.min_nodes or node.nnodes, max_nodes=node.nnodes, nproc_per_node=nprocs,
-                        run_id=run_id or uuid.uuid4().hex[:12], rdzv_backend="c10d", rdzv_endpoint=node.rdzv_endpoint,
-                        rdzv_configs=rdzv, max_restarts=max_restarts,
-                        monitor_interval=monitor_interval, start_method="forkserver", local_addr=node.local_addr)
+    return LaunchConfig(
+        min_nodes=node.min_nodes or node.nnodes,
+        max_nodes=node.nnodes,
+        nproc_per_node=nprocs,
+        run_id=run_id or uuid.uuid4().hex[:12],
+        rdzv_backend="c10d",
+        rdzv_endpoint=node.rdzv_endpoint,
+        rdzv_configs=rdzv,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        start_method="forkserver",
+        local_addr=node.local_addr,
+    )
 
 
 def launch(
@@ -487,8 +507,9 @@ def launch(
     try:
         with _signal_handlers_kept(), _stopped_workers_woken(), _agent_reports_restarts(on_restart, node):
             prestart((*PRELOAD, fn.__module__))
-            return dict(elastic_launch(config, entrypoint=_child)(fn, t, env, backend, args, dict(os.environ),
-                                                                  LauncherStdio()))
+            return dict(
+                elastic_launch(config, entrypoint=_child)(fn, t, env, backend, args, dict(os.environ), LauncherStdio())
+            )
     except SignalException as e:
         raise LaunchInterrupted(e.sigval) from None
     except KeyboardInterrupt:  # Ctrl-C before the agent set its handlers (rendezvous): no worker started yet
@@ -503,8 +524,12 @@ def _one_machine() -> tuple[Any, NodeSpec]:
     """The job's store on loopback, and the node that uses it: nothing of the run listens beyond 127.0.0.1."""
     port = free_port()
     store = host_store("127.0.0.1", port)
-    return store, NodeSpec(rdzv_endpoint=f"127.0.0.1:{port}", is_host=False, job_store=f"127.0.0.1:{port}",
-                           env={"GLOO_SOCKET_IFNAME": "lo"})
+    return store, NodeSpec(
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        is_host=False,
+        job_store=f"127.0.0.1:{port}",
+        env={"GLOO_SOCKET_IFNAME": "lo"},
+    )
 
 
 @contextlib.contextmanager

@@ -23,15 +23,39 @@ __all__ = ["PRELOAD", "LauncherStdio", "prestart", "adopt_env", "descendants", "
 # what every worker imports anyway: the forkserver imports it once and each worker forks with it loaded
 # (the server skips what is not installed: sklearn only serves the digits data set). torch._dynamo: torch's
 # optimizers import it when the first one is built (1.2 of a one-step worker's 1.4 s on this machine)
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
-           "torch.distributed.elastic.multiprocessing", "sklearn.datasets", "sklearn.model_selection", "tqdm",
-           "dtrain.launch.agent", "dtrain.job.run", "dtrain.strategies.builtin")
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.elastic.multiprocessing",
+    "sklearn.datasets",
+    "sklearn.model_selection",
+    "tqdm",
+    "dtrain.launch.agent",
+    "dtrain.job.run",
+    "dtrain.strategies.builtin",
+)
 # the environment of this module's first import: in a worker that forked from the forkserver, the server's
 _IMPORT_ENV = dict(os.environ)
 # what torch's agent sets for each worker (besides TORCHELASTIC_*): these come from the agent, never the parent
-_AGENT_VARS = frozenset({"RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-                         "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                         "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES"})
+_AGENT_VARS = frozenset(
+    {
+        "RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "CUDA_VISIBLE_DEVICES",
+    }
+)
 
 
 def _is_agent_var(name: str) -> bool:

@@ -41,8 +41,15 @@ def host_store(addr: str, port: int, timeout_s: float = 300.0) -> Any:
         raise DTrainError(f"cannot host the job's store on {addr}:{port}: {why}") from None
     try:
         store = dist.TCPStore(  # type: ignore[attr-defined]
-            addr, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-            master_listen_fd=sock.fileno(), use_libuv=True)  # fmt: skip
+            addr,
+            port,
+            None,
+            True,
+            datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+            use_libuv=True,
+        )
     except BaseException:
         sock.close()
         raise
@@ -88,5 +95,10 @@ def init_from_job_store(backend: str | None, timeout_s: float = 300.0) -> None:
     prefix = f"dtrain/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/pg/{os.environ.get('DTRAIN_ROUND', '0')}"
     if backend == "nccl":
         torch.cuda.set_device(runtime.local_rank())
-    dist.init_process_group(backend=backend, store=PrefixStore(prefix, store), rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)  # fmt: skip
+    dist.init_process_group(
+        backend=backend,
+        store=PrefixStore(prefix, store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )

@@ -40,6 +40,7 @@ from dtrain.perfmodel.units import parse_bytes
 
 __all__ = ["BenchConfig", "check_timing", "main", "parse_size", "format_size"]
 
+
 def parse_size(text: str) -> int:
     """A size in whole bytes, read as every size in dtrain is (:func:`dtrain.perfmodel.units.parse_bytes`:
     ``"64KiB"`` is 65,536 bytes, ``"64KB"`` 64,000; a bare number is bytes)."""
@@ -188,8 +189,14 @@ def _worker(cfg: BenchConfig) -> dict[str, Any] | None:
         for a, alg in enumerate(cfg.algorithms):
             slowest = torch.tensor(times[alg], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            rows.append({"bytes": nbytes, "algorithm": alg, "time_s": statistics.median(slowest.tolist()),
-                         "correct": bool(ok[a].item() == 1.0)})
+            rows.append(
+                {
+                    "bytes": nbytes,
+                    "algorithm": alg,
+                    "time_s": statistics.median(slowest.tolist()),
+                    "correct": bool(ok[a].item() == 1.0),
+                }
+            )
     if rank != 0:
         return None
     return {
@@ -250,8 +257,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Time every allreduce algorithm next to the backend's own (native) on local workers.",
     )
     ap.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
-    ap.add_argument("--sizes", default="4KiB,64KiB,1MiB,16MiB,64MiB",
-                    help="comma-separated sizes: 64KiB = 65,536 bytes, 64KB = 64,000")
+    ap.add_argument(
+        "--sizes",
+        default="4KiB,64KiB,1MiB,16MiB,64MiB",
+        help="comma-separated sizes: 64KiB = 65,536 bytes, 64KB = 64,000",
+    )
     ap.add_argument("--algorithms", default="all", help=f"comma-separated, from {', '.join(ALGORITHMS)}, or 'all'")
     ap.add_argument("--iters", type=int, default=10, help="timed runs per case (default: 10)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs first (default: 2)")
@@ -271,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ns = _parser().parse_args(argv)
     try:
-        algs = tuple(ALGORITHMS) if ns.algorithms.strip() == "all" else tuple(
-            a.strip() for a in ns.algorithms.split(",") if a.strip()
+        algs = (
+            tuple(ALGORITHMS)
+            if ns.algorithms.strip() == "all"
+            else tuple(a.strip() for a in ns.algorithms.split(",") if a.strip())
         )
         if "native" not in algs:
             algs = ("native", *algs)  # the peer every ratio is taken against

@@ -40,8 +40,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA", "Bar", "Benchmark", "Case", "summary", "machine", "load_result", "add_result_flags", "command",
-           "commit_of"]
+__all__ = [
+    "SCHEMA",
+    "Bar",
+    "Benchmark",
+    "Case",
+    "summary",
+    "machine",
+    "load_result",
+    "add_result_flags",
+    "command",
+    "commit_of",
+]
 
 SCHEMA = "dtrain-bench/1"
 MIN_REPEATS = 5
@@ -122,9 +132,14 @@ def machine() -> dict[str, Any]:
     except (OSError, ValueError, IndexError):
         pass  # no /proc (not Linux): the result file records 0 GiB, read as unknown
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpus": len(os.sched_getaffinity(0)), "memory_gib": round(mem / 2**30, 1), "gpu": gpu,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__}  # fmt: skip
+    return {
+        "cpus": len(os.sched_getaffinity(0)),
+        "memory_gib": round(mem / 2**30, 1),
+        "gpu": gpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
 
 
 def commit_of(where: Path | None = None) -> str:
@@ -132,12 +147,26 @@ def commit_of(where: Path | None = None) -> str:
     page rendered from them do not count); ``unknown`` outside a git checkout."""
     cwd = where or Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=cwd)  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, cwd=cwd
+        )
         # changed code marks the figures; the result files and the page they render into do not
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
-                                ":(top,exclude)benchmarks/results", ":(top,exclude)BENCHMARKS.md"],
-                               capture_output=True, text=True, timeout=10, cwd=cwd).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ":(top)",
+                ":(top,exclude)benchmarks/results",
+                ":(top,exclude)BENCHMARKS.md",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=cwd,
+        ).stdout.strip()
         return out.stdout.strip() + ("+changes" if dirty else "") or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -146,9 +175,21 @@ def commit_of(where: Path | None = None) -> str:
 class Benchmark:
     """Cases x systems, timed in rotated rounds; the result in one schema."""
 
-    def __init__(self, name: str, *, title: str, family: str, workload: str, metric: str,
-                 higher_is_better: bool, repeats: int, quick: bool = False, notes: str = "",
-                 command: Sequence[str] | None = None, log: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        *,
+        title: str,
+        family: str,
+        workload: str,
+        metric: str,
+        higher_is_better: bool,
+        repeats: int,
+        quick: bool = False,
+        notes: str = "",
+        command: Sequence[str] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
         self.name, self.title, self.family, self.workload = name, title, family, workload
@@ -161,9 +202,14 @@ class Benchmark:
         self.date = ""
         self.extra: dict[str, Any] = {}
 
-    def add_case(self, name: str, systems: dict[str, Callable[[], float]] | None = None,
-                 compare: Sequence[tuple[str, str, Bar]] = (),
-                 samples: dict[str, list[float]] | None = None, headline: bool = True) -> Case:  # fmt: skip
+    def add_case(
+        self,
+        name: str,
+        systems: dict[str, Callable[[], float]] | None = None,
+        compare: Sequence[tuple[str, str, Bar]] = (),
+        samples: dict[str, list[float]] | None = None,
+        headline: bool = True,
+    ) -> Case:
         """A case timed by :meth:`run` (``systems``: a callable a round), or one whose rounds the benchmark
         interleaved itself (``samples``: a system's figure a round, round ``r`` of every system together).
         ``headline``: dtrain against a peer, for the results page's headline table (False: a check against
@@ -217,27 +263,52 @@ class Benchmark:
                 rs = self.ratios(c, ours, peer)
                 stats = summary(rs)
                 verdict = bar.verdict(stats) if len(rs) >= MIN_REPEATS else "too few repeats"
-                comparisons.append({"ours": ours, "peer": peer, "bar": bar.to_dict(), "ratios": rs, "ratio": stats,
-                                    "verdict": verdict})  # fmt: skip
-            cases.append({"name": c.name, "systems": {s: {"samples": v, **summary(v)} for s, v in c.samples.items()},
-                          "comparisons": comparisons, "headline": c.headline})  # fmt: skip
-        return {"schema": SCHEMA, "name": self.name, "title": self.title, "family": self.family,
-                "workload": self.workload, "metric": self.metric, "higher_is_better": self.higher_is_better,
-                "repeats": self.repeats, "quick": self.quick, "command": shlex.join(self.command),
-                "commit": commit_of(), "date": self.date, "machine": machine(), "load": self.load, "notes": self.notes,
-                "extra": self.extra, "cases": cases}  # fmt: skip
+                comparisons.append(
+                    {"ours": ours, "peer": peer, "bar": bar.to_dict(), "ratios": rs, "ratio": stats, "verdict": verdict}
+                )
+            cases.append(
+                {
+                    "name": c.name,
+                    "systems": {s: {"samples": v, **summary(v)} for s, v in c.samples.items()},
+                    "comparisons": comparisons,
+                    "headline": c.headline,
+                }
+            )
+        return {
+            "schema": SCHEMA,
+            "name": self.name,
+            "title": self.title,
+            "family": self.family,
+            "workload": self.workload,
+            "metric": self.metric,
+            "higher_is_better": self.higher_is_better,
+            "repeats": self.repeats,
+            "quick": self.quick,
+            "command": shlex.join(self.command),
+            "commit": commit_of(),
+            "date": self.date,
+            "machine": machine(),
+            "load": self.load,
+            "notes": self.notes,
+            "extra": self.extra,
+            "cases": cases,
+        }
 
     def table(self) -> str:
         res = self.result()
-        lines = [f"| case | {self.metric}: system median (IQR) | ratio median (IQR; min-max) | bar | verdict |",
-                 "|---|---|---|---|---|"]  # fmt: skip
+        lines = [
+            f"| case | {self.metric}: system median (IQR) | ratio median (IQR; min-max) | bar | verdict |",
+            "|---|---|---|---|---|",
+        ]
         for c in res["cases"]:
             figs = "; ".join(f"{s} {v['median']:.4g} ({v['q1']:.4g}-{v['q3']:.4g})" for s, v in c["systems"].items())
             for cmp in c["comparisons"]:
                 q = cmp["ratio"]
-                lines.append(f"| {c['name']} {cmp['ours']} / {cmp['peer']} | {figs} | {q['median']:.3f} "
-                             f"({q['q1']:.3f}-{q['q3']:.3f}; {q['min']:.3f}-{q['max']:.3f}) | "
-                             f"{Bar(**cmp['bar']).text()} | {cmp['verdict']} |")  # fmt: skip
+                lines.append(
+                    f"| {c['name']} {cmp['ours']} / {cmp['peer']} | {figs} | {q['median']:.3f} "
+                    f"({q['q1']:.3f}-{q['q3']:.3f}; {q['min']:.3f}-{q['max']:.3f}) | "
+                    f"{Bar(**cmp['bar']).text()} | {cmp['verdict']} |"
+                )
         return "\n".join(lines)
 
     def report(self, out: str | Path | None) -> None:
@@ -258,8 +329,24 @@ def load_result(path: str | Path) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(Path(path).read_text(encoding="utf-8"))
     if data.get("schema") != SCHEMA:
         raise ValueError(f"{path}: schema {data.get('schema')!r}, expected {SCHEMA!r}")
-    missing = [k for k in ("name", "title", "family", "workload", "metric", "command", "commit", "date",
-                           "machine", "load", "cases", "repeats") if k not in data]  # fmt: skip
+    missing = [
+        k
+        for k in (
+            "name",
+            "title",
+            "family",
+            "workload",
+            "metric",
+            "command",
+            "commit",
+            "date",
+            "machine",
+            "load",
+            "cases",
+            "repeats",
+        )
+        if k not in data
+    ]
     if missing:
         raise ValueError(f"{path}: missing {missing}")
     return data

@@ -159,12 +159,16 @@ def table(res: dict[str, Any]) -> str:
         alpha, beta = _fit(sizes, res["one_way_s"][p])
         bw = f"{1 / beta / 1e9:.3f} GB/s" if beta > 0 else "inf GB/s"
         lines.append(f"fit {p:<7} alpha {alpha * 1e6:8.1f} us   beta {beta * 1e9:.4f} ns/B ({bw})")
-    lines += ["", f"{'size':>10}  {'native_us':>10} {'dtrain_us':>10} {'native_GB/s':>12} {'dtrain_GB/s':>12} "
-              f"{'vs_native':>9}"]
+    lines += [
+        "",
+        f"{'size':>10}  {'native_us':>10} {'dtrain_us':>10} {'native_GB/s':>12} {'dtrain_GB/s':>12} {'vs_native':>9}",
+    ]
     for j, n in enumerate(sizes):
         tn, td = res["one_way_s"]["native"][j], res["one_way_s"]["dtrain"][j]
-        lines.append(f"{format_size(n):>10}  {tn * 1e6:10.1f} {td * 1e6:10.1f} {_rate(n, tn):>12} {_rate(n, td):>12} "
-                     f"{tn / td if td > 0 else float('nan'):9.2f}")  # fmt: skip
+        lines.append(
+            f"{format_size(n):>10}  {tn * 1e6:10.1f} {td * 1e6:10.1f} {_rate(n, tn):>12} {_rate(n, td):>12} "
+            f"{tn / td if td > 0 else float('nan'):9.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -174,8 +178,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Ping-pong latency and bandwidth: dtrain's transport next to the backend's own send/recv.",
     )
     ap.add_argument("--workers", type=int, default=2, help="worker processes, paired (0,1), (2,3)... (default: 2)")
-    ap.add_argument("--sizes", default="4B,1KiB,64KiB,1MiB,16MiB,64MiB",
-                    help="comma-separated sizes: 64KiB = 65,536 bytes, 64KB = 64,000")
+    ap.add_argument(
+        "--sizes",
+        default="4B,1KiB,64KiB,1MiB,16MiB,64MiB",
+        help="comma-separated sizes: 64KiB = 65,536 bytes, 64KB = 64,000",
+    )
     ap.add_argument("--iters", type=int, default=20, help="timed round trips per size and path (default: 20)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed round trips first (default: 3)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may block (default: 120)")

@@ -21,8 +21,10 @@ from dtrain.config.schema import RunConfig
 
 __all__ = ["main", "parse_entry"]
 
-DEFAULT = "ddp,dp:algorithm=native,dp:algorithm=ring,dp:algorithm=tree,dp:algorithm=recursive_doubling,"\
-          "dp:algorithm=rabenseifner"
+DEFAULT = (
+    "ddp,dp:algorithm=native,dp:algorithm=ring,dp:algorithm=tree,dp:algorithm=recursive_doubling,"
+    "dp:algorithm=rabenseifner"
+)
 
 
 def parse_entry(entry: str) -> dict[str, Any]:
@@ -57,9 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     from dtrain.job.run import run
 
     ap = argparse.ArgumentParser(prog="dtrain bench train", description=__doc__)
-    ap.add_argument("--strategies", default=DEFAULT,
-                    help="comma-separated entries strategy[:key=value+key=value], the first the reference "
-                         "(default: DDP and every algorithm)")
+    ap.add_argument(
+        "--strategies",
+        default=DEFAULT,
+        help="comma-separated entries strategy[:key=value+key=value], the first the reference "
+        "(default: DDP and every algorithm)",
+    )
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--model", default="cnn")
@@ -67,15 +72,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="rounds; the median is shown")
     a = ap.parse_args(argv)
     entries = [parse_entry(e) for e in a.strategies.split(",") if e]
-    print(f"# dtrain bench train: torch {torch.__version__}, {a.workers} workers, model {a.model}, "
-          f"dataset {a.dataset}, {a.epochs} epochs, {a.repeat} round(s)")
+    print(
+        f"# dtrain bench train: torch {torch.__version__}, {a.workers} workers, model {a.model}, "
+        f"dataset {a.dataset}, {a.epochs} epochs, {a.repeat} round(s)"
+    )
     results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(entries))}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(a.repeat):
             for i, e in enumerate(entries):
-                cfg = RunConfig.from_mapping(_coerce({
-                    "workers": a.workers, "epochs": a.epochs, "model": a.model, "dataset": a.dataset,
-                    "progress": False, "trace": False, "out": f"{tmp}/{rnd}-{i}", **e}))
+                cfg = RunConfig.from_mapping(
+                    _coerce(
+                        {
+                            "workers": a.workers,
+                            "epochs": a.epochs,
+                            "model": a.model,
+                            "dataset": a.dataset,
+                            "progress": False,
+                            "trace": False,
+                            "out": f"{tmp}/{rnd}-{i}",
+                            **e,
+                        }
+                    )
+                )
                 s, _ = run(cfg)
                 results[i].append(s)
     ref = statistics.median(r["samples_per_s"] for r in results[0]) if entries else None

@@ -82,19 +82,22 @@ def downsample(xs: Sequence[float], ys: Sequence[float], n: int = 400) -> tuple[
 
 
 def _open(width: int, height: int, title: str, cls: str) -> list[str]:
-    return [f'<svg class="chart {cls}" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-            f'xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{escape(title)}">',
-            f'<text class="title" x="{width / 2:.0f}" y="16" text-anchor="middle">{escape(title)}</text>']  # fmt: skip
+    return [
+        f'<svg class="chart {cls}" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'xmlns="http://www.w3.org/2000/svg" role="img" aria-label="{escape(title)}">',
+        f'<text class="title" x="{width / 2:.0f}" y="16" text-anchor="middle">{escape(title)}</text>',
+    ]
 
 
 def _axes(width: int, height: int, xlabel: str, ylabel: str) -> list[str]:
     x0, y0, x1 = _PAD_L, height - _PAD_B, width - _PAD_R
-    return [f'<line class="axis" x1="{x0}" y1="{_PAD_T}" x2="{x0}" y2="{y0}"/>',
-            f'<line class="axis" x1="{x0}" y1="{y0}" x2="{x1}" y2="{y0}"/>',
-            f'<text class="label" x="{(x0 + x1) / 2:.0f}" y="{height - 6}" text-anchor="middle">'
-            f'{escape(xlabel)}</text>',
-            f'<text class="label" transform="translate(12 {(_PAD_T + y0) / 2:.0f}) rotate(-90)" '
-            f'text-anchor="middle">{escape(ylabel)}</text>']  # fmt: skip
+    return [
+        f'<line class="axis" x1="{x0}" y1="{_PAD_T}" x2="{x0}" y2="{y0}"/>',
+        f'<line class="axis" x1="{x0}" y1="{y0}" x2="{x1}" y2="{y0}"/>',
+        f'<text class="label" x="{(x0 + x1) / 2:.0f}" y="{height - 6}" text-anchor="middle">{escape(xlabel)}</text>',
+        f'<text class="label" transform="translate(12 {(_PAD_T + y0) / 2:.0f}) rotate(-90)" '
+        f'text-anchor="middle">{escape(ylabel)}</text>',
+    ]
 
 
 def _scale(lo: float, hi: float, a: float, b: float, log: bool = False) -> tuple[list[float], Px]:
@@ -104,8 +107,12 @@ def _scale(lo: float, hi: float, a: float, b: float, log: bool = False) -> tuple
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
     if log:  # 1, 2, 5 times the powers of ten in range; just the powers when that is too many
-        marks = [m * 10.0**d for d in range(math.floor(lo), math.ceil(hi) + 1) for m in (1, 2, 5)
-                 if lo - 1e-9 <= math.log10(m) + d <= hi + 1e-9]  # fmt: skip
+        marks = [
+            m * 10.0**d
+            for d in range(math.floor(lo), math.ceil(hi) + 1)
+            for m in (1, 2, 5)
+            if lo - 1e-9 <= math.log10(m) + d <= hi + 1e-9
+        ]
         if len(marks) > 7:
             marks = [m for m in marks if math.isclose(10 ** round(math.log10(m)), m)]
         if len(marks) < 2:  # less than a decade: round values in between
@@ -120,8 +127,16 @@ def _scale(lo: float, hi: float, a: float, b: float, log: bool = False) -> tuple
     return marks, to_px
 
 
-def line_chart(series: Sequence[Series], *, title: str, xlabel: str, ylabel: str, logy: bool = False,
-               width: int = 560, height: int = 270) -> str:  # fmt: skip
+def line_chart(
+    series: Sequence[Series],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    logy: bool = False,
+    width: int = 560,
+    height: int = 270,
+) -> str:
     """Lines of every series on shared axes, a legend in the top right; ``logy`` when all values are > 0."""
     pts = [(x, y) for s in series for x, y in zip(s.xs, s.ys) if math.isfinite(x) and math.isfinite(y)]
     out = _open(width, height, title, "line")
@@ -136,21 +151,26 @@ def line_chart(series: Sequence[Series], *, title: str, xlabel: str, ylabel: str
     for i, s in enumerate(series):
         out += _polyline(s, fx, fy)
         ly = _PAD_T + 4 + 14 * i
-        out.append(f'<g class="legend {s.group}"><line x1="{width - 150}" y1="{ly}" x2="{width - 132}" y2="{ly}" '
-                   f'stroke="{s.colour}" stroke-width="2"/><text x="{width - 128}" y="{ly + 4}">'
-                   f'{escape(s.label[:24])}</text></g>')  # fmt: skip
+        out.append(
+            f'<g class="legend {s.group}"><line x1="{width - 150}" y1="{ly}" x2="{width - 132}" y2="{ly}" '
+            f'stroke="{s.colour}" stroke-width="2"/><text x="{width - 128}" y="{ly + 4}">'
+            f"{escape(s.label[:24])}</text></g>"
+        )
     return "\n".join([*out, "</svg>"])
 
 
 def _ticks(xt: list[float], fx: Px, yt: list[float], fy: Px, width: int, height: int) -> list[str]:
     out = []
     for t in xt:
-        out.append(f'<text class="tick" x="{fx(t):.1f}" y="{height - _PAD_B + 14}" text-anchor="middle">'
-                   f'{fmt(t)}</text>')
+        out.append(
+            f'<text class="tick" x="{fx(t):.1f}" y="{height - _PAD_B + 14}" text-anchor="middle">{fmt(t)}</text>'
+        )
     for t in yt:
         y = fy(t)
-        out.append(f'<line class="grid" x1="{_PAD_L}" y1="{y:.1f}" x2="{width - _PAD_R}" y2="{y:.1f}"/>'
-                   f'<text class="tick" x="{_PAD_L - 4}" y="{y + 4:.1f}" text-anchor="end">{fmt(t)}</text>')
+        out.append(
+            f'<line class="grid" x1="{_PAD_L}" y1="{y:.1f}" x2="{width - _PAD_R}" y2="{y:.1f}"/>'
+            f'<text class="tick" x="{_PAD_L - 4}" y="{y + 4:.1f}" text-anchor="end">{fmt(t)}</text>'
+        )
     return out
 
 
@@ -160,16 +180,29 @@ def _polyline(s: Series, fx: Px, fy: Px) -> list[str]:
         good = [p for i, (x, y) in enumerate(good) for p in ([(x, good[i - 1][1]), (x, y)] if i else [(x, y)])]
     coords = " ".join(f"{fx(x):.1f},{fy(y):.1f}" for x, y in good)
     dash = ' stroke-dasharray="5 3"' if s.dashed else ""
-    out = [f'<g class="series {s.group}"><title>{escape(s.label)}</title>'
-           f'<polyline fill="none" stroke="{s.colour}" stroke-width="1.6"{dash} points="{coords}"/>']
+    out = [
+        f'<g class="series {s.group}"><title>{escape(s.label)}</title>'
+        f'<polyline fill="none" stroke="{s.colour}" stroke-width="1.6"{dash} points="{coords}"/>'
+    ]
     if len(good) <= 60:  # few points: a dot each, its value on hover
-        out += [f'<circle cx="{fx(x):.1f}" cy="{fy(y):.1f}" r="2.5" fill="{s.colour}"><title>'
-                f'{escape(s.label)}: x {fmt(x)}, y {fmt(y)}</title></circle>' for x, y in good]  # fmt: skip
+        out += [
+            f'<circle cx="{fx(x):.1f}" cy="{fy(y):.1f}" r="2.5" fill="{s.colour}"><title>'
+            f"{escape(s.label)}: x {fmt(x)}, y {fmt(y)}</title></circle>"
+            for x, y in good
+        ]
     return [*out, "</g>"]
 
 
-def bar_chart(categories: Sequence[str], stacks: Sequence[tuple[str, str, Sequence[float]]], *, title: str,
-              ylabel: str, groups: Sequence[str] = (), width: int = 560, height: int = 270) -> str:  # fmt: skip
+def bar_chart(
+    categories: Sequence[str],
+    stacks: Sequence[tuple[str, str, Sequence[float]]],
+    *,
+    title: str,
+    ylabel: str,
+    groups: Sequence[str] = (),
+    width: int = 560,
+    height: int = 270,
+) -> str:
     """Stacked bars, one per category; ``stacks`` are ``(label, colour, value per category)`` from the
     bottom up; ``groups[i]`` is the CSS class of category ``i``'s bar."""
     out = _open(width, height, title, "bar")
@@ -189,21 +222,34 @@ def bar_chart(categories: Sequence[str], stacks: Sequence[tuple[str, str, Sequen
         for label, colour, vals in stacks:
             v = vals[i]
             if v > 0:
-                out.append(f'<rect x="{x:.1f}" y="{fy(base + v):.1f}" width="{bar:.1f}" '
-                           f'height="{fy(base) - fy(base + v):.1f}" fill="{colour}"><title>{escape(cat)}: '
-                           f'{escape(label)} {fmt(v)}</title></rect>')  # fmt: skip
+                out.append(
+                    f'<rect x="{x:.1f}" y="{fy(base + v):.1f}" width="{bar:.1f}" '
+                    f'height="{fy(base) - fy(base + v):.1f}" fill="{colour}"><title>{escape(cat)}: '
+                    f"{escape(label)} {fmt(v)}</title></rect>"
+                )
             base += v
-        out.append(f'<text class="tick" x="{x + bar / 2:.1f}" y="{height - _PAD_B + 14}" text-anchor="middle">'
-                   f'{escape(cat)}</text></g>')
+        out.append(
+            f'<text class="tick" x="{x + bar / 2:.1f}" y="{height - _PAD_B + 14}" text-anchor="middle">'
+            f"{escape(cat)}</text></g>"
+        )
     for j, (label, colour, _) in enumerate(stacks):
         ly = _PAD_T + 6 + 16 * j
-        out.append(f'<rect x="{width - 112}" y="{ly - 8}" width="10" height="10" fill="{colour}"/>'
-                   f'<text x="{width - 98}" y="{ly + 1}">{escape(label)}</text>')
+        out.append(
+            f'<rect x="{width - 112}" y="{ly - 8}" width="10" height="10" fill="{colour}"/>'
+            f'<text x="{width - 98}" y="{ly + 1}">{escape(label)}</text>'
+        )
     return "\n".join([*out, "</svg>"])
 
 
-def timeline(rows: Sequence[Sequence[Box]], *, title: str, xlabel: str, row_labels: Sequence[str],
-             span: float | None = None, width: int = 560) -> str:  # fmt: skip
+def timeline(
+    rows: Sequence[Sequence[Box]],
+    *,
+    title: str,
+    xlabel: str,
+    row_labels: Sequence[str],
+    span: float | None = None,
+    width: int = 560,
+) -> str:
     """One lane per row (a pipeline rank), each :class:`Box` drawn from ``t0`` to ``t1`` on a time axis
     from 0 to ``span`` (default: the latest ``t1``)."""
     height = _PAD_T + 26 * len(rows) + _PAD_B
@@ -215,14 +261,20 @@ def timeline(rows: Sequence[Sequence[Box]], *, title: str, xlabel: str, row_labe
     out += _ticks(xt, fx, [], fx, width, height)
     for r, boxes in enumerate(rows):
         y = _PAD_T + 4 + 26 * r
-        out.append(f'<text class="tick" x="{_PAD_L - 4}" y="{y + 15}" text-anchor="end">'
-                   f'{escape(row_labels[r] if r < len(row_labels) else str(r))}</text>')
+        out.append(
+            f'<text class="tick" x="{_PAD_L - 4}" y="{y + 15}" text-anchor="end">'
+            f"{escape(row_labels[r] if r < len(row_labels) else str(r))}</text>"
+        )
         for b in boxes:
             x0, x1 = fx(b.t0), fx(b.t1)
             w = max(0.5, x1 - x0)
-            out.append(f'<rect x="{x0:.1f}" y="{y}" width="{w:.1f}" height="20" fill="{b.colour}" stroke="#fff" '
-                       f'stroke-width="0.5"><title>{escape(b.tip)}</title></rect>')  # fmt: skip
+            out.append(
+                f'<rect x="{x0:.1f}" y="{y}" width="{w:.1f}" height="20" fill="{b.colour}" stroke="#fff" '
+                f'stroke-width="0.5"><title>{escape(b.tip)}</title></rect>'
+            )
             if b.text and w >= 7 * len(b.text):
-                out.append(f'<text class="cell" x="{(x0 + x1) / 2:.1f}" y="{y + 14}" text-anchor="middle">'
-                           f'{escape(b.text)}</text>')
+                out.append(
+                    f'<text class="cell" x="{(x0 + x1) / 2:.1f}" y="{y + 14}" text-anchor="middle">'
+                    f"{escape(b.text)}</text>"
+                )
     return "\n".join([*out, "</svg>"])

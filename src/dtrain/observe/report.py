@@ -38,8 +38,21 @@ def report(run_dir: str | Path) -> str:
     d = Path(run_dir)
     summary, rows = read_summary(d), read_metrics(d)
     lines = [f"run folder      {d}"]
-    for k in ("strategy", "workers", "world_size", "steps", "wall_s", "train_s", "samples_per_s",
-              "test_accuracy", "val_loss", "perplexity", "time_to_target_s", "final_loss", "bytes_sent_per_step"):
+    for k in (
+        "strategy",
+        "workers",
+        "world_size",
+        "steps",
+        "wall_s",
+        "train_s",
+        "samples_per_s",
+        "test_accuracy",
+        "val_loss",
+        "perplexity",
+        "time_to_target_s",
+        "final_loss",
+        "bytes_sent_per_step",
+    ):
         v = summary.get(k)
         if v is not None:
             lines.append(f"{k:<15} {v:.4g}" if isinstance(v, float) else f"{k:<15} {v}")

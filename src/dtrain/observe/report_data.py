@@ -35,14 +35,40 @@ from dtrain.errors import DTrainError
 if TYPE_CHECKING:
     from dtrain.registry import StrategyOptions
 
-__all__ = ["Act", "TraceDigest", "RunData", "COMPUTE_OPS", "DELTA_KEYS", "digest_trace", "step_acts", "span_bubbles",
-           "load_run", "figures", "deltas", "rank_breakdown", "pipeline_bubbles", "schedule_shape", "run_options",
-           "predict", "number", "after_warmup", "per_step", "by_rank", "mean_or_none"]  # fmt: skip
+__all__ = [
+    "Act",
+    "TraceDigest",
+    "RunData",
+    "COMPUTE_OPS",
+    "DELTA_KEYS",
+    "digest_trace",
+    "step_acts",
+    "span_bubbles",
+    "load_run",
+    "figures",
+    "deltas",
+    "rank_breakdown",
+    "pipeline_bubbles",
+    "schedule_shape",
+    "run_options",
+    "predict",
+    "number",
+    "after_warmup",
+    "per_step",
+    "by_rank",
+    "mean_or_none",
+]
 
 COMPUTE_OPS = ("F", "B", "I", "W")  # the ops that compute; the rest send, receive or step
-DELTA_KEYS = (("step_ms", "step ms (median)", True), ("samples_per_s", "samples/s", True),
-               ("metric", "metric", False), ("bytes_per_step", "bytes/step", True),
-               ("final_loss", "final loss", False))  # fmt: skip
+DELTA_KEYS = (
+    ("step_ms", "step ms (median)", True),
+    ("samples_per_s", "samples/s", True),
+    ("metric", "metric", False),
+    ("bytes_per_step", "bytes/step", True),
+    ("final_loss", "final loss", False),
+)
+
+
 class Act(NamedTuple):
     """One pipeline action span (the trace's track 1): rank, start and duration (us), op, stage, micro-batch."""
 
@@ -83,7 +109,6 @@ class RunData:
 
 
 _LABEL_KEYS = ("algorithm", "compression", "servers", "consistency", "schedule", "microbatches", "shard")
-
 
 
 def number(v: Any) -> float | None:
@@ -129,8 +154,11 @@ def step_acts(d: TraceDigest) -> dict[tuple[int, int], list[Act]]:
     """Per ``(rank, step)`` of a rank with pipeline actions: the actions that start within its step span."""
     lanes = by_rank(d)
     starts = {r: [a.ts for a in acts] for r, acts in lanes.items()}
-    return {(rank, step): lanes[rank][bisect_left(starts[rank], t0):bisect_right(starts[rank], t0 + dur)]
-            for (rank, step), (t0, dur) in sorted(d.steps.items()) if rank in lanes}  # fmt: skip
+    return {
+        (rank, step): lanes[rank][bisect_left(starts[rank], t0) : bisect_right(starts[rank], t0 + dur)]
+        for (rank, step), (t0, dur) in sorted(d.steps.items())
+        if rank in lanes
+    }
 
 
 def span_bubbles(d: TraceDigest) -> dict[tuple[int, int], float]:
@@ -179,10 +207,14 @@ def figures(run: RunData) -> dict[str, float | None]:
     steps = per_step(run.rows, "step_s")
     keep = after_warmup(list(steps))
     s = run.summary
-    return {"step_ms": statistics.median(steps[k] for k in keep) * 1e3 if keep else None,
-            "samples_per_s": number(s.get("samples_per_s")), "metric": number(s.get("metric", s.get("test_accuracy"))),
-            "bytes_per_step": number(s.get("bytes_sent_per_step")), "final_loss": number(s.get("final_loss")),
-            "wall_s": number(s.get("wall_s"))}  # fmt: skip
+    return {
+        "step_ms": statistics.median(steps[k] for k in keep) * 1e3 if keep else None,
+        "samples_per_s": number(s.get("samples_per_s")),
+        "metric": number(s.get("metric", s.get("test_accuracy"))),
+        "bytes_per_step": number(s.get("bytes_sent_per_step")),
+        "final_loss": number(s.get("final_loss")),
+        "wall_s": number(s.get("wall_s")),
+    }
 
 
 def deltas(runs: Sequence[RunData]) -> list[dict[str, Any]]:
@@ -215,8 +247,16 @@ def predict(run: RunData) -> dict[str, Any]:
 
     cfg = RunConfig.from_mapping({k: v for k, v in run.config.items() if k not in ("out", "resume", "overwrite")})
     own = Choice(cfg.strategy, cfg.workers, cfg.options)
-    model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, samples=cfg.samples,
-                                     seq_len=cfg.seq_len, model_args=cfg.model_args, **cfg.gpt_overrides())  # fmt: skip
+    model, sample, name = load_model(
+        cfg.model,
+        cfg.dataset,
+        batch=cfg.batch_size,
+        seed=cfg.seed,
+        samples=cfg.samples,
+        seq_len=cfg.seq_len,
+        model_args=cfg.model_args,
+        **cfg.gpt_overrides(),
+    )
     spec = cluster_for(cfg.cluster, processes=own.processes) if cfg.cluster else local_cluster(own.processes)
     opt = optimizer_kind(cfg)
     p = plan(model, sample, spec, workers=own.processes, name=name, optimizer=opt, strategies=[own])
@@ -224,10 +264,16 @@ def predict(run: RunData) -> dict[str, Any]:
         why = "; ".join(r for _, r in p.rejected) or "no prediction"
         return {"label": own.label(), "step_s": None, "why": why}
     best = p.ranked[0]
-    return {"label": own.label(), "step_s": best.step_s, "samples_per_s": best.samples_per_s,
-            "compute_s": best.compute_s, "comm_s": best.comm_s, "wait_s": best.wait_s,
-            "bytes_per_step": best.bytes_per_step, "why": best.why}  # fmt: skip
-
+    return {
+        "label": own.label(),
+        "step_s": best.step_s,
+        "samples_per_s": best.samples_per_s,
+        "compute_s": best.compute_s,
+        "comm_s": best.comm_s,
+        "wait_s": best.wait_s,
+        "bytes_per_step": best.bytes_per_step,
+        "why": best.why,
+    }
 
 
 def rank_breakdown(rows: Sequence[dict[str, Any]]) -> dict[int, tuple[float, float, float]]:
@@ -245,7 +291,6 @@ def rank_breakdown(rows: Sequence[dict[str, Any]]) -> dict[int, tuple[float, flo
         wait = min(waits.get(int(r["step"]), {}).get(rank, 0.0), max(0.0, t - own))
         acc[rank].append((own, max(0.0, t - own - wait), wait))
     return {k: tuple(sum(x[j] for x in v) / len(v) for j in range(3)) for k, v in sorted(acc.items())}  # type: ignore[misc]
-
 
 
 def mean_or_none(vals: Sequence[float]) -> float | None:
@@ -307,5 +352,3 @@ def pipeline_bubbles(run: RunData) -> dict[str, float | None]:
             out["closed_form"] = bubble_closed_form(*shape)
             out["plan"] = simulate(generate(*shape), tf, tb).bubble
     return out
-
-

@@ -87,8 +87,22 @@ def _letter(i: int) -> str:
 
 
 def _summary_part(runs: Sequence[RunData]) -> str:
-    keys = ("strategy", "workers", "world_size", "steps", "global_batch", "wall_s", "train_s", "samples_per_s",
-            "metric_name", "metric", "final_loss", "bytes_sent_per_step", "time_to_target_s", "noise_scale")
+    keys = (
+        "strategy",
+        "workers",
+        "world_size",
+        "steps",
+        "global_batch",
+        "wall_s",
+        "train_s",
+        "samples_per_s",
+        "metric_name",
+        "metric",
+        "final_loss",
+        "bytes_sent_per_step",
+        "time_to_target_s",
+        "noise_scale",
+    )
     rows: list[list[Any]] = []
     for k in keys:
         vals = [r.summary.get(k) for r in runs]
@@ -122,8 +136,9 @@ def _deltas_part(runs: Sequence[RunData]) -> str:
     return table(["run", *[label for _, label, _ in DELTA_KEYS]], rows, "deltas")
 
 
-def _series(runs: Sequence[RunData], key: str, scale: float = 1.0, per_batch: bool = False,
-            warm: bool = False) -> list[Series]:  # fmt: skip
+def _series(
+    runs: Sequence[RunData], key: str, scale: float = 1.0, per_batch: bool = False, warm: bool = False
+) -> list[Series]:
     """Per run, the mean over ranks of ``key`` per step (``warm``: after the first step)."""
     out = []
     for i, r in enumerate(runs):
@@ -142,35 +157,49 @@ def _series(runs: Sequence[RunData], key: str, scale: float = 1.0, per_batch: bo
 
 
 def _curves_part(runs: Sequence[RunData]) -> str:
-    charts = [line_chart(_series(runs, "loss"), title="training loss (mean over ranks)", xlabel="step",
-                         ylabel="loss", logy=True),
-              line_chart(_series(runs, "step_s", per_batch=True, warm=True), title="throughput (after the first step)",
-                         xlabel="step", ylabel="samples/s (batch / mean step time)"),
-              line_chart(_series(runs, "step_s", 1e3, warm=True), title="step time (after the first step)",
-                         xlabel="step", ylabel="ms")]  # fmt: skip
+    charts = [
+        line_chart(
+            _series(runs, "loss"), title="training loss (mean over ranks)", xlabel="step", ylabel="loss", logy=True
+        ),
+        line_chart(
+            _series(runs, "step_s", per_batch=True, warm=True),
+            title="throughput (after the first step)",
+            xlabel="step",
+            ylabel="samples/s (batch / mean step time)",
+        ),
+        line_chart(
+            _series(runs, "step_s", 1e3, warm=True),
+            title="step time (after the first step)",
+            xlabel="step",
+            ylabel="ms",
+        ),
+    ]
     metric = []
     for i, r in enumerate(runs):
         hist = [h for h in r.summary.get("metric_history") or [] if isinstance(h, dict)]
         pts = [(number(h.get("train_s")), number(h.get("value"))) for h in hist]
         good = [(x, y) for x, y in pts if x is not None and y is not None]
         if good:
-            metric.append(Series(_short(i, r), [p[0] for p in good], [p[1] for p in good], _colour(i),
-                                 f"run-{i}"))  # fmt: skip
+            metric.append(Series(_short(i, r), [p[0] for p in good], [p[1] for p in good], _colour(i), f"run-{i}"))
     if metric:
         name = next((str(r.summary.get("metric_name")) for r in runs if r.summary.get("metric_name")), "metric")
         charts.append(line_chart(metric, title=name, xlabel="training time (s)", ylabel=name))
     noise = _noise_series(runs)
     if noise:
-        charts.append(line_chart(noise, title="gradient noise scale vs batch", xlabel="step", ylabel="samples",
-                                 logy=True))  # fmt: skip
+        charts.append(
+            line_chart(noise, title="gradient noise scale vs batch", xlabel="step", ylabel="samples", logy=True)
+        )
     return '<div class="charts">' + "\n".join(charts) + "</div>"
 
 
 def _noise_series(runs: Sequence[RunData]) -> list[Series]:
     out = []
     for i, r in enumerate(runs):
-        pts = [(int(x["step"]), number(x.get("b_simple")), number(x.get("batch"))) for x in r.rows
-               if x.get("rank", 0) == 0 and x.get("b_simple") is not None]  # fmt: skip
+        pts = [
+            (int(x["step"]), number(x.get("b_simple")), number(x.get("batch")))
+            for x in r.rows
+            if x.get("rank", 0) == 0 and x.get("b_simple") is not None
+        ]
         b = [(s, v) for s, v, _ in pts if v is not None and v > 0]
         batch = [(s, v) for s, _, v in pts if v is not None]
         if b:
@@ -196,8 +225,9 @@ def _breakdown_part(runs: Sequence[RunData]) -> str:
         return ""
     stacks = [(label, colour, vals[j]) for j, (label, colour) in enumerate(_KIND_COLOURS)]
     width = max(560, 60 * len(cats) + 200)
-    return bar_chart(cats, stacks, title="mean step per rank (after the first step)", ylabel="ms",
-                     groups=groups, width=width)  # fmt: skip
+    return bar_chart(
+        cats, stacks, title="mean step per rank (after the first step)", ylabel="ms", groups=groups, width=width
+    )
 
 
 def _staleness_part(runs: Sequence[RunData]) -> str:
@@ -209,9 +239,15 @@ def _staleness_part(runs: Sequence[RunData]) -> str:
             continue
         keys = sorted(hist, key=lambda k: int(k) if str(k).lstrip("-").isdigit() else 0)
         counts = [float(hist[k]) for k in keys]
-        charts.append(bar_chart([str(k) for k in keys], [("gradients", _colour(i), counts)],
-                                title=f"{_letter(i)}: staleness (updates behind) of applied gradients",
-                                ylabel="gradients", groups=[f"run-{i}"] * len(keys)))  # fmt: skip
+        charts.append(
+            bar_chart(
+                [str(k) for k in keys],
+                [("gradients", _colour(i), counts)],
+                title=f"{_letter(i)}: staleness (updates behind) of applied gradients",
+                ylabel="gradients",
+                groups=[f"run-{i}"] * len(keys),
+            )
+        )
     return '<div class="charts">' + "\n".join(charts) + "</div>" if charts else ""
 
 
@@ -237,8 +273,11 @@ def _measured_boxes(d: TraceDigest) -> tuple[int, list[list[Box]]] | None:
     lanes = by_rank(d)
     ranks = sorted(lanes)
     steps = after_warmup([s for (r, s) in d.steps if r in lanes])
-    whole = {s: (min(d.steps[(r, s)][0] for r in ranks), max(sum(d.steps[(r, s)]) for r in ranks))
-             for s in steps if all((r, s) in d.steps for r in ranks)}  # fmt: skip
+    whole = {
+        s: (min(d.steps[(r, s)][0] for r in ranks), max(sum(d.steps[(r, s)]) for r in ranks))
+        for s in steps
+        if all((r, s) in d.steps for r in ranks)
+    }
     if not whole:
         return None
     order = sorted(whole, key=lambda s: (whole[s][1] - whole[s][0], s))
@@ -252,10 +291,15 @@ def _measured_boxes(d: TraceDigest) -> tuple[int, list[list[Box]]] | None:
             if t0 <= a.ts <= t0 + dur:
                 compute = a.op in COMPUTE_OPS
                 name = f"{a.stage}{a.op}{'' if a.mb is None else a.mb}"
-                lane.append(Box((a.ts - origin) / 1e3, (a.ts + a.dur - origin) / 1e3,
-                                f"{a.op}{'' if a.mb is None else a.mb}" if compute else "",
-                                _OP_COLOURS.get(a.op, "#9c755f") if compute else "#d7d7d7",
-                                f"rank {r} {name}: {a.dur / 1e3:.3g} ms"))  # fmt: skip
+                lane.append(
+                    Box(
+                        (a.ts - origin) / 1e3,
+                        (a.ts + a.dur - origin) / 1e3,
+                        f"{a.op}{'' if a.mb is None else a.mb}" if compute else "",
+                        _OP_COLOURS.get(a.op, "#9c755f") if compute else "#d7d7d7",
+                        f"rank {r} {name}: {a.dur / 1e3:.3g} ms",
+                    )
+                )
         out.append(lane)
     return step, out
 
@@ -264,9 +308,19 @@ def _plan_boxes(shape: tuple[str, int, int, int], tf: float, tb: float) -> tuple
     from dtrain.pipeline.schedules import generate, simulate
 
     result = simulate(generate(*shape), tf, tb)
-    lanes = [[Box(t0, t1, f"{a.op}{'' if a.mb is None else a.mb}", _OP_COLOURS.get(a.op, "#9c755f"),
-                  f"rank {r} {a} planned {t0:.3g}-{t1:.3g} ms") for a, t0, t1 in played]
-             for r, played in enumerate(result.starts)]  # fmt: skip
+    lanes = [
+        [
+            Box(
+                t0,
+                t1,
+                f"{a.op}{'' if a.mb is None else a.mb}",
+                _OP_COLOURS.get(a.op, "#9c755f"),
+                f"rank {r} {a} planned {t0:.3g}-{t1:.3g} ms",
+            )
+            for a, t0, t1 in played
+        ]
+        for r, played in enumerate(result.starts)
+    ]
     return result.makespan, lanes
 
 
@@ -290,17 +344,35 @@ def _pipeline_part(runs: Sequence[RunData]) -> str:
         labels = [f"rank {r}" for r in range(shape[1] if shape else len(measured[1]) if measured else 0)]
         html = [f"<h3>{_letter(i)}: {escape(run.label)}</h3>"]
         if measured is not None:
-            html.append(timeline(measured[1], title=f"measured: step {measured[0]} (the median step), from the trace",
-                                 xlabel="ms from the step's start", row_labels=labels, span=span, width=760))
+            html.append(
+                timeline(
+                    measured[1],
+                    title=f"measured: step {measured[0]} (the median step), from the trace",
+                    xlabel="ms from the step's start",
+                    row_labels=labels,
+                    span=span,
+                    width=760,
+                )
+            )
         if plan is not None and shape is not None:
             tf, tb = fmt(float(b["tf_ms"] or 0)), fmt(float(b["tb_ms"] or 0))
-            html.append(timeline(plan[1], title=f"plan: {shape[0]}, P={shape[1]}, M={shape[2]}, v={shape[3]}, at the "
-                                 f"measured mean F {tf} ms, B {tb} ms", xlabel="ms", row_labels=labels, span=span,
-                                 width=760))  # fmt: skip
-        rows = [["measured (metrics rows' bubble, mean after the first step)", b["rows"]],
-                ["measured (from the trace's spans: 1 - compute / step span)", b["spans"]],
-                ["closed form (P-1)/(v*M+P-1)", b["closed_form"]],
-                ["plan simulated at the measured F and B times", b["plan"]]]  # fmt: skip
+            html.append(
+                timeline(
+                    plan[1],
+                    title=f"plan: {shape[0]}, P={shape[1]}, M={shape[2]}, v={shape[3]}, at the "
+                    f"measured mean F {tf} ms, B {tb} ms",
+                    xlabel="ms",
+                    row_labels=labels,
+                    span=span,
+                    width=760,
+                )
+            )
+        rows = [
+            ["measured (metrics rows' bubble, mean after the first step)", b["rows"]],
+            ["measured (from the trace's spans: 1 - compute / step span)", b["spans"]],
+            ["closed form (P-1)/(v*M+P-1)", b["closed_form"]],
+            ["plan simulated at the measured F and B times", b["plan"]],
+        ]
         html.append(table(["bubble (idle share of the step)", "value"], rows, "bubble"))
         parts.append('<div class="pipeline">' + "\n".join(html) + "</div>")
     return "\n".join(parts)
@@ -313,15 +385,38 @@ def _prediction_part(runs: Sequence[RunData]) -> str:
         if p is None:
             continue
         ps, ms = number(p.get("step_s")), f["step_ms"]
-        rows.append([f"{_letter(i)}: {r.label}", p.get("label"), ps * 1e3 if ps is not None else None, ms,
-                     f"{ms / (ps * 1e3):.2f}x" if ps and ms else None, number(p.get("samples_per_s")),
-                     f["samples_per_s"], number(p.get("bytes_per_step")), f["bytes_per_step"], p.get("why")])
+        rows.append(
+            [
+                f"{_letter(i)}: {r.label}",
+                p.get("label"),
+                ps * 1e3 if ps is not None else None,
+                ms,
+                f"{ms / (ps * 1e3):.2f}x" if ps and ms else None,
+                number(p.get("samples_per_s")),
+                f["samples_per_s"],
+                number(p.get("bytes_per_step")),
+                f["bytes_per_step"],
+                p.get("why"),
+            ]
+        )
     if not rows:
-        return ('<p class="note">No prediction: <code>dtrain report --predict RUN ...</code> adds the performance '
-                "model's predicted step for each run's strategy (it calibrates this machine once, then takes a few "
-                "seconds).</p>")  # fmt: skip
-    head = ["run", "as planned", "predicted step ms", "measured step ms", "measured / predicted",
-            "predicted samples/s", "measured samples/s", "predicted bytes/step", "measured bytes/step", "why"]
+        return (
+            '<p class="note">No prediction: <code>dtrain report --predict RUN ...</code> adds the performance '
+            "model's predicted step for each run's strategy (it calibrates this machine once, then takes a few "
+            "seconds).</p>"
+        )
+    head = [
+        "run",
+        "as planned",
+        "predicted step ms",
+        "measured step ms",
+        "measured / predicted",
+        "predicted samples/s",
+        "measured samples/s",
+        "predicted bytes/step",
+        "measured bytes/step",
+        "why",
+    ]
     return table(head, rows, "prediction")
 
 
@@ -350,8 +445,10 @@ def _runs_part(runs: Sequence[RunData]) -> str:
     out = ['<p class="runs">']
     for i, r in enumerate(runs):
         box = f'<input type="checkbox" checked data-run="{i}"> ' if len(runs) > 1 else ""
-        out.append(f'<label>{box}<span class="swatch" style="background:{_colour(i)}"></span>'
-                   f"{_letter(i)}: {escape(r.label)} <small>({escape(str(r.path))})</small></label>")
+        out.append(
+            f'<label>{box}<span class="swatch" style="background:{_colour(i)}"></span>'
+            f"{_letter(i)}: {escape(r.label)} <small>({escape(str(r.path))})</small></label>"
+        )
     return "".join(out) + "</p>"
 
 
@@ -361,27 +458,33 @@ def build_html(runs: Sequence[RunData]) -> str:
         raise DTrainError("report: no run folder given")
     hide = "".join(f".hide-run-{i} .run-{i}{{display:none}}" for i in range(len(runs)))
     title = "dtrain report: " + (runs[0].label if len(runs) == 1 else f"{len(runs)} runs compared")
-    body = [section("Summary", _summary_part(runs), "summary"),
-            section("Differences from run A", _deltas_part(runs), "deltas"),
-            section("Curves", _curves_part(runs), "curves"),
-            section("Compute, communication and waiting per rank", _breakdown_part(runs), "breakdown"),
-            section("Parameter server staleness", _staleness_part(runs), "staleness"),
-            section("Strategy options: algorithm, buckets, compression", _options_part(runs), "options"),
-            section("Pipeline schedule: measured and planned", _pipeline_part(runs), "pipeline"),
-            section("Performance model: predicted and measured step", _prediction_part(runs), "prediction")]
+    body = [
+        section("Summary", _summary_part(runs), "summary"),
+        section("Differences from run A", _deltas_part(runs), "deltas"),
+        section("Curves", _curves_part(runs), "curves"),
+        section("Compute, communication and waiting per rank", _breakdown_part(runs), "breakdown"),
+        section("Parameter server staleness", _staleness_part(runs), "staleness"),
+        section("Strategy options: algorithm, buckets, compression", _options_part(runs), "options"),
+        section("Pipeline schedule: measured and planned", _pipeline_part(runs), "pipeline"),
+        section("Performance model: predicted and measured step", _prediction_part(runs), "prediction"),
+    ]
     return page(title, _runs_part(runs), body, css=hide)
 
 
 def page(title: str, head: str, sections: Sequence[str], css: str = "") -> str:
     """A whole self-contained page: ``title``, ``head`` under it, then the non-empty ``sections``."""
-    return ('<!DOCTYPE html>\n<html lang="en" data-js-errors="[]"><head><meta charset="utf-8">'
-            f"<title>{escape(title)}</title><style>{_CSS}{css}</style><script>{_HEAD_JS}</script></head>\n"
-            f"<body><h1>{escape(title)}</h1>{head}\n" + "\n".join(b for b in sections if b)
-            + f"\n<script>{_TAIL_JS}</script></body></html>\n")  # fmt: skip
+    return (
+        '<!DOCTYPE html>\n<html lang="en" data-js-errors="[]"><head><meta charset="utf-8">'
+        f"<title>{escape(title)}</title><style>{_CSS}{css}</style><script>{_HEAD_JS}</script></head>\n"
+        f"<body><h1>{escape(title)}</h1>{head}\n"
+        + "\n".join(b for b in sections if b)
+        + f"\n<script>{_TAIL_JS}</script></body></html>\n"
+    )
 
 
-def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None, *,
-                 with_prediction: bool = False) -> Path:  # fmt: skip
+def write_report(
+    run_dirs: Sequence[str | Path], out: str | Path | None = None, *, with_prediction: bool = False
+) -> Path:
     """Write ``report.html`` for ``run_dirs`` into ``out`` (a file, or a folder -- one that exists or a
     name without a suffix -- to put report.html in; default: the first run folder); ``with_prediction``
     runs :func:`~dtrain.observe.report_data.predict` for runs without one."""
@@ -420,9 +523,12 @@ def report_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None, *
     if len(runs) > 1:
         lines = [f"compared with A: {runs[0].label}"]
         for i, d in enumerate(deltas(runs), 1):
-            cells = [f"{label} {'+' if v['diff'] >= 0 else ''}{fmt(v['diff'])}"
-                     + (f" ({v['rel']:+.1%})" if v["rel"] is not None else "")
-                     for key, label, _ in DELTA_KEYS if (v := d[key])["diff"] is not None]
+            cells = [
+                f"{label} {'+' if v['diff'] >= 0 else ''}{fmt(v['diff'])}"
+                + (f" ({v['rel']:+.1%})" if v["rel"] is not None else "")
+                for key, label, _ in DELTA_KEYS
+                if (v := d[key])["diff"] is not None
+            ]
             lines.append(f"  {_letter(i)}: {d['run']}: " + ", ".join(cells))
         parts.append("\n".join(lines))
     path = write_report(run_dirs, out, with_prediction=predict)

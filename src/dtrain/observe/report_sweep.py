@@ -45,11 +45,21 @@ def _value(v: Any) -> str:
 def _trials_part(doc: dict[str, Any]) -> str:
     keys = list(doc["space"])
     rows = []
-    for t in sorted(doc["trials"], key=lambda t: (t["metric"] is None, -(t["metric"] or 0) if doc["mode"] == "max"
-                                                  else (t["metric"] or 0))):  # fmt: skip
+    for t in sorted(
+        doc["trials"],
+        key=lambda t: (t["metric"] is None, -(t["metric"] or 0) if doc["mode"] == "max" else (t["metric"] or 0)),
+    ):
         exploits = "; ".join(f"from {e['from_trial']} at step {e['at_step']}" for e in t["exploits"])
-        rows.append([t["trial"], *[_value(t["config"].get(k)) for k in keys], t["fate"] + (
-            f": {t['error']}" if t.get("error") else ""), t["metric"], t.get("steps_trained"), exploits])
+        rows.append(
+            [
+                t["trial"],
+                *[_value(t["config"].get(k)) for k in keys],
+                t["fate"] + (f": {t['error']}" if t.get("error") else ""),
+                t["metric"],
+                t.get("steps_trained"),
+                exploits,
+            ]
+        )
     return table(["trial", *keys, "fate", doc["metric"], "steps trained", "exploits"], rows, "trials")
 
 
@@ -58,12 +68,20 @@ def _metric_part(doc: dict[str, Any]) -> str:
     for i, t in enumerate(doc["trials"]):
         h = [x for x in t["history"] if isinstance(x.get("value"), (int, float))]
         if h:
-            series.append(Series(t["trial"], [float(x["step"]) for x in h], [float(x["value"]) for x in h],
-                                 PALETTE[i % len(PALETTE)]))  # fmt: skip
+            series.append(
+                Series(
+                    t["trial"], [float(x["step"]) for x in h], [float(x["value"]) for x in h], PALETTE[i % len(PALETTE)]
+                )
+            )
     if not series:
         return ""
-    return line_chart(series, title=f"{doc['metric']} of every trial", xlabel="step", ylabel=doc["metric"],
-                      logy=doc["metric"] == "val_loss")  # fmt: skip
+    return line_chart(
+        series,
+        title=f"{doc['metric']} of every trial",
+        xlabel="step",
+        ylabel=doc["metric"],
+        logy=doc["metric"] == "val_loss",
+    )
 
 
 def _lineage_part(folder: Path, doc: dict[str, Any]) -> str:
@@ -82,8 +100,15 @@ def _lineage_part(folder: Path, doc: dict[str, Any]) -> str:
                     points[k][1].extend([float(s["hp"][k])] * 2)
             donor = s.get("from") or {}
             if donor.get("trial") not in (None, t["trial"]):
-                rows.append([donor.get("step"), t["trial"], donor["trial"], _value(donor.get("value")),
-                             ", ".join(f"{k}={_value(v)}" for k, v in s["hp"].items())])  # fmt: skip
+                rows.append(
+                    [
+                        donor.get("step"),
+                        t["trial"],
+                        donor["trial"],
+                        _value(donor.get("value")),
+                        ", ".join(f"{k}={_value(v)}" for k, v in s["hp"].items()),
+                    ]
+                )
         for k, (xs, ys) in points.items():
             if xs:
                 schedules[k].append(Series(t["trial"], xs, ys, PALETTE[i % len(PALETTE)], steps=True))
@@ -91,8 +116,9 @@ def _lineage_part(folder: Path, doc: dict[str, Any]) -> str:
         return ""
     for k, series in schedules.items():
         if series:
-            charts.append(line_chart(series, title=f"{k} of every trial over the steps", xlabel="step", ylabel=k,
-                                     logy=k == "lr"))  # fmt: skip
+            charts.append(
+                line_chart(series, title=f"{k} of every trial over the steps", xlabel="step", ylabel=k, logy=k == "lr")
+            )
     head = ["step", "trial", "copied from", f"donor's {doc['metric']}", "went on with"]
     lineage = table(head, sorted(rows, key=lambda r: (r[0] or 0, r[1])), "lineage") if rows else "<p>no exploit</p>"
     return lineage + "".join(charts)
@@ -105,23 +131,38 @@ def sweep_report(folder: str | Path) -> tuple[str, str]:
     best = doc.get("best")
     best_part = "<p>no trial reported</p>"
     if best:
-        best_part = table(["key", "value"], [["trial", best["trial"]], [doc["metric"], best["metric"]],
-                                             *[[k, _value(v)] for k, v in best["config"].items()]])  # fmt: skip
+        best_part = table(
+            ["key", "value"],
+            [
+                ["trial", best["trial"]],
+                [doc["metric"], best["metric"]],
+                *[[k, _value(v)] for k, v in best["config"].items()],
+            ],
+        )
     title = f"dtrain sweep: {doc['search']} search, {doc['scheduler']}, {doc['trials_run']} trials"
-    head = (f"<p>{folder}: {doc['metric']} ({doc['mode']}), {doc['steps_trained']} steps trained, "
-            f"{doc['wall_s']:.0f} s; space: " + ", ".join(f"{k} = {v}" for k, v in doc["space"].items()) + "</p>")
-    html = page(title, head, [section("Best configuration", best_part, "best"),
-                              section("Trials", _trials_part(doc), "trials"),
-                              section("The metric over the steps", _metric_part(doc), "metric"),
-                              section("Population-based training: lineage and schedules",
-                                      _lineage_part(folder, doc), "lineage")])  # fmt: skip
+    head = (
+        f"<p>{folder}: {doc['metric']} ({doc['mode']}), {doc['steps_trained']} steps trained, "
+        f"{doc['wall_s']:.0f} s; space: " + ", ".join(f"{k} = {v}" for k, v in doc["space"].items()) + "</p>"
+    )
+    html = page(
+        title,
+        head,
+        [
+            section("Best configuration", best_part, "best"),
+            section("Trials", _trials_part(doc), "trials"),
+            section("The metric over the steps", _metric_part(doc), "metric"),
+            section("Population-based training: lineage and schedules", _lineage_part(folder, doc), "lineage"),
+        ],
+    )
     fates: dict[str, int] = {}
     for t in doc["trials"]:
         fates[t["fate"]] = fates.get(t["fate"], 0) + 1
     text = [title, "trials          " + ", ".join(f"{n} {f}" for f, n in fates.items())]
     if best:
-        text.append(f"best            trial {best['trial']}: {doc['metric']} {best['metric']:.4f}; "
-                    + " ".join(f"{k}={_value(v)}" for k, v in best["config"].items()))
+        text.append(
+            f"best            trial {best['trial']}: {doc['metric']} {best['metric']:.4f}; "
+            + " ".join(f"{k}={_value(v)}" for k, v in best["config"].items())
+        )
     return html, "\n".join(text)
 
 

@@ -23,8 +23,15 @@ from dtrain.rundir.files import CONFIG, is_run
 __all__ = ["sample_run", "main"]
 
 
-def sample_run(run_dir: str | Path, prompt: str = "\nThe ", tokens: int = 200, *, temperature: float = 0.8,
-               top_k: int | None = 40, seed: int = 0) -> str:  # fmt: skip
+def sample_run(
+    run_dir: str | Path,
+    prompt: str = "\nThe ",
+    tokens: int = 200,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    seed: int = 0,
+) -> str:
     """The prompt and ``tokens`` sampled bytes from ``run_dir``'s trained model, as text.
 
     Raises:
@@ -61,8 +68,10 @@ def _codec(cfg: RunConfig, vocab: int) -> tuple[Callable[[str], list[int]], Call
         return (lambda text: list(tok.encode(text).ids) or [0]), (lambda ids: str(tok.decode(ids)))
     if vocab == 256:
         return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
-    return ((lambda text: [int(w) % vocab for w in text.split() if w.isdigit()] or [0]),
-            (lambda ids: " ".join(map(str, ids))))  # fmt: skip
+    return (
+        (lambda text: [int(w) % vocab for w in text.split() if w.isdigit()] or [0]),
+        (lambda ids: " ".join(map(str, ids))),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest bytes; 0: all (default: 40)")
     ap.add_argument("--seed", type=int, default=0, help="(default: 0)")
     ns = ap.parse_args(argv)
-    print(sample_run(ns.run_dir, ns.prompt, ns.tokens, temperature=ns.temperature, top_k=ns.top_k or None,
-                     seed=ns.seed))
+    print(
+        sample_run(ns.run_dir, ns.prompt, ns.tokens, temperature=ns.temperature, top_k=ns.top_k or None, seed=ns.seed)
+    )
     return 0

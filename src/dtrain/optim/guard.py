@@ -105,8 +105,14 @@ class NonFiniteGuard:
             collective where a step is shared); needed when ``budget > 0``.
     """
 
-    def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]], *, rank: int, budget: int = 0,
-                 agree: Callable[[bool], list[int]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, nn.Parameter]],
+        *,
+        rank: int,
+        budget: int = 0,
+        agree: Callable[[bool], list[int]] | None = None,
+    ) -> None:
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
         if budget and agree is None:

@@ -53,15 +53,18 @@ def parse_batch_schedule(spec: str) -> list[tuple[int, int]]:
             e, b = part.split(":")
             epoch, batch = int(e), int(b)
         except ValueError:
-            raise ConfigError(f"batch_schedule entry {part.strip()!r} is not EPOCH:BATCH (e.g. \"0:256,5:512\"), "
-                              f"in {spec!r}") from None  # fmt: skip
+            raise ConfigError(
+                f'batch_schedule entry {part.strip()!r} is not EPOCH:BATCH (e.g. "0:256,5:512"), in {spec!r}'
+            ) from None
         if epoch < 0 or batch < 1:
             raise ConfigError(f"batch_schedule entry {part.strip()!r}: the epoch must be >= 0 and the batch >= 1")
         if out and epoch <= out[-1][0]:
             raise ConfigError(f"batch_schedule {spec!r}: epochs must increase ({epoch} follows {out[-1][0]})")
         if out and batch <= out[-1][1]:
-            raise ConfigError(f"batch_schedule {spec!r} is not increasing: the batch {batch} at epoch {epoch} "
-                              f"follows {out[-1][1]} (a batch schedule grows the batch)")  # fmt: skip
+            raise ConfigError(
+                f"batch_schedule {spec!r} is not increasing: the batch {batch} at epoch {epoch} "
+                f"follows {out[-1][1]} (a batch schedule grows the batch)"
+            )
         out.append((epoch, batch))
     if out[0][0] != 0:
         raise ConfigError(f'batch_schedule {spec!r} must start at epoch 0 (e.g. "0:{out[0][1]},...")')

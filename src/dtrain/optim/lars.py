@@ -27,6 +27,7 @@ from dtrain.optim._layerwise import Exclude, LayerwiseOptimizer, check_exclude, 
 
 __all__ = ["LARS"]
 
+
 def _check_group(group: Mapping[str, Any]) -> None:
     lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
     eta, eps = group["trust_coefficient"], group["eps"]

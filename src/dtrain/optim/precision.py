@@ -132,10 +132,17 @@ class LossScaler(torch.amp.GradScaler):
     :meth:`advance` moves the scale.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], agree: Callable[[bool], list[int]] | None = None, *,
-                 rank: int = 0,
-                 device: str = "cpu", init_scale: float = 2.0**16, growth_interval: int = 2000,
-                 min_scale: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        agree: Callable[[bool], list[int]] | None = None,
+        *,
+        rank: int = 0,
+        device: str = "cpu",
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+    ) -> None:
         super().__init__(device, init_scale=init_scale, growth_interval=growth_interval)
         # GradScaler creates its scale tensor in the first scale(); a whole-step engine (pipeline, tensor,
         # hybrid) never calls it -- it multiplies its loss by loss_scale itself -- and unscale_ would then fail
@@ -158,8 +165,9 @@ class LossScaler(torch.amp.GradScaler):
         assert isinstance(out, torch.Tensor)
         return out
 
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:  # fmt: skip
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
         per_device: dict[torch.device, torch.Tensor] = super()._unscale_grads_(
             optimizer, inv_scale, found_inf, allow_fp16
         )

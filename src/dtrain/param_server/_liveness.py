@@ -167,9 +167,12 @@ class Liveness:
         except Exception as e:  # noqa: BLE001 - the store host is gone; the owner decides
             if not self._stop.is_set():
                 self.store_error = _first_line(e)
-                log.warning("rank %d: heartbeats stopped, the store is unreachable (%s); "
-                            "lost peers are still seen through their closed connections", self.rank,
-                            self.store_error)
+                log.warning(
+                    "rank %d: heartbeats stopped, the store is unreachable (%s); "
+                    "lost peers are still seen through their closed connections",
+                    self.rank,
+                    self.store_error,
+                )
             return False
         return True
 

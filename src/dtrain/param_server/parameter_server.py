@@ -49,8 +49,9 @@ DATA_TIMEOUT_S = 24 * 3600.0
 _INSTANCES: dict[str, int] = {}  # process group name -> parameter servers built on it so far
 
 
-def reshard_server_state(state: dict[str, Any], workers: Sequence[int], spec: ConsistencySpec | None = None
-                         ) -> dict[str, Any]:  # fmt: skip
+def reshard_server_state(
+    state: dict[str, Any], workers: Sequence[int], spec: ConsistencySpec | None = None
+) -> dict[str, Any]:
     """A server's saved :meth:`ParameterServer.state_dict` for another set of worker ranks (bsp).
 
     Under bsp a checkpoint is taken right after an update, when every worker has
@@ -70,14 +71,17 @@ def reshard_server_state(state: dict[str, Any], workers: Sequence[int], spec: Co
     saved = {int(w): int(c) for w, c in state["clock"].items()}
     clocks = set(saved.values())
     if len(clocks) != 1:
-        raise ConfigError(f"the saved workers are at different clocks {saved}: only a checkpoint where every worker "
-                          "is at one clock (bsp) resumes on another number of workers")
+        raise ConfigError(
+            f"the saved workers are at different clocks {saved}: only a checkpoint where every worker "
+            "is at one clock (bsp) resumes on another number of workers"
+        )
     (clock,) = clocks
     return {**state, "clock": {int(w): clock for w in workers}, "received": clock * len(workers)}
 
 
-def _check_arguments(model: Any, optimizer_factory: Any, servers: Any, timeout_s: float,
-                     max_gradients: int | None) -> None:  # fmt: skip
+def _check_arguments(
+    model: Any, optimizer_factory: Any, servers: Any, timeout_s: float, max_gradients: int | None
+) -> None:
     """:class:`ParameterServer`'s own checks of its arguments (ConfigError naming the one that is wrong)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -153,8 +157,10 @@ class ParameterServer:
         _check_arguments(model, optimizer_factory, servers, timeout_s, max_gradients)
         self.spec = parse_consistency(consistency, staleness_lr=staleness_lr)
         if clip_grad_norm and self.spec.kind != "bsp":
-            raise ConfigError(f"clip_grad_norm clips each update's gradient over every server's shard, which bsp "
-                              f"alone applies in step on every server; consistency is {self.spec}")
+            raise ConfigError(
+                f"clip_grad_norm clips each update's gradient over every server's shard, which bsp "
+                f"alone applies in step on every server; consistency is {self.spec}"
+            )
         self.params = [p for p in model.parameters()]
         if not self.params:
             raise ConfigError("the model has no parameters")
@@ -178,8 +184,10 @@ class ParameterServer:
         self.worker_index = -1 if self.is_server else self.rank - servers
         role = "server" if self.is_server else "worker"
         if state is not None and state.get("role") != role:
-            raise ConfigError(f"rank {self.rank} is a {role} but was given the saved state of a {state.get('role')}; "
-                              "resume with the same numbers of servers and workers")
+            raise ConfigError(
+                f"rank {self.rank} is a {role} but was given the saved state of a {state.get('role')}; "
+                "resume with the same numbers of servers and workers"
+            )
         self.timeout_s = float(timeout_s)
         workers = list(range(servers, self.world_size))
         self._live = Liveness(store, prefix, self.rank, timeout_s)
@@ -187,8 +195,17 @@ class ParameterServer:
         self._client: ShardClient | None = None
         if self.is_server:
             self._server = ShardServer(
-                self.transport, self.shards[self.rank], self.params, optimizer_factory, self.spec.build(),
-                workers, push_c, pull_c, self._live, timeout_s, max_gradients,
+                self.transport,
+                self.shards[self.rank],
+                self.params,
+                optimizer_factory,
+                self.spec.build(),
+                workers,
+                push_c,
+                pull_c,
+                self._live,
+                timeout_s,
+                max_gradients,
             )
             self._server.on_update = on_update
             if clip_grad_norm:
@@ -306,6 +323,7 @@ class ParameterServer:
 
     def __repr__(self) -> str:
         role = "server" if self.is_server else f"worker {self.worker_index}"
-        return (f"ParameterServer(rank={self.rank}, {role}, servers={self.num_servers}, "
-                f"workers={self.num_workers}, consistency={str(self.spec)!r})")
-
+        return (
+            f"ParameterServer(rank={self.rank}, {role}, servers={self.num_servers}, "
+            f"workers={self.num_workers}, consistency={str(self.spec)!r})"
+        )

@@ -81,8 +81,14 @@ OP_FINISH = 3
 OP_PARAMS = 16
 OP_BYE = 17
 OP_DROPPED = 18
-OP_NAMES = {OP_PULL: "pull", OP_PUSH: "push", OP_FINISH: "finish", OP_PARAMS: "params", OP_BYE: "bye",
-            OP_DROPPED: "dropped"}
+OP_NAMES = {
+    OP_PULL: "pull",
+    OP_PUSH: "push",
+    OP_FINISH: "finish",
+    OP_PARAMS: "params",
+    OP_BYE: "bye",
+    OP_DROPPED: "dropped",
+}
 WORKER_OPS = (OP_PULL, OP_PUSH, OP_FINISH)
 SERVER_OPS = (OP_PARAMS, OP_BYE, OP_DROPPED)
 
@@ -110,8 +116,9 @@ class PeerStalledError(PeerLostError, CommTimeoutError):
     them would wait on the silent peer; see ``dtrain.launch.agent``)."""
 
 
-def lost_error(rank: int, op: str, cause: str, why: str, *, peer: int | None = None,
-               step: int | None = None) -> PeerLostError:  # fmt: skip
+def lost_error(
+    rank: int, op: str, cause: str, why: str, *, peer: int | None = None, step: int | None = None
+) -> PeerLostError:
     """:class:`PeerStalledError` where the liveness monitor's ``why`` is a stopped heartbeat, else
     :class:`PeerLostError` (a closed connection)."""
     cls = PeerStalledError if why.startswith("no heartbeat") else PeerLostError

@@ -37,8 +37,9 @@ def lr_scale(consistency: str, workers: int) -> float:
     return per_update / workers
 
 
-def serve(ps: ParameterServer, out_dir: Path, *, batch_size: int, timeout_s: float, table: bool = True
-          ) -> dict[str, Any]:  # fmt: skip
+def serve(
+    ps: ParameterServer, out_dir: Path, *, batch_size: int, timeout_s: float, table: bool = True
+) -> dict[str, Any]:
     """A server's whole run: serve until every worker is done, publish the stats; the first server
     merges everyone's into ``ps_stats.json`` and returns the summary's parameter-server keys."""
     stats = ps.serve()
@@ -54,8 +55,18 @@ def serve(ps: ParameterServer, out_dir: Path, *, batch_size: int, timeout_s: flo
     (out_dir / "ps_stats.json").write_text(json.dumps(merged, indent=2) + "\n")
     if table:
         print(format_table(merged), flush=True)
-    keys = ("consistency", "servers", "staleness", "clock_lag", "updates", "gradients_dropped", "samples_computed",
-            "samples_applied", "lost_workers", "bytes_received_per_step")  # fmt: skip
+    keys = (
+        "consistency",
+        "servers",
+        "staleness",
+        "clock_lag",
+        "updates",
+        "gradients_dropped",
+        "samples_computed",
+        "samples_applied",
+        "lost_workers",
+        "bytes_received_per_step",
+    )
     out["summary_extra"] = {k: merged[k] for k in keys}
     return out
 

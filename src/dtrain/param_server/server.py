@@ -162,7 +162,7 @@ class _Sends:
     def abandon(self) -> list[tuple[int, Work]]:
         """Stop after the send in progress; the sends not yet waited."""
         self._abandoned = True
-        return self.works[self.index + 1:]
+        return self.works[self.index + 1 :]
 
 
 class _SendWaiter:
@@ -276,12 +276,18 @@ class ShardServer:
         """
         pol = getattr(self.policy, "inner", self.policy)
         if pol.waiting or pol.buffer or self._pending:
-            raise DTrainError(f"server rank {self.rank}: cannot checkpoint while workers {sorted(pol.waiting)} wait "
-                              "or gradients are buffered (checkpoint under bsp, after an update)")
+            raise DTrainError(
+                f"server rank {self.rank}: cannot checkpoint while workers {sorted(pol.waiting)} wait "
+                "or gradients are buffered (checkpoint under bsp, after an update)"
+            )
         return {
-            "pieces": [p.detach().clone() for p in self.pieces], "optimizer": self.optimizer.state_dict(),
-            "clock": dict(pol.clock), "version": pol.version, "received": self.stats.received,
-            "updates": self.stats.updates, "pull_compressor": self.pull_c.state_dict(),
+            "pieces": [p.detach().clone() for p in self.pieces],
+            "optimizer": self.optimizer.state_dict(),
+            "clock": dict(pol.clock),
+            "version": pol.version,
+            "received": self.stats.received,
+            "updates": self.stats.updates,
+            "pull_compressor": self.pull_c.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -294,12 +300,16 @@ class ShardServer:
         pieces = state["pieces"]
         shapes = [tuple(p.shape) for p in self.pieces]
         if [tuple(t.shape) for t in pieces] != shapes:
-            raise ValueError(f"server rank {self.rank}: the saved shard has pieces {[tuple(t.shape) for t in pieces]}, "
-                             f"this shard {shapes}; resume with the same model and number of servers")
+            raise ValueError(
+                f"server rank {self.rank}: the saved shard has pieces {[tuple(t.shape) for t in pieces]}, "
+                f"this shard {shapes}; resume with the same model and number of servers"
+            )
         pol = getattr(self.policy, "inner", self.policy)
         if set(state["clock"]) != set(pol.clock):
-            raise ValueError(f"server rank {self.rank}: the saved clock table has workers {sorted(state['clock'])}, "
-                             f"this run {sorted(pol.clock)}")
+            raise ValueError(
+                f"server rank {self.rank}: the saved clock table has workers {sorted(state['clock'])}, "
+                f"this run {sorted(pol.clock)}"
+            )
         with torch.no_grad():
             for p, t in zip(self.pieces, pieces):
                 p.copy_(t)
@@ -406,9 +416,11 @@ class ShardServer:
         silent = time.monotonic() - last_event
         if waiting and self._remaining() and silent > 2 * self.timeout_s:
             raise CommTimeoutError(
-                self.rank, f"serve ({self.policy.spec()})",
+                self.rank,
+                f"serve ({self.policy.spec()})",
                 f"nothing from workers {sorted(self._remaining() - set(self.policy.waiting))} for {silent:.0f}s "
-                f"while workers {sorted(waiting)} wait", step=self.policy.version,
+                f"while workers {sorted(waiting)} wait",
+                step=self.policy.version,
             )
 
     def _handle(self, ev: tuple[Any, ...]) -> None:
@@ -469,8 +481,11 @@ class ShardServer:
     def _reject(self, w: int, why: str, h: Header | None = None) -> None:
         what = f"{h.op_name} " if h is not None else ""
         raise ProtocolError(
-            self.rank, "serve", f"rejected {what}message from worker rank {w}: {why}; nothing was applied",
-            peer=w, step=h.clock if h is not None else None,
+            self.rank,
+            "serve",
+            f"rejected {what}message from worker rank {w}: {why}; nothing was applied",
+            peer=w,
+            step=h.clock if h is not None else None,
         )
 
     def _worker_lost(self, w: int, why: str) -> None:
@@ -478,19 +493,31 @@ class ShardServer:
         if reason:
             raise RunAbortedError(self.rank, "serve", f"run aborted: {reason}", step=self.policy.version)
         if not self.policy.tolerates_loss:
-            raise lost_error(self.rank, f"serve ({self.policy.spec()})",
-                             f"worker rank {w} was lost ({why}); {self.policy.spec()} cannot go on without it",
-                             why, peer=w, step=self.policy.version)  # fmt: skip
-        log.warning("rank %d: dropping worker rank %d (%s); %s goes on with %d workers",
-                    self.rank, w, why, self.policy.spec(), len(self._remaining()) - 1)
+            raise lost_error(
+                self.rank,
+                f"serve ({self.policy.spec()})",
+                f"worker rank {w} was lost ({why}); {self.policy.spec()} cannot go on without it",
+                why,
+                peer=w,
+                step=self.policy.version,
+            )
+        log.warning(
+            "rank %d: dropping worker rank %d (%s); %s goes on with %d workers",
+            self.rank,
+            w,
+            why,
+            self.policy.spec(),
+            len(self._remaining()) - 1,
+        )
         self._lost.add(w)
         self.stats.lost[w] = why
         self.live.unwatch(w)
         if w in self.policy.active:
             self._execute(self.policy.leave(w, lost=True))
         if not self._remaining() and not self._finished:
-            raise PeerLostError(self.rank, "serve", f"every worker was lost (last: rank {w}, {why})",
-                                step=self.policy.version)
+            raise PeerLostError(
+                self.rank, "serve", f"every worker was lost (last: rank {w}, {why})", step=self.policy.version
+            )
 
     # ------------------------------------------------------------------ actions
 
@@ -523,8 +550,9 @@ class ShardServer:
             for group in self.optimizer.param_groups:
                 group["lr"] = group["lr"] * act.lr_scale
         try:
-            with _trace.span("ps apply", version=self.policy.version, staleness=max(act.staleness, default=0),
-                             workers=len(grads)):
+            with _trace.span(
+                "ps apply", version=self.policy.version, staleness=max(act.staleness, default=0), workers=len(grads)
+            ):
                 self.optimizer.step()
         finally:
             for group, lr in zip(self.optimizer.param_groups, saved):

@@ -111,9 +111,7 @@ class Shard:
         return f"server {self.server}: " + " ".join(map(str, self.pieces))
 
 
-def plan_shards(
-    numels: Sequence[int], element_size: int, servers: int, *, min_split_bytes: int = 4096
-) -> list[Shard]:
+def plan_shards(numels: Sequence[int], element_size: int, servers: int, *, min_split_bytes: int = 4096) -> list[Shard]:
     """Plan which server owns which elements of each tensor.
 
     Args:

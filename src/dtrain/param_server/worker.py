@@ -196,8 +196,12 @@ class ShardClient:
 
     def state_dict(self) -> dict[str, Any]:
         """This worker's part of a checkpoint (between steps): its clock and its compressors' state."""
-        return {"clock": self.clock, "version": dict(self.version), "push_compressor": self.push_c.state_dict(),
-                "pull_compressor": self.pull_c.state_dict()}
+        return {
+            "clock": self.clock,
+            "version": dict(self.version),
+            "push_compressor": self.push_c.state_dict(),
+            "pull_compressor": self.pull_c.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output before :meth:`connect` (whose pull then carries the saved clock)."""
@@ -220,8 +224,9 @@ class ShardClient:
             self.finished = True
             raise
 
-    def _exchange(self, op: int, grads: list[torch.Tensor | None] | None, reply_op: int,
-                  limit_s: float | None) -> tuple[float, float]:
+    def _exchange(
+        self, op: int, grads: list[torch.Tensor | None] | None, reply_op: int, limit_s: float | None
+    ) -> tuple[float, float]:
         t0 = time.perf_counter()
         clock = self.clock + 1 if op == OP_PUSH else self.clock
         keep: list[torch.Tensor] = []
@@ -247,8 +252,9 @@ class ShardClient:
                 w.wait()
         except CommError as e:
             s = e.peer if e.peer is not None else s
-            raise PeerLostError(self.rank, OP_NAME[op], f"server rank {s} is gone: send failed ({brief(e)})",
-                                peer=s, step=clock) from None
+            raise PeerLostError(
+                self.rank, OP_NAME[op], f"server rank {s} is gone: send failed ({brief(e)})", peer=s, step=clock
+            ) from None
         self.stats.bytes_sent += self.t.stats.bytes_sent - sent_before
         t1 = time.perf_counter()
         replies = self._wait(reply_op, clock, limit_s)
@@ -283,16 +289,25 @@ class ShardClient:
                         raise RunAbortedError(self.rank, what, f"run aborted: {reason}", step=clock)
                     raise PeerLostError(self.rank, what, f"server rank {s} is gone: {ev[2]}", peer=s, step=clock)
                 if kind == "dropped":
-                    raise DroppedError(self.rank, what, f"server rank {s} dropped this worker (it was declared lost); "
-                                       "the run goes on without it", peer=s, step=clock)
+                    raise DroppedError(
+                        self.rank,
+                        what,
+                        f"server rank {s} dropped this worker (it was declared lost); the run goes on without it",
+                        peer=s,
+                        step=clock,
+                    )
                 if kind == "bad":
-                    raise ProtocolError(self.rank, what, f"rejected message from server rank {s}: {ev[2]}",
-                                        peer=s, step=clock)
+                    raise ProtocolError(
+                        self.rank, what, f"rejected message from server rank {s}: {ev[2]}", peer=s, step=clock
+                    )
                 h, flat = ev[2], ev[3]
                 if h.op != reply_op or h.clock != clock or s in got:
                     raise ProtocolError(
-                        self.rank, what, f"unexpected {h} from server rank {s} (expected {OP_NAME[reply_op]} "
-                        f"for clock {clock})", peer=s, step=clock,
+                        self.rank,
+                        what,
+                        f"unexpected {h} from server rank {s} (expected {OP_NAME[reply_op]} for clock {clock})",
+                        peer=s,
+                        step=clock,
                     )
                 got[s] = (h, flat)
                 continue
@@ -305,8 +320,9 @@ class ShardClient:
             waited = time.monotonic() - start
             if limit_s is not None and waited > limit_s:
                 missing = sorted(set(self.servers) - set(got))
-                raise CommTimeoutError(self.rank, what, f"no reply from server ranks {missing} within {waited:.0f}s",
-                                       step=clock)
+                raise CommTimeoutError(
+                    self.rank, what, f"no reply from server ranks {missing} within {waited:.0f}s", step=clock
+                )
         return got
 
     def _receive(self, s: int) -> None:

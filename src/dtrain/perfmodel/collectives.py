@@ -57,8 +57,9 @@ ALGORITHMS = cost.ALGORITHMS
 _COUNTED_WORLD = 8  # up to this many ranks, compressed collectives are counted by running them on threads
 
 
-def link_cost(link: Link, gamma: float, contention: float = 1.0, native: bool = False,
-              duplex: bool = False) -> cost.LinkCost:  # fmt: skip
+def link_cost(
+    link: Link, gamma: float, contention: float = 1.0, native: bool = False, duplex: bool = False
+) -> cost.LinkCost:
     """The ``LinkCost`` of one level; ``contention`` flows sharing it multiply ``beta``.
 
     ``native``: the backend's own collective, charged its own per-message latency.
@@ -121,9 +122,15 @@ def allreduce_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int, *, pie
         link = link_cost(c.inter, gamma, native=native, duplex=True)
         return cost.allreduce_time(algorithm, p, _whole(nb), link, piece_bytes=piece if algorithm == "ring" else None)
     if algorithm == "hierarchical":
-        return cost.allreduce_time("hierarchical", p, _whole(nb), link_cost(c.intra, gamma),
-                                   inter=link_cost(c.inter, gamma, duplex=True), node_size=d,
-                                   piece_bytes=piece)  # fmt: skip
+        return cost.allreduce_time(
+            "hierarchical",
+            p,
+            _whole(nb),
+            link_cost(c.intra, gamma),
+            inter=link_cost(c.inter, gamma, duplex=True),
+            node_size=d,
+            piece_bytes=piece,
+        )
     if algorithm == "tree":
         t = 0.0
         for k in range(cost.ceil_log2(p)):
@@ -238,8 +245,9 @@ def allgather_time(c: ClusterSpec, nbytes_each: float, p: int) -> float:
 def _halves(c: ClusterSpec, algorithm: str, nbytes: float, p: int) -> tuple[float, float]:
     """(reduce-scatter, allgather) seconds of the two halves of a ring allreduce of ``nbytes``."""
     if algorithm not in ("ring", "native"):
-        raise ConfigError(f"a reduce-scatter or allgather of its own runs on the ring (ring or native), "
-                          f"not {algorithm!r}")  # fmt: skip
+        raise ConfigError(
+            f"a reduce-scatter or allgather of its own runs on the ring (ring or native), not {algorithm!r}"
+        )
     full = allreduce_time(c, algorithm, nbytes, p)
     moved = allreduce_time(replace(c, device=replace(c.device, gamma=0.0)), algorithm, nbytes, p)
     return moved / 2 + (full - moved), moved / 2
@@ -293,7 +301,11 @@ class CompressionModel:
 
 
 def compressed_allreduce_time(
-    c: ClusterSpec, algorithm: str, nbytes: float, p: int, comp: CompressionModel,
+    c: ClusterSpec,
+    algorithm: str,
+    nbytes: float,
+    p: int,
+    comp: CompressionModel,
     shapes: tuple[tuple[int, ...], ...] = (),
 ) -> tuple[float, float]:
     """(communication seconds, encode+decode seconds) of one bucket of ``nbytes`` (``shapes``: its
@@ -372,8 +384,9 @@ def collective_steps(c: ClusterSpec, algorithm: str, p: int, comp: CompressionMo
     raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
 
 
-def compressed_allreduce_bytes(algorithm: str, nbytes: float, p: int, comp: CompressionModel,
-                               node_size: int = 1) -> float:
+def compressed_allreduce_bytes(
+    algorithm: str, nbytes: float, p: int, comp: CompressionModel, node_size: int = 1
+) -> float:
     """Mean bytes a rank sends for one bucket of ``nbytes`` under ``comp``."""
     if p <= 1 or nbytes <= 0:
         return 0.0

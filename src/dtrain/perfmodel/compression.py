@@ -29,7 +29,7 @@ __all__ = ["compression_model", "compressor_kind", "measure_compressor", "compre
 
 
 def compressor_kind(spec: str) -> str:
-    """"dense", "summable", "lowrank", "sparse" or "quantizer": which collective the bucket goes through."""
+    """ "dense", "summable", "lowrank", "sparse" or "quantizer": which collective the bucket goes through."""
     if spec in ("", "none"):
         return "dense"
     from dtrain.compress import from_spec
@@ -39,8 +39,9 @@ def compressor_kind(spec: str) -> str:
 
 
 @lru_cache(maxsize=64)
-def measure_compressor(spec: str, numel: int = 1 << 18, repeats: int = 5,
-                       threads: int = 1) -> tuple[float, float, float]:
+def measure_compressor(
+    spec: str, numel: int = 1 << 18, repeats: int = 5, threads: int = 1
+) -> tuple[float, float, float]:
     """(payload ratio, encode seconds per dense byte, decode seconds per dense byte) of ``spec``.
 
     The probe is a ``(rows, cols)`` matrix of ``numel`` normal values (matrices let
@@ -89,8 +90,9 @@ def compression_model(spec: str, cluster: ClusterSpec | None = None, *, measure:
     if cluster is not None and spec in cluster.compressors:
         cc = cluster.compressors[spec]
         scale = cluster.device.compute_scale
-        return CompressionModel(spec, kind, cc.ratio, cc.encode_s_per_byte * scale, cc.decode_s_per_byte * scale,
-                                cc.cpu_ratio)
+        return CompressionModel(
+            spec, kind, cc.ratio, cc.encode_s_per_byte * scale, cc.decode_s_per_byte * scale, cc.cpu_ratio
+        )
     if measure:
         ratio, enc, dec = measure_compressor(spec)
     else:

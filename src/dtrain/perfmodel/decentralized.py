@@ -35,8 +35,9 @@ def _link(c: ClusterSpec) -> Any:
     return c.inter if c.nodes > 1 else c.intra
 
 
-def local_sgd_cost(c: ClusterSpec, levels: list[tuple[int, int]], algorithm: str, nbytes: float,
-                   workers: int) -> tuple[float, float]:  # fmt: skip
+def local_sgd_cost(
+    c: ClusterSpec, levels: list[tuple[int, int]], algorithm: str, nbytes: float, workers: int
+) -> tuple[float, float]:
     """(seconds, bytes sent) per step: each level's allreduce of ``nbytes`` over its group
     (``(group size, period)``; plain local SGD is one level of every worker), amortised."""
     secs = sent = 0.0
@@ -72,13 +73,30 @@ def predict_averaging(prof: ModelProfile, s: Choice, inputs: StepInputs, cost: t
     compute = sum(inputs.fwd) + sum(inputs.bwd) + inputs.opt
     step = compute + comm + inputs.overhead
     why = f"{comm * 1e3:.3g} ms of model averaging per step (amortised) after {compute * 1e3:.3g} ms of compute"
-    return Prediction(s, step, prof.batch * s.workers / step, compute, comm, comm, 0.0, sent, inputs.memory,
-                      inputs.fits, why, {"fwd_s": sum(inputs.fwd), "bwd_s": sum(inputs.bwd), "opt_s": inputs.opt})
+    return Prediction(
+        s,
+        step,
+        prof.batch * s.workers / step,
+        compute,
+        comm,
+        comm,
+        0.0,
+        sent,
+        inputs.memory,
+        inputs.fits,
+        why,
+        {"fwd_s": sum(inputs.fwd), "bwd_s": sum(inputs.bwd), "opt_s": inputs.opt},
+    )
 
 
 def replica_memory(prof: ModelProfile, extra_models: int = 1) -> Memory:
     """A worker keeps its replica, gradients, optimizer state and ``extra_models`` model-sized
     buffers (the mixing buffer; EASGD's centre too)."""
     p = float(prof.param_bytes)
-    return Memory(params=p, grads=p, optimizer=_opt_state(prof), activations=prof.activation_bytes + prof.input_bytes,
-                  buffers=extra_models * p)  # fmt: skip
+    return Memory(
+        params=p,
+        grads=p,
+        optimizer=_opt_state(prof),
+        activations=prof.activation_bytes + prof.input_bytes,
+        buffers=extra_models * p,
+    )

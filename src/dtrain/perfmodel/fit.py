@@ -44,8 +44,9 @@ def trimmed_mean(xs: Sequence[float], cut: float = 0.1) -> float:
     return float(sum(keep) / len(keep))
 
 
-def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], *, small: float = 1024,
-                   large: float = 256 * 1024) -> tuple[float, float]:  # fmt: skip
+def fit_alpha_beta(
+    sizes: Sequence[float], times: Sequence[float], *, small: float = 1024, large: float = 256 * 1024
+) -> tuple[float, float]:
     """Fit ``t = alpha + n * beta`` to one-way times of ping-pong messages.
 
     ``beta`` is the least-squares slope of ``t - alpha`` against ``n`` over the large

@@ -18,8 +18,18 @@ from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
 from dtrain.registry import Choice, Strategy
 
-__all__ = ["Memory", "Prediction", "StepInputs", "SimResult", "PlanSpace", "ModelHooks", "PredictHook",
-           "MemoryHook", "SimulateHook", "ParseHook"]  # fmt: skip
+__all__ = [
+    "Memory",
+    "Prediction",
+    "StepInputs",
+    "SimResult",
+    "PlanSpace",
+    "ModelHooks",
+    "PredictHook",
+    "MemoryHook",
+    "SimulateHook",
+    "ParseHook",
+]
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,18 @@ __all__ = ["MeshChoice", "predict_hybrid", "mesh_reason", "factorizations", "ran
 _HOST = "<tensor-parallel stage>"  # no cluster's host: the pipeline model reads a stage's times as measured here
 
 
-def mesh_reason(dp: int, pp: int, tp: int, *, heads: int, hidden: int, layers: int, batch: int, microbatches: int,
-                devices: int | None = None) -> str:  # fmt: skip
+def mesh_reason(
+    dp: int,
+    pp: int,
+    tp: int,
+    *,
+    heads: int,
+    hidden: int,
+    layers: int,
+    batch: int,
+    microbatches: int,
+    devices: int | None = None,
+) -> str:
     """Why no run could use the mesh ``dp x pp x tp`` ("" when one could): tp must divide the heads and
     the width, pp be at most the blocks, dp split the batch and ``M`` each replica's batch."""
     if min(dp, pp) < 1 or microbatches < 1:
@@ -59,16 +69,31 @@ def mesh_reason(dp: int, pp: int, tp: int, *, heads: int, hidden: int, layers: i
     return ""
 
 
-def _stage_profile(replica: ModelProfile, times: tuple[list[float], list[float]], ranked: list[_Layer],
-                   comm: list[TensorComm], tp: int, m: int) -> ModelProfile:  # fmt: skip
+def _stage_profile(
+    replica: ModelProfile,
+    times: tuple[list[float], list[float]],
+    ranked: list[_Layer],
+    comm: list[TensorComm],
+    tp: int,
+    m: int,
+) -> ModelProfile:
     """The replica as one rank of a tp group computes it: each layer's time ``/ t`` plus its ``M``
     micro-batches' tp collectives, its parameter bytes on the rank, and as activation the output a
     stage sends (per rank). Its host is :data:`_HOST`: on a cluster of that host these are the times."""
     fwd, bwd = times
-    layers = tuple(LayerProfile(name=ly.name, params=ly.params, param_bytes=int(round(r.param_bytes)), fwd_flops=0.0,
-                                bwd_flops=0.0, activation_bytes=m * r.boundary_bytes, fwd_s=f / tp + m * x.fwd_s,
-                                bwd_s=b / tp + m * x.bwd_s)
-                   for ly, r, x, f, b in zip(replica.layers, ranked, comm, fwd, bwd))  # fmt: skip
+    layers = tuple(
+        LayerProfile(
+            name=ly.name,
+            params=ly.params,
+            param_bytes=int(round(r.param_bytes)),
+            fwd_flops=0.0,
+            bwd_flops=0.0,
+            activation_bytes=m * r.boundary_bytes,
+            fwd_s=f / tp + m * x.fwd_s,
+            bwd_s=b / tp + m * x.bwd_s,
+        )
+        for ly, r, x, f, b in zip(replica.layers, ranked, comm, fwd, bwd)
+    )
     return replace(replica, name=_HOST, layers=layers, optimizer_s=0.0, host=_HOST)
 
 
@@ -86,10 +111,20 @@ class _Worker:
     memory: Memory
 
 
-def _workers(ranked: list[_Layer], comm: list[TensorComm], owned: list[list[int]], fwd: list[float],
-             bwd: list[float], opt_per_byte: float, views: tuple[ClusterSpec, ClusterSpec], mesh: tuple[int, int, int],
-             sched: tuple[str, int, int], algorithms: tuple[str, str], factor: float,
-             inputs: float) -> list[_Worker]:  # fmt: skip
+def _workers(
+    ranked: list[_Layer],
+    comm: list[TensorComm],
+    owned: list[list[int]],
+    fwd: list[float],
+    bwd: list[float],
+    opt_per_byte: float,
+    views: tuple[ClusterSpec, ClusterSpec],
+    mesh: tuple[int, int, int],
+    sched: tuple[str, int, int],
+    algorithms: tuple[str, str],
+    factor: float,
+    inputs: float,
+) -> list[_Worker]:
     """Per pipeline worker: compute, tp collectives, sequence parallelism's gradient allreduce, the dp
     allreduce of its gradient (one bucket, exposed after the flush), its optimizer share (``opt_per_byte`` of
     its parameter bytes on the rank), memory."""
@@ -106,22 +141,54 @@ def _workers(ranked: list[_Layer], comm: list[TensorComm], owned: list[list[int]
         dp_s += dp_view.device.wake if dp > 1 else 0.0  # the first message after compute, from the loop
         held = in_flight(schedule, pp, m, v, w) * math.fsum(ranked[i].activation_bytes for i in mine)
         two = int(schedule == "2bw")  # PipeDream-2BW's second weight version (pipeline_memory)
-        mem = Memory(params=(1 + two) * params, grads=(1 + two) * params, optimizer=factor * params,
-                     activations=held, buffers=inputs + params * (int(dp > 1) + two))  # fmt: skip
-        out.append(_Worker(fwd_s=math.fsum(fwd[i] for i in mine) / tp, bwd_s=math.fsum(bwd[i] for i in mine) / tp,
-                           tp=tpc.times(m),
-                           grads=_grads_comm(tp_view, tp_algorithm, tp, sp_grads) if sp_grads else TensorComm(),
-                           dp_s=dp_s, dp_bytes=allreduce_bytes(algorithm, params, dp, dp_view.devices_per_node),
-                           opt_s=opt_per_byte * params, memory=mem))  # fmt: skip
+        mem = Memory(
+            params=(1 + two) * params,
+            grads=(1 + two) * params,
+            optimizer=factor * params,
+            activations=held,
+            buffers=inputs + params * (int(dp > 1) + two),
+        )
+        out.append(
+            _Worker(
+                fwd_s=math.fsum(fwd[i] for i in mine) / tp,
+                bwd_s=math.fsum(bwd[i] for i in mine) / tp,
+                tp=tpc.times(m),
+                grads=_grads_comm(tp_view, tp_algorithm, tp, sp_grads) if sp_grads else TensorComm(),
+                dp_s=dp_s,
+                dp_bytes=allreduce_bytes(algorithm, params, dp, dp_view.devices_per_node),
+                opt_s=opt_per_byte * params,
+                memory=mem,
+            )
+        )
     return out
 
 
-def predict_hybrid(prof: ModelProfile, c: ClusterSpec, *, dp: int, pp: int, tp: int, microbatches: int, schedule: str,
-                   sequence_parallel: bool, batch: int, seq: int, hidden: int, layers: int, heads: int, vocab: int,
-                   algorithm: str = "ring", tp_algorithm: str = "ring", optimizer_state_factor: float | None = None,
-                   chunks: int | None = None, dtype_bytes: int = 4, overhead_s: float = 0.0,
-                   memory_limit: float | None = None, balance: str = "time",
-                   strategy: Choice | None = None) -> Prediction:  # fmt: skip
+def predict_hybrid(
+    prof: ModelProfile,
+    c: ClusterSpec,
+    *,
+    dp: int,
+    pp: int,
+    tp: int,
+    microbatches: int,
+    schedule: str,
+    sequence_parallel: bool,
+    batch: int,
+    seq: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    vocab: int,
+    algorithm: str = "ring",
+    tp_algorithm: str = "ring",
+    optimizer_state_factor: float | None = None,
+    chunks: int | None = None,
+    dtype_bytes: int = 4,
+    overhead_s: float = 0.0,
+    memory_limit: float | None = None,
+    balance: str = "time",
+    strategy: Choice | None = None,
+) -> Prediction:
     """One step of the mesh ``dp x pp x tp`` (placement: :func:`mesh_rank`).
 
     1. Each replica (``batch / dp`` samples; ``prof`` rescaled to it) is one pipeline of ``pp`` stages
@@ -140,8 +207,9 @@ def predict_hybrid(prof: ModelProfile, c: ClusterSpec, *, dp: int, pp: int, tp: 
     on the split layers' times). ``strategy``: the Choice to name (default: ``dp`` of the world as a
     stand-in). ConfigError for a mesh no run would take (:func:`mesh_reason`).
     """
-    if reason := mesh_reason(dp, pp, tp, heads=heads, hidden=hidden, layers=layers, batch=batch,
-                             microbatches=microbatches, devices=c.devices):  # fmt: skip
+    if reason := mesh_reason(
+        dp, pp, tp, heads=heads, hidden=hidden, layers=layers, batch=batch, microbatches=microbatches, devices=c.devices
+    ):
         raise ConfigError(reason)
     m = microbatches
     sched = (schedule, chunks or (2 if schedule == "interleaved" else 1)) if pp > 1 else ("1f1b", 1)
@@ -159,15 +227,44 @@ def predict_hybrid(prof: ModelProfile, c: ClusterSpec, *, dp: int, pp: int, tp: 
     pc = pipeline_cost(stage_prof, stages, pp, m, *sched, sizes=stage_cut(stage_prof, pp * sched[1], balance, m))
     owned = [[i for k, span in enumerate(_spans(pc.sizes)) if k % pp == w for i in span] for w in range(pp)]
     views = (tp_view, group_cluster(c, mesh_groups("dp", dp, pp, tp)))
-    workers = _workers(ranked, comm, owned, fwd, bwd, opt / max(1, replica.param_bytes), views, (dp, pp, tp),
-                       (sched[0], m, sched[1]), (tp_algorithm, algorithm), _factor(replica, optimizer_state_factor),
-                       replica.input_bytes)  # fmt: skip
-    return _assemble(pc, workers, c, (dp, pp, tp, m), batch, sequence_parallel, overhead_s, memory_limit,
-                     strategy or Choice("dp", dp * pp * tp))  # fmt: skip
+    workers = _workers(
+        ranked,
+        comm,
+        owned,
+        fwd,
+        bwd,
+        opt / max(1, replica.param_bytes),
+        views,
+        (dp, pp, tp),
+        (sched[0], m, sched[1]),
+        (tp_algorithm, algorithm),
+        _factor(replica, optimizer_state_factor),
+        replica.input_bytes,
+    )
+    return _assemble(
+        pc,
+        workers,
+        c,
+        (dp, pp, tp, m),
+        batch,
+        sequence_parallel,
+        overhead_s,
+        memory_limit,
+        strategy or Choice("dp", dp * pp * tp),
+    )
 
 
-def _assemble(pc: PipelineCost, workers: list[_Worker], c: ClusterSpec, mesh: tuple[int, int, int, int], batch: int,
-              sp: bool, overhead_s: float, memory_limit: float | None, strategy: Choice) -> Prediction:  # fmt: skip
+def _assemble(
+    pc: PipelineCost,
+    workers: list[_Worker],
+    c: ClusterSpec,
+    mesh: tuple[int, int, int, int],
+    batch: int,
+    sp: bool,
+    overhead_s: float,
+    memory_limit: float | None,
+    strategy: Choice,
+) -> Prediction:
     """The :class:`Prediction` of :func:`predict_hybrid` from the pipeline's cost and the workers'."""
     dp, pp, tp, m = mesh
     slow = workers[pc.slowest]
@@ -183,16 +280,41 @@ def _assemble(pc: PipelineCost, workers: list[_Worker], c: ClusterSpec, mesh: tu
     mem = max((w.memory for w in workers), key=lambda x: x.total)
     limit = c.device.memory if memory_limit is None else memory_limit
     comm = tp_s + transfers + tail.dp_s
-    why = (f"mesh dp={dp} x pp={pp} x tp={tp}{' (sequence parallel)' if sp else ''}: {tp_s * 1e3:.3g} ms of tensor-"
-           f"parallel collectives, bubble {pc.bubble:.0%} and {transfers * 1e3:.3g} ms of stage transfers, "
-           f"{tail.dp_s * 1e3:.3g} ms of gradient allreduce; {format_bytes(mem.total)} per device")  # fmt: skip
-    detail = {"tp_s": tp_s, "tp_bytes": tp_bytes, "pp_s": transfers + bubble_s, "pp_bytes": pp_bytes,
-              "bubble": pc.bubble, "dp_s": tail.dp_s, "dp_bytes": dp_bytes, "fwd_s": slow.fwd_s,
-              "bwd_s": slow.bwd_s, "opt_s": tail.opt_s, "dp": float(dp), "pp": float(pp), "tp": float(tp),
-              "microbatches": float(m)}  # fmt: skip
-    return Prediction(strategy, step, batch / step if step > 0 else math.inf, slow.fwd_s + slow.bwd_s + tail.opt_s,
-                      comm, comm, bubble_s + wait, tp_bytes + pp_bytes + dp_bytes, mem, mem.total <= limit, why,
-                      detail)  # fmt: skip
+    why = (
+        f"mesh dp={dp} x pp={pp} x tp={tp}{' (sequence parallel)' if sp else ''}: {tp_s * 1e3:.3g} ms of tensor-"
+        f"parallel collectives, bubble {pc.bubble:.0%} and {transfers * 1e3:.3g} ms of stage transfers, "
+        f"{tail.dp_s * 1e3:.3g} ms of gradient allreduce; {format_bytes(mem.total)} per device"
+    )
+    detail = {
+        "tp_s": tp_s,
+        "tp_bytes": tp_bytes,
+        "pp_s": transfers + bubble_s,
+        "pp_bytes": pp_bytes,
+        "bubble": pc.bubble,
+        "dp_s": tail.dp_s,
+        "dp_bytes": dp_bytes,
+        "fwd_s": slow.fwd_s,
+        "bwd_s": slow.bwd_s,
+        "opt_s": tail.opt_s,
+        "dp": float(dp),
+        "pp": float(pp),
+        "tp": float(tp),
+        "microbatches": float(m),
+    }
+    return Prediction(
+        strategy,
+        step,
+        batch / step if step > 0 else math.inf,
+        slow.fwd_s + slow.bwd_s + tail.opt_s,
+        comm,
+        comm,
+        bubble_s + wait,
+        tp_bytes + pp_bytes + dp_bytes,
+        mem,
+        mem.total <= limit,
+        why,
+        detail,
+    )
 
 
 # ---------------------------------------------------------------------- factorizations
@@ -202,8 +324,13 @@ def factorizations(world: int) -> list[tuple[int, int, int]]:
     """Every ``(dp, pp, tp)`` with ``dp * pp * tp == world``, in increasing ``(dp, pp)``."""
     if world < 1:
         raise ConfigError(f"world must be >= 1, got {world}")
-    return [(dp, pp, world // dp // pp) for dp in range(1, world + 1) if world % dp == 0
-            for pp in range(1, world // dp + 1) if (world // dp) % pp == 0]  # fmt: skip
+    return [
+        (dp, pp, world // dp // pp)
+        for dp in range(1, world + 1)
+        if world % dp == 0
+        for pp in range(1, world // dp + 1)
+        if (world // dp) % pp == 0
+    ]
 
 
 @dataclass(frozen=True)
@@ -226,10 +353,23 @@ class MeshChoice:
         return self.prediction.step_s if self.prediction is not None and self.feasible else math.inf
 
 
-def rank_factorizations(prof: ModelProfile, c: ClusterSpec, world: int, *, heads: int, layers: int, vocab: int,
-                        batch: int, seq: int, hidden: int, memory_limit: float | None = None, microbatches: int = 8,
-                        schedule: str = "1f1b", sequence_parallel: bool = False,
-                        **options: Any) -> list[MeshChoice]:  # fmt: skip
+def rank_factorizations(
+    prof: ModelProfile,
+    c: ClusterSpec,
+    world: int,
+    *,
+    heads: int,
+    layers: int,
+    vocab: int,
+    batch: int,
+    seq: int,
+    hidden: int,
+    memory_limit: float | None = None,
+    microbatches: int = 8,
+    schedule: str = "1f1b",
+    sequence_parallel: bool = False,
+    **options: Any,
+) -> list[MeshChoice]:
     """:func:`predict_hybrid` of every factorization of ``world``: the feasible ones by step time, then
     the others (in :func:`factorizations`' order) with their reason: :func:`mesh_reason`'s, what the
     pipeline model refuses (too few layers for the stages, an interleaved ``M``), or memory over
@@ -240,14 +380,32 @@ def rank_factorizations(prof: ModelProfile, c: ClusterSpec, world: int, *, heads
     out = []
     for dp, pp, tp in factorizations(world):
         m = microbatches if pp > 1 else 1
-        pred, reason = None, mesh_reason(dp, pp, tp, heads=heads, hidden=hidden, layers=layers, batch=batch,
-                                         microbatches=m, devices=c.devices)  # fmt: skip
+        pred, reason = (
+            None,
+            mesh_reason(
+                dp, pp, tp, heads=heads, hidden=hidden, layers=layers, batch=batch, microbatches=m, devices=c.devices
+            ),
+        )
         if not reason:
             try:
-                pred = predict_hybrid(prof, c, dp=dp, pp=pp, tp=tp, microbatches=m, schedule=schedule,
-                                      sequence_parallel=sequence_parallel, batch=batch, seq=seq, hidden=hidden,
-                                      layers=layers, heads=heads, vocab=vocab, memory_limit=limit,
-                                      **options)  # fmt: skip
+                pred = predict_hybrid(
+                    prof,
+                    c,
+                    dp=dp,
+                    pp=pp,
+                    tp=tp,
+                    microbatches=m,
+                    schedule=schedule,
+                    sequence_parallel=sequence_parallel,
+                    batch=batch,
+                    seq=seq,
+                    hidden=hidden,
+                    layers=layers,
+                    heads=heads,
+                    vocab=vocab,
+                    memory_limit=limit,
+                    **options,
+                )
             except ConfigError as e:
                 reason = str(e)
         if pred is not None and not pred.fits:

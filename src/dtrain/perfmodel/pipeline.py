@@ -67,8 +67,16 @@ if TYPE_CHECKING:
     from dtrain.perfmodel.spec import ClusterSpec
     from dtrain.registry import Choice
 
-__all__ = ["PipelineCost", "PipelineLike", "pipeline_cost", "pipeline_memory", "in_flight", "stage_cut", "predict",
-           "memory"]  # fmt: skip
+__all__ = [
+    "PipelineCost",
+    "PipelineLike",
+    "pipeline_cost",
+    "pipeline_memory",
+    "in_flight",
+    "stage_cut",
+    "predict",
+    "memory",
+]
 
 
 @runtime_checkable
@@ -143,13 +151,16 @@ def _check(prof: ModelProfile, stages: int, microbatches: int, schedule: str, ch
     if (schedule == "interleaved") != (chunks > 1) or chunks < 1:
         raise ConfigError(f"chunks must be >= 2 for the interleaved schedule and 1 for {schedule!r}, got {chunks}")
     if schedule == "interleaved" and microbatches % stages:
-        raise ConfigError(f"the interleaved schedule needs micro-batches a multiple of the {stages} stages, "
-                          f"got {microbatches}")  # fmt: skip
+        raise ConfigError(
+            f"the interleaved schedule needs micro-batches a multiple of the {stages} stages, got {microbatches}"
+        )
     if prof.batch % microbatches:
         raise ConfigError(f"{microbatches} micro-batches do not divide the batch of {prof.batch}")
     if len(prof.layers) < stages * chunks:
-        raise ConfigError(f"the model has {len(prof.layers)} layers, fewer than the {stages * chunks} virtual stages "
-                          f"({stages} x {chunks}); use fewer stages")  # fmt: skip
+        raise ConfigError(
+            f"the model has {len(prof.layers)} layers, fewer than the {stages * chunks} virtual stages "
+            f"({stages} x {chunks}); use fewer stages"
+        )
 
 
 def _checked_sizes(sizes: Sequence[int], layers: int, parts: int) -> tuple[int, ...]:
@@ -244,8 +255,7 @@ def _bytes_per_worker(nbytes: list[float], stages: int, microbatches: int) -> li
     return sent
 
 
-def _pipelined(schedule: str, stages: int, microbatches: int, chunks: int, cycle: float,
-               fill: float) -> float:  # fmt: skip
+def _pipelined(schedule: str, stages: int, microbatches: int, chunks: int, cycle: float, fill: float) -> float:
     """The pipelined part of a step from the slowest worker's ``cycle`` and its forward with one
     transfer, ``fill`` (module docstring for the sources)."""
     m, p = microbatches, stages
@@ -258,9 +268,16 @@ def _pipelined(schedule: str, stages: int, microbatches: int, chunks: int, cycle
     return simulate(generate("2bw", p, m), tf=fill, tb=cycle - fill).makespan
 
 
-def pipeline_cost(prof: ModelProfile, cluster: ClusterSpec, stages: int, microbatches: int, schedule: str,
-                  chunks: int = 1, sizes: Sequence[int] | None = None,
-                  checkpoint: str = "never") -> PipelineCost:  # fmt: skip
+def pipeline_cost(
+    prof: ModelProfile,
+    cluster: ClusterSpec,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    chunks: int = 1,
+    sizes: Sequence[int] | None = None,
+    checkpoint: str = "never",
+) -> PipelineCost:
     """The step of one pipeline of ``stages`` workers (the module docstring gives each formula and its source).
 
     Args:
@@ -304,9 +321,20 @@ def pipeline_cost(prof: ModelProfile, cluster: ClusterSpec, stages: int, microba
     total_params = sum(p_w)
     opt_s = opt * max(p_w) / total_params if total_params else opt / stages
     bubble = 1.0 - microbatches * max(cycle) / pipe if pipe > 0 else 0.0
-    return PipelineCost(sizes=cut, fwd_s=tuple(f_w), bwd_s=tuple(b_w), recompute_s=tuple(r_w), comm_s=tuple(comm),
-                        link_s=tuple(link), cycle_s=tuple(cycle), pipeline_s=pipe, opt_s=opt_s, step_s=pipe + opt_s,
-                        bubble=bubble, bytes_sent=tuple(_bytes_per_worker(nbytes, stages, microbatches)))  # fmt: skip
+    return PipelineCost(
+        sizes=cut,
+        fwd_s=tuple(f_w),
+        bwd_s=tuple(b_w),
+        recompute_s=tuple(r_w),
+        comm_s=tuple(comm),
+        link_s=tuple(link),
+        cycle_s=tuple(cycle),
+        pipeline_s=pipe,
+        opt_s=opt_s,
+        step_s=pipe + opt_s,
+        bubble=bubble,
+        bytes_sent=tuple(_bytes_per_worker(nbytes, stages, microbatches)),
+    )
 
 
 # ---------------------------------------------------------------------- memory
@@ -334,8 +362,16 @@ def in_flight(schedule: str, stages: int, microbatches: int, chunks: int, worker
     return float(min(m + 1 if schedule == "2bw" else m, p - worker))
 
 
-def _worker_memory(prof: ModelProfile, spans: list[range], worker: int, stages: int, microbatches: int,
-                   schedule: str, chunks: int, checkpoint: str) -> Memory:  # fmt: skip
+def _worker_memory(
+    prof: ModelProfile,
+    spans: list[range],
+    worker: int,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    chunks: int,
+    checkpoint: str,
+) -> Memory:
     mine = [k for k in range(len(spans)) if k % stages == worker]
     params = float(sum(prof.layers[i].param_bytes for k in mine for i in spans[k]))
     share = params / prof.param_bytes if prof.param_bytes else 0.0
@@ -350,12 +386,24 @@ def _worker_memory(prof: ModelProfile, spans: list[range], worker: int, stages: 
         kept = 2 if checkpoint == "except_last" and n > 1 else 1
         held = min(whole, n * math.fsum(inputs) + kept * max(acts))
     versions = 2 if schedule == "2bw" else 1
-    return Memory(params=versions * params, grads=versions * params, optimizer=_opt_state(prof) * share,
-                  activations=held, buffers=prof.input_bytes + (params if schedule == "2bw" else 0.0))  # fmt: skip
+    return Memory(
+        params=versions * params,
+        grads=versions * params,
+        optimizer=_opt_state(prof) * share,
+        activations=held,
+        buffers=prof.input_bytes + (params if schedule == "2bw" else 0.0),
+    )
 
 
-def pipeline_memory(prof: ModelProfile, stages: int, microbatches: int, schedule: str, chunks: int = 1,
-                    sizes: Sequence[int] | None = None, checkpoint: str = "never") -> Memory:  # fmt: skip
+def pipeline_memory(
+    prof: ModelProfile,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    chunks: int = 1,
+    sizes: Sequence[int] | None = None,
+    checkpoint: str = "never",
+) -> Memory:
     """Bytes on the most loaded worker of one pipeline.
 
     A worker holds its stages' parameters, gradients and optimizer state (the
@@ -440,8 +488,16 @@ def idle_aware(c: ClusterSpec, schedule: str, stages: int, microbatches: int, ch
     return replace(c, device=replace(c.device, compute_scale=max(1.0, scale * busy)))
 
 
-def work_aware(prof: ModelProfile, c: ClusterSpec, stages: int, microbatches: int, schedule: str, chunks: int = 1,
-               sizes: Sequence[int] | None = None, checkpoint: str = "never") -> ClusterSpec:  # fmt: skip
+def work_aware(
+    prof: ModelProfile,
+    c: ClusterSpec,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    chunks: int = 1,
+    sizes: Sequence[int] | None = None,
+    checkpoint: str = "never",
+) -> ClusterSpec:
     """The cluster as a pipeline's workers see it when they share cores, from the work each stage does.
 
     :func:`idle_aware` takes every worker to be as busy as the slowest (the closed-form bubble). With
@@ -482,8 +538,7 @@ def predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionMode
     whole = _whole(prof, s)
     reason = _infeasible(whole, s, o)
     if reason:
-        return Prediction(s, math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, inputs.memory, False,
-                          f"infeasible: {reason}")  # fmt: skip
+        return Prediction(s, math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, inputs.memory, False, f"infeasible: {reason}")
     sizes = stage_cut(whole, s.workers * o.virtual, o.balance, o.microbatches)
     c = work_aware(whole, c, s.workers, o.microbatches, o.schedule, o.virtual, sizes, o.recompute)
     pc = pipeline_cost(whole, c, s.workers, o.microbatches, o.schedule, o.virtual, sizes, o.recompute)
@@ -492,10 +547,19 @@ def predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionMode
     comm = m * pc.link_s[w]
     wait = pc.pipeline_s - m * pc.cycle_s[w] + c.device.imbalance
     step = pc.step_s + c.device.imbalance + inputs.overhead
-    why = (f"pipeline {o.schedule}: bubble {pc.bubble:.0%} of {s.workers} stages x {m} micro-batches; slowest stage "
-           f"{pc.cycle_s[w] * 1e3:.3g} ms per micro-batch, {pc.link_s[w] * 1e3:.3g} ms of it transfers")  # fmt: skip
-    detail = {"fwd_s": m * pc.fwd_s[w], "bwd_s": m * pc.bwd_s[w], "recompute_s": m * pc.recompute_s[w],
-              "opt_s": pc.opt_s, "bubble": pc.bubble, "pipeline_s": pc.pipeline_s}  # fmt: skip
+    why = (
+        f"pipeline {o.schedule}: bubble {pc.bubble:.0%} of {s.workers} stages x {m} micro-batches; slowest stage "
+        f"{pc.cycle_s[w] * 1e3:.3g} ms per micro-batch, {pc.link_s[w] * 1e3:.3g} ms of it transfers"
+    )
+    detail = {
+        "fwd_s": m * pc.fwd_s[w],
+        "bwd_s": m * pc.bwd_s[w],
+        "recompute_s": m * pc.recompute_s[w],
+        "opt_s": pc.opt_s,
+        "bubble": pc.bubble,
+        "pipeline_s": pc.pipeline_s,
+    }
     sent = math.fsum(pc.bytes_sent) / len(pc.bytes_sent)
-    return Prediction(s, step, prof.batch * s.workers / step, compute, comm, comm, wait, sent, inputs.memory,
-                      inputs.fits, why, detail)  # fmt: skip
+    return Prediction(
+        s, step, prof.batch * s.workers / step, compute, comm, comm, wait, sent, inputs.memory, inputs.fits, why, detail
+    )

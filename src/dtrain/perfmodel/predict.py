@@ -94,11 +94,28 @@ from dtrain.perfmodel.spec import ClusterSpec
 if TYPE_CHECKING:
     from dtrain.registry import Choice
 
-__all__ = ["Memory", "Prediction", "StepInputs", "DataParallelLike", "ServerLike", "compute_times", "predict",
-           "memory_per_device", "data_parallel_memory", "server_memory", "predict_data_parallel",
-           "predict_parameter_server", "async_cycle", "bucket_latency", "buckets_of", "bucket_shapes",
-           "bucket_collective", "ps_costs",
-           "WAKES_FIRST_BUCKET", "WAKES_PER_BUCKET"]  # fmt: skip
+__all__ = [
+    "Memory",
+    "Prediction",
+    "StepInputs",
+    "DataParallelLike",
+    "ServerLike",
+    "compute_times",
+    "predict",
+    "memory_per_device",
+    "data_parallel_memory",
+    "server_memory",
+    "predict_data_parallel",
+    "predict_parameter_server",
+    "async_cycle",
+    "bucket_latency",
+    "buckets_of",
+    "bucket_shapes",
+    "bucket_collective",
+    "ps_costs",
+    "WAKES_FIRST_BUCKET",
+    "WAKES_PER_BUCKET",
+]
 
 _FIRST_BUCKET_MB = 1.0
 
@@ -133,8 +150,11 @@ def compute_times(prof: ModelProfile, c: ClusterSpec) -> tuple[list[float], list
     if rate is not None:
         total = prof.batch / rate.samples_per_s
         fw, bw = total * (1 - rate.backward_fraction), total * rate.backward_fraction
-        return _split(fw, [ly.fwd_flops for ly in prof.layers]), _split(bw, [ly.bwd_flops for ly in prof.layers]), \
-            rate.optimizer_s  # fmt: skip
+        return (
+            _split(fw, [ly.fwd_flops for ly in prof.layers]),
+            _split(bw, [ly.bwd_flops for ly in prof.layers]),
+            rate.optimizer_s,
+        )
     if prof.measured and c.device.host == prof.host:
         s = c.device.compute_scale
         return [ly.fwd_s * s for ly in prof.layers], [ly.bwd_s * s for ly in prof.layers], prof.optimizer_s * s
@@ -191,8 +211,13 @@ def server_memory(prof: ModelProfile, o: ServerLike, comp: CompressionModel | No
     act = prof.activation_bytes + prof.input_bytes
     payload = (comp.ratio if comp is not None else 1.0) * p
     worker = Memory(params=p, grads=p, optimizer=0.0, activations=act, buffers=payload + _residual(prof, comp))
-    server = Memory(params=p / o.servers, grads=0.0, optimizer=_opt_state(prof) / o.servers, activations=0.0,
-                    buffers=2 * p / o.servers)  # fmt: skip
+    server = Memory(
+        params=p / o.servers,
+        grads=0.0,
+        optimizer=_opt_state(prof) / o.servers,
+        activations=0.0,
+        buffers=2 * p / o.servers,
+    )
     return worker if worker.total >= server.total else server
 
 
@@ -227,8 +252,19 @@ def predict(
     fits = mem.total <= c.device.memory
     if s.kind == "single":
         step = sum(fwd) + sum(bwd) + opt + overhead_s
-        return Prediction(s, step, prof.batch * s.workers / step, step - overhead_s, 0.0, 0.0, 0.0, 0.0, mem, fits,
-                          "compute only: no communication")  # fmt: skip
+        return Prediction(
+            s,
+            step,
+            prof.batch * s.workers / step,
+            step - overhead_s,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            mem,
+            fits,
+            "compute only: no communication",
+        )
     hook = ModelHooks.of(s.entry).predict
     if hook is None:
         raise ConfigError(f"strategy {s.strategy!r} has no performance model (its registry entry has no predict)")
@@ -241,8 +277,9 @@ def _bucket_groups(prof: ModelProfile, bucket_mb: float) -> list[list[int]]:
     sizes = [prof.layers[i].param_bytes for i in order]
     if not sizes:
         return []
-    groups = assign_buckets(sizes, cap_bytes=max(1, int(bucket_mb * MB)),
-                            first_cap_bytes=max(1, int(min(_FIRST_BUCKET_MB, bucket_mb) * MB)))  # fmt: skip
+    groups = assign_buckets(
+        sizes, cap_bytes=max(1, int(bucket_mb * MB)), first_cap_bytes=max(1, int(min(_FIRST_BUCKET_MB, bucket_mb) * MB))
+    )
     return [[order[k] for k in g] for g in groups]
 
 
@@ -257,8 +294,9 @@ def bucket_shapes(prof: ModelProfile, bucket_mb: float) -> list[tuple[tuple[int,
     return [tuple(sh for i in g for sh in reversed(prof.layers[i].shapes)) for g in _bucket_groups(prof, bucket_mb)]
 
 
-def predict_data_parallel(prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallelLike, comp: CompressionModel,
-                          inputs: StepInputs) -> Prediction:  # fmt: skip
+def predict_data_parallel(
+    prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallelLike, comp: CompressionModel, inputs: StepInputs
+) -> Prediction:
     """Data parallel (``dp``, ``ddp``): buckets reduced in backward's order (module docstring)."""
     fwd, bwd, opt, overhead, mem, fits = inputs.fwd, inputs.bwd, inputs.opt, inputs.overhead, inputs.memory, inputs.fits
     p = s.workers
@@ -294,17 +332,36 @@ def predict_data_parallel(prof: ModelProfile, c: ClusterSpec, s: Choice, o: Data
     compute = f_total + bwd_total + opt
     exposed = max(0.0, step - overhead - wait - compute)
     bound = "communication" if exposed > 0.5 * compute else "compute"
-    why = (f"{bound}-bound: {comm_total * 1e3:.3g} ms of allreduce, {exposed * 1e3:.3g} ms not hidden by "
-           f"{bwd_total * 1e3:.3g} ms of backward")  # fmt: skip
+    why = (
+        f"{bound}-bound: {comm_total * 1e3:.3g} ms of allreduce, {exposed * 1e3:.3g} ms not hidden by "
+        f"{bwd_total * 1e3:.3g} ms of backward"
+    )
     if comp.kind != "dense":
         why += f"; {coding_total * 1e3:.3g} ms to encode/decode"
-    return Prediction(s, step, prof.batch * p / step, compute, comm_total + coding_total, exposed, wait, sent, mem,
-                      fits,
-                      why, {"fwd_s": f_total, "bwd_s": bwd_total, "opt_s": opt, "coding_s": coding_total})
+    return Prediction(
+        s,
+        step,
+        prof.batch * p / step,
+        compute,
+        comm_total + coding_total,
+        exposed,
+        wait,
+        sent,
+        mem,
+        fits,
+        why,
+        {"fwd_s": f_total, "bwd_s": bwd_total, "opt_s": opt, "coding_s": coding_total},
+    )
 
 
-def bucket_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, comp: CompressionModel,
-                      shapes: tuple[tuple[int, ...], ...] = ()) -> tuple[float, float]:  # fmt: skip
+def bucket_collective(
+    c: ClusterSpec,
+    algorithm: str,
+    nbytes: float,
+    p: int,
+    comp: CompressionModel,
+    shapes: tuple[tuple[int, ...], ...] = (),
+) -> tuple[float, float]:
     """(communication, encode+decode) seconds of one bucket's collective on ``p`` ranks (``shapes``: its
     parameters' shapes, :func:`bucket_shapes`): every one of
     its steps (:func:`~dtrain.perfmodel.collectives.collective_steps`) takes at least the device's
@@ -432,8 +489,9 @@ class PSCosts:
     floor: float
 
 
-def ps_costs(prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, comp: CompressionModel,
-             opt: float) -> PSCosts:  # fmt: skip
+def ps_costs(
+    prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, comp: CompressionModel, opt: float
+) -> PSCosts:
     """Phase times of the parameter server (ranks ``0..S-1`` serve, workers follow, placed node by node)."""
     S, N = o.servers, s.workers
     n = float(prof.param_bytes)
@@ -458,8 +516,9 @@ def ps_costs(prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, comp:
     )
 
 
-def predict_parameter_server(prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, comp: CompressionModel,
-                             inputs: StepInputs) -> Prediction:  # fmt: skip
+def predict_parameter_server(
+    prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, comp: CompressionModel, inputs: StepInputs
+) -> Prediction:
     """The parameter server under its consistency policy (module docstring)."""
     fwd, bwd, opt, overhead, mem, fits = inputs.fwd, inputs.bwd, inputs.opt, inputs.overhead, inputs.memory, inputs.fits
     N = s.workers
@@ -470,11 +529,18 @@ def predict_parameter_server(prof: ModelProfile, c: ClusterSpec, s: Choice, o: S
     if policy in ("bsp", "backup"):
         comm = pc.push_all + pc.pull_all
         # everyone waits for the slowest pass (backup:b's b slowest too: no help without stragglers)
-        step = (compute + c.device.imbalance + pc.coding + max(pc.floor, pc.push_all + N * pc.apply_one + pc.pull_all)
-                + overhead)  # fmt: skip
+        step = (
+            compute
+            + c.device.imbalance
+            + pc.coding
+            + max(pc.floor, pc.push_all + N * pc.apply_one + pc.pull_all)
+            + overhead
+        )
         wait = N * pc.apply_one + c.device.imbalance
-        why = (f"synchronous: {comm * 1e3:.3g} ms push+pull through {o.servers} server link(s) after "
-               f"{compute * 1e3:.3g} ms compute")  # fmt: skip
+        why = (
+            f"synchronous: {comm * 1e3:.3g} ms push+pull through {o.servers} server link(s) after "
+            f"{compute * 1e3:.3g} ms compute"
+        )
     else:
         comm = pc.push_one + pc.pull_one
         # workers whose passes vary in length (shared cores: imbalance > 0) reach the servers at random times
@@ -487,12 +553,12 @@ def predict_parameter_server(prof: ModelProfile, c: ClusterSpec, s: Choice, o: S
         per_update = max(pc.in_per_push, pc.out_per_pull, pc.apply_one)
         step = max(cycle, N * per_update)
         wait = step - cycle
-        why = (f"asynchronous ({o.consistency}): no barrier; "
-               + ("server links saturated" if N * per_update > cycle else "bounded by each worker's own cycle"))
+        why = f"asynchronous ({o.consistency}): no barrier; " + (
+            "server links saturated" if N * per_update > cycle else "bounded by each worker's own cycle"
+        )
     barrier = c.device.imbalance if policy in ("bsp", "backup") else 0.0
     exposed = max(0.0, step - compute - overhead - pc.coding - barrier)
-    return Prediction(s, step, prof.batch * N / step, compute, comm, exposed, wait, pc.payload, mem, fits, why,
-                      detail)  # fmt: skip
+    return Prediction(s, step, prof.batch * N / step, compute, comm, exposed, wait, pc.payload, mem, fits, why, detail)
 
 
 def async_cycle(work: float, exchange: float, floor: float, n: int, services: tuple[float, ...]) -> float:

@@ -118,20 +118,30 @@ class ModelProfile:
             raise ValueError(f"batch must be >= 1, got {batch}")
         f = batch / self.batch
         layers = tuple(
-            replace(layer, fwd_flops=layer.fwd_flops * f, bwd_flops=layer.bwd_flops * f,
-                    activation_bytes=layer.activation_bytes * f, fwd_s=layer.fwd_s * f, bwd_s=layer.bwd_s * f)
+            replace(
+                layer,
+                fwd_flops=layer.fwd_flops * f,
+                bwd_flops=layer.bwd_flops * f,
+                activation_bytes=layer.activation_bytes * f,
+                fwd_s=layer.fwd_s * f,
+                bwd_s=layer.bwd_s * f,
+            )
             for layer in self.layers
-        )  # fmt: skip
+        )
         return replace(self, batch=batch, layers=layers, input_bytes=self.input_bytes * f)
 
     def table(self) -> str:
         head = f"{'layer':<14}{'params':>10}{'fwd MFLOP':>11}{'bwd MFLOP':>11}{'act KiB':>9}{'fwd ms':>8}{'bwd ms':>8}"
         rows = [head]
         for ly in self.layers:
-            rows.append(f"{ly.name[:13]:<14}{ly.params:>10}{ly.fwd_flops / 1e6:>11.2f}{ly.bwd_flops / 1e6:>11.2f}"
-                        f"{ly.activation_bytes / 1024:>9.1f}{ly.fwd_s * 1e3:>8.3f}{ly.bwd_s * 1e3:>8.3f}")  # fmt: skip
-        rows.append(f"{'total':<14}{self.params:>10}{self.fwd_flops / 1e6:>11.2f}{self.bwd_flops / 1e6:>11.2f}"
-                    f"{self.activation_bytes / 1024:>9.1f}{self.fwd_s * 1e3:>8.3f}{self.bwd_s * 1e3:>8.3f}")
+            rows.append(
+                f"{ly.name[:13]:<14}{ly.params:>10}{ly.fwd_flops / 1e6:>11.2f}{ly.bwd_flops / 1e6:>11.2f}"
+                f"{ly.activation_bytes / 1024:>9.1f}{ly.fwd_s * 1e3:>8.3f}{ly.bwd_s * 1e3:>8.3f}"
+            )
+        rows.append(
+            f"{'total':<14}{self.params:>10}{self.fwd_flops / 1e6:>11.2f}{self.bwd_flops / 1e6:>11.2f}"
+            f"{self.activation_bytes / 1024:>9.1f}{self.fwd_s * 1e3:>8.3f}{self.bwd_s * 1e3:>8.3f}"
+        )
         return "\n".join(rows)
 
 
@@ -205,15 +215,31 @@ def profile_model(
     extra: dict[str, Any] = {}
     gcfg = getattr(model, "gpt_config", None)
     if gcfg is not None and isinstance(x, torch.Tensor) and x.dim() == 2:  # the shape tensor parallelism splits
-        extra["gpt"] = {"layers": gcfg.layers, "hidden": gcfg.d_model, "heads": gcfg.heads,
-                        "vocab": gcfg.vocab_size, "seq": int(x.shape[1])}  # fmt: skip
-    prof = ModelProfile(name=name, batch=batch, layers=profiles, input_bytes=float(_nbytes(x)),
-                        optimizer=optimizer, extra=extra)  # fmt: skip
+        extra["gpt"] = {
+            "layers": gcfg.layers,
+            "hidden": gcfg.d_model,
+            "heads": gcfg.heads,
+            "vocab": gcfg.vocab_size,
+            "seq": int(x.shape[1]),
+        }
+    prof = ModelProfile(
+        name=name, batch=batch, layers=profiles, input_bytes=float(_nbytes(x)), optimizer=optimizer, extra=extra
+    )
     if not measure:
         return prof
     at = threads or torch.get_num_threads()  # the threads the times are taken at
-    key = memo.digest([_identity(model, sample_batch), batch, at, optimizer, repeats, warmup, torch.__version__,
-                       f"{getattr(loss_fn, '__module__', '')}.{getattr(loss_fn, '__qualname__', repr(loss_fn))}"])
+    key = memo.digest(
+        [
+            _identity(model, sample_batch),
+            batch,
+            at,
+            optimizer,
+            repeats,
+            warmup,
+            torch.__version__,
+            f"{getattr(loss_fn, '__module__', '')}.{getattr(loss_fn, '__qualname__', repr(loss_fn))}",
+        ]
+    )
     kept = memo.recall("profiles", key)
     if kept is not None:  # measured by an earlier plan on this machine (inside memo.kept_in only)
         with contextlib.suppress(KeyError, TypeError, ValueError):  # one not of this form: measured again
@@ -225,8 +251,17 @@ def profile_model(
         prof = _measure(model, x, target, loss_fn, prof, layers, repeats, warmup, optimizer)
     finally:
         torch.set_num_threads(old_threads)
-    memo.remember("profiles", key, {"fwd": [ly.fwd_s for ly in prof.layers], "bwd": [ly.bwd_s for ly in prof.layers],
-                                    "optimizer_s": prof.optimizer_s, "host": prof.host, "threads": prof.threads})
+    memo.remember(
+        "profiles",
+        key,
+        {
+            "fwd": [ly.fwd_s for ly in prof.layers],
+            "bwd": [ly.bwd_s for ly in prof.layers],
+            "optimizer_s": prof.optimizer_s,
+            "host": prof.host,
+            "threads": prof.threads,
+        },
+    )
     return prof
 
 
@@ -254,8 +289,13 @@ def _with_times(prof: ModelProfile, kept: dict[str, Any]) -> ModelProfile:
     """``prof`` (counted) with the times a kept profile measured."""
     times = zip(prof.layers, kept["fwd"], kept["bwd"], strict=True)
     layers = tuple(replace(ly, fwd_s=float(f), bwd_s=float(b)) for ly, f, b in times)
-    return replace(prof, layers=layers, optimizer_s=float(kept["optimizer_s"]), host=str(kept["host"]),
-                   threads=int(kept["threads"]))  # fmt: skip
+    return replace(
+        prof,
+        layers=layers,
+        optimizer_s=float(kept["optimizer_s"]),
+        host=str(kept["host"]),
+        threads=int(kept["threads"]),
+    )
 
 
 def _count_layers(
@@ -293,13 +333,17 @@ def _count_layers(
     profiles = []
     for lname, m in layers:
         params = [p for p in m.parameters() if p.requires_grad]
-        profiles.append(LayerProfile(
-            name=lname, params=sum(p.numel() for p in params),
-            param_bytes=sum(p.numel() * p.element_size() for p in params),
-            fwd_flops=flops(fwd_counts, lname),
-            bwd_flops=max(0.0, flops(all_counts, lname) - flops(fwd_counts, lname)),
-            activation_bytes=float(acts.get(lname, 0)), shapes=tuple(tuple(p.shape) for p in params),
-        ))  # fmt: skip
+        profiles.append(
+            LayerProfile(
+                name=lname,
+                params=sum(p.numel() for p in params),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                fwd_flops=flops(fwd_counts, lname),
+                bwd_flops=max(0.0, flops(all_counts, lname) - flops(fwd_counts, lname)),
+                activation_bytes=float(acts.get(lname, 0)),
+                shapes=tuple(tuple(p.shape) for p in params),
+            )
+        )
     return tuple(profiles)
 
 

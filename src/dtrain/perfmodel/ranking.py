@@ -46,8 +46,15 @@ from dtrain.perfmodel.units import format_bytes, parse_bytes
 from dtrain.registry import Choice, registered
 from dtrain.workloads.batch import split_batch
 
-__all__ = ["Plan", "candidates", "plan", "parse_memory_limit", "DEFAULT_COMPRESSIONS", "DEFAULT_CONSISTENCIES",
-           "DEFAULT_BUCKETS"]
+__all__ = [
+    "Plan",
+    "candidates",
+    "plan",
+    "parse_memory_limit",
+    "DEFAULT_COMPRESSIONS",
+    "DEFAULT_CONSISTENCIES",
+    "DEFAULT_BUCKETS",
+]
 
 DEFAULT_COMPRESSIONS = ("fp16", "powersgd:2", "qsgd", "onebit", "topk:0.01")
 DEFAULT_CONSISTENCIES = ("bsp", "asp", "ssp:3")
@@ -63,8 +70,9 @@ def parse_memory_limit(value: str | float | int) -> float:
     try:
         n = parse_bytes(value)
     except ConfigError:
-        raise ConfigError(f"cannot read the memory limit {value!r}; write it like 2GB, 512MB, 1.5GiB "
-                          "or a number of bytes") from None  # fmt: skip
+        raise ConfigError(
+            f"cannot read the memory limit {value!r}; write it like 2GB, 512MB, 1.5GiB or a number of bytes"
+        ) from None
     if not (math.isfinite(n) and n > 0):
         raise ConfigError(f"the memory limit must be a positive size, got {value!r}")
     return n
@@ -102,11 +110,15 @@ class Plan:
     def table(self, top: int | None = None) -> str:
         """The ranked table (and the rejected strategies) as text."""
         limit = f"; memory limit {format_bytes(self.memory_limit)}" if self.memory_limit is not None else ""
-        rows = [f"plan for {self.cluster.describe()}; global batch {self.batch}{limit}",
-                f"{'#':>3}  {'strategy':<34}{'step ms':>9}{'samples/s':>11}{'mem/dev':>10}{'sent/step':>11}  why"]
+        rows = [
+            f"plan for {self.cluster.describe()}; global batch {self.batch}{limit}",
+            f"{'#':>3}  {'strategy':<34}{'step ms':>9}{'samples/s':>11}{'mem/dev':>10}{'sent/step':>11}  why",
+        ]
         for i, p in enumerate(self.ranked[:top] if top else self.ranked, 1):
-            rows.append(f"{i:>3}  {p.strategy.label():<34}{p.step_s * 1e3:>9.3g}{p.samples_per_s:>11.4g}"
-                        f"{format_bytes(p.memory.total):>10}{format_bytes(p.bytes_per_step):>11}  {p.why}")  # fmt: skip
+            rows.append(
+                f"{i:>3}  {p.strategy.label():<34}{p.step_s * 1e3:>9.3g}{p.samples_per_s:>11.4g}"
+                f"{format_bytes(p.memory.total):>10}{format_bytes(p.bytes_per_step):>11}  {p.why}"
+            )
         if top and len(self.ranked) > top:
             rows.append(f"     ... {len(self.ranked) - top} more")
         for s, reason in self.rejected:
@@ -134,8 +146,20 @@ def candidates(
 ) -> list[Choice]:
     """Every choice the planner considers on ``workers`` devices (default: all of the cluster's):
     each registered strategy's ``candidates`` hook over the same :class:`PlanSpace`."""
-    space = PlanSpace(cluster, workers or cluster.devices, tuple(compressions), tuple(consistencies), tuple(buckets),
-                      tuple(algorithms), exact_only, single, ddp, averaging, pipeline, mesh)  # fmt: skip
+    space = PlanSpace(
+        cluster,
+        workers or cluster.devices,
+        tuple(compressions),
+        tuple(consistencies),
+        tuple(buckets),
+        tuple(algorithms),
+        exact_only,
+        single,
+        ddp,
+        averaging,
+        pipeline,
+        mesh,
+    )
     out: list[Choice] = []
     for entry in registered().values():
         hook = ModelHooks.of(entry).candidates
@@ -217,22 +241,47 @@ def plan(
         spec = replace(spec, device=replace(spec.device, memory=limit))
     gbatch = batch or _global_batch(sample_batch)
     name = name or type(model).__name__.lower()
-    cands = list(strategies) if strategies is not None else candidates(
-        spec, workers, compressions=compressions, consistencies=consistencies, exact_only=exact_only,
-        averaging=averaging, pipeline=pipeline, mesh=mesh)  # fmt: skip
+    cands = (
+        list(strategies)
+        if strategies is not None
+        else candidates(
+            spec,
+            workers,
+            compressions=compressions,
+            consistencies=consistencies,
+            exact_only=exact_only,
+            averaging=averaging,
+            pipeline=pipeline,
+            mesh=mesh,
+        )
+    )
     ranker = _Ranker(model, sample_batch, spec, name, optimizer, measure, limited=limit is not None)
     for s in cands:
         ranker.add(s, gbatch)
     ranker.ranked.sort(key=lambda p: -p.samples_per_s)
-    return Plan(cluster=spec, batch=gbatch, ranked=ranker.ranked, rejected=ranker.rejected, profiles=ranker.profiles,
-                memory_limit=limit)
+    return Plan(
+        cluster=spec,
+        batch=gbatch,
+        ranked=ranker.ranked,
+        rejected=ranker.rejected,
+        profiles=ranker.profiles,
+        memory_limit=limit,
+    )
 
 
 class _Ranker:
     """Predicts candidates one by one, profiling the model once per per-worker batch."""
 
-    def __init__(self, model: nn.Module, sample: Any, spec: ClusterSpec, name: str, optimizer: str,
-                 measure: bool, limited: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        sample: Any,
+        spec: ClusterSpec,
+        name: str,
+        optimizer: str,
+        measure: bool,
+        limited: bool = False,
+    ) -> None:
         self.model, self.sample, self.spec, self.name = model, sample, spec, name
         self.has = "over the memory limit of" if limited else "has"
         self.optimizer, self.measure = optimizer, measure
@@ -252,9 +301,14 @@ class _Ranker:
             return
         b = split_batch(gbatch, s.workers)[0]  # as a run does: 64 over 3 workers is 21 each, 63 a step
         if b not in self.profiles:
-            self.profiles[b] = profile_model(self.model, _batch_of(self.sample, b), name=self.name,
-                                             measure=self.measure, optimizer=self.optimizer,
-                                             threads=spec.device.threads)  # fmt: skip
+            self.profiles[b] = profile_model(
+                self.model,
+                _batch_of(self.sample, b),
+                name=self.name,
+                measure=self.measure,
+                optimizer=self.optimizer,
+                threads=spec.device.threads,
+            )
         key = (s.strategy, s.workers, ModelHooks.of(s.entry).identity(s.opts, self.profiles[b]))
         if key in self.seen:
             return
@@ -263,8 +317,13 @@ class _Ranker:
         comp = None
         if comp_spec != "none":
             comp = self.comps.setdefault(comp_spec, compression_model(comp_spec, spec, measure=self.measure))
-        pred = predict(self.profiles[b], spec.with_devices(s.processes) if s.processes < spec.devices else spec, s,
-                       comp, overhead_s=spec.device.overhead)  # fmt: skip
+        pred = predict(
+            self.profiles[b],
+            spec.with_devices(s.processes) if s.processes < spec.devices else spec,
+            s,
+            comp,
+            overhead_s=spec.device.overhead,
+        )
         if not pred.fits:
             if math.isfinite(pred.memory.total):
                 need, has = format_bytes(pred.memory.total), format_bytes(spec.device.memory)

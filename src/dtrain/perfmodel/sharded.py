@@ -94,8 +94,9 @@ def shard_collective(c: ClusterSpec, algorithm: str, nbytes: float, p: int, phas
     return max(t, (p - 1) * floor)
 
 
-def predict_sharded(prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallelLike, stage: int,
-                    inputs: StepInputs) -> Prediction:  # fmt: skip
+def predict_sharded(
+    prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallelLike, stage: int, inputs: StepInputs
+) -> Prediction:
     """ZeRO stage 1, 2 or 3 of ``dp`` (module docstring; memory from :func:`sharded_memory`).
 
     Every collective is a ring reduce-scatter or allgather (:func:`shard_collective`)
@@ -121,11 +122,24 @@ def predict_sharded(prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParall
     compute = f_total + b_total + opt
     exposed = max(0.0, period - compute)
     bound = "communication" if exposed > 0.5 * compute else "compute"
-    why = (f"{bound}-bound: ZeRO-{stage}, {rs * 1e3:.3g} ms of reduce-scatter and {ag * 1e3:.3g} ms of allgather, "
-           f"{exposed * 1e3:.3g} ms not hidden by compute")  # fmt: skip
-    return Prediction(s, step, prof.batch * p / step, compute, rs + ag, exposed, wait, sent, mem, fits, why,
-                      {"fwd_s": f_total, "bwd_s": b_total, "opt_s": opt, "reduce_scatter_s": rs,
-                       "allgather_s": ag})  # fmt: skip
+    why = (
+        f"{bound}-bound: ZeRO-{stage}, {rs * 1e3:.3g} ms of reduce-scatter and {ag * 1e3:.3g} ms of allgather, "
+        f"{exposed * 1e3:.3g} ms not hidden by compute"
+    )
+    return Prediction(
+        s,
+        step,
+        prof.batch * p / step,
+        compute,
+        rs + ag,
+        exposed,
+        wait,
+        sent,
+        mem,
+        fits,
+        why,
+        {"fwd_s": f_total, "bwd_s": b_total, "opt_s": opt, "reduce_scatter_s": rs, "allgather_s": ag},
+    )
 
 
 def _units(prof: ModelProfile) -> list[int]:
@@ -134,8 +148,9 @@ def _units(prof: ModelProfile) -> list[int]:
     return [i for i, ly in enumerate(prof.layers) if ly.param_bytes > 0]
 
 
-def _zero12_period(prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallelLike, fwd: list[float],
-                   bwd: list[float], opt: float) -> tuple[float, float, float]:  # fmt: skip
+def _zero12_period(
+    prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallelLike, fwd: list[float], bwd: list[float], opt: float
+) -> tuple[float, float, float]:
     """(step from the start of one backward to the next, reduce-scatter s, allgather s) of stages 1-2.
 
     Each unit's gradient is reduce-scattered when its backward is done, in backward's order
@@ -153,16 +168,18 @@ def _zero12_period(prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParalle
     units = _units(prof)
     end = rs_total = 0.0
     for j, i in enumerate(reversed(units)):
-        dur = shard_collective(c, algorithm, float(prof.layers[i].param_bytes), p, "rs") + \
-            bucket_latency(c, s, dense, j)  # fmt: skip
+        dur = shard_collective(c, algorithm, float(prof.layers[i].param_bytes), p, "rs") + bucket_latency(
+            c, s, dense, j
+        )
         end = max(ready[i], end) + dur
         rs_total += dur
     t = max(t, end) + opt
     gathered: dict[int, float] = {}  # unit -> when its parameters are back
     cursor = t
     for k, i in enumerate(units):  # forward's order
-        cursor += shard_collective(c, algorithm, float(prof.layers[i].param_bytes), p, "ag") + \
-            bucket_latency(c, s, dense, k)  # fmt: skip
+        cursor += shard_collective(c, algorithm, float(prof.layers[i].param_bytes), p, "ag") + bucket_latency(
+            c, s, dense, k
+        )
         gathered[i] = cursor
     ag_total = cursor - t
     if o.overlap != "forward":
@@ -172,8 +189,9 @@ def _zero12_period(prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParalle
     return t, rs_total, ag_total
 
 
-def _zero3_period(prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallelLike, fwd: list[float],
-                  bwd: list[float], opt: float) -> tuple[float, float, float]:  # fmt: skip
+def _zero3_period(
+    prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallelLike, fwd: list[float], bwd: list[float], opt: float
+) -> tuple[float, float, float]:
     """(step, reduce-scatter s, allgather s) of stage 3, one communication stream in issue order.
 
     Units are the layers with parameters. Forward: unit ``k``'s gather is issued when
@@ -186,8 +204,11 @@ def _zero3_period(prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallel
     p, algorithm = s.workers, o.algorithm
     dense = CompressionModel()
     units = _units(prof)
-    cost = {(ph, i): shard_collective(c, algorithm, float(prof.layers[i].param_bytes), p, ph)
-            for i in units for ph in ("ag", "rs")}  # fmt: skip
+    cost = {
+        (ph, i): shard_collective(c, algorithm, float(prof.layers[i].param_bytes), p, ph)
+        for i in units
+        for ph in ("ag", "rs")
+    }
     spent = {"ag": 0.0, "rs": 0.0}
     comm = 0.0  # when the communication stream is free
     calls = 0

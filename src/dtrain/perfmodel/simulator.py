@@ -130,7 +130,7 @@ class Stragglers:
 
 
 def parse_policy(consistency: str) -> tuple[str, int]:
-    """"bsp" -> ("bsp", 0); "ssp:3" -> ("ssp", 3); "softsync:2"; "backup:1"; "asp".
+    """ "bsp" -> ("bsp", 0); "ssp:3" -> ("ssp", 3); "softsync:2"; "backup:1"; "asp".
 
     The parameter server's own parser (:func:`dtrain.param_server.consistency.parse_consistency`)
     decides, so the simulator accepts exactly the policies a run does.
@@ -180,10 +180,20 @@ def simulate(
 
 
 def simulate_sync(
-    prof: ModelProfile, c: ClusterSpec, s: Choice, o: DataParallelLike, comp: CompressionModel, strag: Stragglers,
-    steps: int, rng: np.random.Generator, fwd: list[float], bwd: list[float], opt: float, overhead: float,
+    prof: ModelProfile,
+    c: ClusterSpec,
+    s: Choice,
+    o: DataParallelLike,
+    comp: CompressionModel,
+    strag: Stragglers,
+    steps: int,
+    rng: np.random.Generator,
+    fwd: list[float],
+    bwd: list[float],
+    opt: float,
+    overhead: float,
     alone: float,
-) -> SimResult:  # fmt: skip
+) -> SimResult:
     """Synchronous data parallel (``dp``, ``ddp``): buckets, step by step (module docstring)."""
     n = s.workers
     f = sum(fwd)
@@ -225,18 +235,29 @@ def simulate_sync(
     return _sync_result(s, prof, n, steps - 1, t_total, busy, alone)
 
 
-def _sync_result(s: Choice, prof: ModelProfile, n: int, steps: int, t_total: float, busy: float,
-                 alone: float) -> SimResult:  # fmt: skip
+def _sync_result(
+    s: Choice, prof: ModelProfile, n: int, steps: int, t_total: float, busy: float, alone: float
+) -> SimResult:
     step_s = t_total / steps
     sps = prof.batch * n / step_s
     return SimResult(n, s.label(), step_s, sps, sps / (n * prof.batch / alone), max(0.0, 1 - busy / t_total))
 
 
 def simulate_ps(
-    prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, comp: CompressionModel, strag: Stragglers,
-    steps: int, rng: np.random.Generator, fwd: list[float], bwd: list[float], opt: float, overhead: float,
+    prof: ModelProfile,
+    c: ClusterSpec,
+    s: Choice,
+    o: ServerLike,
+    comp: CompressionModel,
+    strag: Stragglers,
+    steps: int,
+    rng: np.random.Generator,
+    fwd: list[float],
+    bwd: list[float],
+    opt: float,
+    overhead: float,
     alone: float,
-) -> SimResult:  # fmt: skip
+) -> SimResult:
     """The parameter server: rounds under bsp/backup, discrete events otherwise (module docstring)."""
     policy, k = parse_policy(o.consistency)
     pc = ps_costs(prof, c, s, o, comp, opt)
@@ -246,9 +267,21 @@ def simulate_ps(
     return sim.run(prof, s, steps, alone)
 
 
-def _ps_rounds(prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, pc: PSCosts, strag: Stragglers,
-               steps: int, rng: np.random.Generator, compute: float, overhead: float, alone: float, policy: str,
-               k: int) -> SimResult:  # fmt: skip
+def _ps_rounds(
+    prof: ModelProfile,
+    c: ClusterSpec,
+    s: Choice,
+    o: ServerLike,
+    pc: PSCosts,
+    strag: Stragglers,
+    steps: int,
+    rng: np.random.Generator,
+    compute: float,
+    overhead: float,
+    alone: float,
+    policy: str,
+    k: int,
+) -> SimResult:
     """bsp and backup:b: a round ends when the (N-b)-th push is in; then apply, everyone pulls."""
     N = s.workers
     wait_for = N - (k if policy == "backup" else 0)
@@ -259,12 +292,18 @@ def _ps_rounds(prof: ModelProfile, c: ClusterSpec, s: Choice, o: ServerLike, pc:
         m = strag.sample(rng, N)
         t_in = float(np.sort(m * compute)[wait_for - 1])
         busy += float(np.mean(np.minimum(m * compute, t_in)))
-        t += (t_in + c.device.imbalance + pc.coding + max(pc.floor, pc.push_all + N * pc.apply_one + pc.pull_all)
-              + overhead)  # fmt: skip
+        t += (
+            t_in
+            + c.device.imbalance
+            + pc.coding
+            + max(pc.floor, pc.push_all + N * pc.apply_one + pc.pull_all)
+            + overhead
+        )
     step_s = t / steps
     sps = prof.batch * N / step_s
-    return SimResult(N, s.label(), step_s, sps, sps / (N * prof.batch / alone), max(0.0, 1 - busy / t),
-                     {0: steps * wait_for})  # fmt: skip
+    return SimResult(
+        N, s.label(), step_s, sps, sps / (N * prof.batch / alone), max(0.0, 1 - busy / t), {0: steps * wait_for}
+    )
 
 
 class _AsyncServer:
@@ -284,8 +323,16 @@ class _AsyncServer:
     at least the floor between them (as in predict).
     """
 
-    def __init__(self, n: int, pc: PSCosts, strag: Stragglers, rng: np.random.Generator, compute: float,
-                 overhead: float, consistency: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n: int,
+        pc: PSCosts,
+        strag: Stragglers,
+        rng: np.random.Generator,
+        compute: float,
+        overhead: float,
+        consistency: str,
+    ) -> None:
         from dtrain.param_server.consistency import parse_consistency
 
         self.n, self.pc, self.strag, self.rng = n, pc, strag, rng
@@ -365,8 +412,15 @@ class _AsyncServer:
         N = self.n
         sps = prof.batch * updates / window
         step_s = prof.batch * N / sps  # mean time per step of one worker
-        return SimResult(N, s.label(), step_s, sps, sps / (N * prof.batch / alone),
-                         max(0.0, 1 - self.busy / (N * t_end)), dict(sorted(self.stale.items())))  # fmt: skip
+        return SimResult(
+            N,
+            s.label(),
+            step_s,
+            sps,
+            sps / (N * prof.batch / alone),
+            max(0.0, 1 - self.busy / (N * t_end)),
+            dict(sorted(self.stale.items())),
+        )
 
 
 def scaling_curve(
@@ -391,6 +445,9 @@ def scaling_curve(
     for n in workers:
         sn = s.with_workers(n)
         cn = c.with_devices(sn.processes)
-        out.append(simulate(prof_at(n), cn, sn, comp=comp, stragglers=stragglers, steps=steps, seed=seed,
-                            overhead_s=overhead_s))  # fmt: skip
+        out.append(
+            simulate(
+                prof_at(n), cn, sn, comp=comp, stragglers=stragglers, steps=steps, seed=seed, overhead_s=overhead_s
+            )
+        )
     return out

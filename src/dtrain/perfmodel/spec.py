@@ -69,8 +69,17 @@ from dtrain.config.files import read_toml
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.units import format_rate, parse_bytes, parse_rate, parse_time
 
-__all__ = ["Link", "Device", "ModelRate", "CompressorCost", "Load", "ClusterSpec", "load_cluster", "dump_cluster",
-           "LOADED_CORES"]  # fmt: skip
+__all__ = [
+    "Link",
+    "Device",
+    "ModelRate",
+    "CompressorCost",
+    "Load",
+    "ClusterSpec",
+    "load_cluster",
+    "dump_cluster",
+    "LOADED_CORES",
+]
 
 # a calibration during which other processes took at least this many cores' worth of CPU was made under load
 LOADED_CORES = 0.25
@@ -275,8 +284,9 @@ class Load:
         return self.others_cores >= LOADED_CORES
 
     def describe(self) -> str:
-        return (f"other processes kept {self.others_cores:.2f} of {self.cores} cores busy "
-                f"(load average {self.loadavg:.2f})")  # fmt: skip
+        return (
+            f"other processes kept {self.others_cores:.2f} of {self.cores} cores busy (load average {self.loadavg:.2f})"
+        )
 
 
 @dataclass(frozen=True)
@@ -329,14 +339,16 @@ class ClusterSpec:
 def _link(d: Mapping[str, Any], where: str, default: Link | None) -> Link:
     if not d:
         if default is None:
-            raise ConfigError(f"{where}: missing; give at least bandwidth = \"...\" (e.g. \"1gbit\")")
+            raise ConfigError(f'{where}: missing; give at least bandwidth = "..." (e.g. "1gbit")')
         return default
     unknown = set(d) - {"bandwidth", "latency", "efficiency", "native_latency", "duplex_bandwidth", "burst"}
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
-                          "use bandwidth, latency, efficiency, native_latency, duplex_bandwidth, burst")  # fmt: skip
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
+            "use bandwidth, latency, efficiency, native_latency, duplex_bandwidth, burst"
+        )
     if "bandwidth" not in d:
-        raise ConfigError(f"{where}: bandwidth is required (e.g. bandwidth = \"25gbit\")")
+        raise ConfigError(f'{where}: bandwidth is required (e.g. bandwidth = "25gbit")')
     return Link(
         bandwidth=parse_rate(d["bandwidth"]),
         latency=parse_time(d.get("latency", 0.0)),
@@ -357,8 +369,20 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> Cl
         raise ConfigError(f"{source}: 'nodes' is required")
     links = dict(data.get("links", {}))
     dev = dict(data.get("device", {}))
-    unknown = set(dev) - {"kind", "flops", "memory", "gamma", "compute_scale", "host", "overhead", "wake", "floor",
-                          "imbalance", "p2p_floor", "threads"}
+    unknown = set(dev) - {
+        "kind",
+        "flops",
+        "memory",
+        "gamma",
+        "compute_scale",
+        "host",
+        "overhead",
+        "wake",
+        "floor",
+        "imbalance",
+        "p2p_floor",
+        "threads",
+    }
     if unknown:
         raise ConfigError(f"{source}: [device] has unknown key(s) {', '.join(sorted(unknown))}")
     device = Device(
@@ -381,8 +405,10 @@ def cluster_from_dict(data: Mapping[str, Any], *, source: str = "cluster") -> Cl
     comps = {str(k): CompressorCost(**dict(v)) for k, v in dict(data.get("compressors", {})).items()}
     cal = dict(data.get("calibrated", {}))
     if set(cal) - {"others_cores", "loadavg", "cores"}:
-        raise ConfigError(f"{source}: [calibrated] has unknown key(s) "
-                          f"{', '.join(sorted(set(cal) - {'others_cores', 'loadavg', 'cores'}))}")  # fmt: skip
+        raise ConfigError(
+            f"{source}: [calibrated] has unknown key(s) "
+            f"{', '.join(sorted(set(cal) - {'others_cores', 'loadavg', 'cores'}))}"
+        )
     load = Load(float(cal.get("others_cores", 0.0)), float(cal.get("loadavg", 0.0)), int(cal.get("cores", 1)))
     return ClusterSpec(
         name=str(data.get("name", Path(source).stem)),
@@ -415,16 +441,30 @@ def dump_cluster(c: ClusterSpec, comment: str = "") -> str:
     """The cluster as TOML that :func:`load_cluster` reads back exactly."""
     out = ["# dtrain cluster description (schema: dtrain.perfmodel.spec)"]
     out += [f"# {line}" for line in comment.splitlines()]
-    out += [f"name = \"{c.name}\"", f"nodes = {c.nodes}", f"devices_per_node = {c.devices_per_node}", ""]
+    out += [f'name = "{c.name}"', f"nodes = {c.nodes}", f"devices_per_node = {c.devices_per_node}", ""]
     d = c.device
-    out += ["[device]", f"kind = \"{d.kind}\"", f"flops = {_num(d.flops)}", f"memory = {_num(d.memory)}",
-            f"gamma = {_num(d.gamma)}", f"compute_scale = {_num(d.compute_scale)}", f"host = \"{d.host}\"",
-            f"overhead = {_num(d.overhead)}", f"wake = {_num(d.wake)}", f"floor = {_num(d.floor)}",
-            f"imbalance = {_num(d.imbalance)}", f"threads = {d.threads}"]  # fmt: skip
+    out += [
+        "[device]",
+        f'kind = "{d.kind}"',
+        f"flops = {_num(d.flops)}",
+        f"memory = {_num(d.memory)}",
+        f"gamma = {_num(d.gamma)}",
+        f"compute_scale = {_num(d.compute_scale)}",
+        f'host = "{d.host}"',
+        f"overhead = {_num(d.overhead)}",
+        f"wake = {_num(d.wake)}",
+        f"floor = {_num(d.floor)}",
+        f"imbalance = {_num(d.imbalance)}",
+        f"threads = {d.threads}",
+    ]
     out += ([f"p2p_floor = {_num(d.p2p_floor)}"] if d.p2p_floor is not None else []) + [""]
     for name, link in (("intra", c.intra), ("inter", c.inter)):
-        out += [f"[links.{name}]", f"bandwidth = {_num(link.bandwidth * 8)}  # {format_rate(link.bandwidth)}",
-                f"latency = {_num(link.latency)}", f"efficiency = {_num(link.efficiency)}"]  # fmt: skip
+        out += [
+            f"[links.{name}]",
+            f"bandwidth = {_num(link.bandwidth * 8)}  # {format_rate(link.bandwidth)}",
+            f"latency = {_num(link.latency)}",
+            f"efficiency = {_num(link.efficiency)}",
+        ]
         if link.native_latency is not None:
             out.append(f"native_latency = {_num(link.native_latency)}")
         if link.burst:
@@ -433,15 +473,30 @@ def dump_cluster(c: ClusterSpec, comment: str = "") -> str:
             out.append(f"duplex_bandwidth = {_num(link.duplex_bandwidth * 8)}  # {format_rate(link.duplex_bandwidth)}")
         out.append("")
     for mname, m in c.models.items():
-        out += [f"[models.\"{mname}\"]", f"samples_per_s = {_num(m.samples_per_s)}",
-                f"backward_fraction = {_num(m.backward_fraction)}", f"optimizer_s = {_num(m.optimizer_s)}", ""]
+        out += [
+            f'[models."{mname}"]',
+            f"samples_per_s = {_num(m.samples_per_s)}",
+            f"backward_fraction = {_num(m.backward_fraction)}",
+            f"optimizer_s = {_num(m.optimizer_s)}",
+            "",
+        ]
     for cname, cc in c.compressors.items():
-        out += [f"[compressors.\"{cname}\"]", f"ratio = {_num(cc.ratio)}",
-                f"encode_s_per_byte = {_num(cc.encode_s_per_byte)}",
-                f"decode_s_per_byte = {_num(cc.decode_s_per_byte)}", f"cpu_ratio = {_num(cc.cpu_ratio)}", ""]
+        out += [
+            f'[compressors."{cname}"]',
+            f"ratio = {_num(cc.ratio)}",
+            f"encode_s_per_byte = {_num(cc.encode_s_per_byte)}",
+            f"decode_s_per_byte = {_num(cc.decode_s_per_byte)}",
+            f"cpu_ratio = {_num(cc.cpu_ratio)}",
+            "",
+        ]
     if c.load is not None:
-        out += ["[calibrated]", f"others_cores = {_num(c.load.others_cores)}", f"loadavg = {_num(c.load.loadavg)}",
-                f"cores = {c.load.cores}", ""]  # fmt: skip
+        out += [
+            "[calibrated]",
+            f"others_cores = {_num(c.load.others_cores)}",
+            f"loadavg = {_num(c.load.loadavg)}",
+            f"cores = {c.load.cores}",
+            "",
+        ]
     return "\n".join(out)
 
 

@@ -48,8 +48,18 @@ from dtrain.perfmodel.profile import ModelProfile
 from dtrain.perfmodel.sharded import shard_collective
 from dtrain.perfmodel.spec import ClusterSpec
 
-__all__ = ["PARAM_BYTES", "TransformerShape", "TensorComm", "mesh_rank", "mesh_groups", "group_cluster",
-           "block_activation_bytes", "tensor_memory", "tensor_parallel_comm", "tp_reason"]  # fmt: skip
+__all__ = [
+    "PARAM_BYTES",
+    "TransformerShape",
+    "TensorComm",
+    "mesh_rank",
+    "mesh_groups",
+    "group_cluster",
+    "block_activation_bytes",
+    "tensor_memory",
+    "tensor_parallel_comm",
+    "tp_reason",
+]
 
 PARAM_BYTES = 4  # float32 parameters and gradients
 _DENSE = CompressionModel()
@@ -96,8 +106,12 @@ class TransformerShape:
         block (``qkv`` ``3h^2 + 3h``, ``proj``'s weight, ``fc1``, ``fc2``'s weight; two layernorms and the
         row-parallel biases, ``6 h``), a layernorm and the head."""
         h, f, v = self.hidden, self.mlp, self.vocab
-        return {"embed": (v * h, self.seq * h), "block": (4 * h * h + 2 * h * f + 3 * h + f, 6 * h),
-                "ln": (0, 2 * h), "head": (h * v + v, 0)}  # fmt: skip
+        return {
+            "embed": (v * h, self.seq * h),
+            "block": (4 * h * h + 2 * h * f + 3 * h + f, 6 * h),
+            "ln": (0, 2 * h),
+            "head": (h * v + v, 0),
+        }
 
 
 # ---------------------------------------------------------------------- placement
@@ -124,6 +138,7 @@ def group_cluster(c: ClusterSpec, groups: Sequence[Sequence[int]]) -> ClusterSpe
     """The cluster as the worst of ``groups`` (most nodes, then fewest members on one) sees it: on one
     node, one node of its size (intra link); over ``N`` nodes with ``k`` members on one at most, ``N``
     nodes of ``k``, the inter link shared by the ``min(d, world) / k`` groups on a node (rates / that)."""
+
     def spread(g: Sequence[int]) -> tuple[int, int]:
         per = Counter(c.node_of(r) for r in g)
         return len(per), -max(per.values())
@@ -136,8 +151,9 @@ def group_cluster(c: ClusterSpec, groups: Sequence[Sequence[int]]) -> ClusterSpe
     world = 1 + max(r for g in groups for r in g)
     share = max(1, min(c.devices_per_node, world) // k)
     duplex = c.inter.duplex_bandwidth
-    inter = replace(c.inter, bandwidth=c.inter.bandwidth / share,
-                    duplex_bandwidth=None if duplex is None else duplex / share)  # fmt: skip
+    inter = replace(
+        c.inter, bandwidth=c.inter.bandwidth / share, duplex_bandwidth=None if duplex is None else duplex / share
+    )
     return replace(c, nodes=nodes, devices_per_node=k, inter=inter)
 
 
@@ -208,8 +224,10 @@ def _kinds(prof: ModelProfile, shape: TransformerShape) -> list[str]:
 
     kinds = [kind(ly.params) for ly in prof.layers]
     if kinds.count("block") != shape.layers:
-        raise ConfigError(f"profile {prof.name!r} has {kinds.count('block')} layers with a block's {counts['block']} "
-                          f"parameters (hidden {shape.hidden}), expected {shape.layers} blocks")  # fmt: skip
+        raise ConfigError(
+            f"profile {prof.name!r} has {kinds.count('block')} layers with a block's {counts['block']} "
+            f"parameters (hidden {shape.hidden}), expected {shape.layers} blocks"
+        )
     return kinds
 
 
@@ -240,9 +258,14 @@ def _factor(prof: ModelProfile | None, optimizer_state_factor: float | None) -> 
     return _opt_state(prof) / prof.param_bytes if prof is not None and prof.param_bytes else 1.0
 
 
-def tensor_memory(model: ModelProfile | TransformerShape, tp: int, sequence_parallel: bool, *,
-                  shape: TransformerShape | None = None,
-                  optimizer_state_factor: float | None = None) -> Memory:  # fmt: skip
+def tensor_memory(
+    model: ModelProfile | TransformerShape,
+    tp: int,
+    sequence_parallel: bool,
+    *,
+    shape: TransformerShape | None = None,
+    optimizer_state_factor: float | None = None,
+) -> Memory:
     """Bytes per rank of a GPT split over ``tp`` ranks (no pipeline).
 
     Parameters ``P_r = sum over layers of split / t + replicated`` (:meth:`TransformerShape.params`),
@@ -262,8 +285,13 @@ def tensor_memory(model: ModelProfile | TransformerShape, tp: int, sequence_para
     layers = _rank_layers(prof, shape, tp, sequence_parallel)
     params = math.fsum(ly.param_bytes for ly in layers)
     inputs = prof.input_bytes * shape.batch / prof.batch if prof else 8.0 * shape.batch * shape.seq
-    return Memory(params=params, grads=params, optimizer=_factor(prof, optimizer_state_factor) * params,
-                  activations=math.fsum(ly.activation_bytes for ly in layers), buffers=inputs)  # fmt: skip
+    return Memory(
+        params=params,
+        grads=params,
+        optimizer=_factor(prof, optimizer_state_factor) * params,
+        activations=math.fsum(ly.activation_bytes for ly in layers),
+        buffers=inputs,
+    )
 
 
 # ---------------------------------------------------------------------- communication
@@ -314,12 +342,12 @@ def _collective(view: ClusterSpec, algorithm: str, op: str, nbytes: float, tp: i
         return 0.0, 0.0
     if op in ("rs", "ag"):
         return shard_collective(view, algorithm, nbytes, tp, op), (tp - 1) / tp * nbytes
-    return bucket_collective(view, algorithm, nbytes, tp, _DENSE)[0], \
-        allreduce_bytes(algorithm, nbytes, tp, view.devices_per_node)  # fmt: skip
+    return bucket_collective(view, algorithm, nbytes, tp, _DENSE)[0], allreduce_bytes(
+        algorithm, nbytes, tp, view.devices_per_node
+    )
 
 
-def _layer_comm(kind: str, view: ClusterSpec, algorithm: str, tp: int, sp: bool, n: float,
-                loss_n: float) -> TensorComm:  # fmt: skip
+def _layer_comm(kind: str, view: ClusterSpec, algorithm: str, tp: int, sp: bool, n: float, loss_n: float) -> TensorComm:
     """One micro-batch's collectives of a layer of ``kind`` (:data:`_OPS`): ``n`` bytes, the loss ``loss_n``."""
     out = TensorComm()
     for spec in _OPS.get((kind, sp), ()):
@@ -335,10 +363,23 @@ def _grads_comm(view: ClusterSpec, algorithm: str, tp: int, replicated: float) -
     return TensorComm(sent, grads_s=t, calls=1 if sent > 0 else 0)
 
 
-def tensor_parallel_comm(c: ClusterSpec, batch: int, seq: int, hidden: int, layers: int, tp: int, *,
-                         sequence_parallel: bool, dtype_bytes: int = 4, algorithm: str = "ring",
-                         microbatches: int = 1, embedding: bool = True, head: bool = True, dp: int = 1,
-                         pp: int = 1) -> TensorComm:  # fmt: skip
+def tensor_parallel_comm(
+    c: ClusterSpec,
+    batch: int,
+    seq: int,
+    hidden: int,
+    layers: int,
+    tp: int,
+    *,
+    sequence_parallel: bool,
+    dtype_bytes: int = 4,
+    algorithm: str = "ring",
+    microbatches: int = 1,
+    embedding: bool = True,
+    head: bool = True,
+    dp: int = 1,
+    pp: int = 1,
+) -> TensorComm:
     """One training step's tensor-parallel collectives on one rank (module docstring: which, where).
 
     Ring bytes per rank: ``M [(4L + E + H) 2(t-1)/t n + 3H 2(t-1)/t 4 b s]`` with ``n = b s h e``

@@ -18,9 +18,14 @@ from typing import Any
 
 __all__ = ["Pipeline", "PipelineError", "Schedule", "Action", "generate", "balance"]
 
-_LAZY = {"Pipeline": "dtrain.pipeline.pipe", "PipelineError": "dtrain.pipeline._channel",
-         "Schedule": "dtrain.pipeline.schedules", "Action": "dtrain.pipeline.schedules",
-         "generate": "dtrain.pipeline.schedules", "balance": "dtrain.pipeline.partition"}  # fmt: skip
+_LAZY = {
+    "Pipeline": "dtrain.pipeline.pipe",
+    "PipelineError": "dtrain.pipeline._channel",
+    "Schedule": "dtrain.pipeline.schedules",
+    "Action": "dtrain.pipeline.schedules",
+    "generate": "dtrain.pipeline.schedules",
+    "balance": "dtrain.pipeline.partition",
+}
 
 
 def __getattr__(name: str) -> Any:

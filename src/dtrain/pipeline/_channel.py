@@ -27,11 +27,27 @@ from dtrain.errors import CommError, DTrainError
 __all__ = ["PipelineError", "Channel", "next_space", "ACT", "GRAD", "LOSS", "STATE", "EVAL"]
 
 ACT, GRAD, META, LOSS, STATE, EVAL, EVAL_META = 1, 2, 3, 4, 5, 6, 7
-_KIND_NAMES = {ACT: "the activation", GRAD: "the gradient", META: "the activation's shape",
-               LOSS: "the loss", STATE: "the parameters", EVAL: "the evaluation activation",
-               EVAL_META: "the evaluation activation's shape"}  # fmt: skip
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)  # fmt: skip
+_KIND_NAMES = {
+    ACT: "the activation",
+    GRAD: "the gradient",
+    META: "the activation's shape",
+    LOSS: "the loss",
+    STATE: "the parameters",
+    EVAL: "the evaluation activation",
+    EVAL_META: "the evaluation activation's shape",
+}
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 _META_LEN = 10  # dtype code, ndim, up to 8 dimensions
 _MB_OFFSET = 2048  # micro-batch ids from -2048 (2bw's deferred ones are negative)
 
@@ -125,14 +141,18 @@ class Channel:
         """Stage ``stage``'s output for micro-batch ``mb`` to stage ``stage + 1`` (a header first, once)."""
         what = f"sending {_KIND_NAMES[ACT]} to stage {stage + 1} (rank {self.stage_rank(stage + 1)})"
         if not isinstance(out, torch.Tensor):
-            raise PipelineError(f"rank {self.rank}, stage {stage}, micro-batch {mb}: the stage's output is a "
-                                f"{type(out).__name__}; a pipeline stage must return one tensor")  # fmt: skip
+            raise PipelineError(
+                f"rank {self.rank}, stage {stage}, micro-batch {mb}: the stage's output is a "
+                f"{type(out).__name__}; a pipeline stage must return one tensor"
+            )
         shape, dtype = tuple(out.shape), out.dtype
         known = self.out_meta.get(stage)
         if known is None:
             if dtype not in _DTYPES or len(shape) > _META_LEN - 2:
-                raise PipelineError(f"rank {self.rank}, stage {stage}, micro-batch {mb}: cannot send an output "
-                                    f"of dtype {dtype} with {len(shape)} dimensions")  # fmt: skip
+                raise PipelineError(
+                    f"rank {self.rank}, stage {stage}, micro-batch {mb}: cannot send an output "
+                    f"of dtype {dtype} with {len(shape)} dimensions"
+                )
             meta = torch.zeros(_META_LEN, dtype=torch.int64)
             meta[0], meta[1] = _DTYPES.index(dtype), len(shape)
             meta[2 : 2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
@@ -172,8 +192,9 @@ class Channel:
 
     # ------------------------------------------------------------------ receives
 
-    def _post(self, kind: int, stage: int, mb: int, src_stage: int, shape: tuple[int, ...],
-              dtype: torch.dtype) -> _Pending:  # fmt: skip
+    def _post(
+        self, kind: int, stage: int, mb: int, src_stage: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> _Pending:
         buf = torch.empty(shape, dtype=dtype)
         try:
             w = self.t.irecv(buf, self.stage_rank(src_stage), self._tag(kind, stage, self.wire(mb)))
@@ -184,8 +205,12 @@ class Channel:
     def _recv_meta(self, stage: int, mb: int, kind: int = META) -> tuple[tuple[int, ...], torch.dtype]:
         meta = torch.zeros(_META_LEN, dtype=torch.int64)
         p = _Pending(self.t.irecv(meta, self.stage_rank(stage - 1), self._tag(kind, stage - 1, self.wire(mb))), meta)
-        self._wait(p.work, stage, mb, f"receiving {_KIND_NAMES[kind]} from stage {stage - 1} "
-                                      f"(rank {self.stage_rank(stage - 1)})")  # fmt: skip
+        self._wait(
+            p.work,
+            stage,
+            mb,
+            f"receiving {_KIND_NAMES[kind]} from stage {stage - 1} (rank {self.stage_rank(stage - 1)})",
+        )
         code, ndim = int(meta[0]), int(meta[1])
         return tuple(int(d) for d in meta[2 : 2 + ndim]), _DTYPES[code]
 
@@ -213,23 +238,34 @@ class Channel:
             self.in_meta[stage] = self._recv_meta(stage, mb)
         self.prefetch(ACT, stage, mb)
         p = self._posted.pop((ACT, stage, mb))
-        self._wait(p.work, stage, mb, f"receiving {_KIND_NAMES[ACT]} from stage {stage - 1} "
-                                      f"(rank {self.stage_rank(stage - 1)})")  # fmt: skip
+        self._wait(
+            p.work,
+            stage,
+            mb,
+            f"receiving {_KIND_NAMES[ACT]} from stage {stage - 1} (rank {self.stage_rank(stage - 1)})",
+        )
         return p.buf
 
     def recv_grad(self, stage: int, mb: int) -> torch.Tensor:
         """The gradient of stage ``stage``'s output for ``mb``, from stage ``stage + 1``."""
         if stage not in self.out_meta:
-            raise PipelineError(f"rank {self.rank}, stage {stage}, micro-batch {mb}: a gradient is expected for an "
-                                f"output this stage has not sent (the schedule runs B before SF?)")  # fmt: skip
+            raise PipelineError(
+                f"rank {self.rank}, stage {stage}, micro-batch {mb}: a gradient is expected for an "
+                f"output this stage has not sent (the schedule runs B before SF?)"
+            )
         self.prefetch(GRAD, stage, mb)
         p = self._posted.pop((GRAD, stage, mb))
-        self._wait(p.work, stage, mb, f"receiving {_KIND_NAMES[GRAD]} from stage {stage + 1} "
-                                      f"(rank {self.stage_rank(stage + 1)})")  # fmt: skip
+        self._wait(
+            p.work,
+            stage,
+            mb,
+            f"receiving {_KIND_NAMES[GRAD]} from stage {stage + 1} (rank {self.stage_rank(stage + 1)})",
+        )
         return p.buf
 
-    def recv_from(self, rank: int, kind: int, stage: int, mb: int, shape: tuple[int, ...],
-                  dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    def recv_from(
+        self, rank: int, kind: int, stage: int, mb: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         """A message of ``kind`` from ``rank`` into a new tensor."""
         buf = torch.empty(shape, dtype=dtype)
         try:

@@ -84,8 +84,10 @@ def _check_action(s: Schedule, rank: int, a: Action) -> None:
     low = -s.microbatches if s.name == "2bw" and a.op not in ("F", "SF", "RF") else 0
     if not low <= a.mb < s.microbatches:
         what = "2bw's deferred backwards" if low else "ids"
-        raise Invalid(f"rank {rank}: {a}: micro-batch {a.mb} is out of range ({what} run {low} .. "
-                      f"{s.microbatches - 1} for {s.microbatches} micro-batches)")  # fmt: skip
+        raise Invalid(
+            f"rank {rank}: {a}: micro-batch {a.mb} is out of range ({what} run {low} .. "
+            f"{s.microbatches - 1} for {s.microbatches} micro-batches)"
+        )
     if a.op in _COMM:
         kind, step, _ = _COMM[a.op]
         if not 0 <= a.stage + step < s.stages:
@@ -132,8 +134,10 @@ def _check_microbatch(s: Schedule, owner: dict[Key, int], rank: int, stage: int,
         raise Invalid(f"rank {rank}: {stage}B{mb}: missing (micro-batch {mb} has no backward on stage {stage})")
     if len(found) > 1:
         (op1, m1), (op2, m2) = found[:2]
-        raise Invalid(f"rank {rank}: {stage}{op2}{m2}: micro-batch {mb} already has {stage}{op1}{m1} on stage {stage} "
-                      f"(one backward per micro-batch and stage)")  # fmt: skip
+        raise Invalid(
+            f"rank {rank}: {stage}{op2}{m2}: micro-batch {mb} already has {stage}{op1}{m1} on stage {stage} "
+            f"(one backward per micro-batch and stage)"
+        )
     for m in ids:
         if has("I", m) and not has("W", m):
             raise Invalid(f"rank {rank}: {stage}I{m}: its weight backward {stage}W{m} is missing")
@@ -166,8 +170,9 @@ def _duration(op: str, stage: int, tf: Sequence[float], tb: Sequence[float], tw:
     return {"F": tf[stage], "B": tb[stage], "I": tb[stage] - tw[stage], "W": tw[stage]}.get(op, 0.0)
 
 
-def play(s: Schedule, owner: dict[Key, int], tf: Sequence[float], tb: Sequence[float], tw: Sequence[float],
-         comm: float) -> PlayedSchedule:  # fmt: skip
+def play(
+    s: Schedule, owner: dict[Key, int], tf: Sequence[float], tb: Sequence[float], tw: Sequence[float], comm: float
+) -> PlayedSchedule:
     """Play the compute actions of ``s`` (``owner`` from :func:`check_structure`; ``tf``, ``tb``, ``tw`` one per
     virtual stage); see the module docstring.
 
@@ -204,8 +209,14 @@ def play(s: Schedule, owner: dict[Key, int], tf: Sequence[float], tb: Sequence[f
     return PlayedSchedule(makespan, busy, idle, bubble, _peaks(s), tuple(tuple(st) for st in starts))
 
 
-def _deadlock(s: Schedule, lists: list[list[Action]], pos: list[int], deps: dict[Key, list[Key]],
-              ends: dict[Key, float], owner: dict[Key, int]) -> str:  # fmt: skip
+def _deadlock(
+    s: Schedule,
+    lists: list[list[Action]],
+    pos: list[int],
+    deps: dict[Key, list[Key]],
+    ends: dict[Key, float],
+    owner: dict[Key, int],
+) -> str:
     parts = []
     for r, acts in enumerate(lists):
         if pos[r] < len(acts):
@@ -286,8 +297,7 @@ def check_messages(s: Schedule) -> None:
         raise Invalid("message-order deadlock: " + "; ".join(waits))
 
 
-def _match(s: Schedule, sends: Counter[Message],
-           recvs: Counter[Message]) -> set[Message]:  # fmt: skip
+def _match(s: Schedule, sends: Counter[Message], recvs: Counter[Message]) -> set[Message]:
     """Pair sends with receives; return the messages a previous call already delivered (2bw)."""
     early: set[Message] = set()
     for rank, acts in enumerate(s.actions):
@@ -325,8 +335,10 @@ def _check_order(s: Schedule) -> None:
                     recv = _twin(a, a.stage, "RF" if fwd else "RB")
                     if _key(recv) not in done:
                         what = "activation" if fwd else "gradient"
-                        raise Invalid(f"rank {rank}: {a}: needs {recv} earlier in the list (the {what} comes from "
-                                      f"rank {s.stage_rank(nb)})")  # fmt: skip
+                        raise Invalid(
+                            f"rank {rank}: {a}: needs {recv} earlier in the list (the {what} comes from "
+                            f"rank {s.stage_rank(nb)})"
+                        )
             elif a.op in ("SF", "SB"):
                 made = [_twin(a, a.stage, op) for op in (("F",) if a.op == "SF" else ("B", "I"))]
                 if not any(_key(m) in done for m in made):

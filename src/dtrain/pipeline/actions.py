@@ -34,7 +34,6 @@ COMM_OPS = ("SF", "RF", "SB", "RB")
 _ACTION_RE = re.compile(r"(\d+)(SF|RF|SB|RB|F|B|I|W|U)(-?\d+)?")
 
 
-
 class ScheduleError(ValueError):
     """A schedule (or the arguments that build one) is invalid; names the rank, the action and the cause."""
 
@@ -76,8 +75,10 @@ class Action:
         """The action written as ``text`` (``"1F3"``, ``"0B-2"``, ``"2SF3"``, ``"1U"``): the inverse of ``str``."""
         m = _ACTION_RE.fullmatch(text.strip())
         if m is None:
-            raise ScheduleError(f"action {text!r}: not of the form <stage><op><micro-batch> with op one of "
-                                f"{' '.join(OPS)} (e.g. '1F3', '0B-2', '1U')")  # fmt: skip
+            raise ScheduleError(
+                f"action {text!r}: not of the form <stage><op><micro-batch> with op one of "
+                f"{' '.join(OPS)} (e.g. '1F3', '0B-2', '1U')"
+            )
         return cls(int(m.group(1)), m.group(2), None if m.group(3) is None else int(m.group(3)))
 
 
@@ -110,8 +111,9 @@ class Schedule:
                 raise ScheduleError(f"schedule {self.name!r}: {what} must be an int >= 1, got {value!r}")
         object.__setattr__(self, "actions", tuple(tuple(acts) for acts in self.actions))
         if len(self.actions) != self.ranks:
-            raise ScheduleError(f"schedule {self.name!r}: {self.ranks} ranks need {self.ranks} action lists, "
-                                f"got {len(self.actions)}")  # fmt: skip
+            raise ScheduleError(
+                f"schedule {self.name!r}: {self.ranks} ranks need {self.ranks} action lists, got {len(self.actions)}"
+            )
 
     @property
     def stages(self) -> int:

@@ -100,8 +100,15 @@ def _shadow(part: nn.Sequential) -> nn.Sequential:
 class Executor:
     """Runs ``schedule``'s list for ``rank`` over ``parts`` (this rank's stages by virtual stage index)."""
 
-    def __init__(self, channel: Channel, parts: dict[int, nn.Sequential], schedule: Schedule, rank: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], checkpoint: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        channel: Channel,
+        parts: dict[int, nn.Sequential],
+        schedule: Schedule,
+        rank: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        checkpoint: str,
+    ) -> None:
         self.channel, self.parts, self.rank = channel, parts, rank
         self.schedule = with_comms(schedule)
         self.actions = self.schedule.actions[rank]
@@ -146,8 +153,7 @@ class Executor:
         return frozenset(out)
 
     def _lower_flush(self, schedule: Schedule) -> tuple[Action, ...]:
-        flush = Schedule("2bw-flush", schedule.ranks, schedule.microbatches, schedule.chunks,
-                         flush_actions(schedule))  # fmt: skip
+        flush = Schedule("2bw-flush", schedule.ranks, schedule.microbatches, schedule.chunks, flush_actions(schedule))
         return with_comms(flush).actions[self.rank]
 
     def _local(self, stage: int) -> bool:
@@ -260,8 +266,9 @@ class Executor:
         except PipelineError:
             raise
         except Exception as e:  # a stage's own error (shapes, dtypes, the loss): say where
-            raise PipelineError(f"rank {self.rank}, stage {a.stage}, micro-batch {a.mb}: {a} failed: "
-                                f"{type(e).__name__}: {e}") from e  # fmt: skip
+            raise PipelineError(
+                f"rank {self.rank}, stage {a.stage}, micro-batch {a.mb}: {a} failed: {type(e).__name__}: {e}"
+            ) from e
         dt = time.perf_counter() - t0
         if self.tracer is not None:  # one span per action, on its own track (tid 1), e.g. "1F3", "2SB0"
             self.tracer.add(str(a), t0, dt, 1, stage=a.stage, mb=a.mb, op=a.op)
@@ -288,8 +295,10 @@ class Executor:
             assert prev is not None
             rec.inp = prev.detach()
         if rec.inp is None:
-            raise PipelineError(f"rank {self.rank}, stage {stage}, micro-batch {mb}: forward before its input "
-                                f"arrived (the schedule lacks RF{mb} before F{mb}?)")  # fmt: skip
+            raise PipelineError(
+                f"rank {self.rank}, stage {stage}, micro-batch {mb}: forward before its input "
+                f"arrived (the schedule lacks RF{mb} before F{mb}?)"
+            )
         if rec.inp.is_floating_point():
             rec.inp.requires_grad_(True)
         return rec.inp
@@ -323,8 +332,9 @@ class Executor:
     def _backward(self, stage: int, mb: int, op: str) -> None:
         rec = self._records.get((stage, mb))
         if rec is None or rec.out is None:
-            raise PipelineError(f"rank {self.rank}, stage {stage}, micro-batch {mb}: backward ({op}) before its "
-                                f"forward")  # fmt: skip
+            raise PipelineError(
+                f"rank {self.rank}, stage {stage}, micro-batch {mb}: backward ({op}) before its forward"
+            )
         if stage == self.last:
             assert rec.loss is not None
             target, grad = rec.loss / self.M, None
@@ -349,13 +359,17 @@ class Executor:
         if self._local(stage + 1):
             nxt = self._records.get((stage + 1, mb))
             if nxt is None or nxt.inp is None or nxt.inp.grad is None:
-                raise PipelineError(f"rank {self.rank}, stage {stage}, micro-batch {mb}: backward before stage "
-                                    f"{stage + 1}'s backward of the same micro-batch")  # fmt: skip
+                raise PipelineError(
+                    f"rank {self.rank}, stage {stage}, micro-batch {mb}: backward before stage "
+                    f"{stage + 1}'s backward of the same micro-batch"
+                )
             return nxt.inp.grad
         rec = self._records[(stage, mb)]
         if rec.gout is None:
-            raise PipelineError(f"rank {self.rank}, stage {stage}, micro-batch {mb}: backward before the output's "
-                                f"gradient arrived (the schedule lacks RB{mb} before B{mb}?)")  # fmt: skip
+            raise PipelineError(
+                f"rank {self.rank}, stage {stage}, micro-batch {mb}: backward before the output's "
+                f"gradient arrived (the schedule lacks RB{mb} before B{mb}?)"
+            )
         return rec.gout
 
     def _input_grad(self, stage: int, mb: int) -> torch.Tensor:

@@ -183,8 +183,10 @@ def stage_costs(costs: Sequence[float], sizes: Sequence[int]) -> list[float]:
 
 def _children(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if not isinstance(model, nn.Sequential):
-        raise PartitionError(f"a pipeline can only cut between children of an nn.Sequential; wrap your model's blocks"
-                             f" in one (got a {type(model).__name__})")  # fmt: skip
+        raise PartitionError(
+            f"a pipeline can only cut between children of an nn.Sequential; wrap your model's blocks"
+            f" in one (got a {type(model).__name__})"
+        )
     return list(model.named_children())
 
 
@@ -321,15 +323,22 @@ def profile_children(model: nn.Sequential, sample: torch.Tensor, repeats: int = 
     with _preserved(model, sample):
         inputs = _walk(children, sample)
         times = [_time_child(module, x, repeats, warmup) for (_, module), x in zip(children, inputs)]
-    return [LayerCost(name=name, time_s=t, param_bytes=_param_bytes(module), activation_bytes=_nbytes(out))
-            for (name, module), t, out in zip(children, times, inputs[1:])]  # fmt: skip
+    return [
+        LayerCost(name=name, time_s=t, param_bytes=_param_bytes(module), activation_bytes=_nbytes(out))
+        for (name, module), t, out in zip(children, times, inputs[1:])
+    ]
 
 
 # --- the cut -------------------------------------------------------------------------------------
 
 
-def balance(model: nn.Sequential, stages: int, spec: str | Sequence[int], sample: torch.Tensor | None = None,
-            costs: Sequence[LayerCost] | None = None) -> list[int]:  # fmt: skip
+def balance(
+    model: nn.Sequential,
+    stages: int,
+    spec: str | Sequence[int],
+    sample: torch.Tensor | None = None,
+    costs: Sequence[LayerCost] | None = None,
+) -> list[int]:
     """How many children of ``model`` each of ``stages`` pipeline stages gets.
 
     Args:
@@ -361,8 +370,9 @@ def balance(model: nn.Sequential, stages: int, spec: str | Sequence[int], sample
     if spec == "params":
         return block_partition([_param_bytes(module) for _, module in children], stages)
     if spec not in SPECS:
-        raise PartitionError(f"unknown balance {spec!r}: give one of {', '.join(map(repr, SPECS))} or a list of "
-                             f"layer counts {where}")  # fmt: skip
+        raise PartitionError(
+            f"unknown balance {spec!r}: give one of {', '.join(map(repr, SPECS))} or a list of layer counts {where}"
+        )
     if costs is not None:
         names = [name for name, _ in children]
         if [c.name for c in costs] != names:
@@ -390,8 +400,9 @@ def _checked_counts(spec: Sequence[int], n: int, stages: int, where: str) -> lis
     return counts
 
 
-def describe(names: Sequence[str], sizes: Sequence[int], predicted: Sequence[float],
-             measured: Sequence[float] | None = None) -> str:  # fmt: skip
+def describe(
+    names: Sequence[str], sizes: Sequence[int], predicted: Sequence[float], measured: Sequence[float] | None = None
+) -> str:
     """A printable table of a cut: each stage's layers and predicted (and measured) time, and the imbalance.
 
     Args:
@@ -407,8 +418,10 @@ def describe(names: Sequence[str], sizes: Sequence[int], predicted: Sequence[flo
         raise PartitionError(f"stage sizes {list(sizes)} must be ints >= 1 summing to {len(names)} (the layers)")
     if len(predicted) != len(sizes) or (measured is not None and len(measured) != len(sizes)):
         given = "no" if measured is None else len(measured)
-        raise PartitionError(f"need one predicted (and measured) time per stage: {len(sizes)} stages, "
-                             f"{len(predicted)} predicted, {given} measured")  # fmt: skip
+        raise PartitionError(
+            f"need one predicted (and measured) time per stage: {len(sizes)} stages, "
+            f"{len(predicted)} predicted, {given} measured"
+        )
     spans, offset = [], 0
     for s in sizes:
         first, last = names[offset], names[offset + s - 1]

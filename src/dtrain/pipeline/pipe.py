@@ -85,14 +85,26 @@ class Pipeline:
         last_stats: figures of the last step (:class:`~dtrain.pipeline.executor.StepStats`).
     """
 
-    def __init__(self, model: nn.Module, microbatches: int, schedule: str | Schedule = "1f1b",
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 balance: str | Sequence[int] = "equal", checkpoint: str = "never", chunks: int = 2,
-                 group: Any = None, sample: torch.Tensor | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-                 transport: Transport | None = None, tracer: Tracer | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        microbatches: int,
+        schedule: str | Schedule = "1f1b",
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        balance: str | Sequence[int] = "equal",
+        checkpoint: str = "never",
+        chunks: int = 2,
+        group: Any = None,
+        sample: torch.Tensor | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        transport: Transport | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
         if not isinstance(model, nn.Sequential):
-            raise PipelineError(f"a pipeline cuts an nn.Sequential between its children; got a {type(model).__name__}"
-                                f" (wrap its blocks in one nn.Sequential)")  # fmt: skip
+            raise PipelineError(
+                f"a pipeline cuts an nn.Sequential between its children; got a {type(model).__name__}"
+                f" (wrap its blocks in one nn.Sequential)"
+            )
         if not isinstance(microbatches, int) or microbatches < 1:
             raise PipelineError(f"microbatches must be a positive int, got {microbatches!r}")
         if checkpoint not in CHECKPOINTS:
@@ -122,14 +134,19 @@ class Pipeline:
         self.stage = self._local[0]
         parts = {s: blocks[s] for s in self._local}
         self.module = nn.Sequential(OrderedDict(kv for s in self._local for kv in blocks[s].named_children()))
-        self._layout = [[(n, tuple(t.shape), t.dtype) for s in self.schedule.rank_stages(r)
-                         for n, t in blocks[s].state_dict().items()] for r in range(ranks)]  # fmt: skip
+        self._layout = [
+            [
+                (n, tuple(t.shape), t.dtype)
+                for s in self.schedule.rank_stages(r)
+                for n, t in blocks[s].state_dict().items()
+            ]
+            for r in range(ranks)
+        ]
         self._names = list(model.state_dict())
         self.channel = Channel(self.transport, self.schedule.stage_rank, self.stages, self._space)
         self.loss_fn = loss_fn if loss_fn is not None else _default_loss
         self.checkpoint = checkpoint
-        self.executor = Executor(self.channel, parts, with_comms(self.schedule), self.rank, self.loss_fn,
-                                 checkpoint)  # fmt: skip
+        self.executor = Executor(self.channel, parts, with_comms(self.schedule), self.rank, self.loss_fn, checkpoint)
         self.executor.tracer = tracer if tracer is not None and tracer.enabled else None
         self.last_stats: StepStats | None = None
         self.steps = 0
@@ -185,8 +202,10 @@ class Pipeline:
     def _schedule(schedule: str | Schedule, ranks: int, microbatches: int, chunks: int) -> Schedule:
         if isinstance(schedule, Schedule):
             if schedule.ranks != ranks or schedule.microbatches != microbatches:
-                raise ScheduleError(f"the schedule is for {schedule.ranks} ranks and {schedule.microbatches} "
-                                    f"micro-batches; this pipeline has {ranks} ranks and {microbatches}")  # fmt: skip
+                raise ScheduleError(
+                    f"the schedule is for {schedule.ranks} ranks and {schedule.microbatches} "
+                    f"micro-batches; this pipeline has {ranks} ranks and {microbatches}"
+                )
             return schedule
         if schedule not in SCHEDULES:
             raise ScheduleError(f"schedule {schedule!r} is not known; choose one of: {', '.join(SCHEDULES)}")
@@ -216,9 +235,11 @@ class Pipeline:
             raise PipelineError(f"rank {self.rank}, stage {self.stage}: step() needs the {what} on this rank")
         n = t.shape[0]
         if n % self.microbatches:
-            raise PipelineError(f"rank {self.rank}, stage {self.stage}: {self.microbatches} micro-batches do not "
-                                f"divide the batch of {n} ({what}); use a batch that is a multiple of "
-                                f"{self.microbatches}")  # fmt: skip
+            raise PipelineError(
+                f"rank {self.rank}, stage {self.stage}: {self.microbatches} micro-batches do not "
+                f"divide the batch of {n} ({what}); use a batch that is a multiple of "
+                f"{self.microbatches}"
+            )
         return list(t.chunk(self.microbatches))
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> float:
@@ -315,12 +336,17 @@ class Pipeline:
         parts: dict[int, dict[str, torch.Tensor]] = {dst: {k: v.detach().clone() for k, v in mine.items()}}
         for r, entries in enumerate(self._layout):
             if r != dst:
-                parts[r] = {name: self.channel.recv_from(r, STATE, 0, i, shape, dtype)
-                            for i, (name, shape, dtype) in enumerate(entries)}  # fmt: skip
+                parts[r] = {
+                    name: self.channel.recv_from(r, STATE, 0, i, shape, dtype)
+                    for i, (name, shape, dtype) in enumerate(entries)
+                }
         merged = {k: v for part in parts.values() for k, v in part.items()}
         return {n: merged[n] for n in self._names}  # in the original model's order
 
     def stats(self) -> dict[str, Any]:
         """Totals so far: bytes and messages sent, peak micro-batches in flight per local stage."""
-        return {"bytes_sent": self.transport.stats.bytes_sent, "messages": self.transport.stats.messages,
-                "peak_in_flight": dict(self.executor.peak_in_flight)}  # fmt: skip
+        return {
+            "bytes_sent": self.transport.stats.bytes_sent,
+            "messages": self.transport.stats.messages,
+            "peak_in_flight": dict(self.executor.peak_in_flight),
+        }

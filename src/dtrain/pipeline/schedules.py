@@ -35,9 +35,24 @@ from math import gcd
 from dtrain.pipeline._simulate import Durations, Invalid, PlayedSchedule, check_messages, check_structure, play
 from dtrain.pipeline.actions import COMM_OPS, OPS, Action, Schedule, ScheduleError
 
-__all__ = ["OPS", "COMM_OPS", "GENERATORS", "ScheduleError", "Action", "Schedule", "PlayedSchedule", "parse_schedule",
-           "grid", "generate", "flush_actions", "with_comms", "simulate", "validate", "bubble_closed_form",
-           "peak_in_flight_bound"]  # fmt: skip
+__all__ = [
+    "OPS",
+    "COMM_OPS",
+    "GENERATORS",
+    "ScheduleError",
+    "Action",
+    "Schedule",
+    "PlayedSchedule",
+    "parse_schedule",
+    "grid",
+    "generate",
+    "flush_actions",
+    "with_comms",
+    "simulate",
+    "validate",
+    "bubble_closed_form",
+    "peak_in_flight_bound",
+]
 
 _RANK_RE = re.compile(r"rank\s+(\d+)\s*:(.*)")
 
@@ -71,8 +86,9 @@ def _slot(tf: float, tb: float) -> float:
     return gcd(int(a * den), int(b * den)) / den
 
 
-def parse_schedule(text: str, name: str = "custom", ranks: int | None = None, microbatches: int | None = None,
-                   chunks: int = 1) -> Schedule:  # fmt: skip
+def parse_schedule(
+    text: str, name: str = "custom", ranks: int | None = None, microbatches: int | None = None, chunks: int = 1
+) -> Schedule:
     """Read :meth:`Schedule.text` back: lines ``"rank R: <action> <action> ..."`` (blank lines skipped).
 
     Args:
@@ -187,8 +203,11 @@ def _two_bw(p: int, m: int, v: int) -> Lists:
 
 
 GENERATORS: dict[str, Callable[[int, int, int], Lists]] = {
-    "gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "2bw": _two_bw,
-}  # fmt: skip
+    "gpipe": _gpipe,
+    "1f1b": _one_f_one_b,
+    "interleaved": _interleaved,
+    "2bw": _two_bw,
+}
 
 
 def _check_args(name: str, ranks: int, microbatches: int, chunks: int) -> None:
@@ -200,8 +219,9 @@ def _check_args(name: str, ranks: int, microbatches: int, chunks: int) -> None:
     if name == "interleaved" and chunks < 2:
         raise ScheduleError(f"schedule 'interleaved': chunks must be >= 2 (virtual stages per rank), got {chunks}")
     if name != "interleaved" and chunks != 1:
-        raise ScheduleError(f"schedule {name!r}: chunks must be 1 (only 'interleaved' has virtual stages), "
-                            f"got {chunks}")  # fmt: skip
+        raise ScheduleError(
+            f"schedule {name!r}: chunks must be 1 (only 'interleaved' has virtual stages), got {chunks}"
+        )
 
 
 def generate(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
@@ -219,8 +239,10 @@ def generate(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Sched
     """
     _check_args(name, ranks, microbatches, chunks)
     if name == "interleaved" and microbatches % ranks:
-        raise ScheduleError(f"schedule 'interleaved': microbatches ({microbatches}) must be a multiple of ranks "
-                            f"({ranks}); micro-batches go through the chunks in groups of {ranks}")  # fmt: skip
+        raise ScheduleError(
+            f"schedule 'interleaved': microbatches ({microbatches}) must be a multiple of ranks "
+            f"({ranks}); micro-batches go through the chunks in groups of {ranks}"
+        )
     return Schedule(name, ranks, microbatches, chunks, tuple(map(tuple, GENERATORS[name](ranks, microbatches, chunks))))
 
 
@@ -233,8 +255,9 @@ def flush_actions(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
     """
     if schedule.name != "2bw":
         return ()
-    deferred = [[a for a in acts if a.mb is not None and a.mb < 0 and a.op in ("B", "I", "W")]
-                for acts in schedule.actions]  # fmt: skip
+    deferred = [
+        [a for a in acts if a.mb is not None and a.mb < 0 and a.op in ("B", "I", "W")] for acts in schedule.actions
+    ]
     if _has_comms(schedule):
         deferred = [_lower(schedule, r, acts) for r, acts in enumerate(deferred)]
     return tuple(tuple(acts) for acts in deferred)
@@ -280,8 +303,9 @@ def with_comms(schedule: Schedule) -> Schedule:
 # ---------------------------------------------------------------------------- simulation and checks
 
 
-def simulate(schedule: Schedule, tf: Durations = 1.0, tb: Durations = 1.0, tw: Durations = 0.0,
-             comm: float = 0.0) -> PlayedSchedule:  # fmt: skip
+def simulate(
+    schedule: Schedule, tf: Durations = 1.0, tb: Durations = 1.0, tw: Durations = 0.0, comm: float = 0.0
+) -> PlayedSchedule:
     """Play the compute actions of ``schedule`` in time (comm actions are left out of the timing).
 
     Each rank runs its list strictly in order; an action starts when the rank's previous action
@@ -307,8 +331,9 @@ def simulate(schedule: Schedule, tf: Durations = 1.0, tb: Durations = 1.0, tw: D
         raise ScheduleError(f"simulate: per-stage durations need one per virtual stage ({n}); got {lengths}")
     f, b, w = ([float(x)] * n if isinstance(x, (int, float)) else list(x) for x in (tf, tb, tw))
     if min(min(f), min(b), min(w), min(bk - wk for bk, wk in zip(b, w, strict=True)), comm) < 0:
-        raise ScheduleError(f"simulate: durations must be >= 0 with tw <= tb; got tf={tf}, tb={tb}, tw={tw}, "
-                            f"comm={comm}")  # fmt: skip
+        raise ScheduleError(
+            f"simulate: durations must be >= 0 with tw <= tb; got tf={tf}, tb={tb}, tw={tw}, comm={comm}"
+        )
     try:
         return play(schedule, check_structure(schedule), f, b, w, comm)
     except Invalid as e:

@@ -124,8 +124,12 @@ def sync_steps(model_name: str, dataset: str, batch: int, steps: int) -> dict[st
     per_step = torch.tensor(rows, dtype=torch.float64)
     mine = per_step[:, 0].mean()
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # the slowest pass, the shortest allreduce
-    return {"step": float(statistics.mean(step_s)), "pass": float(mine), "slowest": float(per_step[:, 0].mean()),
-            "collective": float(-per_step[:, 1].mean())}  # fmt: skip
+    return {
+        "step": float(statistics.mean(step_s)),
+        "pass": float(mine),
+        "slowest": float(per_step[:, 0].mean()),
+        "collective": float(-per_step[:, 1].mean()),
+    }
 
 
 def train_passes(model: Any, sample: Any, seconds: float) -> float:
@@ -184,9 +188,16 @@ def gamma(reps: int) -> float:
     return statistics.median(times) / (a.numel() * 4)
 
 
-def calibration_worker(pairs: list[tuple[int, int]], model_name: str, dataset: str, batch: int, quick: bool,
-                       load_only: bool = False, compressors: Sequence[str] = (),
-                       threads: int = 1) -> dict[str, Any]:  # fmt: skip
+def calibration_worker(
+    pairs: list[tuple[int, int]],
+    model_name: str,
+    dataset: str,
+    batch: int,
+    quick: bool,
+    load_only: bool = False,
+    compressors: Sequence[str] = (),
+    threads: int = 1,
+) -> dict[str, Any]:
     """One process of a calibration job: ping-pong in its pair, duplex exchanges, gamma, compute, floor,
     and each of ``compressors``' CPU in its collective (:func:`coding_cpu`).
 
@@ -281,8 +292,7 @@ def coding_cpu(model_name: str, dataset: str, specs: Sequence[str], reps: int) -
         share[spec] = user / (user + system) if user + system > 0 else 1.0
         made[spec] = len(times)
         cpu[spec] = float(statistics.median(times)) * share[spec]
-    return {"numel": numel, "shapes": [list(sh) for sh in shapes], "cpu": cpu, "user_share": share,
-            "calls": made}
+    return {"numel": numel, "shapes": [list(sh) for sh in shapes], "cpu": cpu, "user_share": share, "calls": made}
 
 
 def duplex(reps: int, sizes: Sequence[int] = (256 << 10, 512 << 10, 768 << 10, 1 << 20)) -> list[tuple[int, float]]:

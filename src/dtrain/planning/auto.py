@@ -37,15 +37,23 @@ __all__ = ["pick_plan", "plan", "plan_local", "plan_for_config", "cluster_for", 
 _CANDIDATE_FLAGS = ("exact_only", "averaging", "pipeline", "mesh")
 
 
-def plan(model: nn.Module, sample_batch: Any, cluster: str | Path | ClusterSpec | None = None, *,
-         workers: int | None = None, compressions: Sequence[str] = DEFAULT_COMPRESSIONS,
-         consistencies: Sequence[str] = DEFAULT_CONSISTENCIES, **kw: Any) -> Plan:  # fmt: skip
+def plan(
+    model: nn.Module,
+    sample_batch: Any,
+    cluster: str | Path | ClusterSpec | None = None,
+    *,
+    workers: int | None = None,
+    compressions: Sequence[str] = DEFAULT_COMPRESSIONS,
+    consistencies: Sequence[str] = DEFAULT_CONSISTENCIES,
+    **kw: Any,
+) -> Plan:
     """Rank the strategies for ``model`` (:func:`dtrain.perfmodel.plan`); with no ``cluster``, on this
     machine (:func:`plan_local`: default one worker a core). What it measures (the model's profile, the
     compressed collectives' counts) is kept for the next plan on this machine (:func:`measured_here`)."""
     with memo.kept_in(measured_here()):
-        return _plan(model, sample_batch, cluster, workers=workers, compressions=compressions,
-                     consistencies=consistencies, **kw)  # fmt: skip
+        return _plan(
+            model, sample_batch, cluster, workers=workers, compressions=compressions, consistencies=consistencies, **kw
+        )
 
 
 def measured_here() -> Path:
@@ -53,11 +61,20 @@ def measured_here() -> Path:
     return cache_dir() / f"measured-{this_host()}"
 
 
-def _plan(model: nn.Module, sample_batch: Any, cluster: str | Path | ClusterSpec | None, *, workers: int | None,
-          compressions: Sequence[str], consistencies: Sequence[str], **kw: Any) -> Plan:  # fmt: skip
+def _plan(
+    model: nn.Module,
+    sample_batch: Any,
+    cluster: str | Path | ClusterSpec | None,
+    *,
+    workers: int | None,
+    compressions: Sequence[str],
+    consistencies: Sequence[str],
+    **kw: Any,
+) -> Plan:
     if cluster is not None:
-        return rank(model, sample_batch, cluster, workers=workers, compressions=compressions,
-                    consistencies=consistencies, **kw)  # fmt: skip
+        return rank(
+            model, sample_batch, cluster, workers=workers, compressions=compressions, consistencies=consistencies, **kw
+        )
     w = workers or local_cores()
     flags = {k: kw.pop(k) for k in _CANDIDATE_FLAGS if k in kw}  # for the candidates, not the ranking
     cands = kw.pop("strategies", None)
@@ -78,8 +95,10 @@ def plan_local(model: nn.Module, sample_batch: Any, cands: Sequence[Choice], wor
     by_procs: dict[int, list[Choice]] = {}
     for s in cands:
         by_procs.setdefault(s.processes, []).append(s)
-    plans = [rank(model, sample_batch, local_cluster(p), workers=p, strategies=group, **kw)
-             for p, group in sorted(by_procs.items())]  # fmt: skip
+    plans = [
+        rank(model, sample_batch, local_cluster(p), workers=p, strategies=group, **kw)
+        for p, group in sorted(by_procs.items())
+    ]
     if not plans:
         return rank(model, sample_batch, local_cluster(workers), workers=workers, strategies=[], **kw)
     head = next((p for p in plans if p.cluster.devices == workers), plans[-1])
@@ -123,9 +142,17 @@ def plan_for_config(cfg: RunConfig) -> Plan:
 
 
 def _plan_for_config(cfg: RunConfig) -> Plan:
-    model, sample, name = load_model(cfg.model, cfg.dataset, batch=cfg.batch_size, seed=cfg.seed, samples=cfg.samples,
-                                     seq_len=cfg.seq_len, model_args=cfg.model_args, data=cfg.load_data(),
-                                     **cfg.gpt_overrides())  # fmt: skip
+    model, sample, name = load_model(
+        cfg.model,
+        cfg.dataset,
+        batch=cfg.batch_size,
+        seed=cfg.seed,
+        samples=cfg.samples,
+        seq_len=cfg.seq_len,
+        model_args=cfg.model_args,
+        data=cfg.load_data(),
+        **cfg.gpt_overrides(),
+    )
     spec = cluster_for(cfg.cluster, processes=cfg.workers) if cfg.cluster else local_cluster(cfg.workers)
     spec = spec.with_devices(cfg.workers) if cfg.workers < spec.devices else spec
     cands = candidates(spec, cfg.workers, single=not cfg.cluster)

@@ -91,8 +91,18 @@ from dtrain.perfmodel.units import format_rate, format_time
 from dtrain.planning._probes import calibration_worker, train_passes
 from dtrain.planning.load import load_around, others_cores
 
-__all__ = ["main", "calibrate_cluster", "refresh_load", "pool_load", "calibrate_local", "local_cluster", "local_cores",
-           "summary", "cache_dir", "cluster_file"]  # fmt: skip
+__all__ = [
+    "main",
+    "calibrate_cluster",
+    "refresh_load",
+    "pool_load",
+    "calibrate_local",
+    "local_cluster",
+    "local_cores",
+    "summary",
+    "cache_dir",
+    "cluster_file",
+]
 
 _CAL_COMPRESSIONS = ("fp16", "powersgd:2", "qsgd", "onebit", "topk:0.01")
 
@@ -130,8 +140,9 @@ def _flops_rate() -> float:
         torch.set_num_threads(old)
 
 
-def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 200, runs: int = 3,
-                   threads: int = 1) -> float:  # fmt: skip
+def _loop_overhead(
+    model_name: str, dataset: str, batch: int, steps: int = 200, runs: int = 3, threads: int = 1
+) -> float:
     """The training loop's own time a step (one worker, this process, ``threads`` intra-op threads): the wall
     time of ``dtrain run``'s loop a step, less the mean bare training pass; the median over ``runs``.
 
@@ -151,9 +162,20 @@ def _loop_overhead(model_name: str, dataset: str, batch: int, steps: int = 200, 
 
     def wall(n: int) -> float:
         with tempfile.TemporaryDirectory() as d:
-            cfg = RunConfig(model=model_name, dataset="pytext" if is_language_model(model_name) else dataset,
-                            workers=1, batch_size=batch, max_steps=n, epochs=100000, eval_every=n, trace=False,
-                            progress=False, out=d, strategy="dp", eval_samples=64)  # fmt: skip
+            cfg = RunConfig(
+                model=model_name,
+                dataset="pytext" if is_language_model(model_name) else dataset,
+                workers=1,
+                batch_size=batch,
+                max_steps=n,
+                epochs=100000,
+                eval_every=n,
+                trace=False,
+                progress=False,
+                out=d,
+                strategy="dp",
+                eval_samples=64,
+            )
             t0 = time.perf_counter()
             worker_main(cfg.to_dict(), d)
             return time.perf_counter() - t0
@@ -181,24 +203,52 @@ def _compressors(specs: Sequence[str], results: dict[int, Any] | None = None) ->
     out = {}
     for s in specs:
         ratio, enc, dec = measure_compressor(s)
-        out[s] = CompressorCost(ratio=ratio, encode_s_per_byte=enc, decode_s_per_byte=dec,
-                                cpu_ratio=fit_cpu_ratio(s, results or {}))  # fmt: skip
+        out[s] = CompressorCost(
+            ratio=ratio, encode_s_per_byte=enc, decode_s_per_byte=dec, cpu_ratio=fit_cpu_ratio(s, results or {})
+        )
     return out
 
 
-def _assemble(name: str, nodes: int, per_node: int, inter: Link | None, intra: Link, results: dict[int, Any],
-              flops: float, overhead_alone: float, compressions: Sequence[str],
-              threads: int = 1) -> ClusterSpec:  # fmt: skip
+def _assemble(
+    name: str,
+    nodes: int,
+    per_node: int,
+    inter: Link | None,
+    intra: Link,
+    results: dict[int, Any],
+    flops: float,
+    overhead_alone: float,
+    compressions: Sequence[str],
+    threads: int = 1,
+) -> ClusterSpec:
     scale = fit_compute_scale(results)
     gamma = statistics.median(r["gamma"] for r in results.values())
     wake = fit_wake(results)
     floor = fit_floor(results)
     imbalance = fit_imbalance(results)
-    device = Device(kind="cpu", flops=flops, memory=float(_memory_per_device(nodes * per_node)), gamma=gamma,
-                    compute_scale=scale, host=this_host(), overhead=overhead_alone * scale, wake=wake,
-                    floor=floor, imbalance=imbalance, p2p_floor=fit_p2p_floor(results), threads=threads)  # fmt: skip
-    return ClusterSpec(nodes=nodes, devices_per_node=per_node, inter=inter or intra, intra=intra, device=device,
-                       compressors=_compressors(compressions, results), name=name)  # fmt: skip
+    device = Device(
+        kind="cpu",
+        flops=flops,
+        memory=float(_memory_per_device(nodes * per_node)),
+        gamma=gamma,
+        compute_scale=scale,
+        host=this_host(),
+        overhead=overhead_alone * scale,
+        wake=wake,
+        floor=floor,
+        imbalance=imbalance,
+        p2p_floor=fit_p2p_floor(results),
+        threads=threads,
+    )
+    return ClusterSpec(
+        nodes=nodes,
+        devices_per_node=per_node,
+        inter=inter or intra,
+        intra=intra,
+        device=device,
+        compressors=_compressors(compressions, results),
+        name=name,
+    )
 
 
 def _memory_per_device(devices: int) -> int:
@@ -210,29 +260,43 @@ def _memory_per_device(devices: int) -> int:
 
 
 def calibrate_cluster(
-    name: str, *, model: str = "cnn", dataset: str = "digits", batch: int = 64, quick: bool = False,
+    name: str,
+    *,
+    model: str = "cnn",
+    dataset: str = "digits",
+    batch: int = 64,
+    quick: bool = False,
     compressions: Sequence[str] = _CAL_COMPRESSIONS,
-) -> ClusterSpec:  # fmt: skip
+) -> ClusterSpec:
     """Calibrate emulated cluster ``name`` (one process per host; intra level measured locally), recording the
     load it was made under."""
-    spec, load = load_around(lambda: _calibrate_cluster(name, model=model, dataset=dataset, batch=batch,
-                                                        quick=quick, compressions=compressions))  # fmt: skip
+    spec, load = load_around(
+        lambda: _calibrate_cluster(
+            name, model=model, dataset=dataset, batch=batch, quick=quick, compressions=compressions
+        )
+    )
     return replace(spec, load=load)
 
 
-def _calibrate_cluster(name: str, *, model: str, dataset: str, batch: int, quick: bool,
-                       compressions: Sequence[str]) -> ClusterSpec:  # fmt: skip
+def _calibrate_cluster(
+    name: str, *, model: str, dataset: str, batch: int, quick: bool, compressions: Sequence[str]
+) -> ClusterSpec:
     from dtrain.cluster import load, run_on_cluster
     from dtrain.cluster.netns import tbf_burst
     from dtrain.launch.agent import launch
 
     c = load(name)
     per_worker = max(1, batch // c.hosts)
-    res = run_on_cluster(calibration_worker, (_pairs(c.hosts), model, dataset, per_worker, quick, False,
-                                              tuple(compressions)), cluster=c, timeout_s=600)  # fmt: skip
+    res = run_on_cluster(
+        calibration_worker,
+        (_pairs(c.hosts), model, dataset, per_worker, quick, False, tuple(compressions)),
+        cluster=c,
+        timeout_s=600,
+    )
     inter = fit_link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]])
-    inter = replace(inter, duplex_bandwidth=fit_duplex_rate(res, inter),
-                    burst=float(tbf_burst(c.rate_bps, c.mtu)))  # the emulation's token bucket: known, not fitted
+    inter = replace(
+        inter, duplex_bandwidth=fit_duplex_rate(res, inter), burst=float(tbf_burst(c.rate_bps, c.mtu))
+    )  # the emulation's token bucket: known, not fitted
     local = launch(calibration_worker, (_pairs(2), model, dataset, per_worker, True), nprocs=2, threads=1)
     intra = fit_link(local[0]["pingpong"])
     intra = replace(intra, duplex_bandwidth=fit_duplex_rate(local, intra))
@@ -241,8 +305,9 @@ def _calibrate_cluster(name: str, *, model: str, dataset: str, batch: int, quick
     return spec
 
 
-def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: str = "digits",
-                 batch: int = 64) -> ClusterSpec:  # fmt: skip
+def refresh_load(
+    spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: str = "digits", batch: int = 64
+) -> ClusterSpec:
     """Re-measure what the machine's load moves -- wake, floor, compute scale, the duplex rate -- keeping
     the links' latency and one-way rate.
 
@@ -272,12 +337,20 @@ def refresh_load(spec: ClusterSpec, name: str, *, model: str = "cnn", dataset: s
     recount_traffic()  # the compressed collectives' CPU time is counted once more when next asked
     c = load(name)
     per_worker = max(1, batch // c.hosts)
-    res = run_on_cluster(calibration_worker, (_pairs(c.hosts), model, dataset, per_worker, True, True), cluster=c,
-                         timeout_s=600)  # fmt: skip
+    res = run_on_cluster(
+        calibration_worker, (_pairs(c.hosts), model, dataset, per_worker, True, True), cluster=c, timeout_s=600
+    )
     scale = fit_compute_scale(res, default=spec.device.compute_scale)
     old = spec.device
-    device = replace(old, compute_scale=scale, wake=fit_wake(res), floor=fit_floor(res), p2p_floor=fit_p2p_floor(res),
-                     imbalance=fit_imbalance(res), overhead=old.overhead / old.compute_scale * scale)  # fmt: skip
+    device = replace(
+        old,
+        compute_scale=scale,
+        wake=fit_wake(res),
+        floor=fit_floor(res),
+        p2p_floor=fit_p2p_floor(res),
+        imbalance=fit_imbalance(res),
+        overhead=old.overhead / old.compute_scale * scale,
+    )
     inter = replace(spec.inter, duplex_bandwidth=fit_duplex_rate(res, spec.inter) or spec.inter.duplex_bandwidth)
     return replace(spec, device=device, inter=inter)
 
@@ -321,22 +394,38 @@ def _say(progress: bool, text: str) -> None:
 
 
 def calibrate_local(
-    workers: int = 4, *, model: str = "cnn", dataset: str = "digits", batch: int = 64, quick: bool = True,
-    compressions: Sequence[str] = _CAL_COMPRESSIONS, progress: bool = False,
-) -> ClusterSpec:  # fmt: skip
+    workers: int = 4,
+    *,
+    model: str = "cnn",
+    dataset: str = "digits",
+    batch: int = 64,
+    quick: bool = True,
+    compressions: Sequence[str] = _CAL_COMPRESSIONS,
+    progress: bool = False,
+) -> ClusterSpec:
     """Calibrate this machine for ``workers`` local processes (one node; loopback is the only level), each
     with the intra-op threads ``dtrain run`` gives it (:func:`~dtrain.launch.agent.threads_per_worker`).
 
     One process has no link to measure and no one to share its cores with: its compute scale is 1, and
     only the loop's overhead and the FLOP rate are measured (in this process). The load it was made under is
     recorded (``spec.load``)."""
-    spec, load = load_around(lambda: _calibrate_local(workers, model=model, dataset=dataset, batch=batch,
-                                                      quick=quick, compressions=compressions, progress=progress))
+    spec, load = load_around(
+        lambda: _calibrate_local(
+            workers,
+            model=model,
+            dataset=dataset,
+            batch=batch,
+            quick=quick,
+            compressions=compressions,
+            progress=progress,
+        )
+    )
     return replace(spec, load=load)
 
 
-def _calibrate_local(workers: int, *, model: str, dataset: str, batch: int, quick: bool,
-                     compressions: Sequence[str], progress: bool) -> ClusterSpec:  # fmt: skip
+def _calibrate_local(
+    workers: int, *, model: str, dataset: str, batch: int, quick: bool, compressions: Sequence[str], progress: bool
+) -> ClusterSpec:
     from dtrain.launch.agent import launch, threads_per_worker
 
     t0, threads = time.perf_counter(), threads_per_worker(workers)
@@ -344,20 +433,34 @@ def _calibrate_local(workers: int, *, model: str, dataset: str, batch: int, quic
     if workers == 1:
         _say(progress, f"  1/1 the training loop's overhead at {threads} thread(s) ...")
         overhead = _loop_overhead(model, dataset, per_worker, threads=threads)
-        device = Device(kind="cpu", flops=_flops_rate(), memory=float(_memory_per_device(1)), host=this_host(),
-                        overhead=overhead, threads=threads)  # fmt: skip
+        device = Device(
+            kind="cpu",
+            flops=_flops_rate(),
+            memory=float(_memory_per_device(1)),
+            host=this_host(),
+            overhead=overhead,
+            threads=threads,
+        )
         _say(progress, f"  done in {time.perf_counter() - t0:.0f} s")
         return ClusterSpec(nodes=1, devices_per_node=1, device=device, name=f"local-{this_host()}")
-    _say(progress, f"  1/2 {workers} processes at {threads} thread(s) each: links, compute alone and together, "
-                   f"collectives' floors, compressors ...")  # fmt: skip
-    res = launch(calibration_worker, (_pairs(workers), model, dataset, per_worker, quick, False,
-                                      tuple(compressions), threads), nprocs=workers, threads=threads)  # fmt: skip
+    _say(
+        progress,
+        f"  1/2 {workers} processes at {threads} thread(s) each: links, compute alone and together, "
+        f"collectives' floors, compressors ...",
+    )
+    res = launch(
+        calibration_worker,
+        (_pairs(workers), model, dataset, per_worker, quick, False, tuple(compressions), threads),
+        nprocs=workers,
+        threads=threads,
+    )
     intra = fit_link([pt for r in res.values() if "pingpong" in r for pt in r["pingpong"]])
     intra = replace(intra, duplex_bandwidth=fit_duplex_rate(res, intra))
     _say(progress, f"  2/2 the training loop's overhead ({time.perf_counter() - t0:.0f} s so far) ...")
     overhead = _loop_overhead(model, dataset, per_worker, threads=threads)
-    spec = _assemble(f"local-{this_host()}", 1, workers, None, intra, res, _flops_rate(), overhead, compressions,
-                     threads=threads)  # fmt: skip
+    spec = _assemble(
+        f"local-{this_host()}", 1, workers, None, intra, res, _flops_rate(), overhead, compressions, threads=threads
+    )
     _say(progress, f"  done in {time.perf_counter() - t0:.0f} s")
     return spec
 
@@ -394,13 +497,19 @@ def local_cluster(workers: int | None = None, *, refresh: bool = False) -> Clust
             return spec
         now = _others_now()
         if now is None or now >= LOADED_CORES:
-            print(f"dtrain: note: this machine's calibration for {w} process(es) ({path}) was made while "
-                  f"{spec.load.describe()}; now {'unknown' if now is None else f'{now:.2f} cores are busy'}: "
-                  f"predictions assume a machine that busy (`dtrain bench calibrate --workers {w}` measures it "
-                  f"again)", file=sys.stderr)  # fmt: skip
+            print(
+                f"dtrain: note: this machine's calibration for {w} process(es) ({path}) was made while "
+                f"{spec.load.describe()}; now {'unknown' if now is None else f'{now:.2f} cores are busy'}: "
+                f"predictions assume a machine that busy (`dtrain bench calibrate --workers {w}` measures it "
+                f"again)",
+                file=sys.stderr,
+            )
             return spec
-        print(f"dtrain: this machine's calibration for {w} process(es) was made while {spec.load.describe()}; "
-              f"it is quiet now ({now:.2f} cores busy): calibrating again", file=sys.stderr)  # fmt: skip
+        print(
+            f"dtrain: this machine's calibration for {w} process(es) was made while {spec.load.describe()}; "
+            f"it is quiet now ({now:.2f} cores busy): calibrating again",
+            file=sys.stderr,
+        )
     print(f"dtrain: calibrating this machine for {w} local process(es) (once; cached in {path})", file=sys.stderr)
     spec = calibrate_local(w, progress=True)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -424,19 +533,24 @@ def summary(spec: ClusterSpec) -> str:
         f"slowest pass +{format_time(d.imbalance)}",
     ]
     for s, cc in spec.compressors.items():
-        lines.append(f"  {s}: ratio {cc.ratio:.4g}, encode {cc.encode_s_per_byte * 1e9:.3g} ns/B, "
-                     f"decode {cc.decode_s_per_byte * 1e9:.3g} ns/B, CPU in processes x{cc.cpu_ratio:.2f} "
-                     f"the thread count")  # fmt: skip
+        lines.append(
+            f"  {s}: ratio {cc.ratio:.4g}, encode {cc.encode_s_per_byte * 1e9:.3g} ns/B, "
+            f"decode {cc.decode_s_per_byte * 1e9:.3g} ns/B, CPU in processes x{cc.cpu_ratio:.2f} "
+            f"the thread count"
+        )
     if spec.load is not None:
-        lines.append(f"  calibrated while {spec.load.describe()}"
-                     + (": under load, a plan that reuses it says so" if spec.load.loaded else ""))
+        lines.append(
+            f"  calibrated while {spec.load.describe()}"
+            + (": under load, a plan that reuses it says so" if spec.load.loaded else "")
+        )
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dtrain bench calibrate",
-                                 description="Measure alpha/beta per level, gamma, compute and loop overhead; "
-                                             "write a cluster TOML.")  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="dtrain bench calibrate",
+        description="Measure alpha/beta per level, gamma, compute and loop overhead; write a cluster TOML.",
+    )
     ap.add_argument("--cluster", default="", help="emulated cluster name (default: this machine's local processes)")
     ap.add_argument("--workers", type=int, default=4, help="local processes (without --cluster; default: 4)")
     ap.add_argument("--model", default="cnn", help="model whose compute rate to measure (default: cnn)")
@@ -455,8 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             spec = calibrate_local(ns.workers, model=ns.model, dataset=ns.dataset, batch=ns.batch, quick=ns.quick)
             path = Path(ns.out) if ns.out else cache_dir() / f"local-{this_host()}-w{ns.workers}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(dump_cluster(spec, comment=f"dtrain bench calibrate {' '.join(argv or sys.argv[1:])} "
-                                                   f"({time.ctime()})"))  # fmt: skip
+        path.write_text(
+            dump_cluster(spec, comment=f"dtrain bench calibrate {' '.join(argv or sys.argv[1:])} ({time.ctime()})")
+        )
         print(summary(spec))
         print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
         return 0

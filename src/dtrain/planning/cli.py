@@ -71,8 +71,9 @@ def _simulate(ns: argparse.Namespace) -> int:
 
         spec = local_cluster()
     workers = [int(w) for w in ns.workers.split(",")]
-    model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len,
-                                     model_args=parse_model_args(ns.model_arg or []))
+    model, sample, name = load_model(
+        ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len, model_args=parse_model_args(ns.model_arg or [])
+    )
     strag = Stragglers.parse(ns.stragglers)
     base_batch = sample[0].shape[0] if isinstance(sample, (tuple, list)) else sample.shape[0]
     base = profile_model(model, sample, name=name, measure=not ns.no_measure, threads=spec.device.threads)
@@ -85,8 +86,11 @@ def _simulate(ns: argparse.Namespace) -> int:
             spec_c = s.opts.compressor_spec()
             comp = compression_model(spec_c, spec) if spec_c != "none" else None
             c = replace(spec.with_devices(s.processes), models=spec.models, compressors=spec.compressors)
-            rows.append(simulate(base.at_batch(b), c, s, comp=comp, stragglers=strag, steps=ns.steps,
-                                 overhead_s=spec.device.overhead))  # fmt: skip
+            rows.append(
+                simulate(
+                    base.at_batch(b), c, s, comp=comp, stragglers=strag, steps=ns.steps, overhead_s=spec.device.overhead
+                )
+            )
         curves[text] = rows
     scaling = "weak" if ns.device_batch else "strong"
     print(f"simulated on {spec.describe()}; {scaling} scaling, stragglers {strag}, {ns.steps} steps")
@@ -94,8 +98,10 @@ def _simulate(ns: argparse.Namespace) -> int:
     for text, rows in curves.items():
         for r in rows:
             st = f"{r.staleness_mean:.1f}/{r.staleness_max}" if r.staleness and r.staleness_max else "-"
-            print(f"{text:<22}{r.workers:>8}{r.samples_per_s:>12.4g}{r.efficiency:>10.1%}{r.step_s * 1e3:>10.4g}"
-                  f"{r.wait_frac:>7.0%}{st:>12}")  # fmt: skip
+            print(
+                f"{text:<22}{r.workers:>8}{r.samples_per_s:>12.4g}{r.efficiency:>10.1%}{r.step_s * 1e3:>10.4g}"
+                f"{r.wait_frac:>7.0%}{st:>12}"
+            )
     if ns.png:
         _plot(curves, ns.png, f"{name} on {spec.name} ({scaling} scaling, stragglers {strag})")
         print(f"wrote {ns.png}")
@@ -132,13 +138,24 @@ def _plot(curves: dict[str, list[SimResult]], path: str, title: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dtrain plan", description="Rank strategies by predicted step time "
-                                 "(or, with --simulate, replay them for many workers).")  # fmt: skip
-    ap.add_argument("--model", default="cnn", help="cnn, mlp, gpt-tiny, gpt-small, gpt-medium (on pytext), "
-                    "FILE.py:FUNCTION / MODULE:FUNCTION returning a model or (model, batch), or hf:TYPE (a "
-                    "transformers architecture built from its config)")
-    ap.add_argument("--model-arg", dest="model_arg", action="append", metavar="KEY=VALUE",
-                    help="a keyword argument of --model, as dtrain run takes it (repeatable)")
+    ap = argparse.ArgumentParser(
+        prog="dtrain plan",
+        description="Rank strategies by predicted step time (or, with --simulate, replay them for many workers).",
+    )
+    ap.add_argument(
+        "--model",
+        default="cnn",
+        help="cnn, mlp, gpt-tiny, gpt-small, gpt-medium (on pytext), "
+        "FILE.py:FUNCTION / MODULE:FUNCTION returning a model or (model, batch), or hf:TYPE (a "
+        "transformers architecture built from its config)",
+    )
+    ap.add_argument(
+        "--model-arg",
+        dest="model_arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a keyword argument of --model, as dtrain run takes it (repeatable)",
+    )
     ap.add_argument("--seq-len", type=int, default=64, help="a gpt model's context in tokens (default: 64)")
     ap.add_argument("--dataset", default="digits", help="dataset for dtrain's models (default: digits)")
     ap.add_argument("--batch", type=int, default=None, help="global batch (default: 64, or the function's batch)")
@@ -147,16 +164,29 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", default="", help="devices to plan for (default: all); with --simulate a list 8,16,...")
     ap.add_argument("--top", type=int, default=0, help="show only the best K (default: all)")
     ap.add_argument("--exact", action="store_true", help="only strategies equivalent to one-process training")
-    ap.add_argument("--averaging", action="store_true",
-                    help="also rank model averaging (local_sgd, easgd, gossip): cheaper steps, different optimisation")
-    ap.add_argument("--mesh", action="store_true",
-                    help="also rank tensor parallelism and every DP x PP x TP factorization (gpt models)")
-    ap.add_argument("--pipeline", action="store_true",
-                    help="also rank pipelines (gpipe, 1f1b, interleaved, 2bw) of one stage per device")
+    ap.add_argument(
+        "--averaging",
+        action="store_true",
+        help="also rank model averaging (local_sgd, easgd, gossip): cheaper steps, different optimisation",
+    )
+    ap.add_argument(
+        "--mesh",
+        action="store_true",
+        help="also rank tensor parallelism and every DP x PP x TP factorization (gpt models)",
+    )
+    ap.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="also rank pipelines (gpipe, 1f1b, interleaved, 2bw) of one stage per device",
+    )
     ap.add_argument("--compressions", default=",".join(DEFAULT_COMPRESSIONS), help="compressors to try")
     ap.add_argument("--no-measure", action="store_true", help="do not time the model here (FLOPs only)")
-    ap.add_argument("--memory-limit", default="", help="memory per device to plan for (2GB, 512MB, 1.5GiB or bytes; "
-                    "default: the cluster's): strategies that need more are rejected")
+    ap.add_argument(
+        "--memory-limit",
+        default="",
+        help="memory per device to plan for (2GB, 512MB, 1.5GiB or bytes; "
+        "default: the cluster's): strategies that need more are rejected",
+    )
     sim = ap.add_argument_group("simulation")
     sim.add_argument("--simulate", action="store_true", help="replay the strategies for each worker count")
     sim.add_argument("--strategies", default="dp:ring", help="comma list: dp:ALG[:MB], ddp, ps:POLICY:SERVERS[+COMP]")
@@ -175,12 +205,25 @@ def _plan(ns: argparse.Namespace) -> int:
     limit = parse_memory_limit(ns.memory_limit) if ns.memory_limit else None  # before anything is loaded
     spec = _cluster(ns)
     workers = int(ns.workers) if ns.workers else None
-    model, sample, name = load_model(ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len,
-                                     model_args=parse_model_args(ns.model_arg or []))
+    model, sample, name = load_model(
+        ns.model, ns.dataset, batch=ns.batch or 64, seq_len=ns.seq_len, model_args=parse_model_args(ns.model_arg or [])
+    )
     comps = tuple(c for c in ns.compressions.split(",") if c)
-    p = plan(model, sample, spec, batch=ns.batch, workers=workers, name=name, compressions=comps,
-             exact_only=ns.exact, measure=not ns.no_measure, averaging=ns.averaging,
-             pipeline=ns.pipeline, memory_limit=limit, mesh=ns.mesh)  # fmt: skip
+    p = plan(
+        model,
+        sample,
+        spec,
+        batch=ns.batch,
+        workers=workers,
+        name=name,
+        compressions=comps,
+        exact_only=ns.exact,
+        measure=not ns.no_measure,
+        averaging=ns.averaging,
+        pipeline=ns.pipeline,
+        memory_limit=limit,
+        mesh=ns.mesh,
+    )
     print(p.table(top=ns.top or None))
     return 0
 

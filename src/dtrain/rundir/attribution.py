@@ -126,8 +126,13 @@ class Arrival:
     waits: dict[int, float] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "last": self.last, "late_s": round(self.late_s, 6),
-                "waited_s": round(self.waited_s, 6), "step_s": round(self.step_s, 6)}  # fmt: skip
+        return {
+            "step": self.step,
+            "last": self.last,
+            "late_s": round(self.late_s, 6),
+            "waited_s": round(self.waited_s, 6),
+            "step_s": round(self.step_s, 6),
+        }
 
 
 def _arrival(step: int, rows: list[Row]) -> Arrival:
@@ -175,9 +180,14 @@ class RankBlame:
     own_ratio: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "last_steps": self.last_steps, "waited_s": round(self.waited_s, 6),
-                "waited": round(self.waited, 4), "own_s": round(self.own_s, 6),
-                "own_ratio": round(self.own_ratio, 3)}  # fmt: skip
+        return {
+            "rank": self.rank,
+            "last_steps": self.last_steps,
+            "waited_s": round(self.waited_s, 6),
+            "waited": round(self.waited, 4),
+            "own_s": round(self.own_s, 6),
+            "own_ratio": round(self.own_ratio, 3),
+        }
 
 
 @dataclass(frozen=True)
@@ -214,19 +224,30 @@ class Attribution:
             return f"no rank's arrival can be told (the rows carry no differing wait_s); {tail}"
         top = self.ranks[0]
         if self.straggler is not None:
-            return (f"rank {top.rank} made the others wait {top.waited:.0%} of the step; it computes "
-                    f"{top.own_ratio:.1f}x slower than the median of the others (last in {top.last_steps} of "
-                    f"{self.timed} steps); {tail}")  # fmt: skip
-        return (f"no straggler: rank {top.rank} kept the others waiting most, {top.waited:.0%} of the step "
-                f"(last in {top.last_steps} of {self.timed} steps; its own work {top.own_ratio:.1f}x the median of "
-                f"the others); {tail}")  # fmt: skip
+            return (
+                f"rank {top.rank} made the others wait {top.waited:.0%} of the step; it computes "
+                f"{top.own_ratio:.1f}x slower than the median of the others (last in {top.last_steps} of "
+                f"{self.timed} steps); {tail}"
+            )
+        return (
+            f"no straggler: rank {top.rank} kept the others waiting most, {top.waited:.0%} of the step "
+            f"(last in {top.last_steps} of {self.timed} steps; its own work {top.own_ratio:.1f}x the median of "
+            f"the others); {tail}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The form the run's summary holds (its ``attribution``)."""
-        return {"line": self.line, "straggler": self.straggler, "steps": self.steps, "timed_steps": self.timed,
-                "ranks": [r.to_dict() for r in self.ranks], "bound": self.bound,
-                "shares": {k: round(v, 4) for k, v in self.shares.items()}, "bound_steps": self.bound_steps,
-                "worst_steps": [a.to_dict() for a in self.worst]}  # fmt: skip
+        return {
+            "line": self.line,
+            "straggler": self.straggler,
+            "steps": self.steps,
+            "timed_steps": self.timed,
+            "ranks": [r.to_dict() for r in self.ranks],
+            "bound": self.bound,
+            "shares": {k: round(v, 4) for k, v in self.shares.items()},
+            "bound_steps": self.bound_steps,
+            "worst_steps": [a.to_dict() for a in self.worst],
+        }
 
 
 def _split(rows: list[Row], arrival: Arrival) -> dict[str, float]:
@@ -254,8 +275,7 @@ def _blame(ranks: list[int], timed: list[Arrival], own: dict[int, list[float]]) 
     for k in ranks:
         rest = statistics.median([med[o] for o in ranks if o != k]) if len(ranks) > 1 else med[k]
         ratio = med[k] / rest if rest > 0 else 1.0
-        out.append(RankBlame(k, last[k], waited[k], waited[k] / others_time if others_time > 0 else 0.0,
-                             med[k], ratio))  # fmt: skip
+        out.append(RankBlame(k, last[k], waited[k], waited[k] / others_time if others_time > 0 else 0.0, med[k], ratio))
     return sorted(out, key=lambda b: (-b.waited_s, -b.own_ratio, b.rank))
 
 
@@ -287,9 +307,17 @@ def attribute(rows: Iterable[Row], *, skip: int = 1) -> Attribution:
     shares = {k: totals[k] / whole if whole > 0 else 0.0 for k in KINDS}
     blame = _blame(ranks, timed, own)
     top = blame[0] if blame else None
-    straggler = top.rank if top is not None and len(ranks) > 1 and timed \
-        and top.last_steps >= STRAGGLER_LAST * len(timed) and top.waited >= STRAGGLER_WAIT \
-        and top.own_ratio >= STRAGGLER_OWN else None  # fmt: skip
+    straggler = (
+        top.rank
+        if top is not None
+        and len(ranks) > 1
+        and timed
+        and top.last_steps >= STRAGGLER_LAST * len(timed)
+        and top.waited >= STRAGGLER_WAIT
+        and top.own_ratio >= STRAGGLER_OWN
+        else None
+    )
     worst = sorted(timed, key=lambda a: (-a.waited_s, a.step))[:5]
-    return Attribution(len(found), len(timed), blame, straggler, max(KINDS, key=lambda k: shares[k]), shares,
-                       bound_steps, worst)  # fmt: skip
+    return Attribution(
+        len(found), len(timed), blame, straggler, max(KINDS, key=lambda k: shares[k]), shares, bound_steps, worst
+    )

@@ -29,13 +29,17 @@ def plot(run_dir: Path, rows: list[dict[str, Any]], summary: dict[str, Any]) -> 
     for r in rows:
         by_step[int(r["step"])].append(float(r["loss"]))
     steps = sorted(by_step)
-    noise = [(int(r["step"]), r["b_simple"], r["batch"]) for r in rows
-             if r.get("rank", 0) == 0 and r.get("b_simple") is not None and "batch" in r]  # fmt: skip
+    noise = [
+        (int(r["step"]), r["b_simple"], r["batch"])
+        for r in rows
+        if r.get("rank", 0) == 0 and r.get("b_simple") is not None and "batch" in r
+    ]
     fig, axes = plt.subplots(1, 3 if noise else 2, figsize=(15 if noise else 10, 3.6))
     axes[0].plot(steps, [sum(by_step[s]) / len(by_step[s]) for s in steps])
     axes[0].set(xlabel="step", ylabel="training loss (mean over ranks)", yscale="log", title="loss")
-    hist = summary.get("metric_history") or [{"train_s": h[0], "value": h[2]} for h in
-                                             summary.get("accuracy_history") or []]
+    hist = summary.get("metric_history") or [
+        {"train_s": h[0], "value": h[2]} for h in summary.get("accuracy_history") or []
+    ]
     name = summary.get("metric_name") or "test_accuracy"
     if hist:
         axes[1].plot([h["train_s"] for h in hist], [h["value"] for h in hist], marker="o")

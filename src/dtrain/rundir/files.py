@@ -21,8 +21,22 @@ from typing import Any
 
 from dtrain.errors import DTrainError
 
-__all__ = ["SUMMARY", "METRICS", "EVALS", "CONFIG", "RANK_METRICS", "rank_metrics", "read_jsonl", "iter_metrics",
-           "read_metrics", "has_metrics", "read_summary", "write_summary", "is_finished", "is_run"]  # fmt: skip
+__all__ = [
+    "SUMMARY",
+    "METRICS",
+    "EVALS",
+    "CONFIG",
+    "RANK_METRICS",
+    "rank_metrics",
+    "read_jsonl",
+    "iter_metrics",
+    "read_metrics",
+    "has_metrics",
+    "read_summary",
+    "write_summary",
+    "is_finished",
+    "is_run",
+]
 
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"

@@ -32,44 +32,89 @@ def build_parser() -> argparse.ArgumentParser:
     from dtrain.search.sweep import SCHEDULERS, SEARCHES
 
     ap = argparse.ArgumentParser(
-        prog="dtrain sweep", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="dtrain sweep",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Search hyper-parameters with Ray Tune, each trial an ordinary `dtrain run` "
-                    "(needs the tune extra: pip install 'dtrain[tune]'). Distributions: "
-                    + "; ".join(f"{k}{v}" for k, v in DISTRIBUTIONS.items()) + ".",
-        epilog=EXAMPLE)  # fmt: skip
-    ap.add_argument("config", nargs="?", help="the run configuration every trial starts from (TOML, as for "
-                    "`dtrain run`; default: the embedded default run)")  # fmt: skip
-    ap.add_argument("--space", required=True, help="TOML file with a [sweep.space] table: key = \"distribution\"")
+        "(needs the tune extra: pip install 'dtrain[tune]'). Distributions: "
+        + "; ".join(f"{k}{v}" for k, v in DISTRIBUTIONS.items())
+        + ".",
+        epilog=EXAMPLE,
+    )
+    ap.add_argument(
+        "config",
+        nargs="?",
+        help="the run configuration every trial starts from (TOML, as for "
+        "`dtrain run`; default: the embedded default run)",
+    )
+    ap.add_argument("--space", required=True, help='TOML file with a [sweep.space] table: key = "distribution"')
     ap.add_argument("--search", default="random", help=f"{' | '.join(SEARCHES)} (default: random)")
     ap.add_argument("--scheduler", default="fifo", help=f"{' | '.join(SCHEDULERS)} (default: fifo)")
     ap.add_argument("--trials", type=int, default=None, help="trials to run (default: 8; grid: every combination)")
     ap.add_argument("--concurrent", type=int, default=2, help="trials at once (default: 2)")
-    ap.add_argument("--metric", default=None, help="the run's metric to optimise (default: what the run reports: "
-                    "test_accuracy for a classifier, val_loss for a language model)")  # fmt: skip
+    ap.add_argument(
+        "--metric",
+        default=None,
+        help="the run's metric to optimise (default: what the run reports: "
+        "test_accuracy for a classifier, val_loss for a language model)",
+    )
     ap.add_argument("--mode", default=None, help="min | max (default: max for accuracy, min for a loss)")
-    ap.add_argument("--eval-every", type=int, default=0, help="evaluate (and report to Tune) every N steps "
-                    "(default: the config's eval_every, else a quarter of the steps)")  # fmt: skip
-    ap.add_argument("--perturbation-interval", type=int, default=0,
-                    help="pbt: steps between exploit/explore decisions (default: --eval-every)")
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="evaluate (and report to Tune) every N steps "
+        "(default: the config's eval_every, else a quarter of the steps)",
+    )
+    ap.add_argument(
+        "--perturbation-interval",
+        type=int,
+        default=0,
+        help="pbt: steps between exploit/explore decisions (default: --eval-every)",
+    )
     ap.add_argument("--reduction", type=int, default=2, help="asha: keep the top 1/N at each rung (default: 2)")
     ap.add_argument("--seed", type=int, default=0, help="the searcher's seed (default: 0)")
-    ap.add_argument("--address", default="", help="a Ray cluster to place trials on (ray start --head ...); "
-                    "default: a Ray instance on this machine")  # fmt: skip
-    ap.add_argument("--cpus-per-trial", type=float, default=1.0,
-                    help="Ray CPUs a trial holds (default: 1; on one machine --concurrent x this are offered)")
-    ap.add_argument("--cluster", default="", help="run on the emulated cluster NAME (root): a Ray node a host, "
-                    "the driver on host 0 (dtrain cluster up ...)")  # fmt: skip
-    ap.add_argument("--slots-per-host", type=int, default=1, help="--cluster: Ray CPUs (trial slots) a host offers "
-                    "(default: 1)")  # fmt: skip
-    ap.add_argument("--max-failures", type=int, default=0,
-                    help="restarts of a failed trial, from its last checkpoint (default: 0)")
-    ap.add_argument("--max-params", type=int, default=0, help="a parameter budget: a trial whose model has more "
-                    "is skipped before it starts (architecture search; default: 0, none)")  # fmt: skip
-    ap.add_argument("--start-at-base", action="store_true", help="the first trial is the base configuration's "
-                    "own values of the space's keys (a gpt preset's shape as it resolves); the searcher goes on "
-                    "from there")  # fmt: skip
-    ap.add_argument("--memory-limit", default="", help="memory per device (2GB, 512MB, bytes): a trial that needs "
-                    "more by the planner's memory model is skipped before it starts (default: none)")  # fmt: skip
+    ap.add_argument(
+        "--address",
+        default="",
+        help="a Ray cluster to place trials on (ray start --head ...); default: a Ray instance on this machine",
+    )
+    ap.add_argument(
+        "--cpus-per-trial",
+        type=float,
+        default=1.0,
+        help="Ray CPUs a trial holds (default: 1; on one machine --concurrent x this are offered)",
+    )
+    ap.add_argument(
+        "--cluster",
+        default="",
+        help="run on the emulated cluster NAME (root): a Ray node a host, the driver on host 0 (dtrain cluster up ...)",
+    )
+    ap.add_argument(
+        "--slots-per-host", type=int, default=1, help="--cluster: Ray CPUs (trial slots) a host offers (default: 1)"
+    )
+    ap.add_argument(
+        "--max-failures", type=int, default=0, help="restarts of a failed trial, from its last checkpoint (default: 0)"
+    )
+    ap.add_argument(
+        "--max-params",
+        type=int,
+        default=0,
+        help="a parameter budget: a trial whose model has more "
+        "is skipped before it starts (architecture search; default: 0, none)",
+    )
+    ap.add_argument(
+        "--start-at-base",
+        action="store_true",
+        help="the first trial is the base configuration's "
+        "own values of the space's keys (a gpt preset's shape as it resolves); the searcher goes on "
+        "from there",
+    )
+    ap.add_argument(
+        "--memory-limit",
+        default="",
+        help="memory per device (2GB, 512MB, bytes): a trial that needs "
+        "more by the planner's memory model is skipped before it starts (default: none)",
+    )
     ap.add_argument("--out", default="", help="the sweep folder (default: sweeps/<timestamp>)")
     return ap
 
@@ -85,17 +130,33 @@ def spec_from_args(ns: argparse.Namespace) -> Any:
     doc = read_toml(ns.space, "space file")
     table = doc.get("sweep", {}).get("space") if isinstance(doc.get("sweep"), dict) else None
     if table is None:
-        raise ConfigError(f"{ns.space}: no [sweep.space] table; write one key a line, e.g. "
-                          "lr = \"loguniform(1e-4, 1e-1)\"")  # fmt: skip
+        raise ConfigError(
+            f'{ns.space}: no [sweep.space] table; write one key a line, e.g. lr = "loguniform(1e-4, 1e-1)"'
+        )
     out = ns.out or str(Path("sweeps") / time.strftime("%Y%m%d-%H%M%S"))
     if Path(out).exists() and any(Path(out).iterdir()):
         raise ConfigError(f"--out {out}: the folder exists and is not empty; give a new sweep folder")
-    return build_spec(base, table, out=str(Path(out).resolve()), search=ns.search, scheduler=ns.scheduler,
-                      trials=ns.trials, concurrent=ns.concurrent, metric=ns.metric, mode=ns.mode, seed=ns.seed,
-                      address=ns.address, cpus_per_trial=ns.cpus_per_trial, eval_every=ns.eval_every,
-                      perturbation_interval=ns.perturbation_interval, reduction=ns.reduction,
-                      max_failures=ns.max_failures, max_params=ns.max_params,
-                      memory_limit=ns.memory_limit, start_at_base=ns.start_at_base)  # fmt: skip
+    return build_spec(
+        base,
+        table,
+        out=str(Path(out).resolve()),
+        search=ns.search,
+        scheduler=ns.scheduler,
+        trials=ns.trials,
+        concurrent=ns.concurrent,
+        metric=ns.metric,
+        mode=ns.mode,
+        seed=ns.seed,
+        address=ns.address,
+        cpus_per_trial=ns.cpus_per_trial,
+        eval_every=ns.eval_every,
+        perturbation_interval=ns.perturbation_interval,
+        reduction=ns.reduction,
+        max_failures=ns.max_failures,
+        max_params=ns.max_params,
+        memory_limit=ns.memory_limit,
+        start_at_base=ns.start_at_base,
+    )
 
 
 def _without_cluster(argv: list[str]) -> list[str]:
@@ -139,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = spec_from_args(ns)
     if ns.cluster:
         return _on_cluster(ns, argv)
-    print(f"sweep: {spec.trials} trials ({spec.search}, {spec.scheduler}), {spec.concurrent} at once, "
-          f"{spec.metric} ({spec.mode}) every {spec.eval_every} steps; folder {spec.out}", flush=True)
+    print(
+        f"sweep: {spec.trials} trials ({spec.search}, {spec.scheduler}), {spec.concurrent} at once, "
+        f"{spec.metric} ({spec.mode}) every {spec.eval_every} steps; folder {spec.out}",
+        flush=True,
+    )
     doc = run_sweep_on_tune(spec)
     for t in doc["trials"]:
         m = "-" if t["metric"] is None else f"{t['metric']:.4f}"
@@ -151,10 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     if best is None:
         print("no trial reported a metric", file=sys.stderr)
         return 1
-    print(f"best: trial {best['trial']}, {spec.metric} {best['metric']:.4f}: "
-          + " ".join(f"{k}={v}" for k, v in best["config"].items()))
-    print(f"sweep folder: {spec.out} ({doc['steps_trained']} steps trained over {doc['trials_run']} trials, "
-          f"{doc['wall_s']:.0f}s)")
+    print(
+        f"best: trial {best['trial']}, {spec.metric} {best['metric']:.4f}: "
+        + " ".join(f"{k}={v}" for k, v in best["config"].items())
+    )
+    print(
+        f"sweep folder: {spec.out} ({doc['steps_trained']} steps trained over {doc['trials_run']} trials, "
+        f"{doc['wall_s']:.0f}s)"
+    )
     return 0
 
 

@@ -31,12 +31,19 @@ def _ray_cli() -> str:
 
 
 def _start(c: Any, host: int, cpus: int, head: str, token: str) -> None:
-    args = [_ray_cli(), "start", f"--node-ip-address={c.address(host)}", f"--num-cpus={cpus}",
-            f"--object-store-memory={100 * 2**20}", "--disable-usage-stats"]  # fmt: skip
+    args = [
+        _ray_cli(),
+        "start",
+        f"--node-ip-address={c.address(host)}",
+        f"--num-cpus={cpus}",
+        f"--object-store-memory={100 * 2**20}",
+        "--disable-usage-stats",
+    ]
     args += ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"] if host == 0 else [f"--address={head}"]
     env = {**os.environ, **auth_env(token), "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(["ip", "netns", "exec", c.host_ns(host), *args], capture_output=True, text=True,
-                       timeout=180, env=env)  # fmt: skip
+    p = subprocess.run(
+        ["ip", "netns", "exec", c.host_ns(host), *args], capture_output=True, text=True, timeout=180, env=env
+    )
     if p.returncode != 0:
         raise DTrainError(f"ray start on host {host} ({c.address(host)}) failed: {(p.stderr or p.stdout)[-800:]}")
 

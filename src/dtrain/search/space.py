@@ -96,7 +96,7 @@ def parse_param(name: str, text: Any) -> Param:
     known = ", ".join(f"{k}{v.split(':')[0]}" for k, v in DISTRIBUTIONS.items())
     where = f"[sweep.space] {name} = {text!r}"
     if not isinstance(text, str):
-        raise ConfigError(f"{where}: a distribution is a string such as \"loguniform(1e-4, 1e-1)\"; one of {known}")
+        raise ConfigError(f'{where}: a distribution is a string such as "loguniform(1e-4, 1e-1)"; one of {known}')
     try:
         call = ast.parse(text.strip(), mode="eval").body
     except SyntaxError:
@@ -143,11 +143,11 @@ def parse_space(table: Any, base: RunConfig) -> dict[str, Param]:
     from dtrain.config.schema import RunConfig, option_fields
 
     if not isinstance(table, Mapping) or not table:
-        raise ConfigError("the search space is empty: give [sweep.space] at least one key, e.g. "
-                          "lr = \"loguniform(1e-4, 1e-1)\"")  # fmt: skip
+        raise ConfigError(
+            'the search space is empty: give [sweep.space] at least one key, e.g. lr = "loguniform(1e-4, 1e-1)"'
+        )
     # a model argument: model_args.KEY, or KEY alone where the base run gives it (n_layer = "randint(1, 4)")
-    names = {str(k): f"model_args.{k}" if k in base.model_args and not hasattr(base, str(k)) else str(k)
-             for k in table}  # fmt: skip
+    names = {str(k): f"model_args.{k}" if k in base.model_args and not hasattr(base, str(k)) else str(k) for k in table}
     space = {names[str(k)]: parse_param(names[str(k)], v) for k, v in table.items()}
     shared = {f.name for f in RunConfig.shared_fields()} - {"extra", "out", "resume"}
     shared |= {name for name in space if name.startswith("model_args.") and len(name) > len("model_args.")}
@@ -159,8 +159,10 @@ def parse_space(table: Any, base: RunConfig) -> dict[str, Param]:
             hint = ""
             if name in options:
                 hint = f" (an option of {', '.join(s for s, _ in options[name])}, not of {base.strategy})"
-            raise ConfigError(f"[sweep.space] {name}: not a key of this run's configuration{hint}; the keys: "
-                              f"{', '.join(sorted(keys))}")
+            raise ConfigError(
+                f"[sweep.space] {name}: not a key of this run's configuration{hint}; the keys: "
+                f"{', '.join(sorted(keys))}"
+            )
         for v in p.edges():
             try:
                 base.replace(**{name: v})

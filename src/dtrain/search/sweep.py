@@ -113,11 +113,28 @@ def _most_steps(base: Any, space: dict[str, Param]) -> int:
     return most or train_steps(base)
 
 
-def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, trials: int | None,
-               concurrent: int, metric: str | None, mode: str | None, seed: int, address: str = "",
-               cpus_per_trial: float = 1.0, eval_every: int = 0, perturbation_interval: int = 0,
-               reduction: int = 2, max_failures: int = 0, max_params: int = 0,
-               memory_limit: str = "", start_at_base: bool = False) -> SweepSpec:  # fmt: skip
+def build_spec(
+    base: Any,
+    table: Any,
+    *,
+    out: str,
+    search: str,
+    scheduler: str,
+    trials: int | None,
+    concurrent: int,
+    metric: str | None,
+    mode: str | None,
+    seed: int,
+    address: str = "",
+    cpus_per_trial: float = 1.0,
+    eval_every: int = 0,
+    perturbation_interval: int = 0,
+    reduction: int = 2,
+    max_failures: int = 0,
+    max_params: int = 0,
+    memory_limit: str = "",
+    start_at_base: bool = False,
+) -> SweepSpec:
     """Check everything about a sweep that can be checked before a trial starts.
 
     Args:
@@ -143,8 +160,10 @@ def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, 
     reports = "val_loss" if base.load_data().task == "lm" else "test_accuracy"
     metric = metric or reports
     if metric != reports:
-        raise ConfigError(f"--metric {metric}: a run of model {base.model} on {base.dataset} reports {reports} at "
-                          f"each evaluation, not {metric}; use --metric {reports}")  # fmt: skip
+        raise ConfigError(
+            f"--metric {metric}: a run of model {base.model} on {base.dataset} reports {reports} at "
+            f"each evaluation, not {metric}; use --metric {reports}"
+        )
     mode = mode or METRICS[metric]
     check_choice("--mode", mode, ("min", "max"))
     if concurrent < 1:
@@ -155,15 +174,21 @@ def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, 
     if search == "grid":
         ranges = [k for k, p in space.items() if not p.discrete]
         if ranges:
-            raise ConfigError(f"--search grid runs every combination of listed values, and {', '.join(ranges)} "
-                              "is a range: write it as choice([...]) or grid([...]), or use --search random")
+            raise ConfigError(
+                f"--search grid runs every combination of listed values, and {', '.join(ranges)} "
+                "is a range: write it as choice([...]) or grid([...]), or use --search random"
+            )
         if trials not in (None, _grid_size(space)):
-            raise ConfigError(f"--search grid runs each of the {_grid_size(space)} combinations once; leave out "
-                              f"--trials (got {trials})")  # fmt: skip
+            raise ConfigError(
+                f"--search grid runs each of the {_grid_size(space)} combinations once; leave out "
+                f"--trials (got {trials})"
+            )
         trials = _grid_size(space)
     elif grid and search != "random":
-        raise ConfigError(f"{', '.join(grid)}: grid([...]) values are for --search grid or random; "
-                          f"--search {search} samples: write choice([...])")  # fmt: skip
+        raise ConfigError(
+            f"{', '.join(grid)}: grid([...]) values are for --search grid or random; "
+            f"--search {search} samples: write choice([...])"
+        )
     trials = 8 if trials is None else trials
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
@@ -181,11 +206,28 @@ def build_spec(base: Any, table: Any, *, out: str, search: str, scheduler: str, 
     if max_failures:  # a failed trial restarts from its last checkpoint
         base.hooks.check_checkpointing(base.opts, base)
     base = base.replace(eval_every=every, progress=False)
-    return SweepSpec(base=base.to_dict(), space=space, out=out, search=search, scheduler=scheduler, trials=trials,
-                     concurrent=concurrent, metric=metric, mode=mode, seed=seed, address=address,
-                     cpus_per_trial=cpus_per_trial, max_steps=_most_steps(base, space), grace_steps=every,
-                     reduction=reduction, perturbation_interval=interval, max_failures=max_failures,
-                     max_params=max_params, memory_limit=limit, start=start)  # fmt: skip
+    return SweepSpec(
+        base=base.to_dict(),
+        space=space,
+        out=out,
+        search=search,
+        scheduler=scheduler,
+        trials=trials,
+        concurrent=concurrent,
+        metric=metric,
+        mode=mode,
+        seed=seed,
+        address=address,
+        cpus_per_trial=cpus_per_trial,
+        max_steps=_most_steps(base, space),
+        grace_steps=every,
+        reduction=reduction,
+        perturbation_interval=interval,
+        max_failures=max_failures,
+        max_params=max_params,
+        memory_limit=limit,
+        start=start,
+    )
 
 
 def _cadence(base: Any, scheduler: str, eval_every: int, perturbation_interval: int) -> tuple[int, int]:
@@ -198,12 +240,16 @@ def _cadence(base: Any, scheduler: str, eval_every: int, perturbation_interval: 
     if every < 1:
         raise ConfigError(f"--eval-every must be >= 1, got {every}")
     if scheduler in ("asha", "pbt") and every >= steps:
-        raise ConfigError(f"--scheduler {scheduler} decides at evaluations, and a trial of {steps} steps evaluating "
-                          f"every {every} has none before its end: lower --eval-every")  # fmt: skip
+        raise ConfigError(
+            f"--scheduler {scheduler} decides at evaluations, and a trial of {steps} steps evaluating "
+            f"every {every} has none before its end: lower --eval-every"
+        )
     interval = perturbation_interval or every
     if scheduler == "pbt" and interval % every:
-        raise ConfigError(f"--perturbation-interval {interval} must be a multiple of --eval-every {every} "
-                          "(a trial hands over its checkpoint at evaluations)")  # fmt: skip
+        raise ConfigError(
+            f"--perturbation-interval {interval} must be a multiple of --eval-every {every} "
+            "(a trial hands over its checkpoint at evaluations)"
+        )
     return every, interval
 
 
@@ -232,16 +278,22 @@ def _check_pbt(base: Any, space: dict[str, Param], search: str, trials: int, con
     """Population-based training perturbs keys a resumed run takes anew, from random draws, all at once."""
     fixed = [k for k in space if k not in MUTABLE]
     if fixed:
-        raise ConfigError(f"--scheduler pbt perturbs hyper-parameters in the middle of a run, and "
-                          f"{', '.join(fixed)} cannot change there (a checkpoint belongs to its model, data "
-                          f"order and batch); PBT may perturb: {', '.join(MUTABLE)}")  # fmt: skip
+        raise ConfigError(
+            f"--scheduler pbt perturbs hyper-parameters in the middle of a run, and "
+            f"{', '.join(fixed)} cannot change there (a checkpoint belongs to its model, data "
+            f"order and batch); PBT may perturb: {', '.join(MUTABLE)}"
+        )
     if search != "random":
-        raise ConfigError(f"--scheduler pbt draws its population at random and then perturbs it; "
-                          f"--search {search} would be overruled: use --search random")  # fmt: skip
+        raise ConfigError(
+            f"--scheduler pbt draws its population at random and then perturbs it; "
+            f"--search {search} would be overruled: use --search random"
+        )
     if concurrent < trials:
-        raise ConfigError(f"--scheduler pbt: the population of {trials} trains at once (a trial copies the "
-                          f"checkpoint of one still training), and --concurrent {concurrent} runs fewer: "
-                          f"give --concurrent {trials}")  # fmt: skip
+        raise ConfigError(
+            f"--scheduler pbt: the population of {trials} trains at once (a trial copies the "
+            f"checkpoint of one still training), and --concurrent {concurrent} runs fewer: "
+            f"give --concurrent {trials}"
+        )
     base.hooks.check_checkpointing(base.opts, base)  # PBT's exploit resumes checkpoints
     if "batch_size" in space:
         _check_pbt_batches(base, space["batch_size"])
@@ -253,11 +305,15 @@ def _check_pbt_batches(base: Any, p: Param) -> None:
     from dtrain.job.validate import validate
 
     if not p.discrete:
-        raise ConfigError(f"--scheduler pbt moves batch_size to a neighbouring listed value, and {p.text()} is a "
-                          "range: write it as choice([...]), e.g. choice([32, 64, 128])")  # fmt: skip
+        raise ConfigError(
+            f"--scheduler pbt moves batch_size to a neighbouring listed value, and {p.text()} is a "
+            "range: write it as choice([...]), e.g. choice([32, 64, 128])"
+        )
     if base.batch_schedule:
-        raise ConfigError(f"--scheduler pbt over batch_size changes a fixed batch, and the run has --batch-schedule "
-                          f"{base.batch_schedule!r}: leave the schedule out of the run")  # fmt: skip
+        raise ConfigError(
+            f"--scheduler pbt over batch_size changes a fixed batch, and the run has --batch-schedule "
+            f"{base.batch_schedule!r}: leave the schedule out of the run"
+        )
     for v in p.values:
         try:
             validate(base.replace(batch_size=v))
@@ -300,23 +356,43 @@ def record(spec: SweepSpec, results: list[dict[str, Any]], wall_s: float) -> dic
         rec = read_trial(out / "trials" / r["trial"])
         segs = rec.get("segments", [])
         history = [{"segment": i, **e} for i, s in enumerate(segs) for e in s.get("evals", [])]
-        exploits = [{"at_step": s["from"].get("step"), "from_trial": s["from"].get("trial"), "hp": s["hp"]}
-                    for s in segs if s.get("from") and s["from"].get("trial") != r["trial"]]  # fmt: skip
+        exploits = [
+            {"at_step": s["from"].get("step"), "from_trial": s["from"].get("trial"), "hp": s["hp"]}
+            for s in segs
+            if s.get("from") and s["from"].get("trial") != r["trial"]
+        ]
         error = r.get("error") or next((s.get("error") for s in segs if s.get("fate") in ("failed", "skipped")), None)
         fate = _fate(segs, r.get("error"), spec.base, r["config"])
         values = [h["value"] for h in history if isinstance(h.get("value"), (int, float))]
         final = values[-1] if values and fate not in ("skipped", "failed") else None
-        trials.append({"trial": r["trial"], "config": {k: r["config"].get(k) for k in spec.space}, "fate": fate,
-                       "steps_trained": sum(_steps_trained(s) for s in segs),
-                       "exploits": exploits, "error": error, "metric": final, "history": history,
-                       "folder": str(Path("trials") / r["trial"])})  # fmt: skip
+        trials.append(
+            {
+                "trial": r["trial"],
+                "config": {k: r["config"].get(k) for k in spec.space},
+                "fate": fate,
+                "steps_trained": sum(_steps_trained(s) for s in segs),
+                "exploits": exploits,
+                "error": error,
+                "metric": final,
+                "history": history,
+                "folder": str(Path("trials") / r["trial"]),
+            }
+        )
     scored = [t for t in trials if t["metric"] is not None and math.isfinite(t["metric"])]
     best = (min if spec.mode == "min" else max)(scored, key=lambda t: t["metric"]) if scored else None
-    doc = {"metric": spec.metric, "mode": spec.mode, "search": spec.search, "scheduler": spec.scheduler,
-           "space": {k: p.text() for k, p in spec.space.items()}, "base": spec.base, "trials_run": len(trials),
-           "wall_s": round(wall_s, 2), "best": best and {"trial": best["trial"], "config": best["config"],
-                                                         "metric": best["metric"]},
-           "steps_trained": sum(t["steps_trained"] for t in trials), "trials": trials}  # fmt: skip
+    doc = {
+        "metric": spec.metric,
+        "mode": spec.mode,
+        "search": spec.search,
+        "scheduler": spec.scheduler,
+        "space": {k: p.text() for k, p in spec.space.items()},
+        "base": spec.base,
+        "trials_run": len(trials),
+        "wall_s": round(wall_s, 2),
+        "best": best and {"trial": best["trial"], "config": best["config"], "metric": best["metric"]},
+        "steps_trained": sum(t["steps_trained"] for t in trials),
+        "trials": trials,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / SWEEP_FILE).write_text(json.dumps(doc, indent=1, default=str))
     return doc

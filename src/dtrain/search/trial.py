@@ -35,8 +35,17 @@ from typing import Any
 from dtrain.errors import ConfigError, DTrainError
 from dtrain.rundir.files import EVALS, METRICS, rank_metrics, read_summary
 
-__all__ = ["TRIAL_FILE", "Limits", "Report", "run_trial", "trial_config", "read_trial", "meta_model", "model_params",
-           "model_memory"]
+__all__ = [
+    "TRIAL_FILE",
+    "Limits",
+    "Report",
+    "run_trial",
+    "trial_config",
+    "read_trial",
+    "meta_model",
+    "model_params",
+    "model_memory",
+]
 
 TRIAL_FILE = "trial.json"
 DONOR_FILE = "donor.json"  # in a checkpoint handed to Tune: which trial and step it is
@@ -66,8 +75,15 @@ def meta_model(cfg: Any) -> tuple[Any, Any]:
 
     data = cfg.load_data()
     with torch.device("meta"):
-        model = make_model(cfg.model, data.input_shape, data.num_classes, task=data.task,
-                           model_args=cfg.model_args, seq_len=cfg.seq_len, **cfg.gpt_overrides())  # fmt: skip
+        model = make_model(
+            cfg.model,
+            data.input_shape,
+            data.num_classes,
+            task=data.task,
+            model_args=cfg.model_args,
+            seq_len=cfg.seq_len,
+            **cfg.gpt_overrides(),
+        )
         return model, data
 
 
@@ -124,8 +140,10 @@ class Limits:
         if self.memory_limit:
             entry["memory"] = need = model_memory(cfg)
             if need > self.memory_limit:
-                raise ConfigError(f"needs {format_bytes(need)} per device by the planner's memory model, over the "
-                                  f"sweep's --memory-limit {format_bytes(self.memory_limit)}")  # fmt: skip
+                raise ConfigError(
+                    f"needs {format_bytes(need)} per device by the planner's memory model, over the "
+                    f"sweep's --memory-limit {format_bytes(self.memory_limit)}"
+                )
 
 
 def read_trial(folder: Path) -> dict[str, Any]:
@@ -220,8 +238,9 @@ def _tail(path: Path, lines: int = 6) -> str:
 class _Segment:
     """One segment of a trial: its record in ``trial.json``, its run folder, its process."""
 
-    def __init__(self, folder: Path, hp: dict[str, Any], report: Report, metric: str, checkpoints: bool,
-                 limits: Limits) -> None:  # fmt: skip
+    def __init__(
+        self, folder: Path, hp: dict[str, Any], report: Report, metric: str, checkpoints: bool, limits: Limits
+    ) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder, self.report, self.metric, self.checkpoints = folder, report, metric, checkpoints
         self.limits = limits
@@ -242,8 +261,7 @@ class _Segment:
         self.save()
         if ckpt is not None:
             _mark(ckpt, self.folder.name, self.run.name, step, value)
-        self.report({self.metric: value, "step": step, "epoch": epoch, "train_s": train_s, "segment": self.index},
-                    ckpt)  # fmt: skip
+        self.report({self.metric: value, "step": step, "epoch": epoch, "train_s": train_s, "segment": self.index}, ckpt)
 
     def config(self, base: dict[str, Any], hp: dict[str, Any], resume: Path | None) -> Any:
         """The segment's checked configuration (resuming a copy of ``resume``); None: nothing left to train."""
@@ -280,9 +298,14 @@ class _Segment:
         cfg_file.write_text(dump_toml(cfg))
         _go(self.go, -1)
         with self.log.open("wb") as out:
-            return subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", str(cfg_file)], stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
-                                    env={**os.environ, HOLD_ENV: str(self.go)})  # fmt: skip
+            return subprocess.Popen(
+                [sys.executable, "-m", "dtrain.cli", "run", str(cfg_file)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                env={**os.environ, HOLD_ENV: str(self.go)},
+            )
 
     def follow(self, proc: subprocess.Popen[bytes], deadline: float) -> int:
         """Report each evaluation as it appears, holding the run until the scheduler has it; the exit code."""

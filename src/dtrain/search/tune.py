@@ -88,8 +88,13 @@ def _searcher(spec: SweepSpec) -> Any:
         import nevergrad as ng
         from ray.tune.search.nevergrad import NevergradSearch
 
-        optimizer = ng.optimizers.ConfPSO() if spec.search == "pso" else ng.families.EvolutionStrategy(
-            recombination_ratio=0.5, only_offsprings=False, popsize=max(4, spec.concurrent))
+        optimizer = (
+            ng.optimizers.ConfPSO()
+            if spec.search == "pso"
+            else ng.families.EvolutionStrategy(
+                recombination_ratio=0.5, only_offsprings=False, popsize=max(4, spec.concurrent)
+            )
+        )
         algo = NevergradSearch(optimizer=optimizer, points_to_evaluate=start)
     return ConcurrencyLimiter(algo, max_concurrent=spec.concurrent)
 
@@ -98,14 +103,20 @@ def _scheduler(spec: SweepSpec) -> Any:
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 
     if spec.scheduler == "asha":
-        return ASHAScheduler(time_attr="step", max_t=spec.max_steps, grace_period=spec.grace_steps,
-                             reduction_factor=spec.reduction)  # fmt: skip
+        return ASHAScheduler(
+            time_attr="step", max_t=spec.max_steps, grace_period=spec.grace_steps, reduction_factor=spec.reduction
+        )
     if spec.scheduler == "pbt":
         random.seed(spec.seed)  # PBT's choices (whom to copy, how to perturb) draw from the random module
-        return PopulationBasedTraining(time_attr="step", perturbation_interval=spec.perturbation_interval,
-                                       hyperparam_mutations={k: _mutation(p) for k, p in spec.space.items()},
-                                       quantile_fraction=spec.quantile, resample_probability=0.25,
-                                       custom_explore_fn=lambda config: clip(spec, config), synch=True)  # fmt: skip
+        return PopulationBasedTraining(
+            time_attr="step",
+            perturbation_interval=spec.perturbation_interval,
+            hyperparam_mutations={k: _mutation(p) for k, p in spec.space.items()},
+            quantile_fraction=spec.quantile,
+            resample_probability=0.25,
+            custom_explore_fn=lambda config: clip(spec, config),
+            synch=True,
+        )
     fifo: Any = FIFOScheduler  # (unannotated in Ray)
     return fifo()
 
@@ -149,10 +160,18 @@ def _trainable(spec_json: str) -> Any:
         start = tune.get_checkpoint()
         with start.as_directory() if start else contextlib.nullcontext(None) as d:
             try:
-                run_trial(folder, spec.base, dict(config), report, metric=spec.metric,
-                          resume=Path(d) if d else None, checkpoints=spec.scheduler == "pbt" or spec.max_failures > 0,
-                          timeout_s=spec.trial_timeout_s, limits=Limits(spec.max_params, spec.memory_limit),
-                          node=util.get_node_ip_address())  # fmt: skip
+                run_trial(
+                    folder,
+                    spec.base,
+                    dict(config),
+                    report,
+                    metric=spec.metric,
+                    resume=Path(d) if d else None,
+                    checkpoints=spec.scheduler == "pbt" or spec.max_failures > 0,
+                    timeout_s=spec.trial_timeout_s,
+                    limits=Limits(spec.max_params, spec.memory_limit),
+                    node=util.get_node_ip_address(),
+                )
             except ConfigError as e:  # a combination that does not fit: skipped, the worst value for the searcher
                 tune.report({spec.metric: spec.worst, "step": 0, "skipped": str(e)})
 
@@ -184,8 +203,14 @@ def _ray(spec: SweepSpec) -> Iterator[None]:
         ray.init(address=spec.address, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     else:  # a Ray instance of its own on this machine (never one found running), a logical CPU a trial slot
         env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-        ray.init(address="local", num_cpus=math.ceil(spec.concurrent * spec.cpus_per_trial), include_dashboard=False,
-                 log_to_driver=False, logging_level=logging.ERROR, runtime_env={"env_vars": env})
+        ray.init(
+            address="local",
+            num_cpus=math.ceil(spec.concurrent * spec.cpus_per_trial),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            runtime_env={"env_vars": env},
+        )
     try:
         yield
     finally:
@@ -211,17 +236,31 @@ def run_sweep_on_tune(spec: SweepSpec) -> dict[str, Any]:
         tuner = tune.Tuner(
             tune.with_resources(_trainable(spec.to_json()), {"cpu": spec.cpus_per_trial}),
             param_space=space,
-            tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, search_alg=_searcher(spec),
-                                        scheduler=_scheduler(spec), num_samples=spec.samples,
-                                        max_concurrent_trials=spec.concurrent, reuse_actors=False),  # fmt: skip
-            run_config=tune.RunConfig(name="tune", storage_path=str((out / "ray").resolve()), verbose=0,
-                                      failure_config=tune.FailureConfig(max_failures=spec.max_failures)),  # fmt: skip
+            tune_config=tune.TuneConfig(
+                metric=spec.metric,
+                mode=spec.mode,
+                search_alg=_searcher(spec),
+                scheduler=_scheduler(spec),
+                num_samples=spec.samples,
+                max_concurrent_trials=spec.concurrent,
+                reuse_actors=False,
+            ),
+            run_config=tune.RunConfig(
+                name="tune",
+                storage_path=str((out / "ray").resolve()),
+                verbose=0,
+                failure_config=tune.FailureConfig(max_failures=spec.max_failures),
+            ),
         )
         grid = tuner.fit()
         results = []
         for r in (grid[i] for i in range(len(grid))):
             tid = (r.metrics or {}).get("trial_id") or Path(r.path).name.split("_")[1]
-            results.append({"trial": tid, "config": r.config, "error": None if r.error is None else
-                            str(r.error).strip().splitlines()[-1][:500]})  # fmt: skip
+            results.append(
+                {
+                    "trial": tid,
+                    "config": r.config,
+                    "error": None if r.error is None else str(r.error).strip().splitlines()[-1][:500],
+                }
+            )
     return record(spec, results, wall_s=time.time() - t0)
-

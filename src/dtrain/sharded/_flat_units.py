@@ -176,8 +176,10 @@ def plan_units(module: nn.Module, units: Sequence[str] | None, world: int) -> li
     else:
         missing = [u for u in units if u not in mods]
         if missing:
-            raise ConfigError(f"units name module(s) that the model does not have: {', '.join(map(repr, missing))} "
-                              f"(some it has: {', '.join(repr(n) for n in list(mods)[1:6])})")
+            raise ConfigError(
+                f"units name module(s) that the model does not have: {', '.join(map(repr, missing))} "
+                f"(some it has: {', '.join(repr(n) for n in list(mods)[1:6])})"
+            )
         chosen = [(u, mods[u]) for u in units]
     names_of = {id(p): n for n, p in module.named_parameters()}
     home = _homes_of_shared(module, [q for q, _ in chosen])
@@ -199,7 +201,9 @@ def plan_units(module: nn.Module, units: Sequence[str] | None, world: int) -> li
     for u in out:
         kinds = {(p.dtype, p.device) for p in u.params}
         if len(kinds) > 1:
-            raise ConfigError(f"unit {u.name or '<root>'!r} mixes parameter dtypes/devices {sorted(map(str, kinds))}; "
-                              "a sharded unit is one flat buffer: cast the model to one dtype first")
+            raise ConfigError(
+                f"unit {u.name or '<root>'!r} mixes parameter dtypes/devices {sorted(map(str, kinds))}; "
+                "a sharded unit is one flat buffer: cast the model to one dtype first"
+            )
         u.layout(world)
     return out

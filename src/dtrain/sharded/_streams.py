@@ -30,8 +30,9 @@ def private_group(ranks: list[int], timeout_s: float) -> Any:
     if len(ranks) <= 1:
         return None
     whole = len(ranks) == dist.get_world_size()
-    return dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s),
-                          use_local_synchronization=not whole)  # fmt: skip
+    return dist.new_group(
+        ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=not whole
+    )
 
 
 class Job:

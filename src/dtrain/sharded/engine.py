@@ -182,11 +182,23 @@ class ShardedDataParallel(nn.Module):
             raise ConfigError(f"a gloo group reduces CPU tensors; the module has parameters on {sorted(devs)}")
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         opts = f"shard={self.shard!r}, algorithm={self.algorithm!r}, overlap={self.overlap!r}, units={units!r}"
-        check_same_everywhere(describe_module(self.module), opts, group=self._group, device=device,
-                              ranks=self._ranks, timeout_s=self.timeout_s)  # fmt: skip
-        broadcast_tensors([*[p.detach() for p in self.module.parameters()], *self._buffer_list], src=self._ranks[0],
-                          group=self._group, rank=self._rank, cap_bytes=25 << 20, timeout_s=self.timeout_s,
-                          op="ShardedDataParallel broadcast of rank 0's parameters")  # fmt: skip
+        check_same_everywhere(
+            describe_module(self.module),
+            opts,
+            group=self._group,
+            device=device,
+            ranks=self._ranks,
+            timeout_s=self.timeout_s,
+        )
+        broadcast_tensors(
+            [*[p.detach() for p in self.module.parameters()], *self._buffer_list],
+            src=self._ranks[0],
+            group=self._group,
+            rank=self._rank,
+            cap_bytes=25 << 20,
+            timeout_s=self.timeout_s,
+            op="ShardedDataParallel broadcast of rank 0's parameters",
+        )
 
     def _flatten(self, u: Unit) -> None:
         full = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
@@ -228,8 +240,9 @@ class ShardedDataParallel(nn.Module):
             with torch.no_grad():
                 segment(full, self._grank, self._world).copy_(u.shard)
             self._peak_gathered = max(self._peak_gathered, self._gathered_bytes())
-        u.gjob = self._ag.submit(f"allgather({self.algorithm}) of unit {u.name or '<root>'}", self.step,
-                                 lambda: self._allgather(full))  # fmt: skip
+        u.gjob = self._ag.submit(
+            f"allgather({self.algorithm}) of unit {u.name or '<root>'}", self.step, lambda: self._allgather(full)
+        )
 
     def _wait_gather(self, u: Unit, count: bool = True) -> None:
         job = u.gjob
@@ -305,9 +318,15 @@ class ShardedDataParallel(nn.Module):
                 for u in self._units:
                     self._wait_gather(u)
         if self.broadcast_buffers and self._buffer_list and self._world > 1:
-            broadcast_tensors(self._buffer_list, src=self._ranks[0], group=self._ctl, rank=self._rank,
-                              cap_bytes=25 << 20, timeout_s=self.timeout_s,
-                              op=f"ShardedDataParallel broadcast of buffers at step {self.step}")  # fmt: skip
+            broadcast_tensors(
+                self._buffer_list,
+                src=self._ranks[0],
+                group=self._ctl,
+                rank=self._rank,
+                cap_bytes=25 << 20,
+                timeout_s=self.timeout_s,
+                op=f"ShardedDataParallel broadcast of buffers at step {self.step}",
+            )
         return self.module(*args, **kwargs)
 
     def _pre_forward_hook(self, u: Unit) -> Any:
@@ -403,9 +422,13 @@ class ShardedDataParallel(nn.Module):
     def _launch(self, v: Unit) -> None:
         gbuf = v.gbuf
         assert gbuf is not None
-        self._rs_jobs.append(self._rs.submit(
-            f"reduce_scatter({self.algorithm}) of unit {v.name or '<root>'}", self.step,
-            lambda: self._reduce_scatter(v, gbuf)))  # fmt: skip
+        self._rs_jobs.append(
+            self._rs.submit(
+                f"reduce_scatter({self.algorithm}) of unit {v.name or '<root>'}",
+                self.step,
+                lambda: self._reduce_scatter(v, gbuf),
+            )
+        )
 
     def _on_backward_end(self) -> None:
         self._bw_started = False
@@ -426,7 +449,7 @@ class ShardedDataParallel(nn.Module):
         if not self._bw_sync:
             return
         # parameters that got no gradient count as zero gradients (as FSDP): launch what is left, in order
-        for u in self._order[self._next:]:
+        for u in self._order[self._next :]:
             if u.gbuf is None:
                 u.gbuf = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
                 u.gviews = u.views(u.gbuf)
@@ -481,8 +504,9 @@ class ShardedDataParallel(nn.Module):
             assert p is not None
             yield p
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         for u in self._units:
             assert u.shard is not None
             yield f"{prefix}{u.name or '<root>'}.flat_shard", u.shard
@@ -581,8 +605,10 @@ class ShardedDataParallel(nn.Module):
                 dist.destroy_process_group(self._ctl)
 
     def __repr__(self) -> str:
-        return (f"ShardedDataParallel(shard={self.shard!r}, algorithm={self.algorithm!r}, world={self._world}, "
-                f"units={len(self._units)}, module={self.module!r})")
+        return (
+            f"ShardedDataParallel(shard={self.shard!r}, algorithm={self.algorithm!r}, world={self._world}, "
+            f"units={len(self._units)}, module={self.module!r})"
+        )
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

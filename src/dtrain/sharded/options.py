@@ -29,8 +29,9 @@ def check_options(module: Any, *, shard: str, algorithm: str, overlap: str, time
     if not isinstance(module, nn.Module):
         raise ConfigError(f"ShardedDataParallel wraps a torch.nn.Module, got {type(module).__name__}")
     if shard not in SHARDS[1:]:
-        raise ConfigError(f"shard {shard!r} is not a ZeRO level; choose one of {', '.join(SHARDS[1:])} "
-                          "(or use DataParallel for none)")  # fmt: skip
+        raise ConfigError(
+            f"shard {shard!r} is not a ZeRO level; choose one of {', '.join(SHARDS[1:])} (or use DataParallel for none)"
+        )
     if algorithm not in SHARD_ALGORITHMS:
         raise ConfigError(f"algorithm {algorithm!r} has no sharded form; choose one of {', '.join(SHARD_ALGORITHMS)}")
     if overlap not in OVERLAPS:

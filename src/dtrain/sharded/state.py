@@ -117,8 +117,10 @@ def load_full_state_dict(dp: ShardedEngine, state: dict[str, torch.Tensor]) -> N
         given = [k for k in group if k in state]
         for k in given[1:]:
             if not torch.equal(state[k], state[given[0]]):
-                raise ConfigError(f"{given[0]!r} and {k!r} are one tied parameter of the model but hold different "
-                                  "values in the state dict; give one of them, or the same tensor under both")
+                raise ConfigError(
+                    f"{given[0]!r} and {k!r} are one tied parameter of the model but hold different "
+                    "values in the state dict; give one of them, or the same tensor under both"
+                )
         if id(keys[group[0]]) in by_id:
             name_to_key[by_id[id(keys[group[0]])]] = given[0]
     with torch.no_grad():
@@ -127,8 +129,10 @@ def load_full_state_dict(dp: ShardedEngine, state: dict[str, torch.Tensor]) -> N
             for name, v in zip(u.names, u.views(flat)):
                 src = state[name_to_key[name]]
                 if tuple(src.shape) != tuple(v.shape):
-                    raise ConfigError(f"{name_to_key[name]!r} has shape {tuple(src.shape)} in the state dict, "
-                                      f"{tuple(v.shape)} in the model")
+                    raise ConfigError(
+                        f"{name_to_key[name]!r} has shape {tuple(src.shape)} in the state dict, "
+                        f"{tuple(v.shape)} in the model"
+                    )
                 v.copy_(src)
             assert u.shard is not None
             u.shard.copy_(segment(flat, dp._grank, dp._world))
@@ -151,8 +155,9 @@ def _shard_index(dp: ShardedEngine, optimizer: torch.optim.Optimizer) -> dict[in
     out = {}
     for u in dp.units:
         if id(u.shard) not in pos:
-            raise ConfigError(f"the optimizer does not hold unit {u.name or '<root>'!r}'s shard: build it over "
-                              "dp.parameters()")
+            raise ConfigError(
+                f"the optimizer does not hold unit {u.name or '<root>'!r}'s shard: build it over dp.parameters()"
+            )
         out[u.index] = pos[id(u.shard)]
     return out
 
@@ -160,8 +165,10 @@ def _shard_index(dp: ShardedEngine, optimizer: torch.optim.Optimizer) -> dict[in
 def full_optimizer_state_dict(dp: ShardedEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state an unsharded run would have (one param group), gathered (a collective)."""
     if len(optimizer.param_groups) != 1:
-        raise ConfigError("full_optimizer_state_dict supports one param group over dp.parameters(); "
-                          f"this optimizer has {len(optimizer.param_groups)}")
+        raise ConfigError(
+            "full_optimizer_state_dict supports one param group over dp.parameters(); "
+            f"this optimizer has {len(optimizer.param_groups)}"
+        )
     osd = optimizer.state_dict()
     idx = _shard_index(dp, optimizer)
     order = [n for n, p in dp.module.named_parameters() if p.requires_grad]
@@ -217,15 +224,18 @@ def _dtensor(mesh: Any, u: Unit, local: torch.Tensor, rank: int) -> Any:
     from torch.distributed.tensor import DTensor, Shard
 
     a, b = u.own_range(rank)
-    return DTensor.from_local(local[: b - a], mesh, [Shard(0)], run_check=False,
-                              shape=torch.Size((u.numel,)), stride=(1,))
+    return DTensor.from_local(
+        local[: b - a], mesh, [Shard(0)], run_check=False, shape=torch.Size((u.numel,)), stride=(1,)
+    )
 
 
 def sharded_state(dp: ShardedEngine, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """This rank's part of a checkpoint, as DTensors DCP can reshard: ``{"model": ..., "optim": ...}``."""
     mesh = _mesh(dp)
-    model = {f"{u.name or '<root>'}.flat": _dtensor(mesh, u, u.shard.detach(), dp._grank)  # type: ignore[union-attr]
-             for u in dp.units}  # fmt: skip
+    model = {
+        f"{u.name or '<root>'}.flat": _dtensor(mesh, u, u.shard.detach(), dp._grank)  # type: ignore[union-attr]
+        for u in dp.units
+    }
     out: dict[str, Any] = {"model": model}
     if optimizer is not None:
         init_optimizer_state(optimizer)
@@ -244,9 +254,7 @@ def sharded_state(dp: ShardedEngine, optimizer: torch.optim.Optimizer | None) ->
     return out
 
 
-def load_sharded_state(
-    dp: ShardedEngine, optimizer: torch.optim.Optimizer | None, loaded: dict[str, Any]
-) -> None:
+def load_sharded_state(dp: ShardedEngine, optimizer: torch.optim.Optimizer | None, loaded: dict[str, Any]) -> None:
     """Copy what DCP loaded into :func:`sharded_state`'s DTensors back into the shards and optimizer state."""
     with torch.no_grad():
         for u in dp.units:
@@ -283,8 +291,13 @@ def clip_grad_norm(dp: ShardedEngine, max_norm: float, norm_type: float = 2.0) -
     total = local.double().reshape(1)
     if dp._world > 1:
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        wait_work(dist.all_reduce(total, op=op, group=dp._ctl, async_op=True), dp.timeout_s, dp._rank,
-                  "ShardedDataParallel clip_grad_norm_ allreduce", dp.step)  # fmt: skip
+        wait_work(
+            dist.all_reduce(total, op=op, group=dp._ctl, async_op=True),
+            dp.timeout_s,
+            dp._rank,
+            "ShardedDataParallel clip_grad_norm_ allreduce",
+            dp.step,
+        )
     norm = total[0] if inf else total[0].pow(1.0 / norm_type)
     norm32 = norm.float()
     coef = torch.clamp(max_norm / (norm32 + 1e-6), max=1.0)

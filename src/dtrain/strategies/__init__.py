@@ -16,6 +16,7 @@ one import line in :mod:`.builtin` (docs/architecture.md). Importing this packag
 modules (and their options classes, ``DPOptions``, ``DDPOptions``, ``PSOptions``) and the performance model's
 ``PlanSpace`` load on first use.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -23,12 +24,28 @@ from typing import Any
 
 from dtrain.registry import Choice, Strategy, StrategyOptions, choice, get, register, registered
 
-__all__ = ["Strategy", "StrategyOptions", "Choice", "PlanSpace", "register", "registered", "get", "choice",
-           "DPOptions", "DDPOptions", "PSOptions", "AutoOptions"]  # fmt: skip
+__all__ = [
+    "Strategy",
+    "StrategyOptions",
+    "Choice",
+    "PlanSpace",
+    "register",
+    "registered",
+    "get",
+    "choice",
+    "DPOptions",
+    "DDPOptions",
+    "PSOptions",
+    "AutoOptions",
+]
 
-_LAZY = {"DPOptions": "dtrain.strategies.dp_options", "DDPOptions": "dtrain.strategies.dp_options",
-         "PSOptions": "dtrain.strategies.ps", "AutoOptions": "dtrain.strategies.auto",
-         "PlanSpace": "dtrain.perfmodel.hooks"}  # fmt: skip
+_LAZY = {
+    "DPOptions": "dtrain.strategies.dp_options",
+    "DDPOptions": "dtrain.strategies.dp_options",
+    "PSOptions": "dtrain.strategies.ps",
+    "AutoOptions": "dtrain.strategies.auto",
+    "PlanSpace": "dtrain.perfmodel.hooks",
+}
 
 
 def __getattr__(name: str) -> Any:

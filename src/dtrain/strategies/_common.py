@@ -24,10 +24,12 @@ class CompressedOptions(StrategyOptions):
         error_feedback: error feedback for biased compressors (default: on).
     """
 
-    compression: str = field(default="none", metadata={
-        "help": "gradient compressor, e.g. topk:0.01, qsgd:16, powersgd:2 (default: none)"})
-    error_feedback: bool = field(default=True, metadata={
-        "help": "error feedback for biased compressors (default: on; --no-error-feedback: off)"})
+    compression: str = field(
+        default="none", metadata={"help": "gradient compressor, e.g. topk:0.01, qsgd:16, powersgd:2 (default: none)"}
+    )
+    error_feedback: bool = field(
+        default=True, metadata={"help": "error feedback for biased compressors (default: on; --no-error-feedback: off)"}
+    )
 
     def __post_init__(self) -> None:
         if self.compressor_spec() != "none":
@@ -71,6 +73,8 @@ def check_fp16_exchange(o: CompressedOptions, cfg: RunConfig) -> None:
             "is applied as soon as it is averaged); use --overlap backward or --precision bf16"
         )
     if o.compressor_spec() not in ("none", "fp16", "bf16"):
-        raise ConfigError(f"--precision fp16 with --compression {o.compression}: an overflowing step (inf/nan "
-                          "gradients, skipped) would stay in the compressor's state; use --precision bf16 (no "
-                          "overflow, no loss scaling) or no compressor")  # fmt: skip
+        raise ConfigError(
+            f"--precision fp16 with --compression {o.compression}: an overflowing step (inf/nan "
+            "gradients, skipped) would stay in the compressor's state; use --precision bf16 (no "
+            "overflow, no loss scaling) or no compressor"
+        )

@@ -48,6 +48,11 @@ def _resolve(cfg: RunConfig) -> RunConfig:
     return validate(cfg.replace(strategy=best.strategy, workers=best.workers, options=best.options))
 
 
-AUTO = register(Strategy(
-    name="auto", options=AutoOptions, help="the planner's first choice for this model, batch and cluster",
-    hooks=(ConfigHooks(check=_check, resolve=_resolve),)))
+AUTO = register(
+    Strategy(
+        name="auto",
+        options=AutoOptions,
+        help="the planner's first choice for this model, batch and cluster",
+        hooks=(ConfigHooks(check=_check, resolve=_resolve),),
+    )
+)

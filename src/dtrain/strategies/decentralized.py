@@ -76,10 +76,15 @@ class LocalSGDOptions(StrategyOptions):
     """
 
     period: int = field(default=8, metadata={"help": "average the models every PERIOD steps (default: 8)"})
-    local_warmup_steps: int = field(default=0, metadata={
-        "help": "local_sgd: average gradients for the first steps (post-local SGD) (default: 0)"})
-    hierarchy: str = field(default="", metadata={
-        "help": "local_sgd: GROUP_SIZE:PERIOD,... averaging within groups often, across rarely (default: none)"})
+    local_warmup_steps: int = field(
+        default=0, metadata={"help": "local_sgd: average gradients for the first steps (post-local SGD) (default: 0)"}
+    )
+    hierarchy: str = field(
+        default="",
+        metadata={
+            "help": "local_sgd: GROUP_SIZE:PERIOD,... averaging within groups often, across rarely (default: none)"
+        },
+    )
     algorithm: str = field(default="ring", metadata={"choices": ALGORITHMS, "help": "allreduce algorithm"})
 
     def __post_init__(self) -> None:
@@ -155,8 +160,14 @@ class GossipOptions(StrategyOptions):
     """
 
     topology: str = field(default="ring", metadata={"choices": TOPOLOGIES, "help": "gossip: the graph (default: ring)"})
-    mode: str = field(default="sync", metadata={"choices": _SYNC_ASYNC, "switch": ("async", "async"),
-                                                "help": "gossip: sync (D-PSGD) or async (AD-PSGD) (default: sync)"})
+    mode: str = field(
+        default="sync",
+        metadata={
+            "choices": _SYNC_ASYNC,
+            "switch": ("async", "async"),
+            "help": "gossip: sync (D-PSGD) or async (AD-PSGD) (default: sync)",
+        },
+    )
     gossip_seed: int = field(default=0, metadata={"help": "gossip: seed of the random topology and peers"})
 
     def __post_init__(self) -> None:
@@ -185,9 +196,15 @@ class ReplicaEngine:
 
     eval_note = " (the replicas' average)"
 
-    def __init__(self, ctx: TrainContext, ckpt: RunCheckpointer | None,
-                 build: Callable[[nn.Module], ReplicaWrapper], worker: int, workers: int,
-                 replica: nn.Module | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ctx: TrainContext,
+        ckpt: RunCheckpointer | None,
+        build: Callable[[nn.Module], ReplicaWrapper],
+        worker: int,
+        workers: int,
+        replica: nn.Module | None = None,
+    ) -> None:
         self.ctx, self.ckpt = ctx, ckpt
         self.replica = replica if replica is not None else ctx.make_model()
         self.wrapper = build(self.replica)
@@ -263,8 +280,11 @@ class ReplicaEngine:
         return []
 
     def save(self, ckpt: RunCheckpointer, step: int, epoch: int, batch: int) -> None:
-        state = {"model": self.replica.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "wrapper": self.wrapper.wrapper_state()}  # fmt: skip
+        state = {
+            "model": self.replica.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "wrapper": self.wrapper.wrapper_state(),
+        }
         ckpt.save(step, rank_state=state, epoch=epoch, batch=batch)
 
     def finish(self) -> dict[str, Any]:
@@ -272,8 +292,12 @@ class ReplicaEngine:
         its history over the evaluations, the averaging rounds and the bytes sent."""
         st = self.wrapper.stats()
         self.wrapper.close()
-        extra = {"evaluated": "average of the replicas", "consensus_distance": self._consensus[-1]["distance"],
-                 "consensus_history": self._consensus, "averaging_rounds": int(st["rounds"])}  # fmt: skip
+        extra = {
+            "evaluated": "average of the replicas",
+            "consensus_distance": self._consensus[-1]["distance"],
+            "consensus_history": self._consensus,
+            "averaging_rounds": int(st["rounds"]),
+        }
         return {"bytes_sent": int(st["bytes_sent"]), "summary_extra": extra}
 
 
@@ -284,9 +308,14 @@ def _run_local_sgd(ctx: TrainContext) -> dict[str, Any]:
     assert isinstance(o, LocalSGDOptions)
 
     def build(model: nn.Module) -> ReplicaWrapper:
-        return LocalSGD(model, period=o.period, warmup_steps=o.local_warmup_steps,
-                        hierarchy=hierarchy_levels(o.hierarchy) or None, algorithm=o.algorithm,
-                        timeout=ctx.cfg.timeout_s)  # fmt: skip
+        return LocalSGD(
+            model,
+            period=o.period,
+            warmup_steps=o.local_warmup_steps,
+            hierarchy=hierarchy_levels(o.hierarchy) or None,
+            algorithm=o.algorithm,
+            timeout=ctx.cfg.timeout_s,
+        )
 
     return _run_workers(ctx, build, ctx.rank, ctx.world_size)
 
@@ -310,6 +339,7 @@ def _run_easgd(ctx: TrainContext) -> dict[str, Any]:
     assert isinstance(o, EASGDOptions)
     workers = ctx.world_size - o.servers
     if o.servers == 0:
+
         def build(model: nn.Module) -> ReplicaWrapper:
             return EASGD(model, alpha=o.alpha, period=o.period, center="allreduce", timeout=ctx.cfg.timeout_s)
 
@@ -318,16 +348,18 @@ def _run_easgd(ctx: TrainContext) -> dict[str, Any]:
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)
     replica = ctx.make_model()
-    easgd = EASGD(replica, alpha=o.alpha, period=o.period, center="server", servers=o.servers,
-                  timeout=ctx.cfg.timeout_s)  # fmt: skip
+    easgd = EASGD(
+        replica, alpha=o.alpha, period=o.period, center="server", servers=o.servers, timeout=ctx.cfg.timeout_s
+    )
     if easgd.is_server:
         return {**easgd.serve(), "role": "server"}
     engine = ReplicaEngine(ctx, ckpt, lambda m: easgd, ctx.rank - o.servers, workers, replica=replica)
     return run_loop(ctx, engine, ckpt)
 
 
-def _run_workers(ctx: TrainContext, build: Callable[[nn.Module], ReplicaWrapper], worker: int,
-                 workers: int) -> dict[str, Any]:  # fmt: skip
+def _run_workers(
+    ctx: TrainContext, build: Callable[[nn.Module], ReplicaWrapper], worker: int, workers: int
+) -> dict[str, Any]:
     from dtrain.training.checkpointing import RunCheckpointer
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # its group first: every rank creates groups in one order
@@ -360,8 +392,10 @@ def _check_easgd(o: EASGDOptions, cfg: Any) -> None:
 
 def _check_easgd_checkpointing(o: EASGDOptions, cfg: Any) -> None:
     if o.servers:
-        raise ConfigError("checkpoints of easgd need the synchronous centre (--servers 0): with the centre on "
-                          "servers the workers never share a step to save at")
+        raise ConfigError(
+            "checkpoints of easgd need the synchronous centre (--servers 0): with the centre on "
+            "servers the workers never share a step to save at"
+        )
 
 
 def _check_gossip_checkpointing(o: GossipOptions, cfg: Any) -> None:
@@ -369,23 +403,26 @@ def _check_gossip_checkpointing(o: GossipOptions, cfg: Any) -> None:
         raise ConfigError("checkpoints of gossip need --mode sync: asynchronous workers never share a step to save at")
 
 
-def _local_sgd_predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel,
-                       inputs: StepInputs) -> Prediction:  # fmt: skip
+def _local_sgd_predict(
+    prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel, inputs: StepInputs
+) -> Prediction:
     o = s.opts
     assert isinstance(o, LocalSGDOptions)
     levels = hierarchy_levels(o.hierarchy) or [(s.workers, o.period)]
     return predict_averaging(prof, s, inputs, local_sgd_cost(c, levels, o.algorithm, prof.param_bytes, s.workers))
 
 
-def _easgd_predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel,
-                   inputs: StepInputs) -> Prediction:  # fmt: skip
+def _easgd_predict(
+    prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel, inputs: StepInputs
+) -> Prediction:
     o = s.opts
     assert isinstance(o, EASGDOptions)
     return predict_averaging(prof, s, inputs, easgd_cost(c, o.period, o.servers, prof.param_bytes, s.workers))
 
 
-def _gossip_predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel,
-                    inputs: StepInputs) -> Prediction:  # fmt: skip
+def _gossip_predict(
+    prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionModel, inputs: StepInputs
+) -> Prediction:
     from dtrain.decentralized.topology import topology
 
     o = s.opts
@@ -423,20 +460,41 @@ def _gossip_candidates(space: PlanSpace) -> list[Choice]:
     return out + ([Choice("gossip", w, GossipOptions(topology="exponential"))] if w > 4 else [])
 
 
-LOCAL_SGD = register(Strategy(
-    name="local_sgd", options=LocalSGDOptions,
-    help="local SGD: each worker trains alone, models averaged every --period steps (post-local, hierarchical)",
-    hooks=(ProcessHooks(run=_run_local_sgd), ConfigHooks(check=_check_local_sgd),
-           ModelHooks(predict=_local_sgd_predict, memory=_memory, candidates=_local_sgd_candidates))))
-EASGD_ENTRY = register(Strategy(
-    name="easgd", options=EASGDOptions,
-    help="elastic averaging SGD: replicas pulled towards a centre (--alpha, --period, --servers for async)",
-    hooks=(ProcessHooks(run=_run_easgd), ConfigHooks(_check_easgd, check_checkpointing=_check_easgd_checkpointing),
-           ModelHooks(predict=_easgd_predict, memory=_memory, candidates=_easgd_candidates))))
-GOSSIP = register(Strategy(
-    name="gossip", options=GossipOptions,
-    help="gossip: D-PSGD (sync) or AD-PSGD (--async) averaging with neighbours of a --topology",
-    hooks=(ProcessHooks(run=_run_gossip),
-           ConfigHooks(check=_check_gossip, check_checkpointing=_check_gossip_checkpointing),
-           ModelHooks(predict=_gossip_predict, memory=_memory, candidates=_gossip_candidates,
-                      identity=_gossip_identity))))
+LOCAL_SGD = register(
+    Strategy(
+        name="local_sgd",
+        options=LocalSGDOptions,
+        help="local SGD: each worker trains alone, models averaged every --period steps (post-local, hierarchical)",
+        hooks=(
+            ProcessHooks(run=_run_local_sgd),
+            ConfigHooks(check=_check_local_sgd),
+            ModelHooks(predict=_local_sgd_predict, memory=_memory, candidates=_local_sgd_candidates),
+        ),
+    )
+)
+EASGD_ENTRY = register(
+    Strategy(
+        name="easgd",
+        options=EASGDOptions,
+        help="elastic averaging SGD: replicas pulled towards a centre (--alpha, --period, --servers for async)",
+        hooks=(
+            ProcessHooks(run=_run_easgd),
+            ConfigHooks(_check_easgd, check_checkpointing=_check_easgd_checkpointing),
+            ModelHooks(predict=_easgd_predict, memory=_memory, candidates=_easgd_candidates),
+        ),
+    )
+)
+GOSSIP = register(
+    Strategy(
+        name="gossip",
+        options=GossipOptions,
+        help="gossip: D-PSGD (sync) or AD-PSGD (--async) averaging with neighbours of a --topology",
+        hooks=(
+            ProcessHooks(run=_run_gossip),
+            ConfigHooks(check=_check_gossip, check_checkpointing=_check_gossip_checkpointing),
+            ModelHooks(
+                predict=_gossip_predict, memory=_memory, candidates=_gossip_candidates, identity=_gossip_identity
+            ),
+        ),
+    )
+)

@@ -65,23 +65,31 @@ def _run_ddp(ctx: TrainContext) -> dict[str, Any]:
 
 def _check(o: DPOptions, cfg: RunConfig) -> None:
     if cfg.device == "cuda" and (o.sharded or o.compressor_spec() not in STATELESS_WIRE):
-        raise ConfigError(f"device cuda: dp trains there without --shard, with no compression or a 16-bit cast "
-                          f"(fp16, bf16); got {o.label(cfg.workers)}")
+        raise ConfigError(
+            f"device cuda: dp trains there without --shard, with no compression or a 16-bit cast "
+            f"(fp16, bf16); got {o.label(cfg.workers)}"
+        )
     if cfg.precision == "fp16":
         check_fp16_exchange(o, cfg)
     if (cfg.noise_scale or cfg.batch_schedule == "auto") and o.overlap == "forward":
-        raise ConfigError("the noise scale reads the averaged gradient after backward; --overlap forward applies "
-                          "buckets as they arrive: use --overlap backward")  # fmt: skip
+        raise ConfigError(
+            "the noise scale reads the averaged gradient after backward; --overlap forward applies "
+            "buckets as they arrive: use --overlap backward"
+        )
 
     if not cfg.skip_nonfinite:
         return
     if o.overlap == "forward":
-        raise ConfigError("--skip-nonfinite cannot skip a step under --overlap forward: the engine applies each "
-                          "bucket as soon as it is averaged, before the step can be checked; use --overlap backward")
+        raise ConfigError(
+            "--skip-nonfinite cannot skip a step under --overlap forward: the engine applies each "
+            "bucket as soon as it is averaged, before the step can be checked; use --overlap backward"
+        )
     if o.compressor_spec() != "none":
-        raise ConfigError(f"--skip-nonfinite cannot skip a step under --compression {o.compression}: the "
-                          "compressor's state (error feedback, PowerSGD's Q) takes the gradient in during backward, "
-                          "before the check, and a non-finite value would stay in it; run without one of them")
+        raise ConfigError(
+            f"--skip-nonfinite cannot skip a step under --compression {o.compression}: the "
+            "compressor's state (error feedback, PowerSGD's Q) takes the gradient in during backward, "
+            "before the check, and a non-finite value would stay in it; run without one of them"
+        )
 
 
 # ---------------------------------------------------------------------- performance model hooks
@@ -128,8 +136,9 @@ def _dp_candidates(space: PlanSpace) -> list[Choice]:
     # ZeRO stages 1-3: what fits when plain data parallelism's model states do not
     out += [Choice("dp", w, DPOptions(bucket_mb=max(space.buckets), shard=shard)) for shard in SHARDS[1:]]
     if not space.exact_only:
-        out += [Choice("dp", w, DPOptions(bucket_mb=max(space.buckets), compression=comp))
-                for comp in space.compressions]  # fmt: skip
+        out += [
+            Choice("dp", w, DPOptions(bucket_mb=max(space.buckets), compression=comp)) for comp in space.compressions
+        ]
     return out
 
 
@@ -159,17 +168,44 @@ def _parse_ddp(args: Sequence[str], compression: str, workers: int) -> Choice:
     return Choice("ddp", workers, DDPOptions())
 
 
-DP = register(Strategy(
-    name="dp", options=DPOptions,
-    help="data parallel: dtrain.DataParallel (allreduce algorithm, buckets, overlap, compression)",
-    hooks=(ProcessHooks(run=_run_dp), ConfigHooks(check=_check),
-           ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_dp_candidates,
-                      identity=_dp_identity, parse=_parse_dp, text="dp:ALG[:MB]")),
-    devices=("cpu", "cuda")))
-DDP = register(Strategy(
-    name="ddp", options=DDPOptions,
-    help="data parallel through torch DDP (the peer)",
-    hooks=(ProcessHooks(run=_run_ddp),
-           ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_ddp_candidates,
-                      identity=_ddp_identity, parse=_parse_ddp, text="ddp")),
-    devices=("cpu", "cuda")))
+DP = register(
+    Strategy(
+        name="dp",
+        options=DPOptions,
+        help="data parallel: dtrain.DataParallel (allreduce algorithm, buckets, overlap, compression)",
+        hooks=(
+            ProcessHooks(run=_run_dp),
+            ConfigHooks(check=_check),
+            ModelHooks(
+                predict=_predict,
+                memory=_memory,
+                simulate=_simulate,
+                candidates=_dp_candidates,
+                identity=_dp_identity,
+                parse=_parse_dp,
+                text="dp:ALG[:MB]",
+            ),
+        ),
+        devices=("cpu", "cuda"),
+    )
+)
+DDP = register(
+    Strategy(
+        name="ddp",
+        options=DDPOptions,
+        help="data parallel through torch DDP (the peer)",
+        hooks=(
+            ProcessHooks(run=_run_ddp),
+            ModelHooks(
+                predict=_predict,
+                memory=_memory,
+                simulate=_simulate,
+                candidates=_ddp_candidates,
+                identity=_ddp_identity,
+                parse=_parse_ddp,
+                text="ddp",
+            ),
+        ),
+        devices=("cpu", "cuda"),
+    )
+)

@@ -54,8 +54,10 @@ def measure_noise(ctx: TrainContext, engine: Any, model: nn.Module, batch: int, 
 
 def _ring_bytes(model: nn.Module, world: int, wire: torch.dtype | None = None) -> int:
     """What a ring all-reduce of the gradients sends per rank (``wire``: the dtype they travel in)."""
-    n = sum(p.numel() * (torch.tensor([], dtype=wire).element_size() if wire else p.element_size())
-            for p in model.parameters())  # fmt: skip
+    n = sum(
+        p.numel() * (torch.tensor([], dtype=wire).element_size() if wire else p.element_size())
+        for p in model.parameters()
+    )
     return int(2 * (world - 1) / world * n) if world > 1 else 0
 
 
@@ -85,8 +87,9 @@ class DataParallelEngine:
                 if ctx.precision.dtype is not None:  # 16-bit compute: DDP's own 16-bit gradient hooks
                     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as hooks
 
-                    ddp.register_comm_hook(None, hooks.fp16_compress_hook if ctx.precision.scales_loss
-                                           else hooks.bf16_compress_hook)  # fmt: skip
+                    ddp.register_comm_hook(
+                        None, hooks.fp16_compress_hook if ctx.precision.scales_loss else hooks.bf16_compress_hook
+                    )
                 self.wrapped = ddp
             return
         from dtrain.data_parallel import DataParallel
@@ -94,9 +97,15 @@ class DataParallelEngine:
         o = ctx.cfg.options
         assert isinstance(o, DPOptions)
         self.steps_in_optimizer = o.overlap == "forward"
-        self._engine = DataParallel(self.model, algorithm=o.algorithm, bucket_mb=o.bucket_mb, overlap=o.overlap,
-                                    timeout_s=ctx.cfg.timeout_s, compression=ctx.make_compressor(),
-                                    optimizer=self.optimizer if self.steps_in_optimizer else None)  # fmt: skip
+        self._engine = DataParallel(
+            self.model,
+            algorithm=o.algorithm,
+            bucket_mb=o.bucket_mb,
+            overlap=o.overlap,
+            timeout_s=ctx.cfg.timeout_s,
+            compression=ctx.make_compressor(),
+            optimizer=self.optimizer if self.steps_in_optimizer else None,
+        )
         self.wrapped = self._engine
         if ctx.batches.noise is not None:
             self._engine.measure_local_norms()
@@ -164,8 +173,12 @@ class DataParallelEngine:
             return row
         st = self._engine.step_stats()
         wait_s = float(st.get("wait_s", 0.0))
-        row.update(compute_s=float(st.get("compute_s", dt - wait_s)), comm_s=st.get("comm_s"), wait_s=wait_s,
-                   bytes_sent=int(st.get("bytes_sent", 0)))  # fmt: skip
+        row.update(
+            compute_s=float(st.get("compute_s", dt - wait_s)),
+            comm_s=st.get("comm_s"),
+            wait_s=wait_s,
+            bytes_sent=int(st.get("bytes_sent", 0)),
+        )
         return row
 
     def rows(self, row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -190,8 +203,9 @@ class DataParallelEngine:
             self._engine.synchronize()
         state = self._engine.compressor_state_dict() if self._engine is not None else None
         epoch, batch = self.ctx.locate(step, self.num_shards)  # the next batch to train on
-        ckpt.save(step, model=self.model, optimizer=self.optimizer, rank_state={"engine": state},
-                  epoch=epoch, batch=batch)  # fmt: skip
+        ckpt.save(
+            step, model=self.model, optimizer=self.optimizer, rank_state={"engine": state}, epoch=epoch, batch=batch
+        )
 
     def finish(self) -> dict[str, Any]:
         rows = (json.loads(line) for line in self.ctx.metrics.path.read_text().splitlines())

@@ -16,7 +16,6 @@ __all__ = ["DPOptions", "DDPOptions", "STATELESS_WIRE"]
 STATELESS_WIRE = ("none", "fp16", "bf16")
 
 
-
 @dataclass(frozen=True)
 class DPOptions(CompressedOptions):
     """Options of ``--strategy dp`` (:class:`dtrain.DataParallel`).
@@ -29,10 +28,20 @@ class DPOptions(CompressedOptions):
 
     algorithm: str = field(default="ring", metadata={"choices": ALGORITHMS, "help": "allreduce algorithm"})
     bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket size in MiB (default: 25.0)"})
-    overlap: str = field(default="backward", metadata={
-        "choices": OVERLAPS, "help": "overlap communication with backward, or with the next forward (priority)"})
-    shard: str = field(default="none", metadata={
-        "choices": SHARDS, "help": "ZeRO sharding: optimizer (stage 1), gradients (2), parameters (3) (default: none)"})
+    overlap: str = field(
+        default="backward",
+        metadata={
+            "choices": OVERLAPS,
+            "help": "overlap communication with backward, or with the next forward (priority)",
+        },
+    )
+    shard: str = field(
+        default="none",
+        metadata={
+            "choices": SHARDS,
+            "help": "ZeRO sharding: optimizer (stage 1), gradients (2), parameters (3) (default: none)",
+        },
+    )
 
     def __post_init__(self) -> None:
         check_choice("algorithm", self.algorithm, ALGORITHMS)
@@ -45,10 +54,13 @@ class DPOptions(CompressedOptions):
             if self.algorithm not in SHARD_ALGORITHMS:
                 raise ConfigError(
                     f"--shard {self.shard} reduce-scatters and allgathers with {' or '.join(SHARD_ALGORITHMS)}; "
-                    f"--algorithm {self.algorithm} has no sharded form (use --algorithm ring)")
+                    f"--algorithm {self.algorithm} has no sharded form (use --algorithm ring)"
+                )
             if self.compressor_spec() != "none":
-                raise ConfigError(f"--shard {self.shard} does not take --compression {self.compression}: "
-                                  "a sharded engine reduce-scatters exact gradients; drop one of the two")
+                raise ConfigError(
+                    f"--shard {self.shard} does not take --compression {self.compression}: "
+                    "a sharded engine reduce-scatters exact gradients; drop one of the two"
+                )
 
     @property
     def sharded(self) -> bool:
@@ -75,8 +87,10 @@ class DPOptions(CompressedOptions):
 
     def refuses_clip_grad_norm(self, workers: int) -> str:
         if self.overlap == "forward" and not self.sharded:
-            return ("applies each bucket as soon as it is averaged (--overlap forward), before the global norm "
-                    "of every bucket exists; use --overlap backward")
+            return (
+                "applies each bucket as soon as it is averaged (--overlap forward), before the global norm "
+                "of every bucket exists; use --overlap backward"
+            )
         return ""
 
     def label(self, workers: int) -> str:

@@ -49,8 +49,9 @@ class TensorOptions(StrategyOptions):
         sequence_parallel: layer norms and residuals on sequence shards (Korthikanti et al. 2022).
     """
 
-    sequence_parallel: bool = field(default=False, metadata={
-        "help": "tensor/hybrid: norms and residuals sharded along the sequence (default: off)"})
+    sequence_parallel: bool = field(
+        default=False, metadata={"help": "tensor/hybrid: norms and residuals sharded along the sequence (default: off)"}
+    )
 
     def batch_shards(self, workers: int) -> int:
         return 1  # every tensor-parallel rank reads the whole batch
@@ -73,8 +74,10 @@ class TensorOptions(StrategyOptions):
 
     def refuses_grad_accum(self, workers: int) -> str:
         if self.sequence_parallel:
-            return ("--sequence-parallel all-reduces the norms' gradients inside each step, which micro-steps "
-                    "would reduce again; drop one of them")
+            return (
+                "--sequence-parallel all-reduces the norms' gradients inside each step, which micro-steps "
+                "would reduce again; drop one of them"
+            )
         return ""  # micro-steps of the whole step, one after the other (nothing to defer: no data parallelism)
 
     def refuses_clip_grad_norm(self, workers: int) -> str:
@@ -101,16 +104,18 @@ class HybridOptions(CompressedOptions):
     microbatches: int = field(default=4, metadata={"help": "micro-batches per step (default: 4)"})
     schedule: str = field(default="1f1b", metadata={"choices": _SCHEDULES, "help": "pipeline schedule"})
     balance: str = field(default="equal", metadata={"help": "the pipeline's cut: equal, params or counts 2,3"})
-    sequence_parallel: bool = field(default=False, metadata={
-        "help": "tensor/hybrid: norms and residuals sharded along the sequence (default: off)"})
+    sequence_parallel: bool = field(
+        default=False, metadata={"help": "tensor/hybrid: norms and residuals sharded along the sequence (default: off)"}
+    )
     algorithm: str = field(default="ring", metadata={"choices": tuple(ALGORITHMS), "help": "allreduce algorithm"})
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "microbatches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "dp" else 1):
-                raise ConfigError(f"{name} must be a positive integer{' (or 0: the rest)' if name == 'dp' else ''}, "
-                                  f"got {v!r}")  # fmt: skip
+                raise ConfigError(
+                    f"{name} must be a positive integer{' (or 0: the rest)' if name == 'dp' else ''}, got {v!r}"
+                )
         check_choice("schedule", self.schedule, _SCHEDULES)
         check_choice("algorithm", self.algorithm, tuple(ALGORITHMS))
         if self.sequence_parallel and self.tp == 1:
@@ -139,8 +144,10 @@ class HybridOptions(CompressedOptions):
         return {**super().checkpoint_keys(), **{k: getattr(self, k) for k in keys}}
 
     def refuses_grad_accum(self, workers: int) -> str:
-        return (f"accumulates over its {self.microbatches} pipeline micro-batches and all-reduces over dp inside "
-                f"each step: use --microbatches {self.microbatches} x N instead")
+        return (
+            f"accumulates over its {self.microbatches} pipeline micro-batches and all-reduces over dp inside "
+            f"each step: use --microbatches {self.microbatches} x N instead"
+        )
 
     def refuses_clip_grad_norm(self, workers: int) -> str:
         return "has no global norm over a dp x pp x tp mesh yet; use --strategy tensor, pipeline or dp"
@@ -164,21 +171,29 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
     if cfg.precision == "fp16" and isinstance(o, HybridOptions):
         check_fp16_exchange(o, cfg)
     if dp * pp * tp != cfg.workers:
-        raise ConfigError(f"--dp {dp} x --pp {pp} x --tp {tp} = {dp * pp * tp} processes, but --workers is "
-                          f"{cfg.workers}; make them match")  # fmt: skip
+        raise ConfigError(
+            f"--dp {dp} x --pp {pp} x --tp {tp} = {dp * pp * tp} processes, but --workers is "
+            f"{cfg.workers}; make them match"
+        )
     micro, _, _ = o.pipeline()
     if cfg.batch_size % (dp * micro):
-        raise ConfigError(f"the batch of {cfg.batch_size} does not divide into {dp} data-parallel shards of "
-                          f"{micro} micro-batches; use --batch-size a multiple of {dp * micro}")  # fmt: skip
+        raise ConfigError(
+            f"the batch of {cfg.batch_size} does not divide into {dp} data-parallel shards of "
+            f"{micro} micro-batches; use --batch-size a multiple of {dp * micro}"
+        )
     if tp > 1 or pp > 1:
         if not is_builtin(cfg.model):
-            raise ConfigError(f"{cfg.strategy}: the stages and splits of --pp {pp} --tp {tp} are found for dtrain's "
-                              f"own models; model {cfg.model} trains under the strategies that do not cut it: dp, "
-                              "ddp, dp --shard, ps, local_sgd, easgd, gossip (or --pp 1 --tp 1)")  # fmt: skip
+            raise ConfigError(
+                f"{cfg.strategy}: the stages and splits of --pp {pp} --tp {tp} are found for dtrain's "
+                f"own models; model {cfg.model} trains under the strategies that do not cut it: dp, "
+                "ddp, dp --shard, ps, local_sgd, easgd, gossip (or --pp 1 --tp 1)"
+            )
         if not is_language_model(cfg.model):
             if tp > 1:
-                raise ConfigError(f"tensor parallelism splits the gpt models' blocks (plans.gpt); --model {cfg.model} "
-                                  "has no plan: use --model gpt-tiny/gpt-small/... or --tp 1")  # fmt: skip
+                raise ConfigError(
+                    f"tensor parallelism splits the gpt models' blocks (plans.gpt); --model {cfg.model} "
+                    "has no plan: use --model gpt-tiny/gpt-small/... or --tp 1"
+                )
             return
         g = resolve_gpt_config(cfg.model, **cfg.gpt_overrides(), seq_len=cfg.seq_len)
         for what, n in (("attention heads", g.heads), ("d_model", g.d_model), ("MLP width", g.mlp_hidden)):
@@ -195,8 +210,10 @@ def _check_checkpointing(o: MeshOptions, cfg: RunConfig) -> None:
 
     comp = o.compressor_spec()
     if comp not in STATELESS_WIRE:
-        raise ConfigError(f"checkpoints of a hybrid run with --compression {comp} are not supported: its "
-                          "per-rank residuals are not saved; use none, fp16 or bf16")  # fmt: skip
+        raise ConfigError(
+            f"checkpoints of a hybrid run with --compression {comp} are not supported: its "
+            "per-rank residuals are not saved; use none, fp16 or bf16"
+        )
 
 
 class HybridEngine:
@@ -216,11 +233,20 @@ class HybridEngine:
         self.mesh = Mesh(dp=dp, pp=pp, tp=tp)
         micro, schedule, balance = o.pipeline()
         self._train_model = ctx.make_model()
-        self.h = Hybrid(self._train_model, self.mesh, microbatches=micro, schedule=schedule,
-                        balance=parse_balance(balance), loss_fn=ctx.loss, sequence_parallel=o.sequence_parallel,
-                        algorithm=o.dp_algorithm, timeout_s=ctx.cfg.timeout_s, tracer=ctx.tracer,
-                        compressor=ctx.make_compressor(),
-                        loss_scale=(lambda: ctx.loss_scale) if ctx.precision.scales_loss else None)  # fmt: skip
+        self.h = Hybrid(
+            self._train_model,
+            self.mesh,
+            microbatches=micro,
+            schedule=schedule,
+            balance=parse_balance(balance),
+            loss_fn=ctx.loss,
+            sequence_parallel=o.sequence_parallel,
+            algorithm=o.dp_algorithm,
+            timeout_s=ctx.cfg.timeout_s,
+            tracer=ctx.tracer,
+            compressor=ctx.make_compressor(),
+            loss_scale=(lambda: ctx.loss_scale) if ctx.precision.scales_loss else None,
+        )
         self.optimizer = ctx.make_optimizer(list(self.h.parameters()))
         self.evaluator = ctx.rank == 0
         self.model: nn.Module = ctx.make_model() if self.evaluator else self._train_model  # unsplit, for evaluation
@@ -236,8 +262,10 @@ class HybridEngine:
         mine = dict(self.h.named_parameters())
         saved = blob["params"]
         if set(saved) != set(mine):
-            raise CheckpointError(f"rank {self.ctx.rank}: {self.ckpt.resume_from} holds parameters "
-                                  f"{sorted(set(saved) ^ set(mine))[:4]} that this rank's slice does not match")
+            raise CheckpointError(
+                f"rank {self.ctx.rank}: {self.ckpt.resume_from} holds parameters "
+                f"{sorted(set(saved) ^ set(mine))[:4]} that this rank's slice does not match"
+            )
         with torch.no_grad():
             for name, p in mine.items():
                 p.copy_(saved[name])
@@ -298,9 +326,18 @@ class HybridEngine:
         sent = {k: now[k] - self._last[k] for k in now}
         self._last = now
         secs = self.h.seconds_by_dim()
-        row.update(compute_s=max(0.0, dt - secs["tp"] - secs["dp"]), comm_s=secs["tp"] + secs["dp"], wait_s=None,
-                   bytes_sent=sum(sent.values()), tp_bytes=sent["tp"], pp_bytes=sent["pp"], dp_bytes=sent["dp"],
-                   tp_s=secs["tp"], dp_s=secs["dp"], mesh=self.mesh.coords(self.ctx.rank))  # fmt: skip
+        row.update(
+            compute_s=max(0.0, dt - secs["tp"] - secs["dp"]),
+            comm_s=secs["tp"] + secs["dp"],
+            wait_s=None,
+            bytes_sent=sum(sent.values()),
+            tp_bytes=sent["tp"],
+            pp_bytes=sent["pp"],
+            dp_bytes=sent["dp"],
+            tp_s=secs["tp"],
+            dp_s=secs["dp"],
+            mesh=self.mesh.coords(self.ctx.rank),
+        )
         return [row]
 
     def synchronize(self) -> list[dict[str, Any]]:
@@ -315,12 +352,15 @@ class HybridEngine:
         So a resume needs the same mesh (the options are compared before any process starts)."""
         epoch, batch = self.ctx.locate(step, self.num_shards)  # the next batch to train on
         params = {n: p.detach() for n, p in self.h.named_parameters()}
-        ckpt.save(step, rank_state={"params": params, "optimizer": self.optimizer.state_dict()}, epoch=epoch,
-                  batch=batch)  # fmt: skip
+        ckpt.save(
+            step, rank_state={"params": params, "optimizer": self.optimizer.state_dict()}, epoch=epoch, batch=batch
+        )
 
     def finish(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"bytes_sent": sum(self.h.bytes_by_dim().values()),
-                               "summary_extra": {"mesh": self.mesh.describe()}}  # fmt: skip
+        out: dict[str, Any] = {
+            "bytes_sent": sum(self.h.bytes_by_dim().values()),
+            "summary_extra": {"mesh": self.mesh.describe()},
+        }
         if not self._counts:
             out["samples"] = 0  # a dp shard's batch is counted once, by its first stage's first tp rank
         return out
@@ -353,15 +393,40 @@ def _predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionMod
     o, (dp, pp, tp), (micro, schedule, balance) = _mesh_of(s)
     g = prof.extra.get("gpt")
     if g is None:
-        return Prediction(s, math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, inputs.memory, False,
-                          "infeasible: the mesh model covers gpt models (tensor parallelism splits their blocks)")
+        return Prediction(
+            s,
+            math.inf,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            inputs.memory,
+            False,
+            "infeasible: the mesh model covers gpt models (tensor parallelism splits their blocks)",
+        )
     try:
-        return predict_hybrid(prof, c, dp=dp, pp=pp, tp=tp, microbatches=micro if pp > 1 else 1, schedule=schedule,
-                              sequence_parallel=o.sequence_parallel, batch=prof.batch * s.workers, seq=g["seq"],
-                              hidden=g["hidden"], layers=g["layers"], heads=g["heads"], vocab=g["vocab"],
-                              algorithm=o.dp_algorithm, overhead_s=inputs.overhead,
-                              balance=balance if balance in ("equal", "params", "time") else "equal",
-                              strategy=s)  # fmt: skip
+        return predict_hybrid(
+            prof,
+            c,
+            dp=dp,
+            pp=pp,
+            tp=tp,
+            microbatches=micro if pp > 1 else 1,
+            schedule=schedule,
+            sequence_parallel=o.sequence_parallel,
+            batch=prof.batch * s.workers,
+            seq=g["seq"],
+            hidden=g["hidden"],
+            layers=g["layers"],
+            heads=g["heads"],
+            vocab=g["vocab"],
+            algorithm=o.dp_algorithm,
+            overhead_s=inputs.overhead,
+            balance=balance if balance in ("equal", "params", "time") else "equal",
+            strategy=s,
+        )
     except ConfigError as e:  # a mesh this model cannot take: the planner lists it as rejected, saying why
         return Prediction(s, math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, inputs.memory, False, f"infeasible: {e}")
 
@@ -380,15 +445,33 @@ def _memory(prof: ModelProfile, s: Choice, comp: CompressionModel | None) -> Mem
     g = prof.extra.get("gpt")
     m = micro if pp > 1 else 1
     batch = prof.batch * s.workers // max(1, dp * m)
-    if g is None or batch < 1 or mesh_reason(dp, pp, tp, heads=g["heads"], hidden=g["hidden"], layers=g["layers"],
-                                             batch=prof.batch * s.workers, microbatches=m):  # fmt: skip
+    if (
+        g is None
+        or batch < 1
+        or mesh_reason(
+            dp,
+            pp,
+            tp,
+            heads=g["heads"],
+            hidden=g["hidden"],
+            layers=g["layers"],
+            batch=prof.batch * s.workers,
+            microbatches=m,
+        )
+    ):
         return Memory(buffers=math.inf)  # a mesh no run could use: the planner shows predict's reason
-    shape = TransformerShape(batch=batch, seq=g["seq"], hidden=g["hidden"], layers=g["layers"], heads=g["heads"],
-                             vocab=g["vocab"])  # fmt: skip
+    shape = TransformerShape(
+        batch=batch, seq=g["seq"], hidden=g["hidden"], layers=g["layers"], heads=g["heads"], vocab=g["vocab"]
+    )
     whole = tensor_memory(prof, tp, o.sequence_parallel, shape=shape)
     held = m if schedule == "gpipe" else min(m, pp)
-    return Memory(params=whole.params / pp, grads=whole.grads / pp, optimizer=whole.optimizer / pp,
-                  activations=whole.activations * held / pp, buffers=whole.buffers)  # fmt: skip
+    return Memory(
+        params=whole.params / pp,
+        grads=whole.grads / pp,
+        optimizer=whole.optimizer / pp,
+        activations=whole.activations * held / pp,
+        buffers=whole.buffers,
+    )
 
 
 def _tensor_candidates(space: PlanSpace) -> list[Choice]:
@@ -403,16 +486,34 @@ def _hybrid_candidates(space: PlanSpace) -> list[Choice]:
     w = space.workers
     if not space.mesh or w < 2:
         return []
-    return [Choice("hybrid", w, HybridOptions(dp=d, pp=p, tp=t, microbatches=4 if p > 1 else 1))
-            for d, p, t in factorizations(w) if (d, p, t) not in ((w, 1, 1), (1, 1, w))]  # fmt: skip
+    return [
+        Choice("hybrid", w, HybridOptions(dp=d, pp=p, tp=t, microbatches=4 if p > 1 else 1))
+        for d, p, t in factorizations(w)
+        if (d, p, t) not in ((w, 1, 1), (1, 1, w))
+    ]
 
 
-TENSOR = register(Strategy(
-    name="tensor", options=TensorOptions,
-    help="tensor parallel (Megatron): every block of a gpt split over the workers",
-    hooks=(ProcessHooks(run=_run), ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
-           ModelHooks(predict=_predict, memory=_memory, candidates=_tensor_candidates))))
-HYBRID = register(Strategy(
-    name="hybrid", options=HybridOptions, help="DP x PP x TP on one mesh (--dp --pp --tp; workers = their product)",
-    hooks=(ProcessHooks(run=_run), ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
-           ModelHooks(predict=_predict, memory=_memory, candidates=_hybrid_candidates))))
+TENSOR = register(
+    Strategy(
+        name="tensor",
+        options=TensorOptions,
+        help="tensor parallel (Megatron): every block of a gpt split over the workers",
+        hooks=(
+            ProcessHooks(run=_run),
+            ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
+            ModelHooks(predict=_predict, memory=_memory, candidates=_tensor_candidates),
+        ),
+    )
+)
+HYBRID = register(
+    Strategy(
+        name="hybrid",
+        options=HybridOptions,
+        help="DP x PP x TP on one mesh (--dp --pp --tp; workers = their product)",
+        hooks=(
+            ProcessHooks(run=_run),
+            ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
+            ModelHooks(predict=_predict, memory=_memory, candidates=_hybrid_candidates),
+        ),
+    )
+)

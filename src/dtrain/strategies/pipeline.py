@@ -70,18 +70,29 @@ class PipelineOptions(StrategyOptions):
     microbatches: int = field(default=4, metadata={"help": "micro-batches per step (default: 4)"})
     schedule: str = field(default="1f1b", metadata={"choices": _SCHEDULES, "help": "pipeline schedule"})
     chunks: int = field(default=2, metadata={"help": "virtual stages per worker, interleaved only (default: 2)"})
-    balance: str = field(default="equal", metadata={
-        "help": "the cut: equal, params, memory, time (profiled), or layer counts such as 2,3,2"})
-    recompute: str = field(default="never", metadata={"choices": _RECOMPUTE, "help": "recompute activations in "
-        "backward instead of keeping them from forward: always, except_last (every micro-batch's but the last's) or "
-        "never (default: never)"})
+    balance: str = field(
+        default="equal",
+        metadata={"help": "the cut: equal, params, memory, time (profiled), or layer counts such as 2,3,2"},
+    )
+    recompute: str = field(
+        default="never",
+        metadata={
+            "choices": _RECOMPUTE,
+            "help": "recompute activations in "
+            "backward instead of keeping them from forward: always, except_last (every micro-batch's but the "
+            "last's) or "
+            "never (default: never)",
+        },
+    )
     checkpoint: str = field(default="", repr=False, compare=False, metadata={"renamed_to": "recompute"})
 
     def __post_init__(self) -> None:
         if self.checkpoint:  # written before the rename
             if self.recompute not in ("never", self.checkpoint):
-                raise ConfigError(f"checkpoint {self.checkpoint!r} is the old name of recompute "
-                                  f"({self.recompute!r}): give recompute only")  # fmt: skip
+                raise ConfigError(
+                    f"checkpoint {self.checkpoint!r} is the old name of recompute "
+                    f"({self.recompute!r}): give recompute only"
+                )
             object.__setattr__(self, "recompute", self.checkpoint)
             object.__setattr__(self, "checkpoint", "")
         check_choice("schedule", self.schedule, _SCHEDULES)
@@ -104,8 +115,10 @@ class PipelineOptions(StrategyOptions):
         return {"schedule": self.schedule, "balance": self.balance, "chunks": self.virtual}
 
     def refuses_grad_accum(self, workers: int) -> str:
-        return (f"already accumulates a step's gradients over its {self.microbatches} micro-batches: for smaller "
-                f"micro-batches of the same batch use --microbatches {self.microbatches} x N instead")
+        return (
+            f"already accumulates a step's gradients over its {self.microbatches} micro-batches: for smaller "
+            f"micro-batches of the same batch use --microbatches {self.microbatches} x N instead"
+        )
 
     def refuses_clip_grad_norm(self, workers: int) -> str:
         if self.schedule == "2bw":
@@ -132,9 +145,11 @@ def _model_children(cfg: RunConfig) -> int:
     from dtrain.workloads.models.specs import is_builtin
 
     if not is_builtin(cfg.model):
-        raise ConfigError(f"pipeline: a pipeline cuts dtrain's own models (an nn.Sequential) between children; "
-                          f"model {cfg.model} trains under the strategies that do not cut it: dp, ddp, dp --shard, "
-                          "ps, local_sgd, easgd, gossip")  # fmt: skip
+        raise ConfigError(
+            f"pipeline: a pipeline cuts dtrain's own models (an nn.Sequential) between children; "
+            f"model {cfg.model} trains under the strategies that do not cut it: dp, ddp, dp --shard, "
+            "ps, local_sgd, easgd, gossip"
+        )
 
     if is_language_model(cfg.model):
         layers: int = resolve_gpt_config(cfg.model, **cfg.gpt_overrides(), seq_len=cfg.seq_len).layers
@@ -151,17 +166,22 @@ def _check(o: PipelineOptions, cfg: RunConfig) -> None:
             "under another step's loss scale; use --precision bf16 or another schedule"
         )
     if cfg.batch_size % o.microbatches:
-        raise ConfigError(f"pipeline: {o.microbatches} micro-batches do not divide the batch of {cfg.batch_size}; "
-                          f"use --batch-size a multiple of {o.microbatches}")  # fmt: skip
+        raise ConfigError(
+            f"pipeline: {o.microbatches} micro-batches do not divide the batch of {cfg.batch_size}; "
+            f"use --batch-size a multiple of {o.microbatches}"
+        )
     stages = cfg.workers * o.virtual
     children = _model_children(cfg)
     if children < stages:
-        raise ConfigError(f"pipeline: model {cfg.model} has {children} layers (children), fewer than the "
-                          f"{stages} stages of {cfg.workers} workers x {o.virtual}; use fewer workers")  # fmt: skip
+        raise ConfigError(
+            f"pipeline: model {cfg.model} has {children} layers (children), fewer than the "
+            f"{stages} stages of {cfg.workers} workers x {o.virtual}; use fewer workers"
+        )
     counts = parse_balance(o.balance)
     if isinstance(counts, list) and (len(counts) != stages or sum(counts) != children or min(counts) < 1):
-        raise ConfigError(f"pipeline: balance {o.balance} must give {stages} positive layer counts summing to "
-                          f"{children}")  # fmt: skip
+        raise ConfigError(
+            f"pipeline: balance {o.balance} must give {stages} positive layer counts summing to {children}"
+        )
     try:
         generate(o.schedule, cfg.workers, o.microbatches, o.virtual)
     except (ScheduleError, ValueError) as e:
@@ -170,9 +190,11 @@ def _check(o: PipelineOptions, cfg: RunConfig) -> None:
 
 def _check_checkpointing(o: PipelineOptions, cfg: RunConfig) -> None:
     if o.schedule == "2bw":
-        raise ConfigError("checkpoints of a pipeline run with --schedule 2bw are not supported: between steps it "
-                          "holds a batch's deferred backwards and two versions of each stage's weights; use "
-                          "gpipe, 1f1b or interleaved")  # fmt: skip
+        raise ConfigError(
+            "checkpoints of a pipeline run with --schedule 2bw are not supported: between steps it "
+            "holds a batch's deferred backwards and two versions of each stage's weights; use "
+            "gpipe, 1f1b or interleaved"
+        )
 
 
 class PipelineEngine:
@@ -188,9 +210,18 @@ class PipelineEngine:
         self.ctx, self.o, self.ckpt = ctx, o, ckpt
         self.model = ctx.make_model()
         x0 = first_samples(ctx.data.train, max(1, ctx.cfg.batch_size // o.microbatches))[0]
-        self.pipe: Pipeline = Pipeline(self.model, o.microbatches, o.schedule, loss_fn=ctx.scaled_loss,
-                                       balance=self._balance(), checkpoint=o.recompute, chunks=o.chunks,
-                                       sample=x0, timeout=ctx.cfg.timeout_s, tracer=ctx.tracer)  # fmt: skip
+        self.pipe: Pipeline = Pipeline(
+            self.model,
+            o.microbatches,
+            o.schedule,
+            loss_fn=ctx.scaled_loss,
+            balance=self._balance(),
+            checkpoint=o.recompute,
+            chunks=o.chunks,
+            sample=x0,
+            timeout=ctx.cfg.timeout_s,
+            tracer=ctx.tracer,
+        )
         params = list(self.pipe.parameters())  # a stage of parameter-free layers (pooling, flatten) has none
         self.optimizer = ctx.make_optimizer(params) if params else None
         self.evaluator = ctx.rank == 0
@@ -269,9 +300,15 @@ class PipelineEngine:
         st = self.pipe.last_stats
         assert st is not None
         sent = self.pipe.transport.stats.bytes_sent
-        row.update(compute_s=st.compute_s, comm_s=None, wait_s=st.wait_s, idle_s=max(0.0, dt - st.compute_s),
-                   bubble=max(0.0, dt - st.compute_s) / dt if dt > 0 else 0.0, bytes_sent=sent - self._sent,
-                   stage=self.pipe.stage)  # fmt: skip
+        row.update(
+            compute_s=st.compute_s,
+            comm_s=None,
+            wait_s=st.wait_s,
+            idle_s=max(0.0, dt - st.compute_s),
+            bubble=max(0.0, dt - st.compute_s) / dt if dt > 0 else 0.0,
+            bytes_sent=sent - self._sent,
+            stage=self.pipe.stage,
+        )
         self._sent = sent
         if row["step"] > 0:  # the first step exchanges shapes and warms up
             self._compute.append(st.compute_s)
@@ -293,15 +330,26 @@ class PipelineEngine:
         """Each stage's parameters and optimizer state under the whole model's names (DCP writes every rank's
         own keys), RNGs per rank, and the cut, so that a resume cuts the model where this run did."""
         epoch, batch = self.ctx.locate(step, 1)  # the next batch to train on
-        ckpt.save(step, model=self._stateful(), optimizer=self.optimizer, rank_state={}, epoch=epoch, batch=batch,
-                  cut=list(self.pipe.sizes))  # fmt: skip
+        ckpt.save(
+            step,
+            model=self._stateful(),
+            optimizer=self.optimizer,
+            rank_state={},
+            epoch=epoch,
+            batch=batch,
+            cut=list(self.pipe.sizes),
+        )
 
     def finish(self) -> dict[str, Any]:
         """Result keys: bytes sent, the cut and per stage its peak micro-batches in flight; the batch's
         samples are counted once (rank 0): every stage sees the same batch."""
         st = self.pipe.stats()
-        common: dict[str, Any] = {"cut": self.pipe.sizes, "schedule": self.o.schedule,
-                                  "microbatches": self.o.microbatches, "flush_updates": self._flushes}  # fmt: skip
+        common: dict[str, Any] = {
+            "cut": self.pipe.sizes,
+            "schedule": self.o.schedule,
+            "microbatches": self.o.microbatches,
+            "flush_updates": self._flushes,
+        }
         per_mb = sum(self._compute) / max(1, len(self._compute)) / self.o.microbatches
         measured = self.pipe.gather_floats([per_mb])  # collective: each rank's busy time per micro-batch
         if measured is not None:
@@ -309,11 +357,16 @@ class PipelineEngine:
             if self.pipe.predicted_s is not None:
                 common["predicted_stage_s"] = self.pipe.predicted_s
             if self.o.virtual == 1 and self.ctx.cfg.progress:
-                print(f"pipeline cut ({self.o.balance}); times per micro-batch, forward + backward:\n"
-                      + self.pipe.cut_table(common["measured_stage_s"]), flush=True)  # fmt: skip
+                print(
+                    f"pipeline cut ({self.o.balance}); times per micro-batch, forward + backward:\n"
+                    + self.pipe.cut_table(common["measured_stage_s"]),
+                    flush=True,
+                )
         mine = {"rank": self.ctx.rank, "peak_in_flight": st["peak_in_flight"], "bytes_sent": int(st["bytes_sent"])}
-        out: dict[str, Any] = {"bytes_sent": int(st["bytes_sent"]),
-                               "summary_extra": {"pipeline": common, f"stage{self.pipe.stage}": mine}}  # fmt: skip
+        out: dict[str, Any] = {
+            "bytes_sent": int(st["bytes_sent"]),
+            "summary_extra": {"pipeline": common, f"stage{self.pipe.stage}": mine},
+        }
         if self.ctx.rank != 0:
             out["samples"] = 0
         return out
@@ -349,9 +402,15 @@ def _candidates(space: PlanSpace) -> list[Choice]:
     return out
 
 
-PIPELINE = register(Strategy(
-    name="pipeline", options=PipelineOptions,
-    help="pipeline parallel: one stage per worker, micro-batches through gpipe, 1f1b, interleaved or 2bw",
-    hooks=(ProcessHooks(run=_run), ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
-           ModelHooks(predict=pipeline_model.predict, memory=pipeline_model.memory,
-                      candidates=_candidates))))
+PIPELINE = register(
+    Strategy(
+        name="pipeline",
+        options=PipelineOptions,
+        help="pipeline parallel: one stage per worker, micro-batches through gpipe, 1f1b, interleaved or 2bw",
+        hooks=(
+            ProcessHooks(run=_run),
+            ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
+            ModelHooks(predict=pipeline_model.predict, memory=pipeline_model.memory, candidates=_candidates),
+        ),
+    )
+)

@@ -81,10 +81,15 @@ class PSOptions(CompressedOptions):
     """
 
     servers: int = field(default=1, metadata={"help": "parameter-server ranks (default: 1)"})
-    consistency: str = field(default="bsp", metadata={
-        "help": "parameter-server consistency: bsp, asp, ssp:S, softsync:K, backup:B"})
-    staleness_lr: bool = field(default=False, metadata={
-        "help": "staleness-aware learning rate: each gradient's rate divided by its staleness (default: off)"})
+    consistency: str = field(
+        default="bsp", metadata={"help": "parameter-server consistency: bsp, asp, ssp:S, softsync:K, backup:B"}
+    )
+    staleness_lr: bool = field(
+        default=False,
+        metadata={
+            "help": "staleness-aware learning rate: each gradient's rate divided by its staleness (default: off)"
+        },
+    )
 
     def exchanges_unscaled(self) -> bool:
         return True  # a worker pushes after its step's check
@@ -106,8 +111,10 @@ class PSOptions(CompressedOptions):
 
     def refuses_clip_grad_norm(self, workers: int) -> str:
         if self.consistency.strip().lower() != "bsp":
-            return (f"--consistency {self.consistency} clips nothing: its servers apply each shard's updates out of "
-                    "step with one another, so no update has one global norm; clip under bsp")
+            return (
+                f"--consistency {self.consistency} clips nothing: its servers apply each shard's updates out of "
+                "step with one another, so no update has one global norm; clip under bsp"
+            )
         return ""  # each update's aggregated gradient, over every server's shard (dtrain.param_server.clipping)
 
     def reshards(self) -> bool:
@@ -153,8 +160,16 @@ class PSWorkerEngine:
     eval_note = " (worker 0's copy)"
     samples_scale = 1
 
-    def __init__(self, ctx: TrainContext, ps: ParameterServer, model: nn.Module, workers: int, steps: int,
-                 ckpt: RunCheckpointer | None, blob: dict[str, Any] | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ctx: TrainContext,
+        ps: ParameterServer,
+        model: nn.Module,
+        workers: int,
+        steps: int,
+        ckpt: RunCheckpointer | None,
+        blob: dict[str, Any] | None,
+    ) -> None:
         self.ctx, self.ps, self.model, self.ckpt, self.blob = ctx, ps, model, ckpt, blob
         self.shard, self.num_shards = ps.worker_index, workers
         self.evaluator = ps.worker_index == 0
@@ -213,8 +228,9 @@ class PSWorkerEngine:
         dt = row.pop("step_s")
         last, sent = self.ps.last_step, int(self.ps.stats()["bytes_sent"])
         comm_s = last["push_s"] + last["pull_s"]
-        row.update(compute_s=dt - comm_s - last["wait_s"], comm_s=comm_s, wait_s=last["wait_s"],
-                   bytes_sent=sent - self._sent)
+        row.update(
+            compute_s=dt - comm_s - last["wait_s"], comm_s=comm_s, wait_s=last["wait_s"], bytes_sent=sent - self._sent
+        )
         if self.ctx.cfg.clip_grad_norm:  # the norm of the update this step's gradient went into (bsp: the step's)
             row["grad_norm"] = self.ps.grad_norm(row["step"])
         self._sent = sent
@@ -255,8 +271,9 @@ def run_process(ctx: TrainContext) -> dict[str, Any]:
             group["lr"] = group["lr"] * scale
         if ctx.learning_rate.changes:  # the servers step the optimizer: each update follows the lr rules
             updates = server_updates(c, steps)
-            schedule_updates(opt, c.lr_schedule, updates,
-                             factor=lambda u: ctx.lr_multiplier(u, updates, batch=c.batch_size))  # fmt: skip
+            schedule_updates(
+                opt, c.lr_schedule, updates, factor=lambda u: ctx.lr_multiplier(u, updates, batch=c.batch_size)
+            )
         return opt
 
     holder: list[ParameterServer] = []
@@ -266,15 +283,24 @@ def run_process(ctx: TrainContext) -> dict[str, Any]:
             ckpt.save(version, rank_state={"ps": holder[0].state_dict()}, updates=version)
 
     ps = ParameterServer(
-        model, optimizer_factory, servers=o.servers, consistency=o.consistency, staleness_lr=o.staleness_lr,
-        compression=comp, timeout_s=c.timeout_s, max_gradients=workers * steps,
-        state=blob["ps"] if blob is not None else None, on_update=on_update if ckpt is not None else None,
-        reshard=o.reshards(), clip_grad_norm=c.clip_grad_norm,
+        model,
+        optimizer_factory,
+        servers=o.servers,
+        consistency=o.consistency,
+        staleness_lr=o.staleness_lr,
+        compression=comp,
+        timeout_s=c.timeout_s,
+        max_gradients=workers * steps,
+        state=blob["ps"] if blob is not None else None,
+        on_update=on_update if ckpt is not None else None,
+        reshard=o.reshards(),
+        clip_grad_norm=c.clip_grad_norm,
     )
     holder.append(ps)
     if ps.is_server:
-        return serve(ps, ctx.out_dir, batch_size=c.batch_size, timeout_s=c.timeout_s,
-                     table=bool(c.extra.get("ps_table", True)))  # fmt: skip
+        return serve(
+            ps, ctx.out_dir, batch_size=c.batch_size, timeout_s=c.timeout_s, table=bool(c.extra.get("ps_table", True))
+        )
     try:
         return run_loop(ctx, PSWorkerEngine(ctx, ps, model, workers, steps, ckpt, blob), ckpt)
     except Exception as e:  # this worker's own error (non-finite gradients, a bad batch): the servers say it
@@ -302,9 +328,11 @@ def _restore(ctx: TrainContext, ckpt: RunCheckpointer, servers: int, workers: in
         if where[1] >= ctx.steps_per_epoch(workers, where[0]):
             where = (where[0] + 1, 0)
         if step != int(info["step"]) or where != ctx.locate(step, workers):
-            raise CheckpointError(f"{ckpt.resume_from}: saved worker rank {own} is at clock {step}, epoch/batch "
-                                  f"{where}; the checkpoint's step {info['step']} on {workers} workers starts at "
-                                  f"{ctx.locate(int(info['step']), workers)}: it cannot resume on other workers")
+            raise CheckpointError(
+                f"{ckpt.resume_from}: saved worker rank {own} is at clock {step}, epoch/batch "
+                f"{where}; the checkpoint's step {info['step']} on {workers} workers starts at "
+                f"{ctx.locate(int(info['step']), workers)}: it cannot resume on other workers"
+            )
     return dict(blob)
 
 
@@ -317,16 +345,22 @@ def _check(o: PSOptions, cfg: RunConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.batch_schedule:
-        raise ConfigError(f"--batch-schedule {cfg.batch_schedule!r} is not supported by the parameter server: its "
-                          "servers count updates, not the workers' epochs; use a fixed --batch-size")  # fmt: skip
+        raise ConfigError(
+            f"--batch-schedule {cfg.batch_schedule!r} is not supported by the parameter server: its "
+            "servers count updates, not the workers' epochs; use a fixed --batch-size"
+        )
     if cfg.precision == "fp16" and cfg.checkpoint_every:
-        raise ConfigError("--precision fp16 with --checkpoint-every is not supported by the parameter server: a "
-                          "worker's overflowing step is no push, so its steps and the servers' updates would no "
-                          "longer meet at the same checkpoint; use --precision bf16")
+        raise ConfigError(
+            "--precision fp16 with --checkpoint-every is not supported by the parameter server: a "
+            "worker's overflowing step is no push, so its steps and the servers' updates would no "
+            "longer meet at the same checkpoint; use --precision bf16"
+        )
     if cfg.skip_nonfinite and cfg.checkpoint_every:
-        raise ConfigError("--skip-nonfinite with --checkpoint-every is not supported by the parameter server: a "
-                          "worker's skipped step is no push, so its steps and the servers' updates would no longer "
-                          "meet at the same checkpoint; use one of them")
+        raise ConfigError(
+            "--skip-nonfinite with --checkpoint-every is not supported by the parameter server: a "
+            "worker's skipped step is no push, so its steps and the servers' updates would no longer "
+            "meet at the same checkpoint; use one of them"
+        )
     if cfg.resume and cfg.lr_schedule != "constant":
         raise ConfigError(
             f"resume under the parameter server supports lr_schedule 'constant' only (the servers do not "
@@ -386,8 +420,11 @@ def _candidates(space: PlanSpace) -> list[Choice]:
     for servers in sorted({1, 2, w // 4} - {0}):
         if w - servers < 1:
             continue
-        out += [Choice("ps", w - servers, PSOptions(servers=servers, consistency=cons))
-                for cons in space.consistencies if not (space.exact_only and cons != "bsp")]  # fmt: skip
+        out += [
+            Choice("ps", w - servers, PSOptions(servers=servers, consistency=cons))
+            for cons in space.consistencies
+            if not (space.exact_only and cons != "bsp")
+        ]
     return out
 
 
@@ -403,9 +440,22 @@ def _parse(args: Sequence[str], compression: str, workers: int) -> Choice:
     return Choice("ps", workers, PSOptions(servers=servers, consistency=cons, compression=compression))
 
 
-PS = register(Strategy(
-    name="ps", options=PSOptions,
-    help="parameter server: sharded servers, consistency bsp | asp | ssp:S | softsync:K | backup:B",
-    hooks=(ProcessHooks(run=run_process), ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
-           ModelHooks(predict=_predict, memory=_memory, simulate=_simulate, candidates=_candidates, parse=_parse,
-                      text="ps:CONSISTENCY:SERVERS"))))
+PS = register(
+    Strategy(
+        name="ps",
+        options=PSOptions,
+        help="parameter server: sharded servers, consistency bsp | asp | ssp:S | softsync:K | backup:B",
+        hooks=(
+            ProcessHooks(run=run_process),
+            ConfigHooks(check=_check, check_checkpointing=_check_checkpointing),
+            ModelHooks(
+                predict=_predict,
+                memory=_memory,
+                simulate=_simulate,
+                candidates=_candidates,
+                parse=_parse,
+                text="ps:CONSISTENCY:SERVERS",
+            ),
+        ),
+    )
+)

@@ -64,8 +64,14 @@ class ShardedEngine(DataParallelEngine):
         self.total_steps = ctx.total_steps(world)
         self._pending: dict[str, Any] | None = None
         self.steps_in_optimizer = False
-        self.sdp = ShardedDataParallel(self.model, shard=o.shard, algorithm=o.algorithm, overlap=o.overlap,
-                                       timeout_s=ctx.cfg.timeout_s, grad_dtype=ctx.precision.dtype)  # fmt: skip
+        self.sdp = ShardedDataParallel(
+            self.model,
+            shard=o.shard,
+            algorithm=o.algorithm,
+            overlap=o.overlap,
+            timeout_s=ctx.cfg.timeout_s,
+            grad_dtype=ctx.precision.dtype,
+        )
         self._engine: Any = self.sdp
         self.wrapped: nn.Module = self.sdp
         self.optimizer = ctx.make_optimizer(self.sdp.parameters())
@@ -112,8 +118,9 @@ class ShardedEngine(DataParallelEngine):
 
         self.sdp.synchronize()
         epoch, batch = self.ctx.locate(step, self.num_shards)  # the next batch to train on
-        ckpt.save(step, rank_state={"engine": None}, sharded=sharded_state(self.sdp, self.optimizer),
-                  epoch=epoch, batch=batch)  # fmt: skip
+        ckpt.save(
+            step, rank_state={"engine": None}, sharded=sharded_state(self.sdp, self.optimizer), epoch=epoch, batch=batch
+        )
 
     def finish(self) -> dict[str, Any]:
         out = super().finish()

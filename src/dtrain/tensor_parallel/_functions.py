@@ -33,8 +33,15 @@ from dtrain.comm.allreduce import allreduce
 from dtrain.comm.shard import allgather, reduce_scatter, segment
 from dtrain.comm.waits import add_blocked
 
-__all__ = ["TPGroup", "copy_to_tp", "reduce_from_tp", "gather_sequence", "gather_linear", "reduce_scatter_sequence",
-           "split_sequence"]
+__all__ = [
+    "TPGroup",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "gather_sequence",
+    "gather_linear",
+    "reduce_scatter_sequence",
+    "split_sequence",
+]
 
 
 class TPGroup:
@@ -167,8 +174,9 @@ class _GatherLinear(torch.autograd.Function):
     again there (Korthikanti et al. 2022, section 4.2.2): the gathered input is never held across the step."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g: TPGroup,
-                dim: int) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g: TPGroup, dim: int
+    ) -> torch.Tensor:
         ctx.g, ctx.dim, ctx.has_bias = g, dim, bias is not None
         ctx.save_for_backward(x, weight)
         return torch.nn.functional.linear(g.gather_seq(x, dim), weight, bias)
@@ -184,8 +192,9 @@ class _GatherLinear(torch.autograd.Function):
         return g.reduce_scatter_seq(grad_in, ctx.dim), grad_w, grad_b, None, None
 
 
-def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g: TPGroup,
-                  dim: int = 1) -> torch.Tensor:  # fmt: skip
+def gather_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g: TPGroup, dim: int = 1
+) -> torch.Tensor:
     """Sequence parallel's column-parallel linear: allgather the sequence chunks, multiply; backward gathers the
     input again instead of keeping it, then reduce-scatters the input gradient."""
     out: torch.Tensor = _GatherLinear.apply(x, weight, bias, g, dim)  # type: ignore[no-untyped-call]

@@ -52,15 +52,18 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: the input arrives sharded along dim 1 (default: False).
     """
 
-    def __init__(self, linear: nn.Linear, group: TPGroup, *, chunks: int = 1, sequence_parallel: bool = False,
-                 name: str = "") -> None:  # fmt: skip
+    def __init__(
+        self, linear: nn.Linear, group: TPGroup, *, chunks: int = 1, sequence_parallel: bool = False, name: str = ""
+    ) -> None:
         super().__init__()
         out, inp = linear.weight.shape
         p = group.size
         if out % (chunks * p):
-            raise ConfigError(f"{name or 'a colwise linear'}: {out} output features"
-                              f"{f' in {chunks} fused blocks' if chunks > 1 else ''} do not divide over "
-                              f"tensor-parallel size {p}")  # fmt: skip
+            raise ConfigError(
+                f"{name or 'a colwise linear'}: {out} output features"
+                f"{f' in {chunks} fused blocks' if chunks > 1 else ''} do not divide over "
+                f"tensor-parallel size {p}"
+            )
         self.g, self.chunks, self.sequence_parallel = group, chunks, sequence_parallel
         self.in_features, self.out_features = inp, out // p
         blocks = linear.weight.detach().chunk(chunks, 0)
@@ -117,8 +120,9 @@ class RowParallelLinear(nn.Module):
         out, inp = linear.weight.shape
         p = group.size
         if inp % p:
-            raise ConfigError(f"{name or 'a rowwise linear'}: {inp} input features do not divide over "
-                              f"tensor-parallel size {p}")  # fmt: skip
+            raise ConfigError(
+                f"{name or 'a rowwise linear'}: {inp} input features do not divide over tensor-parallel size {p}"
+            )
         self.g, self.sequence_parallel = group, sequence_parallel
         self.in_features, self.out_features = inp // p, out
         self.weight = nn.Parameter(linear.weight.detach().chunk(p, 1)[group.rank].clone())

@@ -41,8 +41,15 @@ from dtrain.tensor_parallel.layers import (
     VocabParallelHead,
 )
 
-__all__ = ["Plan", "STYLES", "parallelize", "full_state_dict", "load_full_state_dict", "sync_replicated_grads",
-           "tp_group_of"]
+__all__ = [
+    "Plan",
+    "STYLES",
+    "parallelize",
+    "full_state_dict",
+    "load_full_state_dict",
+    "sync_replicated_grads",
+    "tp_group_of",
+]
 
 STYLES = ("colwise", "rowwise", "vocab", "replicate", "sequence")
 
@@ -66,8 +73,10 @@ class Plan:
 def _style(style: str) -> tuple[str, int]:
     kind, _, arg = style.partition(":")
     if kind not in STYLES:
-        raise ConfigError(f"unknown tensor-parallel style {style!r}; choose one of {', '.join(STYLES)} "
-                          "(colwise:N for a fused projection of N blocks)")  # fmt: skip
+        raise ConfigError(
+            f"unknown tensor-parallel style {style!r}; choose one of {', '.join(STYLES)} "
+            "(colwise:N for a fused projection of N blocks)"
+        )
     try:
         n = int(arg) if arg else 1
     except ValueError:
@@ -81,8 +90,10 @@ def _resolve(module: nn.Module, styles: Mapping[str, str]) -> dict[str, tuple[st
     for key, style in styles.items():
         hits = [n for n in names if n == key or fnmatch.fnmatchcase(n, key)]
         if not hits:
-            raise ConfigError(f"the tensor-parallel plan names {key!r}, which matches no module of the model "
-                              f"(it has e.g. {', '.join(repr(n) for n in names[:6])})")  # fmt: skip
+            raise ConfigError(
+                f"the tensor-parallel plan names {key!r}, which matches no module of the model "
+                f"(it has e.g. {', '.join(repr(n) for n in names[:6])})"
+            )
         parsed = _style(style)
         for n in hits:
             out[n] = parsed
@@ -100,11 +111,14 @@ def _check(module: nn.Module, styles: dict[str, tuple[str, int]], size: int, seq
         if kind == "sequence" and not sequence_parallel:
             raise ConfigError(f"{name!r} has style 'sequence', which only applies with sequence_parallel=True")
         if kind == "colwise" and isinstance(m, nn.Linear) and m.out_features % (n * size):
-            raise ConfigError(f"{name!r}: {m.out_features} output features do not divide over tensor-parallel "
-                              f"size {size}{f' in {n} fused blocks' if n > 1 else ''}")  # fmt: skip
+            raise ConfigError(
+                f"{name!r}: {m.out_features} output features do not divide over tensor-parallel "
+                f"size {size}{f' in {n} fused blocks' if n > 1 else ''}"
+            )
         if kind == "rowwise" and isinstance(m, nn.Linear) and m.in_features % size:
-            raise ConfigError(f"{name!r}: {m.in_features} input features do not divide over tensor-parallel "
-                              f"size {size}")  # fmt: skip
+            raise ConfigError(
+                f"{name!r}: {m.in_features} input features do not divide over tensor-parallel size {size}"
+            )
 
 
 def _agree(module: nn.Module, styles: dict[str, tuple[str, int]], g: TPGroup, sequence_parallel: bool) -> None:
@@ -123,8 +137,10 @@ def _agree(module: nn.Module, styles: dict[str, tuple[str, int]], g: TPGroup, se
         if other[0] != mine[0]:
             a, b = dict(mine[0]), dict(other[0])
             diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-            raise ConfigError(f"tensor-parallel rank {g.rank} and rank {r} pass different plans: they differ at "
-                              f"{', '.join(repr(d) for d in diff[:5])}")  # fmt: skip
+            raise ConfigError(
+                f"tensor-parallel rank {g.rank} and rank {r} pass different plans: they differ at "
+                f"{', '.join(repr(d) for d in diff[:5])}"
+            )
         if other[1] != mine[1]:
             raise ConfigError(f"tensor-parallel rank {g.rank} has sequence_parallel={mine[1]}, rank {r} {other[1]}")
         raise ConfigError(f"tensor-parallel rank {g.rank} and rank {r} hold models with different parameter shapes")
@@ -194,8 +210,11 @@ def parallelize(
             assert isinstance(m, nn.Linear)
             new = RowParallelLinear(m, g, sequence_parallel=sequence_parallel, name=name)
         elif kind == "vocab":
-            new = (VocabParallelEmbedding(m, g, sequence_parallel=False) if isinstance(m, nn.Embedding)
-                   else VocabParallelHead(m, g, sequence_parallel=sequence_parallel))
+            new = (
+                VocabParallelEmbedding(m, g, sequence_parallel=False)
+                if isinstance(m, nn.Embedding)
+                else VocabParallelHead(m, g, sequence_parallel=sequence_parallel)
+            )
         elif kind == "replicate" and sequence_parallel:
             _mark_partial(m)
         elif kind == "sequence":

@@ -32,8 +32,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Accumulates", "ClipsGradients", "micro_batches", "micro_steps", "whole_micro_steps", "clip_",
-           "gradients_of"]
+__all__ = [
+    "Accumulates",
+    "ClipsGradients",
+    "micro_batches",
+    "micro_steps",
+    "whole_micro_steps",
+    "clip_",
+    "gradients_of",
+]
 
 
 @runtime_checkable
@@ -70,8 +77,13 @@ def micro_batches(x: Any, y: Any, n: int) -> list[tuple[Any, Any]]:
     return list(zip(_chunk(x, n), _chunk(y, n)))
 
 
-def micro_steps(step: Callable[[Any, Any, float], float], x: Any, y: Any, n: int,
-                no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None) -> float:  # fmt: skip
+def micro_steps(
+    step: Callable[[Any, Any, float], float],
+    x: Any,
+    y: Any,
+    n: int,
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+) -> float:
     """Run ``step(x_i, y_i, 1 / n)`` (forward, and backward of its loss times the weight) on each micro-batch,
     the ones before the last inside ``no_sync()`` (when the engine has one); the mean of their losses."""
     if n == 1:
@@ -84,8 +96,9 @@ def micro_steps(step: Callable[[Any, Any, float], float], x: Any, y: Any, n: int
     return total / n
 
 
-def whole_micro_steps(train_step: Callable[[Any, Any], float], params: Iterable[torch.Tensor], x: Any, y: Any,
-                      n: int) -> float:  # fmt: skip
+def whole_micro_steps(
+    train_step: Callable[[Any, Any], float], params: Iterable[torch.Tensor], x: Any, y: Any, n: int
+) -> float:
     """A whole-step engine's ``train_step`` on each micro-batch, then the summed gradients divided by ``n``;
     the mean of the micro-steps' losses."""
     if n == 1:
@@ -104,9 +117,14 @@ def _squares(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
 
 
-def clip_(grads: Iterable[torch.Tensor], max_norm: float, *,
-          reduce: Callable[[torch.Tensor], None] | None = None,
-          once: Iterable[torch.Tensor] = (), share: int = 1) -> float:  # fmt: skip
+def clip_(
+    grads: Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    reduce: Callable[[torch.Tensor], None] | None = None,
+    once: Iterable[torch.Tensor] = (),
+    share: int = 1,
+) -> float:
     """Clip by the global norm of a gradient held in pieces; returns the norm before clipping.
 
     Args:

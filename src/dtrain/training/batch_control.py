@@ -76,8 +76,12 @@ class BatchControl:
         same noise scale (from all-reduced norms), so every rank makes the same decision."""
         if self.plan.auto and self.plan.within_epochs and not self.decisions:  # --auto-every: after_step decides
             self.decisions.append({"step": 0, "batch": self.plan.current, "b_simple": None})
-        if not self.plan.auto or self.plan.within_epochs or self.noise is None \
-                or any(d["epoch"] == epoch for d in self.decisions):
+        if (
+            not self.plan.auto
+            or self.plan.within_epochs
+            or self.noise is None
+            or any(d["epoch"] == epoch for d in self.decisions)
+        ):
             return  # decided already (a run resumed mid-epoch keeps the decision made at its start)
         b = self.plan.batch(epoch)
         if epoch > 0:
@@ -106,8 +110,11 @@ class BatchControl:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the plan (``auto``'s decisions), the noise scale's averages, the step's
         cost."""
-        out: dict[str, Any] = {"plan": list(self.plan.batches), "decisions": list(self.decisions),
-                               "changes": [list(c) for c in self.plan.changes]}  # fmt: skip
+        out: dict[str, Any] = {
+            "plan": list(self.plan.batches),
+            "decisions": list(self.decisions),
+            "changes": [list(c) for c in self.plan.changes],
+        }
         if self.noise is not None:
             out["noise"] = self.noise.state_dict()
         if self.step_cost is not None:

@@ -66,12 +66,18 @@ if TYPE_CHECKING:
 
 __all__ = ["RunCheckpointer", "run_info", "check_resume", "train_steps"]
 
+
 def run_info(cfg: RunConfig) -> dict[str, Any]:
     """The options a checkpoint of ``cfg``'s run depends on (a resumed run must match them):
     the shared ones, and the strategy's own (its options' ``checkpoint_keys``)."""
     d: dict[str, Any] = {
-        "strategy": cfg.strategy, "workers": cfg.workers, "model": cfg.model, "dataset": cfg.dataset,
-        "batch_size": cfg.batch_size, "seed": cfg.seed, "optimizer": cfg.optimizer,
+        "strategy": cfg.strategy,
+        "workers": cfg.workers,
+        "model": cfg.model,
+        "dataset": cfg.dataset,
+        "batch_size": cfg.batch_size,
+        "seed": cfg.seed,
+        "optimizer": cfg.optimizer,
         "compression": cfg.opts.compressor_spec(),
     }
     d.update(cfg.opts.checkpoint_keys())
@@ -182,8 +188,9 @@ def _check_restarts(cfg: RunConfig) -> None:
     ``--checkpoint-every``, a strategy that checkpoints, and a launch on this machine."""
     n = cfg.max_restarts
     if cfg.min_workers and n <= 0:
-        raise ConfigError(f"--min-workers {cfg.min_workers} lets a restart go on with fewer workers: add "
-                          "--max-restarts N")
+        raise ConfigError(
+            f"--min-workers {cfg.min_workers} lets a restart go on with fewer workers: add --max-restarts N"
+        )
     if n <= 0:
         return
     try:
@@ -191,8 +198,10 @@ def _check_restarts(cfg: RunConfig) -> None:
     except ConfigError as e:
         raise ConfigError(f"--max-restarts {n} restarts from the run's checkpoints, and {e}") from None
     if cfg.checkpoint_every <= 0:
-        raise ConfigError(f"--max-restarts {n} restarts the processes from the run's newest checkpoint: add "
-                          "--checkpoint-every N (e.g. 100), else every restart would begin again at step 0")
+        raise ConfigError(
+            f"--max-restarts {n} restarts the processes from the run's newest checkpoint: add "
+            "--checkpoint-every N (e.g. 100), else every restart would begin again at step 0"
+        )
     if cfg.min_workers:
         _check_min_workers(cfg)
 
@@ -205,12 +214,16 @@ def _check_min_workers(cfg: RunConfig) -> None:
     if m > cfg.workers:
         raise ConfigError(f"--min-workers {m} is more than the run's {cfg.workers} workers")
     if not cfg.opts.reshards():
-        raise ConfigError(f"--min-workers {m}: a checkpoint of {cfg.opts.label(cfg.workers)} does not resume on "
-                          "another number of workers (dp, dp --shard and the parameter server under bsp do, "
-                          "without a compressor that keeps per-worker state)")  # fmt: skip
+        raise ConfigError(
+            f"--min-workers {m}: a checkpoint of {cfg.opts.label(cfg.workers)} does not resume on "
+            "another number of workers (dp, dp --shard and the parameter server under bsp do, "
+            "without a compressor that keeps per-worker state)"
+        )
     if cfg.batch_schedule == "auto":
-        raise ConfigError(f"--min-workers {m} with --batch-schedule auto: the batch it chooses need not divide "
-                          "over fewer workers; give a fixed batch or a batch schedule")
+        raise ConfigError(
+            f"--min-workers {m} with --batch-schedule auto: the batch it chooses need not divide "
+            "over fewer workers; give a fixed batch or a batch schedule"
+        )
     n = cfg.load_data().train_size
     steps = {w: _data_steps(cfg, w, n) for w in range(m, cfg.workers + 1)}
     bad = [w for w in range(m, cfg.workers) if steps[w] != steps[cfg.workers]]
@@ -235,8 +248,9 @@ def _data_steps(cfg: RunConfig, workers: int, samples: int) -> tuple[int, ...]:
 
     plan = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, samples, cfg.epochs)
     shards = cfg.opts.batch_shards(workers)
-    return tuple(x for e in range(cfg.epochs)
-                 for x in (plan.steps_in(e, shards), split_batch(plan.batch(e), shards)[1]))
+    return tuple(
+        x for e in range(cfg.epochs) for x in (plan.steps_in(e, shards), split_batch(plan.batch(e), shards)[1])
+    )
 
 
 def _check_same_global_batch(cfg: RunConfig, ckpt: Path, saved_workers: int) -> None:
@@ -297,9 +311,16 @@ class RunCheckpointer:
         """Whether to save after ``step`` steps: every ``checkpoint_every`` steps, and at the end of training."""
         return self.every > 0 and step > 0 and step not in self._saved and (step % self.every == 0 or final)
 
-    def save(self, step: int, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-             rank_state: dict[str, Any] | None = None, sharded: dict[str, Any] | None = None,
-             **facts: Any) -> Path:
+    def save(
+        self,
+        step: int,
+        *,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        rank_state: dict[str, Any] | None = None,
+        sharded: dict[str, Any] | None = None,
+        **facts: Any,
+    ) -> Path:
         """Collective: save the state after ``step`` steps (``facts`` go into the marker, e.g. epoch and batch).
         ``sharded``: DTensors each rank holds a part of (see :func:`~dtrain.checkpoint.save_checkpoint`)."""
         blob = dict(rank_state or {})
@@ -309,13 +330,26 @@ class RunCheckpointer:
             blob["loop"] = self.loop_state
             if not self.cfg.batch_schedule:  # a fixed batch (or one a resume changed): a resume at another starts here
                 info["batches"] = {"first": self.loop_state["plan"][0], "changes": self.loop_state["changes"]}
-        path = save_checkpoint(self.root, step, model=model, optimizer=optimizer, rank_state=blob, info=info,
-                               group=self.group, sharded=sharded)
+        path = save_checkpoint(
+            self.root,
+            step,
+            model=model,
+            optimizer=optimizer,
+            rank_state=blob,
+            info=info,
+            group=self.group,
+            sharded=sharded,
+        )
         self._saved.add(step)
         return path
 
-    def restore(self, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                sharded: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def restore(
+        self,
+        *,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        sharded: dict[str, Any] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Collective: load ``--resume``'s checkpoint; returns ``(info, this rank's state)``.
 
         The optimizer keeps the hyperparameters it was built with (the run's
@@ -326,8 +360,14 @@ class RunCheckpointer:
         """
         assert self.resume_from is not None
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
-        info, blob = load_checkpoint(self.resume_from, model=model, optimizer=optimizer, group=self.group,
-                                     sharded=sharded, reshard=self.cfg.opts.reshards())
+        info, blob = load_checkpoint(
+            self.resume_from,
+            model=model,
+            optimizer=optimizer,
+            group=self.group,
+            sharded=sharded,
+            reshard=self.cfg.opts.reshards(),
+        )
         if optimizer is not None:
             for g, h in zip(optimizer.param_groups, hyper):
                 g.update(h)

@@ -108,11 +108,6 @@ class TrainContext:
 
     # ---------------------------------------------------------------- the batch (:attr:`batches`)
 
-
-
-
-
-
     def observe(self, row: dict[str, Any]) -> None:
         self.batches.observe(row)
 
@@ -146,13 +141,10 @@ class TrainContext:
     def make_compressor(self) -> Compressor | None:
         return self.factories.compressor()
 
-
     # ---------------------------------------------------------------- the learning rate (:attr:`learning_rate`)
 
     def lr_multiplier(self, step: int, total: int, batch: int | None = None) -> float:
         return self.learning_rate.multiplier(step, total, batch)
-
-
 
     def schedule_lr(self, optimizer: torch.optim.Optimizer, step: int, total: int) -> None:
         self.learning_rate.apply(optimizer, step, total)

@@ -42,8 +42,15 @@ class Factories:
         :attr:`device`."""
         torch.manual_seed(self.cfg.seed)
         c = self.cfg
-        model = make_model(c.model, self.data.input_shape, self.data.num_classes, task=self.data.task,
-                           model_args=c.model_args, seq_len=c.seq_len, **c.gpt_overrides())  # fmt: skip
+        model = make_model(
+            c.model,
+            self.data.input_shape,
+            self.data.num_classes,
+            task=self.data.task,
+            model_args=c.model_args,
+            seq_len=c.seq_len,
+            **c.gpt_overrides(),
+        )
         return model.to(self.device)  # initialised on the CPU: the same weights on any device
 
     def optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:

@@ -51,8 +51,9 @@ class ShardLoaders:
         as large as the plan's latest decision when the step draws it, and ``start_batch`` counts batches
         of the sizes the plan's changes gave them.
         """
-        sampler = ShardOrder(self.data.train, num_replicas=num_shards, rank=shard, shuffle=True, seed=self.cfg.seed,
-                             drop_last=True)  # fmt: skip
+        sampler = ShardOrder(
+            self.data.train, num_replicas=num_shards, rank=shard, shuffle=True, seed=self.cfg.seed, drop_last=True
+        )
         sampler.set_epoch(epoch)
         if self.plan.within_epochs:  # --auto-every: each batch as large as the plan's latest decision
             order = sampler.indices()[self.plan.offset(epoch, start_batch, num_shards) :]

@@ -166,8 +166,10 @@ def guard_for(ctx: TrainContext, engine: Engine) -> NonFiniteGuard:
     if isinstance(engine, SkipsSteps):
         return NonFiniteGuard(engine.named_parameters(), rank=ctx.rank, budget=budget, agree=engine.agree)
     if budget:
-        raise ConfigError(f"--skip-nonfinite: strategy {ctx.cfg.strategy}'s engine cannot leave a step out; "
-                          "run without it (a non-finite step then stops the run)")  # fmt: skip
+        raise ConfigError(
+            f"--skip-nonfinite: strategy {ctx.cfg.strategy}'s engine cannot leave a step out; "
+            "run without it (a non-finite step then stops the run)"
+        )
     return NonFiniteGuard(engine.model.named_parameters(), rank=ctx.rank)
 
 
@@ -223,8 +225,10 @@ def _gradients(ctx: TrainContext, engine: Engine, x: Any, y: Any, scaler: LossSc
         params: list[nn.Parameter] = []
         if n > 1:
             if not isinstance(engine, SkipsSteps):
-                raise ConfigError(f"--grad-accum {n}: strategy {ctx.cfg.strategy}'s whole-step engine names no "
-                                  "parameters whose summed gradients the loop could divide by the micro-steps")
+                raise ConfigError(
+                    f"--grad-accum {n}: strategy {ctx.cfg.strategy}'s whole-step engine names no "
+                    "parameters whose summed gradients the loop could divide by the micro-steps"
+                )
             params = [p for _, p in engine.named_parameters()]
         with ctx.precision.autocast():  # its loss function is ctx.scaled_loss; it returns the unscaled
             return whole_micro_steps(engine.train_step, params, x, y, n)
@@ -290,8 +294,18 @@ def _apply(ctx: TrainContext, engine: Engine, tally: _Progress, loss_v: float, r
     return applied
 
 
-def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos: Position, epoch: int,
-           first_batch: int, tally: _Progress, bar: Any, slow: Straggler, t_start: float) -> int:  # fmt: skip
+def _epoch(
+    ctx: TrainContext,
+    engine: Engine,
+    ckpt: RunCheckpointer | None,
+    pos: Position,
+    epoch: int,
+    first_batch: int,
+    tally: _Progress,
+    bar: Any,
+    slow: Straggler,
+    t_start: float,
+) -> int:
     """One pass over this shard's batches of ``epoch`` from ``first_batch``; returns batches consumed (total)."""
     batches = first_batch
     ctx.begin_epoch(epoch)  # --batch-schedule auto: this epoch's batch
@@ -318,8 +332,15 @@ def _epoch(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos:
             applied = _apply(ctx, engine, tally, loss_v, extra)
         t_free, blocked = time.perf_counter(), blocked_s()
         dt = t_free - t0
-        row = dict(step=tally.step, epoch=epoch, loss=loss_v, lr=engine.lr(),
-                   samples_per_s=len(y) * engine.samples_scale / dt, step_s=dt, **extra)  # fmt: skip
+        row = dict(
+            step=tally.step,
+            epoch=epoch,
+            loss=loss_v,
+            lr=engine.lr(),
+            samples_per_s=len(y) * engine.samples_scale / dt,
+            step_s=dt,
+            **extra,
+        )
         if not applied:
             row["skipped"] = True
         tally.step_times[tally.step] = dt
@@ -379,8 +400,10 @@ def _verdict(ctx: TrainContext, engine: Engine, step: int, stop: bool) -> bool:
     try:
         store.wait([key], timedelta(seconds=ctx.cfg.timeout_s))
     except (RuntimeError, dist.DistStoreError) as e:  # the store's timeout
-        raise DTrainError(f"rank {ctx.rank}: waiting for the evaluating rank's --target verdict at step {step} "
-                          f"timed out after {ctx.cfg.timeout_s:g}s ({e})") from None
+        raise DTrainError(
+            f"rank {ctx.rank}: waiting for the evaluating rank's --target verdict at step {step} "
+            f"timed out after {ctx.cfg.timeout_s:g}s ({e})"
+        ) from None
     return bytes(store.get(key)) == b"stop"
 
 
@@ -393,8 +416,10 @@ def _hold(ctx: TrainContext, step: int, go: Path) -> float:
             if int(go.read_text().strip() or -1) >= step:
                 return time.perf_counter() - t0
         if time.perf_counter() - t0 > ctx.cfg.timeout_s:
-            raise DTrainError(f"rank {ctx.rank}: waiting for the sweep to take the evaluation of step {step} timed "
-                              f"out after {ctx.cfg.timeout_s:g}s ({go} says {go.read_text().strip()!r})")  # fmt: skip
+            raise DTrainError(
+                f"rank {ctx.rank}: waiting for the sweep to take the evaluation of step {step} timed "
+                f"out after {ctx.cfg.timeout_s:g}s ({go} says {go.read_text().strip()!r})"
+            )
         time.sleep(0.01)
 
 
@@ -428,15 +453,24 @@ def _metric_keys(ctx: TrainContext, engine: Engine, tally: _Progress) -> dict[st
         out.update(val_loss=value, perplexity=math.exp(min(value, 700.0)))
         torch.save(engine.model.state_dict(), ctx.out_dir / "model.pt")  # for `dtrain sample`
     else:
-        out.update(test_accuracy=value,
-                   accuracy_history=[(h["train_s"], h["epoch"], h["value"]) for h in tally.history])
+        out.update(
+            test_accuracy=value, accuracy_history=[(h["train_s"], h["epoch"], h["value"]) for h in tally.history]
+        )
     if ctx.cfg.target:
         out.update(target=ctx.cfg.target, time_to_target_s=tally.target_s, target_step=tally.target_step)
     return out
 
 
-def _train(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None, pos: Position, tally: _Progress, bar: Any,
-           slow: Straggler, t_start: float) -> None:  # fmt: skip
+def _train(
+    ctx: TrainContext,
+    engine: Engine,
+    ckpt: RunCheckpointer | None,
+    pos: Position,
+    tally: _Progress,
+    bar: Any,
+    slow: Straggler,
+    t_start: float,
+) -> None:
     """The epochs, each followed by its evaluation (without --eval-every), until the engine is done."""
     epoch, first_batch = pos.epoch, pos.batch
     while not engine.done(tally.step) and not tally.stopped:
@@ -470,9 +504,13 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
         ckpt.on_restore = ctx.restore_loop_state  # the batch plan before the engine locates its position
     pos = engine.start()
     slow = ctx.straggler()
-    tally = _Progress(step=pos.step, guard=guard_for(ctx, engine), scaler=_scaler(ctx, engine),
-                      live=LiveRanks(ctx.rank, ctx.world_size) if ctx.cfg.progress else None,
-                      beat=Heartbeat(ctx.rank, ctx.world_size).start())
+    tally = _Progress(
+        step=pos.step,
+        guard=guard_for(ctx, engine),
+        scaler=_scaler(ctx, engine),
+        live=LiveRanks(ctx.rank, ctx.world_size) if ctx.cfg.progress else None,
+        beat=Heartbeat(ctx.rank, ctx.world_size).start(),
+    )
     if tally.scaler is not None and ctx.resumed_scaler is not None:
         tally.scaler.load_state_dict(ctx.resumed_scaler)
     bar = ctx.progress(engine.total_steps - pos.step, engine.evaluator)
@@ -493,16 +531,25 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
     extra = engine.finish()
     bar.close()
     last = tally.losses[-10:]
-    out: dict[str, Any] = dict(role="worker", steps=tally.step - pos.step, start_step=pos.step, samples=tally.samples,
-                               train_s=train_s, final_loss=sum(last) / max(1, len(last)))
+    out: dict[str, Any] = dict(
+        role="worker",
+        steps=tally.step - pos.step,
+        start_step=pos.step,
+        samples=tally.samples,
+        train_s=train_s,
+        final_loss=sum(last) / max(1, len(last)),
+    )
     out.update(extra)
     if engine.evaluator:
         out.update(_metric_keys(ctx, engine, tally))
     if tally.scaler is not None:
         out.update(overflow_steps=tally.overflows, loss_scale=tally.scaler.loss_scale)
     if ctx.batches.noise is not None and engine.evaluator:
-        out["summary_extra"] = {**out.get("summary_extra", {}), "noise_scale": ctx.batches.noise.b_simple,
-                                "batch_decisions": ctx.batches.decisions}  # fmt: skip
+        out["summary_extra"] = {
+            **out.get("summary_extra", {}),
+            "noise_scale": ctx.batches.noise.b_simple,
+            "batch_decisions": ctx.batches.decisions,
+        }
     if slow.active:
         out.setdefault("straggler", {"factor": slow.factor, "reference_s": slow.reference_s})
     return out

@@ -48,8 +48,9 @@ def lr_factor(schedule: str, step: int, total: int) -> float:
     raise ValueError(f"lr schedule {schedule!r} is not known; choose constant or cosine")
 
 
-def schedule_updates(optimizer: torch.optim.Optimizer, schedule: str, total: int,
-                     factor: Callable[[int], float] | None = None) -> None:  # fmt: skip
+def schedule_updates(
+    optimizer: torch.optim.Optimizer, schedule: str, total: int, factor: Callable[[int], float] | None = None
+) -> None:
     """Scale every update of ``optimizer`` by :func:`lr_factor` of its own step count.
 
     For optimizers stepped where the loop cannot set the rate (the parameter

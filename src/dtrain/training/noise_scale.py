@@ -186,8 +186,9 @@ class NoiseScale:
         self._count = count
 
 
-def next_batch(current: int, b_simple: float | None, *, margin: float = 2.0, maximum: int, multiple: int,
-               ratio: float = 1.0) -> int:
+def next_batch(
+    current: int, b_simple: float | None, *, margin: float = 2.0, maximum: int, multiple: int, ratio: float = 1.0
+) -> int:
     """The auto batch schedule's rule: grow the global batch toward the noise scale.
 
     Training at a batch ``B << B_noise`` wastes steps (each step's gradient is mostly noise, and
@@ -282,8 +283,12 @@ class StepCost:
 
     def state_dict(self) -> dict[str, Any]:
         """The averages and the agreed figures (for a checkpoint)."""
-        return {"fixed": self._fixed, "per_sample": self._per_sample, "weight": self._weight,
-                "agreed": list(self.agreed) if self.agreed is not None else None}  # fmt: skip
+        return {
+            "fixed": self._fixed,
+            "per_sample": self._per_sample,
+            "weight": self._weight,
+            "agreed": list(self.agreed) if self.agreed is not None else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""

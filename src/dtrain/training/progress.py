@@ -15,5 +15,12 @@ def progress_bar(total: int, show: bool, desc: str) -> Any:
     # on a terminal the bar redraws in place; in a log file (CI, a redirected run) every
     # redraw is a line of its own, so there it updates at most every 30 s
     tty = sys.stderr.isatty()
-    return tqdm(total=total, disable=not show, desc=desc, unit="step", dynamic_ncols=True, leave=False,
-                mininterval=0.1 if tty else 30.0)  # fmt: skip
+    return tqdm(
+        total=total,
+        disable=not show,
+        desc=desc,
+        unit="step",
+        dynamic_ncols=True,
+        leave=False,
+        mininterval=0.1 if tty else 30.0,
+    )

@@ -101,8 +101,9 @@ def diagnose(beats: dict[int, tuple[int, float]], me: int, stale_s: float = STAL
     others = {r: v for r, v in beats.items() if r != me}
     stopped = sorted(r for r, (_, age) in others.items() if age > stale_s)
     if stopped:
-        said = ", ".join(f"rank {r} (no heartbeat for {others[r][1]:.1f} s, last at step {others[r][0]})"
-                         for r in stopped)  # fmt: skip
+        said = ", ".join(
+            f"rank {r} (no heartbeat for {others[r][1]:.1f} s, last at step {others[r][0]})" for r in stopped
+        )
         return f"watchdog: {'it' if len(stopped) == 1 else 'they'} did not arrive: {said} stopped responding"
     if not beats:
         return "watchdog: no rank has posted a heartbeat"

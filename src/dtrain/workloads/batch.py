@@ -30,5 +30,7 @@ def batch_note(batch: int, shards: int) -> str:
     per, effective = split_batch(batch, shards)
     if effective == batch:
         return ""
-    return (f"global batch {effective} ({per} per worker x {shards}; "
-            f"--batch-size {batch} does not divide over {shards} workers)")  # fmt: skip
+    return (
+        f"global batch {effective} ({per} per worker x {shards}; "
+        f"--batch-size {batch} does not divide over {shards} workers)"
+    )

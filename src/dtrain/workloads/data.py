@@ -93,9 +93,7 @@ def _digits(seed: int) -> DatasetSplit:
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8)
     y = torch.tensor(d.target, dtype=torch.long)
-    idx_tr, idx_te = train_test_split(
-        list(range(len(y))), test_size=0.2, random_state=seed, stratify=d.target
-    )
+    idx_tr, idx_te = train_test_split(list(range(len(y))), test_size=0.2, random_state=seed, stratify=d.target)
     tr, te = torch.tensor(idx_tr), torch.tensor(idx_te)
     return DatasetSplit(TensorDataset(x[tr], y[tr]), TensorDataset(x[te], y[te]), (1, 8, 8), 10)
 
@@ -148,9 +146,7 @@ def _pytext(seed: int, seq_len: int) -> DatasetSplit:
         f"pytext: the Python documentation text shipped with CPython (pydoc_data.topics), "
         f"{len(data)} bytes, byte-level tokens"
     )
-    return DatasetSplit(
-        TensorDataset(x_tr, y_tr), TensorDataset(x_va, y_va), (seq_len,), 256, task="lm", source=source
-    )
+    return DatasetSplit(TensorDataset(x_tr, y_tr), TensorDataset(x_va, y_va), (seq_len,), 256, task="lm", source=source)
 
 
 def unigram_entropy(tokens: torch.Tensor, vocab: int = 256) -> float:

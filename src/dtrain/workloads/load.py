@@ -31,9 +31,18 @@ def _batch_of(data: DatasetSplit, batch: int) -> tuple[torch.Tensor, torch.Tenso
     return x.repeat(reps, *([1] * (x.dim() - 1)))[:batch], y.repeat(reps, *([1] * (y.dim() - 1)))[:batch]
 
 
-def load_model(spec: str, dataset: str = "digits", *, batch: int = 64, seed: int = 0, samples: int = 4096,
-               seq_len: int = 64, model_args: Mapping[str, Any] | None = None, data: DatasetSplit | None = None,
-               **gpt_overrides: Any) -> tuple[nn.Module, Any, str]:  # fmt: skip
+def load_model(
+    spec: str,
+    dataset: str = "digits",
+    *,
+    batch: int = 64,
+    seed: int = 0,
+    samples: int = 4096,
+    seq_len: int = 64,
+    model_args: Mapping[str, Any] | None = None,
+    data: DatasetSplit | None = None,
+    **gpt_overrides: Any,
+) -> tuple[nn.Module, Any, str]:
     """A model, one batch for it, and its name, from any ``--model`` spec.
 
     ``FILE.py:FN`` / ``MODULE:FN`` is called as ``FN(**model_args)`` and returns ``(model, sample_batch)``, or a
@@ -49,8 +58,9 @@ def load_model(spec: str, dataset: str = "digits", *, batch: int = 64, seed: int
 
     args = dict(model_args or {})
     if is_builtin(spec) and spec not in MODELS:
-        raise ConfigError(f"model {spec!r} is not known; use one of {', '.join(MODELS)}, FILE.py:FUNCTION, "
-                          "MODULE:FUNCTION or hf:TYPE")  # fmt: skip
+        raise ConfigError(
+            f"model {spec!r} is not known; use one of {', '.join(MODELS)}, FILE.py:FUNCTION, MODULE:FUNCTION or hf:TYPE"
+        )
     if not is_builtin(spec) and not is_transformers(spec):  # a function: its own sample, if it gives one
         model, sample = build_spec(spec, args, task="classify", input_shape=(), num_classes=0)
         if sample is not None:
@@ -62,6 +72,13 @@ def load_model(spec: str, dataset: str = "digits", *, batch: int = 64, seed: int
         bundled = "pytext" if is_language_model(spec) and dataset in DATASETS else dataset  # a gpt: text
         data = load_dataset(bundled, seed=seed, samples=samples, seq_len=seq_len)
     torch.manual_seed(seed)
-    model = make_model(spec, tuple(data.input_shape), data.num_classes, task=data.task, model_args=args,
-                       seq_len=seq_len, **gpt_overrides)  # fmt: skip
+    model = make_model(
+        spec,
+        tuple(data.input_shape),
+        data.num_classes,
+        task=data.task,
+        model_args=args,
+        seq_len=seq_len,
+        **gpt_overrides,
+    )
     return model, _batch_of(data, batch), spec

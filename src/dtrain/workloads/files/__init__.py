@@ -103,8 +103,10 @@ def _read(spec: str, opts: FileOptions) -> Stream | Samples:
 
         return read_user(spec, opts)
     if not path.exists():
-        raise ConfigError(f"dataset {spec!r} does not exist; choose one of digits, synthetic, pytext (bundled) "
-                          "or give the path of your data")  # fmt: skip
+        raise ConfigError(
+            f"dataset {spec!r} does not exist; choose one of digits, synthetic, pytext (bundled) "
+            "or give the path of your data"
+        )
     if path.is_dir():
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
             from dtrain.workloads.files.tables import read_arrow_folder
@@ -126,9 +128,11 @@ def _read(spec: str, opts: FileOptions) -> Stream | Samples:
         from dtrain.workloads.files.tables import read_parquet
 
         return read_parquet(path, opts)
-    raise ConfigError(f"dataset {spec}: unknown extension {path.suffix or '(none)'!r}; dtrain reads "
-                      f"{', '.join(SUFFIXES)}, a folder of images by class, a save_to_disk folder, "
-                      "or MODULE:FN")  # fmt: skip
+    raise ConfigError(
+        f"dataset {spec}: unknown extension {path.suffix or '(none)'!r}; dtrain reads "
+        f"{', '.join(SUFFIXES)}, a folder of images by class, a save_to_disk folder, "
+        "or MODULE:FN"
+    )
 
 
 def load_files(spec: str, opts: FileOptions) -> Parts:
@@ -162,13 +166,17 @@ def _split_stream(spec: str, train: Stream, val: Stream | None, opts: FileOption
     tr = TokenWindows(tr_tokens, opts.seq_len, offset=opts.seed % opts.seq_len)
     va = TokenWindows(va_tokens, opts.seq_len)
     if len(tr) == 0:
-        raise ConfigError(f"dataset {spec} has no training window of seq_len + 1 = {window} tokens "
-                          f"({len(tr_tokens)} training tokens); use a shorter --seq-len or more data")  # fmt: skip
+        raise ConfigError(
+            f"dataset {spec} has no training window of seq_len + 1 = {window} tokens "
+            f"({len(tr_tokens)} training tokens); use a shorter --seq-len or more data"
+        )
     if len(va) == 0:
         where = opts.val_dataset or f"the last {opts.val_fraction:g} of {spec}"
-        raise ConfigError(f"dataset {spec}: the validation set ({where}, {len(va_tokens)} tokens) holds no "
-                          f"window of seq_len + 1 = {window} tokens; use a larger --val-fraction or a shorter "
-                          "--seq-len")  # fmt: skip
+        raise ConfigError(
+            f"dataset {spec}: the validation set ({where}, {len(va_tokens)} tokens) holds no "
+            f"window of seq_len + 1 = {window} tokens; use a larger --val-fraction or a shorter "
+            "--seq-len"
+        )
     vocab = _vocabulary(spec, train, val, opts.vocab_size)
     what = train.what + (f"; validation {val.what}" if val else f"; the last {opts.val_fraction:g} validates")
     return Parts(tr, va, (opts.seq_len,), vocab, task="lm", source=what)

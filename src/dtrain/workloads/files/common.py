@@ -108,11 +108,15 @@ def split_samples(spec: str, train: Samples, val: Samples | None, fraction: floa
         if len(cast(Sized, val.dataset)) == 0:
             raise ConfigError(f"the validation set of {spec} ({val.what}) is empty")
         if val.input_shape != train.input_shape or val.task != train.task:
-            raise ConfigError(f"the validation set ({val.what}) does not match {spec}: samples of shape "
-                              f"{val.input_shape} ({val.task}) against {train.input_shape} ({train.task})")  # fmt: skip
+            raise ConfigError(
+                f"the validation set ({val.what}) does not match {spec}: samples of shape "
+                f"{val.input_shape} ({val.task}) against {train.input_shape} ({train.task})"
+            )
         if train.labels and val.labels and train.labels != val.labels:
-            raise ConfigError(f"the validation set ({val.what}) has the classes {', '.join(val.labels)}, {spec} "
-                              f"has {', '.join(train.labels)}: the same names must be the same classes")  # fmt: skip
+            raise ConfigError(
+                f"the validation set ({val.what}) has the classes {', '.join(val.labels)}, {spec} "
+                f"has {', '.join(train.labels)}: the same names must be the same classes"
+            )
         tr, va, where = train.dataset, val.dataset, f"; validation {val.what}"
         classes = max(train.num_classes, val.num_classes)
     return Parts(tr, va, train.input_shape, classes, task=train.task, source=train.what + where)

@@ -51,8 +51,14 @@ def read_image_folder(folder: Path, image_size: int) -> Samples:
     version = tuple(p.stat().st_mtime_ns for p in (root, *sorted(q for q in root.iterdir() if q.is_dir())))
     classes, files = _scan(str(root), version)
     what = f"{folder}: {len(files)} images of {len(classes)} classes ({', '.join(classes)}), {image_size}x{image_size}"
-    return Samples(ImageFolder(list(files), image_size), (3, image_size, image_size), len(classes), "classify",
-                   what, labels=classes)  # fmt: skip
+    return Samples(
+        ImageFolder(list(files), image_size),
+        (3, image_size, image_size),
+        len(classes),
+        "classify",
+        what,
+        labels=classes,
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -64,8 +70,10 @@ def _scan(folder: str, version: tuple[int, ...]) -> tuple[tuple[str, ...], tuple
     root = Path(folder)
     classes = tuple(sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")))
     if not classes:
-        raise ConfigError(f"dataset {folder} holds no class subfolders (an image folder has one per class) and "
-                          "no state.json (a save_to_disk folder)")  # fmt: skip
+        raise ConfigError(
+            f"dataset {folder} holds no class subfolders (an image folder has one per class) and "
+            "no state.json (a save_to_disk folder)"
+        )
     if len(classes) < 2:
         raise ConfigError(f"dataset {folder} holds one class ({classes[0]}); a classifier needs two or more")
     files: list[tuple[str, int]] = []

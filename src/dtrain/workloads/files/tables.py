@@ -54,8 +54,9 @@ def read_npz(path: Path) -> Samples | Stream:
         ds = TensorDataset(torch.from_numpy(x.astype(np.int64)), torch.from_numpy(y.astype(np.int64)))
         return Samples(ds, (x.shape[1],), vocab, "lm", f"{path}: {len(x)} token windows of {x.shape[1]}")
     if y.ndim != 1 or y.dtype.kind not in "iu":
-        raise ConfigError(f"dataset {path}: y must hold one integer class label a sample, got shape {y.shape} "
-                          f"{y.dtype}")  # fmt: skip
+        raise ConfigError(
+            f"dataset {path}: y must hold one integer class label a sample, got shape {y.shape} {y.dtype}"
+        )
     return _classes(str(path), x.astype(np.float32), y)
 
 
@@ -83,8 +84,14 @@ def read_arrow_folder(folder: Path, opts: Any) -> Samples | Stream:
         val = read_arrow_folder(folder / held, opts)
         if not isinstance(val, Samples):
             return train
-        return Samples(train.dataset, train.input_shape, max(train.num_classes, val.num_classes), train.task,
-                       train.what, validation=val)  # fmt: skip
+        return Samples(
+            train.dataset,
+            train.input_shape,
+            max(train.num_classes, val.num_classes),
+            train.task,
+            train.what,
+            validation=val,
+        )
     return from_table(_arrow_table(folder), str(folder), opts)
 
 
@@ -131,8 +138,10 @@ def from_table(table: Any, name: str, opts: Any) -> Samples | Stream:
             raise ConfigError(f"dataset {name}: input_ids must hold integer ids, got {ids.dtype} ({len(ids)} ids)")
         return Stream(ids, 0, name, f"{name}: {len(ids)} token ids from {table.num_rows} rows")
     if "label" not in cols:
-        raise ConfigError(f"dataset {name}: a table needs a {opts.text_field!r} column (text), input_ids (tokens) "
-                          f"or label (classes); it has {', '.join(cols)}")  # fmt: skip
+        raise ConfigError(
+            f"dataset {name}: a table needs a {opts.text_field!r} column (text), input_ids (tokens) "
+            f"or label (classes); it has {', '.join(cols)}"
+        )
     feats = [c for c in cols if c != "label" and _numeric(table.schema.field(c).type)]
     if not feats:
         raise ConfigError(f"dataset {name}: a label column and no numeric feature column ({', '.join(cols)})")

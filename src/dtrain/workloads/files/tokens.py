@@ -25,8 +25,17 @@ from torch.utils.data import Dataset
 from dtrain.errors import ConfigError
 from dtrain.workloads.files.common import Stream, optional
 
-__all__ = ["TokenWindows", "TOKEN_DTYPES", "read_text", "read_tokens", "scan_ids", "text_stream", "load_tokenizer",
-           "CHUNK", "RELEASE"]
+__all__ = [
+    "TokenWindows",
+    "TOKEN_DTYPES",
+    "read_text",
+    "read_tokens",
+    "scan_ids",
+    "text_stream",
+    "load_tokenizer",
+    "CHUNK",
+    "RELEASE",
+]
 
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 CHUNK = 1 << 22  # ids read at once when scanning a token file (8 MiB of uint16)
@@ -85,18 +94,27 @@ def read_tokens(path: Path, dtype: str) -> Stream:
         except Exception as e:  # a bad header, a pickled object array, a truncated file
             raise ConfigError(f"dataset {path}: not a readable .npy file ({_first_line(e)})") from None
         if not isinstance(arr, np.memmap) or arr.dtype.kind not in "iu" or arr.ndim != 1:
-            raise ConfigError(f"dataset {path}: a .npy token file holds a 1-D integer array, got "
-                              f"{getattr(arr, 'ndim', '?')}-D {getattr(arr, 'dtype', type(arr).__name__)}")  # fmt: skip
+            raise ConfigError(
+                f"dataset {path}: a .npy token file holds a 1-D integer array, got "
+                f"{getattr(arr, 'ndim', '?')}-D {getattr(arr, 'dtype', type(arr).__name__)}"
+            )
         if len(arr) == 0:
             raise ConfigError(f"dataset {path} is empty (no token ids)")
-        return Stream(arr, 0, str(path), f"{path}: {len(arr)} token ids ({arr.dtype}, memory-mapped)",
-                      file=(str(path), int(arr.offset)))  # fmt: skip
+        return Stream(
+            arr,
+            0,
+            str(path),
+            f"{path}: {len(arr)} token ids ({arr.dtype}, memory-mapped)",
+            file=(str(path), int(arr.offset)),
+        )
     size, item = path.stat().st_size, np.dtype(dtype).itemsize
     if size == 0:
         raise ConfigError(f"dataset {path} is empty (no token ids)")
     if size % item:
-        raise ConfigError(f"dataset {path}: {size} bytes is not a whole number of {dtype} ids (a corrupt file, or "
-                          "another --token-dtype)")  # fmt: skip
+        raise ConfigError(
+            f"dataset {path}: {size} bytes is not a whole number of {dtype} ids (a corrupt file, or "
+            "another --token-dtype)"
+        )
     try:
         mm = np.memmap(path, dtype=np.dtype(dtype), mode="r")
     except OSError as e:
@@ -192,8 +210,10 @@ def _jsonl_texts(path: Path, field: str) -> list[str]:
                     raise ConfigError(f"dataset {path} line {number}: not JSON ({e.msg})") from None
                 value = row.get(field) if isinstance(row, dict) else None
                 if not isinstance(value, str):
-                    raise ConfigError(f"dataset {path} line {number} has no {field!r} text field"
-                                      + ("" if field != "text" else " (name another with --text-field)"))  # fmt: skip
+                    raise ConfigError(
+                        f"dataset {path} line {number} has no {field!r} text field"
+                        + ("" if field != "text" else " (name another with --text-field)")
+                    )
                 texts.append(value)
         except UnicodeDecodeError as e:
             raise ConfigError(f"dataset {path} is not UTF-8 text ({e})") from None

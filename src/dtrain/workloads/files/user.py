@@ -34,11 +34,19 @@ def read_user(spec: str, opts: Any) -> Samples:
     got = fn()
     if isinstance(got, tuple) and len(got) == 2 and all(isinstance(d, Dataset) for d in got):
         train, val = (_describe(d, f"{spec}()[{i}]", opts.vocab_size) for i, d in enumerate(got))
-        return Samples(train.dataset, train.input_shape, max(train.num_classes, val.num_classes), train.task,
-                       train.what, validation=val)  # fmt: skip
+        return Samples(
+            train.dataset,
+            train.input_shape,
+            max(train.num_classes, val.num_classes),
+            train.task,
+            train.what,
+            validation=val,
+        )
     if not isinstance(got, Dataset):
-        raise ConfigError(f"dataset {spec}: {fn_name}() returned {type(got).__name__}; it must return a torch "
-                          "Dataset or (train, validation) Datasets")  # fmt: skip
+        raise ConfigError(
+            f"dataset {spec}: {fn_name}() returned {type(got).__name__}; it must return a torch "
+            "Dataset or (train, validation) Datasets"
+        )
     return _describe(got, f"{spec}()", opts.vocab_size)
 
 
@@ -72,8 +80,10 @@ def _describe(ds: Dataset[Any], name: str, vocab_size: int) -> Samples:
     task = getattr(ds, "task", None) or ("lm" if _is_windows(x, y) else "classify")
     shape = tuple(getattr(ds, "input_shape", None) or x.shape)
     if task == "classify" and (y.dim() != 0 or y.is_floating_point()):
-        raise ConfigError(f"dataset {name}: y must be one integer class label a sample (or x and y integer "
-                          f"token windows of one length), got y of shape {tuple(y.shape)} {y.dtype}")  # fmt: skip
+        raise ConfigError(
+            f"dataset {name}: y must be one integer class label a sample (or x and y integer "
+            f"token windows of one length), got y of shape {tuple(y.shape)} {y.dtype}"
+        )
     classes = int(getattr(ds, "num_classes", 0) or (vocab_size if task == "lm" else 0) or _largest(ds, task) + 1)
     return Samples(ds, shape, classes, task, f"{name}: {n} samples")
 

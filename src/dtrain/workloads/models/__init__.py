@@ -22,8 +22,19 @@ from dtrain.workloads.models.gpt import GPT_MODELS, GPT_PRESETS, GPTConfig, buil
 from dtrain.workloads.models.specs import build_spec, is_builtin, load_function
 from dtrain.workloads.models.vision import VISION_MODELS, build_cnn, build_mlp
 
-__all__ = ["MODELS", "build_model", "make_model", "task_loss", "logits_of", "run_loss", "GPTConfig", "GPT_PRESETS",
-           "generate", "gpt_config", "is_language_model"]
+__all__ = [
+    "MODELS",
+    "build_model",
+    "make_model",
+    "task_loss",
+    "logits_of",
+    "run_loss",
+    "GPTConfig",
+    "GPT_PRESETS",
+    "generate",
+    "gpt_config",
+    "is_language_model",
+]
 
 MODELS = (*VISION_MODELS, *GPT_MODELS)
 
@@ -38,8 +49,10 @@ def logits_of(output: Any) -> torch.Tensor:
         return logits
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    raise TypeError(f"a model's forward returned a {type(output).__name__}: dtrain takes a tensor of logits, a "
-                    "tuple whose first item is one, or an object with .logits; give --loss MODULE:FN otherwise")
+    raise TypeError(
+        f"a model's forward returned a {type(output).__name__}: dtrain takes a tensor of logits, a "
+        "tuple whose first item is one, or an object with .logits; give --loss MODULE:FN otherwise"
+    )
 
 
 def task_loss(output: Any, target: torch.Tensor) -> torch.Tensor:

@@ -105,8 +105,10 @@ def _check_arguments(fn: Any, spec: str, args: Mapping[str, Any]) -> None:
     named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     unknown = sorted(set(args) - named)
     if unknown:
-        raise ConfigError(f"model {spec}: unknown model argument(s) {', '.join(unknown)}; "
-                          f"{spec.rpartition(':')[2]} takes {', '.join(sorted(named)) or 'none'}")  # fmt: skip
+        raise ConfigError(
+            f"model {spec}: unknown model argument(s) {', '.join(unknown)}; "
+            f"{spec.rpartition(':')[2]} takes {', '.join(sorted(named)) or 'none'}"
+        )
 
 
 def call_function(spec: str, args: Mapping[str, Any]) -> tuple[nn.Module, Any]:
@@ -125,8 +127,9 @@ def call_function(spec: str, args: Mapping[str, Any]) -> tuple[nn.Module, Any]:
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module):
         out, sample = out
     if not isinstance(out, nn.Module):
-        raise ConfigError(f"model {spec} returned a {type(out).__name__}, not an nn.Module "
-                          "(or a (module, sample_batch) pair)")  # fmt: skip
+        raise ConfigError(
+            f"model {spec} returned a {type(out).__name__}, not an nn.Module (or a (module, sample_batch) pair)"
+        )
     return out, sample
 
 
@@ -152,13 +155,17 @@ def _hf_config(spec: str, args: Mapping[str, Any], *, task: str, num_classes: in
     elif where in tf.CONFIG_MAPPING:
         cls, base = tf.CONFIG_MAPPING[where], None
     else:
-        raise ConfigError(f"model {spec}: {where!r} is neither a transformers model type (gpt2, llama, "
-                          "mistral, ...) nor a folder holding config.json")  # fmt: skip
+        raise ConfigError(
+            f"model {spec}: {where!r} is neither a transformers model type (gpt2, llama, "
+            "mistral, ...) nor a folder holding config.json"
+        )
     known = set((base or cls()).to_dict()) | set(getattr(cls, "attribute_map", {}))
     unknown = sorted(set(args) - known)
     if unknown:
-        raise ConfigError(f"model {spec}: unknown model argument(s) {', '.join(unknown)} for "
-                          f"{cls.__name__}; see its fields with transformers.{cls.__name__}().to_dict()")  # fmt: skip
+        raise ConfigError(
+            f"model {spec}: unknown model argument(s) {', '.join(unknown)} for "
+            f"{cls.__name__}; see its fields with transformers.{cls.__name__}().to_dict()"
+        )
     kw = dict(args)
     if task == "lm" and "vocab_size" not in kw and base is None:
         kw["vocab_size"] = num_classes  # the data's vocabulary (bytes: 256), not the architecture's default
@@ -169,16 +176,25 @@ def _hf_config(spec: str, args: Mapping[str, Any], *, task: str, num_classes: in
         config.use_cache = False
     except (TypeError, ValueError) as e:
         raise ConfigError(f"model {spec}: {e}") from None
-    positions = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
-                      if isinstance(getattr(config, k, None), int)), None)  # fmt: skip
+    positions = next(
+        (
+            getattr(config, k)
+            for k in ("max_position_embeddings", "n_positions")
+            if isinstance(getattr(config, k, None), int)
+        ),
+        None,
+    )
     if task == "lm" and positions is not None and positions < seq_len:
-        raise ConfigError(f"model {spec} takes {positions} positions, fewer than --seq-len {seq_len}; "
-                          f"set --model-arg max_position_embeddings={seq_len} or a shorter --seq-len")  # fmt: skip
+        raise ConfigError(
+            f"model {spec} takes {positions} positions, fewer than --seq-len {seq_len}; "
+            f"set --model-arg max_position_embeddings={seq_len} or a shorter --seq-len"
+        )
     return config
 
 
-def _hf_model(spec: str, args: Mapping[str, Any], *, task: str, input_shape: tuple[int, ...], num_classes: int,
-              seq_len: int) -> nn.Module:  # fmt: skip
+def _hf_model(
+    spec: str, args: Mapping[str, Any], *, task: str, input_shape: tuple[int, ...], num_classes: int, seq_len: int
+) -> nn.Module:
     tf = _transformers()
     config = _hf_config(spec, args, task=task, num_classes=num_classes, seq_len=seq_len)
     if task == "lm":
@@ -195,8 +211,10 @@ def _hf_model(spec: str, args: Mapping[str, Any], *, task: str, input_shape: tup
     except (ValueError, KeyError) as e:
         kind = "a causal language model" if task == "lm" else f"{auto.__name__[12:]} (labelled samples)"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"model {spec}: transformers builds no {kind} of it ({first}); train it on data of "
-                          "its kind (token windows: --dataset pytext or a text file)") from None  # fmt: skip
+        raise ConfigError(
+            f"model {spec}: transformers builds no {kind} of it ({first}); train it on data of "
+            "its kind (token windows: --dataset pytext or a text file)"
+        ) from None
     if not isinstance(model, nn.Module):  # pragma: no cover - transformers always returns one
         raise ConfigError(f"model {spec}: transformers returned a {type(model).__name__}")
     return model
@@ -205,8 +223,15 @@ def _hf_model(spec: str, args: Mapping[str, Any], *, task: str, input_shape: tup
 # ---------------------------------------------------------------------------- any spec
 
 
-def build_spec(spec: str, model_args: Mapping[str, Any], *, task: str, input_shape: tuple[int, ...],
-               num_classes: int, seq_len: int = 64) -> tuple[nn.Module, Any]:  # fmt: skip
+def build_spec(
+    spec: str,
+    model_args: Mapping[str, Any],
+    *,
+    task: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    seq_len: int = 64,
+) -> tuple[nn.Module, Any]:
     """The module of a function or transformers spec, and the sample batch a function returned (or None).
 
     Args:
@@ -217,8 +242,9 @@ def build_spec(spec: str, model_args: Mapping[str, Any], *, task: str, input_sha
         seq_len: the data's window (a transformers language model must take that many positions).
     """
     if is_transformers(spec):
-        return _hf_model(spec, model_args, task=task, input_shape=input_shape, num_classes=num_classes,
-                         seq_len=seq_len), None  # fmt: skip
+        return _hf_model(
+            spec, model_args, task=task, input_shape=input_shape, num_classes=num_classes, seq_len=seq_len
+        ), None
     return call_function(spec, model_args)
 
 
