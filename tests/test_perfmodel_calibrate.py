@@ -18,6 +18,7 @@ needs_root = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow  # minutes of the default suite on 2 cores; CI runs the slow tier
 @pytest.mark.procs
 @needs_root
 def test_calibrate_an_emulated_cluster_writes_a_usable_toml(tmp_path, monkeypatch, capsys):

@@ -103,6 +103,7 @@ def test_bad_config_fails_before_any_process(tmp_path, args, words):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow  # minutes of the default suite on 2 cores; CI runs the slow tier
 @pytest.mark.procs
 def test_strategy_auto_runs_the_planners_choice(tmp_path):
     out = tmp_path / "auto"

@@ -338,6 +338,7 @@ def _sweep(tmp_path: Path, run_toml: str, space: str, *flags: str, timeout: floa
     return p, out
 
 
+@pytest.mark.slow  # minutes of the default suite on 2 cores; CI runs the slow tier
 @pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_population_based_training_on_ray_tune(tmp_path: Path, ray_head: str) -> None:

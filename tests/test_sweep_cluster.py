@@ -36,6 +36,7 @@ def _segments(out: Path) -> dict[str, list[dict]]:
     return found
 
 
+@pytest.mark.slow  # minutes of the default suite on 2 cores; CI runs the slow tier
 @pytest.mark.timeout(600)
 def test_trials_spread_over_the_hosts_and_a_lost_hosts_trial_resumes_elsewhere(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
