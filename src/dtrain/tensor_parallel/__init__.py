@@ -12,6 +12,7 @@ from dtrain.tensor_parallel.layers import (
     VocabParallelHead,
     vocab_parallel_cross_entropy,
 )
+from dtrain.tensor_parallel.derive import derive_plan
 from dtrain.tensor_parallel.parallelize import (
     STYLES,
     Plan,
@@ -29,6 +30,7 @@ __all__ = [
     "VocabParallelHead",
     "vocab_parallel_cross_entropy",
     "parallelize",
+    "derive_plan",
     "Plan",
     "STYLES",
     "plans",
