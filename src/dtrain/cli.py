@@ -151,6 +151,8 @@ def _add_run_flags(p: argparse.ArgumentParser, only: str | None = None) -> None:
         owned = {name: [only] for name in fields}
     for name, fs in fields.items():
         f = fs[0]
+        if "table" in f.metadata:  # a TOML table of the strategy's (``[tensor.plan]``), not a flag
+            continue
         if "renamed_to" in f.metadata:  # an option's old name: still read, never shown
             _add_flag(g, name, f.default, argparse.SUPPRESS, None)
             continue
@@ -218,7 +220,7 @@ def run_help(strategy: str | None = None) -> str:
         flags = [
             flag(f) + (f" --{f.metadata['switch'][0]}" if "switch" in f.metadata else "")
             for f in _strategy_fields(name)
-            if "renamed_to" not in f.metadata
+            if "renamed_to" not in f.metadata and "table" not in f.metadata
         ]
         out += wrap(" ".join(flags) or "(none)", indent, name)
     nodes = argparse.ArgumentParser(add_help=False)

@@ -16,6 +16,7 @@ from dtrain.tensor_parallel.derive import derive_plan
 from dtrain.tensor_parallel.parallelize import (
     STYLES,
     Plan,
+    check_plan,
     full_state_dict,
     load_full_state_dict,
     parallelize,
@@ -32,6 +33,7 @@ __all__ = [
     "parallelize",
     "derive_plan",
     "Plan",
+    "check_plan",
     "STYLES",
     "plans",
     "full_state_dict",

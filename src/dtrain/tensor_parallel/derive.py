@@ -42,7 +42,7 @@ from torch import nn
 from dtrain.errors import ConfigError
 from dtrain.tensor_parallel._functions import TPGroup
 from dtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, is_projection, projection_shape
-from dtrain.tensor_parallel.parallelize import Plan
+from dtrain.tensor_parallel.parallelize import Plan, check_plan
 
 __all__ = ["derive_plan"]
 
@@ -145,23 +145,18 @@ def _sample_of(model: nn.Module) -> torch.Tensor:
     if emb is None:
         raise ConfigError("derive_plan: the model has no nn.Embedding to make token ids for; pass sample=")
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, emb.num_embeddings, (2, 8), generator=g)
+    return torch.randint(0, emb.num_embeddings, (2, 8), generator=g).to(emb.weight.device)
 
 
 def _record(model: nn.Module, sample: Any) -> tuple[_Record, Any]:
     rec = _Record(model)
-    was = model.training
-    model.eval()
     try:
         with torch.no_grad():
             out = model(*sample) if isinstance(sample, tuple) else model(sample)
     except Exception as e:
-        raise ConfigError(
-            f"derive_plan: the model's forward on the sample failed ({type(e).__name__}: {e})"
-        ) from None
+        raise ConfigError(f"derive_plan: the model's forward on the sample failed ({type(e).__name__}: {e})") from None
     finally:
         rec.close()
-        model.train(was)
     return rec, out
 
 
@@ -506,11 +501,16 @@ def derive_plan(model: nn.Module, tp: int, *, sample: Any = None, sequence_paral
     if tp < 1:
         raise ConfigError(f"tensor-parallel size must be >= 1, got {tp}")
     sample = _sample_of(model) if sample is None else sample
-    rec, out = _record(model, sample)
-    found = _find(model, rec, sample, out, tp)
-    styles = _styles(found)
-    if sequence_parallel:
-        _sequence_styles(model, found, rec, styles)
+    was = model.training
+    model.eval()  # no dropout: the checks on the sample compare outputs
+    try:
+        rec, out = _record(model, sample)
+        found = _find(model, rec, sample, out, tp)
+        styles = _styles(found)
+        if sequence_parallel:
+            _sequence_styles(model, found, rec, styles)
+    finally:
+        model.train(was)
     heads = [(a.name, a) for a in found.attention]
 
     def prepare(module: nn.Module, size: int) -> None:
@@ -521,7 +521,9 @@ def derive_plan(model: nn.Module, tp: int, *, sample: Any = None, sequence_paral
             _scale_heads(module.get_submodule(name), a, size, seen)
 
     notes = _notes(model, found, tp)
-    return Plan(styles=_compress(model, styles), prepare=prepare, name="auto", notes=tuple(notes))
+    plan = Plan(styles=_compress(model, styles), prepare=prepare, name="auto", notes=tuple(notes))
+    check_plan(model, plan, tp, sequence_parallel=sequence_parallel)  # the MLP widths, before any collective
+    return plan
 
 
 def _notes(model: nn.Module, found: _Found, tp: int) -> list[str]:

@@ -63,6 +63,8 @@ __all__ = [
     "load_full_state_dict",
     "sync_replicated_grads",
     "tp_group_of",
+    "check_plan",
+    "check_styles",
 ]
 
 STYLES = ("colwise", "rowwise", "vocab", "replicate", "sequence", "gather", "gather_end")
@@ -112,6 +114,21 @@ def _style(style: str) -> tuple[str, int | str]:
     if n < 1:
         raise ConfigError(f"style {style!r}: the number of fused blocks must be >= 1")
     return kind, n
+
+
+def check_styles(styles: Mapping[str, str]) -> None:
+    """Every style of a plan is one this module knows (ConfigError naming the one that is not)."""
+    for key, style in styles.items():
+        if not isinstance(style, str):
+            raise ConfigError(f"the tensor-parallel plan gives {key!r} the style {style!r}; styles are strings")
+        _style(style)
+
+
+def check_plan(module: nn.Module, plan: Plan | Mapping[str, str], size: int, *, sequence_parallel: bool = False) -> None:
+    """What :func:`parallelize` checks before any collective, for a group of ``size`` ranks, without splitting:
+    a key that matches no module, a style the module cannot take, a width ``size`` does not divide."""
+    p = plan if isinstance(plan, Plan) else Plan(dict(plan))
+    _check(module, _resolve(module, p.styles), size, sequence_parallel)
 
 
 def _resolve(module: nn.Module, styles: Mapping[str, str]) -> dict[str, tuple[str, int | str]]:
