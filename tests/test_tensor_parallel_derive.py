@@ -168,3 +168,23 @@ def test_a_plan_table_in_toml_reaches_the_tensor_options_and_is_written_back(tmp
     assert dict(RunConfig.from_mapping(load_toml(again)).opts.plan) == want  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="unknown tensor-parallel style 'columnwise'"):
         RunConfig.make(strategy="tensor", workers=2, plan={"x": "columnwise"})
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["plain", "sequence_parallel"])
+def test_derived_plan_of_dtrains_gpt_splits_as_the_hand_written_one(sp: bool) -> None:
+    from dtrain.tensor_parallel import plans
+    from dtrain.workloads.models import build_model
+
+    model = build_model("gpt-tiny", vocab_size=32, seq_len=8)
+    hand = resolved(model, dict((plans.gpt_sequence_parallel() if sp else plans.gpt).styles))
+    derived = resolved(model, dict(derive_plan(model, 2, sequence_parallel=sp).styles))
+    split = ("colwise", "rowwise", "vocab")
+    assert {n: s for n, s in derived.items() if s.partition(":")[0] in split} == {
+        n: s for n, s in hand.items() if s.partition(":")[0] in split
+    }
+    if sp:  # the same region: block0's input split, the norms inside it on shards
+        assert derived["block0"] == hand["block0"] == "sequence"
+        assert {n for n, s in derived.items() if s == "replicate"} == {
+            n for n, s in hand.items() if s == "replicate" and n != "ln_f"
+        }
+        assert derived["ln_f"] == "gather_end"  # the hand plan gathers at the head instead

@@ -18,7 +18,9 @@ pytest.importorskip("transformers")
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("model, extra", [("gpt2", ["--sequence-parallel"]), ("llama", [])], ids=["gpt2-sp", "llama"])
-def test_tensor_strategy_trains_a_transformers_model_as_one_process(tmp_path: Path, model: str, extra: list[str]) -> None:
+def test_tensor_strategy_trains_a_transformers_model_as_one_process(
+    tmp_path: Path, model: str, extra: list[str]
+) -> None:
     flags = [*(GPT2 if model == "gpt2" else LLAMA), *TEXT]
     runs = dtrain_runs(
         tmp_path,

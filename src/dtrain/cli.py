@@ -218,9 +218,10 @@ def run_help(strategy: str | None = None) -> str:
     indent = max(map(len, registered())) + 4
     for name in registered():
         flags = [
-            flag(f) + (f" --{f.metadata['switch'][0]}" if "switch" in f.metadata else "")
+            (f"[{name}.{f.name}]" if "table" in f.metadata else flag(f))  # a table: in TOML only
+            + (f" --{f.metadata['switch'][0]}" if "switch" in f.metadata else "")
             for f in _strategy_fields(name)
-            if "renamed_to" not in f.metadata and "table" not in f.metadata
+            if "renamed_to" not in f.metadata
         ]
         out += wrap(" ".join(flags) or "(none)", indent, name)
     nodes = argparse.ArgumentParser(add_help=False)

@@ -219,7 +219,9 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
             f"{micro} micro-batches; use --batch-size a multiple of {dp * micro}"
         )
     if isinstance(o, TensorOptions) and tp > 1 and (not is_builtin(cfg.model) or o.plan or o.tp_plan == "derive"):
-        _check_plan(o, cfg, tp)
+        from dtrain.strategies.tensor_plan import check_tensor_plan
+
+        check_tensor_plan(o, cfg, tp)
         return
     if tp > 1 or pp > 1:
         if not is_builtin(cfg.model):
@@ -243,38 +245,6 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
             raise ConfigError(f"sequence parallel: --seq-len {cfg.seq_len} does not divide over --tp {tp}")
         if pp > g.layers + 3:
             raise ConfigError(f"{cfg.model} has {g.layers + 3} layers (children), fewer than the {pp} stages")
-
-
-def _check_plan(o: TensorOptions, cfg: RunConfig, tp: int) -> None:
-    """The plan the workers will split the model by, found here on the model built as they build it: every error
-    of the plan (a key matching nothing, heads or widths ``tp`` does not divide) before any process starts."""
-    from dtrain.tensor_parallel.parallelize import check_plan
-    from dtrain.tensor_parallel.plans import for_model
-    from dtrain.workloads.models import make_model
-
-    data = cfg.load_data()
-    if o.sequence_parallel and cfg.seq_len % tp:
-        raise ConfigError(f"sequence parallel: --seq-len {cfg.seq_len} does not divide over --tp {tp}")
-    torch.manual_seed(cfg.seed)
-    model = make_model(
-        cfg.model,
-        tuple(data.input_shape),
-        data.num_classes,
-        task=data.task,
-        model_args=cfg.model_args,
-        seq_len=cfg.seq_len,
-        **cfg.gpt_overrides(),
-    )
-    plan = for_model(model, tp, tp_plan=o.tp_plan, table=dict(o.plan), sequence_parallel=o.sequence_parallel)
-    check_plan(model, plan, tp, sequence_parallel=o.sequence_parallel)
-    if plan.prepare is not None:
-        plan.prepare(model, tp)  # the head counts: a count tp does not divide is named here
-    vocab_split = any(k == "vocab" for k in plan.styles.values())
-    if vocab_split and cfg.loss:
-        raise ConfigError(
-            f"--loss {cfg.loss}: the plan splits the LM head by vocabulary, so each rank holds a slice of the "
-            "logits and the loss is the vocabulary-parallel cross entropy; drop --loss"
-        )
 
 
 def _check_checkpointing(o: MeshOptions, cfg: RunConfig) -> None:

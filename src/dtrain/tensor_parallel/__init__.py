@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dtrain.tensor_parallel import plans
 from dtrain.tensor_parallel._functions import TPGroup
+from dtrain.tensor_parallel.derive import derive_plan
 from dtrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -12,7 +13,6 @@ from dtrain.tensor_parallel.layers import (
     VocabParallelHead,
     vocab_parallel_cross_entropy,
 )
-from dtrain.tensor_parallel.derive import derive_plan
 from dtrain.tensor_parallel.parallelize import (
     STYLES,
     Plan,

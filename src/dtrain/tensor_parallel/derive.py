@@ -55,7 +55,7 @@ class _Record:
         self.started: list[str] = []  # modules in the order their forward began (first call)
         self.ended: dict[str, int] = {}  # module -> len(started) when its first forward returned
         self.inputs: dict[str, int] = {}  # projection -> key of the tensor it read
-        self._seen: dict[int, int] = {}
+        self.seen: dict[int, int] = {}
         self._alive: list[torch.Tensor] = []  # the tensors keyed, held so that no id is reused
         self._handles: list[Any] = []
         for name, m in model.named_modules():
@@ -66,10 +66,10 @@ class _Record:
     def key(self, t: Any) -> int:
         if not isinstance(t, torch.Tensor):
             return -1
-        if id(t) not in self._seen:
-            self._seen[id(t)] = len(self._seen)
+        if id(t) not in self.seen:
+            self.seen[id(t)] = len(self.seen)
             self._alive.append(t)
-        return self._seen[id(t)]
+        return self.seen[id(t)]
 
     def _pre(self, name: str, m: nn.Module) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -416,14 +416,14 @@ def _arg_of(rec: _Record, name: str, want: Callable[[Any], bool]) -> str:
 
 
 def _block_of(model: nn.Module, name: str) -> str:
-    """The element of an ``nn.ModuleList`` (a transformer's layer) that holds ``name``."""
+    """The layer that holds ``name``: its nearest ancestor that is an element of an ``nn.ModuleList`` or
+    ``nn.Sequential`` (a transformer's list of layers)."""
     parts = name.split(".")
     for i in range(len(parts) - 1, 0, -1):
-        parent = ".".join(parts[: i - 1]) if i > 1 else ""
-        holder = model.get_submodule(parent) if parent else model
-        if isinstance(holder, nn.ModuleList) and parts[i - 1].isdigit():
+        holder = model.get_submodule(".".join(parts[: i - 1]))
+        if isinstance(holder, (nn.ModuleList, nn.Sequential)):
             return ".".join(parts[:i])
-    raise ConfigError(f"sequence parallel: {name!r} lies in no layer of an nn.ModuleList to shard the sequence over")
+    raise ConfigError(f"sequence parallel: {name!r} lies in no layer of a list of layers to shard the sequence over")
 
 
 def _sequence_styles(model: nn.Module, found: _Found, rec: _Record, styles: dict[str, str]) -> None:
@@ -448,16 +448,22 @@ def _sequence_styles(model: nn.Module, found: _Found, rec: _Record, styles: dict
     styles[after[0]] = "gather_end" + _suffix(_arg_of(rec, after[0], stream))
     gathered = [a.name for a in found.attention] + [m.name for m in found.mlp]
     for n in gathered:
-        fed = rec.inputs[_first_projection(found, n)]
-        styles[n] = "gather" + _suffix(_arg_of(rec, n, lambda t, k=fed: _held(rec, t) and rec.key(t) == k))
+        styles[n] = "gather" + _suffix(_arg_of(rec, n, _is_input(rec, rec.inputs[_first_projection(found, n)])))
     for n, m in model.named_modules():
-        inside = any(n.startswith(f"{b}.") for b in blocks) and not any(n == g or n.startswith(f"{g}.") for g in gathered)
+        inside = any(n.startswith(f"{b}.") for b in blocks) and not any(
+            n == g or n.startswith(f"{g}.") for g in gathered
+        )
         if inside and n not in styles and any(True for _ in m.parameters(recurse=False)):
             styles[n] = "replicate"
 
 
-def _held(rec: _Record, t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and id(t) in rec._seen
+def _is_input(rec: _Record, key: int) -> Callable[[Any], bool]:
+    """Whether an argument is the tensor recorded under ``key`` (what a module's projections read)."""
+
+    def test(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and id(t) in rec.seen and rec.key(t) == key
+
+    return test
 
 
 def _first_projection(found: _Found, module: str) -> str:

@@ -2,8 +2,9 @@
 cross entropy over vocabulary-split logits (Shoeybi et al., "Megatron-LM", arXiv 1909.08053, section 3).
 
 Each layer is built from a whole ``nn.Linear`` (or transformers' ``Conv1D``, the same map with its weight
-stored transposed, ``(in, out)``) / ``nn.Embedding``, keeping this rank's slice of its weights, so a parallelized model starts from the same values as the
-unsplit one; ``full_weights()`` gathers them back. ``sequence_parallel`` layers take and give
+stored transposed, ``(in, out)``) / ``nn.Embedding``, keeping this rank's slice of its weights, so a
+parallelized model starts from the same values as the unsplit one; ``full_weights()`` gathers them back
+(in the layout of the layer they came from). ``sequence_parallel`` layers take and give
 activations sharded along the sequence (dim 1) instead of replicated (Korthikanti et al. 2022).
 """
 

@@ -124,7 +124,9 @@ def check_styles(styles: Mapping[str, str]) -> None:
         _style(style)
 
 
-def check_plan(module: nn.Module, plan: Plan | Mapping[str, str], size: int, *, sequence_parallel: bool = False) -> None:
+def check_plan(
+    module: nn.Module, plan: Plan | Mapping[str, str], size: int, *, sequence_parallel: bool = False
+) -> None:
     """What :func:`parallelize` checks before any collective, for a group of ``size`` ranks, without splitting:
     a key that matches no module, a style the module cannot take, a width ``size`` does not divide."""
     p = plan if isinstance(plan, Plan) else Plan(dict(plan))
@@ -147,9 +149,7 @@ def _resolve(module: nn.Module, styles: Mapping[str, str]) -> dict[str, tuple[st
     return out
 
 
-def _check(
-    module: nn.Module, styles: dict[str, tuple[str, int | str]], size: int, sequence_parallel: bool
-) -> None:
+def _check(module: nn.Module, styles: dict[str, tuple[str, int | str]], size: int, sequence_parallel: bool) -> None:
     mods = dict(module.named_modules())
     for name, (kind, n) in styles.items():
         m = mods[name]
@@ -172,9 +172,7 @@ def _check(
             raise ConfigError(f"{name!r}: {inp} input features do not divide over tensor-parallel size {size}")
 
 
-def _agree(
-    module: nn.Module, styles: dict[str, tuple[str, int | str]], g: TPGroup, sequence_parallel: bool
-) -> None:
+def _agree(module: nn.Module, styles: dict[str, tuple[str, int | str]], g: TPGroup, sequence_parallel: bool) -> None:
     """Every rank of the group must split the same model the same way: compare digests, name what differs."""
     if g.size == 1:
         return
@@ -210,9 +208,7 @@ def _mark_partial(m: nn.Module) -> None:
         p.tp_partial_grad = True  # type: ignore[attr-defined]
 
 
-def _arg_hook(
-    fn: Callable[[torch.Tensor, TPGroup], torch.Tensor], g: TPGroup, which: int | str
-) -> Callable[..., Any]:
+def _arg_hook(fn: Callable[[torch.Tensor, TPGroup], torch.Tensor], g: TPGroup, which: int | str) -> Callable[..., Any]:
     """A forward pre-hook (``with_kwargs``) applying ``fn`` to one argument: positional ``which``, or the keyword
     ``which`` (when it is passed by position instead, the positional of that name in ``forward``'s signature)."""
 
@@ -308,11 +304,11 @@ def _split(module: nn.Module, styles: dict[str, tuple[str, int | str]], g: TPGro
             new = RowParallelLinear(m, g, sequence_parallel=sequence_parallel, name=name)
         elif kind == "vocab":
             tied.setdefault(id(m.weight), []).append(name)
-            new = (
-                VocabParallelEmbedding(m, g, sequence_parallel=False)
-                if isinstance(m, nn.Embedding)
-                else VocabParallelHead(m, g, sequence_parallel=head_gathers)  # type: ignore[arg-type]
-            )
+            if isinstance(m, nn.Embedding):
+                new = VocabParallelEmbedding(m, g, sequence_parallel=False)
+            else:
+                assert isinstance(m, nn.Linear)
+                new = VocabParallelHead(m, g, sequence_parallel=head_gathers)
         elif kind == "replicate" and sequence_parallel:
             _mark_partial(m)
         elif kind in _SEQUENCE_STYLES:
