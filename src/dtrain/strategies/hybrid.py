@@ -278,9 +278,16 @@ class HybridEngine:
         plan = None
         if isinstance(o, TensorOptions) and tp > 1:
             from dtrain.tensor_parallel.plans import for_model
+            from dtrain.workloads.data import first_samples
 
+            x, _ = first_samples(ctx.data.train, 2)  # the sample the parent derived the plan on
             plan = for_model(
-                self._train_model, tp, tp_plan=o.tp_plan, table=dict(o.plan), sequence_parallel=o.sequence_parallel
+                self._train_model,
+                tp,
+                tp_plan=o.tp_plan,
+                table=dict(o.plan),
+                sequence_parallel=o.sequence_parallel,
+                sample=x.to(ctx.device),
             )
             if ctx.rank == 0:
                 print(plan.text(), flush=True)

@@ -22,6 +22,7 @@ def check_tensor_plan(o: Any, cfg: RunConfig, tp: int) -> None:
     ``o``: the run's ``TensorOptions`` (``tp_plan``, ``plan``, ``sequence_parallel``)."""
     from dtrain.tensor_parallel.parallelize import check_plan
     from dtrain.tensor_parallel.plans import for_model
+    from dtrain.workloads.data import first_samples
     from dtrain.workloads.models import make_model
 
     data = cfg.load_data()
@@ -37,7 +38,19 @@ def check_tensor_plan(o: Any, cfg: RunConfig, tp: int) -> None:
         seq_len=cfg.seq_len,
         **cfg.gpt_overrides(),
     )
-    plan = for_model(model, tp, tp_plan=o.tp_plan, table=dict(o.plan), sequence_parallel=o.sequence_parallel)
+    plan = for_model(
+        model,
+        tp,
+        tp_plan=o.tp_plan,
+        table=dict(o.plan),
+        sequence_parallel=o.sequence_parallel,
+        sample=first_samples(data.train, 2)[0],
+    )
+    if not any(s.partition(":")[0] in ("colwise", "rowwise", "vocab") for s in plan.styles.values()):
+        raise ConfigError(
+            f"tensor: the plan splits nothing of model {cfg.model} (no attention, MLP or vocabulary found to split "
+            "by its structure); give a [tensor.plan] table, or train it under dp, ddp, dp --shard or ps"
+        )
     check_plan(model, plan, tp, sequence_parallel=o.sequence_parallel)
     if plan.prepare is not None:
         plan.prepare(model, tp)  # the head counts: a count tp does not divide is named here
