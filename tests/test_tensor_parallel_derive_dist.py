@@ -4,8 +4,9 @@ transformers GPT-2 (Conv1D projections, fused q/k/v, its head tied to its embedd
 attention, 4 heads and 2 key/value heads) are built from a config with random weights, the same on every rank;
 ``derive_plan`` + ``parallelize`` split them over 2 ranks, and each of 3 SGD steps' losses (the vocabulary-parallel
 cross entropy) must equal the unsplit model's, and so must the gathered parameters after the steps -- without and
-with sequence parallelism. GPT-2 plain and Llama with sequence parallelism run in the default suite, the other two
-under ``slow``.
+with sequence parallelism. GPT-2 plain and Llama with sequence parallelism run in the default suite; GPT-2 with and
+Llama without sequence parallelism, Qwen2 (q/k/v biases) and GPT-NeoX (a fused q/k/v interleaved per head, with
+sequence parallelism) under ``slow``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         max_position_embeddings=32,
     ),
 }
+CONFIGS["qwen2"] = CONFIGS["llama"]  # q/k/v with a bias
+CONFIGS["gpt_neox"] = {**CONFIGS["llama"], "num_key_value_heads": 4}  # fused query_key_value, interleaved per head
 
 
 def build(kind: str) -> nn.Module:
@@ -104,7 +107,7 @@ def _world(rank: int, world: int, cases: list[tuple[str, bool]]) -> Any:
 
 
 QUICK = [("gpt2", False), ("llama", True)]  # one world for both: transformers is imported once per rank
-SLOW = [("gpt2", True), ("llama", False)]
+SLOW = [("gpt2", True), ("llama", False), ("qwen2", False), ("gpt_neox", True)]
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +138,6 @@ def test_derived_plan_trains_a_transformers_model_as_one_process(quick: Any, kin
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind, sp", SLOW, ids=["gpt2-sequence_parallel", "llama"])
+@pytest.mark.parametrize("kind, sp", SLOW, ids=["gpt2-sequence_parallel", "llama", "qwen2", "gpt_neox-sp"])
 def test_derived_plan_trains_as_one_process_slow_cases(slow: Any, kind: str, sp: bool) -> None:
     _check(slow, kind, sp)

@@ -227,8 +227,9 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
         if not is_builtin(cfg.model):
             raise ConfigError(
                 f"{cfg.strategy}: the stages and splits of --pp {pp} --tp {tp} are found for dtrain's "
-                f"own models; model {cfg.model} trains under the strategies that do not cut it: dp, "
-                "ddp, dp --shard, ps, local_sgd, easgd, gossip (or --pp 1 --tp 1)"
+                f"own models; model {cfg.model} trains under tensor (its plan derived from the model) and "
+                "the strategies that do not cut it: dp, ddp, dp --shard, ps, local_sgd, easgd, gossip "
+                "(or --pp 1 --tp 1)"
             )
         if not is_language_model(cfg.model):
             if tp > 1:

@@ -84,7 +84,8 @@ def for_model(
     if tp_plan == "auto" and _is_dtrain_gpt(model):
         base = gpt_sequence_parallel() if sequence_parallel else gpt
     else:
-        base = derive_plan(model, tp, sample=sample, sequence_parallel=sequence_parallel)
+        # a table of one's own takes only the head counts from the derived plan (and its own sequence styles)
+        base = derive_plan(model, tp, sample=sample, sequence_parallel=sequence_parallel and not table)
     if table:
         return Plan(styles=dict(table), prepare=base.prepare, name="[tensor.plan]")
     return base
