@@ -188,3 +188,55 @@ def test_derived_plan_of_dtrains_gpt_splits_as_the_hand_written_one(sp: bool) ->
             n for n, s in hand.items() if s == "replicate" and n != "ln_f"
         }
         assert derived["ln_f"] == "gather_end"  # the hand plan gathers at the head instead
+
+
+class _Attention(nn.Module):
+    """Causal attention reading its head count from ``count_attr`` (``num_heads``: found by its name; ``nh``: not)."""
+
+    def __init__(self, count_attr: str, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+        self.count_attr, self.head_dim = count_attr, width // heads
+        setattr(self, count_attr, heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        heads = getattr(self, self.count_attr)
+        q, k, v = (p(x).view(b, t, heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))  # type: ignore[no-any-return]
+
+
+class _TinyLM(nn.Module):
+    def __init__(self, count_attr: str) -> None:
+        super().__init__()
+        self.emb, self.attn = nn.Embedding(50, 32), _Attention(count_attr)
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        x = x + self.attn(x)
+        return self.head(x + self.mlp(x))  # type: ignore[no-any-return]
+
+
+def test_an_attention_whose_split_does_not_reproduce_it_stays_replicated() -> None:
+    torch.manual_seed(0)
+    found = derive_plan(_TinyLM("num_heads"), 2)  # its head count found: split, and checked on the sample
+    assert {k: v for k, v in found.styles.items() if k.startswith("attn.")} == {
+        "attn.q": "colwise",
+        "attn.k": "colwise",
+        "attn.v": "colwise",
+        "attn.o": "rowwise",
+    }
+    assert any("num_heads 4->2" in n for n in found.notes), found.notes
+    missed = derive_plan(_TinyLM("nh"), 2)  # a count the rule cannot see: the rank's slice would be wrong
+    assert not any(k.startswith("attn.") for k in missed.styles), missed.text()
+    assert "attn: no split of its projections reproduced its output on the sample; replicated" in missed.notes
+    for plan in (found, missed):  # the MLP (inside an nn.Sequential), the embedding and the head still split
+        assert {k: plan.styles[k] for k in ("mlp.0", "mlp.2", "emb", "head")} == {
+            "mlp.0": "colwise",
+            "mlp.2": "rowwise",
+            "emb": "vocab",
+            "head": "vocab",
+        }

@@ -119,6 +119,7 @@ class _Found:
     embedding: str = ""
     head: str = ""
     notes: list[str] = field(default_factory=list)
+    checked: dict[Any, tuple[str, bool]] = field(default_factory=dict)  # an attention's kind -> (style, split)
 
 
 def _parent(names: list[str]) -> str:
@@ -341,15 +342,27 @@ def _find(model: nn.Module, rec: _Record, sample: Any, out: Any, tp: int) -> _Fo
 
 def _choose_layout(model: nn.Module, a: _Attention, rec: _Record, tp: int, found: _Found) -> None:
     """A fused projection's layout (q | k | v blocks, or interleaved per head) by which split reproduces the
-    module; separate projections are checked the same way. None reproducing it: the attention stays whole."""
+    module; separate projections are checked the same way. None reproducing it: the attention stays whole.
+    An attention of the same class, projections and shapes as one checked before (the next layer's) takes its
+    result without a check of its own."""
+    mod = model.get_submodule(a.name)
+    rel = [n[len(a.name) + 1 :] for n in (*a.qkv, a.out)]
+    shapes = [projection_shape(mod.get_submodule(n)) for n in rel]
+    kind = (type(mod), tuple(rel), tuple(shapes), a.heads, a.kv_heads)
+    if kind in found.checked:
+        a.style, a.split = found.checked[kind]
+        return
     layouts = ["colwise:3", "colwise"] if len(a.qkv) == 1 else ["colwise"]
+    a.split = False
     for style in layouts:
         a.style = style
         ok = _reproduces(model, a, rec, tp)
         if ok is None or ok:
-            return
-    a.split = False
-    found.notes.append(f"{a.name}: no split of its projections reproduced its output on the sample; replicated")
+            a.split = True
+            break
+    found.checked[kind] = (a.style, a.split)
+    if not a.split:
+        found.notes.append(f"{a.name}: no split of its projections reproduced its output on the sample; replicated")
 
 
 def _vocab(model: nn.Module, rec: _Record, sample: Any, out: Any, proj: dict[str, nn.Module], found: _Found) -> None:
