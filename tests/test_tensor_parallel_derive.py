@@ -240,3 +240,25 @@ def test_an_attention_whose_split_does_not_reproduce_it_stays_replicated() -> No
             "emb": "vocab",
             "head": "vocab",
         }
+
+
+def test_dtrain_plan_shows_the_tp_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from dtrain.planning.cli import main
+
+    args = ["--model", "hf:gpt2", "--dataset", "pytext", "--seq-len", "16", "--tp", "2", "--sequence-parallel"]
+    shape = ["n_layer=2", "n_embd=64", "n_head=4", "n_positions=32"]
+    assert main(["--show-tp-plan", *args, *(x for a in shape for x in ("--model-arg", a))]) == 0
+    out = capsys.readouterr().out
+    assert "hf:gpt2 over 2 tensor-parallel ranks with sequence parallelism" in out, out
+    rows = {tuple(line.split()) for line in out.splitlines()}
+    for row in [
+        ("transformer.h.*.attn.c_attn", "colwise:3"),
+        ("transformer.h.*.mlp.c_proj", "rowwise"),
+        ("transformer.h.0", "sequence"),
+        ("transformer.ln_f", "gather_end"),
+        ("lm_head", "vocab"),
+    ]:
+        assert row in rows, (row, out)
+    assert "config.n_head 4->2" in out and "split_size 64->32" in out, out
+    assert main(["--show-tp-plan", "--model", "gpt-tiny", "--dataset", "pytext"]) == 0  # dtrain's own: written
+    assert "tensor-parallel plan gpt:" in capsys.readouterr().out
