@@ -149,16 +149,16 @@ def _sample_of(model: nn.Module) -> torch.Tensor:
     return torch.randint(0, emb.num_embeddings, (2, 8), generator=g).to(emb.weight.device)
 
 
-def _record(model: nn.Module, sample: Any) -> tuple[_Record, Any]:
+def _record(model: nn.Module, sample: Any) -> _Record:
     rec = _Record(model)
     try:
         with torch.no_grad():
-            out = model(*sample) if isinstance(sample, tuple) else model(sample)
+            model(*sample) if isinstance(sample, tuple) else model(sample)
     except Exception as e:
         raise ConfigError(f"derive_plan: the model's forward on the sample failed ({type(e).__name__}: {e})") from None
     finally:
         rec.close()
-    return rec, out
+    return rec
 
 
 # ---------------------------------------------------------------------------------------------- head counts
@@ -307,7 +307,7 @@ def _attention(
     return a
 
 
-def _find(model: nn.Module, rec: _Record, sample: Any, out: Any, tp: int) -> _Found:
+def _find(model: nn.Module, rec: _Record, sample: Any, tp: int) -> _Found:
     proj = {n: m for n, m in model.named_modules() if n and is_projection(m) and n in rec.inputs}
     groups: dict[int, list[str]] = {}
     for n in rec.started:
@@ -336,7 +336,7 @@ def _find(model: nn.Module, rec: _Record, sample: Any, out: Any, tp: int) -> _Fo
         if down and down not in taken:
             found.mlp.append(_MLP(_parent([*names, down]), names, down))
             taken.update([*names, down])
-    _vocab(model, rec, sample, out, proj, found)
+    _vocab(model, rec, sample, proj, found)
     return found
 
 
@@ -365,7 +365,7 @@ def _choose_layout(model: nn.Module, a: _Attention, rec: _Record, tp: int, found
         found.notes.append(f"{a.name}: no split of its projections reproduced its output on the sample; replicated")
 
 
-def _vocab(model: nn.Module, rec: _Record, sample: Any, out: Any, proj: dict[str, nn.Module], found: _Found) -> None:
+def _vocab(model: nn.Module, rec: _Record, sample: Any, proj: dict[str, nn.Module], found: _Found) -> None:
     x = sample[0] if isinstance(sample, tuple) else sample
 
     def reads_input(n: str) -> bool:  # the embedding looks up the model's input (as it is, or reshaped)
@@ -523,8 +523,8 @@ def derive_plan(model: nn.Module, tp: int, *, sample: Any = None, sequence_paral
     was = model.training
     model.eval()  # no dropout: the checks on the sample compare outputs
     try:
-        rec, out = _record(model, sample)
-        found = _find(model, rec, sample, out, tp)
+        rec = _record(model, sample)
+        found = _find(model, rec, sample, tp)
         styles = _styles(found)
         if sequence_parallel:
             _sequence_styles(model, found, rec, styles)
