@@ -151,6 +151,8 @@ def _add_run_flags(p: argparse.ArgumentParser, only: str | None = None) -> None:
         owned = {name: [only] for name in fields}
     for name, fs in fields.items():
         f = fs[0]
+        if "table" in f.metadata:  # a TOML table of the strategy's (``[tensor.plan]``), not a flag
+            continue
         if "renamed_to" in f.metadata:  # an option's old name: still read, never shown
             _add_flag(g, name, f.default, argparse.SUPPRESS, None)
             continue
@@ -216,7 +218,8 @@ def run_help(strategy: str | None = None) -> str:
     indent = max(map(len, registered())) + 4
     for name in registered():
         flags = [
-            flag(f) + (f" --{f.metadata['switch'][0]}" if "switch" in f.metadata else "")
+            (f"[{name}.{f.name}]" if "table" in f.metadata else flag(f))  # a table: in TOML only
+            + (f" --{f.metadata['switch'][0]}" if "switch" in f.metadata else "")
             for f in _strategy_fields(name)
             if "renamed_to" not in f.metadata
         ]

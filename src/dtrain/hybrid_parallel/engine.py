@@ -41,7 +41,8 @@ class Hybrid:
     Args:
         model: the whole model, the same on every rank (an ``nn.Sequential`` when ``pp > 1``).
         mesh: the :class:`dtrain.Mesh`.
-        plan: the tensor-parallel plan (default: ``plans.gpt``; ignored when ``tp == 1``).
+        plan: the tensor-parallel plan (default: :func:`dtrain.tensor_parallel.plans.for_model`'s: ``plans.gpt``
+            for dtrain's gpt models, else the one derived from the model; ignored when ``tp == 1``).
         microbatches: per step, through the pipeline (default: 1).
         schedule: ``gpipe`` or ``1f1b`` (default: 1f1b).
         balance: the pipeline's cut: ``equal``, ``params`` or layer counts (default: equal).
@@ -76,7 +77,7 @@ class Hybrid:
     ) -> None:
         import dtrain.tensor_parallel as tp
         from dtrain.comm.allreduce import ALGORITHMS
-        from dtrain.workloads.models import task_loss
+        from dtrain.workloads.models import logits_of, task_loss
 
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"dp algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
@@ -86,15 +87,17 @@ class Hybrid:
         self.tp_group: tp.TPGroup | None = None
         if mesh.size("tp") > 1:
             chosen = (
-                plan if plan is not None else (tp.plans.gpt_sequence_parallel() if sequence_parallel else tp.plans.gpt)
+                plan
+                if plan is not None
+                else tp.plans.for_model(model, mesh.size("tp"), sequence_parallel=sequence_parallel)
             )
             tp.parallelize(model, chosen, mesh.group("tp"), sequence_parallel=sequence_parallel, timeout_s=timeout_s)
             self.tp_group = tp.tp_group_of(model)
         heads = [m for m in model.modules() if isinstance(m, tp.VocabParallelHead)]
         head = heads[-1] if heads else None
-        if head is not None:
+        if head is not None:  # the logits of a model's output (a transformers model's .logits), split by vocabulary
             self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda out, y: (
-                tp.vocab_parallel_cross_entropy(out, y, head)
+                tp.vocab_parallel_cross_entropy(logits_of(out), y, head)
             )
         else:
             self.loss_fn = loss_fn or task_loss

@@ -187,6 +187,17 @@ def _parser() -> argparse.ArgumentParser:
         help="memory per device to plan for (2GB, 512MB, 1.5GiB or bytes; "
         "default: the cluster's): strategies that need more are rejected",
     )
+    tpg = ap.add_argument_group("tensor parallelism")
+    tpg.add_argument(
+        "--show-tp-plan",
+        action="store_true",
+        help="print the tensor-parallel plan --strategy tensor splits --model by (derived for a model without a "
+        "hand-written one) and exit",
+    )
+    tpg.add_argument("--tp", type=int, default=2, help="with --show-tp-plan: the tensor-parallel size (default: 2)")
+    tpg.add_argument(
+        "--sequence-parallel", action="store_true", help="with --show-tp-plan: the plan with sequence parallelism"
+    )
     sim = ap.add_argument_group("simulation")
     sim.add_argument("--simulate", action="store_true", help="replay the strategies for each worker count")
     sim.add_argument("--strategies", default="dp:ring", help="comma list: dp:ALG[:MB], ddp, ps:POLICY:SERVERS[+COMP]")
@@ -197,7 +208,23 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _show_tp_plan(ns: argparse.Namespace) -> int:
+    from dtrain.tensor_parallel.plans import for_model
+
+    if ns.tp < 1:
+        raise ConfigError(f"--tp must be >= 1, got {ns.tp}")
+    model, _, name = load_model(
+        ns.model, ns.dataset, batch=2, seq_len=ns.seq_len, model_args=parse_model_args(ns.model_arg or [])
+    )
+    plan = for_model(model, ns.tp, sequence_parallel=ns.sequence_parallel)
+    print(f"{name} over {ns.tp} tensor-parallel ranks{' with sequence parallelism' if ns.sequence_parallel else ''}")
+    print(plan.text())
+    return 0
+
+
 def _plan(ns: argparse.Namespace) -> int:
+    if ns.show_tp_plan:
+        return _show_tp_plan(ns)
     if ns.simulate:
         if not ns.workers:
             raise ConfigError("--simulate needs --workers, e.g. 8,16,32,64")

@@ -1,7 +1,9 @@
 """``tensor`` and ``hybrid``: Megatron-style tensor parallelism, and DP x PP x TP on one set of processes.
 
-``--strategy tensor --workers 4`` splits every block of a ``gpt`` model over the four
-workers (:mod:`dtrain.tensor_parallel`, the plan ``plans.gpt``); ``--strategy hybrid --dp 2
+``--strategy tensor --workers 4`` splits every block of a model over the four workers
+(:mod:`dtrain.tensor_parallel`): dtrain's ``gpt`` models by the hand-written plan ``plans.gpt``, any other
+(``hf:gpt2``, ``FILE.py:FN``) by the plan :func:`~dtrain.tensor_parallel.derive_plan` finds in it
+(``--tp-plan auto``), or by a ``[tensor.plan]`` table of the run's TOML; ``--strategy hybrid --dp 2
 --pp 2 --tp 2`` composes tensor parallelism inside each pipeline stage, the pipeline over
 stages and data parallelism across pipelines (:func:`dtrain.hybrid` over a :class:`dtrain.Mesh`).
 Both run as one ``WholeStep`` engine; the evaluated model is the whole unsplit model gathered
@@ -11,6 +13,7 @@ on rank 0. Metrics rows carry bytes and seconds per mesh dimension (``tp_bytes``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["TensorOptions", "HybridOptions", "HybridEngine", "TENSOR", "HYBRID"]
 
 _SCHEDULES = ("1f1b", "gpipe")
+_TP_PLANS = ("auto", "derive")
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,43 @@ class TensorOptions(StrategyOptions):
 
     Attributes:
         sequence_parallel: layer norms and residuals on sequence shards (Korthikanti et al. 2022).
+        tp_plan: ``auto`` (dtrain's gpt models: the hand-written ``plans.gpt``; any other model: the derived
+            plan) or ``derive`` (the derived plan for every model).
+        plan: a plan of the user's own, module name or pattern -> style (TOML: a ``[tensor.plan]`` table);
+            it replaces ``tp_plan``'s.
     """
 
     sequence_parallel: bool = field(
         default=False, metadata={"help": "tensor/hybrid: norms and residuals sharded along the sequence (default: off)"}
     )
+    tp_plan: str = field(
+        default="auto",
+        metadata={
+            "choices": _TP_PLANS,
+            "help": "tensor: auto (the hand-written plan of dtrain's gpt models, else one derived from the model) "
+            "or derive (derived for every model); a [tensor.plan] table in TOML gives one's own",
+        },
+    )
+    plan: tuple[tuple[str, str], ...] = field(
+        default=(), metadata={"table": True, "help": "tensor: module pattern -> style (TOML: [tensor.plan])"}
+    )
+
+    def __post_init__(self) -> None:
+        check_choice("tp_plan", self.tp_plan, _TP_PLANS)
+        plan = self.plan
+        if isinstance(plan, Mapping):
+            plan = tuple(plan.items())
+        if not isinstance(plan, (tuple, list)) or not all(
+            isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in plan
+        ):
+            raise ConfigError(f"[tensor.plan] must be a table of module pattern = style strings, got {plan!r}")
+        from dtrain.tensor_parallel.parallelize import check_styles
+
+        check_styles(dict(plan))
+        object.__setattr__(self, "plan", tuple((str(k), str(v)) for k, v in plan))
+
+    def to_table(self) -> dict[str, Any]:
+        return {**super().to_table(), "plan": dict(self.plan)}
 
     def batch_shards(self, workers: int) -> int:
         return 1  # every tensor-parallel rank reads the whole batch
@@ -67,10 +103,11 @@ class TensorOptions(StrategyOptions):
         return "ring"
 
     def label(self, workers: int) -> str:
-        return f"tensor tp{workers}{' sp' if self.sequence_parallel else ''}"
+        which = " own plan" if self.plan else (" derived plan" if self.tp_plan == "derive" else "")
+        return f"tensor tp{workers}{' sp' if self.sequence_parallel else ''}{which}"
 
     def checkpoint_keys(self) -> dict[str, Any]:
-        return {"sequence_parallel": self.sequence_parallel}
+        return {"sequence_parallel": self.sequence_parallel, "tp_plan": self.tp_plan, "plan": dict(self.plan)}
 
     def refuses_grad_accum(self, workers: int) -> str:
         if self.sequence_parallel:
@@ -181,12 +218,18 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
             f"the batch of {cfg.batch_size} does not divide into {dp} data-parallel shards of "
             f"{micro} micro-batches; use --batch-size a multiple of {dp * micro}"
         )
+    if isinstance(o, TensorOptions) and tp > 1 and (not is_builtin(cfg.model) or o.plan or o.tp_plan == "derive"):
+        from dtrain.strategies.tensor_plan import check_tensor_plan
+
+        check_tensor_plan(o, cfg, tp)
+        return
     if tp > 1 or pp > 1:
         if not is_builtin(cfg.model):
             raise ConfigError(
                 f"{cfg.strategy}: the stages and splits of --pp {pp} --tp {tp} are found for dtrain's "
-                f"own models; model {cfg.model} trains under the strategies that do not cut it: dp, "
-                "ddp, dp --shard, ps, local_sgd, easgd, gossip (or --pp 1 --tp 1)"
+                f"own models; model {cfg.model} trains under tensor (its plan derived from the model) and "
+                "the strategies that do not cut it: dp, ddp, dp --shard, ps, local_sgd, easgd, gossip "
+                "(or --pp 1 --tp 1)"
             )
         if not is_language_model(cfg.model):
             if tp > 1:
@@ -233,9 +276,26 @@ class HybridEngine:
         self.mesh = Mesh(dp=dp, pp=pp, tp=tp)
         micro, schedule, balance = o.pipeline()
         self._train_model = ctx.make_model()
+        plan = None
+        if isinstance(o, TensorOptions) and tp > 1:
+            from dtrain.tensor_parallel.plans import for_model
+            from dtrain.workloads.data import first_samples
+
+            x, _ = first_samples(ctx.data.train, 2)  # the sample the parent derived the plan on
+            plan = for_model(
+                self._train_model,
+                tp,
+                tp_plan=o.tp_plan,
+                table=dict(o.plan),
+                sequence_parallel=o.sequence_parallel,
+                sample=x.to(ctx.device),
+            )
+            if ctx.rank == 0:
+                print(plan.text(), flush=True)
         self.h = Hybrid(
             self._train_model,
             self.mesh,
+            plan=plan,
             microbatches=micro,
             schedule=schedule,
             balance=parse_balance(balance),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dtrain.tensor_parallel import plans
 from dtrain.tensor_parallel._functions import TPGroup
+from dtrain.tensor_parallel.derive import derive_plan
 from dtrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -15,6 +16,7 @@ from dtrain.tensor_parallel.layers import (
 from dtrain.tensor_parallel.parallelize import (
     STYLES,
     Plan,
+    check_plan,
     full_state_dict,
     load_full_state_dict,
     parallelize,
@@ -29,7 +31,9 @@ __all__ = [
     "VocabParallelHead",
     "vocab_parallel_cross_entropy",
     "parallelize",
+    "derive_plan",
     "Plan",
+    "check_plan",
     "STYLES",
     "plans",
     "full_state_dict",

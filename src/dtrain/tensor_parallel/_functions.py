@@ -16,7 +16,8 @@ dropout, residuals) sharded along the sequence, and replaces the allreduces by t
 halves of a ring allreduce: :func:`gather_sequence` (allgather in forward, reduce-scatter
 in backward) and :func:`reduce_scatter_sequence` (reduce-scatter in forward, allgather in
 backward); :func:`split_sequence` enters a sharded region from a replicated tensor (take
-this rank's chunk; allgather in backward).
+this rank's chunk; allgather in backward), and :func:`leave_sequence` leaves it into a replicated region
+(allgather in forward; in backward every rank holds the same whole gradient and keeps its chunk).
 
 Every collective goes through :mod:`dtrain.comm` on the tensor-parallel group's
 transport, so its bytes are counted, traced and costed like data parallelism's.
@@ -41,6 +42,7 @@ __all__ = [
     "gather_linear",
     "reduce_scatter_sequence",
     "split_sequence",
+    "leave_sequence",
 ]
 
 
@@ -169,6 +171,17 @@ class _SplitSequence(torch.autograd.Function):
         return ctx.g.gather_seq(grad, ctx.dim), None, None
 
 
+class _LeaveSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, g: TPGroup, dim: int) -> torch.Tensor:
+        ctx.g, ctx.dim = g, dim
+        return g.gather_seq(x, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.g.chunk_seq(grad, ctx.dim), None, None
+
+
 class _GatherLinear(torch.autograd.Function):
     """``linear(allgather_seq(x), w, b)`` that keeps only the local chunk ``x`` for backward and gathers it
     again there (Korthikanti et al. 2022, section 4.2.2): the gathered input is never held across the step."""
@@ -228,4 +241,11 @@ def reduce_scatter_sequence(x: torch.Tensor, g: TPGroup, dim: int = 1) -> torch.
 def split_sequence(x: torch.Tensor, g: TPGroup, dim: int = 1) -> torch.Tensor:
     """Enter a sequence-sharded region from a replicated tensor: this rank's chunk; allgather backward."""
     out: torch.Tensor = _SplitSequence.apply(x, g, dim)  # type: ignore[no-untyped-call]
+    return out
+
+
+def leave_sequence(x: torch.Tensor, g: TPGroup, dim: int = 1) -> torch.Tensor:
+    """Leave the sequence-sharded region into a replicated one: allgather forward; backward keeps this rank's
+    chunk of the gradient, which every rank computed whole and the same."""
+    out: torch.Tensor = _LeaveSequence.apply(x, g, dim)  # type: ignore[no-untyped-call]
     return out

@@ -1,9 +1,10 @@
 """Tensor-parallel layers: a linear split by output rows or input columns, a vocabulary-split embedding, and the
 cross entropy over vocabulary-split logits (Shoeybi et al., "Megatron-LM", arXiv 1909.08053, section 3).
 
-Each layer is built from a whole ``nn.Linear`` / ``nn.Embedding`` (``from_module``), keeping
-this rank's slice of its weights, so a parallelized model starts from the same values as the
-unsplit one; ``full_weights()`` gathers them back. ``sequence_parallel`` layers take and give
+Each layer is built from a whole ``nn.Linear`` (or transformers' ``Conv1D``, the same map with its weight
+stored transposed, ``(in, out)``) / ``nn.Embedding``, keeping this rank's slice of its weights, so a
+parallelized model starts from the same values as the unsplit one; ``full_weights()`` gathers them back
+(in the layout of the layer they came from). ``sequence_parallel`` layers take and give
 activations sharded along the sequence (dim 1) instead of replicated (Korthikanti et al. 2022).
 """
 
@@ -22,7 +23,48 @@ from dtrain.tensor_parallel._functions import (
     reduce_scatter_sequence,
 )
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "is_projection",
+    "projection_shape",
+]
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections): ``y = x W + b`` with ``W`` of shape ``(in, out)``."""
+    w = getattr(m, "weight", None)
+    return (
+        type(m).__name__ == "Conv1D"
+        and isinstance(w, torch.Tensor)
+        and w.dim() == 2
+        and int(getattr(m, "nf", -1)) == w.shape[1]
+    )
+
+
+def is_projection(m: nn.Module) -> bool:
+    """Whether ``m`` is a linear projection the parallel layers split: an ``nn.Linear`` or a transformers
+    ``Conv1D``."""
+    return isinstance(m, nn.Linear) or _is_conv1d(m)
+
+
+def projection_shape(m: nn.Module) -> tuple[int, int]:
+    """``(out_features, in_features)`` of an ``nn.Linear`` or ``Conv1D``."""
+    w = m.weight
+    assert isinstance(w, torch.Tensor)
+    return (int(w.shape[1]), int(w.shape[0])) if _is_conv1d(m) else (int(w.shape[0]), int(w.shape[1]))
+
+
+def _linear_weights(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """A projection's weight in ``nn.Linear``'s layout ``(out, in)``, its bias, and whether it was transposed."""
+    w, b = m.weight, getattr(m, "bias", None)
+    assert isinstance(w, torch.Tensor)
+    bias = b.detach() if isinstance(b, torch.Tensor) else None
+    if _is_conv1d(m):
+        return w.detach().t(), bias, True
+    return w.detach(), bias, False
 
 
 def _gather_rows(w: torch.Tensor, g: TPGroup) -> torch.Tensor:
@@ -50,13 +92,23 @@ class ColumnParallelLinear(nn.Module):
         group: the tensor-parallel group.
         chunks: fused output blocks (default: 1).
         sequence_parallel: the input arrives sharded along dim 1 (default: False).
+        gathered: an enclosing module's input was gathered from sequence shards, whose backward reduce-scatters
+            (and so sums) the input's gradient: the input is taken as it is (default: False).
     """
 
     def __init__(
-        self, linear: nn.Linear, group: TPGroup, *, chunks: int = 1, sequence_parallel: bool = False, name: str = ""
+        self,
+        linear: nn.Module,
+        group: TPGroup,
+        *,
+        chunks: int = 1,
+        sequence_parallel: bool = False,
+        gathered: bool = False,
+        name: str = "",
     ) -> None:
         super().__init__()
-        out, inp = linear.weight.shape
+        weight, bias, self.transposed = _linear_weights(linear)
+        out, inp = weight.shape
         p = group.size
         if out % (chunks * p):
             raise ConfigError(
@@ -64,24 +116,28 @@ class ColumnParallelLinear(nn.Module):
                 f"{f' in {chunks} fused blocks' if chunks > 1 else ''} do not divide over "
                 f"tensor-parallel size {p}"
             )
-        self.g, self.chunks, self.sequence_parallel = group, chunks, sequence_parallel
+        self.g, self.chunks, self.sequence_parallel, self.gathered = group, chunks, sequence_parallel, gathered
         self.in_features, self.out_features = inp, out // p
-        blocks = linear.weight.detach().chunk(chunks, 0)
+        blocks = weight.chunk(chunks, 0)
         w = torch.cat([b.chunk(p, 0)[group.rank] for b in blocks], 0)
         self.weight = nn.Parameter(w.clone())
         self.bias: nn.Parameter | None = None
-        if linear.bias is not None:
-            bb = linear.bias.detach().chunk(chunks, 0)
+        if bias is not None:
+            bb = bias.chunk(chunks, 0)
             self.bias = nn.Parameter(torch.cat([b.chunk(p, 0)[group.rank] for b in bb], 0).clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gathered:  # an enclosing module gathered the sequence (its backward reduce-scatters the gradient)
+            return F.linear(x, self.weight, self.bias)
         if self.sequence_parallel:  # keeps this rank's chunk for backward, not the gathered sequence
             return gather_linear(x, self.weight, self.bias, self.g)
         return F.linear(copy_to_tp(x, self.g), self.weight, self.bias)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """The unsplit ``weight`` and ``bias`` (a collective over the group)."""
-        out = {"weight": self._unsplit(self.weight)}
+        """The unsplit ``weight`` and ``bias`` (a collective over the group), in the layout of the layer it was
+        built from (a ``Conv1D``'s ``(in, out)``)."""
+        w = self._unsplit(self.weight)
+        out = {"weight": w.t().contiguous() if self.transposed else w}
         if self.bias is not None:
             out["bias"] = self._unsplit(self.bias)
         return out
@@ -97,7 +153,8 @@ class ColumnParallelLinear(nn.Module):
             for name, t in (("weight", self.weight), ("bias", self.bias)):
                 if t is None:
                     continue
-                blocks = weights[name].chunk(self.chunks, 0)
+                whole = weights[name].t() if name == "weight" and self.transposed else weights[name]
+                blocks = whole.chunk(self.chunks, 0)
                 t.copy_(torch.cat([b.chunk(self.g.size, 0)[self.g.rank] for b in blocks], 0))
 
 
@@ -115,9 +172,10 @@ class RowParallelLinear(nn.Module):
         sequence_parallel: the output leaves sharded along dim 1 (default: False).
     """
 
-    def __init__(self, linear: nn.Linear, group: TPGroup, *, sequence_parallel: bool = False, name: str = "") -> None:
+    def __init__(self, linear: nn.Module, group: TPGroup, *, sequence_parallel: bool = False, name: str = "") -> None:
         super().__init__()
-        out, inp = linear.weight.shape
+        weight, bias, self.transposed = _linear_weights(linear)
+        out, inp = weight.shape
         p = group.size
         if inp % p:
             raise ConfigError(
@@ -125,8 +183,8 @@ class RowParallelLinear(nn.Module):
             )
         self.g, self.sequence_parallel = group, sequence_parallel
         self.in_features, self.out_features = inp // p, out
-        self.weight = nn.Parameter(linear.weight.detach().chunk(p, 1)[group.rank].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        self.weight = nn.Parameter(weight.chunk(p, 1)[group.rank].clone())
+        self.bias = nn.Parameter(bias.clone()) if bias is not None else None
         if self.bias is not None and sequence_parallel:
             self.bias.tp_partial_grad = True  # type: ignore[attr-defined]  # added on sequence shards
 
@@ -136,14 +194,16 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        out = {"weight": _gather_rows(self.weight.t(), self.g).t().contiguous()}
+        w = _gather_rows(self.weight.t(), self.g)  # (in, out): a Conv1D's layout
+        out = {"weight": w.contiguous() if self.transposed else w.t().contiguous()}
         if self.bias is not None:
             out["bias"] = self.bias.detach().clone()
         return out
 
     def load_full(self, weights: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            self.weight.copy_(weights["weight"].chunk(self.g.size, 1)[self.g.rank])
+            whole = weights["weight"].t() if self.transposed else weights["weight"]
+            self.weight.copy_(whole.chunk(self.g.size, 1)[self.g.rank])
             if self.bias is not None:
                 self.bias.copy_(weights["bias"])
 

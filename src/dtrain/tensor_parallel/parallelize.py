@@ -4,16 +4,28 @@ A plan maps submodule names (or ``fnmatch`` patterns such as ``block*.mlp.fc1``)
 the vocabulary of torch's ``parallelize_module``:
 
 ==============  ==========================================================================
-``colwise``     ``nn.Linear`` -> :class:`ColumnParallelLinear` (output features split)
+``colwise``     ``nn.Linear`` (or transformers' ``Conv1D``) -> :class:`ColumnParallelLinear` (output
+                features split)
 ``colwise:N``   the same for a fused projection of ``N`` equal blocks (q, k, v: ``colwise:3``)
-``rowwise``     ``nn.Linear`` -> :class:`RowParallelLinear` (input features split, outputs summed)
+``rowwise``     ``nn.Linear`` / ``Conv1D`` -> :class:`RowParallelLinear` (input features split, outputs
+                summed)
 ``vocab``       ``nn.Embedding`` -> :class:`VocabParallelEmbedding`; ``nn.Linear`` (an LM head) ->
                 :class:`VocabParallelHead` (logits stay split; use :func:`vocab_parallel_cross_entropy`)
 ``replicate``   left whole on every rank (with ``sequence_parallel``: runs on sequence shards, its
                 gradients summed over the group by :func:`sync_replicated_grads`)
 ``sequence``    ``sequence_parallel`` only: where a replicated activation enters the sequence-sharded
                 region (each rank keeps its chunk of the module's input)
+``gather``      ``sequence_parallel`` only: a module that runs on the whole sequence inside the region
+                (an attention or MLP module): its input is gathered from the shards (reduce-scattered
+                in backward), and its column-parallel layers take that input as it is
+``gather_end``  ``sequence_parallel`` only: the region ends at this module's input (gathered; it and what
+                follows run replicated on the whole sequence, a ``vocab`` head after it too; backward
+                keeps each rank's chunk of the gradient)
 ==============  ==========================================================================
+
+``sequence``, ``gather`` and ``gather_end`` act on the module's first positional argument, or on the
+one named after a colon: ``gather:1`` (the second positional), ``gather:hidden_states`` (a keyword, or
+the positional argument of that name when it is passed by position: see :func:`_arg_hook`).
 
 Everything is checked before any collective: a plan key that matches no module, a style
 the module cannot take, a width the group does not divide -- each a :class:`ConfigError`
@@ -33,12 +45,14 @@ import torch
 from torch import nn
 
 from dtrain.errors import ConfigError
-from dtrain.tensor_parallel._functions import TPGroup, split_sequence
+from dtrain.tensor_parallel._functions import TPGroup, gather_sequence, leave_sequence, split_sequence
 from dtrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
+    is_projection,
+    projection_shape,
 )
 
 __all__ = [
@@ -49,9 +63,12 @@ __all__ = [
     "load_full_state_dict",
     "sync_replicated_grads",
     "tp_group_of",
+    "check_plan",
+    "check_styles",
 ]
 
-STYLES = ("colwise", "rowwise", "vocab", "replicate", "sequence")
+STYLES = ("colwise", "rowwise", "vocab", "replicate", "sequence", "gather", "gather_end")
+_SEQUENCE_STYLES = ("sequence", "gather", "gather_end")
 
 
 @dataclass(frozen=True)
@@ -63,30 +80,62 @@ class Plan:
         prepare: called as ``prepare(module, tp_size)`` before splitting, e.g. to give attention
             modules their share of the heads; raises ConfigError for a size the model cannot take.
         name: for messages.
+        notes: lines :meth:`text` prints after the styles (a derived plan's heads per rank, say).
     """
 
     styles: Mapping[str, str]
     prepare: Callable[[nn.Module, int], None] | None = field(default=None, compare=False)
     name: str = "plan"
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def text(self) -> str:
+        """The plan as lines ``pattern  style`` (TOML's ``[tensor.plan]`` keys and values), then its notes."""
+        width = max((len(k) for k in self.styles), default=0)
+        lines = [f"tensor-parallel plan {self.name}: {len(self.styles)} entries"]
+        lines += [f"  {k:<{width}}  {v}" for k, v in self.styles.items()]
+        return "\n".join([*lines, *(f"  {n}" for n in self.notes)])
 
 
-def _style(style: str) -> tuple[str, int]:
+def _style(style: str) -> tuple[str, int | str]:
     kind, _, arg = style.partition(":")
     if kind not in STYLES:
         raise ConfigError(
             f"unknown tensor-parallel style {style!r}; choose one of {', '.join(STYLES)} "
             "(colwise:N for a fused projection of N blocks)"
         )
+    if kind in _SEQUENCE_STYLES:
+        return kind, int(arg) if arg.isdigit() else (arg or 0)
+    if arg and kind != "colwise":
+        raise ConfigError(f"style {style!r}: only colwise:N, sequence, gather and gather_end take an argument")
     try:
         n = int(arg) if arg else 1
     except ValueError:
         raise ConfigError(f"style {style!r}: the number of fused blocks must be an integer") from None
+    if n < 1:
+        raise ConfigError(f"style {style!r}: the number of fused blocks must be >= 1")
     return kind, n
 
 
-def _resolve(module: nn.Module, styles: Mapping[str, str]) -> dict[str, tuple[str, int]]:
+def check_styles(styles: Mapping[str, str]) -> None:
+    """Every style of a plan is one this module knows (ConfigError naming the one that is not)."""
+    for key, style in styles.items():
+        if not isinstance(style, str):
+            raise ConfigError(f"the tensor-parallel plan gives {key!r} the style {style!r}; styles are strings")
+        _style(style)
+
+
+def check_plan(
+    module: nn.Module, plan: Plan | Mapping[str, str], size: int, *, sequence_parallel: bool = False
+) -> None:
+    """What :func:`parallelize` checks before any collective, for a group of ``size`` ranks, without splitting:
+    a key that matches no module, a style the module cannot take, a width ``size`` does not divide."""
+    p = plan if isinstance(plan, Plan) else Plan(dict(plan))
+    _check(module, _resolve(module, p.styles), size, sequence_parallel)
+
+
+def _resolve(module: nn.Module, styles: Mapping[str, str]) -> dict[str, tuple[str, int | str]]:
     names = [n for n, _ in module.named_modules() if n]
-    out: dict[str, tuple[str, int]] = {}
+    out: dict[str, tuple[str, int | str]] = {}
     for key, style in styles.items():
         hits = [n for n in names if n == key or fnmatch.fnmatchcase(n, key)]
         if not hits:
@@ -100,28 +149,30 @@ def _resolve(module: nn.Module, styles: Mapping[str, str]) -> dict[str, tuple[st
     return out
 
 
-def _check(module: nn.Module, styles: dict[str, tuple[str, int]], size: int, sequence_parallel: bool) -> None:
+def _check(module: nn.Module, styles: dict[str, tuple[str, int | str]], size: int, sequence_parallel: bool) -> None:
     mods = dict(module.named_modules())
     for name, (kind, n) in styles.items():
         m = mods[name]
-        if kind in ("colwise", "rowwise") and not isinstance(m, nn.Linear):
-            raise ConfigError(f"{name!r} is a {type(m).__name__}; {kind} splits an nn.Linear")
+        if kind in ("colwise", "rowwise") and not is_projection(m):
+            raise ConfigError(f"{name!r} is a {type(m).__name__}; {kind} splits an nn.Linear or a Conv1D")
         if kind == "vocab" and not isinstance(m, (nn.Linear, nn.Embedding)):
             raise ConfigError(f"{name!r} is a {type(m).__name__}; vocab splits an nn.Embedding or an LM head Linear")
-        if kind == "sequence" and not sequence_parallel:
-            raise ConfigError(f"{name!r} has style 'sequence', which only applies with sequence_parallel=True")
-        if kind == "colwise" and isinstance(m, nn.Linear) and m.out_features % (n * size):
+        if kind in _SEQUENCE_STYLES and not sequence_parallel:
+            raise ConfigError(f"{name!r} has style {kind!r}, which only applies with sequence_parallel=True")
+        if kind not in ("colwise", "rowwise") or not is_projection(m):
+            continue
+        out, inp = projection_shape(m)
+        assert isinstance(n, int)
+        if kind == "colwise" and out % (n * size):
             raise ConfigError(
-                f"{name!r}: {m.out_features} output features do not divide over tensor-parallel "
+                f"{name!r}: {out} output features do not divide over tensor-parallel "
                 f"size {size}{f' in {n} fused blocks' if n > 1 else ''}"
             )
-        if kind == "rowwise" and isinstance(m, nn.Linear) and m.in_features % size:
-            raise ConfigError(
-                f"{name!r}: {m.in_features} input features do not divide over tensor-parallel size {size}"
-            )
+        if kind == "rowwise" and inp % size:
+            raise ConfigError(f"{name!r}: {inp} input features do not divide over tensor-parallel size {size}")
 
 
-def _agree(module: nn.Module, styles: dict[str, tuple[str, int]], g: TPGroup, sequence_parallel: bool) -> None:
+def _agree(module: nn.Module, styles: dict[str, tuple[str, int | str]], g: TPGroup, sequence_parallel: bool) -> None:
     """Every rank of the group must split the same model the same way: compare digests, name what differs."""
     if g.size == 1:
         return
@@ -157,11 +208,44 @@ def _mark_partial(m: nn.Module) -> None:
         p.tp_partial_grad = True  # type: ignore[attr-defined]
 
 
-def _split_input_hook(g: TPGroup) -> Callable[..., Any]:
-    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (split_sequence(args[0], g), *args[1:])
+def _arg_hook(fn: Callable[[torch.Tensor, TPGroup], torch.Tensor], g: TPGroup, which: int | str) -> Callable[..., Any]:
+    """A forward pre-hook (``with_kwargs``) applying ``fn`` to one argument: positional ``which``, or the keyword
+    ``which`` (when it is passed by position instead, the positional of that name in ``forward``'s signature)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        if isinstance(which, str) and which in kwargs:
+            return args, {**kwargs, which: fn(kwargs[which], g)}
+        i = which if isinstance(which, int) else _position(module, which)
+        if i >= len(args):
+            raise ConfigError(f"{type(module).__name__} was called without its argument {which!r} to split")
+        return (*args[:i], fn(args[i], g), *args[i + 1 :]), kwargs
 
     return hook
+
+
+def _position(module: nn.Module, name: str) -> int:
+    import inspect
+
+    params = [p for p in inspect.signature(module.forward).parameters.values() if p.kind <= p.POSITIONAL_OR_KEYWORD]
+    for i, p in enumerate(params):
+        if p.name == name:
+            return i
+    raise ConfigError(f"{type(module).__name__}.forward has no argument {name!r}")
+
+
+def _retie(module: nn.Module, tied: dict[str, list[str]]) -> None:
+    """Vocabulary-split layers whose whole weights were one tensor (a tied embedding and LM head) share their
+    slices as one parameter again: each rank's rows of the embedding are its rows of the head."""
+    mods = dict(module.named_modules())
+    for names in tied.values():
+        first = mods[names[0]]
+        for other in names[1:]:
+            m = mods[other]
+            if first.weight.shape != m.weight.shape:
+                raise ConfigError(
+                    f"{names[0]!r} and {other!r} share one weight, and their vocabulary slices differ in shape"
+                )
+            m.weight = first.weight
 
 
 def parallelize(
@@ -199,30 +283,40 @@ def parallelize(
     if p.prepare is not None:
         p.prepare(module, g.size)
     _agree(module, styles, g, sequence_parallel)
+    _split(module, styles, g, sequence_parallel)
+    object.__setattr__(module, "tp_group", g)
+    return module
+
+
+def _split(module: nn.Module, styles: dict[str, tuple[str, int | str]], g: TPGroup, sequence_parallel: bool) -> None:
     mods = dict(module.named_modules())
+    gathers = [n for n, (k, _) in styles.items() if k == "gather"]
+    head_gathers = sequence_parallel and not any(k == "gather_end" for k, _ in styles.values())
+    tied: dict[int, list[str]] = {}
     for name, (kind, n) in styles.items():
         m = mods[name]
         new: nn.Module | None = None
         if kind == "colwise":
-            assert isinstance(m, nn.Linear)
-            new = ColumnParallelLinear(m, g, chunks=n, sequence_parallel=sequence_parallel, name=name)
+            assert isinstance(n, int)
+            inside = any(name.startswith(f"{a}.") for a in gathers)
+            new = ColumnParallelLinear(m, g, chunks=n, sequence_parallel=sequence_parallel, gathered=inside, name=name)
         elif kind == "rowwise":
-            assert isinstance(m, nn.Linear)
             new = RowParallelLinear(m, g, sequence_parallel=sequence_parallel, name=name)
         elif kind == "vocab":
-            new = (
-                VocabParallelEmbedding(m, g, sequence_parallel=False)
-                if isinstance(m, nn.Embedding)
-                else VocabParallelHead(m, g, sequence_parallel=sequence_parallel)
-            )
+            tied.setdefault(id(m.weight), []).append(name)
+            if isinstance(m, nn.Embedding):
+                new = VocabParallelEmbedding(m, g, sequence_parallel=False)
+            else:
+                assert isinstance(m, nn.Linear)
+                new = VocabParallelHead(m, g, sequence_parallel=head_gathers)
         elif kind == "replicate" and sequence_parallel:
             _mark_partial(m)
-        elif kind == "sequence":
-            m.register_forward_pre_hook(_split_input_hook(g))
+        elif kind in _SEQUENCE_STYLES:
+            fn = {"sequence": split_sequence, "gather": gather_sequence, "gather_end": leave_sequence}[kind]
+            m.register_forward_pre_hook(_arg_hook(fn, g, n), with_kwargs=True)
         if new is not None:
             _swap(module, name, new)
-    object.__setattr__(module, "tp_group", g)
-    return module
+    _retie(module, {str(k): v for k, v in tied.items() if len(v) > 1})
 
 
 def tp_group_of(module: nn.Module) -> TPGroup:

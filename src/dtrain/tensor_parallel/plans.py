@@ -11,12 +11,15 @@ take sequence shards (``block0``'s input is split) and the norms run on them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.tensor_parallel.parallelize import Plan
 
-__all__ = ["gpt"]
+__all__ = ["gpt", "gpt_sequence_parallel", "for_model"]
 
 
 def _gpt_heads(module: nn.Module, tp: int) -> None:
@@ -51,3 +54,38 @@ gpt = Plan(
 def gpt_sequence_parallel() -> Plan:
     """:data:`gpt` with ``block0``'s input split along the sequence (for ``sequence_parallel=True``)."""
     return Plan(styles={**gpt.styles, "block0": "sequence"}, prepare=gpt.prepare, name="gpt+sp")
+
+
+def _is_dtrain_gpt(model: nn.Module) -> bool:
+    from dtrain.workloads.models.gpt import CausalSelfAttention
+
+    return any(isinstance(m, CausalSelfAttention) for m in model.modules())
+
+
+def for_model(
+    model: nn.Module,
+    tp: int,
+    *,
+    tp_plan: str = "auto",
+    table: Mapping[str, str] | None = None,
+    sequence_parallel: bool = False,
+    sample: Any = None,
+) -> Plan:
+    """The plan a run splits ``model`` by over ``tp`` ranks.
+
+    ``table`` (a ``[tensor.plan]`` of the run's TOML) when given, with the head counts of the plan it replaces;
+    else, under ``tp_plan`` ``auto``, :data:`gpt` for dtrain's own gpt models and the derived plan
+    (:func:`~dtrain.tensor_parallel.derive.derive_plan`) for any other; ``derive``: the derived plan always.
+    """
+    from dtrain.tensor_parallel.derive import derive_plan
+
+    if tp_plan not in ("auto", "derive"):
+        raise ConfigError(f"tp_plan {tp_plan!r}: choose auto or derive")
+    if tp_plan == "auto" and _is_dtrain_gpt(model):
+        base = gpt_sequence_parallel() if sequence_parallel else gpt
+    else:
+        # a table of one's own takes only the head counts from the derived plan (and its own sequence styles)
+        base = derive_plan(model, tp, sample=sample, sequence_parallel=sequence_parallel and not table)
+    if table:
+        return Plan(styles=dict(table), prepare=base.prepare, name="[tensor.plan]")
+    return base

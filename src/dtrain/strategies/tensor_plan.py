@@ -1,0 +1,62 @@
+"""``--strategy tensor`` on a model without a hand-written plan (or with a ``[tensor.plan]`` of its own): the plan
+the workers will split it by, found in the parent on the model built as they build it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dtrain.config.schema import RunConfig
+
+__all__ = ["check_tensor_plan"]
+
+
+def check_tensor_plan(o: Any, cfg: RunConfig, tp: int) -> None:
+    """The plan the workers will split the model by, found here on the model built as they build it: every error
+    of the plan (a key matching nothing, heads or widths ``tp`` does not divide) before any process starts.
+
+    ``o``: the run's ``TensorOptions`` (``tp_plan``, ``plan``, ``sequence_parallel``)."""
+    from dtrain.tensor_parallel.parallelize import check_plan
+    from dtrain.tensor_parallel.plans import for_model
+    from dtrain.workloads.data import first_samples
+    from dtrain.workloads.models import make_model
+
+    data = cfg.load_data()
+    if o.sequence_parallel and cfg.seq_len % tp:
+        raise ConfigError(f"sequence parallel: --seq-len {cfg.seq_len} does not divide over --tp {tp}")
+    torch.manual_seed(cfg.seed)
+    model = make_model(
+        cfg.model,
+        tuple(data.input_shape),
+        data.num_classes,
+        task=data.task,
+        model_args=cfg.model_args,
+        seq_len=cfg.seq_len,
+        **cfg.gpt_overrides(),
+    )
+    plan = for_model(
+        model,
+        tp,
+        tp_plan=o.tp_plan,
+        table=dict(o.plan),
+        sequence_parallel=o.sequence_parallel,
+        sample=first_samples(data.train, 2)[0],
+    )
+    if not any(s.partition(":")[0] in ("colwise", "rowwise", "vocab") for s in plan.styles.values()):
+        raise ConfigError(
+            f"tensor: the plan splits nothing of model {cfg.model} (no attention, MLP or vocabulary found to split "
+            "by its structure); give a [tensor.plan] table, or train it under dp, ddp, dp --shard or ps"
+        )
+    check_plan(model, plan, tp, sequence_parallel=o.sequence_parallel)
+    if plan.prepare is not None:
+        plan.prepare(model, tp)  # the head counts: a count tp does not divide is named here
+    vocab_split = any(k == "vocab" for k in plan.styles.values())
+    if vocab_split and cfg.loss:
+        raise ConfigError(
+            f"--loss {cfg.loss}: the plan splits the LM head by vocabulary, so each rank holds a slice of the "
+            "logits and the loss is the vocabulary-parallel cross entropy; drop --loss"
+        )
