@@ -107,7 +107,12 @@ class TensorOptions(StrategyOptions):
         return f"tensor tp{workers}{' sp' if self.sequence_parallel else ''}{which}"
 
     def checkpoint_keys(self) -> dict[str, Any]:
-        return {"sequence_parallel": self.sequence_parallel, "tp_plan": self.tp_plan, "plan": dict(self.plan)}
+        keys: dict[str, Any] = {"sequence_parallel": self.sequence_parallel}
+        if self.tp_plan != "auto":  # the defaults stay out: a checkpoint written without these keys resumes
+            keys["tp_plan"] = self.tp_plan
+        if self.plan:
+            keys["plan"] = dict(self.plan)
+        return keys
 
     def refuses_grad_accum(self, workers: int) -> str:
         if self.sequence_parallel:
