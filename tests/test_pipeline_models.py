@@ -8,7 +8,8 @@ one-process run of the same model on the same batch (the tolerance of tests/test
 oracles), and after 3 steps the copies of GPT-2's tied weight on the first and the last stage are equal, bit
 for bit, and equal to the one-process model's. Schedules: 1f1b and interleaved (2 chunks) at 2 ranks, gpipe
 at 3; activation recomputation on one case, split points on one. Three cases run in the default suite, the
-rest under ``-m slow``, as does ``dtrain run --strategy pipeline --model hf:llama`` learning.
+rest under ``-m slow``, as do ``dtrain run --strategy pipeline --model hf:llama`` learning and a clipped GPT-2
+pipeline (the global norm counts the tied weight once) against one process.
 
 Bad input (in-process, ranks as threads; and through ``dtrain run``, exit code 2): fewer blocks than
 stages, a split point that names no block, a model with no list of repeated blocks, a module that runs
@@ -25,7 +26,7 @@ import torch
 from _dist import guard as _guard
 from _dist import run_distributed
 from _dist import scenario_result as _ok
-from _helpers import dtrain_cli, dtrain_runs, mean_losses
+from _helpers import dtrain_cli, dtrain_runs, mean_losses, read_metrics
 from torch import nn
 
 from dtrain.comm.transport import Transport, run_threads
@@ -328,3 +329,44 @@ def test_dtrain_run_pipelines_llama_and_it_learns(tmp_path: Path) -> None:
     losses = mean_losses(out)
     first, last = sum(losses[s] for s in range(3)) / 3, sum(losses[s] for s in range(21, 24)) / 3
     assert last < first - 1.0, (first, last, text[-2000:])
+
+
+GPT2 = [
+    "--model",
+    "hf:gpt2",
+    "--model-arg",
+    "n_layer=2",
+    "--model-arg",
+    "n_embd=64",
+    "--model-arg",
+    "n_head=4",
+    "--model-arg",
+    "n_positions=32",
+    "--model-arg",
+    "resid_pdrop=0.0",
+    "--model-arg",
+    "embd_pdrop=0.0",
+    "--model-arg",
+    "attn_pdrop=0.0",
+]
+
+
+@pytest.mark.slow
+def test_a_clipped_gpt2_pipeline_counts_its_tied_weight_once(tmp_path: Path) -> None:
+    """``--clip-grad-norm`` below the gradient's norm: the global norm over the stages counts the tied weight
+    (on both ranks) once, and every step's loss and norm equal one process's."""
+    common = [*GPT2, *TEXT, "--batch-size", "8", "--optimizer", "sgd", "--lr", "0.5", "--max-steps", "4"]
+    common += ["--clip-grad-norm", "0.5"]
+    runs = {
+        "one": ["--strategy", "dp", "--workers", "1"],
+        "pipe": ["--strategy", "pipeline", "--workers", "2", "--microbatches", "2"],
+    }
+    out = dtrain_runs(tmp_path, common, runs, timeout=300)
+    want, got = mean_losses(out["one"][0]), mean_losses(out["pipe"][0])
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=REL), (step, got, want)
+    norms = {r["step"]: r["grad_norm"] for r in read_metrics(out["one"][0])}
+    assert norms[0] > 0.5  # the clip acts
+    for r in read_metrics(out["pipe"][0]):
+        assert r["grad_norm"] == pytest.approx(norms[r["step"]], rel=REL), r
