@@ -7,7 +7,7 @@ the parameters it shares with another rank and its per-stage parameter counts. E
 one-process run of the same model on the same batch (the tolerance of tests/test_pipeline_dist.py's
 oracles), and after 3 steps the copies of GPT-2's tied weight on the first and the last stage are equal, bit
 for bit, and equal to the one-process model's. Schedules: 1f1b and interleaved (2 chunks) at 2 ranks, gpipe
-at 3; activation recomputation on one case, split points on one. Three cases run in the default suite, the
+at 3, 2bw at 2; activation recomputation on one case, split points on one. Three cases run in the default suite, the
 rest under ``-m slow``, as do ``dtrain run --strategy pipeline --model hf:llama`` learning and a clipped GPT-2
 pipeline (the global norm counts the tied weight once) against one process.
 
@@ -82,17 +82,35 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _reference(kind: str, layers: int) -> tuple[list[float], torch.Tensor]:
-    """One process, the whole batch: each step's loss, and the embedding's weight after the steps."""
+def _reference(kind: str, layers: int, twobw: bool = False) -> tuple[list[float], torch.Tensor]:
+    """One process, the whole batch: each step's loss, and the embedding's weight after the steps. ``twobw``:
+    PipeDream-2BW's rule, ``W(t+1) = W(t) - lr * grad(W(t-1))`` with batch t-1's gradient (the first step
+    updates nothing), each step's loss that of its batch on ``W(t)``."""
     model = _model(kind, layers)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for x, y in _batches():
+    data = _batches()
+    params = dict(model.named_parameters())
+    prev: dict[str, torch.Tensor] | None = None
+    for k, (x, y) in enumerate(data):
         opt.zero_grad()
-        loss = task_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+        if not twobw:
+            loss = task_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            continue
+        with torch.no_grad():
+            losses.append(float(task_loss(model(x), y)))
+        cur = {n: p.detach().clone() for n, p in params.items()}
+        if prev is not None:  # batch k-1's gradient on the weights its forward used
+            old = {n: w.requires_grad_() for n, w in prev.items()}
+            out = torch.func.functional_call(model, old, (data[k - 1][0],))
+            grads = torch.autograd.grad(task_loss(out, data[k - 1][1]), list(old.values()))
+            with torch.no_grad():
+                for p, g in zip(params.values(), grads):
+                    p -= LR * g
+        prev = cur
     return losses, model.get_input_embeddings().weight.detach().clone()
 
 
@@ -120,7 +138,7 @@ def _run(kind: str, layers: int, schedule: str, recompute: str, points: tuple[st
         opt.step()
     return {
         "losses": losses,
-        "shared": [p.detach().clone() for p, _ in pipe.shared_parameters()],
+        "shared": [p.detach().tolist() for p, _ in pipe.shared_parameters()],  # plain numbers across the queue
         "stage_params": pipe.stage_params,
         "sizes": pipe.sizes,
         "held": sum(p.numel() for p in pipe.parameters()),
@@ -134,8 +152,8 @@ def _ranks(rank: int, world: int, scenarios: list[Scenario]) -> list[Any]:
 def _check(world: int, scenarios: list[Scenario]) -> None:
     pytest.importorskip("transformers")
     results = run_distributed(_ranks, world, scenarios, timeout=300)
-    for i, (kind, layers, _, _, points) in enumerate(scenarios):
-        want, embedding = _reference(kind, layers)
+    for i, (kind, layers, schedule, _, points) in enumerate(scenarios):
+        want, embedding = _reference(kind, layers, twobw=schedule == "2bw")
         rows = [_ok(results[r][i]) for r in range(world)]
         for r, row in enumerate(rows):
             assert row["losses"] == pytest.approx(want, rel=REL), (scenarios[i], r, row["losses"], want)
@@ -146,7 +164,7 @@ def _check(world: int, scenarios: list[Scenario]) -> None:
         if kind == "gpt2":  # the tied weight: on the first and the last stage's ranks, the same after 3 steps
             copies = [row["shared"] for row in rows if row["shared"]]
             assert len(copies) == 2, [len(c) for c in copies]  # the first and the last stage are on two ranks
-            first, last = copies[0][0], copies[-1][0]
+            first, last = torch.tensor(copies[0][0]), torch.tensor(copies[-1][0])
             assert torch.equal(first, last)
             assert torch.allclose(first, embedding, rtol=0, atol=1e-5), float((first - embedding).abs().max())
         else:
@@ -177,6 +195,11 @@ def test_interleaved_gpt2_recompute_and_split_points_train_as_one_process() -> N
 @pytest.mark.slow
 def test_three_stages_under_gpipe_train_as_one_process() -> None:
     _check(3, [("gpt2", 3, "gpipe", "never", ()), ("llama", 3, "gpipe", "never", ())])
+
+
+@pytest.mark.slow
+def test_gpt2_and_llama_under_2bw_follow_its_rule() -> None:
+    _check(2, [("gpt2", 2, "2bw", "never", ()), ("llama", 2, "2bw", "never", ())])
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -386,7 +386,7 @@ class Pipeline:
             for r in ranks:
                 part = g if r == self.rank else self.channel.recv_from(r, STATE, _TIED, i, tuple(g.shape), g.dtype)
                 total = part.clone() if total is None else total.add_(part)
-            self.channel.wait_sends()
+            self.channel.wait_sends(self.executor.carried)  # 2bw: not the gradients its next call receives
             p.grad = total
 
     def shared_parameters(self) -> list[tuple[nn.Parameter, list[int]]]:
