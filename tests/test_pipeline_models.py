@@ -9,7 +9,8 @@ oracles), and after 3 steps the copies of GPT-2's tied weight on the first and t
 for bit, and equal to the one-process model's. Schedules: 1f1b and interleaved (2 chunks) at 2 ranks, gpipe
 at 3, 2bw at 2; activation recomputation on one case, split points on one. Three cases run in the default suite, the
 rest under ``-m slow``, as do ``dtrain run --strategy pipeline --model hf:llama`` learning and a clipped GPT-2
-pipeline (the global norm counts the tied weight once) against one process.
+pipeline (the global norm counts the tied weight once) against one process, and a GPT-2 pipeline resumed
+from its checkpoint step for step.
 
 Bad input (in-process, ranks as threads; and through ``dtrain run``, exit code 2): fewer blocks than
 stages, a split point that names no block, a model with no list of repeated blocks, a module that runs
@@ -393,3 +394,18 @@ def test_a_clipped_gpt2_pipeline_counts_its_tied_weight_once(tmp_path: Path) -> 
     assert norms[0] > 0.5  # the clip acts
     for r in read_metrics(out["pipe"][0]):
         assert r["grad_norm"] == pytest.approx(norms[r["step"]], rel=REL), r
+
+
+@pytest.mark.slow
+def test_a_gpt2_pipeline_resumes_from_its_checkpoint_step_for_step(tmp_path: Path) -> None:
+    """Each stage saves the parameters it holds under the whole model's names (the tied weight on both); a run
+    resumed at step 2 gives the uninterrupted run's last losses."""
+    common = [*GPT2, *TEXT, "--batch-size", "8", "--optimizer", "adam", "--lr", "0.003", "--max-steps", "4"]
+    common += ["--strategy", "pipeline", "--workers", "2", "--microbatches", "2"]
+    ((full, _),) = dtrain_runs(tmp_path, common, {"full": ["--checkpoint-every", "2"]}, timeout=300).values()
+    ckpt = full / "checkpoints" / "step_000002"
+    ((resumed, _),) = dtrain_runs(tmp_path, common, {"resumed": ["--resume", str(ckpt)]}, timeout=300).values()
+    want, got = mean_losses(full), mean_losses(resumed)
+    assert sorted(got) == [2, 3]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=REL), (step, got, want)
