@@ -111,6 +111,7 @@ def test_a_config_written_with_the_old_name_of_recompute_still_loads(tmp_path):
         "chunks": 2,
         "balance": "equal",
         "recompute": "except_last",
+        "split_points": "",
     }
     # a flat key, and the old flag
     assert RunConfig.make(strategy="pipeline", checkpoint="always").options.recompute == "always"

@@ -6,6 +6,9 @@
   a simulator and a validator (private engine: ``_simulate``);
 * :mod:`.partition` -- balanced cuts of an ``nn.Sequential`` (by layer counts, parameters,
   memory or measured time);
+* :mod:`.blocks` and :mod:`.staged` -- a model that is not an ``nn.Sequential``: its list of repeated blocks
+  and what runs around it (found by a traced forward), and its stages, each running the model's own
+  forward with only its blocks in place;
 * :mod:`.executor` -- plays one rank's actions (forwards, backwards, sends and receives; the
   messages between stages are the private ``_channel``);
 * :mod:`.pipe` -- :class:`Pipeline`, which runs a schedule over dtrain's transport.

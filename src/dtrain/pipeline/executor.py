@@ -11,6 +11,10 @@ which the caller takes after :meth:`Executor.run`. Between stages on one rank
 (interleaved schedules with one rank, or a user's placement) tensors are handed
 over without a message.
 
+A stage may take a second input beside its activation, the same on every stage (a model's token ids,
+from which each stage of :mod:`dtrain.pipeline.staged` recomputes the masks and positions): ``side``, one
+per micro-batch, passed to :meth:`Executor.run`.
+
 Receives whose shapes are known (every step after the first) are posted when the
 step starts, so a message never waits for its receiver to reach the action.
 
@@ -88,7 +92,7 @@ class _Record:
     module: nn.Module | None = None  # the module its forward ran (2bw: a shadow holding that weight version)
 
 
-def _shadow(part: nn.Sequential) -> nn.Sequential:
+def _shadow(part: nn.Module) -> nn.Module:
     """A copy of ``part`` with its own parameters and the live buffers (running statistics stay one)."""
     twin = copy.deepcopy(part)
     for live, mod in zip(part.modules(), twin.modules()):
@@ -103,7 +107,7 @@ class Executor:
     def __init__(
         self,
         channel: Channel,
-        parts: dict[int, nn.Sequential],
+        parts: dict[int, nn.Module],
         schedule: Schedule,
         rank: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -131,6 +135,7 @@ class Executor:
         self._cur: int | None = None  # 2bw: the shadow this call's forwards use
         self._prev: int | None = None  # 2bw: the shadow whose batch's last backwards are pending
         self._stats = StepStats(0)
+        self._side: list[torch.Tensor] | None = None  # this call's second inputs, one per micro-batch
         self.tracer: Tracer | None = None  # set by the Pipeline: a span per action
         self._call = 0  # calls so far (2bw: the parity of a micro-batch's batch is part of its message tags)
         if self.twobw:
@@ -161,9 +166,17 @@ class Executor:
 
     # ------------------------------------------------------------------ a call
 
-    def run(self, xs: list[torch.Tensor] | None, ys: list[torch.Tensor] | None, step: int) -> StepStats:
-        """Play the list once over micro-batches ``xs`` / ``ys`` (None where this rank does not read them)."""
+    def run(
+        self,
+        xs: list[torch.Tensor] | None,
+        ys: list[torch.Tensor] | None,
+        step: int,
+        side: list[torch.Tensor] | None = None,
+    ) -> StepStats:
+        """Play the list once over micro-batches ``xs`` / ``ys`` (None where this rank does not read them);
+        ``side``: every stage's second input, by micro-batch (None: the stages take their activation only)."""
         self._stats = StepStats(step)
+        self._side = side
         if self.twobw:
             self._cur = self._call % 2
             with torch.no_grad():
@@ -307,10 +320,11 @@ class Executor:
         inp = self._input(stage, mb, xs)
         rec = self._rec(stage, mb)
         fn = self._stage_fn(stage, rec)
+        args = (inp,) if self._side is None else (inp, self._side[mb])
         if self.checkpoint == "always" or (self.checkpoint == "except_last" and mb != self.M - 1):
-            out = recompute(fn, inp, use_reentrant=False)
+            out = recompute(fn, *args, use_reentrant=False)
         else:
-            out = fn(inp)
+            out = fn(*args)
         rec.out = out
         if stage == self.last:
             if ys is None:
@@ -320,7 +334,7 @@ class Executor:
         self._live[stage] += 1
         self.peak_in_flight[stage] = max(self.peak_in_flight[stage], self._live[stage])
 
-    def _stage_fn(self, stage: int, rec: _Record) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _stage_fn(self, stage: int, rec: _Record) -> Callable[..., torch.Tensor]:
         """The stage as a function of its input: the module, or (2bw, a stage that defers backwards) this
         call's shadow of it."""
         module: nn.Module = self.parts[stage]

@@ -1,4 +1,11 @@
-"""``dtrain.Pipeline``: an ``nn.Sequential`` cut into stages, trained micro-batch by micro-batch.
+"""``dtrain.Pipeline``: a model cut into stages, trained micro-batch by micro-batch.
+
+An ``nn.Sequential`` is cut between its children. Any other module is cut between the blocks of its list of
+repeated blocks (GPT-2's ``transformer.h``, Llama's ``model.layers``), found by one forward of ``sample``
+(:mod:`dtrain.pipeline.blocks`); each stage then runs the model's own forward on the micro-batch's token ids
+with only its blocks in place and only its parameters held (:mod:`dtrain.pipeline.staged`), every rank
+reading the input. A parameter held on two ranks (an embedding tied to the head) has its gradient summed
+over them after each step, so that its copies stay equal.
 
 Every rank of the group builds the same model and calls :class:`Pipeline` with it;
 each keeps only its stages (``stages = ranks * chunks``; virtual stage ``s`` lives
@@ -36,7 +43,9 @@ import torch
 from torch import nn
 
 from dtrain.comm.transport import DEFAULT_TIMEOUT_S, TorchTransport, Transport
+from dtrain.pipeline import blocks as _blocks
 from dtrain.pipeline import partition as _partition
+from dtrain.pipeline import staged as _staged
 from dtrain.pipeline._channel import LOSS, STATE, Channel, PipelineError, next_space, tag
 from dtrain.pipeline.executor import Executor, StepStats
 from dtrain.pipeline.schedules import Schedule, ScheduleError, generate, validate, with_comms
@@ -45,7 +54,13 @@ from dtrain.trace import Tracer
 __all__ = ["Pipeline", "PipelineError", "CHECKPOINTS", "SCHEDULES"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
+_TIED = 2  # the stage number of STATE messages that carry a shared parameter's gradient (0: the state, 1: floats)
 CHECKPOINTS = ("never", "except_last", "always")
+
+
+def _call(model: nn.Module, x: torch.Tensor) -> Any:
+    """How a stage calls a module that is not an ``nn.Sequential``: on the micro-batch's input."""
+    return model(x)
 
 
 def _default_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -58,8 +73,9 @@ class Pipeline:
     """This rank's stages of a pipeline-parallel model.
 
     Args:
-        model: an ``nn.Sequential`` (cut between its children; ``dtrain``'s gpt models are one),
-            the same on every rank of ``group``.
+        model: the same module on every rank of ``group``: an ``nn.Sequential`` (cut between its children;
+            ``dtrain``'s gpt models are one), or any module with a list of repeated blocks (cut between them,
+            in place: afterwards it holds only this rank's stages; give ``sample``).
         microbatches: M, micro-batches per step; must divide the batch.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"2bw"``, or a
             :class:`~dtrain.pipeline.schedules.Schedule` of one's own (its ranks must be the group's size).
@@ -71,7 +87,10 @@ class Pipeline:
             the last's) or ``"always"`` (torch.utils.checkpoint).
         chunks: virtual stages per rank for ``"interleaved"`` (default 2).
         group: the process group (default: the whole job); or pass ``transport``.
-        sample: one micro-batch of input for ``balance="time"`` / ``"memory"``.
+        sample: one micro-batch of input for ``balance="time"`` / ``"memory"``, and, for a module that is not an
+            ``nn.Sequential``, the forward that finds its blocks.
+        split_points: names of the children (or blocks) that start the stages after the first, instead of
+            ``balance`` (``["model.layers.2"]``).
         timeout: seconds any send or receive may block.
         transport: a :class:`~dtrain.comm.transport.Transport` to use instead of ``group``.
         tracer: a :class:`~dtrain.trace.Tracer` that gets a span per action (``"1F3"``, ``"2SB0"``: stage, op,
@@ -80,7 +99,8 @@ class Pipeline:
     Attributes:
         module: this rank's stages, their children under the original names.
         stage / stages: this rank's first virtual stage and the number of virtual stages.
-        sizes: children per virtual stage (the cut).
+        sizes: children (or blocks) per virtual stage (the cut).
+        stage_params: the parameters each virtual stage holds (elements; a tied tensor counted once a stage).
         schedule: the schedule played.
         last_stats: figures of the last step (:class:`~dtrain.pipeline.executor.StepStats`).
     """
@@ -99,11 +119,12 @@ class Pipeline:
         timeout: float = DEFAULT_TIMEOUT_S,
         transport: Transport | None = None,
         tracer: Tracer | None = None,
+        split_points: Sequence[str] = (),
     ) -> None:
-        if not isinstance(model, nn.Sequential):
+        if not isinstance(model, nn.Sequential) and sample is None:
             raise PipelineError(
-                f"a pipeline cuts an nn.Sequential between its children; got a {type(model).__name__}"
-                f" (wrap its blocks in one nn.Sequential)"
+                f"a pipeline of a {type(model).__name__} (not an nn.Sequential) needs sample=, one micro-batch "
+                "of its input, to find the blocks it is cut between"
             )
         if not isinstance(microbatches, int) or microbatches < 1:
             raise PipelineError(f"microbatches must be a positive int, got {microbatches!r}")
@@ -120,19 +141,44 @@ class Pipeline:
         self.microbatches = microbatches
         self.stages = self.schedule.stages
         self.predicted_s: list[float] | None = None  # rank 0, balance="time": each stage's profiled time
+        self._blocks: _blocks.Layout | None = None  # a module that is not an nn.Sequential: its blocks
         try:
-            sizes = self._cut(model, balance, sample)
+            if isinstance(model, nn.Sequential):
+                sizes = self._cut(model, balance, sample, split_points)
+            else:
+                assert sample is not None
+                self._blocks = _blocks.trace(model, sample, profile=balance == "time" and self.rank == 0)
+                sizes = self._cut_blocks(model, self._blocks, balance, split_points)
         except _partition.PartitionError as e:
             raise PipelineError(f"partition: {e}") from None
         self.sizes = self._agree(sizes)
         if self.predicted_s is not None and self.predicted_s:
             self.predicted_s = _partition.stage_costs(self.predicted_s, self.sizes)
+        self._local = self.schedule.rank_stages(self.rank)
+        self.stage = self._local[0]
+        self._shared: list[tuple[int, nn.Parameter, list[int]]] = []  # (index, parameter, the ranks holding it)
+        self.module: nn.Module
+        if isinstance(model, nn.Sequential):
+            parts = self._sequential(model, ranks)
+        else:
+            assert self._blocks is not None
+            parts = self._any_module(model, ranks, self._blocks)
+        self.channel = Channel(self.transport, self.schedule.stage_rank, self.stages, self._space)
+        self.loss_fn = loss_fn if loss_fn is not None else _default_loss
+        self.checkpoint = checkpoint
+        self.executor = Executor(self.channel, parts, with_comms(self.schedule), self.rank, self.loss_fn, checkpoint)
+        self.executor.tracer = tracer if tracer is not None and tracer.enabled else None
+        self.last_stats: StepStats | None = None
+        self.steps = 0
+
+    def _sequential(self, model: nn.Sequential, ranks: int) -> dict[int, nn.Module]:
+        """An ``nn.Sequential``'s stages (its children, under their names); sets the module and the layout."""
         children = self._children = list(model.named_children())
         offsets = [sum(self.sizes[:s]) for s in range(self.stages + 1)]
         blocks = [nn.Sequential(OrderedDict(children[offsets[s] : offsets[s + 1]])) for s in range(self.stages)]
-        self._local = self.schedule.rank_stages(self.rank)
-        self.stage = self._local[0]
-        parts = {s: blocks[s] for s in self._local}
+        self._cut_names = [n for n, _ in children]
+        self.stage_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        parts: dict[int, nn.Module] = {s: blocks[s] for s in self._local}
         self.module = nn.Sequential(OrderedDict(kv for s in self._local for kv in blocks[s].named_children()))
         self._layout = [
             [
@@ -143,16 +189,69 @@ class Pipeline:
             for r in range(ranks)
         ]
         self._names = list(model.state_dict())
-        self.channel = Channel(self.transport, self.schedule.stage_rank, self.stages, self._space)
-        self.loss_fn = loss_fn if loss_fn is not None else _default_loss
-        self.checkpoint = checkpoint
-        self.executor = Executor(self.channel, parts, with_comms(self.schedule), self.rank, self.loss_fn, checkpoint)
-        self.executor.tracer = tracer if tracer is not None and tracer.enabled else None
-        self.last_stats: StepStats | None = None
-        self.steps = 0
+        return parts
 
-    def _cut(self, model: nn.Sequential, spec: str | Sequence[int], sample: torch.Tensor | None) -> list[int]:
+    def _any_module(self, model: nn.Module, ranks: int, layout: _blocks.Layout) -> dict[int, nn.Module]:
+        """A module's stages between its blocks (:mod:`dtrain.pipeline.staged`): prunes it in place; sets the
+        module, the layout of every rank's state, the per-stage parameter counts and the shared parameters."""
+        full = model.state_dict()
+        named = list(model.named_parameters(remove_duplicate=False))
+        hold = _staged.holders(layout, self.sizes, [*full, *(n for n, _ in named)])
+        rank_of = self.schedule.stage_rank
+
+        def ranks_of(name: str) -> set[int]:
+            h = hold[name]
+            return set(range(ranks)) if h is None else {rank_of(s) for s in h}
+
+        self._layout = [
+            [(n, tuple(t.shape), t.dtype) for n, t in full.items() if r in ranks_of(n)] for r in range(ranks)
+        ]
+        self._names = list(full)
+        self._cut_names = layout.blocks
+        held: dict[int, tuple[nn.Parameter, set[int]]] = {}
+        for n, p in named:
+            held.setdefault(id(p), (p, set()))[1].update(ranks_of(n))
+        shared = [(p, sorted(rs)) for p, rs in held.values() if len(rs) > 1]
+        self._shared = [(i, p, rs) for i, (p, rs) in enumerate(shared) if self.rank in rs]
+        self.stage_params = [
+            sum({id(p): p.numel() for n, p in named if hold[n] is None or s in (hold[n] or ())}.values())
+            for s in range(self.stages)
+        ]
+        parts = _staged.cut_model(model, layout, self.sizes, self._local, _call)
+        self.module = model
+        kept, want = set(model.state_dict()), {n for n, _, _ in self._layout[self.rank]}
+        if kept != want:  # pragma: no cover - the pruning and the layout disagree: a bug, said plainly
+            raise PipelineError(f"rank {self.rank}: the stages hold {sorted(kept ^ want)} against the plan")
+        return dict(parts)
+
+    def _cut_blocks(
+        self, model: nn.Module, layout: _blocks.Layout, spec: str | Sequence[int], points: Sequence[str]
+    ) -> list[int]:
+        """Blocks per virtual stage: the split points, or ``spec`` over the blocks' costs (rank 0's profile)."""
+        n, where = len(layout.blocks), f"{layout.list_name} of {layout.model}"
+        if n < self.stages:
+            raise _partition.PartitionError(
+                f"model {layout.model} has {n} blocks in {layout.list_name}, fewer than the {self.stages} stages: "
+                "a pipeline cuts between blocks; use fewer stages (workers x chunks) or more layers"
+            )
+        if points:
+            return _blocks.split_sizes(layout.blocks, points, self.stages, where)
+        if spec == "time" and self.rank != 0:
+            return [1] * self.stages  # replaced by rank 0's
+        if spec == "time":
+            self.predicted_s = [c.time_s for c in layout.costs]
+        listed = model.get_submodule(layout.list_name)
+        assert isinstance(listed, nn.ModuleList)
+        blocks = nn.Sequential(*listed)  # named "0", "1", ... as the costs
+        return _partition.balance(blocks, self.stages, spec, costs=layout.costs)
+
+    def _cut(
+        self, model: nn.Sequential, spec: str | Sequence[int], sample: torch.Tensor | None, points: Sequence[str]
+    ) -> list[int]:
         """The cut (children per virtual stage); profiled on rank 0 only (the others take rank 0's)."""
+        if points:
+            names = [n for n, _ in model.named_children()]
+            return _blocks.split_sizes(names, points, self.stages, f"the children of the {type(model).__name__}")
         if spec in ("time", "memory") and self.rank != 0:
             if len(model) < self.stages:
                 raise _partition.PartitionError(f"model has {len(model)} layers, fewer than {self.stages} stages")
@@ -166,7 +265,7 @@ class Pipeline:
     def cut_table(self, measured: Sequence[float] | None = None) -> str:
         """The cut as a table: each stage's layers, its profiled time per micro-batch (balance="time", rank 0)
         and ``measured`` times if given."""
-        names = [n for n, _ in self._children]
+        names = self._cut_names
         predicted = self.predicted_s if self.predicted_s is not None else [float("nan")] * self.stages
         return _partition.describe(names, self.sizes, predicted, measured)
 
@@ -245,16 +344,20 @@ class Pipeline:
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> float:
         """Forward and backward of the batch ``(x, y)`` through the schedule; the mean loss.
 
-        Every rank of the group calls it. ``x`` is read on the first stage's rank and ``y`` on
+        Every rank of the group calls it. ``x`` is read on the first stage's rank (on every rank for a
+        module that is not an ``nn.Sequential``: each stage runs the model's forward on it) and ``y`` on
         the last's (other ranks may pass None). Gradients accumulate into ``.grad`` (zero them
-        between steps, as with any torch training loop).
+        between steps, as with any torch training loop); a parameter held on several ranks has the sum
+        of their gradients on each.
         """
-        xs = self._split(x, "input") if self.is_first else None
+        side = self._split(x, "input (every stage runs the model's forward on it)") if self._blocks else None
+        xs = side if side is not None else self._split(x, "input") if self.is_first else None
         ys = self._split(y, "target") if self.is_last else None
         t0 = time.perf_counter()
-        stats = self.executor.run(xs, ys, self.steps)
+        stats = self.executor.run(xs, ys, self.steps, side)
         loss = self._share_loss(stats.loss_sum / self.microbatches if self.is_last else 0.0)
         self.channel.wait_sends(self.executor.carried)
+        self._sum_shared()
         stats.step_s = time.perf_counter() - t0
         stats.loss = loss
         self.last_stats = stats
@@ -267,7 +370,29 @@ class Pipeline:
         schedules). Every rank calls it."""
         ran = self.executor.flush(self.steps)
         self.channel.wait_sends()
+        if ran:
+            self._sum_shared()
         return ran
+
+    def _sum_shared(self) -> None:
+        """Each parameter held on several ranks (a tied embedding and head): the sum of their gradients on each,
+        added in rank order so that every copy gets the same bits (and so stays equal after the update)."""
+        for i, p, ranks in self._shared:
+            g = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+            for r in ranks:
+                if r != self.rank:
+                    self.channel.send_to(g, r, STATE, _TIED, i)
+            total: torch.Tensor | None = None
+            for r in ranks:
+                part = g if r == self.rank else self.channel.recv_from(r, STATE, _TIED, i, tuple(g.shape), g.dtype)
+                total = part.clone() if total is None else total.add_(part)
+            self.channel.wait_sends(self.executor.carried)  # 2bw: not the gradients its next call receives
+            p.grad = total
+
+    def shared_parameters(self) -> list[tuple[nn.Parameter, list[int]]]:
+        """This rank's parameters that other ranks hold too, with the ranks holding each (their gradients are
+        summed over them; a global norm counts each once)."""
+        return [(p, ranks) for _, p, ranks in self._shared]
 
     def _share_loss(self, value: float) -> float:
         """The last stage's loss on every rank (it sends; the others receive)."""
@@ -288,8 +413,11 @@ class Pipeline:
     @torch.no_grad()
     def forward(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """The model's output for ``x`` (evaluation: no gradients, the whole batch at once) on the last
-        stage's rank; None on the others. Every rank calls it; ``x`` is read on the first stage's."""
+        stage's rank; None on the others. Every rank calls it; ``x`` is read on the first stage's (on every rank
+        for a module that is not an ``nn.Sequential``)."""
         out: torch.Tensor | None = None
+        if self._blocks is not None and x is None:
+            raise PipelineError(f"rank {self.rank}, stage {self.stage}: forward() needs the input on every rank")
         for s in self._local:
             if s == 0:
                 if x is None:
@@ -300,7 +428,7 @@ class Pipeline:
                 inp = out
             else:
                 inp = self.channel.recv_eval(s)
-            out = self.executor.parts[s](inp)
+            out = self.executor.parts[s](inp) if self._blocks is None else self.executor.parts[s](inp, x)
             if s < self.stages - 1 and self.schedule.stage_rank(s + 1) != self.rank:
                 assert out is not None
                 self.channel.send_eval(s, out)

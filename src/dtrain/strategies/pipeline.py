@@ -2,7 +2,10 @@
 
 Every worker builds the whole model, keeps its stage (:class:`dtrain.Pipeline`) and
 reads the whole batch (only the first stage uses the inputs and the last the
-targets). The evaluated model is the stages' parameters gathered on rank 0 (a
+targets). dtrain's own models are cut between their children; a user's model (``FILE.py:FN``,
+``hf:gpt2``, ``hf:llama``, ...) between the blocks of its list of repeated blocks, each stage running the
+model's own forward on the token ids (:mod:`dtrain.pipeline.staged`); ``--split-points`` names the children
+or blocks that start the stages after the first. The evaluated model is the stages' parameters gathered on rank 0 (a
 message from every stage at each evaluation).
 
 Checkpoints (``--checkpoint-every``, ``--resume``, and so ``--max-restarts``): each stage saves its own
@@ -14,6 +17,7 @@ weight versions).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +67,8 @@ class PipelineOptions(StrategyOptions):
         chunks: virtual stages per worker for the interleaved schedule.
         balance: how the model is cut: equal, params, memory, time, or layer counts "2,3,2".
         recompute: activation recomputation: never, except_last, always (torch.utils.checkpoint).
+        split_points: the children (or a user model's blocks, ``model.layers.2``) that start the stages after
+            the first, comma-separated, instead of ``balance``.
         checkpoint: recompute's name before it was renamed (it read as saving checkpoints, beside
             ``--checkpoint-every``); a configuration written then still loads, its value moved to ``recompute``.
     """
@@ -84,6 +90,13 @@ class PipelineOptions(StrategyOptions):
             "never (default: never)",
         },
     )
+    split_points: str = field(
+        default="",
+        metadata={
+            "help": "the cut by name: the children, or a user model's blocks (model.layers.2), that start the "
+            "stages after the first, comma-separated (default: none, cut by --balance)"
+        },
+    )
     checkpoint: str = field(default="", repr=False, compare=False, metadata={"renamed_to": "recompute"})
 
     def __post_init__(self) -> None:
@@ -102,6 +115,10 @@ class PipelineOptions(StrategyOptions):
         if self.chunks < 1 or (self.schedule == "interleaved" and self.chunks < 2):
             raise ConfigError(f"chunks must be >= 2 for the interleaved schedule (>= 1 otherwise), got {self.chunks}")
         parse_balance(self.balance)
+
+    def points(self) -> list[str]:
+        """``split_points`` as a list of names."""
+        return [p.strip() for p in self.split_points.split(",") if p.strip()]
 
     @property
     def virtual(self) -> int:
@@ -142,19 +159,76 @@ class PipelineOptions(StrategyOptions):
 def _model_children(cfg: RunConfig) -> int:
     from dtrain.workloads.models import build_model, is_language_model
     from dtrain.workloads.models.gpt import resolve_gpt_config
-    from dtrain.workloads.models.specs import is_builtin
-
-    if not is_builtin(cfg.model):
-        raise ConfigError(
-            f"pipeline: a pipeline cuts dtrain's own models (an nn.Sequential) between children; "
-            f"model {cfg.model} trains under the strategies that do not cut it: dp, ddp, dp --shard, "
-            "ps, local_sgd, easgd, gossip"
-        )
 
     if is_language_model(cfg.model):
         layers: int = resolve_gpt_config(cfg.model, **cfg.gpt_overrides(), seq_len=cfg.seq_len).layers
         return layers + 3
     return len(build_model(cfg.model))
+
+
+def _cut_points(cfg: RunConfig) -> tuple[list[str] | None, str]:
+    """The names a pipeline cuts between (a user model's blocks, a Sequential's children) and what they are,
+    from the model built on the meta device (nothing allocated); None where that build fails (the worker's
+    own build says why)."""
+    from dtrain.pipeline.blocks import find_blocks
+    from dtrain.pipeline.partition import PartitionError
+    from dtrain.workloads.models import make_model
+
+    data = cfg.load_data()
+    try:
+        with torch.device("meta"):
+            model = make_model(
+                cfg.model,
+                tuple(data.input_shape),
+                data.num_classes,
+                task=data.task,
+                model_args=cfg.model_args,
+                seq_len=cfg.seq_len,
+                **cfg.gpt_overrides(),
+            )
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - a function that cannot build on the meta device: the worker's build
+        return None, ""
+    if isinstance(model, nn.Sequential):
+        return [n for n, _ in model.named_children()], f"the children of model {cfg.model}"
+    try:
+        name, blocks = find_blocks(model)
+    except PartitionError as e:
+        raise ConfigError(f"pipeline: {e}") from None
+    what = f"{name} of model {cfg.model} ({type(model).__name__}, blocks {type(blocks[0]).__name__})"
+    return [f"{name}.{i}" for i in range(len(blocks))], what
+
+
+def _check_cut(o: PipelineOptions, cfg: RunConfig, stages: int) -> None:
+    """Enough cut points for the stages, split points that name them, layer counts that add up."""
+    from dtrain.pipeline.blocks import split_sizes
+    from dtrain.pipeline.partition import PartitionError
+    from dtrain.workloads.models.specs import is_builtin
+
+    if is_builtin(cfg.model) and not o.points():
+        names: list[str] | None = [str(i) for i in range(_model_children(cfg))]
+        what = f"model {cfg.model}'s layers (children)"
+    else:
+        names, what = _cut_points(cfg)
+    if names is None:
+        return
+    if len(names) < stages:
+        raise ConfigError(
+            f"pipeline: {what}: {len(names)} to cut between, fewer than the {stages} stages of "
+            f"{cfg.workers} workers x {o.virtual}; use fewer workers (or chunks), or a model with more layers"
+        )
+    if o.points():
+        try:
+            split_sizes(names, o.points(), stages, what)
+        except PartitionError as e:
+            raise ConfigError(f"pipeline: {e}") from None
+        return
+    counts = parse_balance(o.balance)
+    if isinstance(counts, list) and (len(counts) != stages or sum(counts) != len(names) or min(counts) < 1):
+        raise ConfigError(
+            f"pipeline: balance {o.balance} must give {stages} positive layer counts summing to {len(names)}"
+        )
 
 
 def _check(o: PipelineOptions, cfg: RunConfig) -> None:
@@ -170,18 +244,7 @@ def _check(o: PipelineOptions, cfg: RunConfig) -> None:
             f"pipeline: {o.microbatches} micro-batches do not divide the batch of {cfg.batch_size}; "
             f"use --batch-size a multiple of {o.microbatches}"
         )
-    stages = cfg.workers * o.virtual
-    children = _model_children(cfg)
-    if children < stages:
-        raise ConfigError(
-            f"pipeline: model {cfg.model} has {children} layers (children), fewer than the "
-            f"{stages} stages of {cfg.workers} workers x {o.virtual}; use fewer workers"
-        )
-    counts = parse_balance(o.balance)
-    if isinstance(counts, list) and (len(counts) != stages or sum(counts) != children or min(counts) < 1):
-        raise ConfigError(
-            f"pipeline: balance {o.balance} must give {stages} positive layer counts summing to {children}"
-        )
+    _check_cut(o, cfg, cfg.workers * o.virtual)
     try:
         generate(o.schedule, cfg.workers, o.microbatches, o.virtual)
     except (ScheduleError, ValueError) as e:
@@ -208,10 +271,13 @@ class PipelineEngine:
         o = ctx.cfg.options
         assert isinstance(o, PipelineOptions)
         self.ctx, self.o, self.ckpt = ctx, o, ckpt
-        self.model = ctx.make_model()
-        x0 = first_samples(ctx.data.train, max(1, ctx.cfg.batch_size // o.microbatches))[0]
+        model = ctx.make_model()
+        # a module that is not an nn.Sequential is cut in place: rank 0 evaluates a whole copy of it
+        whole = isinstance(model, nn.Sequential) or ctx.rank != 0
+        self.model = model if whole else copy.deepcopy(model)
+        x0 = first_samples(ctx.data.train, max(1, ctx.cfg.batch_size // o.microbatches))[0].to(ctx.device)
         self.pipe: Pipeline = Pipeline(
-            self.model,
+            model,
             o.microbatches,
             o.schedule,
             loss_fn=ctx.scaled_loss,
@@ -221,6 +287,7 @@ class PipelineEngine:
             sample=x0,
             timeout=ctx.cfg.timeout_s,
             tracer=ctx.tracer,
+            split_points=o.points() if self.ckpt is None or self.ckpt.resume_from is None else (),
         )
         params = list(self.pipe.parameters())  # a stage of parameter-free layers (pooling, flatten) has none
         self.optimizer = ctx.make_optimizer(params) if params else None
@@ -281,8 +348,16 @@ class PipelineEngine:
 
         from dtrain.training.accumulate import clip_, gradients_of
 
-        grads = list(gradients_of(self.pipe.parameters()))
-        return clip_(grads, max_norm, reduce=dist.all_reduce if dist.is_initialized() else None)
+        shared = {id(p): ranks for p, ranks in self.pipe.shared_parameters()}  # counted on their first holder
+        mine = [p for p in self.pipe.parameters() if shared.get(id(p), [self.ctx.rank])[0] == self.ctx.rank]
+        rest = [p for p in self.pipe.parameters() if shared.get(id(p), [self.ctx.rank])[0] != self.ctx.rank]
+        grads = list(gradients_of(mine))
+        norm = clip_(grads, max_norm, reduce=dist.all_reduce if dist.is_initialized() else None)
+        coef = min(1.0, max_norm / (norm + 1e-6))  # the copies held elsewhere too: scaled as their first holder's
+        if coef < 1.0:
+            for g in gradients_of(rest):
+                g.mul_(coef)
+        return norm
 
     def forward(self, x: Any) -> torch.Tensor:
         raise ConfigError("a pipeline runs whole steps (train_step); forward alone is its evaluation")
@@ -349,6 +424,7 @@ class PipelineEngine:
             "schedule": self.o.schedule,
             "microbatches": self.o.microbatches,
             "flush_updates": self._flushes,
+            "stage_params": self.pipe.stage_params,
         }
         per_mb = sum(self._compute) / max(1, len(self._compute)) / self.o.microbatches
         measured = self.pipe.gather_floats([per_mb])  # collective: each rank's busy time per micro-batch
@@ -359,7 +435,9 @@ class PipelineEngine:
             if self.o.virtual == 1 and self.ctx.cfg.progress:
                 print(
                     f"pipeline cut ({self.o.balance}); times per micro-batch, forward + backward:\n"
-                    + self.pipe.cut_table(common["measured_stage_s"]),
+                    + self.pipe.cut_table(common["measured_stage_s"])
+                    + "\nparameters per stage: "
+                    + ", ".join(f"{n:,}" for n in self.pipe.stage_params),
                     flush=True,
                 )
         mine = {"rank": self.ctx.rank, "peak_in_flight": st["peak_in_flight"], "bytes_sent": int(st["bytes_sent"])}
