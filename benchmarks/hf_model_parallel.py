@@ -241,6 +241,7 @@ def _pipeline_worker(args: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's tracer on its own pytree specs
     data = _batches(args)
     ref = _reference(args, data)
     _, layers = _blocks(_model(args))
