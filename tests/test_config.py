@@ -169,3 +169,54 @@ def test_the_backend_follows_the_device(monkeypatch):
     own = validate(RunConfig.from_mapping({"device": "cuda", "workers": 1, "strategy": "ddp"}))
     assert own.process_backend() == ("nccl" if dist.is_nccl_available() else "gloo")
     assert RunConfig.from_mapping({"device": "cuda", "backend": "gloo", "workers": 1}).process_backend() == "gloo"
+
+
+@pytest.mark.parametrize(
+    "base, changes",
+    [
+        ({}, {"lr": 0.5, "workers": 3}),
+        ({"strategy": "ps", "servers": 2}, {"consistency": "ssp:2", "out": "x"}),
+        ({"strategy": "dp", "algorithm": "tree"}, {"algorithm": "ring", "bucket_mb": 4.0, "batch_size": 96}),
+        ({"model_args": {"width": 8}}, {"model_args.width": 16, "model_args.depth": 2}),
+        ({"batch_schedule": "0:32,1:64"}, {"epochs": 3}),
+        ({"strategy": "ps"}, {"strategy": "gossip", "workers": 4}),
+    ],
+)
+def test_replace_equals_parsing_the_whole_and_checks_only_what_changed(base, changes, monkeypatch):
+    """A change of the same strategy's values is checked on its own: the result equals parsing the whole
+    configuration again, without parsing it (one parse a process); a new strategy is parsed whole."""
+    cfg = RunConfig.make(**base)
+    d = cfg.to_dict()
+    if changes.get("strategy", cfg.strategy) != cfg.strategy:
+        d.pop(cfg.strategy)
+    dotted = {k.split(".", 1)[1]: changes[k] for k in changes if k.startswith("model_args.")}
+    flat = {k: v for k, v in changes.items() if not k.startswith("model_args.")}
+    want = RunConfig.from_mapping({**d, **flat, "model_args": {**cfg.model_args, **dotted}})
+    calls = []
+    parse = RunConfig.from_mapping.__func__
+
+    def spy(cls, values):
+        calls.append(values)
+        return parse(cls, values)
+
+    monkeypatch.setattr(RunConfig, "from_mapping", classmethod(spy))
+    assert cfg.replace(**changes) == want
+    assert len(calls) == (1 if "strategy" in changes else 0)
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"lr": "fast"}, ["option lr must be a number"]),
+        ({"servers": 2}, ["option servers belongs to strategy", "ps"]),
+        ({"bogus": 1}, ["unknown option(s) bogus"]),
+        ({"bucket_mb": "big"}, ["option bucket_mb must be a number"]),
+        ({"model_args": 3}, ["[model_args] must be a table"]),
+    ],
+)
+def test_replace_refuses_what_parsing_refuses(changes, words):
+    cfg = RunConfig.make(strategy="dp")
+    with pytest.raises(ConfigError) as e:
+        cfg.replace(**changes)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))

@@ -572,10 +572,34 @@ class RunConfig:
             opts = changes.pop("options")
             base = dataclasses.replace(self, strategy=changes.pop("strategy", self.strategy), options=opts)
             return base.replace(**changes) if changes else base
-        d = self.to_dict()
-        if changes.get("strategy", self.strategy) != self.strategy:
+        if changes.get("strategy", self.strategy) != self.strategy:  # the new strategy's defaults: parsed whole
+            d = self.to_dict()
             d.pop(self.strategy, None)
-        return self.from_mapping({**d, **changes})
+            return self.from_mapping({**d, **changes})
+        changes.pop("strategy", None)
+        return self._changed(changes)
+
+    def _changed(self, changes: dict[str, Any]) -> RunConfig:
+        """:meth:`replace` of the same strategy: only the changed values are checked, the rest kept as parsed
+        (what :meth:`from_mapping` of the whole would give; a key of another strategy or none goes through it
+        for its message)."""
+        shared = {f.name: f for f in self.shared_fields()}
+        kw: dict[str, Any] = {}
+        opts: dict[str, Any] = {}
+        for k, v in changes.items():
+            if k in shared:
+                kw[k] = _typed(k, _default(shared[k]), v)
+            elif k in ("model_args", "extra"):
+                if not isinstance(v, Mapping):
+                    return self.from_mapping({**self.to_dict(), **changes})
+                kw[k] = dict(v)
+            else:
+                opts[k] = v
+        if opts:
+            if set(opts) - {f.name for f in fields(self.entry.options)}:
+                return self.from_mapping({**self.to_dict(), **changes})
+            kw["options"] = build_options(self.entry, {**self.opts.to_table(), **opts})
+        return dataclasses.replace(self, **kw)
 
     def to_dict(self) -> dict[str, Any]:
         """TOML-shaped: shared keys, ``extra``, and the options as a table named for the strategy."""
