@@ -194,24 +194,9 @@ class ParameterServer:
         self._server: ShardServer | None = None
         self._client: ShardClient | None = None
         if self.is_server:
-            self._server = ShardServer(
-                self.transport,
-                self.shards[self.rank],
-                self.params,
-                optimizer_factory,
-                self.spec.build(),
-                workers,
-                push_c,
-                pull_c,
-                self._live,
-                timeout_s,
-                max_gradients,
+            self._server = self._shard_server(
+                optimizer_factory, workers, (push_c, pull_c), max_gradients, on_update, clip_grad_norm
             )
-            self._server.on_update = on_update
-            if clip_grad_norm:
-                from dtrain.param_server.clipping import ShardClipper
-
-                self._server.clip = ShardClipper(store, prefix, self.rank, servers, clip_grad_norm, timeout_s)
             if state is not None:
                 if reshard and sorted(int(w) for w in state["clock"]) != workers:
                     state = reshard_server_state(state, workers, self.spec)
@@ -226,6 +211,39 @@ class ParameterServer:
         self._served = False
 
     # ------------------------------------------------------------------ set-up
+
+    def _shard_server(
+        self,
+        optimizer_factory: Callable[[Any], torch.optim.Optimizer],
+        workers: list[int],
+        compressors: tuple[Compressor, Compressor],
+        max_gradients: int | None,
+        on_update: Callable[[int, bool], None] | None,
+        clip_grad_norm: float,
+    ) -> ShardServer:
+        """This server rank's :class:`ShardServer` of its shard (with the clipper of ``clip_grad_norm``)."""
+        push_c, pull_c = compressors
+        server = ShardServer(
+            self.transport,
+            self.shards[self.rank],
+            self.params,
+            optimizer_factory,
+            self.spec.build(),
+            workers,
+            push_c,
+            pull_c,
+            self._live,
+            self.timeout_s,
+            max_gradients,
+        )
+        server.on_update = on_update
+        if clip_grad_norm:
+            from dtrain.param_server.clipping import ShardClipper
+
+            server.clip = ShardClipper(
+                self.store, self.store_prefix, self.rank, self.num_servers, clip_grad_norm, self.timeout_s
+            )
+        return server
 
     @staticmethod
     def _connect(transport: Transport | None, store: Any, group: Any) -> tuple[Transport, Any, str]:
