@@ -95,6 +95,26 @@ def _check_arguments(
         raise ConfigError(f"max_gradients must be >= 1 or None, got {max_gradients}")
 
 
+def _consistency(consistency: str | ConsistencySpec, staleness_lr: bool, clip_grad_norm: float) -> ConsistencySpec:
+    """The consistency model, refused with ``clip_grad_norm`` unless bsp."""
+    spec = parse_consistency(consistency, staleness_lr=staleness_lr)
+    if clip_grad_norm and spec.kind != "bsp":
+        raise ConfigError(
+            f"clip_grad_norm clips each update's gradient over every server's shard, which bsp "
+            f"alone applies in step on every server; consistency is {spec}"
+        )
+    return spec
+
+
+def _check_role(rank: int, role: str, state: dict[str, Any] | None) -> None:
+    """A saved state resumes on a rank of its own role (server or worker) only."""
+    if state is not None and state.get("role") != role:
+        raise ConfigError(
+            f"rank {rank} is a {role} but was given the saved state of a {state.get('role')}; "
+            "resume with the same numbers of servers and workers"
+        )
+
+
 class ParameterServer:
     """Parameter-server training under a consistency model.
 
@@ -155,12 +175,7 @@ class ParameterServer:
         clip_grad_norm: float = 0.0,
     ) -> None:
         _check_arguments(model, optimizer_factory, servers, timeout_s, max_gradients)
-        self.spec = parse_consistency(consistency, staleness_lr=staleness_lr)
-        if clip_grad_norm and self.spec.kind != "bsp":
-            raise ConfigError(
-                f"clip_grad_norm clips each update's gradient over every server's shard, which bsp "
-                f"alone applies in step on every server; consistency is {self.spec}"
-            )
+        self.spec = _consistency(consistency, staleness_lr, clip_grad_norm)
         self.params = [p for p in model.parameters()]
         if not self.params:
             raise ConfigError("the model has no parameters")
@@ -182,12 +197,7 @@ class ParameterServer:
         self.spec.check_workers(self.num_workers)  # every rank fails alike, before any message
         self.is_server = self.rank < servers
         self.worker_index = -1 if self.is_server else self.rank - servers
-        role = "server" if self.is_server else "worker"
-        if state is not None and state.get("role") != role:
-            raise ConfigError(
-                f"rank {self.rank} is a {role} but was given the saved state of a {state.get('role')}; "
-                "resume with the same numbers of servers and workers"
-            )
+        _check_role(self.rank, "server" if self.is_server else "worker", state)
         self.timeout_s = float(timeout_s)
         workers = list(range(servers, self.world_size))
         self._live = Liveness(store, prefix, self.rank, timeout_s)
