@@ -52,7 +52,7 @@ from dtrain.comm.replicas import broadcast_tensors, check_same_everywhere, descr
 from dtrain.compress import resolve
 from dtrain.data_parallel._optim import check_optimizer
 from dtrain.data_parallel._reducer import Reducer, UnusedParametersError
-from dtrain.data_parallel.options import DataParallelConfig
+from dtrain.data_parallel.tunables import DataParallelConfig
 from dtrain.errors import ConfigError
 from dtrain.sharded import ShardedDataParallel
 

@@ -70,7 +70,7 @@ from dtrain.errors import ConfigError, DTrainError
 from dtrain.sharded._collectives import agree_at_wrap, allgather_flat, broadcast_buffers, reduce_scatter_flat
 from dtrain.sharded._flat_units import Unit, plan_units
 from dtrain.sharded._streams import Job, Stream, private_group
-from dtrain.sharded.options import SHARDS, check_options
+from dtrain.sharded.arguments import SHARDS, check_arguments
 
 __all__ = ["ShardedDataParallel"]
 
@@ -118,7 +118,7 @@ class ShardedDataParallel(nn.Module):
         grad_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        check_options(module, shard=shard, algorithm=algorithm, overlap=overlap, timeout_s=timeout_s)
+        check_arguments(module, shard=shard, algorithm=algorithm, overlap=overlap, timeout_s=timeout_s)
         self.module = module
         self.shard, self.stage = shard, SHARDS.index(shard)
         self.algorithm, self.overlap, self.timeout_s = algorithm, overlap, float(timeout_s)

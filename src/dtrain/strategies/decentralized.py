@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dtrain.config.schema import ConfigHooks
-from dtrain.data_parallel.options import ALGORITHMS
+from dtrain.data_parallel.tunables import ALGORITHMS
 from dtrain.errors import ConfigError, check_choice
 from dtrain.perfmodel.decentralized import easgd_cost, gossip_cost, local_sgd_cost, predict_averaging, replica_memory
 from dtrain.perfmodel.hooks import ModelHooks, PlanSpace

@@ -14,7 +14,7 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dtrain.config.schema import ConfigHooks
-from dtrain.data_parallel.options import SHARDS
+from dtrain.data_parallel.tunables import SHARDS
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.hooks import ModelHooks, PlanSpace
 from dtrain.perfmodel.predict import (
