@@ -19,7 +19,7 @@ from dtrain.perfmodel.collectives import CompressionModel, allreduce_time, clust
 from dtrain.perfmodel.predict import Memory, Prediction, predict
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile, profile_model
 from dtrain.perfmodel.ranking import Plan, candidates, plan
-from dtrain.perfmodel.simulator import SimResult, Stragglers, scaling_curve, simulate
+from dtrain.perfmodel.simulator import SimResult, Stragglers, scaling_curve, simulate, simulate_steps
 from dtrain.perfmodel.spec import ClusterSpec, Device, Link, dump_cluster, load_cluster
 
 __all__ = [
@@ -43,5 +43,6 @@ __all__ = [
     "SimResult",
     "Stragglers",
     "simulate",
+    "simulate_steps",
     "scaling_curve",
 ]
