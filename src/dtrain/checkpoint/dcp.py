@@ -17,10 +17,10 @@ Model and optimizer go through ``torch.distributed.checkpoint.state_dict``
 (``get_/set_model_state_dict``, ``get_/set_optimizer_state_dict``), so the files
 are the ones a DDP or FSDP user's DCP tooling reads. A per-rank object is split
 into its tensors, which DCP writes as tensors under keys that name the rank
-(no pickling of large buffers: an 8 MiB residual pickled as bytes made a save
-four times slower), and the rest of the object with slots where the tensors
-were, stored as a DCP byte item. At load the tensors' shapes and dtypes come from
-DCP's metadata, so nothing needs to exist beforehand; ranks never read each other's.
+(no pickling of large buffers, which makes a save several times slower), and
+the rest of the object with slots where the tensors were, stored as a DCP byte
+item. At load the tensors' shapes and dtypes come from DCP's metadata, so
+nothing needs to exist beforehand; ranks never read each other's.
 
 Steps of :func:`save_checkpoint` (collective over ``group``):
 

@@ -12,8 +12,8 @@ each worker sends per step (``n`` the model's parameter bytes, ``N`` workers):
 * synchronous gossip (D-PSGD, Lian et al. 2017): ``degree x n`` every step, all
   neighbours at once through the worker's one link; asynchronous (AD-PSGD, Lian et
   al. 2018): an active worker sends ``n`` and gets the pair's average (``n``) back after it,
-  ``2 n`` of link time one way after the other (measured at 100 Mbit on gpt-small: 3.5 s median
-  against 1.9 s predicted when the two were counted as one duplex exchange).
+  ``2 n`` of link time one way after the other (not one duplex exchange: the reply is sent only
+  once the request has arrived).
 """
 
 from __future__ import annotations

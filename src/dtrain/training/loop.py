@@ -22,11 +22,8 @@ Roughly, per step::
     metrics rows <- engine.rows(row)       # the engine adds compute/comm/wait/bytes, the loop step_s
 
 The numerics guard (:mod:`dtrain.optim.guard`) costs one fused 2-norm per gradient and
-one host sync per step: on the CNN (8 parameters, CPU, 2 shared cores) about 35 us, 4% of a
-bare one-process step of 32 samples (0.9 ms) and under 1% of a 2-worker dp step (about 8 ms
-there); ``--skip-nonfinite`` adds, where ranks share a step (dp, ddp, pipeline), a flag
-all-reduce of about 0.24 ms among 2 gloo processes. ``benchmarks/nonfinite_guard.py``
-measures both.
+one host sync per step; ``--skip-nonfinite`` adds, where ranks share a step (dp, ddp, pipeline),
+a one-flag all-reduce. ``benchmarks/nonfinite_guard.py`` measures both.
 """
 
 from __future__ import annotations
