@@ -64,7 +64,7 @@ def _ring_bytes(model: nn.Module, world: int, wire: torch.dtype | None = None) -
 
 class DataParallelAdapter:
     """One data-parallel worker for :func:`~dtrain.training.loop.run_loop`: dtrain's or torch's DDP, adapted to
-    the loop's :class:`~dtrain.training.loop.Engine` protocol."""
+    the loop's :class:`~dtrain.training.loop.LoopAdapter` protocol."""
 
     eval_note = ""
 
