@@ -26,6 +26,7 @@ LISTED = (
     "hybrid_parallel",
     "launch",
     "rundir",
+    "workloads",
 )
 
 

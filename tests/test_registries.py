@@ -110,6 +110,16 @@ def test_strategies_package_names_every_strategy():
     assert len(builtin) >= 10 and missing == [], f"dtrain.strategies' docstring does not list {missing}"
 
 
+def test_the_registry_says_how_many_strategies_it_registers():
+    from dtrain import registry
+
+    builtin = [n for n, e in registered().items() if e.options.__module__.startswith("dtrain.strategies.")]
+    words = ["no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
+    doc = " ".join((registry._load_builtins.__doc__ or "").split())
+    assert f"the {words[len(builtin)]} built-in strategies" in doc, doc
+    assert " ".join(f"``{n}``" for n in builtin) in doc.replace(",", "").replace(" and", ""), doc
+
+
 @pytest.mark.parametrize("name", ["cnn", "mlp", "gpt", "gpt-tiny", "gpt-small", "gpt-medium"])
 def test_model_reachable(name):
     from dtrain.workloads.load import load_model

@@ -164,7 +164,11 @@ PLUGINS_ENV = "DTRAIN_STRATEGY_MODULES"
 
 
 def _load_builtins() -> None:
-    importlib.import_module(_BUILTINS)  # registers the built-in strategies (strategies/builtin.py lists them)
+    """Register the ten built-in strategies -- ``dp``, ``ddp``, ``ps``, ``local_sgd``, ``easgd``, ``gossip``,
+    ``pipeline``, ``tensor``, ``hybrid`` and ``auto``, in that order (:mod:`dtrain.strategies.builtin` imports
+    their modules) -- then import each module ``DTRAIN_STRATEGY_MODULES`` names (ConfigError for one that
+    does not import)."""
+    importlib.import_module(_BUILTINS)
     for name in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         try:
             importlib.import_module(name)

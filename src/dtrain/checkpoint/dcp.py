@@ -17,10 +17,10 @@ Model and optimizer go through ``torch.distributed.checkpoint.state_dict``
 (``get_/set_model_state_dict``, ``get_/set_optimizer_state_dict``), so the files
 are the ones a DDP or FSDP user's DCP tooling reads. A per-rank object is split
 into its tensors, which DCP writes as tensors under keys that name the rank
-(no pickling of large buffers: an 8 MiB residual pickled as bytes made a save
-four times slower), and the rest of the object with slots where the tensors
-were, stored as a DCP byte item. At load the tensors' shapes and dtypes come from
-DCP's metadata, so nothing needs to exist beforehand; ranks never read each other's.
+(no pickling of large buffers, which makes a save several times slower), and
+the rest of the object with slots where the tensors were, stored as a DCP byte
+item. At load the tensors' shapes and dtypes come from DCP's metadata, so
+nothing needs to exist beforehand; ranks never read each other's.
 
 Steps of :func:`save_checkpoint` (collective over ``group``):
 
@@ -279,6 +279,33 @@ def save_checkpoint(
     return final
 
 
+def _blob_rank(ckpt: Path, info: dict[str, Any], rank: int, world: int, reshard: bool, blob_rank: int | None) -> int:
+    """The saved rank whose per-rank blob this rank loads (its own, unless the job is resharded), checked."""
+    saved_world = int(info["world_size"])
+    if blob_rank is None or not reshard:
+        blob_rank = rank % saved_world if reshard else rank
+    if not 0 <= blob_rank < saved_world:
+        raise CheckpointError(
+            f"rank {rank}: {ckpt} has no per-rank state of rank {blob_rank} (saved by {saved_world} processes)"
+        )
+    if saved_world != world and not reshard:
+        raise CheckpointError(
+            f"{ckpt} was saved by {info['world_size']} processes; this job has {world}. Per-rank state (compressor "
+            f"residuals, a worker's clock, a server's shard) belongs to one rank each: resume with the same numbers "
+            f"of workers and servers"
+        )
+    return blob_rank
+
+
+def _check_holds(ckpt: Path, info: dict[str, Any], **wanted: Any) -> None:
+    """Refuse to load what the checkpoint holds no state of (each of ``wanted`` that is not None)."""
+    has = set(info.get("has", ()))
+    for name, obj in wanted.items():
+        if obj is not None and has and name not in has:
+            has_text = ", ".join(sorted(has)) or "per-rank state only"
+            raise CheckpointError(f"{ckpt} holds no {name} state (it has: {has_text})")
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -322,24 +349,8 @@ def load_checkpoint(
     ckpt = find_checkpoint(path)
     info = read_info(ckpt)
     rank, world, distributed = _ranks(group)
-    saved_world = int(info["world_size"])
-    if blob_rank is None or not reshard:
-        blob_rank = rank % saved_world if reshard else rank
-    if not 0 <= blob_rank < saved_world:
-        raise CheckpointError(
-            f"rank {rank}: {ckpt} has no per-rank state of rank {blob_rank} (saved by {saved_world} processes)"
-        )
-    if saved_world != world and not reshard:
-        raise CheckpointError(
-            f"{ckpt} was saved by {info['world_size']} processes; this job has {world}. Per-rank state (compressor "
-            f"residuals, a worker's clock, a server's shard) belongs to one rank each: resume with the same numbers "
-            f"of workers and servers"
-        )
-    has = set(info.get("has", ()))
-    for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("sharded", sharded)):
-        if obj is not None and has and name not in has:
-            has_text = ", ".join(sorted(has)) or "per-rank state only"
-            raise CheckpointError(f"{ckpt} holds no {name} state (it has: {has_text})")
+    blob_rank = _blob_rank(ckpt, info, rank, world, reshard, blob_rank)
+    _check_holds(ckpt, info, model=model, optimizer=optimizer, scheduler=scheduler, sharded=sharded)
     state = _model_optimizer_state(model, optimizer)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()

@@ -17,8 +17,8 @@ written; :func:`check_files` compares the folder against it:
    in the parent, before a resumed run starts; finds a flipped byte).
 
 Cost: SHA-256 reads each file once at save (from the page cache: the files were
-just written) and once at resume, about 0.5 ms per MB on one core with the CPU's
-SHA instructions. Checkpoints written before manifests existed have none: they
+just written) and once at resume, well under a millisecond per MB on one core with the
+CPU's SHA instructions. Checkpoints written before manifests existed have none: they
 load unverified (:func:`describe` says so).
 """
 

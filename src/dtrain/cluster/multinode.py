@@ -250,11 +250,7 @@ def launch_on_cluster(
         LaunchError: as :func:`run_on_cluster`.
     """
     c = load(cluster)
-    if nprocs < c.hosts or nprocs % c.hosts:
-        raise ConfigError(
-            f"{nprocs} processes cannot be spread evenly over the {c.hosts} hosts of cluster {c.name!r}; "
-            f"use a multiple of {c.hosts} (workers, plus servers for the parameter server)"
-        )
+    _check_even(c, nprocs)
     return run_on_cluster(
         fn, args, cluster=c, nprocs_per_host=nprocs // c.hosts, timeout_s=timeout_s, stream_first=stream_first
     )
@@ -276,11 +272,7 @@ def run_nodes_on_cluster(
         LaunchError: a node failed; names the hosts and the last lines of their output.
     """
     c = load(cluster)
-    if processes < c.hosts or processes % c.hosts:
-        raise ConfigError(
-            f"{processes} processes cannot be spread evenly over the {c.hosts} hosts of cluster {c.name!r}; "
-            f"use a multiple of {c.hosts} (workers, plus servers for the parameter server)"
-        )
+    _check_even(c, processes)
     require_root()
     port = random.randint(20000, 40000)  # inside our own namespaces nothing else listens
     job = f"{c.name}-{uuid.uuid4().hex[:8]}"
@@ -291,28 +283,7 @@ def run_nodes_on_cluster(
     logs: list[IO[bytes]] = []
     try:
         for h in range(c.hosts):
-            cmd = [
-                "ip",
-                "netns",
-                "exec",
-                c.host_ns(h),
-                sys.executable,
-                "-m",
-                "dtrain.cli",
-                "run",
-                str(work / CONFIG),
-                "--out",
-                str(out),
-                "--nnodes",
-                str(c.hosts),
-                "--node-rank",
-                str(h),
-                "--rdzv-endpoint",
-                f"{c.address(0)}:{port}",
-                "--rdzv-id",
-                job,
-                *(extra or []),
-            ]
+            cmd = _node_command(c, h, work / CONFIG, out, f"{c.address(0)}:{port}", job, extra or [])
             node_log: IO[bytes] = open(work / f"host{h}.log", "wb")
             logs.append(node_log)
             shown = h == 0 and not quiet
@@ -329,18 +300,44 @@ def run_nodes_on_cluster(
         try:
             failed = _wait_nodes(procs)
         except KeyboardInterrupt:
-            for p in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGINT)
-            for p in procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(timeout=30)
+            _interrupt_nodes(procs)
             raise
         if failed:
             lines = [f"host {h}: exit code {procs[h].returncode}; {_tail(work, h)}" for h in failed]
             raise LaunchError(f"job on emulated cluster {c.name!r} failed:\n  " + "\n  ".join(lines))
     finally:
         _clean_up(procs, logs, work)
+
+
+def _check_even(c: EmulatedCluster, processes: int) -> None:
+    """Raise ConfigError unless ``processes`` spread evenly over the cluster's hosts."""
+    if processes < c.hosts or processes % c.hosts:
+        raise ConfigError(
+            f"{processes} processes cannot be spread evenly over the {c.hosts} hosts of cluster {c.name!r}; "
+            f"use a multiple of {c.hosts} (workers, plus servers for the parameter server)"
+        )
+
+
+def _node_command(
+    c: EmulatedCluster, h: int, config: Path, out: Path, endpoint: str, job: str, extra: list[str]
+) -> list[str]:
+    """The per-node ``dtrain run`` of host ``h``, run in its namespace."""
+    return [
+        *("ip", "netns", "exec", c.host_ns(h), sys.executable, "-m", "dtrain.cli", "run", str(config)),
+        *("--out", str(out), "--nnodes", str(c.hosts), "--node-rank", str(h)),
+        *("--rdzv-endpoint", endpoint, "--rdzv-id", job),
+        *extra,
+    ]
+
+
+def _interrupt_nodes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Ctrl-C: pass SIGINT on to every node's session and give each 30 s to stop."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGINT)
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=30)
 
 
 def _wait_nodes(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> list[int]:

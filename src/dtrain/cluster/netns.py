@@ -252,10 +252,35 @@ def up(
     """
     require_root()
     _check_name(name)
+    slow = dict(slow or {})
+    rate = _check_up_args(name, hosts, bandwidth, slow, latency, mtu)
+    c = EmulatedCluster(
+        name=name, hosts=hosts, rate_bps=rate, subnet=_pick_subnet(), slow=slow, mtu=mtu, created=time.time()
+    )
+    state_dir().mkdir(parents=True, exist_ok=True)
+    (state_dir() / f"{name}.json").write_text(c.to_json())  # written first: down() can always clean up
+    try:
+        sw = c.switch_ns
+        _run("ip", "netns", "add", sw)
+        _ns(sw, "ip", "link", "set", "lo", "up")
+        _ns(sw, "ip", "link", "add", "br0", "type", "bridge")
+        _ns(sw, "ip", "link", "set", "br0", "up")
+        for i in range(hosts):
+            _add_host(c, i)
+    except BaseException:
+        down(name)
+        raise
+    return c
+
+
+def _check_up_args(
+    name: str, hosts: int, bandwidth: str | float, slow: dict[int, float], latency: str | float | None, mtu: int
+) -> float:
+    """Refuse :func:`up`'s bad arguments, and a cluster of that name that exists, with a ClusterError; the
+    links' rate in bytes per second."""
     if not 2 <= hosts <= _MAX_HOSTS:
         raise ClusterError(f"--hosts must be between 2 and {_MAX_HOSTS}, got {hosts}")
     rate = parse_rate(bandwidth)
-    slow = dict(slow or {})
     for h, f in slow.items():
         if not 0 <= h < hosts:
             raise ClusterError(f"--slow names host {h}, but hosts are 0..{hosts - 1}")
@@ -272,52 +297,23 @@ def up(
     existing = [ns for ns in _netns_list() if ns.startswith(f"{PREFIX}{name}-")]
     if existing or (state_dir() / f"{name}.json").exists():
         raise ClusterError(f"a cluster named {name!r} already exists; run `dtrain cluster down --name {name}` first")
+    return rate
 
-    c = EmulatedCluster(
-        name=name, hosts=hosts, rate_bps=rate, subnet=_pick_subnet(), slow=slow, mtu=mtu, created=time.time()
-    )
-    state_dir().mkdir(parents=True, exist_ok=True)
-    (state_dir() / f"{name}.json").write_text(c.to_json())  # written first: down() can always clean up
-    try:
-        sw = c.switch_ns
-        _run("ip", "netns", "add", sw)
-        _ns(sw, "ip", "link", "set", "lo", "up")
-        _ns(sw, "ip", "link", "add", "br0", "type", "bridge")
-        _ns(sw, "ip", "link", "set", "br0", "up")
-        for i in range(hosts):
-            ns = c.host_ns(i)
-            _run("ip", "netns", "add", ns)
-            _ns(ns, "ip", "link", "set", "lo", "up")
-            # Both ends are born inside the namespaces: nothing appears in ours.
-            _run(
-                "ip",
-                "link",
-                "add",
-                IFACE,
-                "netns",
-                ns,
-                "mtu",
-                str(mtu),
-                "type",
-                "veth",
-                "peer",
-                "name",
-                f"p{i}",
-                "netns",
-                sw,
-                "mtu",
-                str(mtu),
-            )
-            _ns(sw, "ip", "link", "set", f"p{i}", "master", "br0")
-            _ns(sw, "ip", "link", "set", f"p{i}", "up")
-            _ns(ns, "ip", "addr", "add", f"{c.address(i)}/24", "dev", IFACE)
-            _ns(ns, "ip", "link", "set", IFACE, "up")
-            _shape(ns, IFACE, rate, mtu)
-            _shape(sw, f"p{i}", rate, mtu)
-    except BaseException:
-        down(name)
-        raise
-    return c
+
+def _add_host(c: EmulatedCluster, i: int) -> None:
+    """Host ``i``'s namespace, its veth pair to the switch's bridge, its address and both ends' shaping."""
+    ns, sw, mtu = c.host_ns(i), c.switch_ns, str(c.mtu)
+    _run("ip", "netns", "add", ns)
+    _ns(ns, "ip", "link", "set", "lo", "up")
+    # Both ends are born inside the namespaces: nothing appears in ours.
+    host_end = (IFACE, "netns", ns, "mtu", mtu)
+    _run("ip", "link", "add", *host_end, "type", "veth", "peer", "name", f"p{i}", "netns", sw, "mtu", mtu)
+    _ns(sw, "ip", "link", "set", f"p{i}", "master", "br0")
+    _ns(sw, "ip", "link", "set", f"p{i}", "up")
+    _ns(ns, "ip", "addr", "add", f"{c.address(i)}/24", "dev", IFACE)
+    _ns(ns, "ip", "link", "set", IFACE, "up")
+    _shape(ns, IFACE, c.rate_bps, c.mtu)
+    _shape(sw, f"p{i}", c.rate_bps, c.mtu)
 
 
 def down(name: str | None = "default", *, all_clusters: bool = False) -> list[str]:

@@ -2,6 +2,9 @@
 
 * :mod:`.schema` -- :class:`~.schema.RunConfig` (the shared fields, each with its help beside it) and
   the names the fields accept;
+* :mod:`.values` -- TOML-shaped values to typed fields: :func:`~.values.build_options` (a strategy's
+  options), :func:`~.values.option_fields`, which keys are shared and which the strategy's, and
+  :func:`~.values.parse_straggler`;
 * :mod:`.files` -- TOML in and out (:func:`~.files.load_toml`, :func:`~.files.dump_toml`) and
   :func:`~.files.read_toml`, which every TOML reader uses (run configurations, cluster descriptions).
 

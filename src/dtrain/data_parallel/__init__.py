@@ -8,6 +8,6 @@ per-bucket optimizer step (ByteScheduler / P3). See :mod:`dtrain.data_parallel.e
 from __future__ import annotations
 
 from dtrain.data_parallel.engine import DataParallel, UnusedParametersError
-from dtrain.data_parallel.options import ALGORITHMS, OVERLAPS, DataParallelConfig
+from dtrain.data_parallel.tunables import ALGORITHMS, OVERLAPS, DataParallelConfig
 
 __all__ = ["DataParallel", "DataParallelConfig", "UnusedParametersError", "ALGORITHMS", "OVERLAPS"]

@@ -41,7 +41,7 @@ from dtrain.data_parallel._buckets import Bucket, build_buckets
 from dtrain.data_parallel._comm import NativeScheduler, StreamSync, ThreadScheduler
 from dtrain.data_parallel._optim import BucketOptimizer
 from dtrain.data_parallel._priority import PriorityScheduler
-from dtrain.data_parallel.options import DataParallelConfig
+from dtrain.data_parallel.tunables import DataParallelConfig
 from dtrain.errors import DTrainError
 
 __all__ = ["Reducer", "UnusedParametersError"]

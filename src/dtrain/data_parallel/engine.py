@@ -52,11 +52,30 @@ from dtrain.comm.replicas import broadcast_tensors, check_same_everywhere, descr
 from dtrain.compress import resolve
 from dtrain.data_parallel._optim import check_optimizer
 from dtrain.data_parallel._reducer import Reducer, UnusedParametersError
-from dtrain.data_parallel.options import DataParallelConfig
+from dtrain.data_parallel.tunables import DataParallelConfig
 from dtrain.errors import ConfigError
 from dtrain.sharded import ShardedDataParallel
 
 __all__ = ["DataParallel", "UnusedParametersError"]
+
+
+def _check_wrap(module: Any, cfg: DataParallelConfig, optimizer: Any, optimizer_factory: Any) -> None:
+    """What :class:`DataParallel` wraps (a module not wrapped yet) and the optimizer ``overlap`` asks for."""
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, DataParallel):
+        raise ConfigError("the module is already wrapped in DataParallel; wrap the inner model once")
+    if cfg.overlap == "forward":
+        if (optimizer is None) == (optimizer_factory is None):
+            raise ConfigError(
+                "overlap='forward' steps the optimizer per bucket inside the engine: pass exactly one of "
+                "optimizer=... or optimizer_factory=lambda params: torch.optim.SGD(params, lr=...)"
+            )
+    elif optimizer is not None or optimizer_factory is not None:
+        raise ConfigError(
+            "optimizer/optimizer_factory are for overlap='forward'; with overlap='backward' call "
+            "optimizer.step() yourself after loss.backward(), as with DDP"
+        )
 
 
 class DataParallel(nn.Module):
@@ -187,21 +206,7 @@ class DataParallel(nn.Module):
             broadcast_buffers=broadcast_buffers,
             timeout_s=timeout_s,
         )
-        if not isinstance(module, nn.Module):
-            raise ConfigError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
-        if isinstance(module, DataParallel):
-            raise ConfigError("the module is already wrapped in DataParallel; wrap the inner model once")
-        if cfg.overlap == "forward":
-            if (optimizer is None) == (optimizer_factory is None):
-                raise ConfigError(
-                    "overlap='forward' steps the optimizer per bucket inside the engine: pass exactly one of "
-                    "optimizer=... or optimizer_factory=lambda params: torch.optim.SGD(params, lr=...)"
-                )
-        elif optimizer is not None or optimizer_factory is not None:
-            raise ConfigError(
-                "optimizer/optimizer_factory are for overlap='forward'; with overlap='backward' call "
-                "optimizer.step() yourself after loss.backward(), as with DDP"
-            )
+        _check_wrap(module, cfg, optimizer, optimizer_factory)
         self.config = cfg
         self.module = module
         self.compressor = resolve(compression, none_is_off=True)

@@ -35,13 +35,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtrain.errors import ConfigError, DTrainError
 
-__all__ = ["DIMS", "Mesh", "MeshLayout"]
+__all__ = ["DIMS", "Mesh", "MeshLayout", "mesh_rank"]
 
 DIMS: tuple[str, ...] = ("dp", "pp", "tp")
 """The dimension names, in the order coordinates are printed and passed."""
 
 _MESH_ORDER: tuple[str, ...] = ("pp", "dp", "tp")
 """Outermost to innermost: the DeviceMesh's dimension order."""
+
+
+def mesh_rank(dp_i: int, pp_i: int, tp_i: int, *, dp: int, tp: int) -> int:
+    """Global rank of mesh coordinate ``(dp_i, pp_i, tp_i)``: tp innermost, then dp, pp outermost
+    (``(pp_i * dp + dp_i) * tp + tp_i``; :meth:`MeshLayout.coords` is its inverse)."""
+    return (pp_i * dp + dp_i) * tp + tp_i
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -122,7 +128,7 @@ class MeshLayout:
         for name, i in (("dp", dp), ("pp", pp), ("tp", tp)):
             if not 0 <= i < self.size(name):
                 raise ConfigError(f"{name} coordinate {i} is outside [0, {self.size(name)})")
-        return (pp * self.dp + dp) * self.tp + tp
+        return mesh_rank(dp, pp, tp, dp=self.dp, tp=self.tp)
 
     def ranks(self, dim: str, rank: int) -> list[int]:
         """The global ranks of ``rank``'s group along ``dim``, ascending (``rank`` among them)."""

@@ -27,7 +27,7 @@ import time
 import traceback
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -43,6 +43,10 @@ from dtrain.trace import MetricsWriter, Tracer, activate, align_clock, merge_ran
 from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.lr import lr_factor, schedule_updates
 from dtrain.workloads.batch import batch_note
+
+if TYPE_CHECKING:
+    from dtrain.cluster.nodes import Meeting
+    from dtrain.launch.agent import NodeSpec
 
 __all__ = [
     "TrainContext",
@@ -339,7 +343,7 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
 
     from dtrain.cluster.nodes import Meeting, route_iface
     from dtrain.job.restart import RestartLog
-    from dtrain.launch.agent import NodeSpec, launch
+    from dtrain.launch.agent import launch
 
     nodes, k = _check_nodes(cfg, nodes)
     host, port = nodes.host_port
@@ -358,26 +362,8 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
     meeting = Meeting(nodes, store, say=say)
     ns = f"dtrain/{nodes.job}"
     try:
-        meeting.open()
-        arrived = sorted(meeting.arrive(cfg.to_dict()))
-        if R == 0:
-            cfg, out = _prepare(cfg, quiet)
-            meeting.publish_plan(cfg.to_dict(), out)
-        else:
-            cfg = RunConfig.from_mapping(meeting.plan())
-            out = Path(cfg.out)
-        meeting.check_paths(out, cfg.resume)
-        spec = NodeSpec(
-            nnodes=nodes.nnodes,
-            min_nodes=nodes.min_nodes,
-            rdzv_endpoint=f"{host}:{port}",
-            is_host=False,
-            local_addr=addr,
-            env={"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface},
-            job_store=f"{host}:{port}",
-            node_rank=R,
-            rdzv_timeout_s=nodes.rdzv_timeout_s,
-        )
+        cfg, out, arrived = _meet(meeting, cfg, R, quiet)
+        spec = _node_spec(nodes, f"{host}:{port}", addr, iface)
         restarts = RestartLog(cfg.replace(min_workers=0), out, say=(lambda line: None) if quiet else None)
 
         def on_restart(restart: Any) -> None:  # said and logged; the node keeps its processes (the rendezvous
@@ -408,6 +394,38 @@ def run_node(cfg: RunConfig, nodes: NodeArgs, *, quiet: bool = False) -> tuple[d
         return _finish(cfg, out, merged, time.perf_counter() - t0, restarts), out
     finally:  # node 0 returns only once every node has posted its results: none of them needs the store after
         meeting.close()
+
+
+def _meet(meeting: Meeting, cfg: RunConfig, node_rank: int, quiet: bool) -> tuple[RunConfig, Path, list[int]]:
+    """The nodes meet: node 0 prepares the run and publishes it, the others take it; (configuration, run
+    folder, the node ranks that arrived), the run folder checked on every node."""
+    meeting.open()
+    arrived = sorted(meeting.arrive(cfg.to_dict()))
+    if node_rank == 0:
+        cfg, out = _prepare(cfg, quiet)
+        meeting.publish_plan(cfg.to_dict(), out)
+    else:
+        cfg = RunConfig.from_mapping(meeting.plan())
+        out = Path(cfg.out)
+    meeting.check_paths(out, cfg.resume)
+    return cfg, out, arrived
+
+
+def _node_spec(nodes: NodeArgs, endpoint: str, addr: str, iface: str) -> NodeSpec:
+    """What torch's elastic agent needs of this node: the rendezvous on node 0's store, the interface to use."""
+    from dtrain.launch.agent import NodeSpec
+
+    return NodeSpec(
+        nnodes=nodes.nnodes,
+        min_nodes=nodes.min_nodes,
+        rdzv_endpoint=endpoint,
+        is_host=False,
+        local_addr=addr,
+        env={"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface},
+        job_store=endpoint,
+        node_rank=nodes.node_rank,
+        rdzv_timeout_s=nodes.rdzv_timeout_s,
+    )
 
 
 def _check_nodes(cfg: RunConfig, nodes: NodeArgs) -> tuple[NodeArgs, int]:

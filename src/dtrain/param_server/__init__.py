@@ -5,7 +5,8 @@
   staleness-aware LR as objects that run without processes;
 * :mod:`.sharding` -- parameters split among servers, balanced by bytes;
 * :mod:`.protocol` -- the wire format (integer headers + packed payloads);
-* :mod:`.server` / :mod:`.worker` -- the two sides; :mod:`.runner` -- ``dtrain run --strategy ps``.
+* :mod:`.server` / :mod:`.worker` -- the two sides (:mod:`.server_stats`: what a server measured);
+  :mod:`.runner` -- ``dtrain run --strategy ps``.
 """
 
 from dtrain.param_server.consistency import (

@@ -95,6 +95,26 @@ def _check_arguments(
         raise ConfigError(f"max_gradients must be >= 1 or None, got {max_gradients}")
 
 
+def _consistency(consistency: str | ConsistencySpec, staleness_lr: bool, clip_grad_norm: float) -> ConsistencySpec:
+    """The consistency model, refused with ``clip_grad_norm`` unless bsp."""
+    spec = parse_consistency(consistency, staleness_lr=staleness_lr)
+    if clip_grad_norm and spec.kind != "bsp":
+        raise ConfigError(
+            f"clip_grad_norm clips each update's gradient over every server's shard, which bsp "
+            f"alone applies in step on every server; consistency is {spec}"
+        )
+    return spec
+
+
+def _check_role(rank: int, role: str, state: dict[str, Any] | None) -> None:
+    """A saved state resumes on a rank of its own role (server or worker) only."""
+    if state is not None and state.get("role") != role:
+        raise ConfigError(
+            f"rank {rank} is a {role} but was given the saved state of a {state.get('role')}; "
+            "resume with the same numbers of servers and workers"
+        )
+
+
 class ParameterServer:
     """Parameter-server training under a consistency model.
 
@@ -155,12 +175,7 @@ class ParameterServer:
         clip_grad_norm: float = 0.0,
     ) -> None:
         _check_arguments(model, optimizer_factory, servers, timeout_s, max_gradients)
-        self.spec = parse_consistency(consistency, staleness_lr=staleness_lr)
-        if clip_grad_norm and self.spec.kind != "bsp":
-            raise ConfigError(
-                f"clip_grad_norm clips each update's gradient over every server's shard, which bsp "
-                f"alone applies in step on every server; consistency is {self.spec}"
-            )
+        self.spec = _consistency(consistency, staleness_lr, clip_grad_norm)
         self.params = [p for p in model.parameters()]
         if not self.params:
             raise ConfigError("the model has no parameters")
@@ -182,36 +197,16 @@ class ParameterServer:
         self.spec.check_workers(self.num_workers)  # every rank fails alike, before any message
         self.is_server = self.rank < servers
         self.worker_index = -1 if self.is_server else self.rank - servers
-        role = "server" if self.is_server else "worker"
-        if state is not None and state.get("role") != role:
-            raise ConfigError(
-                f"rank {self.rank} is a {role} but was given the saved state of a {state.get('role')}; "
-                "resume with the same numbers of servers and workers"
-            )
+        _check_role(self.rank, "server" if self.is_server else "worker", state)
         self.timeout_s = float(timeout_s)
         workers = list(range(servers, self.world_size))
         self._live = Liveness(store, prefix, self.rank, timeout_s)
         self._server: ShardServer | None = None
         self._client: ShardClient | None = None
         if self.is_server:
-            self._server = ShardServer(
-                self.transport,
-                self.shards[self.rank],
-                self.params,
-                optimizer_factory,
-                self.spec.build(),
-                workers,
-                push_c,
-                pull_c,
-                self._live,
-                timeout_s,
-                max_gradients,
+            self._server = self._shard_server(
+                optimizer_factory, workers, (push_c, pull_c), max_gradients, on_update, clip_grad_norm
             )
-            self._server.on_update = on_update
-            if clip_grad_norm:
-                from dtrain.param_server.clipping import ShardClipper
-
-                self._server.clip = ShardClipper(store, prefix, self.rank, servers, clip_grad_norm, timeout_s)
             if state is not None:
                 if reshard and sorted(int(w) for w in state["clock"]) != workers:
                     state = reshard_server_state(state, workers, self.spec)
@@ -226,6 +221,39 @@ class ParameterServer:
         self._served = False
 
     # ------------------------------------------------------------------ set-up
+
+    def _shard_server(
+        self,
+        optimizer_factory: Callable[[Any], torch.optim.Optimizer],
+        workers: list[int],
+        compressors: tuple[Compressor, Compressor],
+        max_gradients: int | None,
+        on_update: Callable[[int, bool], None] | None,
+        clip_grad_norm: float,
+    ) -> ShardServer:
+        """This server rank's :class:`ShardServer` of its shard (with the clipper of ``clip_grad_norm``)."""
+        push_c, pull_c = compressors
+        server = ShardServer(
+            self.transport,
+            self.shards[self.rank],
+            self.params,
+            optimizer_factory,
+            self.spec.build(),
+            workers,
+            push_c,
+            pull_c,
+            self._live,
+            self.timeout_s,
+            max_gradients,
+        )
+        server.on_update = on_update
+        if clip_grad_norm:
+            from dtrain.param_server.clipping import ShardClipper
+
+            server.clip = ShardClipper(
+                self.store, self.store_prefix, self.rank, self.num_servers, clip_grad_norm, self.timeout_s
+            )
+        return server
 
     @staticmethod
     def _connect(transport: Transport | None, store: Any, group: Any) -> tuple[Transport, Any, str]:

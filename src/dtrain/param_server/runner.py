@@ -18,7 +18,7 @@ from typing import Any
 
 from dtrain.param_server.consistency import parse_consistency
 from dtrain.param_server.parameter_server import ParameterServer
-from dtrain.param_server.server import hist_summary
+from dtrain.param_server.server_stats import hist_summary
 
 __all__ = ["serve", "publish_worker_stats", "lr_scale", "format_table", "merge_stats"]
 

@@ -36,9 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +47,7 @@ from dtrain.compress.base import Compressor
 from dtrain.errors import CommError, CommTimeoutError, DTrainError
 from dtrain.param_server._liveness import Liveness
 from dtrain.param_server._reduce import ordered_mean
+from dtrain.param_server._sends import _SendWaiter
 from dtrain.param_server.consistency import Action, Apply, Drop, Policy, PolicyViolation, Release
 from dtrain.param_server.protocol import (
     FLAG_STOP,
@@ -69,126 +68,15 @@ from dtrain.param_server.protocol import (
     recv_payload,
     send_message,
 )
+from dtrain.param_server.server_stats import ServerStats, hist_summary
 from dtrain.param_server.sharding import Shard
 
-__all__ = ["ServerStats", "ShardServer"]
+__all__ = ["ServerStats", "ShardServer", "hist_summary"]
 
 log = logging.getLogger("dtrain.param_server")
 
 
-@dataclass
-class ServerStats:
-    """What one server measured.
-
-    Attributes:
-        rank: the server's rank.
-        updates: optimizer steps taken.
-        received: gradients received (applied or dropped).
-        applied / dropped: gradients per worker rank that went into an update / were dropped.
-        staleness: histogram of applied gradients' staleness (updates between read and apply).
-        clock_lag: histogram of applied gradients' clock lag (clocks ahead of the slowest worker).
-        bytes_in / bytes_out: header and payload bytes received / sent.
-        busy_s: time spent handling messages (decode, apply, encode, send).
-        wall_s: time from the start of :meth:`ShardServer.serve` to its end.
-        lost: worker rank -> why it was dropped.
-    """
-
-    rank: int = 0
-    updates: int = 0
-    received: int = 0
-    applied: Counter[int] = field(default_factory=Counter)
-    dropped: Counter[int] = field(default_factory=Counter)
-    staleness: Counter[int] = field(default_factory=Counter)
-    clock_lag: Counter[int] = field(default_factory=Counter)
-    bytes_in: int = 0
-    bytes_out: int = 0
-    busy_s: float = 0.0
-    wall_s: float = 0.0
-    lost: dict[int, str] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "updates": self.updates,
-            "received": self.received,
-            "applied": {str(k): v for k, v in sorted(self.applied.items())},
-            "dropped": {str(k): v for k, v in sorted(self.dropped.items())},
-            "staleness": hist_summary(self.staleness),
-            "clock_lag": hist_summary(self.clock_lag),
-            "bytes_in": self.bytes_in,
-            "bytes_out": self.bytes_out,
-            "busy_s": round(self.busy_s, 6),
-            "wall_s": round(self.wall_s, 6),
-            "lost": {str(k): v for k, v in sorted(self.lost.items())},
-        }
-
-
-def hist_summary(h: Counter[int]) -> dict[str, Any]:
-    """``{max, mean, hist}`` of an integer histogram (``hist`` keys are strings for JSON)."""
-    n = sum(h.values())
-    return {
-        "max": max(h) if h else 0,
-        "mean": (sum(k * v for k, v in h.items()) / n) if n else 0.0,
-        "hist": {str(k): h[k] for k in sorted(h)},
-    }
-
-
 _POLL_S = 0.05  # how often a server blocked on its sends asks whether the receiver is lost
-
-
-class _Sends:
-    """One flush's sends, waited in order by a :class:`_SendWaiter`."""
-
-    def __init__(self, works: list[tuple[int, Work]]) -> None:
-        self.works = works
-        self.index = 0
-        self.current: int | None = None  # the worker whose send is being waited
-        self.errors: list[tuple[int, CommError]] = []
-        self.done = threading.Event()
-        self._abandoned = False
-
-    def run(self) -> None:
-        for i, (w, work) in enumerate(self.works):
-            if self._abandoned:
-                return
-            self.index, self.current = i, w
-            try:
-                work.wait()
-            except CommError as e:
-                self.errors.append((w, e))
-        self.current = None
-        self.done.set()
-
-    def abandon(self) -> list[tuple[int, Work]]:
-        """Stop after the send in progress; the sends not yet waited."""
-        self._abandoned = True
-        return self.works[self.index + 1 :]
-
-
-class _SendWaiter:
-    """A thread that waits sends handed to it (:meth:`start`), one flush after another."""
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue[_Sends | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="ps-send-wait", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while (batch := self._q.get()) is not None:
-            batch.run()
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """End the thread once it has waited what it was given, and wait for that (``timeout_s`` at most:
-        a thread blocked on a peer that stopped stays behind). The thread holds its last batch, whose works
-        reach the transport and so the process group: that reference must go now, not on this thread while
-        the interpreter finalizes (the group's destructor releases the GIL and cannot take it back: SIGABRT)."""
-        self._q.put(None)
-        self._thread.join(timeout=timeout_s)
-
-    def start(self, works: list[tuple[int, Work]]) -> _Sends:
-        batch = _Sends(works)
-        self._q.put(batch)
-        return batch
 
 
 class ShardServer:

@@ -15,11 +15,11 @@ Measuring a cluster is :mod:`dtrain.planning.calibrate` (its probes :mod:`dtrain
 (``--strategy auto``, ``dtrain plan``, this machine's calibration) is :mod:`dtrain.planning`.
 """
 
-from dtrain.perfmodel.collectives import CompressionModel, allreduce_time
+from dtrain.perfmodel.collectives import CompressionModel, allreduce_time, cluster_allreduce_time
 from dtrain.perfmodel.predict import Memory, Prediction, predict
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile, profile_model
 from dtrain.perfmodel.ranking import Plan, candidates, plan
-from dtrain.perfmodel.simulator import SimResult, Stragglers, scaling_curve, simulate
+from dtrain.perfmodel.simulator import SimResult, Stragglers, scaling_curve, simulate, simulate_steps
 from dtrain.perfmodel.spec import ClusterSpec, Device, Link, dump_cluster, load_cluster
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "profile_model",
     "CompressionModel",
     "allreduce_time",
+    "cluster_allreduce_time",
     "Prediction",
     "Memory",
     "predict",
@@ -42,5 +43,6 @@ __all__ = [
     "SimResult",
     "Stragglers",
     "simulate",
+    "simulate_steps",
     "scaling_curve",
 ]

@@ -35,11 +35,9 @@ def recount_traffic() -> None:
     The CPU time :func:`compressed_traffic` returns is then the median over all
     of this process's counts, this one included: the CPU a count reads moves
     with the machine's load (:func:`dtrain.planning.calibrate.refresh_load` calls
-    this each time it re-measures the load). One count forgotten and redone
-    each time moved predictions as much as the load did: with the load's terms
-    pooled, a model-vs-measured run predicted topk:0.01 at 50 Mbit 20.5, 18.1
-    and 14.1 ms in three rounds (measured 12.4, 11.2, 12.9), while ten counts in
-    a row on the quiet machine read 1.94-2.17 ms of CPU.
+    this each time it re-measures the load). Pooling the counts keeps one
+    moment's load from moving every prediction: a count forgotten and redone
+    each time would carry that moment's load alone.
     """
     _current.clear()
 

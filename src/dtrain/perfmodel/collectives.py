@@ -42,6 +42,7 @@ from dtrain.perfmodel.spec import ClusterSpec, Link
 __all__ = [
     "ALGORITHMS",
     "link_cost",
+    "cluster_allreduce_time",
     "allreduce_time",
     "allreduce_bytes",
     "allgather_time",
@@ -88,8 +89,9 @@ def _round_link(c: ClusterSpec, distance: int, d: int, flows: int, duplex: bool 
     return link_cost(c.inter, c.device.gamma, contention=flows, duplex=duplex)
 
 
-def allreduce_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int, *, pieces: bool = True) -> float:
-    """Seconds for ``p`` ranks of cluster ``c`` to allreduce ``nbytes`` with ``algorithm``.
+def cluster_allreduce_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int, *, pieces: bool = True) -> float:
+    """Seconds for ``p`` ranks of cluster ``c`` to allreduce ``nbytes`` with ``algorithm``: the cluster's levels
+    (a node's links, the links between nodes) put into :func:`dtrain.comm.cost.allreduce_time`'s formulas.
 
     Args:
         c: the cluster (ranks fill its nodes in order).
@@ -160,6 +162,9 @@ def allreduce_time(c: ClusterSpec, algorithm: str, nbytes: float, p: int, *, pie
             part /= 2
         return t + fold
     raise ConfigError(f"unknown allreduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
+allreduce_time = cluster_allreduce_time  # the name older scripts import
 
 
 def _tree_time_with_burst(p: int, nbytes: float, link: cost.LinkCost, burst: float) -> float:
@@ -248,8 +253,8 @@ def _halves(c: ClusterSpec, algorithm: str, nbytes: float, p: int) -> tuple[floa
         raise ConfigError(
             f"a reduce-scatter or allgather of its own runs on the ring (ring or native), not {algorithm!r}"
         )
-    full = allreduce_time(c, algorithm, nbytes, p)
-    moved = allreduce_time(replace(c, device=replace(c.device, gamma=0.0)), algorithm, nbytes, p)
+    full = cluster_allreduce_time(c, algorithm, nbytes, p)
+    moved = cluster_allreduce_time(replace(c, device=replace(c.device, gamma=0.0)), algorithm, nbytes, p)
     return moved / 2 + (full - moved), moved / 2
 
 
@@ -258,8 +263,8 @@ def ring_reduce_scatter_time(c: ClusterSpec, algorithm: str, nbytes: float, p: i
 
     The first half of the ring allreduce: ``(P-1)·alpha + (P-1)/P·n·beta + (P-1)/P·n·gamma``
     (alpha per piece as dtrain's ring sends them, each level charged as
-    :func:`allreduce_time` charges it). With :func:`ring_allgather_time` it adds up
-    to :func:`allreduce_time` exactly.
+    :func:`cluster_allreduce_time` charges it). With :func:`ring_allgather_time` it adds up
+    to :func:`cluster_allreduce_time` exactly.
     """
     return _halves(c, algorithm, nbytes, p)[0]
 
@@ -313,7 +318,7 @@ def compressed_allreduce_time(
     if p <= 1 or nbytes <= 0:
         return 0.0, 0.0
     if comp.kind == "dense":
-        return allreduce_time(c, algorithm, nbytes, p), 0.0
+        return cluster_allreduce_time(c, algorithm, nbytes, p), 0.0
     payload = comp.ratio * nbytes
     coding = comp.per_byte_coding(nbytes)
     d, nodes = _levels(c, p)
@@ -324,9 +329,9 @@ def compressed_allreduce_time(
         msgs, sent, cpu = compressed_traffic(comp.spec, p, max(1, int(nbytes // 4)), shapes)
         return msgs * link.alpha + sent * link.duplex_beta * flows, cpu * comp.cpu_ratio * c.device.compute_scale
     if comp.kind == "summable":
-        return allreduce_time(c, algorithm, payload, p), coding
+        return cluster_allreduce_time(c, algorithm, payload, p), coding
     if comp.kind == "lowrank":  # two allreduces (P then Q), each about half the payload
-        return 2 * allreduce_time(c, algorithm, payload / 2, p), coding
+        return 2 * cluster_allreduce_time(c, algorithm, payload / 2, p), coding
     if comp.kind == "quantizer":
         # direct RS + AG of compressed chunks: 2(P-1) messages of payload/P, decode P chunks twice
         t = 2 * (p - 1) * (link.alpha + payload / p * link.duplex_beta * flows)

@@ -12,15 +12,15 @@ each worker sends per step (``n`` the model's parameter bytes, ``N`` workers):
 * synchronous gossip (D-PSGD, Lian et al. 2017): ``degree x n`` every step, all
   neighbours at once through the worker's one link; asynchronous (AD-PSGD, Lian et
   al. 2018): an active worker sends ``n`` and gets the pair's average (``n``) back after it,
-  ``2 n`` of link time one way after the other (measured at 100 Mbit on gpt-small: 3.5 s median
-  against 1.9 s predicted when the two were counted as one duplex exchange).
+  ``2 n`` of link time one way after the other (not one duplex exchange: the reply is sent only
+  once the request has arrived).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dtrain.perfmodel.collectives import allreduce_time
+from dtrain.perfmodel.collectives import cluster_allreduce_time
 from dtrain.perfmodel.predict import Memory, Prediction, StepInputs, _opt_state
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def local_sgd_cost(
     secs = sent = 0.0
     for g, period in levels:
         g = min(g, workers)
-        secs += allreduce_time(c, algorithm, nbytes, g) / period
+        secs += cluster_allreduce_time(c, algorithm, nbytes, g) / period
         sent += 2 * (g - 1) / g * nbytes / period
     return secs, sent
 
@@ -54,7 +54,7 @@ def easgd_cost(c: ClusterSpec, period: int, servers: int, nbytes: float, workers
     if servers:
         link = _link(c)
         return (2 * link.alpha + 2 * nbytes * link.beta) / period, nbytes / period
-    return allreduce_time(c, "ring", nbytes, workers) / period, 2 * (workers - 1) / workers * nbytes / period
+    return cluster_allreduce_time(c, "ring", nbytes, workers) / period, 2 * (workers - 1) / workers * nbytes / period
 
 
 def gossip_cost(c: ClusterSpec, degree: int, asynchronous: bool, nbytes: float) -> tuple[float, float]:

@@ -92,12 +92,9 @@ def fit_duplex_rate(results: dict[int, Any], one_way: Link) -> float | None:
     """Bytes per second each way in ring exchanges: the bytes of one exchange of each size over the
     sum of the sizes' medians over ranks (at most the one-way rate; None when there is no exchange).
 
-    Medians, not means: with the mean of 3 exchanges per rank one calibration at
-    50 Mbit/s gave 35.1 Mbit/s against 44.5-46.6 in three others. Throughput over
-    all the sizes, not the slope between two: on 4 emulated 50 Mbit hosts, six
-    rounds of exchanges of 256 KiB to 1 MiB gave 42.4-45.0 Mbit/s this way, 40.5-48.9
-    as the slope between 256 KiB and 1 MiB (one calibration gave 39.5). It counts
-    each exchange's own start-up, as a ring step pays it.
+    Medians, not means: one delayed exchange among a rank's few moves a mean far. Throughput
+    over all the sizes, not the slope between two, which spreads wider from one calibration to
+    the next. It counts each exchange's own start-up, as a ring step pays it.
     """
     by_size: dict[int, list[float]] = {}
     for r in results.values():
@@ -114,11 +111,9 @@ def fit_wake(results: dict[int, Any]) -> float:
     the slowest rank's pass and its allreduce's own time, per wake-up that the model charges such a step
     (:data:`dtrain.perfmodel.predict.WAKES_FIRST_BUCKET`).
 
-    The allreduce is timed in the same steps (the shortest over ranks, per step).
-    Subtracting one measured apart, back to back, the estimate moved between
-    0.52 and 0.96 ms from one refresh to the next on the emulated 1 Gbit cluster
-    (4 hosts on 2 cores) while the measured ring steps did not; timed in the
-    steps, it stayed within 0.52-0.58 ms over six refreshes.
+    The allreduce is timed in the same steps (the shortest over ranks, per step): one measured
+    apart, back to back, sees another moment's load, and the difference would move from one
+    refresh to the next while the ring steps it predicts do not.
     """
     from dtrain.perfmodel.predict import WAKES_FIRST_BUCKET
 
@@ -141,19 +136,13 @@ def fit_floor(results: dict[int, Any]) -> float:
     Of 1 KiB, not of a single float, whose segments are empty on every rank but one.
 
     It is not also the backend's per-step latency (``native_latency``): a step's
-    scheduling delays pass while its bytes are on the wire. Charged both ways
-    (the floor as each of native's steps' alpha, and as its least time), native
-    was overpredicted by 8.5-17.9% at 50 Mbit, where its training steps took as
-    long as dtrain's ring's (48.9-50.3 ms against 49.4-50.1), and by 8.6-11.5% at
-    1 Gbit (model_vs_measured, three runs).
+    scheduling delays pass while its bytes are on the wire, so charging the floor
+    both as each of native's steps' alpha and as its least time counts them twice.
 
-    On 4 ranks sharing 2 cores, back to back, an allreduce of 64 or 256 floats
-    took 4.4-4.9 ms and one of 16 KiB..300 KiB 4.6-7.1 ms, against 0.6-1.2 ms for
-    one float (whose segments are empty on all ranks but one), over loopback and
-    emulated links alike. In training steps on an emulated 1 Gbit cluster the
-    150 KB CNN's ring allreduce took about those 6 steps' floor, recursive
-    doubling's 2 steps their duplex transfer time, and the tree its one-way
-    messages' time.
+    Where ranks share cores, a small allreduce costs several times one of a single
+    float, over loopback and emulated links alike: a small model's ring allreduce is
+    charged about its steps' floor, recursive doubling's two steps their duplex
+    transfer time, and the tree its one-way messages' time.
     """
     rs = [float(r["floor"]) for r in results.values() if "floor" in r]
     return float(statistics.mean(rs)) / (2 * (len(rs) - 1)) if len(rs) > 1 else 0.0
@@ -162,10 +151,8 @@ def fit_floor(results: dict[int, Any]) -> float:
 def fit_p2p_floor(results: dict[int, Any]) -> float | None:
     """``p2p_floor``: dtrain's ring allreduce of 1 KiB, every rank at once, over its ``2(P-1)`` steps.
 
-    The backend's floor had charged dtrain's ring as much as gloo's allreduce; on a morning
-    when dtrain's ring ran 2-3 ms under gloo's at 1 Gbit (7.6-7.9 against 9.2-10.6 ms a
-    training step), the ring was overpredicted by a fifth.
-    None when the probe did not run (an older calibration).
+    dtrain's ring has a floor of its own: the backend's would charge it as much as gloo's
+    allreduce, where the two differ. None when the probe did not run (an older calibration).
     """
     rs = [float(r["p2p_floor"]) for r in results.values() if "p2p_floor" in r]
     if len(rs) < 2:
@@ -187,12 +174,10 @@ def fit_cpu_ratio(spec: str, results: dict[int, Any]) -> float:
     :func:`dtrain.perfmodel._traffic.compressed_traffic` counts on threads for the same gradient and
     shapes. 1.0 where the probe did not run (one rank, a large model, an older calibration).
 
-    On threads of one process the count overstated what 4 gloo processes on loopback spend on the CNN's
-    gradient by 1.5x for PowerSGD and onebit and 1.3x for top-k (``benchmarks/coding_cpu.py``); the model
-    had over-predicted PowerSGD and onebit at 50 Mbit by up to 33% and 29% (a model-vs-measured run).
-    The probe counts user-mode CPU only: with the kernel's work on the calling thread (the sends) in
-    it, fp16's ratio had read 1.67-2.68 on the emulated cluster (a model-vs-measured run), charging the sends
-    twice.
+    On threads of one process the count overstates what gloo processes spend on the same gradient
+    (``benchmarks/coding_cpu.py`` compares the two); this ratio corrects it. The probe counts user-mode
+    CPU only: the kernel's work on the calling thread is the sends, which the transfer terms already
+    charge.
     """
     from dtrain.perfmodel._traffic import compressed_traffic
 

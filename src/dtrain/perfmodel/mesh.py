@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.collectives import allreduce_bytes
@@ -215,34 +215,10 @@ def predict_hybrid(
     sched = (schedule, chunks or (2 if schedule == "interleaved" else 1)) if pp > 1 else ("1f1b", 1)
     replica = prof.at_batch(batch // dp)
     shape = TransformerShape(batch // dp // m, seq, hidden, layers, heads, vocab, dtype_bytes=dtype_bytes)
-    ranked = _rank_layers(replica, shape, tp, sequence_parallel)
-    tp_view = group_cluster(c, mesh_groups("tp", dp, pp, tp))
-    n, loss_n = float(shape.batch * seq * hidden * dtype_bytes), 4.0 * shape.batch * seq
-    comm = [_layer_comm(r.kind, tp_view, tp_algorithm, tp, sequence_parallel, n, loss_n) for r in ranked]
-    stages = group_cluster(c, mesh_groups("pp", dp, pp, tp))  # the stages placed as the mesh places them
-    stages = replace(stages, models={}, device=replace(c.device, host=_HOST, compute_scale=1.0))
-    # workers sharing cores compute less at once in a pipeline (its bubble): pipeline.idle_aware
-    fwd, bwd, opt = compute_times(replica, idle_aware(c, sched[0], pp, m, sched[1]) if pp > 1 else c)
-    stage_prof = _stage_profile(replica, (fwd, bwd), ranked, comm, tp, m)
-    pc = pipeline_cost(stage_prof, stages, pp, m, *sched, sizes=stage_cut(stage_prof, pp * sched[1], balance, m))
-    owned = [[i for k, span in enumerate(_spans(pc.sizes)) if k % pp == w for i in span] for w in range(pp)]
-    views = (tp_view, group_cluster(c, mesh_groups("dp", dp, pp, tp)))
-    workers = _workers(
-        ranked,
-        comm,
-        owned,
-        fwd,
-        bwd,
-        opt / max(1, replica.param_bytes),
-        views,
-        (dp, pp, tp),
-        (sched[0], m, sched[1]),
-        (tp_algorithm, algorithm),
-        _factor(replica, optimizer_state_factor),
-        replica.input_bytes,
-    )
+    pipe = _replica_pipeline(replica, c, shape, (dp, pp, tp, m), sched, sequence_parallel, tp_algorithm, balance)
+    workers = _mesh_workers(pipe, replica, c, (dp, pp, tp, m), sched, (tp_algorithm, algorithm), optimizer_state_factor)
     return _assemble(
-        pc,
+        pipe.cost,
         workers,
         c,
         (dp, pp, tp, m),
@@ -251,6 +227,73 @@ def predict_hybrid(
         overhead_s,
         memory_limit,
         strategy or Choice("dp", dp * pp * tp),
+    )
+
+
+class _ReplicaPipeline(NamedTuple):
+    """Step 1 of :func:`predict_hybrid`: one replica's layers split over tp, and its pipeline's cost."""
+
+    ranked: list[_Layer]
+    comm: list[TensorComm]
+    fwd: list[float]
+    bwd: list[float]
+    opt_s: float
+    tp_view: ClusterSpec
+    cost: PipelineCost
+
+
+def _replica_pipeline(
+    replica: ModelProfile,
+    c: ClusterSpec,
+    shape: TransformerShape,
+    mesh: tuple[int, int, int, int],
+    sched: tuple[str, int],
+    sequence_parallel: bool,
+    tp_algorithm: str,
+    balance: str,
+) -> _ReplicaPipeline:
+    """The replica's layers as a tp rank computes them (with their collectives on the tp groups' link), cut
+    into the pipeline's stages as the mesh places them, and that pipeline's cost."""
+    dp, pp, tp, m = mesh
+    ranked = _rank_layers(replica, shape, tp, sequence_parallel)
+    tp_view = group_cluster(c, mesh_groups("tp", dp, pp, tp))
+    n, loss_n = float(shape.batch * shape.seq * shape.hidden * shape.dtype_bytes), 4.0 * shape.batch * shape.seq
+    comm = [_layer_comm(r.kind, tp_view, tp_algorithm, tp, sequence_parallel, n, loss_n) for r in ranked]
+    stages = group_cluster(c, mesh_groups("pp", dp, pp, tp))  # the stages placed as the mesh places them
+    stages = replace(stages, models={}, device=replace(c.device, host=_HOST, compute_scale=1.0))
+    # workers sharing cores compute less at once in a pipeline (its bubble): pipeline.idle_aware
+    fwd, bwd, opt = compute_times(replica, idle_aware(c, sched[0], pp, m, sched[1]) if pp > 1 else c)
+    stage_prof = _stage_profile(replica, (fwd, bwd), ranked, comm, tp, m)
+    pc = pipeline_cost(stage_prof, stages, pp, m, *sched, sizes=stage_cut(stage_prof, pp * sched[1], balance, m))
+    return _ReplicaPipeline(ranked, comm, fwd, bwd, opt, tp_view, pc)
+
+
+def _mesh_workers(
+    pipe: _ReplicaPipeline,
+    replica: ModelProfile,
+    c: ClusterSpec,
+    mesh: tuple[int, int, int, int],
+    sched: tuple[str, int],
+    algorithms: tuple[str, str],
+    optimizer_state_factor: float | None,
+) -> list[_Worker]:
+    """Step 2 of :func:`predict_hybrid`: the layers each pipeline worker owns, and its share of the tail."""
+    dp, pp, tp, m = mesh
+    owned = [[i for k, span in enumerate(_spans(pipe.cost.sizes)) if k % pp == w for i in span] for w in range(pp)]
+    views = (pipe.tp_view, group_cluster(c, mesh_groups("dp", dp, pp, tp)))
+    return _workers(
+        pipe.ranked,
+        pipe.comm,
+        owned,
+        pipe.fwd,
+        pipe.bwd,
+        pipe.opt_s / max(1, replica.param_bytes),
+        views,
+        (dp, pp, tp),
+        (sched[0], m, sched[1]),
+        algorithms,
+        _factor(replica, optimizer_state_factor),
+        replica.input_bytes,
     )
 
 

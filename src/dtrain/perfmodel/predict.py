@@ -369,28 +369,20 @@ def bucket_collective(
 
     In all, a compressed call costs its per-byte encode and decode plus the largest of its transfer,
     its floors and the rest of its counted CPU (the merging); PowerSGD's, the larger of its transfer
-    and floors plus all of its coding. Why, measured:
+    and floors plus all of its coding. Why:
 
     A compressed call's encode and decode count toward those floors, except PowerSGD's: its encode
     (``P = M Q``), orthogonalisation (``Q = M^T P``) and decode run between its two ring allreduces,
-    while no message is in flight, so they add to the 2 x 2(P-1) steps' floors. On the emulated
-    50 Mbit cluster (4 hosts on 2 cores; ``benchmarks/compression_traced.py``) PowerSGD's allreduce of the
-    CNN's gradient, alone, took 11.6-12.6 ms: 12 floors of 0.645 ms plus 4.9 ms of coding is 12.6,
-    where the floors less the coding had given 7.7. The other compressors' counted messages go to every
-    peer at once (the count overstates their sequential steps), and their coding stays counted against
-    the floors: top-k alone took 5.5-6.2 ms against 5.8 modelled, fp16 20.2-20.4 against 21.7.
-    Except their encode before the first message and decode after the last (the calibration's per-byte
-    times, scaled as the counted coding is), which no message overlaps: in training on the emulated
-    1 Gbit cluster, where top-k's call is floor-bound, its step came out 0.4-2.3 ms over dp ring's in six
-    runs of ``benchmarks/model_vs_measured.py`` while the floors less the whole coding had made them equal.
+    while no message is in flight, so they add to the 2 x 2(P-1) steps' floors. The other compressors'
+    counted messages go to every peer at once (the count overstates their sequential steps), and their
+    coding stays counted against the floors, except their encode before the first message and decode
+    after the last (the calibration's per-byte times, scaled as the counted coding is), which no
+    message overlaps.
 
     The merging waits inside a transfer-bound call's wire time as it does inside the floors: the
-    CPU counted between the first message and the last runs while bytes are in flight. On the
-    emulated 50 Mbit cluster fp16's allreduce of the CNN's gradient, alone, took 20.0-20.8 ms
-    (``benchmarks/compression_traced.py``) against 21.4 ms of wire at the
-    calibrated duplex rate, where wire plus the counted coding (1.8-3.0 ms: its user CPU in the
-    cluster's processes reads 1.4-2.0x the thread count at 50 Mbit) had over-predicted fp16's
-    training step by 7-14% in five runs of ``benchmarks/model_vs_measured.py``.
+    CPU counted between the first message and the last runs while bytes are in flight.
+    ``benchmarks/compression_traced.py`` (one call, traced) and ``benchmarks/model_vs_measured.py``
+    (training steps) compare these terms with measurements.
     """
     comm, coding = compressed_allreduce_time(c, algorithm, nbytes, p, comp, shapes)
     if p > 1:
@@ -416,10 +408,8 @@ def bucket_latency(c: ClusterSpec, s: Choice | None, comp: CompressionModel, ind
     bucket is then handed to another thread and back, two more wake-ups: dtrain's
     own algorithms, compressors and priority overlap run on its communication
     thread, and the backend's ``native`` allreduce (DataParallel's and DDP's,
-    issued asynchronously from the hooks) runs on the backend's worker thread --
-    measured on the emulated 1 Gbit cluster, native and DDP steps took as long as
-    the ring's (12.2 and 12.7 ms against 12.1), not the 7.7 ms that a model
-    without that hand-off gave.
+    issued asynchronously from the hooks) runs on the backend's worker thread, so
+    native and DDP steps pay the hand-off as the ring's do.
     """
     return c.device.wake * (WAKES_FIRST_BUCKET if index == 0 else WAKES_PER_BUCKET)
 
@@ -574,10 +564,8 @@ def async_cycle(work: float, exchange: float, floor: float, n: int, services: tu
     service, M/D/1; Kleinrock, "Queueing Systems" vol. 1, 1975), at most
     ``(n - 1) service`` (only ``n - 1`` others can be ahead of it). The cycle
     appears on both sides: the root of an increasing function, by bisection.
-    Measured on the emulated 1 Gbit cluster, ``ps asp`` with 1 server and 3
-    workers was predicted 14.5-19.7% short without this term in four runs
-    (three model-vs-measured runs and a traced run: 8.8 ms measured, 7.4
-    predicted; its workers' push-and-pull took 6.1 ms against 3.5 modelled).
+    Without this term an asynchronous parameter server's step is predicted short
+    (``benchmarks/model_vs_measured.py`` compares).
     """
 
     def queued(cycle: float) -> float:

@@ -212,33 +212,16 @@ def profile_model(
     layers = _layers(model)
     batch = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() > 0 else 1
     profiles = _count_layers(model, x, target, loss_fn, layers)
-    extra: dict[str, Any] = {}
-    gcfg = getattr(model, "gpt_config", None)
-    if gcfg is not None and isinstance(x, torch.Tensor) and x.dim() == 2:  # the shape tensor parallelism splits
-        extra["gpt"] = {
-            "layers": gcfg.layers,
-            "hidden": gcfg.d_model,
-            "heads": gcfg.heads,
-            "vocab": gcfg.vocab_size,
-            "seq": int(x.shape[1]),
-        }
+    extra = _gpt_shape(model, x)
     prof = ModelProfile(
         name=name, batch=batch, layers=profiles, input_bytes=float(_nbytes(x)), optimizer=optimizer, extra=extra
     )
     if not measure:
         return prof
     at = threads or torch.get_num_threads()  # the threads the times are taken at
+    loss_name = f"{getattr(loss_fn, '__module__', '')}.{getattr(loss_fn, '__qualname__', repr(loss_fn))}"
     key = memo.digest(
-        [
-            _identity(model, sample_batch),
-            batch,
-            at,
-            optimizer,
-            repeats,
-            warmup,
-            torch.__version__,
-            f"{getattr(loss_fn, '__module__', '')}.{getattr(loss_fn, '__qualname__', repr(loss_fn))}",
-        ]
+        [_identity(model, sample_batch), batch, at, optimizer, repeats, warmup, torch.__version__, loss_name]
     )
     kept = memo.recall("profiles", key)
     if kept is not None:  # measured by an earlier plan on this machine (inside memo.kept_in only)
@@ -251,18 +234,28 @@ def profile_model(
         prof = _measure(model, x, target, loss_fn, prof, layers, repeats, warmup, optimizer)
     finally:
         torch.set_num_threads(old_threads)
-    memo.remember(
-        "profiles",
-        key,
-        {
-            "fwd": [ly.fwd_s for ly in prof.layers],
-            "bwd": [ly.bwd_s for ly in prof.layers],
-            "optimizer_s": prof.optimizer_s,
-            "host": prof.host,
-            "threads": prof.threads,
-        },
-    )
+    memo.remember("profiles", key, _times(prof))
     return prof
+
+
+def _gpt_shape(model: nn.Module, x: Any) -> dict[str, Any]:
+    """A profile's ``extra``: of a GPT on token batches, the shape tensor parallelism splits (``{"gpt": ...}``)."""
+    gcfg = getattr(model, "gpt_config", None)
+    if gcfg is None or not isinstance(x, torch.Tensor) or x.dim() != 2:
+        return {}
+    shape = {"layers": gcfg.layers, "hidden": gcfg.d_model, "heads": gcfg.heads, "vocab": gcfg.vocab_size}
+    return {"gpt": {**shape, "seq": int(x.shape[1])}}
+
+
+def _times(prof: ModelProfile) -> dict[str, Any]:
+    """What :func:`_with_times` puts back: a measured profile's times, as the memo keeps them."""
+    return {
+        "fwd": [ly.fwd_s for ly in prof.layers],
+        "bwd": [ly.bwd_s for ly in prof.layers],
+        "optimizer_s": prof.optimizer_s,
+        "host": prof.host,
+        "threads": prof.threads,
+    }
 
 
 def _identity(model: nn.Module, sample_batch: Any) -> list[Any]:

@@ -70,7 +70,16 @@ from dtrain.perfmodel.spec import ClusterSpec
 if TYPE_CHECKING:
     from dtrain.registry import Choice
 
-__all__ = ["Stragglers", "SimResult", "simulate", "simulate_sync", "simulate_ps", "scaling_curve", "parse_policy"]
+__all__ = [
+    "Stragglers",
+    "SimResult",
+    "simulate_steps",
+    "simulate",
+    "simulate_sync",
+    "simulate_ps",
+    "scaling_curve",
+    "parse_policy",
+]
 
 
 @dataclass(frozen=True)
@@ -141,7 +150,7 @@ def parse_policy(consistency: str) -> tuple[str, int]:
     return spec.kind, spec.arg
 
 
-def simulate(
+def simulate_steps(
     prof: ModelProfile,
     c: ClusterSpec,
     s: Choice,
@@ -152,7 +161,8 @@ def simulate(
     seed: int = 0,
     overhead_s: float = 0.0,
 ) -> SimResult:
-    """Replay ``steps`` steps of strategy ``s`` (see the module docstring).
+    """Replay ``steps`` steps of strategy ``s`` (see the module docstring); one pipeline schedule's actions in
+    time are :func:`dtrain.pipeline.schedules.simulate`'s.
 
     Args:
         prof: model profile at the per-worker batch.
@@ -177,6 +187,9 @@ def simulate(
         raise ConfigError(f"strategy {s.strategy!r} has no simulator (its registry entry has no simulate)")
     result: SimResult = hook(prof, c, s, comp, stragglers, steps, rng, fwd, bwd, opt, overhead_s, alone)
     return result
+
+
+simulate = simulate_steps  # the name older scripts import
 
 
 def simulate_sync(
@@ -446,7 +459,7 @@ def scaling_curve(
         sn = s.with_workers(n)
         cn = c.with_devices(sn.processes)
         out.append(
-            simulate(
+            simulate_steps(
                 prof_at(n), cn, sn, comp=comp, stragglers=stragglers, steps=steps, seed=seed, overhead_s=overhead_s
             )
         )

@@ -98,8 +98,8 @@ class Link:
         duplex_bandwidth: bytes per second each way while every node sends and
             receives at once, as in a ring or recursive-doubling step; default:
             ``bandwidth``. TCP's acknowledgements of the incoming flow queue behind
-            the outgoing data, so it is lower than a one-way transfer's rate
-            (measured on emulated tbf links: 1-4% lower at 1 Gbit, 10-16% at 50 Mbit).
+            the outgoing data, so it is lower than a one-way transfer's rate (the more so
+            on a slow link).
         burst: bytes the link passes at once after idle (a token bucket's depth:
             the emulated cluster's tbf holds 1 ms of traffic; 0 on real links).
             A collective starts with a full bucket on every link, as the compute
@@ -240,10 +240,9 @@ class CompressorCost:
 
     ``cpu_ratio``: the CPU that the compressed collective takes in the cluster's own processes over what
     :func:`dtrain.perfmodel._traffic.compressed_traffic` counts on threads of one process (the calibration
-    measures both on its model's gradient; 1 when not measured). On 4 gloo processes over loopback the
-    CNN's gradient took 0.62-0.67 of the thread count for PowerSGD and onebit, 0.75-0.80 for top-k
-    (``benchmarks/coding_cpu.py``). User-mode CPU only: the kernel's send work is in the transfer terms
-    (counted with it, fp16 read 1.67-2.68 on the emulated cluster; a model-vs-measured run).
+    measures both on its model's gradient; 1 when not measured; ``benchmarks/coding_cpu.py`` compares the
+    two). User-mode CPU only: the kernel's send work is in the transfer terms, and counted here too it
+    would be charged twice.
     """
 
     ratio: float

@@ -42,6 +42,7 @@ from dataclasses import astuple, dataclass, replace
 from functools import partial
 
 from dtrain.errors import ConfigError
+from dtrain.hybrid_parallel.mesh import mesh_rank
 from dtrain.perfmodel.collectives import CompressionModel, allreduce_bytes
 from dtrain.perfmodel.predict import Memory, _opt_state, bucket_collective
 from dtrain.perfmodel.profile import ModelProfile
@@ -115,11 +116,6 @@ class TransformerShape:
 
 
 # ---------------------------------------------------------------------- placement
-
-
-def mesh_rank(dp_i: int, pp_i: int, tp_i: int, *, dp: int, tp: int) -> int:
-    """Global rank of mesh coordinate ``(dp_i, pp_i, tp_i)``: tp innermost, then dp, pp outermost."""
-    return (pp_i * dp + dp_i) * tp + tp_i
 
 
 def mesh_groups(axis: str, dp: int, pp: int, tp: int) -> list[list[int]]:

@@ -245,8 +245,8 @@ def coding_cpu(model_name: str, dataset: str, specs: Sequence[str], reps: int) -
     A call's CPU is its ``time.thread_time`` (no waiting), the median of at least ``reps`` calls, times
     the share of user time in all the calls' CPU (the thread's ``getrusage``). The kernel's time on the
     calling thread is the sends (and, over veth, the receiving stack's), which the transfer terms already
-    hold: on the emulated cluster it had made fp16's CPU 1.7-2.7x the thread count (model-vs-measured run
-    41). Linux splits a thread's CPU into user and system by sampling the tick (4 ms here), so the calls
+    hold: counted as coding it would charge them twice. Linux splits a thread's CPU into user and system by
+    sampling the scheduler tick (milliseconds), so the calls
     go on until every rank has spent :data:`CODING_SHARE_CPU` seconds (at most
     :data:`CODING_SHARE_CALLS` calls; the count is agreed by an allreduce, as the calls are collective).
     """

@@ -149,11 +149,10 @@ def _loop_overhead(
     A step's wall time is that of a run of ``steps + steps // 10`` steps less that of one of ``steps // 10``
     (their start-up and last evaluation alike), over the ``steps`` between: what a user's clock sees of a
     step, between one step's row and the next. The loop's own step timer (its rows' ``step_s``) leaves out
-    the time between steps, about 0.3 ms of the CNN's 1.7 ms at one process here, and the planner had
-    over-predicted such runs by a fifth. The loop runs here rather than through the launcher so that it
-    gets the intra-op threads each worker of the job gets. The median of three: one lone measurement came
-    out at 1.26 ms against 0.2-0.5 ms in the calibrations before and after it, and moved every prediction
-    of that cluster.
+    the time between steps, which for a small model is a large share of its step. The loop runs here rather
+    than through the launcher so that it gets the intra-op threads each worker of the job gets. The median
+    of three: a lone measurement on a loaded machine can be several times the others, and it would move
+    every prediction of that cluster.
     """
     from dtrain.config.schema import RunConfig
     from dtrain.job.run import worker_main
@@ -316,20 +315,17 @@ def refresh_load(
     not; this takes ~25 s instead of a full calibration. The device's ``wake``,
     ``floor``, ``imbalance`` and ``compute_scale`` are replaced; ``overhead`` is
     rescaled; the inter link's ``duplex_bandwidth`` (ring exchanges, every host
-    sending and receiving at once) is measured again: whether four processes on
-    two cores keep both directions busy moves with the load (one calibration of
-    the emulated 50 Mbit links gave 37.7 Mbit/s against 42.4-45.0 in others, and
-    every ring-based prediction of that run was 12-21% high); the compressed collectives' CPU time
+    sending and receiving at once) is measured again: whether more processes than
+    cores keep both directions busy moves with the load, and every ring-based
+    prediction with it; the compressed collectives' CPU time
     (:func:`dtrain.perfmodel.compression.compressed_traffic`) is counted once more when next
-    predicted and the median of every count so far is used (one count at the 1 Gbit phase's
-    start, kept alone, put topk:0.01 at 2.5 ms of CPU through the 50 Mbit phase, +25.6%; one
-    count a refresh, the last alone, moved predictions as much as the load did:
+    predicted and the median of every count so far is used (a single count, from one moment's
+    load, would move the predictions as much as the load does:
     :func:`dtrain.perfmodel.compression.recount_traffic`).
 
-    The ping-pong alpha is kept: re-measured alone it came out at either ~0.13 ms
-    or ~1.85 ms on the emulated 1 Gbit cluster (medians of every pair's small
-    messages, six refreshes), whatever the load, and one such refresh took every
-    prediction with it.
+    The ping-pong alpha is kept: re-measured alone, the medians of every pair's small
+    messages jump between two levels an order of magnitude apart whatever the load,
+    and one such refresh would take every prediction with it.
     """
     from dtrain.cluster import load, run_on_cluster
     from dtrain.perfmodel.compression import recount_traffic
@@ -358,13 +354,11 @@ def refresh_load(
 def pool_load(specs: Sequence[ClusterSpec]) -> ClusterSpec:
     """The last of ``specs`` with each term :func:`refresh_load` re-measures replaced by its median over all of them.
 
-    On the emulated clusters of this machine (4 hosts on 2 cores, nothing else
-    running) six refreshes a minute apart gave compute scales of 2.70-3.58, and
-    in a model-vs-measured run the round whose refresh read x3.82 measured the
-    fastest topk:0.01 steps of its three rounds (13.4 ms against 15.9-16.1): a
-    refresh reads the load of its own ~20 s, not of the run after it. Pooled, a
-    lone high or low reading no longer decides a prediction; a shift that lasts
-    moves the median once it is in half the readings.
+    Where the emulated hosts share few cores, refreshes a minute apart read compute
+    scales far apart, and a high reading need not come before slow steps: a refresh
+    reads the load of its own ~20 s, not of the run after it. Pooled, a lone high or
+    low reading no longer decides a prediction; a shift that lasts moves the median
+    once it is in half the readings.
     """
     if not specs:
         raise ValueError("pool_load needs at least one cluster description")

@@ -27,7 +27,7 @@ from dtrain.errors import ConfigError, run_command
 from dtrain.perfmodel.hooks import ModelHooks
 from dtrain.perfmodel.profile import profile_model
 from dtrain.perfmodel.ranking import DEFAULT_COMPRESSIONS, parse_memory_limit
-from dtrain.perfmodel.simulator import SimResult, Stragglers, simulate
+from dtrain.perfmodel.simulator import SimResult, Stragglers, simulate_steps
 from dtrain.perfmodel.spec import ClusterSpec, load_cluster
 from dtrain.planning.auto import cluster_for, plan
 from dtrain.registry import Choice, registered
@@ -87,7 +87,7 @@ def _simulate(ns: argparse.Namespace) -> int:
             comp = compression_model(spec_c, spec) if spec_c != "none" else None
             c = replace(spec.with_devices(s.processes), models=spec.models, compressors=spec.compressors)
             rows.append(
-                simulate(
+                simulate_steps(
                     base.at_batch(b), c, s, comp=comp, stragglers=strag, steps=ns.steps, overhead_s=spec.device.overhead
                 )
             )

@@ -2,8 +2,8 @@
 
 A calibration measures this machine as it finds it: made while other work keeps the cores busy
 (a test suite, another user's job), its compute scale, wake-ups and floors describe that busy
-machine, and a plan made later on a quiet one from it is off (by 20-40% on the 2-core machine
-here). So a calibration records the load it was made under (:class:`~dtrain.perfmodel.spec.Load`,
+machine, and a plan made later on a quiet one from it is off.
+So a calibration records the load it was made under (:class:`~dtrain.perfmodel.spec.Load`,
 the ``[calibrated]`` table of its TOML), and the planner looks at it before reusing one
 (:func:`dtrain.planning.calibrate.local_cluster`).
 

@@ -36,11 +36,10 @@ Definitions, and what they rest on:
 5. **Straggler**: the rank the others waited for most, named only if it was last in at least half
    of the steps, kept them waiting at least 10% of the step and its own work is at least twice the
    others' median -- so a rank behind a slow link (waited for, its own work the others') is not
-   named. Contention alone can make a rank that much slower: plain two-rank runs on 2 cores shared
-   with other jobs put the most waited-for rank at 0.7-2.5x the other's own work (named at 2.0x and
-   2.5x); an injected ``--straggler R:4`` showed 4-11x (the emulation stretches work that includes
-   dp's in-backward exchange and a pipeline stage's receives, which this measure leaves out of the
-   other ranks' own work).
+   named. Contention alone can make a rank that much slower (ranks sharing cores with other jobs),
+   so a rank named at about 2x may be one the machine slowed; an injected ``--straggler R:F`` shows
+   as more than ``F``, because the emulation stretches work that includes dp's in-backward exchange
+   and a pipeline stage's receives, which this measure leaves out of the other ranks' own work.
 
 Example::
 

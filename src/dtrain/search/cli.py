@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
         "`dtrain run`; default: the embedded default run)",
     )
     ap.add_argument("--space", required=True, help='TOML file with a [sweep.space] table: key = "distribution"')
-    ap.add_argument("--search", default="random", help=f"{' | '.join(SEARCHES)} (default: random)")
-    ap.add_argument("--scheduler", default="fifo", help=f"{' | '.join(SCHEDULERS)} (default: fifo)")
+    _search_flags(ap, SEARCHES, SCHEDULERS)
+    _placement_flags(ap)
+    _trial_flags(ap)
+    ap.add_argument("--out", default="", help="the sweep folder (default: sweeps/<timestamp>)")
+    return ap
+
+
+def _search_flags(ap: argparse.ArgumentParser, searches: Iterable[str], schedulers: Iterable[str]) -> None:
+    """The searcher, the scheduler and what they optimise."""
+    ap.add_argument("--search", default="random", help=f"{' | '.join(searches)} (default: random)")
+    ap.add_argument("--scheduler", default="fifo", help=f"{' | '.join(schedulers)} (default: fifo)")
     ap.add_argument("--trials", type=int, default=None, help="trials to run (default: 8; grid: every combination)")
     ap.add_argument("--concurrent", type=int, default=2, help="trials at once (default: 2)")
     ap.add_argument(
@@ -73,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--reduction", type=int, default=2, help="asha: keep the top 1/N at each rung (default: 2)")
     ap.add_argument("--seed", type=int, default=0, help="the searcher's seed (default: 0)")
+
+
+def _placement_flags(ap: argparse.ArgumentParser) -> None:
+    """Where the trials run: a Ray cluster, the CPUs a trial holds, an emulated cluster, restarts."""
     ap.add_argument(
         "--address",
         default="",
@@ -95,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--max-failures", type=int, default=0, help="restarts of a failed trial, from its last checkpoint (default: 0)"
     )
+
+
+def _trial_flags(ap: argparse.ArgumentParser) -> None:
+    """Which trials start: a parameter or memory budget, the base configuration first."""
     ap.add_argument(
         "--max-params",
         type=int,
@@ -115,8 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory per device (2GB, 512MB, bytes): a trial that needs "
         "more by the planner's memory model is skipped before it starts (default: none)",
     )
-    ap.add_argument("--out", default="", help="the sweep folder (default: sweeps/<timestamp>)")
-    return ap
 
 
 def spec_from_args(ns: argparse.Namespace) -> Any:

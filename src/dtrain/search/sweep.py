@@ -151,12 +151,81 @@ def build_spec(
             key; an empty space; a metric the run does not report; PBT over a key a run cannot change
             in the middle; grid over a range).
     """
+    asked = SweepSpec(  # the flags as given; checked and completed by _checked
+        base={},
+        space={},
+        out=out,
+        search=search,
+        scheduler=scheduler,
+        concurrent=concurrent,
+        metric=metric or "",
+        mode=mode or "",
+        seed=seed,
+        address=address,
+        cpus_per_trial=cpus_per_trial,
+        reduction=reduction,
+        max_failures=max_failures,
+        max_params=max_params,
+    )
+    return _checked(asked, base, table, trials, (eval_every, perturbation_interval), memory_limit, start_at_base)
+
+
+def _checked(
+    asked: SweepSpec,
+    base: Any,
+    table: Any,
+    trials: int | None,
+    cadence: tuple[int, int],
+    memory_limit: str,
+    start_at_base: bool,
+) -> SweepSpec:
+    """:func:`build_spec`'s checks, in the order the flags' errors are reported, and the sweep they make."""
     from dtrain.perfmodel.ranking import parse_memory_limit
     from dtrain.search.space import parse_space
 
+    search, scheduler, concurrent = asked.search, asked.scheduler, asked.concurrent
     check_choice("--search", search, SEARCHES)
     check_choice("--scheduler", scheduler, SCHEDULERS)
     space = parse_space(table, base)
+    metric, mode = _metric_and_mode(base, asked.metric, asked.mode)
+    if concurrent < 1:
+        raise ConfigError(f"--concurrent must be >= 1, got {concurrent}")
+    if asked.cpus_per_trial <= 0:
+        raise ConfigError(f"--cpus-per-trial must be > 0, got {asked.cpus_per_trial:g}")
+    trials = _trial_count(space, search, trials)
+    if scheduler == "pbt":
+        _check_pbt(base, space, search, trials, concurrent)
+    every, interval = _cadence(base, scheduler, *cadence)
+    if asked.reduction < 2:
+        raise ConfigError(f"--reduction must be >= 2, got {asked.reduction}")
+    if asked.max_params < 0 or asked.max_failures < 0:
+        raise ConfigError(
+            f"--max-params and --max-failures must be >= 0, got {asked.max_params} and {asked.max_failures}"
+        )
+    limit = parse_memory_limit(memory_limit) if memory_limit else 0.0
+    if start_at_base and search == "grid":
+        raise ConfigError("--start-at-base: --search grid runs every combination already; leave it out")
+    start = base_point(base, space) if start_at_base else {}
+    if asked.max_failures:  # a failed trial restarts from its last checkpoint
+        base.hooks.check_checkpointing(base.opts, base)
+    base = base.replace(eval_every=every, progress=False)
+    return dataclasses.replace(
+        asked,
+        base=base.to_dict(),
+        space=space,
+        trials=trials,
+        metric=metric,
+        mode=mode,
+        max_steps=_most_steps(base, space),
+        grace_steps=every,
+        perturbation_interval=interval,
+        memory_limit=limit,
+        start=start,
+    )
+
+
+def _metric_and_mode(base: Any, metric: str, mode: str) -> tuple[str, str]:
+    """The metric (the one the run reports at each evaluation; another is refused) and its direction."""
     reports = "val_loss" if base.load_data().task == "lm" else "test_accuracy"
     metric = metric or reports
     if metric != reports:
@@ -166,10 +235,11 @@ def build_spec(
         )
     mode = mode or METRICS[metric]
     check_choice("--mode", mode, ("min", "max"))
-    if concurrent < 1:
-        raise ConfigError(f"--concurrent must be >= 1, got {concurrent}")
-    if cpus_per_trial <= 0:
-        raise ConfigError(f"--cpus-per-trial must be > 0, got {cpus_per_trial:g}")
+    return metric, mode
+
+
+def _trial_count(space: dict[str, Param], search: str, trials: int | None) -> int:
+    """The trials to run (default: 8; grid: every combination, once), checked against the searcher."""
     grid = [k for k, p in space.items() if p.kind == "grid"]
     if search == "grid":
         ranges = [k for k, p in space.items() if not p.discrete]
@@ -192,42 +262,7 @@ def build_spec(
     trials = 8 if trials is None else trials
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
-    if scheduler == "pbt":
-        _check_pbt(base, space, search, trials, concurrent)
-    every, interval = _cadence(base, scheduler, eval_every, perturbation_interval)
-    if reduction < 2:
-        raise ConfigError(f"--reduction must be >= 2, got {reduction}")
-    if max_params < 0 or max_failures < 0:
-        raise ConfigError(f"--max-params and --max-failures must be >= 0, got {max_params} and {max_failures}")
-    limit = parse_memory_limit(memory_limit) if memory_limit else 0.0
-    if start_at_base and search == "grid":
-        raise ConfigError("--start-at-base: --search grid runs every combination already; leave it out")
-    start = base_point(base, space) if start_at_base else {}
-    if max_failures:  # a failed trial restarts from its last checkpoint
-        base.hooks.check_checkpointing(base.opts, base)
-    base = base.replace(eval_every=every, progress=False)
-    return SweepSpec(
-        base=base.to_dict(),
-        space=space,
-        out=out,
-        search=search,
-        scheduler=scheduler,
-        trials=trials,
-        concurrent=concurrent,
-        metric=metric,
-        mode=mode,
-        seed=seed,
-        address=address,
-        cpus_per_trial=cpus_per_trial,
-        max_steps=_most_steps(base, space),
-        grace_steps=every,
-        reduction=reduction,
-        perturbation_interval=interval,
-        max_failures=max_failures,
-        max_params=max_params,
-        memory_limit=limit,
-        start=start,
-    )
+    return trials
 
 
 def _cadence(base: Any, scheduler: str, eval_every: int, perturbation_interval: int) -> tuple[int, int]:

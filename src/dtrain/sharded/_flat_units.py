@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtrain.comm.shard import segment
 from dtrain.errors import ConfigError
 
 __all__ = ["Unit", "plan_units"]
@@ -94,6 +95,36 @@ class Unit:
         """The unpadded part of ``rank``'s segment: ``[start, end)`` within the ``L`` real elements."""
         a = min(rank * self.seg, self.numel)
         return a, min((rank + 1) * self.seg, self.numel)
+
+    def open_window(self, rank: int, world: int) -> None:
+        """Stage 1: a new accumulation window in the kept buffer; a shard gradient the user kept is stashed."""
+        assert self.gbuf is not None and self.shard is not None
+        own = segment(self.gbuf, rank, world)
+        if self.shard.grad is not None and self.shard.grad.data_ptr() == own.data_ptr():
+            self.stash = own.clone()
+        self.gbuf.zero_()
+
+    def hand_over(self, stage: int, rank: int, world: int) -> None:
+        """The reduced segment becomes the shard's ``.grad``, or is added to the one the user kept."""
+        shard = self.shard
+        assert shard is not None
+        if stage == 1:
+            assert self.gbuf is not None
+            own = segment(self.gbuf, rank, world)
+            if self.stash is not None:
+                own.add_(self.stash)
+                self.stash = None
+            if shard.grad is None:
+                shard.grad = own
+            elif shard.grad.data_ptr() != own.data_ptr():
+                shard.grad.add_(own)
+            return
+        red, self.reduced = self.reduced, None
+        assert red is not None
+        if shard.grad is None:
+            shard.grad = red
+        else:
+            shard.grad.add_(red)
 
 
 def _holders(m: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:

@@ -64,15 +64,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.comm.replicas import broadcast_tensors, check_same_everywhere, describe_module
-from dtrain.comm.shard import allgather as _native_allgather
-from dtrain.comm.shard import allgather_over, reduce_scatter_over, segment
-from dtrain.comm.shard import reduce_scatter as _native_reduce_scatter
+from dtrain.comm.shard import segment
 from dtrain.comm.step_stats import StepStats
 from dtrain.errors import ConfigError, DTrainError
+from dtrain.sharded._collectives import agree_at_wrap, allgather_flat, broadcast_buffers, reduce_scatter_flat
 from dtrain.sharded._flat_units import Unit, plan_units
 from dtrain.sharded._streams import Job, Stream, private_group
-from dtrain.sharded.options import SHARDS, check_options
+from dtrain.sharded.arguments import SHARDS, check_arguments
 
 __all__ = ["ShardedDataParallel"]
 
@@ -120,7 +118,7 @@ class ShardedDataParallel(nn.Module):
         grad_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        check_options(module, shard=shard, algorithm=algorithm, overlap=overlap, timeout_s=timeout_s)
+        check_arguments(module, shard=shard, algorithm=algorithm, overlap=overlap, timeout_s=timeout_s)
         self.module = module
         self.shard, self.stage = shard, SHARDS.index(shard)
         self.algorithm, self.overlap, self.timeout_s = algorithm, overlap, float(timeout_s)
@@ -175,29 +173,10 @@ class ShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ set-up
 
     def _agree_at_wrap(self, units: Sequence[str] | None) -> None:
-        params = [p for u in self._units for p in u.params]
-        devs = {p.device.type for p in params}
-        backend = str(dist.get_backend(self._group)).lower()
-        if backend == "gloo" and devs != {"cpu"}:
-            raise ConfigError(f"a gloo group reduces CPU tensors; the module has parameters on {sorted(devs)}")
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         opts = f"shard={self.shard!r}, algorithm={self.algorithm!r}, overlap={self.overlap!r}, units={units!r}"
-        check_same_everywhere(
-            describe_module(self.module),
-            opts,
-            group=self._group,
-            device=device,
-            ranks=self._ranks,
-            timeout_s=self.timeout_s,
-        )
-        broadcast_tensors(
-            [*[p.detach() for p in self.module.parameters()], *self._buffer_list],
-            src=self._ranks[0],
-            group=self._group,
-            rank=self._rank,
-            cap_bytes=25 << 20,
-            timeout_s=self.timeout_s,
-            op="ShardedDataParallel broadcast of rank 0's parameters",
+        params: list[torch.Tensor] = [p for u in self._units for p in u.params]
+        agree_at_wrap(
+            self.module, params, self._buffer_list, opts, self._group, self._ranks, self._rank, self.timeout_s
         )
 
     def _flatten(self, u: Unit) -> None:
@@ -259,28 +238,11 @@ class ShardedDataParallel(nn.Module):
             self._stats.add_comm(job.t0, job.t1, job.nbytes)
 
     def _allgather(self, flat: torch.Tensor) -> int:
-        if self.algorithm == "native":
-            _native_allgather(flat, group=self._ag.group, algorithm="native", timeout=self.timeout_s)
-            return (self._world - 1) * flat.numel() // self._world * flat.element_size()
-        from dtrain.comm.allreduce import get_transport
-
-        t = get_transport(self._ag.group, self.timeout_s)
-        before = t.stats.bytes_sent
-        allgather_over(t, flat)
-        return int(t.stats.bytes_sent - before)
+        return allgather_flat(flat, self._ag.group, self.algorithm, self._world, self.timeout_s)
 
     def _reduce_scatter(self, u: Unit, gbuf: torch.Tensor) -> int:
         wire = gbuf if self.grad_dtype in (None, gbuf.dtype) else gbuf.to(self.grad_dtype)
-        if self.algorithm == "native":
-            _native_reduce_scatter(wire, op="avg", group=self._rs.group, algorithm="native", timeout=self.timeout_s)
-            nbytes = (self._world - 1) * wire.numel() // self._world * wire.element_size()
-        else:
-            from dtrain.comm.allreduce import get_transport
-
-            t = get_transport(self._rs.group, self.timeout_s)
-            before = t.stats.bytes_sent
-            reduce_scatter_over(t, wire, "avg")
-            nbytes = int(t.stats.bytes_sent - before)
+        nbytes = reduce_scatter_flat(wire, self._rs.group, self.algorithm, self._world, self.timeout_s)
         if wire is not gbuf:  # this rank's reduced segment back into the float32 buffer
             segment(gbuf, self._grank, self._world).copy_(segment(wire, self._grank, self._world))
         if self.stage > 1:  # keep only the reduced segment; the unsharded buffer goes now
@@ -318,15 +280,7 @@ class ShardedDataParallel(nn.Module):
                 for u in self._units:
                     self._wait_gather(u)
         if self.broadcast_buffers and self._buffer_list and self._world > 1:
-            broadcast_tensors(
-                self._buffer_list,
-                src=self._ranks[0],
-                group=self._ctl,
-                rank=self._rank,
-                cap_bytes=25 << 20,
-                timeout_s=self.timeout_s,
-                op=f"ShardedDataParallel broadcast of buffers at step {self.step}",
-            )
+            broadcast_buffers(self._buffer_list, self._ctl, self._ranks, self._rank, self.timeout_s, self.step)
         return self.module(*args, **kwargs)
 
     def _pre_forward_hook(self, u: Unit) -> Any:
@@ -390,7 +344,7 @@ class ShardedDataParallel(nn.Module):
                 u.gbuf = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
                 u.gviews = u.views(u.gbuf)
             elif u.fresh and self.stage == 1:
-                self._open_window(u)
+                u.open_window(self._grank, self._world)
             u.fresh = False
             u.gviews[j].add_(p.grad)  # type: ignore[arg-type]
             p.grad = None
@@ -399,14 +353,6 @@ class ShardedDataParallel(nn.Module):
                 self._unit_done(u)
 
         return hook
-
-    def _open_window(self, u: Unit) -> None:
-        """Stage 1: a new accumulation window in the kept buffer; a shard gradient the user kept is stashed."""
-        assert u.gbuf is not None and u.shard is not None
-        own = segment(u.gbuf, self._grank, self._world)
-        if u.shard.grad is not None and u.shard.grad.data_ptr() == own.data_ptr():
-            u.stash = own.clone()
-        u.gbuf.zero_()
 
     def _unit_done(self, u: Unit) -> None:
         if self.stage == 3 and u.name != "" and not self._summoned and self._bw_sync:
@@ -454,7 +400,7 @@ class ShardedDataParallel(nn.Module):
                 u.gbuf = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
                 u.gviews = u.views(u.gbuf)
             elif u.fresh and self.stage == 1:
-                self._open_window(u)
+                u.open_window(self._grank, self._world)
             u.ready = True
         while self._next < len(self._order):
             self._launch(self._order[self._next])
@@ -467,34 +413,12 @@ class ShardedDataParallel(nn.Module):
         st.add_wait(time.perf_counter() - t0)
         self._next = 0
         for u in self._units:
-            self._hand_over(u)
+            u.hand_over(self.stage, self._grank, self._world)
             u.ready, u.fresh = False, True
         self._dirty = True
         self.step += 1
         self.last_stats = st.close()
         self._stats = StepStats(step=self.step)
-
-    def _hand_over(self, u: Unit) -> None:
-        """The reduced segment becomes the shard's ``.grad``, or is added to the one the user kept."""
-        shard = u.shard
-        assert shard is not None
-        if self.stage == 1:
-            assert u.gbuf is not None
-            own = segment(u.gbuf, self._grank, self._world)
-            if u.stash is not None:
-                own.add_(u.stash)
-                u.stash = None
-            if shard.grad is None:
-                shard.grad = own
-            elif shard.grad.data_ptr() != own.data_ptr():
-                shard.grad.add_(own)
-            return
-        red, u.reduced = u.reduced, None
-        assert red is not None
-        if shard.grad is None:
-            shard.grad = red
-        else:
-            shard.grad.add_(red)
 
     # ------------------------------------------------------------------ the user's API
 

@@ -10,7 +10,7 @@ The built-in strategies, registered the first time the registry is read (:mod:`.
 - ``tensor`` and ``hybrid`` (a mesh of data, pipeline and tensor parallelism), :mod:`.hybrid`;
 - ``auto``, the planner's pick among the others, :mod:`.auto`.
 
-Adding one is a module that defines its options dataclass, its engine and a :func:`register` call (its
+Adding one is a module that defines its options dataclass, its loop adapter and a :func:`register` call (its
 hooks: ``ProcessHooks``, ``ConfigHooks``, ``ModelHooks``), plus
 one import line in :mod:`.builtin` (docs/architecture.md). Importing this package stays light: the built-in
 modules (and their options classes, ``DPOptions``, ``DDPOptions``, ``PSOptions``) and the performance model's

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dtrain.config.schema import ConfigHooks
-from dtrain.data_parallel.options import ALGORITHMS
+from dtrain.data_parallel.tunables import ALGORITHMS
 from dtrain.errors import ConfigError, check_choice
 from dtrain.perfmodel.decentralized import easgd_cost, gossip_cost, local_sgd_cost, predict_averaging, replica_memory
 from dtrain.perfmodel.hooks import ModelHooks, PlanSpace
@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from dtrain.perfmodel.spec import ClusterSpec
     from dtrain.training.checkpointing import RunCheckpointer
 
-__all__ = ["LocalSGDOptions", "EASGDOptions", "GossipOptions", "ReplicaEngine", "hierarchy_levels"]
+__all__ = ["LocalSGDOptions", "EASGDOptions", "GossipOptions", "ReplicaAdapter", "ReplicaEngine", "hierarchy_levels"]
+
 
 TOPOLOGIES = ("ring", "torus", "exponential", "random", "complete")
 _SYNC_ASYNC = ("sync", "async")
@@ -187,7 +188,7 @@ class GossipOptions(StrategyOptions):
 # ---------------------------------------------------------------------- the engine
 
 
-class ReplicaEngine:
+class ReplicaAdapter:
     """One worker with its own replica, for :func:`~dtrain.training.loop.run_loop`.
 
     ``model`` is what the loop evaluates: a copy that :meth:`synchronize` (every worker,
@@ -301,6 +302,9 @@ class ReplicaEngine:
         return {"bytes_sent": int(st["bytes_sent"]), "summary_extra": extra}
 
 
+ReplicaEngine = ReplicaAdapter  # the name older scripts import
+
+
 def _run_local_sgd(ctx: TrainContext) -> dict[str, Any]:
     from dtrain.decentralized.local_sgd import LocalSGD
 
@@ -353,7 +357,7 @@ def _run_easgd(ctx: TrainContext) -> dict[str, Any]:
     )
     if easgd.is_server:
         return {**easgd.serve(), "role": "server"}
-    engine = ReplicaEngine(ctx, ckpt, lambda m: easgd, ctx.rank - o.servers, workers, replica=replica)
+    engine = ReplicaAdapter(ctx, ckpt, lambda m: easgd, ctx.rank - o.servers, workers, replica=replica)
     return run_loop(ctx, engine, ckpt)
 
 
@@ -363,7 +367,7 @@ def _run_workers(
     from dtrain.training.checkpointing import RunCheckpointer
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # its group first: every rank creates groups in one order
-    return run_loop(ctx, ReplicaEngine(ctx, ckpt, build, worker, workers), ckpt)
+    return run_loop(ctx, ReplicaAdapter(ctx, ckpt, build, worker, workers), ckpt)
 
 
 # ---------------------------------------------------------------------- checks and performance model hooks

@@ -14,7 +14,7 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dtrain.config.schema import ConfigHooks
-from dtrain.data_parallel.options import SHARDS
+from dtrain.data_parallel.tunables import SHARDS
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.hooks import ModelHooks, PlanSpace
 from dtrain.perfmodel.predict import (
@@ -29,9 +29,9 @@ from dtrain.perfmodel.sharded import predict_sharded, sharded_memory
 from dtrain.perfmodel.simulator import simulate_sync
 from dtrain.registry import Choice, Strategy, register
 from dtrain.strategies._common import check_fp16_exchange
-from dtrain.strategies.dp_engine import DataParallelEngine
+from dtrain.strategies.dp_adapter import DataParallelAdapter
 from dtrain.strategies.dp_options import STATELESS_WIRE, DDPOptions, DPOptions
-from dtrain.strategies.sharded_dp import ShardedEngine
+from dtrain.strategies.sharded_dp import ShardedAdapter
 from dtrain.training.context import ProcessHooks, TrainContext
 from dtrain.training.loop import run_loop
 
@@ -42,7 +42,9 @@ if TYPE_CHECKING:
     from dtrain.perfmodel.spec import ClusterSpec
 
 
-__all__ = ["DPOptions", "DDPOptions", "DataParallelEngine", "DP", "DDP"]
+__all__ = ["DPOptions", "DDPOptions", "DataParallelAdapter", "DataParallelEngine", "DP", "DDP"]
+
+DataParallelEngine = DataParallelAdapter  # the name older scripts import
 
 
 def _run(ctx: TrainContext, *, torch_ddp: bool) -> dict[str, Any]:
@@ -50,9 +52,9 @@ def _run(ctx: TrainContext, *, torch_ddp: bool) -> dict[str, Any]:
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # its group first: every rank creates groups in one order
     o = ctx.cfg.options
-    if isinstance(o, DPOptions) and o.sharded:  # ZeRO: its engine derives from dp's
-        return run_loop(ctx, ShardedEngine(ctx, ckpt), ckpt)
-    return run_loop(ctx, DataParallelEngine(ctx, ckpt, torch_ddp=torch_ddp), ckpt)
+    if isinstance(o, DPOptions) and o.sharded:  # ZeRO: its adapter derives from dp's
+        return run_loop(ctx, ShardedAdapter(ctx, ckpt), ckpt)
+    return run_loop(ctx, DataParallelAdapter(ctx, ckpt, torch_ddp=torch_ddp), ckpt)
 
 
 def _run_dp(ctx: TrainContext) -> dict[str, Any]:

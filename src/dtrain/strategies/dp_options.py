@@ -1,11 +1,13 @@
-"""The options of ``dp`` (:class:`DPOptions`, ZeRO with ``--shard``) and ``ddp`` (:class:`DDPOptions`)."""
+"""The strategy options of ``dp`` (:class:`DPOptions`, ZeRO with ``--shard``) and ``ddp`` (:class:`DDPOptions`):
+the registry's :class:`~dtrain.registry.StrategyOptions`, a run's ``[dp]`` / ``[ddp]`` table and flags. What
+the engines themselves take is :mod:`dtrain.data_parallel.tunables` and :mod:`dtrain.sharded.arguments`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtrain.data_parallel.options import ALGORITHMS, OVERLAPS, SHARD_ALGORITHMS, SHARDS
+from dtrain.data_parallel.tunables import ALGORITHMS, OVERLAPS, SHARD_ALGORITHMS, SHARDS
 from dtrain.errors import ConfigError, check_choice
 from dtrain.registry import StrategyOptions
 from dtrain.strategies._common import CompressedOptions

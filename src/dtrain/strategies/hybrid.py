@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from dtrain.perfmodel.spec import ClusterSpec
     from dtrain.training.checkpointing import RunCheckpointer
 
-__all__ = ["TensorOptions", "HybridOptions", "HybridEngine", "TENSOR", "HYBRID"]
+__all__ = ["TensorOptions", "HybridOptions", "HybridAdapter", "HybridEngine", "TENSOR", "HYBRID"]
+
 
 _SCHEDULES = ("1f1b", "gpipe")
 _TP_PLANS = ("auto", "derive")
@@ -264,7 +265,7 @@ def _check_checkpointing(o: MeshOptions, cfg: RunConfig) -> None:
         )
 
 
-class HybridEngine:
+class HybridAdapter:
     """One rank of a DP x PP x TP mesh for :func:`~dtrain.training.loop.run_loop` (a ``WholeStep`` engine)."""
 
     eval_note = " (the whole model gathered on rank 0)"
@@ -431,11 +432,14 @@ class HybridEngine:
         return out
 
 
+HybridEngine = HybridAdapter  # the name older scripts import
+
+
 def _run(ctx: TrainContext) -> dict[str, Any]:
     from dtrain.training.checkpointing import RunCheckpointer
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # (its group before the mesh's, on every rank)
-    return run_loop(ctx, HybridEngine(ctx, ckpt), ckpt)
+    return run_loop(ctx, HybridAdapter(ctx, ckpt), ckpt)
 
 
 # ---------------------------------------------------------------------- performance model hooks

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from dtrain.perfmodel.spec import ClusterSpec
     from dtrain.training.checkpointing import RunCheckpointer
 
-__all__ = ["PSOptions", "PSWorkerEngine", "run_process", "server_updates", "PS"]
+__all__ = ["PSOptions", "PSWorkerAdapter", "PSWorkerEngine", "run_process", "server_updates", "PS"]
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def server_updates(cfg: RunConfig, steps: int) -> int:
     return max(1, workers * steps)
 
 
-class PSWorkerEngine:
+class PSWorkerAdapter:
     """One parameter-server worker for :func:`~dtrain.training.loop.run_loop`."""
 
     eval_note = " (worker 0's copy)"
@@ -248,6 +248,9 @@ class PSWorkerEngine:
         return {"bytes_sent": st["bytes_sent"], "ps": st}
 
 
+PSWorkerEngine = PSWorkerAdapter  # the name older scripts import
+
+
 def run_process(ctx: TrainContext) -> dict[str, Any]:
     """One process of a parameter-server run: serve, or train as a worker."""
     c, o = ctx.cfg, _options(ctx.cfg)
@@ -302,7 +305,7 @@ def run_process(ctx: TrainContext) -> dict[str, Any]:
             ps, ctx.out_dir, batch_size=c.batch_size, timeout_s=c.timeout_s, table=bool(c.extra.get("ps_table", True))
         )
     try:
-        return run_loop(ctx, PSWorkerEngine(ctx, ps, model, workers, steps, ckpt, blob), ckpt)
+        return run_loop(ctx, PSWorkerAdapter(ctx, ps, model, workers, steps, ckpt, blob), ckpt)
     except Exception as e:  # this worker's own error (non-finite gradients, a bad batch): the servers say it
         if not isinstance(e, (RunAbortedError, DroppedError)):  # (not another rank's stop, reported already)
             ps.abort(f"worker rank {ctx.rank} stopped: {e}")

@@ -1,6 +1,6 @@
-"""The engine of ``dtrain run --strategy dp --shard optimizer|gradients|parameters`` (ZeRO 1-3).
+"""The loop adapter of ``dtrain run --strategy dp --shard optimizer|gradients|parameters`` (ZeRO 1-3).
 
-The data-parallel engine with :class:`dtrain.ShardedDataParallel` in place of
+The data-parallel adapter with :class:`dtrain.ShardedDataParallel` in place of
 :class:`dtrain.DataParallel`: the optimizer steps this rank's shards, the guard checks
 the shards' gradients, checkpoints hold each rank's segments as DTensors (so a run
 resumes on another number of workers: DCP reshards), and the summary gets each rank's
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dtrain.strategies.dp_engine import DataParallelEngine
+from dtrain.strategies.dp_adapter import DataParallelAdapter
 from dtrain.strategies.dp_options import DPOptions
 from dtrain.training.context import TrainContext
 from dtrain.training.loop import Position
@@ -22,7 +22,7 @@ from dtrain.training.loop import Position
 if TYPE_CHECKING:
     from dtrain.training.checkpointing import RunCheckpointer
 
-__all__ = ["ShardedEngine"]
+__all__ = ["ShardedAdapter"]
 
 
 class _SavedBytes:
@@ -48,7 +48,7 @@ class _SavedBytes:
         self.peak = max(self.peak, self.now)
 
 
-class ShardedEngine(DataParallelEngine):
+class ShardedAdapter(DataParallelAdapter):
     """One ZeRO worker for :func:`~dtrain.training.loop.run_loop`."""
 
     def __init__(self, ctx: TrainContext, ckpt: RunCheckpointer | None) -> None:

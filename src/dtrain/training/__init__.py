@@ -4,7 +4,7 @@
   :mod:`.factories` (model, optimizer, compressor), :mod:`.batch_control` (the global batch),
   :mod:`.lr` (the learning rate), :mod:`.loaders` (a shard's data), :mod:`.evaluation` (the run's
   metric), :mod:`.progress` (the progress bar) and :mod:`.slowdown` (emulated stragglers);
-* :mod:`.loop` -- :class:`~.loop.Engine` (what a strategy supplies) and :func:`~.loop.run_loop`
+* :mod:`.loop` -- :class:`~.loop.LoopAdapter` (what a strategy supplies) and :func:`~.loop.run_loop`
   (epochs, batches, spans, stragglers, metrics rows, checkpoints, evaluation);
 * :mod:`.accumulate` -- ``--grad-accum N`` (micro-steps, one exchange a step) and ``--clip-grad-norm``;
 * :mod:`.checkpointing` -- ``--checkpoint-every N`` and ``--resume PATH`` for every strategy;

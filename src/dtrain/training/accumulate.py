@@ -45,7 +45,7 @@ __all__ = [
 
 @runtime_checkable
 class Accumulates(Protocol):
-    """An engine whose backward communicates: inside ``no_sync()`` a forward and backward only accumulate."""
+    """An adapter whose backward communicates: inside ``no_sync()`` a forward and backward only accumulate."""
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """A context in which forward and backward leave this rank's gradients unexchanged."""
@@ -53,7 +53,7 @@ class Accumulates(Protocol):
 
 @runtime_checkable
 class ClipsGradients(Protocol):
-    """An engine that clips the step's gradient by its global 2-norm (every rank of the step calls it)."""
+    """An adapter that clips the step's gradient by its global 2-norm (every rank of the step calls it)."""
 
     def clip_grad_norm(self, max_norm: float) -> float | None:
         """Scale the gradients this rank applies so that the global norm is at most ``max_norm``; the norm before

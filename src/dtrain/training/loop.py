@@ -1,4 +1,5 @@
-"""The training loop, written once; a strategy supplies an :class:`Engine`.
+"""The training loop, written once; a strategy supplies a :class:`LoopAdapter` (``run_loop``'s ``engine``:
+the strategy's engine, adapted to the loop).
 
 :func:`run_loop` does what every training process does: epochs of its data
 shard, a tracer span per step (forward, backward, the engine's update), the
@@ -22,11 +23,8 @@ Roughly, per step::
     metrics rows <- engine.rows(row)       # the engine adds compute/comm/wait/bytes, the loop step_s
 
 The numerics guard (:mod:`dtrain.optim.guard`) costs one fused 2-norm per gradient and
-one host sync per step: on the CNN (8 parameters, CPU, 2 shared cores) about 35 us, 4% of a
-bare one-process step of 32 samples (0.9 ms) and under 1% of a 2-worker dp step (about 8 ms
-there); ``--skip-nonfinite`` adds, where ranks share a step (dp, ddp, pipeline), a flag
-all-reduce of about 0.24 ms among 2 gloo processes. ``benchmarks/nonfinite_guard.py``
-measures both.
+one host sync per step; ``--skip-nonfinite`` adds, where ranks share a step (dp, ddp, pipeline),
+a one-flag all-reduce. ``benchmarks/nonfinite_guard.py`` measures both.
 """
 
 from __future__ import annotations
@@ -64,7 +62,17 @@ HOLD_ENV = "DTRAIN_HOLD_FILE"
 if TYPE_CHECKING:
     from dtrain.training.checkpointing import RunCheckpointer
 
-__all__ = ["Engine", "WholeStep", "SkipsSteps", "Position", "run_loop", "guard_for", "EVALS_FILE", "HOLD_ENV"]
+__all__ = [
+    "LoopAdapter",
+    "Engine",
+    "WholeStep",
+    "SkipsSteps",
+    "Position",
+    "run_loop",
+    "guard_for",
+    "EVALS_FILE",
+    "HOLD_ENV",
+]
 
 
 @dataclass(frozen=True)
@@ -81,8 +89,8 @@ class Position:
     rng: dict[str, Any] | None = None
 
 
-class Engine(Protocol):
-    """What a strategy supplies to :func:`run_loop` (one per training process).
+class LoopAdapter(Protocol):
+    """What a strategy supplies to :func:`run_loop` (one per training process): its engine, adapted to the loop.
 
     Attributes:
         model: the module trained here (evaluated by the evaluating rank).
@@ -135,9 +143,12 @@ class Engine(Protocol):
         """End of training; returns result keys: ``bytes_sent`` and any extras."""
 
 
+Engine = LoopAdapter  # the name older scripts import
+
+
 @runtime_checkable
 class WholeStep(Protocol):
-    """An engine that runs a step's forward and backward itself (a pipeline's schedule interleaves
+    """An adapter that runs a step's forward and backward itself (a pipeline's schedule interleaves
     the micro-batches' passes): the loop calls ``train_step`` instead of forward, loss and backward."""
 
     def train_step(self, x: Any, y: Any) -> float:
@@ -146,7 +157,7 @@ class WholeStep(Protocol):
 
 @runtime_checkable
 class SkipsSteps(Protocol):
-    """An engine that can leave a step out (``--skip-nonfinite``; :mod:`dtrain.optim.guard`)."""
+    """An adapter that can leave a step out (``--skip-nonfinite``; :mod:`dtrain.optim.guard`)."""
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters whose gradients this rank applies, named as in the model."""
@@ -156,11 +167,11 @@ class SkipsSteps(Protocol):
         step; this rank's own verdict where it applies its gradients alone)."""
 
     def skip(self) -> None:
-        """Instead of :meth:`Engine.update`: apply nothing, drop the gradients; keep what must stay in
+        """Instead of :meth:`LoopAdapter.update`: apply nothing, drop the gradients; keep what must stay in
         step with other ranks (e.g. a decentralized replica's averaging)."""
 
 
-def guard_for(ctx: TrainContext, engine: Engine) -> NonFiniteGuard:
+def guard_for(ctx: TrainContext, engine: LoopAdapter) -> NonFiniteGuard:
     """The numerics guard of ``engine`` (``--skip-nonfinite`` needs a :class:`SkipsSteps` engine)."""
     budget = ctx.cfg.skip_nonfinite
     if isinstance(engine, SkipsSteps):
@@ -173,7 +184,7 @@ def guard_for(ctx: TrainContext, engine: Engine) -> NonFiniteGuard:
     return NonFiniteGuard(engine.model.named_parameters(), rank=ctx.rank)
 
 
-def _scaler(ctx: TrainContext, engine: Engine) -> LossScaler | None:
+def _scaler(ctx: TrainContext, engine: LoopAdapter) -> LossScaler | None:
     """fp16's loss scaler over the parameters this rank applies (None for fp32 and bf16)."""
     if not ctx.precision.scales_loss:
         return None
@@ -215,7 +226,7 @@ class _Progress:
         self.step_times: dict[int, float] = {}  # step -> seconds, until its row is written
 
 
-def _gradients(ctx: TrainContext, engine: Engine, x: Any, y: Any, scaler: LossScaler | None) -> float:
+def _gradients(ctx: TrainContext, engine: LoopAdapter, x: Any, y: Any, scaler: LossScaler | None) -> float:
     """Forward (in the compute precision) and backward of a batch, the gradients left in ``.grad``
     (times the loss scale under fp16); the batch's mean loss. ``--grad-accum N``: over ``N`` micro-batches,
     exchanged once (:mod:`dtrain.training.accumulate`)."""
@@ -244,7 +255,7 @@ def _gradients(ctx: TrainContext, engine: Engine, x: Any, y: Any, scaler: LossSc
     return micro_steps(step, x, y, n, engine.no_sync if isinstance(engine, Accumulates) else None)
 
 
-def _clip(ctx: TrainContext, engine: Engine, row: dict[str, Any]) -> None:
+def _clip(ctx: TrainContext, engine: LoopAdapter, row: dict[str, Any]) -> None:
     """``--clip-grad-norm MAX``: the engine clips the step's gradient by its global norm, recorded in ``row``."""
     max_norm = ctx.cfg.clip_grad_norm
     if not max_norm:
@@ -257,7 +268,7 @@ def _clip(ctx: TrainContext, engine: Engine, row: dict[str, Any]) -> None:
         row["grad_norm"] = norm
 
 
-def _inject_overflow(ctx: TrainContext, engine: Engine, step: int) -> None:
+def _inject_overflow(ctx: TrainContext, engine: LoopAdapter, step: int) -> None:
     """Fault injection (``extra.inject_overflow = "RANK:STEP"``, or ``"RANK:*"`` for every step): an inf in
     this rank's first gradient at ``step``, after the exchange -- an overflow only this rank sees (tests of
     the agreement and of a collapsing loss scale)."""
@@ -271,7 +282,7 @@ def _inject_overflow(ctx: TrainContext, engine: Engine, step: int) -> None:
             grads[0].view(-1)[0] = math.inf
 
 
-def _apply(ctx: TrainContext, engine: Engine, tally: _Progress, loss_v: float, row: dict[str, Any]) -> bool:
+def _apply(ctx: TrainContext, engine: LoopAdapter, tally: _Progress, loss_v: float, row: dict[str, Any]) -> bool:
     """Check the step (fp16: unscale and agree on overflow; then the numerics guard), then the engine's
     update or skip; whether it was applied. Adds the loss scale and an overflow to ``row``."""
     _inject_overflow(ctx, engine, tally.step)
@@ -296,7 +307,7 @@ def _apply(ctx: TrainContext, engine: Engine, tally: _Progress, loss_v: float, r
 
 def _epoch(
     ctx: TrainContext,
-    engine: Engine,
+    engine: LoopAdapter,
     ckpt: RunCheckpointer | None,
     pos: Position,
     epoch: int,
@@ -370,7 +381,7 @@ def _epoch(
     return batches
 
 
-def _postfix(engine: Engine, tally: _Progress, bar: Any, loss: float) -> None:
+def _postfix(engine: LoopAdapter, tally: _Progress, bar: Any, loss: float) -> None:
     """The bar's loss, and the slowest rank (every rank posts its own work, the evaluating rank shows it)."""
     shown = {"loss": f"{loss:.3f}"}
     if tally.live is not None:
@@ -381,7 +392,7 @@ def _postfix(engine: Engine, tally: _Progress, bar: Any, loss: float) -> None:
     bar.set_postfix(shown, refresh=False)
 
 
-def _verdict(ctx: TrainContext, engine: Engine, step: int, stop: bool) -> bool:
+def _verdict(ctx: TrainContext, engine: LoopAdapter, step: int, stop: bool) -> bool:
     """Every rank's answer to "stop now?" after the evaluation at ``step``: the evaluating rank's.
 
     The evaluator posts its verdict in the job's key-value store (torch.distributed's
@@ -423,7 +434,7 @@ def _hold(ctx: TrainContext, step: int, go: Path) -> float:
         time.sleep(0.01)
 
 
-def _evaluate(ctx: TrainContext, engine: Engine, tally: _Progress, epoch: int, t_start: float, bar: Any) -> None:
+def _evaluate(ctx: TrainContext, engine: LoopAdapter, tally: _Progress, epoch: int, t_start: float, bar: Any) -> None:
     """Evaluate on the evaluating rank; with ``--target``, every rank learns whether to stop."""
     te = time.perf_counter()
     stop = False
@@ -445,7 +456,7 @@ def _evaluate(ctx: TrainContext, engine: Engine, tally: _Progress, epoch: int, t
     tally.eval_s += time.perf_counter() - te
 
 
-def _metric_keys(ctx: TrainContext, engine: Engine, tally: _Progress) -> dict[str, Any]:
+def _metric_keys(ctx: TrainContext, engine: LoopAdapter, tally: _Progress) -> dict[str, Any]:
     """The evaluating rank's result keys: the final metric, its history, time to target."""
     value = ctx.evaluate(engine.model)
     out: dict[str, Any] = dict(metric_name=ctx.metric_name, metric=value, metric_history=tally.history)
@@ -463,7 +474,7 @@ def _metric_keys(ctx: TrainContext, engine: Engine, tally: _Progress) -> dict[st
 
 def _train(
     ctx: TrainContext,
-    engine: Engine,
+    engine: LoopAdapter,
     ckpt: RunCheckpointer | None,
     pos: Position,
     tally: _Progress,
@@ -486,7 +497,7 @@ def _train(
         epoch += 1
 
 
-def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = None) -> dict[str, Any]:
+def run_loop(ctx: TrainContext, engine: LoopAdapter, ckpt: RunCheckpointer | None = None) -> dict[str, Any]:
     """Train with ``engine`` until it is done; returns this process's result.
 
     The result: ``role`` "worker", ``steps`` (this run's), ``start_step``,
@@ -498,7 +509,7 @@ def run_loop(ctx: TrainContext, engine: Engine, ckpt: RunCheckpointer | None = N
     a classifier, ``val_loss`` and ``perplexity`` for a language model, and under
     ``--target`` ``time_to_target_s`` (training seconds from the first step to the
     evaluation that met it; None if none did) and ``target_step``; plus the
-    engine's :meth:`Engine.finish` keys.
+    engine's :meth:`LoopAdapter.finish` keys.
     """
     if ckpt is not None:
         ckpt.on_restore = ctx.restore_loop_state  # the batch plan before the engine locates its position
