@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from dtrain.config.values import build_options, option_fields, parse_straggler, sort_values
+from dtrain.config.values import build_options, option_fields, parse_straggler, sort_values, typed_field
 from dtrain.errors import ConfigError
 from dtrain.optim.precision import PRECISIONS
 from dtrain.registry import Strategy, StrategyOptions, get, options_for
@@ -505,7 +505,7 @@ class RunConfig:
         opts: dict[str, Any] = {}
         for k, v in changes.items():
             if k in shared:
-                kw[k] = _typed(k, _default(shared[k]), v)
+                kw[k] = typed_field(shared[k], v)
             elif k in ("model_args", "extra"):
                 if not isinstance(v, Mapping):
                     return self.from_mapping({**self.to_dict(), **changes})

@@ -12,7 +12,7 @@ from typing import Any
 from dtrain.errors import ConfigError
 from dtrain.registry import Strategy, StrategyOptions, registered
 
-__all__ = ["option_fields", "build_options", "sort_values", "parse_straggler"]
+__all__ = ["option_fields", "build_options", "sort_values", "parse_straggler", "typed_field"]
 
 
 def parse_straggler(spec: str) -> tuple[int, float]:
@@ -50,6 +50,11 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return None
+
+
+def typed_field(f: dataclasses.Field[Any], v: Any) -> Any:
+    """``v`` checked against the type of field ``f``'s default (ConfigError naming the option)."""
+    return _typed(f.name, _default(f), v)
 
 
 def option_fields() -> dict[str, list[tuple[str, dataclasses.Field[Any]]]]:
