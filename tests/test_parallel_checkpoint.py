@@ -28,7 +28,7 @@ from dtrain.checkpoint import read_checkpoint, save_checkpoint
 from dtrain.config.schema import RunConfig
 from dtrain.errors import DTrainError
 from dtrain.job.validate import validate
-from dtrain.strategies.pipeline import PipelineEngine, PipelineOptions
+from dtrain.strategies.pipeline import PipelineAdapter, PipelineOptions
 
 RUN = [
     "run",
@@ -83,13 +83,13 @@ def test_a_resumed_pipeline_cuts_the_model_where_its_checkpoint_did(tmp_path):
     root = tmp_path / "checkpoints"
     ckpt = save_checkpoint(root, 10, model=torch.nn.Linear(2, 2), info={"step": 10, "cut": [6, 3]})
 
-    def engine(resume: Path | None, balance: str) -> PipelineEngine:
+    def engine(resume: Path | None, balance: str) -> PipelineAdapter:
         me = SimpleNamespace(ckpt=SimpleNamespace(resume_from=resume), o=PipelineOptions(balance=balance))
         return me  # type: ignore[return-value]
 
-    assert PipelineEngine._balance(engine(ckpt, "time")) == [6, 3]  # not profiled anew
-    assert PipelineEngine._balance(engine(None, "time")) == "time"
-    assert PipelineEngine._balance(engine(None, "4,5")) == [4, 5]
+    assert PipelineAdapter._balance(engine(ckpt, "time")) == [6, 3]  # not profiled anew
+    assert PipelineAdapter._balance(engine(None, "time")) == "time"
+    assert PipelineAdapter._balance(engine(None, "4,5")) == [4, 5]
 
 
 @pytest.mark.procs

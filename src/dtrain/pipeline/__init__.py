@@ -3,7 +3,7 @@
 * :mod:`.actions` -- what a schedule is made of: :class:`~.actions.Action` (``"1F3"``) and
   :class:`~.actions.Schedule`;
 * :mod:`.schedules` -- schedules as data (GPipe, 1F1B, interleaved, PipeDream-2BW), a printer,
-  a simulator and a validator (private engine: ``_simulate``);
+  a simulator and a validator (their implementation: ``_simulate``);
 * :mod:`.partition` -- balanced cuts of an ``nn.Sequential`` (by layer counts, parameters,
   memory or measured time);
 * :mod:`.blocks` and :mod:`.staged` -- a model that is not an ``nn.Sequential``: its list of repeated blocks

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from dtrain.pipeline.pipe import Pipeline
     from dtrain.training.checkpointing import RunCheckpointer
 
-__all__ = ["PipelineOptions", "PipelineEngine", "PIPELINE"]
+__all__ = ["PipelineOptions", "PipelineAdapter", "PipelineEngine", "PIPELINE"]
 
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
 _RECOMPUTE = ("never", "except_last", "always")
@@ -260,7 +260,7 @@ def _check_checkpointing(o: PipelineOptions, cfg: RunConfig) -> None:
         )
 
 
-class PipelineEngine:
+class PipelineAdapter:
     """One stage of the pipeline for :func:`~dtrain.training.loop.run_loop` (a ``WholeStep`` engine)."""
 
     eval_note = " (the stages gathered on rank 0)"
@@ -450,11 +450,14 @@ class PipelineEngine:
         return out
 
 
+PipelineEngine = PipelineAdapter  # the name older scripts import
+
+
 def _run(ctx: TrainContext) -> dict[str, Any]:
     from dtrain.training.checkpointing import RunCheckpointer
 
     ckpt = RunCheckpointer.create(ctx.cfg, ctx.out_dir)  # (its group before the pipeline's, on every rank)
-    return run_loop(ctx, PipelineEngine(ctx, ckpt), ckpt)
+    return run_loop(ctx, PipelineAdapter(ctx, ckpt), ckpt)
 
 
 CANDIDATE_MICROBATCHES = (4, 8)  # the micro-batches the planner tries
