@@ -220,3 +220,27 @@ def test_replace_refuses_what_parsing_refuses(changes, words):
         cfg.replace(**changes)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_a_runs_dataset_is_loaded_once_a_process_and_again_when_its_file_changes(tmp_path, monkeypatch):
+    import dtrain.workloads.data as data
+
+    calls = []
+    load = data.load_dataset
+
+    def spy(name, **kw):
+        calls.append(name)
+        return load(name, **kw)
+
+    monkeypatch.setattr(data, "load_dataset", spy)
+    text = tmp_path / "notes.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    cfg = RunConfig.make(dataset=str(text), model="mlp", seq_len=16)
+    first = cfg.load_data()
+    assert cfg.replace(lr=0.5).load_data() is first and calls == [str(text)]  # the same data: not read again
+    assert cfg.replace(seq_len=8).load_data() is not first  # read with other values: read again
+    text.write_text("another text, of another length. " * 30)
+    again = cfg.load_data()
+    assert len(calls) == 3 and again.train_size != first.train_size  # the file changed: read again
+    digits = RunConfig.make(dataset="digits")
+    assert digits.load_data() is digits.replace(workers=3).load_data()

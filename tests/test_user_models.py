@@ -169,6 +169,7 @@ def test_a_bad_model_spec_is_one_line_naming_it(user_file: Path, spec: str, args
 def test_validate_checks_the_model_against_the_data(user_file: Path) -> None:
     validate(_cfg(model=f"{user_file}:build", model_args={"width": 4}))  # a good one passes
     validate(_cfg(model=f"{user_file}:tupled"))  # a tuple's first item is the logits
+    validate(_cfg(model=f"{user_file}:build", strategy="pipeline"))  # an nn.Sequential: cut between its children
     cases = [
         ({"model": f"{user_file}:huge"}, "40,000,200,000 parameters (counted on the meta device)"),
         ({"model": f"{user_file}:few_classes"}, "gives 4 logits a position, and the dataset has labels up to 9"),
@@ -176,7 +177,7 @@ def test_validate_checks_the_model_against_the_data(user_file: Path) -> None:
         ({"model": f"{user_file}:build", "loss": f"{user_file}:vector_loss"}, "returned (2,), not a scalar"),
         ({"model": f"{user_file}:build", "loss": f"{user_file}:missing"}, "loss "),
         ({"model": f"{user_file}:build", "layers": 2}, "--layers shape(s) dtrain's gpt models"),
-        ({"model": f"{user_file}:build", "strategy": "pipeline"}, "a pipeline cuts dtrain's own models"),
+        ({"model": f"{user_file}:tupled", "strategy": "pipeline"}, "model T has no list of repeated blocks"),
         ({"model": f"{user_file}:build", "strategy": "tensor"}, "the plan splits nothing of model"),
     ]
     for kw, message in cases:

@@ -567,10 +567,7 @@ class RunConfig:
 
     def load_data(self) -> DatasetSplit:
         """This run's dataset (every process loads it: a bundled set is small and deterministic, the user's
-        own is read lazily, a token file memory-mapped)."""
-        from dtrain.workloads.data import DATASETS, load_dataset
+        own is read lazily, a token file memory-mapped); loaded once a process (:mod:`dtrain.config.data`)."""
+        from dtrain.config.data import load_run_data
 
-        if self.dataset in DATASETS:
-            return load_dataset(self.dataset, seed=self.seed, samples=self.samples, seq_len=self.seq_len)
-        own = ("text_field", "tokenizer", "token_dtype", "vocab_size", "image_size", "val_fraction", "val_dataset")
-        return load_dataset(self.dataset, seed=self.seed, seq_len=self.seq_len, **{k: getattr(self, k) for k in own})
+        return load_run_data(self)

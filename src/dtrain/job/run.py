@@ -214,9 +214,9 @@ def summarize(cfg: RunConfig, results: dict[int, dict[str, Any]], wall_s: float)
         if k in evaluator:
             s[k] = evaluator[k]
     if cfg.batch_schedule and cfg.batch_schedule != "auto":  # global_batch is the first epoch's
-        from dtrain.optim.large_batch import BatchPlan
+        from dtrain.training.checkpointing import fresh_batch_plan
 
-        s["batch_per_epoch"] = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, 1, cfg.epochs).batches
+        s["batch_per_epoch"] = fresh_batch_plan(cfg, 1).batches
     if cfg.precision != "fp32":
         s["precision"] = cfg.precision
         if cfg.precision == "fp16":  # steps skipped for overflow (the most any rank skipped; agreed ranks skip alike)

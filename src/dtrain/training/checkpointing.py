@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from dtrain.config.schema import RunConfig
     from dtrain.optim.large_batch import BatchPlan
 
-__all__ = ["RunCheckpointer", "run_info", "check_resume", "train_steps"]
+__all__ = ["RunCheckpointer", "run_info", "check_resume", "train_steps", "batch_plan", "fresh_batch_plan"]
 
 
 def run_info(cfg: RunConfig) -> dict[str, Any]:
@@ -94,6 +94,14 @@ def run_info(cfg: RunConfig) -> dict[str, Any]:
     return d
 
 
+def fresh_batch_plan(cfg: RunConfig, samples: int) -> BatchPlan:
+    """The global batch of each step of ``cfg``'s run from its start: ``--batch-size``, ``--batch-schedule``
+    and ``--auto-every``, over ``samples`` training samples; :func:`batch_plan` adds what a resumed run keeps."""
+    from dtrain.optim.large_batch import BatchPlan
+
+    return BatchPlan.of(cfg.batch_size, cfg.batch_schedule, samples, cfg.epochs, every=cfg.auto_every)
+
+
 def batch_plan(cfg: RunConfig, samples: int) -> BatchPlan:
     """The global batch of each of ``cfg``'s steps over ``samples`` training samples
     (:class:`~dtrain.optim.large_batch.BatchPlan`).
@@ -104,7 +112,7 @@ def batch_plan(cfg: RunConfig, samples: int) -> BatchPlan:
     from dtrain.optim.large_batch import BatchPlan
 
     if not cfg.resume or cfg.batch_schedule:
-        return BatchPlan.of(cfg.batch_size, cfg.batch_schedule, samples, cfg.epochs, every=cfg.auto_every)
+        return fresh_batch_plan(cfg, samples)
     info = read_info(find_checkpoint(cfg.resume))
     saved = info.get("batches")
     if not isinstance(saved, dict):  # a checkpoint from before batches were recorded: its own batch throughout
@@ -244,9 +252,7 @@ def _check_min_workers(cfg: RunConfig) -> None:
 def _data_steps(cfg: RunConfig, workers: int, samples: int) -> tuple[int, ...]:
     """Each epoch's steps and global batch on ``workers`` workers (of ``samples`` training samples): where
     each step falls in the data."""
-    from dtrain.optim.large_batch import BatchPlan
-
-    plan = BatchPlan.of(cfg.batch_size, cfg.batch_schedule, samples, cfg.epochs)
+    plan = fresh_batch_plan(cfg, samples)
     shards = cfg.opts.batch_shards(workers)
     return tuple(
         x for e in range(cfg.epochs) for x in (plan.steps_in(e, shards), split_batch(plan.batch(e), shards)[1])
