@@ -228,14 +228,10 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
 
         check_tensor_plan(o, cfg, tp)
         return
+    if (tp > 1 or pp > 1) and not is_builtin(cfg.model):
+        _check_user_mesh(o, cfg, pp, tp)
+        return
     if tp > 1 or pp > 1:
-        if not is_builtin(cfg.model):
-            raise ConfigError(
-                f"{cfg.strategy}: the stages and splits of --pp {pp} --tp {tp} are found for dtrain's "
-                f"own models; model {cfg.model} trains under tensor (its plan derived from the model) and "
-                "the strategies that do not cut it: dp, ddp, dp --shard, ps, local_sgd, easgd, gossip "
-                "(or --pp 1 --tp 1)"
-            )
         if not is_language_model(cfg.model):
             if tp > 1:
                 raise ConfigError(
@@ -251,6 +247,34 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
             raise ConfigError(f"sequence parallel: --seq-len {cfg.seq_len} does not divide over --tp {tp}")
         if pp > g.layers + 3:
             raise ConfigError(f"{cfg.model} has {g.layers + 3} layers (children), fewer than the {pp} stages")
+
+
+def _check_user_mesh(o: MeshOptions, cfg: RunConfig, pp: int, tp: int) -> None:
+    """A model dtrain did not write on a ``pp x tp`` mesh: enough blocks for the stages (the pipeline's cut
+    points, from the model built on the meta device), and the plan each stage is split by (heads and widths
+    ``tp`` divides, :func:`~dtrain.strategies.tensor_plan.check_tensor_plan`)."""
+    from dtrain.strategies.pipeline import cut_points, parse_balance
+    from dtrain.strategies.tensor_plan import check_tensor_plan
+
+    if pp > 1:
+        if o.sequence_parallel:
+            raise ConfigError(
+                f"hybrid: --sequence-parallel with --pp {pp} covers dtrain's gpt models; model {cfg.model} "
+                "takes it under --pp 1 (or --strategy tensor)"
+            )
+        names, what = cut_points(cfg)
+        if names is not None and len(names) < pp:
+            raise ConfigError(
+                f"hybrid: {what}: {len(names)} blocks to cut between, fewer than the {pp} stages of --pp {pp}; "
+                "use a smaller --pp or a model with more layers"
+            )
+        counts = parse_balance(o.pipeline()[2])
+        if names is not None and isinstance(counts, list) and (len(counts) != pp or sum(counts) != len(names)):
+            raise ConfigError(
+                f"hybrid: balance {o.pipeline()[2]} must give {pp} positive block counts summing to {len(names)}"
+            )
+    if tp > 1:
+        check_tensor_plan(o, cfg, tp)
 
 
 def _check_checkpointing(o: MeshOptions, cfg: RunConfig) -> None:
@@ -281,22 +305,25 @@ class HybridEngine:
         self.mesh = Mesh(dp=dp, pp=pp, tp=tp)
         micro, schedule, balance = o.pipeline()
         self._train_model = ctx.make_model()
-        plan = None
-        if isinstance(o, TensorOptions) and tp > 1:
-            from dtrain.tensor_parallel.plans import for_model
-            from dtrain.workloads.data import first_samples
+        from dtrain.workloads.data import first_samples
 
-            x, _ = first_samples(ctx.data.train, 2)  # the sample the parent derived the plan on
+        plan = None
+        if tp > 1:  # the plan the parent checked: derived on the same sample, for dtrain's gpt models plans.gpt
+            from dtrain.tensor_parallel.plans import for_model
+
+            x, _ = first_samples(ctx.data.train, 2)
             plan = for_model(
                 self._train_model,
                 tp,
-                tp_plan=o.tp_plan,
-                table=dict(o.plan),
+                tp_plan=getattr(o, "tp_plan", "auto"),
+                table=dict(getattr(o, "plan", ())),
                 sequence_parallel=o.sequence_parallel,
                 sample=x.to(ctx.device),
             )
             if ctx.rank == 0:
                 print(plan.text(), flush=True)
+        # one micro-batch of a dp shard: the forward that finds a module's blocks for the pipeline's cut
+        sample = first_samples(ctx.data.train, max(1, ctx.cfg.batch_size // (dp * micro)))[0].to(ctx.device)
         self.h = Hybrid(
             self._train_model,
             self.mesh,
@@ -311,6 +338,7 @@ class HybridEngine:
             tracer=ctx.tracer,
             compressor=ctx.make_compressor(),
             loss_scale=(lambda: ctx.loss_scale) if ctx.precision.scales_loss else None,
+            sample=None if pp == 1 or isinstance(self._train_model, nn.Sequential) else sample,
         )
         self.optimizer = ctx.make_optimizer(list(self.h.parameters()))
         self.evaluator = ctx.rank == 0

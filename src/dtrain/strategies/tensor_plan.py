@@ -19,7 +19,8 @@ def check_tensor_plan(o: Any, cfg: RunConfig, tp: int) -> None:
     """The plan the workers will split the model by, found here on the model built as they build it: every error
     of the plan (a key matching nothing, heads or widths ``tp`` does not divide) before any process starts.
 
-    ``o``: the run's ``TensorOptions`` (``tp_plan``, ``plan``, ``sequence_parallel``)."""
+    ``o``: the run's ``TensorOptions`` (``tp_plan``, ``plan``, ``sequence_parallel``) or ``HybridOptions`` (the
+    ``auto`` plan)."""
     from dtrain.tensor_parallel.parallelize import check_plan
     from dtrain.tensor_parallel.plans import for_model
     from dtrain.workloads.data import first_samples
@@ -41,15 +42,15 @@ def check_tensor_plan(o: Any, cfg: RunConfig, tp: int) -> None:
     plan = for_model(
         model,
         tp,
-        tp_plan=o.tp_plan,
-        table=dict(o.plan),
+        tp_plan=getattr(o, "tp_plan", "auto"),
+        table=dict(getattr(o, "plan", ())),
         sequence_parallel=o.sequence_parallel,
         sample=first_samples(data.train, 2)[0],
     )
     if not any(s.partition(":")[0] in ("colwise", "rowwise", "vocab") for s in plan.styles.values()):
         raise ConfigError(
-            f"tensor: the plan splits nothing of model {cfg.model} (no attention, MLP or vocabulary found to split "
-            "by its structure); give a [tensor.plan] table, or train it under dp, ddp, dp --shard or ps"
+            f"{cfg.strategy}: the plan splits nothing of model {cfg.model} (no attention, MLP or vocabulary found "
+            "to split by its structure); give a [tensor.plan] table, or train it under dp, ddp, dp --shard or ps"
         )
     check_plan(model, plan, tp, sequence_parallel=o.sequence_parallel)
     if plan.prepare is not None:
