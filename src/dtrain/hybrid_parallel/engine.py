@@ -94,12 +94,9 @@ class Hybrid:
         self.mesh, self.model, self.algorithm, self.timeout_s = mesh, model, algorithm, timeout_s
         self.tp_group: tp.TPGroup | None = None
         if mesh.size("tp") > 1:
-            chosen = (
-                plan
-                if plan is not None
-                else tp.plans.for_model(model, mesh.size("tp"), sequence_parallel=sequence_parallel, sample=sample)
-            )
-            tp.parallelize(model, chosen, mesh.group("tp"), sequence_parallel=sequence_parallel, timeout_s=timeout_s)
+            sp = sequence_parallel
+            chosen = plan or tp.plans.for_model(model, mesh.size("tp"), sequence_parallel=sp, sample=sample)
+            tp.parallelize(model, chosen, mesh.group("tp"), sequence_parallel=sp, timeout_s=timeout_s)
             self.tp_group = tp.tp_group_of(model)
         heads = [m for m in model.modules() if isinstance(m, tp.VocabParallelHead)]
         head = heads[-1] if heads else None
@@ -145,8 +142,7 @@ class Hybrid:
                 resolve(compressor, none_is_off=True, what="compressor"),
             )
             self._shapes = tuple(tuple(p.shape) for p in self.parameters())
-        self._dp_bytes = 0
-        self._dp_s = 0.0
+        self._dp_bytes, self._dp_s = 0, 0.0
         self._seen = {"tp": 0.0, "dp": 0.0}
 
     # ------------------------------------------------------------------ training

@@ -229,7 +229,9 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
         check_tensor_plan(o, cfg, tp)
         return
     if (tp > 1 or pp > 1) and not is_builtin(cfg.model):
-        _check_user_mesh(o, cfg, pp, tp)
+        from dtrain.strategies.tensor_plan import check_user_mesh
+
+        check_user_mesh(o, cfg, pp, tp)
         return
     if tp > 1 or pp > 1:
         if not is_language_model(cfg.model):
@@ -247,34 +249,6 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
             raise ConfigError(f"sequence parallel: --seq-len {cfg.seq_len} does not divide over --tp {tp}")
         if pp > g.layers + 3:
             raise ConfigError(f"{cfg.model} has {g.layers + 3} layers (children), fewer than the {pp} stages")
-
-
-def _check_user_mesh(o: MeshOptions, cfg: RunConfig, pp: int, tp: int) -> None:
-    """A model dtrain did not write on a ``pp x tp`` mesh: enough blocks for the stages (the pipeline's cut
-    points, from the model built on the meta device), and the plan each stage is split by (heads and widths
-    ``tp`` divides, :func:`~dtrain.strategies.tensor_plan.check_tensor_plan`)."""
-    from dtrain.strategies.pipeline import cut_points, parse_balance
-    from dtrain.strategies.tensor_plan import check_tensor_plan
-
-    if pp > 1:
-        if o.sequence_parallel:
-            raise ConfigError(
-                f"hybrid: --sequence-parallel with --pp {pp} covers dtrain's gpt models; model {cfg.model} "
-                "takes it under --pp 1 (or --strategy tensor)"
-            )
-        names, what = cut_points(cfg)
-        if names is not None and len(names) < pp:
-            raise ConfigError(
-                f"hybrid: {what}: {len(names)} blocks to cut between, fewer than the {pp} stages of --pp {pp}; "
-                "use a smaller --pp or a model with more layers"
-            )
-        counts = parse_balance(o.pipeline()[2])
-        if names is not None and isinstance(counts, list) and (len(counts) != pp or sum(counts) != len(names)):
-            raise ConfigError(
-                f"hybrid: balance {o.pipeline()[2]} must give {pp} positive block counts summing to {len(names)}"
-            )
-    if tp > 1:
-        check_tensor_plan(o, cfg, tp)
 
 
 def _check_checkpointing(o: MeshOptions, cfg: RunConfig) -> None:
@@ -497,7 +471,8 @@ def _predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionMod
             0.0,
             inputs.memory,
             False,
-            "infeasible: the mesh model covers gpt models (tensor parallelism splits their blocks)",
+            "infeasible: the mesh model covers gpt models and models with a list of blocks whose attention and "
+            "vocabulary the derived plan splits",
         )
     try:
         return predict_hybrid(
