@@ -7,9 +7,11 @@ Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clu
 1. **Tensor** (``tp``, innermost: ranks that share a node): every rank builds the whole model
    and :func:`dtrain.tensor_parallel.parallelize` splits its layers over the tp group (for
    ``gpt``: :data:`dtrain.tensor_parallel.plans.gpt`).
-2. **Pipeline** (``pp``): :class:`dtrain.Pipeline` cuts the split model between its children
-   over the pp group (the ranks with the same dp and tp index), so each tp rank of a stage
-   sends its activations to the same tp rank of the next stage.
+2. **Pipeline** (``pp``): :class:`dtrain.Pipeline` cuts the split model over the pp group (the
+   ranks with the same dp and tp index), so each tp rank of a stage sends its activations to the
+   same tp rank of the next stage: an ``nn.Sequential`` between its children, any other module
+   between the blocks of its list of repeated blocks (found by one forward of ``sample`` through
+   the split model, :mod:`dtrain.pipeline.blocks`), every stage running the model's own forward.
 3. **Data** (``dp``, across pipelines): after the step's micro-batches -- gradient
    accumulation deferred over them, no allreduce per micro-batch -- each rank averages its
    gradients over its dp group with one of dtrain's allreduce algorithms (one fused buffer).
@@ -22,7 +24,7 @@ rank's slice of its stage.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +41,8 @@ class Hybrid:
     """A model trained by DP x PP x TP over ``mesh``; see the module docstring.
 
     Args:
-        model: the whole model, the same on every rank (an ``nn.Sequential`` when ``pp > 1``).
+        model: the whole model, the same on every rank (an ``nn.Sequential``, or, when ``pp > 1``, any module with
+            a list of repeated blocks: give ``sample``).
         mesh: the :class:`dtrain.Mesh`.
         plan: the tensor-parallel plan (default: :func:`dtrain.tensor_parallel.plans.for_model`'s: ``plans.gpt``
             for dtrain's gpt models, else the one derived from the model; ignored when ``tp == 1``).
@@ -54,6 +57,9 @@ class Hybrid:
         tracer: a :class:`dtrain.trace.Tracer` for the pipeline's spans (default: None).
         compressor: a :mod:`dtrain.compress` compressor (or spec) of the dp allreduce, as DataParallel's
             (error feedback and all); None: exact (default: None).
+        sample: one micro-batch of input: the forward that finds a module's blocks for the pipeline (needed when
+            ``pp > 1`` and the model is not an ``nn.Sequential``), and the derived plan's (default: None).
+        split_points: the blocks (or children) that start the stages after the first, instead of ``balance``.
         loss_scale: fp16 loss scaling: a function giving the current scale; the backward starts from the
             loss times it and :meth:`step` returns the unscaled loss (default: None, no scaling).
     """
@@ -74,6 +80,8 @@ class Hybrid:
         tracer: Any = None,
         compressor: Any = None,
         loss_scale: Callable[[], float] | None = None,
+        sample: torch.Tensor | None = None,
+        split_points: Sequence[str] = (),
     ) -> None:
         import dtrain.tensor_parallel as tp
         from dtrain.comm.allreduce import ALGORITHMS
@@ -86,12 +94,9 @@ class Hybrid:
         self.mesh, self.model, self.algorithm, self.timeout_s = mesh, model, algorithm, timeout_s
         self.tp_group: tp.TPGroup | None = None
         if mesh.size("tp") > 1:
-            chosen = (
-                plan
-                if plan is not None
-                else tp.plans.for_model(model, mesh.size("tp"), sequence_parallel=sequence_parallel)
-            )
-            tp.parallelize(model, chosen, mesh.group("tp"), sequence_parallel=sequence_parallel, timeout_s=timeout_s)
+            sp = sequence_parallel
+            chosen = plan or tp.plans.for_model(model, mesh.size("tp"), sequence_parallel=sp, sample=sample)
+            tp.parallelize(model, chosen, mesh.group("tp"), sequence_parallel=sp, timeout_s=timeout_s)
             self.tp_group = tp.tp_group_of(model)
         heads = [m for m in model.modules() if isinstance(m, tp.VocabParallelHead)]
         head = heads[-1] if heads else None
@@ -120,6 +125,8 @@ class Hybrid:
                 group=mesh.group("pp"),
                 timeout=timeout_s,
                 tracer=tracer,
+                sample=sample,
+                split_points=split_points,
             )
         self._partial = [p for p in self.parameters() if getattr(p, "tp_partial_grad", False)]
         self._reducer: Any = None
@@ -135,8 +142,7 @@ class Hybrid:
                 resolve(compressor, none_is_off=True, what="compressor"),
             )
             self._shapes = tuple(tuple(p.shape) for p in self.parameters())
-        self._dp_bytes = 0
-        self._dp_s = 0.0
+        self._dp_bytes, self._dp_s = 0, 0.0
         self._seen = {"tp": 0.0, "dp": 0.0}
 
     # ------------------------------------------------------------------ training

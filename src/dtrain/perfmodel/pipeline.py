@@ -156,11 +156,39 @@ def _check(prof: ModelProfile, stages: int, microbatches: int, schedule: str, ch
         )
     if prof.batch % microbatches:
         raise ConfigError(f"{microbatches} micro-batches do not divide the batch of {prof.batch}")
-    if len(prof.layers) < stages * chunks:
+    if len(_units(prof)) < stages * chunks:
         raise ConfigError(
-            f"the model has {len(prof.layers)} layers, fewer than the {stages * chunks} virtual stages "
+            f"the model has {_what(prof)}, fewer than the {stages * chunks} virtual stages "
             f"({stages} x {chunks}); use fewer stages"
         )
+
+
+def _units(prof: ModelProfile) -> list[int]:
+    """Profile layers per unit a pipeline may cut between: one each, or, for a model profiled by its pieces
+    (:mod:`dtrain.perfmodel.pieces`), its blocks with the prologue on the first and the epilogue on the last."""
+    units = prof.extra.get("pieces", {}).get("units")
+    if isinstance(units, list) and sum(units) == len(prof.layers) and all(u >= 1 for u in units):
+        return [int(u) for u in units]
+    return [1] * len(prof.layers)
+
+
+def _what(prof: ModelProfile) -> str:
+    n = len(_units(prof))
+    return f"{n} blocks to cut between" if "pieces" in prof.extra else f"{n} layers"
+
+
+def _per_unit(values: Sequence[float], units: Sequence[int]) -> list[float]:
+    spans = _spans(units)
+    return [math.fsum(values[i] for i in span) for span in spans]
+
+
+def _to_layers(counts: Sequence[int], units: Sequence[int]) -> tuple[int, ...]:
+    """Units per virtual stage as profile layers per virtual stage."""
+    out, at = [], 0
+    for n in counts:
+        out.append(sum(units[at : at + n]))
+        at += n
+    return tuple(out)
 
 
 def _checked_sizes(sizes: Sequence[int], layers: int, parts: int) -> tuple[int, ...]:
@@ -186,27 +214,32 @@ def stage_cut(prof: ModelProfile, parts: int, balance: str = "time", microbatche
     ``"2,3,2"``: those. For ``time`` the run measures each layer on its machine; the
     profile's measured times stand in (its FLOPs when it was not measured).
 
+    A model profiled by its pieces is cut between its blocks only (the counts are of blocks; the result, of
+    profile layers).
+
     Raises:
         ConfigError: too few layers, or layer counts that do not fit the model.
     """
-    n = len(prof.layers)
+    units = _units(prof)
+    n = len(units)
     if n < parts:
-        raise ConfigError(f"the model has {n} layers, fewer than the {parts} virtual stages; use fewer stages")
+        raise ConfigError(f"the model has {_what(prof)}, fewer than the {parts} virtual stages; use fewer stages")
     if balance == "equal":
         q, extra = divmod(n, parts)
-        return tuple([q + 1] * extra + [q] * (parts - extra))
+        return _to_layers([q + 1] * extra + [q] * (parts - extra), units)
     if balance == "params":
-        return tuple(block_partition([float(ly.param_bytes) for ly in prof.layers], parts))
+        params = [float(ly.param_bytes) for ly in prof.layers]
+        return _to_layers(block_partition(_per_unit(params, units), parts), units)
     if balance == "memory":
         act = [ly.param_bytes + ly.activation_bytes / microbatches for ly in prof.layers]
-        return tuple(block_partition(act, parts))
+        return _to_layers(block_partition(_per_unit(act, units), parts), units)
     if balance == "time":
-        return tuple(block_partition(_profile_times(prof), parts))
+        return _to_layers(block_partition(_per_unit(_profile_times(prof), units), parts), units)
     try:
         counts = [int(p) for p in balance.split(",")]
     except ValueError:
         raise ConfigError(f"balance {balance!r}: {', '.join(SPECS)} or layer counts such as 2,3,2") from None
-    return _checked_sizes(counts, n, parts)
+    return _to_layers(_checked_sizes(counts, n, parts), units)
 
 
 def _spans(sizes: Sequence[int]) -> list[range]:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from dtrain.perfmodel import memo
+from dtrain.perfmodel.pieces import model_pieces
 from dtrain.perfmodel.spec import this_host
 
 __all__ = ["LayerProfile", "ModelProfile", "profile_model"]
@@ -189,7 +190,7 @@ def profile_model(
     split, then time the optimizer step.
 
     Args:
-        model: the model (its top-level children are the "layers").
+        model: the model (its "layers": its children, or the pieces :mod:`~dtrain.perfmodel.pieces` finds).
         sample_batch: ``(inputs, targets)`` or just inputs; the batch size is the
             first dimension of the inputs.
         name: profile name (matches a cluster's ``[models.NAME]``).
@@ -209,10 +210,11 @@ def profile_model(
     else:
         x, target = sample_batch, None
     loss_fn = loss_fn or _default_loss
-    layers = _layers(model)
+    pieces = model_pieces(model, x)  # a module with a list of blocks: the pieces a pipeline and a plan cut
+    layers, extra = pieces if pieces is not None else (_layers(model), {})
     batch = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() > 0 else 1
     profiles = _count_layers(model, x, target, loss_fn, layers)
-    extra = _gpt_shape(model, x)
+    extra = {**extra, **_gpt_shape(model, x)}
     prof = ModelProfile(
         name=name, batch=batch, layers=profiles, input_bytes=float(_nbytes(x)), optimizer=optimizer, extra=extra
     )

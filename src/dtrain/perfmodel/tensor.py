@@ -208,7 +208,11 @@ class _Layer:
 
 def _kinds(prof: ModelProfile, shape: TransformerShape) -> list[str]:
     """Each profile layer's kind by its parameter count: "block", "head", "ln", "embed" (``V h`` plus a
-    multiple of ``h``) or "other". ConfigError unless it finds ``shape.layers`` blocks."""
+    multiple of ``h``) or "other" (a model profiled by its pieces: the kinds its profile gives). ConfigError
+    unless it finds ``shape.layers`` blocks."""
+    pieces = prof.extra.get("pieces")
+    if pieces is not None and len(pieces["kinds"]) == len(prof.layers):  # a model profiled by its pieces
+        return list(pieces["kinds"])
     counts = {k: sum(v) for k, v in shape.params().items()}
     vh = shape.vocab * shape.hidden
 
@@ -229,12 +233,20 @@ def _kinds(prof: ModelProfile, shape: TransformerShape) -> list[str]:
 
 def _rank_layers(prof: ModelProfile | None, shape: TransformerShape, tp: int, sp: bool) -> list[_Layer]:
     """Per layer on one rank, at ``shape.batch`` samples. A profile's layers keep its parameter bytes,
-    split in the proportions of their kind; "other" layers are taken as split evenly over ``tp``."""
+    split in the proportions of their kind (a model profiled by its pieces: the fraction its derived plan
+    splits); "other" layers are taken as split evenly over ``tp``."""
     kinds = _kinds(prof, shape) if prof else ["embed"] + ["block"] * shape.layers + ["ln", "head"]
     counts = shape.params()
+    pieces = prof.extra.get("pieces") if prof is not None else None
     out = []
     for i, kind in enumerate(kinds):
         boundary = shape.dtype_bytes * shape.batch * shape.seq * shape.hidden / (tp if sp else 1)
+        if pieces is not None and prof is not None and kind != "other":  # the split fraction the derived plan gives
+            whole, frac = float(prof.layers[i].param_bytes), float(pieces["split"][i])
+            repl = whole * (1.0 - frac)
+            grads = repl if kind in ("block", "ln") else 0.0
+            out.append(_Layer(kind, whole * frac / tp + repl, grads, _activation(kind, shape, tp, sp), boundary))
+            continue
         if kind == "other" and prof is not None:
             ly = prof.layers[i]
             act = ly.activation_bytes * shape.batch / prof.batch

@@ -172,7 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--mesh",
         action="store_true",
-        help="also rank tensor parallelism and every DP x PP x TP factorization (gpt models)",
+        help="also rank tensor parallelism and every DP x PP x TP factorization (gpt models, and a model with a "
+        "list of repeated blocks whose attention its derived plan splits)",
     )
     ap.add_argument(
         "--pipeline",

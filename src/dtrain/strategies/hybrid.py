@@ -229,14 +229,12 @@ def _check(o: MeshOptions, cfg: RunConfig) -> None:
 
         check_tensor_plan(o, cfg, tp)
         return
+    if (tp > 1 or pp > 1) and not is_builtin(cfg.model):
+        from dtrain.strategies.tensor_plan import check_user_mesh
+
+        check_user_mesh(o, cfg, pp, tp)
+        return
     if tp > 1 or pp > 1:
-        if not is_builtin(cfg.model):
-            raise ConfigError(
-                f"{cfg.strategy}: the stages and splits of --pp {pp} --tp {tp} are found for dtrain's "
-                f"own models; model {cfg.model} trains under tensor (its plan derived from the model) and "
-                "the strategies that do not cut it: dp, ddp, dp --shard, ps, local_sgd, easgd, gossip "
-                "(or --pp 1 --tp 1)"
-            )
         if not is_language_model(cfg.model):
             if tp > 1:
                 raise ConfigError(
@@ -282,22 +280,25 @@ class HybridAdapter:
         self.mesh = Mesh(dp=dp, pp=pp, tp=tp)
         micro, schedule, balance = o.pipeline()
         self._train_model = ctx.make_model()
-        plan = None
-        if isinstance(o, TensorOptions) and tp > 1:
-            from dtrain.tensor_parallel.plans import for_model
-            from dtrain.workloads.data import first_samples
+        from dtrain.workloads.data import first_samples
 
-            x, _ = first_samples(ctx.data.train, 2)  # the sample the parent derived the plan on
+        plan = None
+        if tp > 1:  # the plan the parent checked: derived on the same sample, for dtrain's gpt models plans.gpt
+            from dtrain.tensor_parallel.plans import for_model
+
+            x, _ = first_samples(ctx.data.train, 2)
             plan = for_model(
                 self._train_model,
                 tp,
-                tp_plan=o.tp_plan,
-                table=dict(o.plan),
+                tp_plan=getattr(o, "tp_plan", "auto"),
+                table=dict(getattr(o, "plan", ())),
                 sequence_parallel=o.sequence_parallel,
                 sample=x.to(ctx.device),
             )
             if ctx.rank == 0:
                 print(plan.text(), flush=True)
+        # one micro-batch of a dp shard: the forward that finds a module's blocks for the pipeline's cut
+        sample = first_samples(ctx.data.train, max(1, ctx.cfg.batch_size // (dp * micro)))[0].to(ctx.device)
         self.h = Hybrid(
             self._train_model,
             self.mesh,
@@ -312,6 +313,7 @@ class HybridAdapter:
             tracer=ctx.tracer,
             compressor=ctx.make_compressor(),
             loss_scale=(lambda: ctx.loss_scale) if ctx.precision.scales_loss else None,
+            sample=None if pp == 1 or isinstance(self._train_model, nn.Sequential) else sample,
         )
         self.optimizer = ctx.make_optimizer(list(self.h.parameters()))
         self.evaluator = ctx.rank == 0
@@ -473,7 +475,8 @@ def _predict(prof: ModelProfile, c: ClusterSpec, s: Choice, comp: CompressionMod
             0.0,
             inputs.memory,
             False,
-            "infeasible: the mesh model covers gpt models (tensor parallelism splits their blocks)",
+            "infeasible: the mesh model covers gpt models and models with a list of blocks whose attention and "
+            "vocabulary the derived plan splits",
         )
     try:
         return predict_hybrid(

@@ -166,7 +166,7 @@ def _model_children(cfg: RunConfig) -> int:
     return len(build_model(cfg.model))
 
 
-def _cut_points(cfg: RunConfig) -> tuple[list[str] | None, str]:
+def cut_points(cfg: RunConfig) -> tuple[list[str] | None, str]:
     """The names a pipeline cuts between (a user model's blocks, a Sequential's children) and what they are,
     from the model built on the meta device (nothing allocated); None where that build fails (the worker's
     own build says why)."""
@@ -210,7 +210,7 @@ def _check_cut(o: PipelineOptions, cfg: RunConfig, stages: int) -> None:
         names: list[str] | None = [str(i) for i in range(_model_children(cfg))]
         what = f"model {cfg.model}'s layers (children)"
     else:
-        names, what = _cut_points(cfg)
+        names, what = cut_points(cfg)
     if names is None:
         return
     if len(names) < stages:

@@ -44,7 +44,7 @@ from dtrain.tensor_parallel._functions import TPGroup
 from dtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, is_projection, projection_shape
 from dtrain.tensor_parallel.parallelize import Plan, check_plan
 
-__all__ = ["derive_plan"]
+__all__ = ["attention_heads", "derive_plan"]
 
 
 class _Record:
@@ -543,6 +543,19 @@ def derive_plan(model: nn.Module, tp: int, *, sample: Any = None, sequence_paral
     plan = Plan(styles=_compress(model, styles), prepare=prepare, name="auto", notes=tuple(notes))
     check_plan(model, plan, tp, sequence_parallel=sequence_parallel)  # the MLP widths, before any collective
     return plan
+
+
+def attention_heads(model: nn.Module, *, sample: Any = None) -> list[tuple[str, int, int]]:
+    """The attentions :func:`derive_plan` splits by heads, each as ``(module, heads, key/value heads)``, found as
+    it finds them (one forward of ``sample``); a tensor-parallel size must divide every count."""
+    sample = _sample_of(model) if sample is None else sample
+    was = model.training
+    model.eval()
+    try:
+        found = _find(model, _record(model, sample), sample, 1)
+    finally:
+        model.train(was)
+    return [(a.name, a.heads, a.kv_heads) for a in found.attention if a.split]
 
 
 def _notes(model: nn.Module, found: _Found, tp: int) -> list[str]:
