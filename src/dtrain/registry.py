@@ -165,9 +165,9 @@ PLUGINS_ENV = "DTRAIN_STRATEGY_MODULES"
 
 def _load_builtins() -> None:
     """Register the ten built-in strategies -- ``dp``, ``ddp``, ``ps``, ``local_sgd``, ``easgd``, ``gossip``,
-    ``pipeline``, ``tensor``, ``hybrid`` and ``auto``, in that order (:mod:`dtrain.strategies.builtin` imports
-    their modules) -- then import each module ``DTRAIN_STRATEGY_MODULES`` names (ConfigError for one that
-    does not import)."""
+    ``pipeline``, ``tensor``, ``hybrid`` and ``auto`` (:mod:`dtrain.strategies.builtin` imports their modules
+    in that order; a module imported before registers first) -- then import each module
+    ``DTRAIN_STRATEGY_MODULES`` names (ConfigError for one that does not import)."""
     importlib.import_module(_BUILTINS)
     for name in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         try:
