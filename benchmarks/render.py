@@ -39,14 +39,12 @@ FAMILIES = [
 INTRO = """\
 # Benchmarks
 
-dtrain beside its peers (DDP, FSDP2, torch's pipelining, DTensor, averagers), each figure made by `python
-benchmarks/render.py` from `benchmarks/results/`; rerun all with `python benchmarks/run_all.py` (`--quick`: fewer steps
-and repeats, marked below). The systems of a comparison run in rotated, interleaved rounds inside one launch: a slow
-spell of the machine falls on each alike. A figure is the median of the rounds with its interquartile range (IQR); a
-ratio is taken per round, oriented so that above 1 favours dtrain, and judged on its IQR against the bar: **met** (all
-of it clears the bar), **not met** (none does) or **straddles**. Off the harness: time to target (`time_to_target.py`),
-the parameter server's policies (`ps_policies.py`), the model against CNN steps (`model_vs_measured.py`), large batches
-(`large_batch.py`); the parameter server and the hybrid mesh have no torch peer.
+dtrain beside its peers (DDP, FSDP2, torch's pipelining, DTensor, averagers); `python benchmarks/render.py` makes
+every figure from `benchmarks/results/`, `python benchmarks/run_all.py` reruns them (`--quick`: fewer steps, marked).
+A comparison's systems run in rotated, interleaved rounds in one launch; a figure is the median of the rounds with its
+interquartile range (IQR); a ratio is taken per round (above 1 favours dtrain) and its IQR judged against the bar:
+**met** (all of it clears it), **not met** (none does) or **straddles**. Off the harness: `time_to_target.py`,
+`ps_policies.py`, `model_vs_measured.py`, `large_batch.py`; the parameter server and the hybrid mesh have no peer.
 """
 
 
@@ -101,8 +99,7 @@ def headline(results: list[dict[str, Any]]) -> list[str]:
 def section(r: dict[str, Any]) -> list[str]:
     m, load = r["machine"], r["load"]
     lines = [
-        f'## <a id="{_anchor(r)}"></a>{r["title"]}',
-        "",  # the anchor in the heading: a line, not three
+        f'## <a id="{_anchor(r)}"></a>{r["title"]}',  # the anchor in the heading; the paragraph straight under it
         f"**Workload**: {r['workload']}. **Metric**: {r['metric']} "
         f"({'higher' if r['higher_is_better'] else 'lower'} is better), {r['repeats']} rounds"
         f"{', a quick run' if r.get('quick') else ''}. "
