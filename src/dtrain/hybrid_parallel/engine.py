@@ -85,27 +85,14 @@ class Hybrid:
     ) -> None:
         import dtrain.tensor_parallel as tp
         from dtrain.comm.allreduce import ALGORITHMS
-        from dtrain.workloads.models import logits_of, task_loss
 
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"dp algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         if sequence_parallel and mesh.size("tp") == 1:
             raise ConfigError("sequence_parallel needs tensor parallelism (tp > 1)")
         self.mesh, self.model, self.algorithm, self.timeout_s = mesh, model, algorithm, timeout_s
-        self.tp_group: tp.TPGroup | None = None
-        if mesh.size("tp") > 1:
-            sp = sequence_parallel
-            chosen = plan or tp.plans.for_model(model, mesh.size("tp"), sequence_parallel=sp, sample=sample)
-            tp.parallelize(model, chosen, mesh.group("tp"), sequence_parallel=sp, timeout_s=timeout_s)
-            self.tp_group = tp.tp_group_of(model)
-        heads = [m for m in model.modules() if isinstance(m, tp.VocabParallelHead)]
-        head = heads[-1] if heads else None
-        if head is not None:  # the logits of a model's output (a transformers model's .logits), split by vocabulary
-            self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda out, y: (
-                tp.vocab_parallel_cross_entropy(logits_of(out), y, head)
-            )
-        else:
-            self.loss_fn = loss_fn or task_loss
+        self.tp_group: tp.TPGroup | None = self._split_over_tp(plan, sequence_parallel, sample)
+        self.loss_fn = self._loss_of(loss_fn)
         self._scale = loss_scale or (lambda: 1.0)
         if loss_scale is not None:
             unscaled = self.loss_fn
@@ -129,21 +116,51 @@ class Hybrid:
                 split_points=split_points,
             )
         self._partial = [p for p in self.parameters() if getattr(p, "tp_partial_grad", False)]
-        self._reducer: Any = None
-        if mesh.size("dp") > 1:  # averages one flat buffer over dp: an algorithm, or a compressor's collective
-            from dtrain.compress import resolve
-            from dtrain.compress.reduce import BucketReducer
-
-            self._reducer = BucketReducer(
-                algorithm,
-                mesh.group("dp"),
-                mesh.size("dp"),
-                timeout_s,
-                resolve(compressor, none_is_off=True, what="compressor"),
-            )
-            self._shapes = tuple(tuple(p.shape) for p in self.parameters())
+        self._reducer: Any = self._dp_reducer(compressor)
         self._dp_bytes, self._dp_s = 0, 0.0
         self._seen = {"tp": 0.0, "dp": 0.0}
+
+    def _split_over_tp(self, plan: Any, sequence_parallel: bool, sample: torch.Tensor | None) -> Any:
+        """Splits the model's layers over the tp group (when ``tp > 1``); returns its TPGroup, or None."""
+        import dtrain.tensor_parallel as tp
+
+        mesh, model = self.mesh, self.model
+        if mesh.size("tp") == 1:
+            return None
+        sp = sequence_parallel
+        chosen = plan or tp.plans.for_model(model, mesh.size("tp"), sequence_parallel=sp, sample=sample)
+        tp.parallelize(model, chosen, mesh.group("tp"), sequence_parallel=sp, timeout_s=self.timeout_s)
+        return tp.tp_group_of(model)
+
+    def _loss_of(
+        self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The loss: over a vocabulary-split head's logits where the model has one, else ``loss_fn``."""
+        import dtrain.tensor_parallel as tp
+        from dtrain.workloads.models import logits_of, task_loss
+
+        heads = [m for m in self.model.modules() if isinstance(m, tp.VocabParallelHead)]
+        if heads:  # the logits of a model's output (a transformers model's .logits), split by vocabulary
+            head = heads[-1]
+            return lambda out, y: tp.vocab_parallel_cross_entropy(logits_of(out), y, head)
+        return loss_fn or task_loss
+
+    def _dp_reducer(self, compressor: Any) -> Any:
+        """What averages one flat buffer over dp (an algorithm, or a compressor's collective); None at dp 1."""
+        mesh = self.mesh
+        if mesh.size("dp") == 1:
+            return None
+        from dtrain.compress import resolve
+        from dtrain.compress.reduce import BucketReducer
+
+        self._shapes = tuple(tuple(p.shape) for p in self.parameters())
+        return BucketReducer(
+            self.algorithm,
+            mesh.group("dp"),
+            mesh.size("dp"),
+            self.timeout_s,
+            resolve(compressor, none_is_off=True, what="compressor"),
+        )
 
     # ------------------------------------------------------------------ training
 
