@@ -235,10 +235,7 @@ def plan(
     Returns:
         A :class:`Plan`; ``print(plan)`` shows the table.
     """
-    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
-    limit = parse_memory_limit(memory_limit) if memory_limit is not None else None
-    if limit is not None:
-        spec = replace(spec, device=replace(spec.device, memory=limit))
+    spec, limit = _cluster_under(cluster, memory_limit)
     gbatch = batch or _global_batch(sample_batch)
     name = name or type(model).__name__.lower()
     cands = (
@@ -256,17 +253,18 @@ def plan(
         )
     )
     ranker = _Ranker(model, sample_batch, spec, name, optimizer, measure, limited=limit is not None)
-    for s in cands:
-        ranker.add(s, gbatch)
-    ranker.ranked.sort(key=lambda p: -p.samples_per_s)
-    return Plan(
-        cluster=spec,
-        batch=gbatch,
-        ranked=ranker.ranked,
-        rejected=ranker.rejected,
-        profiles=ranker.profiles,
-        memory_limit=limit,
-    )
+    return ranker.plan(cands, gbatch, limit)
+
+
+def _cluster_under(
+    cluster: str | Path | ClusterSpec, memory_limit: str | float | None
+) -> tuple[ClusterSpec, float | None]:
+    """The cluster spec, its device memory replaced by ``memory_limit`` where one is given, and that limit."""
+    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
+    limit = parse_memory_limit(memory_limit) if memory_limit is not None else None
+    if limit is not None:
+        spec = replace(spec, device=replace(spec.device, memory=limit))
+    return spec, limit
 
 
 class _Ranker:
@@ -290,6 +288,20 @@ class _Ranker:
         self.ranked: list[Prediction] = []
         self.rejected: list[tuple[Choice, str]] = []
         self.seen: set[Hashable] = set()
+
+    def plan(self, cands: Sequence[Choice], gbatch: int, limit: float | None) -> Plan:
+        """Every candidate predicted at ``gbatch``, the ones that fit ranked by samples per second."""
+        for s in cands:
+            self.add(s, gbatch)
+        self.ranked.sort(key=lambda p: -p.samples_per_s)
+        return Plan(
+            cluster=self.spec,
+            batch=gbatch,
+            ranked=self.ranked,
+            rejected=self.rejected,
+            profiles=self.profiles,
+            memory_limit=limit,
+        )
 
     def add(self, s: Choice, gbatch: int) -> None:
         spec = self.spec
