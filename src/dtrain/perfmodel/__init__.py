@@ -9,7 +9,8 @@
 * :mod:`.simulator` -- event-driven replay with stragglers and asynchrony;
 * :mod:`.fit` -- a cluster description's terms fitted to what calibration measured;
 * :mod:`.pipeline`, :mod:`.sharded`, :mod:`.decentralized`, :mod:`.tensor`, :mod:`.mesh` -- the
-  pipelines, ZeRO, model averaging, tensor parallelism and the DP x PP x TP mesh.
+  pipelines, ZeRO, model averaging, tensor parallelism and the DP x PP x TP mesh (a pipeline's cut:
+  :mod:`.pipeline_cut`).
 
 Measuring a cluster is :mod:`dtrain.planning.calibrate` (its probes :mod:`dtrain.planning._probes`); planning for a run
 (``--strategy auto``, ``dtrain plan``, this machine's calibration) is :mod:`dtrain.planning`.

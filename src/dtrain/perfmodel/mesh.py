@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 
 from dtrain.errors import ConfigError
 from dtrain.perfmodel.collectives import allreduce_bytes
-from dtrain.perfmodel.pipeline import PipelineCost, _spans, idle_aware, in_flight, pipeline_cost, stage_cut
+from dtrain.perfmodel.pipeline import PipelineCost, idle_aware, in_flight, pipeline_cost
+from dtrain.perfmodel.pipeline_cut import _spans, stage_cut
 from dtrain.perfmodel.predict import Memory, Prediction, bucket_collective, compute_times
 from dtrain.perfmodel.profile import LayerProfile, ModelProfile
 from dtrain.perfmodel.spec import ClusterSpec
