@@ -15,7 +15,6 @@ SIGQUIT, with :class:`LaunchInterrupted` once the agent has stopped every worker
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import logging
@@ -24,23 +23,21 @@ import signal
 import socket
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtrain.errors import CommTimeoutError, DTrainError
+from dtrain.errors import DTrainError
 from dtrain.launch.forkserver import (
     PRELOAD,
     LauncherStdio,
-    WorkerStdio,
-    adopt_env,
     descendants,
     prestart,
     quick_rendezvous_events,
 )
-from dtrain.launch.store import host_store, init_from_job_store, round_of
+from dtrain.launch.store import host_store, round_of
+from dtrain.launch.worker import _child
 
 __all__ = [
     "LaunchError",
@@ -129,23 +126,6 @@ class NodeSpec:
     node_rank: int = 0
     min_nodes: int = 0
     rdzv_timeout_s: float = 300.0
-
-
-class _Interrupt:
-    """This worker's SIGINT handler: one KeyboardInterrupt, then nothing.
-
-    Ctrl-C reaches a worker twice: from the terminal (the whole process group) and from the agent,
-    which passes the signal on while it stops the workers. A second KeyboardInterrupt would land
-    wherever the worker is winding down and print a traceback; the first one is enough.
-    """
-
-    def __init__(self) -> None:
-        self.seen = False
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if not self.seen:
-            self.seen = True
-            raise KeyboardInterrupt
 
 
 @dataclass(frozen=True)
@@ -327,99 +307,6 @@ def _agent_reports_restarts(on_restart: Callable[[Restart], int | None] | None, 
                 api.LocalElasticAgent = api.LocalElasticAgent.__mro__[1]  # torch's, which it subclasses
 
 
-def _child(
-    fn: Callable[..., Any],
-    threads: int,
-    env: dict[str, str],
-    backend: str | None,
-    args: tuple[Any, ...],
-    parent_env: dict[str, str],
-    stdio: WorkerStdio | LauncherStdio,
-) -> Any:
-    if isinstance(stdio, WorkerStdio):  # (a LauncherStdio when called in-process, never pickled)
-        stdio.install()
-    import torch
-    from tqdm import tqdm
-
-    interrupt = _Interrupt()
-    signal.signal(signal.SIGINT, interrupt)
-    adopt_env(parent_env)
-    os.environ.update(env)
-    torch.set_num_threads(threads)
-    # tqdm's default lock holds a multiprocessing RLock: a named semaphore registered with the
-    # launcher's resource tracker, which this (spawned) process shares. A worker killed by a signal
-    # (SIGKILL; SIGTERM from the launcher when another rank fails) never unregisters it, and the
-    # tracker then prints "leaked semaphore objects" warnings after the run's error. A worker's bars
-    # live in one process, so a thread lock is all they need.
-    tqdm.set_lock(threading.RLock())
-    from dtrain import runtime
-
-    init_from_job_store(backend)
-    runtime.init(backend=backend)  # (a no-op where the job's store started the group)
-    failed = False
-    try:
-        result = fn(*args)
-    except BaseException as e:
-        # torch's spawn wrapper ends a worker quietly on KeyboardInterrupt; others it prints. Ctrl-C
-        # can come back as another exception: torch's checkpoint collectives turn it into a
-        # CheckpointException (a BaseException) naming every rank's KeyboardInterrupt.
-        if interrupt.seen:
-            raise KeyboardInterrupt from None
-        failed = isinstance(e, CommTimeoutError)  # a silent peer: tearing the groups down would wait on it
-        raise
-    finally:
-        if failed:
-            _exit_without_teardown()
-        else:
-            runtime.shutdown()
-    _exit_past_stray_threads()  # after a success only: a failure's status and error stay torch's wrapper's
-    return result
-
-
-def _exit_without_teardown() -> None:
-    """After a timeout, leave the process groups alone and end the process without destroying them.
-
-    The silent peer may be stopped (SIGSTOP) or hung: destroying a gloo group (``destroy_process_group``,
-    or the garbage collector at exit) joins its threads, which wait on that peer forever, so the worker
-    would never exit and never let the launcher report the error. torch's wrapper writes the error
-    file and calls ``sys.exit(1)``; an exit handler then ends the process at once with that status.
-    A peer that died (its connections closed) is no such case: the orderly teardown returns, and its
-    own error, the cause, is reported first.
-    """
-
-    atexit.register(_hard_exit, 1)
-
-
-def _hard_exit(status: int) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(status)
-
-
-def _exit_past_stray_threads(grace_s: float = 2.0) -> None:
-    """After a successful run, end the process at exit without finalizing under dtrain's threads still alive.
-
-    A daemon thread that returns from a call that released the GIL (a gloo wait, a store request, a
-    process group's destructor) while the interpreter finalizes cannot take the GIL back: Python ends the
-    thread inside C++ code that may not be unwound, and the process dies of SIGABRT ("terminate called
-    without an active exception") after its work is done. Threads are given ``grace_s`` to end; if any of
-    dtrain's ("dtrain-*", "ps-*") is still alive, an exit handler ends the process with status 0 before
-    finalization (torch's wrapper has returned the result by then).
-    """
-    deadline = time.monotonic() + grace_s
-    stray = []
-    for th in threading.enumerate():
-        if th is threading.current_thread() or not th.name.startswith(("dtrain-", "ps-")):
-            continue
-        th.join(timeout=max(0.0, deadline - time.monotonic()))
-        if th.is_alive():
-            stray.append(th.name)
-    if stray:
-        logging.getLogger(__name__).debug("threads alive at exit: %s", ", ".join(stray))
-        atexit.register(_hard_exit, 0)
-
-
 def _launch_config(node: NodeSpec, nprocs: int, run_id: str | None, max_restarts: int, monitor_interval: float) -> Any:
     """torch's ``LaunchConfig`` of one node: the c10d rendezvous, workers forked from the forkserver."""
     from torch.distributed.launcher.api import LaunchConfig
@@ -486,24 +373,16 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    if max_restarts < 0:
-        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    _check_counts(nprocs, max_restarts)
     store, node = _one_machine() if node is None else (None, node)
     if node.nnodes > 1 and run_id is None:
         raise ValueError("a multi-node launch needs the same run_id on every node")
     config = _launch_config(node, nprocs, run_id, max_restarts, monitor_interval)
-    env = dict(node.env)
-    if node.job_store:  # the workers start on it (init_from_job_store); the agents share no store of theirs
-        env["DTRAIN_STORE"] = node.job_store
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env = _worker_env(node)
     t = threads or threads_per_worker(nprocs)
     quick_rendezvous_events()
-    if quiet:  # each of torch's loggers has its own level: set every one under the prefixes
-        for name in [*_TORCH_LOGGERS, *logging.root.manager.loggerDict]:
-            if name.startswith(_TORCH_LOGGERS):
-                logging.getLogger(name).setLevel(logging.CRITICAL)
+    if quiet:
+        _silence_torch_loggers()
     try:
         with _signal_handlers_kept(), _stopped_workers_woken(), _agent_reports_restarts(on_restart, node):
             prestart((*PRELOAD, fn.__module__))
@@ -518,6 +397,30 @@ def launch(
         raise _failed(e.failures) from None
     finally:
         del store  # a store hosted here stops serving
+
+
+def _check_counts(nprocs: int, max_restarts: int) -> None:
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+
+
+def _worker_env(node: NodeSpec) -> dict[str, str]:
+    """The variables the workers get beyond the launcher's: the node's, and the job's store where it has one."""
+    env = dict(node.env)
+    if node.job_store:  # the workers start on it (init_from_job_store); the agents share no store of theirs
+        env["DTRAIN_STORE"] = node.job_store
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def _silence_torch_loggers() -> None:
+    """torch elastic's own log lines off: each of torch's loggers has its own level, so every one under the
+    prefixes is set."""
+    for name in [*_TORCH_LOGGERS, *logging.root.manager.loggerDict]:
+        if name.startswith(_TORCH_LOGGERS):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _one_machine() -> tuple[Any, NodeSpec]:
