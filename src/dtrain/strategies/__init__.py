@@ -7,7 +7,8 @@ The built-in strategies, registered the first time the registry is read (:mod:`.
 - ``ps``, the parameter server, :mod:`.ps`;
 - ``local_sgd``, ``easgd`` and ``gossip``, decentralized averaging, :mod:`.decentralized`;
 - ``pipeline``, :mod:`.pipeline`;
-- ``tensor`` and ``hybrid`` (a mesh of data, pipeline and tensor parallelism), :mod:`.hybrid`;
+- ``tensor`` and ``hybrid`` (a mesh of data, pipeline and tensor parallelism), :mod:`.hybrid` (their options:
+  :mod:`.hybrid_options`);
 - ``auto``, the planner's pick among the others, :mod:`.auto`.
 
 Adding one is a module that defines its options dataclass, its loop adapter and a :func:`register` call (its
