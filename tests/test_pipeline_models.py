@@ -28,6 +28,7 @@ from _dist import guard as _guard
 from _dist import run_distributed
 from _dist import scenario_result as _ok
 from _helpers import dtrain_cli, dtrain_runs, mean_losses, read_metrics
+from _user_files import GPT2, LLAMA
 from torch import nn
 
 from dtrain.comm.transport import Transport, run_threads
@@ -271,22 +272,6 @@ def test_a_module_that_is_not_sequential_needs_a_sample() -> None:
 
 # ---------------------------------------------------------------------------------------------- the command
 
-LLAMA = [
-    "--model",
-    "hf:llama",
-    "--model-arg",
-    "num_hidden_layers=2",
-    "--model-arg",
-    "hidden_size=64",
-    "--model-arg",
-    "intermediate_size=128",
-    "--model-arg",
-    "num_attention_heads=4",
-    "--model-arg",
-    "num_key_value_heads=2",
-    "--model-arg",
-    "max_position_embeddings=32",
-]
 TEXT = ["--dataset", "pytext", "--seq-len", "16", "--epochs", "1", "--no-progress", "--no-trace"]
 
 
@@ -353,26 +338,6 @@ def test_dtrain_run_pipelines_llama_and_it_learns(tmp_path: Path) -> None:
     losses = mean_losses(out)
     first, last = sum(losses[s] for s in range(3)) / 3, sum(losses[s] for s in range(21, 24)) / 3
     assert last < first - 1.0, (first, last, text[-2000:])
-
-
-GPT2 = [
-    "--model",
-    "hf:gpt2",
-    "--model-arg",
-    "n_layer=2",
-    "--model-arg",
-    "n_embd=64",
-    "--model-arg",
-    "n_head=4",
-    "--model-arg",
-    "n_positions=32",
-    "--model-arg",
-    "resid_pdrop=0.0",
-    "--model-arg",
-    "embd_pdrop=0.0",
-    "--model-arg",
-    "attn_pdrop=0.0",
-]
 
 
 @pytest.mark.slow

@@ -12,47 +12,12 @@ from pathlib import Path
 
 import pytest
 from _helpers import dtrain_runs, mean_losses, read_summary
-from _user_files import RESIDUAL_CNN
+from _user_files import GPT2, LLAMA, RESIDUAL_CNN
 
 pytestmark = pytest.mark.procs  # every test here starts processes
 
 CNN_FILE = RESIDUAL_CNN
 
-# GPT-2 with its dropout off (as dtrain's own models), so a step is the same computation in every process
-GPT2 = [
-    "--model",
-    "hf:gpt2",
-    "--model-arg",
-    "n_layer=2",
-    "--model-arg",
-    "n_embd=64",
-    "--model-arg",
-    "n_head=4",
-    "--model-arg",
-    "n_positions=32",
-    "--model-arg",
-    "resid_pdrop=0.0",
-    "--model-arg",
-    "embd_pdrop=0.0",
-    "--model-arg",
-    "attn_pdrop=0.0",
-]
-LLAMA = [
-    "--model",
-    "hf:llama",
-    "--model-arg",
-    "num_hidden_layers=2",
-    "--model-arg",
-    "hidden_size=64",
-    "--model-arg",
-    "intermediate_size=128",
-    "--model-arg",
-    "num_attention_heads=4",
-    "--model-arg",
-    "num_key_value_heads=2",
-    "--model-arg",
-    "max_position_embeddings=32",
-]
 TEXT = ["--dataset", "pytext", "--seq-len", "16", "--optimizer", "adam", "--lr", "0.003"]
 # a global batch of 12 divides over 1 and 3 workers: the same samples make each step in both
 COMMON = ["--epochs", "1", "--no-progress", "--no-trace", "--batch-size", "12", "--max-steps", "4"]
