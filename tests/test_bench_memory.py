@@ -26,6 +26,27 @@ def test_the_probe_sees_a_block_allocate_and_not_what_came_before() -> None:
     assert peak_rss_bytes() >= rss_bytes() > before.numel()
 
 
+def test_garbage_of_earlier_work_is_freed_before_the_baseline_not_inside_the_block() -> None:
+    """A 200 MB tensor held only by a reference cycle is garbage at the block's start; had the collector freed it
+    inside the block, the resident set would drop below the baseline and the block's 100 MB would not show."""
+    import gc
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me, self.t = self, torch.ones(200 * MB // 4)
+
+    gc.disable()
+    try:
+        Cycle()  # unreachable now; only the cyclic collector frees it
+        with ProcessMemory() as busy:
+            gc.collect()  # a collection inside the block, as any allocation may trigger
+            x = torch.ones(100 * MB // 4)
+            del x
+    finally:
+        gc.enable()
+    assert 95 * MB <= busy.peak_bytes <= 130 * MB, busy.peak_bytes
+
+
 def _sharded_steps(rank: int, world: int, leak: bool) -> dict[str, int]:
     """Two Adam steps of ZeRO-3 on a small MLP inside the probe; with ``leak``, the wrapper's module also
     keeps a 100 MB buffer that its count does not list."""

@@ -16,6 +16,7 @@ measures one block at a time; where the reset is refused, the peak is the proces
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from types import TracebackType
 
@@ -74,6 +75,7 @@ class ProcessMemory:
             torch.cuda.reset_peak_memory_stats()
             self.reset = True
         else:
+            gc.collect()  # garbage of earlier work freed now, not inside the block (where it would lower the RSS)
             self.reset = reset_peak()
         self.baseline = self._now()
         return self
