@@ -81,7 +81,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _loopback import launch_loopback
+from _loopback import launch_loopback, pin_to_core
 from _models import HF_MODELS, LANGUAGE, blocks, build
 from torch import nn
 
@@ -288,6 +288,8 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
     warnings.filterwarnings("ignore", category=FutureWarning)  # DeepSpeed's deprecated collective names
     warnings.filterwarnings("ignore", message=".*returned a view tensor")  # FSDP2 root: logits are used read-only
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args["pin"]:
+        pin_to_core(rank)
     data = _batches(args, rank, world)
     systems = [_System(name, args) for name in args["systems"]]
     res: dict[str, Any] = {s.name: {"losses": [], "step_s": [], "round_s": []} for s in systems}
@@ -498,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="rotating rounds the timed steps are split into")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pin", action="store_true", help="pin each rank's threads to a core of its own (every system)")
     ap.add_argument("--json", default=None, help="also write every figure (bytes, memory, losses) here")
     add_result_flags(ap)
     a = ap.parse_args(argv)
@@ -542,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps between barriers in a rotated order. Peers: stage 0 DDP, stage 1 DDP with "
         "ZeroRedundancyOptimizer, stage 2 the same (torch has no stage-2-only form), stage 3 "
         f"FSDP2 (fully_shard on each {'decoder layer' if user else 'block'}, then the root)."
-        + (UNITS_NOTE if user else ""),
+        + (UNITS_NOTE if user else "")
+        + (" Each rank's threads pinned to a core of its own (--pin), every system alike." if a.pin else ""),
     )
     t0 = time.perf_counter()
     bench.start()
