@@ -146,6 +146,10 @@ def _worker(
     import dtrain
 
     rank, world = dtrain.rank(), dtrain.world_size()
+    if args["pin"]:
+        from _loopback import pin_to_core
+
+        pin_to_core(rank)
     data = _batches(
         args["model"], args["batch_size"], rank, world, args["warmup"] + args["steps"], args["seed"], args["seq_len"]
     )
@@ -187,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds; the median is reported")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pin", action="store_true", help="pin each rank's threads to a core of its own (both systems)")
     add_result_flags(ap)
     a = ap.parse_args(argv)
 
@@ -211,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         lr=a.lr,
         seed=a.seed,
         seq_len=a.seq_len,
+        pin=a.pin,
     )
     print(
         f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
@@ -238,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         quick=a.quick,
         command=command("benchmarks/dp_vs_ddp.py", argv),
         notes="DataParallel and DDP alternate inside one launch (DDP first in even rounds); bucket "
-        f"{a.bucket_mb} MiB both.",
+        f"{a.bucket_mb} MiB both."
+        + (" Each rank's threads pinned to a core of its own (--pin), both systems alike." if a.pin else ""),
     )
     t0 = time.perf_counter()
     bench.start()
