@@ -75,14 +75,17 @@ def allgather_flat(flat: torch.Tensor, group: Any, algorithm: str, world: int, t
     return int(t.stats.bytes_sent - before)
 
 
-def reduce_scatter_flat(wire: torch.Tensor, group: Any, algorithm: str, world: int, timeout_s: float) -> int:
-    """The average of ``wire`` over the ranks, this rank's segment reduced in place; the bytes this rank sent."""
+def reduce_scatter_flat(
+    wire: torch.Tensor, group: Any, algorithm: str, world: int, timeout_s: float, out: torch.Tensor | None = None
+) -> int:
+    """The average of ``wire`` over the ranks, this rank's segment reduced in place (or into ``out``, one
+    segment of another storage, ``wire`` then scratch); the bytes this rank sent."""
     if algorithm == "native":
-        reduce_scatter(wire, op="avg", group=group, algorithm="native", timeout=timeout_s)
+        reduce_scatter(wire, op="avg", group=group, algorithm="native", timeout=timeout_s, out=out)
         return (world - 1) * wire.numel() // world * wire.element_size()
     from dtrain.comm.allreduce import get_transport
 
     t = get_transport(group, timeout_s)
     before = t.stats.bytes_sent
-    reduce_scatter_over(t, wire, "avg")
+    reduce_scatter_over(t, wire, "avg", out=out)
     return int(t.stats.bytes_sent - before)

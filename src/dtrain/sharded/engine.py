@@ -240,13 +240,17 @@ class ShardedDataParallel(nn.Module):
     def _allgather(self, flat: torch.Tensor) -> int:
         return allgather_flat(flat, self._ag.group, self.algorithm, self._world, self.timeout_s)
 
-    def _reduce_scatter(self, u: Unit, gbuf: torch.Tensor) -> int:
+    def _reduce_scatter(self, u: Unit, gbuf: torch.Tensor, out: torch.Tensor | None) -> int:
+        """Reduce-scatter ``u``'s gradients; stages 2-3 into ``out`` (the shard's gradient to be, allocated
+        by the thread that runs backward), stage 1 into the kept buffer's own segment."""
         wire = gbuf if self.grad_dtype in (None, gbuf.dtype) else gbuf.to(self.grad_dtype)
-        nbytes = reduce_scatter_flat(wire, self._rs.group, self.algorithm, self._world, self.timeout_s)
-        if wire is not gbuf:  # this rank's reduced segment back into the float32 buffer
-            segment(gbuf, self._grank, self._world).copy_(segment(wire, self._grank, self._world))
-        if self.stage > 1:  # keep only the reduced segment; the unsharded buffer goes now
-            u.reduced = segment(gbuf, self._grank, self._world).clone()
+        group, algo, world, timeout = self._rs.group, self.algorithm, self._world, self.timeout_s
+        nbytes = reduce_scatter_flat(wire, group, algo, world, timeout, out=out if wire is gbuf else None)
+        if wire is not gbuf:  # this rank's reduced segment back in float32
+            own = segment(wire, self._grank, self._world)
+            (segment(gbuf, self._grank, self._world) if out is None else out).copy_(own)
+        if out is not None:  # keep only the reduced segment; the unsharded buffer goes now
+            u.reduced = out
             u.gbuf, u.gviews = None, []
         return nbytes
 
@@ -368,11 +372,15 @@ class ShardedDataParallel(nn.Module):
     def _launch(self, v: Unit) -> None:
         gbuf = v.gbuf
         assert gbuf is not None
+        # stages 2-3: the reduced segment's own tensor, allocated here on the thread that frees it again
+        # (the optimizer's zero_grad), not on the communication thread, whose malloc arena would keep the
+        # freed gradients from the activations of the next forward
+        out = torch.empty(v.seg, dtype=gbuf.dtype, device=gbuf.device) if self.stage > 1 else None
         self._rs_jobs.append(
             self._rs.submit(
                 f"reduce_scatter({self.algorithm}) of unit {v.name or '<root>'}",
                 self.step,
-                lambda: self._reduce_scatter(v, gbuf),
+                lambda: self._reduce_scatter(v, gbuf, out),
             )
         )
 
