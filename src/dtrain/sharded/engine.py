@@ -27,10 +27,11 @@ parameters    16Psi/P + units in flight   allgather (forward) + allgather (backw
 
 How (units and flat buffers: :mod:`dtrain.sharded._flat_units`):
 
-1. Wrap: ranks check they hold the same model and options, take rank 0's weights,
-   and flatten each unit's parameters into one buffer padded to ``P`` equal
-   segments; the module's parameters become views of it (``p.data``), so the model
-   stays an ordinary module. This rank's segment becomes the shard parameter
+1. Wrap: ranks check they hold the same model and options, and flatten each unit's
+   parameters into one buffer padded to ``P`` equal segments, which takes rank 0's
+   values (a broadcast of that buffer, a unit at a time); the module's parameters
+   become views of it (``p.data``), so the model stays an ordinary module. What no
+   unit holds (buffers, frozen parameters) is broadcast apart. This rank's segment becomes the shard parameter
    (stages 1-2: a view of the same storage; stage 3: the only copy, the flat
    buffer's storage is freed).
 2. Backward: each parameter's gradient is added into its unit's flat gradient
@@ -67,7 +68,13 @@ from torch import nn
 from dtrain.comm.shard import segment
 from dtrain.comm.step_stats import StepStats
 from dtrain.errors import ConfigError, DTrainError
-from dtrain.sharded._collectives import agree_at_wrap, allgather_flat, broadcast_buffers, reduce_scatter_flat
+from dtrain.sharded._collectives import (
+    agree_at_wrap,
+    allgather_flat,
+    broadcast_buffers,
+    broadcast_flat,
+    reduce_scatter_flat,
+)
 from dtrain.sharded._flat_units import Unit, plan_units
 from dtrain.sharded._streams import Job, Stream, private_group
 from dtrain.sharded.arguments import SHARDS, check_arguments
@@ -175,16 +182,20 @@ class ShardedDataParallel(nn.Module):
     def _agree_at_wrap(self, units: Sequence[str] | None) -> None:
         opts = f"shard={self.shard!r}, algorithm={self.algorithm!r}, overlap={self.overlap!r}, units={units!r}"
         params: list[torch.Tensor] = [p for u in self._units for p in u.params]
-        agree_at_wrap(
-            self.module, params, self._buffer_list, opts, self._group, self._ranks, self._rank, self.timeout_s
-        )
+        held = {id(p) for p in params}
+        others = [*(p for p in self.module.parameters() if id(p) not in held), *self._buffer_list]
+        agree_at_wrap(self.module, params, others, opts, self._group, self._ranks, self._rank, self.timeout_s)
 
     def _flatten(self, u: Unit) -> None:
+        """``u``'s parameters into its flat buffer (rank 0's, broadcast in place), then its shard; a unit at a
+        time, so that wrapping holds one unit's flat copy beyond the model, not a copy of the whole model."""
         full = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
         views = u.views(full)
         for v, p in zip(views, u.params):
             v.copy_(p.detach())
             p.data = v
+        if self._world > 1:
+            broadcast_flat(full, u.name or "<root>", self._group, self._ranks, self._rank, self.timeout_s)
         u.full = full
         own = segment(full, self._grank, self._world)
         if self.stage < 3:
