@@ -40,6 +40,32 @@ def test_reduce_scatter_leaves_each_rank_its_reduced_segment(world: int, op: str
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_reduce_scatter_into_out_gives_the_in_place_bits_and_takes_no_scratch(world: int, op: str) -> None:
+    from dtrain.comm._reduce import BUFFERS
+
+    xs = _inputs(world, 7)
+    ts = ThreadTransport.create(world)
+    inplace = run_threads(world, lambda t: reduce_scatter_over(t, xs[t.rank].clone(), op), transports=ts)
+    BUFFERS._free.clear()  # what the in-place runs left: the cache starts empty
+    outs = [torch.full((7,), float("nan")) for _ in range(world)]
+    got = run_threads(world, lambda t: reduce_scatter_over(t, xs[t.rank].clone(), op, out=outs[t.rank]), transports=ts)
+    for r in range(world):
+        assert got[r] is outs[r]
+        assert torch.equal(outs[r], segment(inplace[r], r, world))  # bit for bit: sum, max, min commute
+    assert not any(BUFFERS._free.values())  # the receives landed in out: no scratch was taken
+
+
+def test_reduce_scatter_refuses_an_out_of_the_wrong_size_or_storage() -> None:
+    ts = ThreadTransport.create(2)
+    with pytest.raises(ConfigError, match="one segment"):
+        reduce_scatter_over(ts[0], torch.zeros(8), out=torch.zeros(3))
+    x = torch.zeros(8)
+    with pytest.raises(ConfigError, match="must not share"):
+        reduce_scatter_over(ts[0], x, out=x[4:])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_allgather_gives_every_rank_every_segment(world: int) -> None:
     xs = _inputs(world, 5)
     want = torch.cat([segment(xs[r], r, world) for r in range(world)])
@@ -71,6 +97,8 @@ def _against_native(rank: int, world: int) -> dict[str, Any]:
         b = torch.empty(1000)
         dist.reduce_scatter_tensor(b, x.clone())
         out[f"rs-{alg}"] = float((segment(a, rank, world) - b / world).abs().max())
+        into = reduce_scatter(x.clone(), op="avg", algorithm=alg, out=torch.empty(1000))
+        out[f"rs-out-{alg}"] = float((into - segment(a, rank, world)).abs().max())
         c = torch.zeros(world * 1000)
         segment(c, rank, world).copy_(x[:1000])
         allgather(c, algorithm=alg)
@@ -85,3 +113,4 @@ def test_ring_and_native_match_the_backend_on_gloo() -> None:
     for res in run_distributed(_against_native, 3, timeout=60):
         assert res["ag-ring"] == 0.0 and res["ag-native"] == 0.0, res
         assert res["rs-ring"] < 1e-6 and res["rs-native"] < 1e-6, res
+        assert res["rs-out-ring"] == 0.0 and res["rs-out-native"] == 0.0, res

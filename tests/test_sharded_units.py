@@ -115,3 +115,29 @@ def test_stage_3_on_the_cut_units_trains_as_one_process_and_gathers_a_block_at_a
         assert r["diff"] < 1e-5, f"rank {rank}: parameters differ from one process by {r['diff']:.3g}"
         # at most the unit computing and the one prefetched: below the whole model
         assert 0 < r["gathered_peak"] <= r["largest_two"] < total, (rank, r, total)
+
+
+def _wrap_different(rank: int, world: int) -> dict[str, Any]:
+    from dtrain.sharded import ShardedDataParallel
+
+    out: dict[str, Any] = {}
+    for shard in ("gradients", "parameters"):
+        torch.manual_seed(rank)  # every rank builds other weights: wrapping takes rank 0's
+        m = _LM()
+        m.model.register_buffer("stat", torch.randn(3))
+        m.model.frozen = nn.Parameter(torch.randn(5), requires_grad=False)  # in no unit: broadcast apart
+        dp = ShardedDataParallel(m, shard=shard)
+        torch.manual_seed(0)
+        ref = _LM()
+        ref.model.register_buffer("stat", torch.randn(3))
+        ref.model.frozen = nn.Parameter(torch.randn(5), requires_grad=False)
+        full = dp.full_state_dict()
+        out[shard] = max_diff([full[k] for k in ref.state_dict()], list(ref.state_dict().values()))
+        dp.close()
+    return out
+
+
+@pytest.mark.procs
+def test_wrapping_takes_rank_0s_parameters_buffers_and_frozen_parameters() -> None:
+    for rank, r in enumerate(run_distributed(_wrap_different, 2, timeout=120)):
+        assert r == {"gradients": 0.0, "parameters": 0.0}, (rank, r)

@@ -74,37 +74,64 @@ def _relabel(e: CommError, label: str) -> CommError:
     return new
 
 
-def reduce_scatter_over(t: Transport, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """Reduce-scatter ``tensor`` in place over a transport: rank ``r``'s segment ``r`` ends reduced.
+def _check_out(out: torch.Tensor | None, flat: torch.Tensor, world: int) -> None:
+    if out is None:
+        return
+    s = flat.numel() // world
+    if out.numel() != s or out.dtype != flat.dtype or out.device != flat.device or not out.is_contiguous():
+        raise ConfigError(
+            f"reduce_scatter's out must be a contiguous {flat.dtype} tensor of one segment ({s} elements) on "
+            f"{flat.device}; got {out.numel()} elements of {out.dtype} on {out.device}"
+        )
+    if out.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+        raise ConfigError("reduce_scatter's out must not share the input's storage")
+
+
+def reduce_scatter_over(
+    t: Transport, tensor: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reduce-scatter ``tensor`` over a transport: rank ``r``'s segment ``r`` ends reduced (in place, or in ``out``).
 
     Args:
         t: the ranks (threads in a test, a process group in production).
         tensor: contiguous, ``world_size * s`` elements, same shape and dtype on every rank.
         op: ``sum``, ``avg``, ``max`` or ``min`` (default: sum).
+        out: optional, ``s`` contiguous elements of another storage: the reduced segment lands there (and
+            the receives use it as their scratch, so none is taken), ``tensor``'s own segment is left as
+            scratch. The same values, bit for bit, as in place.
 
     Returns:
-        ``tensor``; only its own segment (:func:`segment`) is meaningful afterwards.
+        ``out`` if given, else ``tensor``; only its own segment (:func:`segment`) is meaningful afterwards.
     """
     check_op(op)
     P, r = t.world_size, t.rank
     flat = _check(tensor, P, "reduce_scatter")
+    _check_out(out, flat, P)
     if P == 1 or flat.numel() == 0:
-        return tensor
+        if out is not None:
+            out.copy_(flat)
+        return tensor if out is None else out
     right, left = (r + 1) % P, (r - 1) % P
     s = flat.numel() // P
-    scratch = BUFFERS.take(s, flat.dtype, flat.device)
+    scratch = BUFFERS.take(s, flat.dtype, flat.device) if out is None else out
+    red = "sum" if op == "avg" else op
     try:
         with torch.no_grad(), _trace.span("reduce_scatter(ring)", bytes=flat.numel() * flat.element_size()):
             for k in range(P - 1):
                 rv = post_recv(t, scratch, left, _TAG_RS + k)
                 sd = post_send(t, segment(flat, (r - k - 1) % P, P), right, _TAG_RS + k)
                 rv.wait()
-                combine(segment(flat, (r - k - 2) % P, P), scratch, "sum" if op == "avg" else op)
+                if out is not None and k == P - 2:  # the last partial sum received: ours, completed in out
+                    combine(out, segment(flat, r, P), red)  # sum, max and min commute: the same bits
+                else:
+                    combine(segment(flat, (r - k - 2) % P, P), scratch, red)
                 sd.wait()
             if op == "avg":
-                average(segment(flat, r, P), P)
+                average(segment(flat, r, P) if out is None else out, P)
     except CommError as e:
         raise _relabel(e, "reduce_scatter(ring)") from e
+    if out is not None:
+        return out
     BUFFERS.give(scratch)
     return tensor
 
@@ -154,9 +181,14 @@ def _native(group: Any, timeout: float | None, what: str, fn: Any) -> None:
 
 
 def reduce_scatter(
-    tensor: torch.Tensor, op: str = "sum", group: Any = None, algorithm: str = "ring", timeout: float | None = None
+    tensor: torch.Tensor,
+    op: str = "sum",
+    group: Any = None,
+    algorithm: str = "ring",
+    timeout: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reduce-scatter ``tensor`` in place over ``group``; see :func:`reduce_scatter_over` for the layout.
+    """Reduce-scatter ``tensor`` over ``group``, in place or into ``out``; see :func:`reduce_scatter_over`.
 
     Args:
         tensor: contiguous, ``world_size * s`` elements.
@@ -164,6 +196,10 @@ def reduce_scatter(
         group: the process group (default: the default group).
         algorithm: ``ring`` (dtrain's, bytes counted) or ``native`` (default: ring).
         timeout: seconds any wait may block (default: the transport's, 300).
+        out: optional, one segment's ``s`` elements of another storage: where the reduced segment goes.
+
+    Returns:
+        ``out`` if given, else ``tensor``.
     """
     import torch.distributed as dist
 
@@ -171,26 +207,30 @@ def reduce_scatter(
         raise ConfigError(f"reduce_scatter algorithm {algorithm!r}; choose one of {', '.join(SHARD_ALGORITHMS)}")
     check_op(op)
     if not dist.is_initialized():
-        return tensor
+        if out is not None:
+            out.copy_(check_tensor(tensor))
+        return tensor if out is None else out
     P = dist.get_world_size(group)
     flat = _check(tensor, P, "reduce_scatter")
+    _check_out(out, flat, P)
     if algorithm == "ring":
         from dtrain.comm.allreduce import get_transport
 
-        return reduce_scatter_over(get_transport(group, timeout), flat, op)
+        return reduce_scatter_over(get_transport(group, timeout), flat, op, out=out)
     mine = segment(flat, dist.get_rank(group), P)
-    out = torch.empty_like(mine)
+    dst = torch.empty_like(mine) if out is None else out
     red = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     _native(
         group,
         timeout,
         "reduce_scatter(native)",
-        lambda: dist.reduce_scatter_tensor(out, flat, op=red[op], group=group, async_op=True),
+        lambda: dist.reduce_scatter_tensor(dst, flat, op=red[op], group=group, async_op=True),
     )
-    mine.copy_(out)
+    if out is None:
+        mine.copy_(dst)
     if op == "avg":
-        average(mine, P)
-    return tensor
+        average(dst if out is not None else mine, P)
+    return tensor if out is None else out
 
 
 def allgather(

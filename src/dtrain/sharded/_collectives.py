@@ -13,6 +13,7 @@ from torch import nn
 
 from dtrain.comm.replicas import broadcast_tensors, check_same_everywhere, describe_module
 from dtrain.comm.shard import allgather, allgather_over, reduce_scatter, reduce_scatter_over
+from dtrain.comm.waits import wait_work
 from dtrain.errors import ConfigError
 
 _CAP_BYTES = 25 << 20  # the broadcasts' bucket
@@ -21,7 +22,7 @@ _CAP_BYTES = 25 << 20  # the broadcasts' bucket
 def agree_at_wrap(
     module: nn.Module,
     params: list[torch.Tensor],
-    buffers: list[torch.Tensor],
+    others: list[torch.Tensor],
     opts: str,
     group: Any,
     ranks: list[int],
@@ -29,7 +30,8 @@ def agree_at_wrap(
     timeout_s: float,
 ) -> None:
     """Every rank holds the same model (``describe_module``) and ``opts`` (ConfigError naming the one that
-    differs), then takes rank 0's parameters and buffers. A gloo group reduces CPU tensors only."""
+    differs), then takes rank 0's ``others`` (what no unit holds: frozen parameters, buffers; the units'
+    parameters come in their flat buffers, :func:`broadcast_flat`). A gloo group reduces CPU tensors only."""
     devs = {p.device.type for p in params}
     backend = str(dist.get_backend(group)).lower()
     if backend == "gloo" and devs != {"cpu"}:
@@ -37,14 +39,20 @@ def agree_at_wrap(
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     check_same_everywhere(describe_module(module), opts, group=group, device=device, ranks=ranks, timeout_s=timeout_s)
     broadcast_tensors(
-        [*[p.detach() for p in module.parameters()], *buffers],
+        [t.detach() for t in others],
         src=ranks[0],
         group=group,
         rank=rank,
         cap_bytes=_CAP_BYTES,
         timeout_s=timeout_s,
-        op="ShardedDataParallel broadcast of rank 0's parameters",
+        op="ShardedDataParallel broadcast of rank 0's buffers and frozen parameters",
     )
+
+
+def broadcast_flat(flat: torch.Tensor, name: str, group: Any, ranks: list[int], rank: int, timeout_s: float) -> None:
+    """Rank 0's flat parameters of a unit into ``flat``, in place: no fused copy of the model at wrap."""
+    work = dist.broadcast(flat, src=ranks[0], group=group, async_op=True)
+    wait_work(work, timeout_s, rank, f"ShardedDataParallel broadcast of rank 0's parameters of unit {name}")
 
 
 def broadcast_buffers(
@@ -75,14 +83,17 @@ def allgather_flat(flat: torch.Tensor, group: Any, algorithm: str, world: int, t
     return int(t.stats.bytes_sent - before)
 
 
-def reduce_scatter_flat(wire: torch.Tensor, group: Any, algorithm: str, world: int, timeout_s: float) -> int:
-    """The average of ``wire`` over the ranks, this rank's segment reduced in place; the bytes this rank sent."""
+def reduce_scatter_flat(
+    wire: torch.Tensor, group: Any, algorithm: str, world: int, timeout_s: float, out: torch.Tensor | None = None
+) -> int:
+    """The average of ``wire`` over the ranks, this rank's segment reduced in place (or into ``out``, one
+    segment of another storage, ``wire`` then scratch); the bytes this rank sent."""
     if algorithm == "native":
-        reduce_scatter(wire, op="avg", group=group, algorithm="native", timeout=timeout_s)
+        reduce_scatter(wire, op="avg", group=group, algorithm="native", timeout=timeout_s, out=out)
         return (world - 1) * wire.numel() // world * wire.element_size()
     from dtrain.comm.allreduce import get_transport
 
     t = get_transport(group, timeout_s)
     before = t.stats.bytes_sent
-    reduce_scatter_over(t, wire, "avg")
+    reduce_scatter_over(t, wire, "avg", out=out)
     return int(t.stats.bytes_sent - before)

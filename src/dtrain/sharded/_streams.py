@@ -106,6 +106,7 @@ class Stream:
             if item is None:
                 return
             self._run(*item)
+            item = None  # the job's closure (a unit's gradient buffer) goes now, not when the next job comes
 
     def close(self) -> None:
         if self._thread is not None:

@@ -27,10 +27,11 @@ parameters    16Psi/P + units in flight   allgather (forward) + allgather (backw
 
 How (units and flat buffers: :mod:`dtrain.sharded._flat_units`):
 
-1. Wrap: ranks check they hold the same model and options, take rank 0's weights,
-   and flatten each unit's parameters into one buffer padded to ``P`` equal
-   segments; the module's parameters become views of it (``p.data``), so the model
-   stays an ordinary module. This rank's segment becomes the shard parameter
+1. Wrap: ranks check they hold the same model and options, and flatten each unit's
+   parameters into one buffer padded to ``P`` equal segments, which takes rank 0's
+   values (a broadcast of that buffer, a unit at a time); the module's parameters
+   become views of it (``p.data``), so the model stays an ordinary module. What no
+   unit holds (buffers, frozen parameters) is broadcast apart. This rank's segment becomes the shard parameter
    (stages 1-2: a view of the same storage; stage 3: the only copy, the flat
    buffer's storage is freed).
 2. Backward: each parameter's gradient is added into its unit's flat gradient
@@ -67,7 +68,13 @@ from torch import nn
 from dtrain.comm.shard import segment
 from dtrain.comm.step_stats import StepStats
 from dtrain.errors import ConfigError, DTrainError
-from dtrain.sharded._collectives import agree_at_wrap, allgather_flat, broadcast_buffers, reduce_scatter_flat
+from dtrain.sharded._collectives import (
+    agree_at_wrap,
+    allgather_flat,
+    broadcast_buffers,
+    broadcast_flat,
+    reduce_scatter_flat,
+)
 from dtrain.sharded._flat_units import Unit, plan_units
 from dtrain.sharded._streams import Job, Stream, private_group
 from dtrain.sharded.arguments import SHARDS, check_arguments
@@ -175,16 +182,20 @@ class ShardedDataParallel(nn.Module):
     def _agree_at_wrap(self, units: Sequence[str] | None) -> None:
         opts = f"shard={self.shard!r}, algorithm={self.algorithm!r}, overlap={self.overlap!r}, units={units!r}"
         params: list[torch.Tensor] = [p for u in self._units for p in u.params]
-        agree_at_wrap(
-            self.module, params, self._buffer_list, opts, self._group, self._ranks, self._rank, self.timeout_s
-        )
+        held = {id(p) for p in params}
+        others = [*(p for p in self.module.parameters() if id(p) not in held), *self._buffer_list]
+        agree_at_wrap(self.module, params, others, opts, self._group, self._ranks, self._rank, self.timeout_s)
 
     def _flatten(self, u: Unit) -> None:
+        """``u``'s parameters into its flat buffer (rank 0's, broadcast in place), then its shard; a unit at a
+        time, so that wrapping holds one unit's flat copy beyond the model, not a copy of the whole model."""
         full = torch.zeros(u.padded, dtype=u.dtype(), device=u.device())
         views = u.views(full)
         for v, p in zip(views, u.params):
             v.copy_(p.detach())
             p.data = v
+        if self._world > 1:
+            broadcast_flat(full, u.name or "<root>", self._group, self._ranks, self._rank, self.timeout_s)
         u.full = full
         own = segment(full, self._grank, self._world)
         if self.stage < 3:
@@ -240,13 +251,17 @@ class ShardedDataParallel(nn.Module):
     def _allgather(self, flat: torch.Tensor) -> int:
         return allgather_flat(flat, self._ag.group, self.algorithm, self._world, self.timeout_s)
 
-    def _reduce_scatter(self, u: Unit, gbuf: torch.Tensor) -> int:
+    def _reduce_scatter(self, u: Unit, gbuf: torch.Tensor, out: torch.Tensor | None) -> int:
+        """Reduce-scatter ``u``'s gradients; stages 2-3 into ``out`` (the shard's gradient to be, allocated
+        by the thread that runs backward), stage 1 into the kept buffer's own segment."""
         wire = gbuf if self.grad_dtype in (None, gbuf.dtype) else gbuf.to(self.grad_dtype)
-        nbytes = reduce_scatter_flat(wire, self._rs.group, self.algorithm, self._world, self.timeout_s)
-        if wire is not gbuf:  # this rank's reduced segment back into the float32 buffer
-            segment(gbuf, self._grank, self._world).copy_(segment(wire, self._grank, self._world))
-        if self.stage > 1:  # keep only the reduced segment; the unsharded buffer goes now
-            u.reduced = segment(gbuf, self._grank, self._world).clone()
+        group, algo, world, timeout = self._rs.group, self.algorithm, self._world, self.timeout_s
+        nbytes = reduce_scatter_flat(wire, group, algo, world, timeout, out=out if wire is gbuf else None)
+        if wire is not gbuf:  # this rank's reduced segment back in float32
+            own = segment(wire, self._grank, self._world)
+            (segment(gbuf, self._grank, self._world) if out is None else out).copy_(own)
+        if out is not None:  # keep only the reduced segment; the unsharded buffer goes now
+            u.reduced = out
             u.gbuf, u.gviews = None, []
         return nbytes
 
@@ -368,11 +383,15 @@ class ShardedDataParallel(nn.Module):
     def _launch(self, v: Unit) -> None:
         gbuf = v.gbuf
         assert gbuf is not None
+        # stages 2-3: the reduced segment's own tensor, allocated here on the thread that frees it again
+        # (the optimizer's zero_grad), not on the communication thread, whose malloc arena would keep the
+        # freed gradients from the activations of the next forward
+        out = torch.empty(v.seg, dtype=gbuf.dtype, device=gbuf.device) if self.stage > 1 else None
         self._rs_jobs.append(
             self._rs.submit(
                 f"reduce_scatter({self.algorithm}) of unit {v.name or '<root>'}",
                 self.step,
-                lambda: self._reduce_scatter(v, gbuf),
+                lambda: self._reduce_scatter(v, gbuf, out),
             )
         )
 
