@@ -199,6 +199,7 @@ def _allreduce_worker(n: int) -> tuple[int, list[float], str]:
 
 
 @pytest.mark.procs
+@pytest.mark.slow  # the default tier trains over the hosts (test_dtrain_run_cluster_trains_over_the_hosts)
 @needs_root
 def test_multinode_launch_runs_one_node_per_host(cluster_name):
     c = up(cluster_name, hosts=2, bandwidth="1gbit", slow={1: 3.0})

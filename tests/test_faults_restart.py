@@ -317,7 +317,9 @@ SCALE = (
 
 @pytest.mark.procs
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("flags", [[], ["--shard", "gradients"]], ids=["dp", "zero2"])
+@pytest.mark.parametrize(
+    "flags", [pytest.param([], id="dp"), pytest.param(["--shard", "gradients"], id="zero2", marks=pytest.mark.slow)]
+)
 def test_with_min_workers_a_lost_worker_leaves_the_run_on_fewer_that_ends_as_the_run_on_all(tmp_path, flags):
     """Scale-down: 3 dp workers, one SIGKILLed after the step-20 checkpoint, ``--min-workers 2``:
     the run goes on on 2 from the checkpoint resharded (ZeRO: DCP reshards the segments of parameters and

@@ -266,6 +266,7 @@ def test_unigram_entropy():
 # ---------------------------------------------------------------- learning
 
 
+@pytest.mark.slow  # the default tier's text file beats its byte unigram entropy (test_data_files_run)
 def test_tiny_gpt_learns_pytext_beyond_unigram():
     """A few hundred Adam steps take gpt-tiny's validation loss well below the unigram entropy."""
     ds = load_dataset("pytext", seed=0, seq_len=32)

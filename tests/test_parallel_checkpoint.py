@@ -156,8 +156,12 @@ GPT = [
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "mesh",
-    [["--strategy", "tensor", "--workers", "2"], ["--strategy", "hybrid", "--workers", "4", "--dp", "2", "--pp", "2"]],
-    ids=["tp2", "dp2xpp2"],
+    [
+        pytest.param(["--strategy", "tensor", "--workers", "2"], id="tp2"),
+        pytest.param(  # the default tier resumes pipelines and tensor runs; this one their mesh (in CI's slow tier)
+            ["--strategy", "hybrid", "--workers", "4", "--dp", "2", "--pp", "2"], id="dp2xpp2", marks=pytest.mark.slow
+        ),
+    ],
 )
 def test_a_resumed_tensor_or_hybrid_run_ends_as_the_uninterrupted_one(tmp_path, mesh):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"

@@ -513,6 +513,7 @@ def test_the_memory_limit_is_the_planners_figure() -> None:
 
 
 @pytest.mark.procs
+@pytest.mark.slow  # the default tier: a shape that does not fit skipped (no Ray), a grid sweep on the Ray head
 @pytest.mark.timeout(180)
 def test_evolution_over_shapes_skips_what_does_not_fit(tmp_path: Path, ray_head: str) -> None:
     """The evolutionary searcher (Nevergrad on Ray Tune) over gpt shapes with a budget no shape meets: every
