@@ -158,7 +158,7 @@ GPT = [
     "mesh",
     [
         pytest.param(["--strategy", "tensor", "--workers", "2"], id="tp2"),
-        pytest.param(  # the default tier resumes pipelines and tensor runs; this one their mesh (in CI's slow tier)
+        pytest.param(  # slow tier: the default one resumes pipelines and the tp2 case, and refuses a foreign mesh
             ["--strategy", "hybrid", "--workers", "4", "--dp", "2", "--pp", "2"], id="dp2xpp2", marks=pytest.mark.slow
         ),
     ],
