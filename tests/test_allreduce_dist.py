@@ -300,6 +300,41 @@ def test_rank_killed_mid_ring_makes_survivors_fail_fast() -> None:
         assert v["elapsed"] < timeout + 20, f"rank {o.rank} took {v['elapsed']:.1f}s to fail"
 
 
+def _post_to_a_gone_peer(rank: int, world_size: int) -> list[tuple[str, str, bool, object, str]]:
+    """Rank 1 exits once its connection to rank 0 is up; rank 0 then posts a receive and a send to it: each
+    fails (gloo refuses the post itself once it has seen the connection close, or the wait) with a
+    CommError naming the peer: (op, type, is CommError, peer, where it failed)."""
+    from dtrain.comm import TorchTransport
+
+    t = TorchTransport(timeout=20)
+    x = torch.ones(4)
+    if rank == 1:
+        t.isend(x, 0).wait()
+        os._exit(5)
+    t.irecv(x, 1).wait()
+    time.sleep(1.0)  # the peer is gone and its connection closed
+    out = []
+    for op in ("recv", "send"):
+        at = "post"
+        try:
+            w = t.irecv(torch.empty(4), 1, tag=1) if op == "recv" else t.isend(x, 1, tag=2)
+            at = "wait"
+            w.wait()
+            out.append((op, "none", False, None, "completed"))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out.append((op, type(e).__name__, _is_comm_error(e), getattr(e, "peer", None), at))
+    return out
+
+
+@pytest.mark.procs
+def test_a_send_or_receive_posted_to_a_gone_peer_is_a_comm_error_naming_it() -> None:
+    outs = spawn(_post_to_a_gone_peer, 2, timeout=60, pg_timeout=30)
+    assert outs[1].status == "died" and outs[1].exitcode == 5, outs[1]
+    assert outs[0].status == "ok", outs[0].error
+    for op, kind, is_comm, peer, at in outs[0].value:
+        assert is_comm and peer == 1, f"{op} raised {kind} at its {at}, not a CommError naming rank 1"
+
+
 def _device_worker(rank: int, world_size: int, device: str) -> str:
     from dtrain.comm import allreduce
     from dtrain.errors import ConfigError

@@ -123,6 +123,13 @@ class Transport(abc.ABC):
 _Traced = tuple[_trace.Tracer, str, float, int]  # (tracer, flow key, posted at, bytes) of a traced message
 
 
+def _comm_error(e: RuntimeError, rank: int, op: str, peer: int | None) -> CommError:
+    """torch.distributed's error (gloo raises on a timeout or a closed peer) as a :class:`CommError`."""
+    msg = str(e)
+    cls = CommTimeoutError if "timeout" in msg.lower() or "timed out" in msg.lower() else CommError
+    return cls(rank, op, msg.splitlines()[0][:300], peer=peer)
+
+
 class _TorchWork:
     def __init__(
         self,
@@ -145,9 +152,7 @@ class _TorchWork:
         try:
             ok = self._work.wait(timeout=datetime.timedelta(seconds=self._t.timeout))
         except RuntimeError as e:  # gloo raises on timeout or a closed peer
-            msg = str(e)
-            cls = CommTimeoutError if "timeout" in msg.lower() or "timed out" in msg.lower() else CommError
-            raise cls(self._t.rank, self._op, msg.splitlines()[0][:300], peer=self._peer) from e
+            raise _comm_error(e, self._t.rank, self._op, self._peer) from e
         if ok is False:
             raise CommTimeoutError(
                 self._t.rank, self._op, f"not completed within {self._t.timeout:.0f}s", peer=self._peer
@@ -210,23 +215,32 @@ class TorchTransport(Transport):
             tensor.numel() * tensor.element_size(),
         )
 
+    # posting a send or a receive raises too (gloo, when the peer's connection has closed): the same CommError
+    # as a wait's, so that the caller names its stage and step either way
+
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         _check_tensor(tensor, self.rank, "isend")
         self._count(tensor)
         traced = self._traced(tensor, self.rank, dst, tag)
-        if self._host_only and tensor.device.type != "cpu":
-            host = tensor.cpu()  # kept alive by the work until the send completes
-            return _TorchWork(self._pg.send([host], dst, tag), self, "send", dst, traced, staged=(host, None))
-        w = self._pg.send([tensor], dst, tag)
+        try:
+            if self._host_only and tensor.device.type != "cpu":
+                host = tensor.cpu()  # kept alive by the work until the send completes
+                return _TorchWork(self._pg.send([host], dst, tag), self, "send", dst, traced, staged=(host, None))
+            w = self._pg.send([tensor], dst, tag)
+        except RuntimeError as e:
+            raise _comm_error(e, self.rank, "send", dst) from e
         return _TorchWork(w, self, "send", dst, traced)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         _check_tensor(tensor, self.rank, "irecv")
         traced = self._traced(tensor, src, self.rank, tag)
-        if self._host_only and tensor.device.type != "cpu":
-            host = torch.empty(tensor.shape, dtype=tensor.dtype)
-            return _TorchWork(self._pg.recv([host], src, tag), self, "recv", src, traced, staged=(host, tensor))
-        w = self._pg.recv([tensor], src, tag)
+        try:
+            if self._host_only and tensor.device.type != "cpu":
+                host = torch.empty(tensor.shape, dtype=tensor.dtype)
+                return _TorchWork(self._pg.recv([host], src, tag), self, "recv", src, traced, staged=(host, tensor))
+            w = self._pg.recv([tensor], src, tag)
+        except RuntimeError as e:
+            raise _comm_error(e, self.rank, "recv", src) from e
         return _TorchWork(w, self, "recv", src, traced)
 
 

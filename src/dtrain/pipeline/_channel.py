@@ -196,21 +196,21 @@ class Channel:
         self, kind: int, stage: int, mb: int, src_stage: int, shape: tuple[int, ...], dtype: torch.dtype
     ) -> _Pending:
         buf = torch.empty(shape, dtype=dtype)
+        src = self.stage_rank(src_stage)
         try:
-            w = self.t.irecv(buf, self.stage_rank(src_stage), self._tag(kind, stage, self.wire(mb)))
+            w = self.t.irecv(buf, src, self._tag(kind, stage, self.wire(mb)))
         except CommError as e:
-            raise self.fail(stage, mb, f"receiving {_KIND_NAMES[kind]}", e) from e
+            raise self.fail(stage, mb, f"receiving {_KIND_NAMES[kind]} from stage {src_stage} (rank {src})", e) from e
         return _Pending(w, buf)
 
     def _recv_meta(self, stage: int, mb: int, kind: int = META) -> tuple[tuple[int, ...], torch.dtype]:
         meta = torch.zeros(_META_LEN, dtype=torch.int64)
-        p = _Pending(self.t.irecv(meta, self.stage_rank(stage - 1), self._tag(kind, stage - 1, self.wire(mb))), meta)
-        self._wait(
-            p.work,
-            stage,
-            mb,
-            f"receiving {_KIND_NAMES[kind]} from stage {stage - 1} (rank {self.stage_rank(stage - 1)})",
-        )
+        what = f"receiving {_KIND_NAMES[kind]} from stage {stage - 1} (rank {self.stage_rank(stage - 1)})"
+        try:
+            w = self.t.irecv(meta, self.stage_rank(stage - 1), self._tag(kind, stage - 1, self.wire(mb)))
+        except CommError as e:
+            raise self.fail(stage, mb, what, e) from e
+        self._wait(w, stage, mb, what)
         code, ndim = int(meta[0]), int(meta[1])
         return tuple(int(d) for d in meta[2 : 2 + ndim]), _DTYPES[code]
 
