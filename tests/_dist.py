@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from _patience import patient
+
 __all__ = ["Outcome", "spawn", "run_distributed", "free_port", "guard", "scenario_result", "PRELOAD"]
 
 PRELOAD = [
@@ -132,6 +134,7 @@ def spawn(
     for p in procs:
         p.start()
     outcomes: dict[int, Outcome] = {}
+    timeout = patient(timeout)
     deadline = time.monotonic() + timeout
     while len(outcomes) < world_size and time.monotonic() < deadline:
         try:

@@ -19,6 +19,7 @@ from typing import Any
 
 import _warm
 import torch
+from _patience import patient
 from torch import nn
 
 __all__ = [
@@ -99,7 +100,8 @@ def dtrain_cli(
 
     Run from the warm interpreter (``_warm``: forked, with torch and dtrain imported); ``cold``: in a
     fresh ``python -m dtrain.cli`` (for what the command's own start-up does; every command with
-    ``DTRAIN_TESTS_COLD=1``)."""
+    ``DTRAIN_TESTS_COLD=1``). ``timeout`` is for this machine's usual speed (``_patience``)."""
+    timeout = patient(timeout)
     if not (cold or _warm.COLD):
         return _warm.run(list(args), timeout=timeout, env=env)
     return subprocess.run(
@@ -114,6 +116,7 @@ def dtrain_runs(
     time, each within ``timeout`` seconds and exiting 0: name -> (run folder, stdout and stderr)."""
     import time
 
+    timeout = patient(timeout)
     todo, running, out = list(runs), {}, {}
     try:
         while todo or running:

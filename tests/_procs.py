@@ -17,6 +17,7 @@ from typing import IO, Any
 
 import _warm
 import pytest
+from _patience import patient
 
 __all__ = ["Run", "holder", "kill_rank", "past_checkpoint", "processes", "rank_pid", "workers_of"]
 
@@ -108,6 +109,7 @@ class Run:
         return "\n".join(line for _, line in self.lines)
 
     def wait_for(self, what: str, ready: object, timeout: float = 180) -> None:
+        timeout = patient(timeout)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if ready():  # type: ignore[operator]
@@ -120,6 +122,7 @@ class Run:
         pytest.fail(f"no {what} within {timeout} s: {self.stderr[-3000:]}")
 
     def finish(self, timeout: float = 180) -> None:
+        timeout = patient(timeout)
         try:
             self.p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

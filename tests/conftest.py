@@ -12,6 +12,8 @@ threaded ones, for the edit-test loop. A test that starts a process (``subproces
 a launch) carries the ``procs`` mark, given with the test or its module; under ``--quick`` such a test is
 left out, and a test without the mark that starts a process anyway fails, naming what it started, so a
 forgotten mark shows up at once instead of slowing the quick tier down.
+
+``DTRAIN_TEST_PATIENCE=N`` (tests/_patience.py) multiplies each test's timeout by N, for a slower machine.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import pytest
 
 # tests import helpers as `from _dist import ...`
 sys.path.insert(0, os.path.dirname(__file__))
+
+from _patience import PATIENCE  # noqa: E402  (the folder is on the path from the line above)
 
 # the variables pointed into the session's folder, each at its own sub-folder
 PRIVATE = {
@@ -94,11 +98,23 @@ FIRST = (
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+    if PATIENCE != 1.0:
+        _scale_timeouts(config, items)
     if not config.getoption("--quick"):
         return
     keep = [i for i in items if i.get_closest_marker("procs") is None]
     config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("procs") is not None])
     items[:] = keep
+
+
+def _scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's pytest-timeout limit (its mark's, or the ini's) times :data:`_patience.PATIENCE`."""
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        limit = (mark.kwargs.get("timeout", mark.args[0] if mark.args else None) if mark else None) or default
+        if limit:
+            item.add_marker(pytest.mark.timeout(float(limit) * PATIENCE), append=False)  # the closest mark
 
 
 class ProcessStarted(AssertionError):

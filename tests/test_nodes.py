@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from _helpers import read_metrics, read_summary
+from _patience import patient
 
 from dtrain.cli import build_parser, nodes_from_args
 from dtrain.cluster.nodes import NodeArgs, differences, expand_nodelist, from_slurm, parse_endpoint, parse_nnodes
@@ -254,7 +255,8 @@ def _finish(
     """Each node's (exit code, seconds from its arrival at the job's store to its exit, output); past
     ``timeout`` a node is killed (code None). The arrival is when it prints its "dtrain: node R of N" line,
     after its own start-up (an interpreter importing torch). ``listens``: filled with what each node's
-    processes listen on while they run."""
+    processes listen on while they run. ``timeout`` is for this machine's usual speed (``_patience``)."""
+    timeout = patient(timeout)
     t0 = time.monotonic()
     ends: dict[int, float] = {}
     arrived: dict[int, float] = {}
@@ -332,7 +334,7 @@ def _one_machine(name: str, root: Path) -> Path:
             text=True,
         )
         seen: set[str] = set()
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + patient(150)
         try:
             while p.poll() is None and time.monotonic() < deadline:
                 seen |= listening(p.pid)
@@ -353,7 +355,7 @@ def _as_uninterrupted(out: Path, flags: list[str], ref: Path, rows: int) -> None
         [sys.executable, "-m", "dtrain.cli", "run", *COMMON, *flags, "--out", str(ref)],
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=patient(150),
     )
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = _losses(out), _losses(ref)
@@ -547,7 +549,7 @@ def test_a_worker_killed_on_one_node_restarts_every_node_from_the_checkpoint(hos
         for h in range(2)
     ]
     ready = past_checkpoint(out, 4, 1, steps=2)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + patient(120)
     pid = None
     while time.monotonic() < deadline and not (pid and ready()):
         pid = pid or holder((out / "metrics.rank1.jsonl").resolve())
@@ -612,7 +614,7 @@ def test_with_nnodes_3_to_4_a_lost_node_leaves_the_job_on_3(hosts, tmp_path):
         for h in range(4)
     ]
     ready = past_checkpoint(out, 4, 3, steps=2)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + patient(120)
     while time.monotonic() < deadline and not (holder((out / "metrics.rank3.jsonl").resolve()) and ready()):
         assert all(p.poll() is None for p in procs), "a node ended before the kill"
         time.sleep(0.05)
@@ -669,7 +671,7 @@ def test_a_node_killed_and_started_again_rejoins_and_the_job_ends_as_the_uninter
 
     procs = [start(0, logs[0]), start(1, logs[1])]
     ready = past_checkpoint(out, 4, 1, steps=2)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + patient(120)
     while time.monotonic() < deadline and not ready():
         assert all(p.poll() is None for p in procs), "a node ended before the kill"
         time.sleep(0.02)

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from _dist import free_port
 from _helpers import read_metrics
+from _patience import patient
 
 from dtrain.config.schema import RunConfig
 from dtrain.errors import ConfigError
@@ -333,7 +334,7 @@ def _sweep(tmp_path: Path, run_toml: str, space: str, *flags: str, timeout: floa
         [sys.executable, "-m", "dtrain.cli", "sweep", str(run), "--space", str(space_file), *flags, "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=patient(timeout),
     )
     return p, out
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _patience import patient
 
 from dtrain.cluster import down, load, up
 from dtrain.search.raycluster import stop_host
@@ -75,7 +76,7 @@ def test_trials_spread_over_the_hosts_and_a_lost_hosts_trial_resumes_elsewhere(
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:
-            deadline, victim, host = time.monotonic() + 300, None, 0
+            deadline, victim, host = time.monotonic() + patient(300), None, 0
             while victim is None and time.monotonic() < deadline and sweep.poll() is None:
                 segs = _segments(out)
                 on = {s[0].get("node"): t for t, s in segs.items() if s}
@@ -92,7 +93,7 @@ def test_trials_spread_over_the_hosts_and_a_lost_hosts_trial_resumes_elsewhere(
                 time.sleep(0.5)
             assert victim is not None, f"no trial on a worker host to stop: {_segments(out)}"
             stop_host(c, host)  # the host's Ray node and its trial's processes, at once
-            text, _ = sweep.communicate(timeout=480)
+            text, _ = sweep.communicate(timeout=patient(480))
         finally:
             if sweep.poll() is None:
                 sweep.kill()
