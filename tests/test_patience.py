@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture
 def reread(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """Re-reads the variable after ``monkeypatch.setenv``; the session's value is restored after the test."""
+    """Re-reads the variable after ``monkeypatch.setenv``; the value the tests started with is restored after the test."""
 
     def read(value: str) -> float:
         monkeypatch.setenv("DTRAIN_TEST_PATIENCE", value)
@@ -35,7 +35,7 @@ def test_anything_else_is_refused_naming_the_variable(reread, bad: str) -> None:
 
 
 @pytest.mark.timeout(7)
-def test_this_tests_own_timeout_is_its_mark_times_the_sessions_patience(request: pytest.FixtureRequest) -> None:
+def test_this_tests_own_timeout_is_its_mark_times_the_patience(request: pytest.FixtureRequest) -> None:
     """Under .ci/run's DTRAIN_TEST_PATIENCE=3 the limit pytest-timeout reads here is 21 s; without it, 7."""
     mark = request.node.get_closest_marker("timeout")
     assert mark is not None and float(mark.args[0]) == 7 * _patience.PATIENCE
