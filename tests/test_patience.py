@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture
 def reread(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """Re-reads the variable after ``monkeypatch.setenv``; the value the tests started with is restored after the test."""
+    """Re-reads the variable after ``monkeypatch.setenv``; the starting value comes back after the test."""
 
     def read(value: str) -> float:
         monkeypatch.setenv("DTRAIN_TEST_PATIENCE", value)
