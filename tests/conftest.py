@@ -111,10 +111,12 @@ def _scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each test's pytest-timeout limit (its mark's, or the ini's) times :data:`_patience.PATIENCE`."""
     default = float(config.getini("timeout") or 0)
     for item in items:
+        limit: object = default
         mark = item.get_closest_marker("timeout")
-        limit = (mark.kwargs.get("timeout", mark.args[0] if mark.args else None) if mark else None) or default
+        if mark is not None:  # @pytest.mark.timeout(S) or (timeout=S)
+            limit = mark.args[0] if mark.args else mark.kwargs.get("timeout", default)
         if limit:
-            item.add_marker(pytest.mark.timeout(float(limit) * PATIENCE), append=False)  # the closest mark
+            item.add_marker(pytest.mark.timeout(float(limit) * PATIENCE), append=False)  # now the closest mark
 
 
 class ProcessStarted(AssertionError):

@@ -205,9 +205,10 @@ class Channel:
 
     def _recv_meta(self, stage: int, mb: int, kind: int = META) -> tuple[tuple[int, ...], torch.dtype]:
         meta = torch.zeros(_META_LEN, dtype=torch.int64)
-        what = f"receiving {_KIND_NAMES[kind]} from stage {stage - 1} (rank {self.stage_rank(stage - 1)})"
+        src = self.stage_rank(stage - 1)
+        what = f"receiving {_KIND_NAMES[kind]} from stage {stage - 1} (rank {src})"
         try:
-            w = self.t.irecv(meta, self.stage_rank(stage - 1), self._tag(kind, stage - 1, self.wire(mb)))
+            w = self.t.irecv(meta, src, self._tag(kind, stage - 1, self.wire(mb)))
         except CommError as e:
             raise self.fail(stage, mb, what, e) from e
         self._wait(w, stage, mb, what)
